@@ -1,0 +1,45 @@
+"""A stride-safe cuDNN scaled-dot-product-attention executor for lightning-thunder.
+
+    import thunder, thunder_cudnn_safe
+    jm = thunder.jit(model, executors=[thunder_cudnn_safe.cudnn_safe_ex, *thunder.get_default_executors()])
+
+Every tensor's layout declared to cuDNN is read off the tensor bound to it, so cuDNN
+never reads memory through strides the tensor does not have. See README.md.
+
+Importing this package first runs the compat steps in :mod:`thunder_cudnn_safe._compat`
+(torch >= 2.13, a frontend without libcudnn) and then imports thunder.
+"""
+
+from ._compat import FRONTEND, prepare_and_import_thunder
+
+prepare_and_import_thunder()
+
+from ._version import __version__  # noqa: E402
+from .cache import CacheInfo, GraphBuildError, cache_info, clear_cache, set_cache_size  # noqa: E402
+from .emulation import EmulationError, emulated_ex, set_emulated_target  # noqa: E402
+from .executor import cudnn_safe_ex, explain  # noqa: E402
+from .install import install, installed, uninstall  # noqa: E402
+from .layout import LayoutPolicy  # noqa: E402
+from .stats import CopyStats, copy_stats, reset_copy_stats  # noqa: E402
+
+__all__ = [
+    "FRONTEND",
+    "CacheInfo",
+    "CopyStats",
+    "EmulationError",
+    "GraphBuildError",
+    "LayoutPolicy",
+    "__version__",
+    "cache_info",
+    "clear_cache",
+    "copy_stats",
+    "cudnn_safe_ex",
+    "emulated_ex",
+    "explain",
+    "install",
+    "installed",
+    "reset_copy_stats",
+    "set_cache_size",
+    "set_emulated_target",
+    "uninstall",
+]

@@ -1,0 +1,186 @@
+"""Bounded LRU cache of built graphs, with counters and a negative cache.
+
+* A hit is one dict lookup under a short uncontended lock: no cuDNN call, no pygraph.
+* A miss builds outside the cache lock, under a per-key lock, so concurrent misses on
+  one key build once while other keys build in parallel.
+* A failed build is remembered (bounded, LRU) so a graph cuDNN refuses is not rebuilt
+  every training step; :class:`GraphBuildError` carries the original reason.
+* Evicted graphs are dropped from every structure the cache owns, so their memory is
+  released once callers drop their references.
+
+The bound comes from ``THUNDER_CUDNN_SAFE_CACHE_SIZE`` (default 1024) and can be changed
+with :func:`set_cache_size`.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from typing import Any, NamedTuple
+
+DEFAULT_CACHE_SIZE = 1024
+CACHE_SIZE_ENV = "THUNDER_CUDNN_SAFE_CACHE_SIZE"
+
+
+class CacheInfo(NamedTuple):
+    hits: int
+    misses: int
+    builds: int
+    evictions: int
+    size: int
+    maxsize: int
+    build_seconds: float
+    #: Builds that raised (the graph was refused).
+    build_failures: int
+    #: Lookups answered by the negative cache (a refused graph, not rebuilt).
+    negative_hits: int
+    #: Calls served by the torch fallback after cuDNN refused to build or execute.
+    fallbacks: int
+
+
+class GraphBuildError(RuntimeError):
+    """cuDNN (or the emulated runtime) refused to build the graph for a key."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def _env_cache_size() -> int:
+    raw = os.environ.get(CACHE_SIZE_ENV)
+    if raw is None or raw.strip() == "":
+        return DEFAULT_CACHE_SIZE
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{CACHE_SIZE_ENV} must be a positive integer, got {raw!r}") from None
+    if value < 1:
+        raise ValueError(f"{CACHE_SIZE_ENV} must be a positive integer, got {raw!r}")
+    return value
+
+
+class GraphCache:
+    def __init__(self, maxsize: int | None = None) -> None:
+        self._maxsize = _env_cache_size() if maxsize is None else int(maxsize)
+        if self._maxsize < 1:
+            raise ValueError("cache size must be >= 1")
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[Hashable, Any] = OrderedDict()
+        self._failed: OrderedDict[Hashable, str] = OrderedDict()
+        self._key_locks: dict[Hashable, threading.Lock] = {}
+        self._hits = self._misses = self._builds = self._evictions = 0
+        self._build_failures = self._negative_hits = self._fallbacks = 0
+        self._build_seconds = 0.0
+
+    # -- lookups -------------------------------------------------------------------
+    def get_or_build(self, key: Hashable, build: Callable[[Hashable], Any]) -> Any:
+        """The built graph for ``key``; builds it once on a miss. Raises GraphBuildError."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                self._entries.move_to_end(key)
+                self._hits += 1
+                return entry
+            reason = self._failed.get(key)
+            if reason is not None:
+                self._failed.move_to_end(key)
+                self._negative_hits += 1
+                raise GraphBuildError(reason)
+            self._misses += 1
+            key_lock = self._key_locks.setdefault(key, threading.Lock())
+        with key_lock:
+            with self._lock:
+                entry = self._entries.get(key)
+                if entry is not None:  # another thread built it while we waited
+                    self._entries.move_to_end(key)
+                    return entry
+                reason = self._failed.get(key)
+                if reason is not None:
+                    raise GraphBuildError(reason)
+            start = time.perf_counter()
+            try:
+                entry = build(key)
+            except Exception as exc:
+                reason = exc.reason if isinstance(exc, GraphBuildError) else f"{type(exc).__name__}: {exc}"
+                with self._lock:
+                    self._build_failures += 1
+                    self._failed[key] = reason
+                    while len(self._failed) > self._maxsize:
+                        self._failed.popitem(last=False)
+                    self._key_locks.pop(key, None)
+                raise GraphBuildError(reason) from exc
+            elapsed = time.perf_counter() - start
+            with self._lock:
+                self._builds += 1
+                self._build_seconds += elapsed
+                self._entries[key] = entry
+                while len(self._entries) > self._maxsize:
+                    self._entries.popitem(last=False)
+                    self._evictions += 1
+                self._key_locks.pop(key, None)
+            return entry
+
+    def record_fallback(self) -> None:
+        with self._lock:
+            self._fallbacks += 1
+
+    # -- management ------------------------------------------------------------------
+    def info(self) -> CacheInfo:
+        with self._lock:
+            return CacheInfo(
+                self._hits,
+                self._misses,
+                self._builds,
+                self._evictions,
+                len(self._entries),
+                self._maxsize,
+                self._build_seconds,
+                self._build_failures,
+                self._negative_hits,
+                self._fallbacks,
+            )
+
+    def clear(self) -> None:
+        """Drop every graph and failure record and zero the counters."""
+        with self._lock:
+            self._entries.clear()
+            self._failed.clear()
+            self._hits = self._misses = self._builds = self._evictions = 0
+            self._build_failures = self._negative_hits = self._fallbacks = 0
+            self._build_seconds = 0.0
+
+    def resize(self, maxsize: int) -> None:
+        if int(maxsize) < 1:
+            raise ValueError("cache size must be >= 1")
+        with self._lock:
+            self._maxsize = int(maxsize)
+            while len(self._entries) > self._maxsize:
+                self._entries.popitem(last=False)
+                self._evictions += 1
+            while len(self._failed) > self._maxsize:
+                self._failed.popitem(last=False)
+
+    def keys(self) -> list:
+        with self._lock:
+            return list(self._entries)
+
+
+graph_cache = GraphCache()
+
+
+def cache_info() -> CacheInfo:
+    """Counters of the process-wide graph cache (shared by both executors)."""
+    return graph_cache.info()
+
+
+def clear_cache() -> None:
+    """Drop every cached graph (and remembered failure) and zero the counters."""
+    graph_cache.clear()
+
+
+def set_cache_size(maxsize: int) -> None:
+    """Change the cache bound; evicts least recently used graphs beyond it."""
+    graph_cache.resize(maxsize)

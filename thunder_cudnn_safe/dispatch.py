@@ -1,0 +1,320 @@
+"""The per-call path shared by both executors: normalize layouts, key, cache, bind, run.
+
+Data flows one way: thunder hands us torch tensors -> :mod:`layout` decides which
+tensor is bound to each uid (copying only what cuDNN cannot read) -> :mod:`keys` reads
+the declared layout off those bound tensors -> the cache returns (or builds once) the
+graph for that key -> the runtime executes it with ``{uid: bound tensor}``. The declared
+layout of every uid is therefore the bound tensor's own, by construction.
+
+If the runtime refuses to build or execute the graph, the call is answered by
+:mod:`fallback` (torch, float32) into the same output buffers, with a warning once per
+distinct key, counted in ``cache_info().fallbacks``.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import torch
+
+from . import fallback
+from .cache import GraphBuildError, GraphCache, graph_cache
+from .graphs import Uid
+from .keys import BackwardKey, ForwardKey, sig, sig_or_none
+from .layout import (
+    LayoutPolicy,
+    canonical_strides,
+    empty_in_order,
+    empty_like_order,
+    needs_copy,
+    stride_order,
+    with_canonical_strides,
+)
+from .reference import reduce_to_shape
+from .runtime import ExecuteError, Runtime
+from .stats import copy_counter, logger
+from .support import DO_OWN_STRIDES_MIN_BACKEND
+
+_POLICIES = {p.value: p for p in LayoutPolicy}
+
+
+def _policy(layout: str) -> LayoutPolicy:
+    policy = _POLICIES.get(layout)
+    return policy if policy is not None else LayoutPolicy.parse(layout)
+
+
+def _record(operand: str, reason: str, t: torch.Tensor, copy: torch.Tensor, policy: LayoutPolicy) -> None:
+    copy_counter.record(
+        operand,
+        reason,
+        copy.numel() * copy.element_size(),
+        (tuple(t.shape), t.stride(), str(t.dtype)),
+        forced=policy is LayoutPolicy.PRESERVE or not reason.startswith("layout policy"),
+    )
+
+
+def prepare_operand(t: torch.Tensor, operand: str, policy: LayoutPolicy) -> torch.Tensor:
+    """The tensor to bind for ``t``: itself when cuDNN can read it, else a counted copy."""
+    reason = needs_copy(t, policy)
+    if reason is not None:
+        copy = empty_like_order(t.shape, t, policy)
+        copy.copy_(t)
+        _record(operand, reason, t, copy, policy)
+        t = copy
+    return with_canonical_strides(t)
+
+
+def prepare_kv_forward(t: torch.Tensor, operand: str, policy: LayoutPolicy) -> torch.Tensor:
+    """K or V for the forward: a head dimension broadcast with stride 0 is declared as one head.
+
+    cuDNN broadcasts a single K/V head over all query heads (multi-query attention), so
+    an expanded K/V needs no copy in the forward. (The backward must produce per-head
+    gradients for such a tensor and binds it materialized, see ``prepare_operand``.)
+    """
+    if t.shape[1] > 1 and t.stride(1) == 0 and policy is LayoutPolicy.PRESERVE:
+        t = t.narrow(1, 0, 1)
+    return prepare_operand(t, operand, policy)
+
+
+def prepare_mask(
+    mask: torch.Tensor,
+    q_dtype: torch.dtype,
+    full: tuple[int, int, int, int],
+    policy: LayoutPolicy,
+    needs_grad: bool,
+) -> torch.Tensor:
+    """The additive bias to bind for ``attn_mask``: rank 4, (1|B, 1|H, L, S), cuDNN-readable.
+
+    * leading dims are added as free views (torch broadcasting aligns trailing dims);
+    * batch/head dims broadcast with stride 0 are declared as size 1 (cuDNN broadcasts
+      them) unless the mask needs a gradient, which must then be per element;
+    * a boolean mask becomes an additive bias of the query dtype (0 / -inf), a copy;
+    * a mask broadcast over query or key positions is materialized, a copy.
+    """
+    m = mask
+    while m.dim() < 4:
+        m = m.unsqueeze(0)
+    if not needs_grad:
+        for d in (0, 1):
+            if m.shape[d] > 1 and m.stride(d) == 0:
+                m = m.narrow(d, 0, 1)
+    b, h, lq, s = full
+    shape = (m.shape[0], m.shape[1], lq, s)
+    if m.dtype == torch.bool:
+        bias = empty_in_order(shape, range(4), q_dtype, m.device)
+        bias.zero_().masked_fill_(~m.expand(shape), float("-inf"))
+        _record("attn_mask", "boolean mask converted to an additive bias", m, bias, policy)
+        m = bias
+    elif tuple(m.shape) != shape:
+        bias = empty_in_order(shape, range(4), m.dtype, m.device)
+        bias.copy_(m.expand(shape))
+        _record("attn_mask", "mask broadcast over query/key positions materialized", m, bias, policy)
+        m = bias
+    return prepare_operand(m, "attn_mask", policy)
+
+
+def _rng_tensors(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Seed and offset for cuDNN's Philox dropout: int64, declared INT64 (they agree).
+
+    Drawn from torch's default CPU generator, so ``torch.manual_seed`` makes runs repeatable.
+    """
+    seed, offset = torch.randint(0, 2**62, (2,), dtype=torch.int64).tolist()
+    return (
+        torch.full((1, 1, 1, 1), seed, dtype=torch.int64, device=device),
+        torch.full((1, 1, 1, 1), offset, dtype=torch.int64, device=device),
+    )
+
+
+def _same_size_except_heads(*tensors: torch.Tensor) -> bool:
+    first = tensors[0]
+    return all(t.shape[0] == first.shape[0] and t.shape[2:] == first.shape[2:] for t in tensors) and all(
+        t.dtype == first.dtype for t in tensors
+    )
+
+
+def allocate_cat_grad_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """One (B, Hq+Hk+Hv, S, D) buffer laid out BSHD, and dq, dk, dv as its head slices.
+
+    The slices' strides are their real strides inside the shared buffer; they are what
+    the backward graph declares for dQ, dK and dV.
+    """
+    b, s, d = q.shape[0], q.shape[2], q.shape[3]
+    hq, hk, hv = q.shape[1], k.shape[1], v.shape[1]
+    buf = empty_in_order((b, hq + hk + hv, s, d), (0, 2, 1, 3), q.dtype, q.device)
+    dq, dk, dv = buf.split([hq, hk, hv], dim=1)
+    return buf, with_canonical_strides(dq), with_canonical_strides(dk), with_canonical_strides(dv)
+
+
+class Dispatcher:
+    """Runs SDPA forward and backward calls on one runtime through the shared graph cache."""
+
+    def __init__(self, runtime: Runtime, cache: GraphCache = graph_cache) -> None:
+        self.runtime = runtime
+        self.cache = cache
+        self._warned: set = set()
+        self._warned_lock = threading.Lock()
+
+    # -- helpers -----------------------------------------------------------------------
+    def _warn_fallback(self, key, exc: Exception) -> None:
+        self.cache.record_fallback()
+        with self._warned_lock:
+            first = key not in self._warned
+            if first:
+                self._warned.add(key)
+        if first:
+            logger.warning(
+                "cudnn_safe: %s refused an attention graph (%s); this call and later calls with the same "
+                "layout run on the torch fallback. Shown once per distinct graph.",
+                self.runtime.name,
+                exc,
+            )
+
+    def _run(self, key, pack: dict, device: torch.device) -> bool:
+        """Build (or fetch) and execute; False if the runtime refused and a fallback is needed."""
+        try:
+            built = self.cache.get_or_build(key, self.runtime.build)
+            self.runtime.execute(built, pack, device)
+            return True
+        except (GraphBuildError, ExecuteError) as exc:
+            self._warn_fallback(key, exc)
+            return False
+
+    # -- forward -----------------------------------------------------------------------
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        *,
+        scale: float | None = None,
+        layout: str = "preserve",
+    ) -> tuple[torch.Tensor, ...]:
+        policy = _policy(layout)
+        device = query.device
+        q = prepare_operand(query, "query", policy)
+        k = prepare_kv_forward(key, "key", policy)
+        v = prepare_kv_forward(value, "value", policy)
+        b, h, lq, d = q.shape
+        bias = None
+        if attn_mask is not None:
+            bias = prepare_mask(attn_mask, q.dtype, (b, h, lq, k.shape[2]), policy, needs_grad=False)
+        out = empty_like_order((b, h, lq, v.shape[3]), q, policy)
+        stats = torch.empty((b, h, lq, 1), dtype=torch.float32, device=device)
+        seed = offset = None
+        if dropout_p:
+            seed, offset = _rng_tensors(device)
+        scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+        fkey = ForwardKey(
+            sig(q), sig(k), sig(v), sig(out), sig(stats), sig_or_none(bias), sig_or_none(seed), sig_or_none(offset),
+            bool(is_causal), float(dropout_p), scale, policy.value, self.runtime.target(device),
+        )
+        pack = {Uid.Q: q, Uid.K: k, Uid.V: v, Uid.O: out, Uid.STATS: stats}
+        if bias is not None:
+            pack[Uid.BIAS] = bias
+        if seed is not None:
+            pack[Uid.SEED] = seed
+            pack[Uid.OFFSET] = offset
+        if not self._run(fkey, pack, device):
+            fallback.forward(q, k, v, bias, scale, bool(is_causal), float(dropout_p), seed, offset, out, stats)
+        if dropout_p:
+            return out, stats, seed, offset
+        return out, stats
+
+    # -- backward ----------------------------------------------------------------------
+    def _prepare_grad_out(self, grad_out: torch.Tensor, o: torch.Tensor, policy: LayoutPolicy, backend: int) -> torch.Tensor:
+        """dO as bound: its own layout where cuDNN allows, else a copy in O's layout.
+
+        cuDNN before 9.5.1 assumed dO has O's strides; binding any other layout there
+        reads wrong elements, which is the upstream thunder bug in another form.
+        """
+        if policy is LayoutPolicy.CONTIGUOUS or backend >= DO_OWN_STRIDES_MIN_BACKEND:
+            return prepare_operand(grad_out, "grad_out", policy)
+        same = canonical_strides(grad_out.shape, grad_out.stride()) == o.stride()
+        if same and needs_copy(grad_out, policy) is None:
+            return with_canonical_strides(grad_out)
+        copy = empty_in_order(o.shape, stride_order(o.stride()), o.dtype, o.device)
+        copy.copy_(grad_out)
+        if copy.stride() != o.stride():  # O has a layout we did not allocate: match it exactly
+            copy = torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device=o.device).copy_(grad_out)
+        _record("grad_out", f"cuDNN {backend} < {DO_OWN_STRIDES_MIN_BACKEND} needs dO strides == O strides", grad_out, copy, policy)
+        return with_canonical_strides(copy)
+
+    def backward(
+        self,
+        grad_out: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: torch.Tensor | None,
+        dropout_p: float,
+        is_causal: bool,
+        out: torch.Tensor,
+        stats: torch.Tensor,
+        seed: torch.Tensor | None,
+        offset: torch.Tensor | None,
+        *,
+        scale: float | None = None,
+        layout: str = "preserve",
+        deterministic: bool = False,
+        cat_grad_qkv: bool = False,
+        mask_grad: bool = False,
+    ) -> tuple[torch.Tensor, ...]:
+        policy = _policy(layout)
+        device = query.device
+        target = self.runtime.target(device)
+        q = prepare_operand(query, "query", policy)
+        k = prepare_operand(key, "key", policy)
+        v = prepare_operand(value, "value", policy)
+        o = prepare_operand(out, "out", policy)
+        st = stats
+        if st.dtype != torch.float32 or not st.is_contiguous() or needs_copy(st, policy) is not None:
+            st = torch.empty(st.shape, dtype=torch.float32, device=device).copy_(stats)
+            _record("stats", "softmax stats must be packed BHSD float32", stats, st, policy)
+        st = with_canonical_strides(st)
+        d_o = self._prepare_grad_out(grad_out, o, policy, target.backend_version)
+        b, h, lq, d = q.shape
+        bias = d_bias = None
+        if attn_mask is not None:
+            bias = prepare_mask(attn_mask, q.dtype, (b, h, lq, k.shape[2]), policy, needs_grad=mask_grad)
+            if mask_grad:
+                d_bias = empty_in_order(bias.shape, range(4), bias.dtype, device)
+        grad_qkv = None
+        if cat_grad_qkv and _same_size_except_heads(q, k, v):
+            grad_qkv, dq, dk, dv = allocate_cat_grad_qkv(q, k, v)
+        else:
+            cat_grad_qkv = False
+            dq = with_canonical_strides(empty_like_order(q.shape, q, policy))
+            dk = with_canonical_strides(empty_like_order(k.shape, k, policy))
+            dv = with_canonical_strides(empty_like_order(v.shape, v, policy))
+        scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+        bkey = BackwardKey(
+            sig(q), sig(k), sig(v), sig(o), sig(d_o), sig(st), sig_or_none(bias), sig_or_none(d_bias),
+            sig_or_none(seed), sig_or_none(offset), sig(dq), sig(dk), sig(dv),
+            bool(is_causal), float(dropout_p), scale, policy.value, bool(deterministic), target,
+        )
+        pack = {Uid.Q: q, Uid.K: k, Uid.V: v, Uid.O: o, Uid.DO: d_o, Uid.STATS: st, Uid.DQ: dq, Uid.DK: dk, Uid.DV: dv}
+        if bias is not None:
+            pack[Uid.BIAS] = bias
+        if d_bias is not None:
+            pack[Uid.DBIAS] = d_bias
+        if dropout_p:
+            pack[Uid.SEED] = seed
+            pack[Uid.OFFSET] = offset
+        if not self._run(bkey, pack, device):
+            fallback.backward(
+                q, k, v, o, d_o, st, bias, scale, bool(is_causal), float(dropout_p), seed, offset, dq, dk, dv, d_bias
+            )
+        grads: tuple[torch.Tensor, ...] = (grad_qkv,) if cat_grad_qkv else (dq, dk, dv)
+        if mask_grad:
+            grads = grads + (_mask_gradient(d_bias, attn_mask),)
+        return grads
+
+
+def _mask_gradient(d_bias: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
+    """dBias reduced over the dims the mask broadcast over, in the mask's own shape."""
+    shape4 = (1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape)
+    return reduce_to_shape(d_bias, shape4).reshape(attn_mask.shape)

@@ -1,0 +1,292 @@
+"""A CPU runtime that reads and writes memory the way cuDNN does, and its executor.
+
+CI has no GPU, yet the whole promise of this package is numerical. The emulated runtime
+takes the *real* frontend graph (built and validated by nvidia-cudnn-frontend on CPU)
+and the same variant pack ``{uid: tensor}`` the cuDNN runtime would get, and:
+
+* reads each tensor's declared dims, strides and dtype from the graph's own tensor
+  objects (``get_uid()``, ``get_dim()``, ``get_stride()``, ``get_data_type()``), never
+  from our key and never from the torch tensor's own strides;
+* views the bound tensor's storage through those declared strides from its storage
+  offset, exactly as cuDNN reads memory from a data pointer, refusing with
+  :class:`EmulationError` when the view falls outside the storage, the dtype differs or
+  the base is not 16-byte aligned;
+* computes forward (O and log-sum-exp stats) and backward (dQ, dK, dV, dBias) in
+  float32 (:mod:`thunder_cudnn_safe.reference`) and writes results through the declared
+  views of the output buffers.
+
+A declared/bound layout mismatch therefore gives the same wrong numbers here as on a
+GPU: the upstream thunder bug reproduces on CPU.
+
+``emulated_ex`` (named ``"cudnn_safe_emulated"``) claims SDPA on CPU tensors under the
+support rules of a chosen GPU: Hopper (sm90) with cuDNN 9.19 by default, configurable
+with :func:`set_emulated_target` or the environment variables
+``THUNDER_CUDNN_SAFE_EMULATED_ARCH`` (e.g. ``8.0`` or ``sm80``) and
+``THUNDER_CUDNN_SAFE_EMULATED_BACKEND`` (e.g. ``90400``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from . import _compat, graphs, reference
+from .cache import GraphBuildError
+from .keys import BackwardKey, ForwardKey, Target
+from .layout import ALIGNMENT_BYTES, span_elements
+from .runtime import BuiltGraph, ExecuteError, Runtime
+
+DEFAULT_ARCH = (9, 0)
+DEFAULT_BACKEND = 91900
+ARCH_ENV = "THUNDER_CUDNN_SAFE_EMULATED_ARCH"
+BACKEND_ENV = "THUNDER_CUDNN_SAFE_EMULATED_BACKEND"
+
+
+class EmulationError(RuntimeError):
+    """The emulated cuDNN refuses a variant pack, as the real one would fault or misread."""
+
+
+def _parse_arch(raw: str) -> tuple[int, int]:
+    text = raw.strip().lower().removeprefix("sm").removeprefix("_")
+    if "." in text:
+        major, minor = text.split(".", 1)
+    else:
+        major, minor = text[:-1], text[-1:]
+    try:
+        return int(major), int(minor)
+    except ValueError:
+        raise ValueError(f"{ARCH_ENV} must look like '9.0' or 'sm90', got {raw!r}") from None
+
+
+def _torch_dtype_of(cudnn_dtype: Any) -> torch.dtype:
+    name = getattr(cudnn_dtype, "name", str(cudnn_dtype)).split(".")[-1]
+    table = {
+        "HALF": torch.float16,
+        "BFLOAT16": torch.bfloat16,
+        "FLOAT": torch.float32,
+        "INT32": torch.int32,
+        "INT64": torch.int64,
+        "BOOLEAN": torch.bool,
+    }
+    if name not in table:
+        raise EmulationError(f"the emulated runtime has no torch dtype for cuDNN data type {name}")
+    return table[name]
+
+
+def declared_view(bound: torch.Tensor, declared: Any, role: str) -> torch.Tensor:
+    """``bound``'s memory seen through ``declared``'s dims and strides, from its data pointer."""
+    dims = [int(x) for x in declared.get_dim()]
+    strides = [int(x) for x in declared.get_stride()]
+    dtype = _torch_dtype_of(declared.get_data_type())
+    if bound.dtype != dtype:
+        raise EmulationError(f"{role} (uid {declared.get_uid()}) is declared {dtype} but the bound tensor is {bound.dtype}")
+    if bound.device.type != "cpu":
+        raise EmulationError(f"{role}: the emulated runtime reads CPU memory, got a tensor on {bound.device}")
+    if bound.data_ptr() % ALIGNMENT_BYTES:
+        raise EmulationError(f"{role} (uid {declared.get_uid()}): base address is not {ALIGNMENT_BYTES}-byte aligned")
+    if any(s < 0 for s in strides):
+        raise EmulationError(f"{role}: negative declared stride {strides}")
+    storage_elems = bound.untyped_storage().nbytes() // bound.element_size()
+    end = bound.storage_offset() + span_elements(dims, strides)
+    if end > storage_elems:
+        raise EmulationError(
+            f"{role} (uid {declared.get_uid()}): declared dims {dims} strides {strides} from storage offset "
+            f"{bound.storage_offset()} reach element {end}, past the {storage_elems}-element storage"
+        )
+    return torch.as_strided(bound, dims, strides, bound.storage_offset())
+
+
+_KNOWN_PARAMS = {
+    "attn_scale", "generate_stats", "is_inference", "use_causal_mask", "use_deterministic_algorithm",
+    "_dropout_n", "dropout_0",
+}
+
+
+class _Bindings:
+    """Reads inputs and writes outputs of one node through declared views."""
+
+    def __init__(self, node: Any, pack: dict[int, torch.Tensor]) -> None:
+        self.node = node
+        self.pack = {int(k.get_uid()) if hasattr(k, "get_uid") else int(k): v for k, v in pack.items()}
+
+    def _bound(self, port: str, t: Any) -> torch.Tensor:
+        uid = int(t.get_uid())
+        if uid not in self.pack:
+            raise EmulationError(f"{port} (uid {uid}) is missing from the variant pack")
+        return self.pack[uid]
+
+    def read(self, port: str, *, required: bool = True) -> torch.Tensor | None:
+        t = self.node.inputs.get(port)
+        if t is None:
+            if required:
+                raise EmulationError(f"the graph has no {port} input")
+            return None
+        return declared_view(self._bound(port, t), t, port)
+
+    def write(self, port: str, value: torch.Tensor) -> None:
+        t = self.node.outputs.get(port)
+        if t is None or t.get_is_virtual():
+            return
+        view = declared_view(self._bound(port, t), t, port)
+        if tuple(view.shape) != tuple(value.shape):
+            raise EmulationError(f"{port}: declared dims {list(view.shape)} but the result has shape {list(value.shape)}")
+        view.copy_(value)
+
+
+def _scale(b: _Bindings) -> float:
+    params = b.node.params
+    value = params.get("attn_scale")
+    if value is None:
+        t = b.node.inputs.get("attn_scale")
+        if t is None:
+            return 1.0
+        if getattr(t, "pass_by_value", None) is not None:
+            return float(t.pass_by_value)
+        return float(b.read("attn_scale").reshape(-1)[0])
+    if hasattr(value, "get_uid"):
+        return float(declared_view(b.pack[int(value.get_uid())], value, "attn_scale").reshape(-1)[0])
+    return float(value)
+
+
+def _dropout(b: _Bindings, shape: tuple[int, ...]) -> tuple[float, torch.Tensor | None]:
+    p = float(b.node.params.get("dropout_0") or 0.0)
+    if not p:
+        return 0.0, None
+    seed = int(b.read("dropout_1").reshape(-1)[0])
+    offset = int(b.read("dropout_2").reshape(-1)[0])
+    return p, reference.dropout_keep_mask(seed, offset, shape, p, torch.device("cpu"))
+
+
+def _check_params(node: Any) -> None:
+    unknown = sorted(k for k, v in node.params.items() if k not in _KNOWN_PARAMS and v not in (None, False))
+    if unknown:
+        raise EmulationError(f"the emulated runtime does not implement the SDPA attributes {unknown}")
+
+
+def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.float()
+
+
+def emulate(graph: Any, pack: dict) -> None:
+    """Run a single-node SDPA forward or backward graph on CPU through declared layouts."""
+    nodes = graph.nodes
+    if len(nodes) != 1:
+        raise EmulationError(f"the emulated runtime runs single-node SDPA graphs, got {len(nodes)} nodes")
+    node = nodes[0]
+    _check_params(node)
+    kind = getattr(node.node_type, "name", str(node.node_type))
+    b = _Bindings(node, pack)
+    causal = bool(node.params.get("use_causal_mask"))
+    scale = _scale(b)
+    q, k, v = _f32(b.read("q")), _f32(b.read("k")), _f32(b.read("v"))
+    bias = _f32(b.read("bias", required=False))
+    if q.shape[1] % k.shape[1] or k.shape[1] != v.shape[1]:
+        raise EmulationError(f"declared heads q={q.shape[1]} k={k.shape[1]} v={v.shape[1]} do not group")
+    score_shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    p, keep = _dropout(b, score_shape)
+    if kind == "SDPA":
+        o, stats = reference.attention_forward(q, k, v, bias, scale, causal, p, keep)
+        b.write("O", o)
+        b.write("Stats", stats)
+    elif kind == "SDPA_BWD":
+        o, d_o, stats = _f32(b.read("o")), _f32(b.read("dO")), _f32(b.read("stats"))
+        dq, dk, dv, ds = reference.attention_backward(q, k, v, o, d_o, stats, bias, scale, causal, p, keep)
+        b.write("dQ", dq)
+        b.write("dK", dk)
+        b.write("dV", dv)
+        d_bias = node.outputs.get("dBias")
+        if d_bias is not None:
+            b.write("dBias", reference.reduce_to_shape(ds, tuple(int(x) for x in d_bias.get_dim())))
+    else:
+        raise EmulationError(f"the emulated runtime does not implement {kind} nodes")
+
+
+class EmulatedRuntime(Runtime):
+    """Same graphs and variant packs as :class:`~thunder_cudnn_safe.runtime.CudnnRuntime`, executed on CPU."""
+
+    name = "emulated"
+    device_type = "cpu"
+
+    def __init__(self, arch: tuple[int, int] | None = None, backend_version: int | None = None) -> None:
+        self.arch = arch if arch is not None else _parse_arch(os.environ.get(ARCH_ENV, "9.0"))
+        self.backend_version = int(backend_version if backend_version is not None else os.environ.get(BACKEND_ENV, DEFAULT_BACKEND))
+        self._fail_build: Callable[[Any], str | None] | None = None
+        self._fail_execute: Callable[[Any], str | None] | None = None
+        self._lock = threading.Lock()
+
+    def environment_problem(self) -> str | None:
+        if _compat.FRONTEND.module is None:
+            return _compat.FRONTEND.frontend_problem
+        if not hasattr(_compat.FRONTEND.module.pygraph, "nodes"):
+            return "the emulated runtime needs the pure-Python pygraph of nvidia-cudnn-frontend >= 1.32"
+        return None
+
+    def target(self, device: torch.device) -> Target:
+        return Target(self.name, -1, self.arch, self.backend_version, str(_compat.FRONTEND.frontend_version))
+
+    def build(self, key: ForwardKey | BackwardKey) -> BuiltGraph:
+        hook = self._fail_build
+        if hook is not None:
+            reason = hook(key)
+            if reason:
+                raise GraphBuildError(f"emulated cuDNN refused the graph: {reason}")
+        cudnn = graphs.cudnn_module()
+        try:
+            g = graphs.build_forward_graph(key) if isinstance(key, ForwardKey) else graphs.build_backward_graph(key)
+        except cudnn.cudnnGraphNotSupportedError as exc:
+            raise GraphBuildError(f"cuDNN frontend rejected the graph: {exc}") from exc
+        return BuiltGraph(g, 0, key)
+
+    def execute(self, built: BuiltGraph, pack: dict[int, torch.Tensor], device: torch.device) -> None:
+        hook = self._fail_execute
+        if hook is not None:
+            reason = hook(built.key)
+            if reason:
+                raise ExecuteError(f"emulated cuDNN failed to execute: {reason}")
+        emulate(built.graph, pack)
+
+
+_runtime = EmulatedRuntime()
+
+
+def set_emulated_target(arch: tuple[int, int] | None = None, backend_version: int | None = None) -> None:
+    """Change which GPU and cuDNN version the emulated executor pretends to be (rules and keys)."""
+    if arch is not None:
+        _runtime.arch = tuple(arch)
+    if backend_version is not None:
+        _runtime.backend_version = int(backend_version)
+
+
+def emulated_target() -> Target:
+    return _runtime.target(torch.device("cpu"))
+
+
+@contextlib.contextmanager
+def inject_failures(
+    build: Callable[[Any], str | None] | None = None, execute: Callable[[Any], str | None] | None = None
+) -> Iterator[None]:
+    """Make the emulated cuDNN refuse builds or executions (return a reason to refuse a key).
+
+    This is how the run-time fallback is exercised without a GPU: a ``build`` hook acts
+    like ``cudnnGraphNotSupportedError`` from graph building, an ``execute`` hook like a
+    failed launch or workspace allocation.
+    """
+    with _runtime._lock:
+        saved = (_runtime._fail_build, _runtime._fail_execute)
+        _runtime._fail_build, _runtime._fail_execute = build, execute
+    try:
+        yield
+    finally:
+        with _runtime._lock:
+            _runtime._fail_build, _runtime._fail_execute = saved
+
+
+from .executor import make_executor  # noqa: E402
+
+#: The emulated executor: claims SDPA on CPU tensors, runs the cuDNN path up to execute.
+emulated_ex = make_executor("cudnn_safe_emulated", _runtime)

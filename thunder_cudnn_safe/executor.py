@@ -1,0 +1,205 @@
+"""Thunder registration: operators with meta functions, checker, execution and grad transforms.
+
+:func:`make_executor` wires one :class:`~thunder_cudnn_safe.runtime.Runtime` into a
+thunder ``OperatorExecutor`` that claims ``ltorch.scaled_dot_product_attention``. It is
+used twice: for ``cudnn_safe_ex`` (real cuDNN on CUDA tensors) and for ``emulated_ex``
+(the CPU emulation), so both run the same code up to the final execute.
+
+Compile options (``thunder.jit(..., cudnn_safe_layout="contiguous")``):
+
+* ``cudnn_safe_layout``: ``"preserve"`` (default) or ``"contiguous"``.
+* ``cudnn_safe_deterministic``: select cuDNN's deterministic backward.
+* ``cudnn_safe_bwd_may_cat_grad_qkv`` (or thunder's ``cudnn_sdpa_bwd_may_cat_grad_qkv``):
+  allocate dq/dk/dv as slices of one buffer when their shapes allow.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ._compat import prepare_and_import_thunder
+
+prepare_and_import_thunder()
+
+import thunder.core.dtypes as dtypes  # noqa: E402
+import thunder.torch as ltorch  # noqa: E402
+from thunder.core.compile_data import get_compile_option  # noqa: E402
+from thunder.core.prims import OpTags  # noqa: E402
+from thunder.core.proxies import TensorProxy  # noqa: E402
+from thunder.core.transforms import get_grad, put_grad, put_grads  # noqa: E402
+from thunder.extend import OperatorExecutor, register_executor  # noqa: E402
+
+from ._version import __version__  # noqa: E402
+from .dispatch import Dispatcher  # noqa: E402
+from .layout import LayoutPolicy  # noqa: E402
+from .runtime import CudnnRuntime, Runtime  # noqa: E402
+from .support import not_supported_reasons, torch_dtype  # noqa: E402
+
+_LAYOUT_DOC = (
+    "cudnn_safe_layout: 'preserve' declares and binds each tensor's own strides and copies only what cuDNN "
+    "cannot read; 'contiguous' copies every operand and grad_out to contiguous first."
+)
+_DETERMINISTIC_DOC = "cudnn_safe_deterministic: use cuDNN's deterministic SDPA backward algorithm."
+_CAT_DOC = (
+    "cudnn_safe_bwd_may_cat_grad_qkv (or cudnn_sdpa_bwd_may_cat_grad_qkv): allocate dq, dk, dv as slices of one "
+    "buffer when their shapes allow, so the backward of a fused qkv projection does not concatenate."
+)
+
+
+def _layout_option() -> str:
+    return LayoutPolicy.parse(get_compile_option("cudnn_safe_layout", _LAYOUT_DOC)).value
+
+
+def _bool_option(name: str, doc: str) -> bool:
+    value = get_compile_option(name, doc)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ValueError(f"compile option {name} must be a bool, got {value!r}")
+    return value
+
+
+def _cat_option() -> bool:
+    ours = get_compile_option("cudnn_safe_bwd_may_cat_grad_qkv", _CAT_DOC)
+    theirs = get_compile_option("cudnn_sdpa_bwd_may_cat_grad_qkv", _CAT_DOC)
+    value = ours if ours is not None else theirs
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ValueError(f"compile option cudnn_safe_bwd_may_cat_grad_qkv must be a bool, got {value!r}")
+    return value
+
+
+def _to_torch_device(device: Any) -> torch.device:
+    return torch.device(device.type, device.index) if device.index is not None else torch.device(device.type)
+
+
+def reasons_for(
+    runtime: Runtime, query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: Any = 0.0,
+    is_causal: Any = False, scale: Any = None,
+) -> list[str]:
+    """Why ``runtime``'s executor would not claim this call (tensors or proxies)."""
+    problem = runtime.environment_problem()
+    target = None
+    if problem is None and getattr(query.device, "type", None) == runtime.device_type:
+        target = runtime.target(_to_torch_device(query.device))
+    return not_supported_reasons(
+        query, key, value, attn_mask, dropout_p, is_causal, scale,
+        target=target, device_type=runtime.device_type, environment_problem=problem,
+    )
+
+
+# -- meta functions -------------------------------------------------------------------------
+def _fwd_meta(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, layout="preserve"):
+    b, h, lq, _ = query.shape
+    outputs = (
+        TensorProxy(like=query, shape=(b, h, lq, value.shape[3])),
+        TensorProxy(shape=(b, h, lq, 1), dtype=dtypes.float32, device=query.device, requires_grad=False),
+    )
+    if dropout_p:
+        rng = TensorProxy(shape=(1, 1, 1, 1), dtype=dtypes.int64, device=query.device, requires_grad=False)
+        outputs = outputs + (rng, TensorProxy(like=rng))
+    return outputs
+
+
+def _bwd_meta(
+    grad_out, query, key, value, attn_mask, dropout_p, is_causal, out, stats, seed, offset,
+    *, scale=None, layout="preserve", deterministic=False, cat_grad_qkv=False, mask_grad=False,
+):
+    if cat_grad_qkv:
+        b, hq, s, d = query.shape
+        grads = (TensorProxy(like=query, shape=(b, hq + key.shape[1] + value.shape[1], s, d)),)
+    else:
+        grads = (TensorProxy(like=query), TensorProxy(like=key), TensorProxy(like=value))
+    if mask_grad:
+        grads = grads + (TensorProxy(like=attn_mask),)
+    return grads
+
+
+def _can_cat(query, key, value) -> bool:
+    return (
+        query.shape[0] == key.shape[0] == value.shape[0]
+        and query.shape[2:] == key.shape[2:] == value.shape[2:]
+        and query.dtype == key.dtype == value.dtype
+    )
+
+
+def make_executor(name: str, runtime: Runtime) -> OperatorExecutor:
+    """An executor named ``name`` claiming SDPA through ``runtime``; registered with thunder."""
+    ex = OperatorExecutor(name, version=__version__)
+    register_executor(ex)
+    dispatcher = Dispatcher(runtime)
+    ex.runtime = runtime
+    ex.dispatcher = dispatcher
+
+    fwd = ex.register_operator(
+        f"{name}_sdpa_fwd", meta=_fwd_meta, fn=dispatcher.forward, tags=(OpTags.DONT_AUTO_RECOMPUTE_IN_BACKWARD,)
+    )
+    bwd = ex.register_operator(f"{name}_sdpa_bwd", meta=_bwd_meta, fn=dispatcher.backward)
+    ex.sdpa_fwd = fwd
+    ex.sdpa_bwd = bwd
+
+    def checker(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None) -> bool:
+        return not reasons_for(runtime, query, key, value, attn_mask, dropout_p, is_causal, scale)
+
+    def execution_transform(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None):
+        return fwd(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, layout=_layout_option())[0]
+
+    def grad_transform(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None):
+        layout = _layout_option()
+        results = fwd(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, layout=layout)
+        out, stats = results[0], results[1]
+        seed, offset = (results[2], results[3]) if dropout_p else (None, None)
+        mask_grad = (
+            attn_mask is not None
+            and bool(getattr(attn_mask, "requires_grad", False))
+            and torch_dtype(attn_mask.dtype) is not torch.bool
+        )
+        cat = _cat_option() and _can_cat(query, key, value)
+        grads = bwd(
+            get_grad(out), query, key, value, attn_mask, dropout_p, is_causal, out, stats, seed, offset,
+            scale=scale, layout=layout, deterministic=_bool_option("cudnn_safe_deterministic", _DETERMINISTIC_DOC),
+            cat_grad_qkv=cat, mask_grad=mask_grad,
+        )
+        if mask_grad:
+            put_grad(attn_mask, grads[-1])
+            grads = grads[:-1]
+        if cat:
+            (grad_qkv,) = grads
+            grads = grad_qkv.split([query.shape[1], key.shape[1], value.shape[1]], dim=1)
+        put_grads((query, key, value), tuple(grads))
+        return out
+
+    ex.register_implementation(
+        ltorch.scaled_dot_product_attention,
+        checker=checker,
+        execution_transform=execution_transform,
+        grad_transform=grad_transform,
+    )
+    return ex
+
+
+#: The stride-safe cuDNN SDPA executor for CUDA tensors.
+cudnn_safe_ex: OperatorExecutor = make_executor("cudnn_safe", CudnnRuntime())
+
+
+def explain(
+    query: Any,
+    key: Any,
+    value: Any,
+    attn_mask: Any = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    *,
+    executor: OperatorExecutor | None = None,
+) -> list[str]:
+    """Human-readable reasons why ``executor`` (default: ``cudnn_safe_ex``) would not claim this call.
+
+    An empty list means it would. Works on real tensors of any device and on thunder
+    proxies; the executors' checkers use the same function.
+    """
+    ex = cudnn_safe_ex if executor is None else executor
+    return reasons_for(ex.runtime, query, key, value, attn_mask, dropout_p, is_causal, scale)

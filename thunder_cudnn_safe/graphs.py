@@ -1,0 +1,153 @@
+"""Build a cuDNN frontend graph from a key, and from nothing else.
+
+Every tensor is declared with the dims, strides and dtype recorded in the key, which
+:mod:`thunder_cudnn_safe.keys` read off the tensor bound to the same uid. Uids are
+fixed (:class:`Uid`), so the variant pack is a plain ``{uid: tensor}`` dict and the
+emulated runtime can find each tensor's declaration in the graph by uid.
+
+Only API present in every frontend version we support is used: ``pygraph.sdpa`` /
+``sdpa_backward`` (the ``scaled_dot_product_flash_attention*`` aliases are gone from
+1.27 on), ``use_causal_mask`` (top-left, like torch), a python-float ``attn_scale``,
+``dropout=(p, seed, offset)``.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import torch
+
+from . import _compat
+from .keys import BackwardKey, ForwardKey, TensorSig
+
+
+class Uid(enum.IntEnum):
+    """Fixed uids of every tensor the SDPA graphs bind."""
+
+    Q = 1
+    K = 2
+    V = 3
+    O = 4  # noqa: E741
+    STATS = 5
+    BIAS = 6
+    SEED = 7
+    OFFSET = 8
+    DO = 9
+    DQ = 10
+    DK = 11
+    DV = 12
+    DBIAS = 13
+
+
+def cudnn_module() -> Any:
+    """The frontend module; raises if it cannot build graphs here."""
+    if _compat.FRONTEND.module is None:
+        raise RuntimeError(_compat.FRONTEND.frontend_problem)
+    return _compat.FRONTEND.module
+
+
+def cudnn_dtype(dtype: torch.dtype) -> Any:
+    dt = cudnn_module().data_type
+    table = {
+        torch.float16: dt.HALF,
+        torch.bfloat16: dt.BFLOAT16,
+        torch.float32: dt.FLOAT,
+        torch.int32: dt.INT32,
+        torch.int64: dt.INT64,
+        torch.bool: dt.BOOLEAN,
+    }
+    try:
+        return table[dtype]
+    except KeyError:
+        raise TypeError(f"no cuDNN data type for {dtype}") from None
+
+
+def _declare(graph: Any, uid: Uid, s: TensorSig) -> Any:
+    return graph.tensor(
+        name=uid.name, dim=list(s.shape), stride=list(s.stride), data_type=cudnn_dtype(s.dtype), uid=int(uid)
+    )
+
+
+def _mark_output(t: Any, uid: Uid, s: TensorSig) -> None:
+    t.set_output(True).set_dim(list(s.shape)).set_stride(list(s.stride)).set_data_type(cudnn_dtype(s.dtype))
+    t.set_uid(int(uid))
+    t.set_name(uid.name)
+
+
+def _new_graph(io_dtype: torch.dtype, handle: Any) -> Any:
+    cudnn = cudnn_module()
+    kwargs = {} if handle is None else {"handle": handle}
+    return cudnn.pygraph(
+        io_data_type=cudnn_dtype(io_dtype),
+        intermediate_data_type=cudnn.data_type.FLOAT,
+        compute_data_type=cudnn.data_type.FLOAT,
+        **kwargs,
+    )
+
+
+def _dropout(graph: Any, key: ForwardKey | BackwardKey) -> tuple | None:
+    if not key.dropout_p:
+        return None
+    return (key.dropout_p, _declare(graph, Uid.SEED, key.seed), _declare(graph, Uid.OFFSET, key.offset))
+
+
+def build_forward_graph(key: ForwardKey, handle: Any = None) -> Any:
+    """A validated forward graph (O and softmax stats as outputs) declaring exactly ``key``."""
+    g = _new_graph(key.q.dtype, handle)
+    q, k, v = _declare(g, Uid.Q, key.q), _declare(g, Uid.K, key.k), _declare(g, Uid.V, key.v)
+    extra = {}
+    if key.bias is not None:
+        extra["bias"] = _declare(g, Uid.BIAS, key.bias)
+    dropout = _dropout(g, key)
+    if dropout is not None:
+        extra["dropout"] = dropout
+    o, stats = g.sdpa(
+        q=q,
+        k=k,
+        v=v,
+        generate_stats=True,
+        attn_scale=float(key.scale),
+        use_causal_mask=bool(key.causal),
+        name="cudnn_safe_sdpa_fwd",
+        **extra,
+    )
+    _mark_output(o, Uid.O, key.o)
+    _mark_output(stats, Uid.STATS, key.stats)
+    g.validate()
+    return g
+
+
+def build_backward_graph(key: BackwardKey, handle: Any = None) -> Any:
+    """A validated backward graph (dQ, dK, dV and optionally dBias) declaring exactly ``key``."""
+    g = _new_graph(key.q.dtype, handle)
+    q, k, v = _declare(g, Uid.Q, key.q), _declare(g, Uid.K, key.k), _declare(g, Uid.V, key.v)
+    o, d_o, stats = _declare(g, Uid.O, key.o), _declare(g, Uid.DO, key.d_o), _declare(g, Uid.STATS, key.stats)
+    extra: dict[str, Any] = {}
+    if key.bias is not None:
+        extra["bias"] = _declare(g, Uid.BIAS, key.bias)
+    if key.d_bias is not None:
+        d_bias = _declare(g, Uid.DBIAS, key.d_bias)
+        extra["dBias"] = d_bias
+    dropout = _dropout(g, key)
+    if dropout is not None:
+        extra["dropout"] = dropout
+    if key.deterministic:
+        extra["use_deterministic_algorithm"] = True
+    dq, dk, dv = g.sdpa_backward(
+        q=q,
+        k=k,
+        v=v,
+        o=o,
+        dO=d_o,
+        stats=stats,
+        attn_scale=float(key.scale),
+        use_causal_mask=bool(key.causal),
+        name="cudnn_safe_sdpa_bwd",
+        **extra,
+    )
+    _mark_output(dq, Uid.DQ, key.dq)
+    _mark_output(dk, Uid.DK, key.dk)
+    _mark_output(dv, Uid.DV, key.dv)
+    g.validate()
+    return g

@@ -1,0 +1,80 @@
+"""Immutable, hashable descriptions of one forward or one backward cuDNN graph.
+
+A key holds the shape, strides and dtype of *every tensor bound* to the graph, read off
+the very tensors the variant pack will carry, plus every flag that changes the graph
+and the identity of the device and library versions. :mod:`thunder_cudnn_safe.graphs`
+builds a graph from a key and nothing else, so two calls share a graph exactly when
+they would declare the same layouts. Keys are plain tuples: building one on a cache hit
+makes no cuDNN call.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class TensorSig(NamedTuple):
+    """Declared (and bound) layout of one tensor."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def sig(t: torch.Tensor) -> TensorSig:
+    """The layout cuDNN will be told about ``t``: exactly ``t``'s own."""
+    return TensorSig(tuple(t.shape), t.stride(), t.dtype)
+
+
+def sig_or_none(t: torch.Tensor | None) -> TensorSig | None:
+    return None if t is None else sig(t)
+
+
+class Target(NamedTuple):
+    """Where a graph runs: which runtime, device, architecture and library versions."""
+
+    runtime: str
+    device_index: int
+    arch: tuple[int, int]
+    backend_version: int
+    frontend_version: str
+
+
+class ForwardKey(NamedTuple):
+    q: TensorSig
+    k: TensorSig
+    v: TensorSig
+    o: TensorSig
+    stats: TensorSig
+    bias: TensorSig | None
+    seed: TensorSig | None
+    offset: TensorSig | None
+    causal: bool
+    dropout_p: float
+    scale: float
+    layout: str
+    target: Target
+
+
+class BackwardKey(NamedTuple):
+    q: TensorSig
+    k: TensorSig
+    v: TensorSig
+    o: TensorSig
+    d_o: TensorSig
+    stats: TensorSig
+    bias: TensorSig | None
+    d_bias: TensorSig | None
+    seed: TensorSig | None
+    offset: TensorSig | None
+    dq: TensorSig
+    dk: TensorSig
+    dv: TensorSig
+    causal: bool
+    dropout_p: float
+    scale: float
+    layout: str
+    deterministic: bool
+    target: Target

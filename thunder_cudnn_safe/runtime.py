@@ -1,0 +1,135 @@
+"""Runtimes: what turns a key into a runnable graph and runs it with a variant pack.
+
+Everything before :meth:`Runtime.execute` (layouts, keys, graph construction and
+validation, cache, variant pack) is shared by both runtimes; only the last step
+differs. :class:`CudnnRuntime` builds execution plans and launches real cuDNN kernels;
+:class:`thunder_cudnn_safe.emulation.EmulatedRuntime` computes the same result on CPU
+reading memory through the declared layouts.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, NamedTuple
+
+import torch
+
+from . import _compat, graphs
+from .cache import GraphBuildError
+from .keys import BackwardKey, ForwardKey, Target
+
+
+class BuiltGraph(NamedTuple):
+    """A graph ready to execute, the workspace bytes it needs, and the key it was built from."""
+
+    graph: Any
+    workspace_size: int
+    key: Any = None
+
+
+class ExecuteError(RuntimeError):
+    """The runtime refused to run a built graph (no engine, workspace allocation, ...)."""
+
+
+class Runtime:
+    """Interface shared by the cuDNN and the emulated runtime."""
+
+    name: str = "abstract"
+    device_type: str = "cuda"
+
+    def environment_problem(self) -> str | None:
+        """Why this runtime cannot run anything here, or None."""
+        raise NotImplementedError
+
+    def target(self, device: torch.device) -> Target:
+        raise NotImplementedError
+
+    def build(self, key: ForwardKey | BackwardKey) -> BuiltGraph:
+        raise NotImplementedError
+
+    def execute(self, built: BuiltGraph, pack: dict[int, torch.Tensor], device: torch.device) -> None:
+        raise NotImplementedError
+
+
+def _is_forward(key: ForwardKey | BackwardKey) -> bool:
+    return isinstance(key, ForwardKey)
+
+
+class CudnnRuntime(Runtime):
+    """Real cuDNN: per (thread, device) handles on torch's current stream, workspace from torch."""
+
+    name = "cudnn"
+    device_type = "cuda"
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+        self._targets: dict[int, Target] = {}
+        self._targets_lock = threading.Lock()
+
+    def environment_problem(self) -> str | None:
+        if _compat.FRONTEND.module is None:
+            return _compat.FRONTEND.frontend_problem
+        if _compat.FRONTEND.backend_version is None:
+            return _compat.FRONTEND.backend_problem
+        if not torch.cuda.is_available():
+            return "CUDA is not available (no GPU or driver): real cuDNN cannot run here"
+        return None
+
+    def target(self, device: torch.device) -> Target:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        target = self._targets.get(index)
+        if target is None:
+            with self._targets_lock:
+                target = Target(
+                    self.name,
+                    index,
+                    tuple(torch.cuda.get_device_capability(index)),
+                    int(_compat.FRONTEND.backend_version),
+                    str(_compat.FRONTEND.frontend_version),
+                )
+                self._targets[index] = target
+        return target
+
+    def handle(self, device_index: int) -> Any:
+        """This thread's handle for the device, bound to torch's current stream.
+
+        cuDNN handles must not be shared across threads, and kernels must run on the
+        stream torch is using, or they race with the surrounding torch ops.
+        """
+        cudnn = graphs.cudnn_module()
+        handles = getattr(self._local, "handles", None)
+        if handles is None:
+            handles = self._local.handles = {}
+        handle = handles.get(device_index)
+        if handle is None:
+            with torch.cuda.device(device_index):
+                handle = handles[device_index] = cudnn.create_handle()
+        cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream(device_index).cuda_stream)
+        return handle
+
+    def build(self, key: ForwardKey | BackwardKey) -> BuiltGraph:
+        cudnn = graphs.cudnn_module()
+        index = key.target.device_index
+        handle = self.handle(index)
+        try:
+            with torch.cuda.device(index):
+                g = graphs.build_forward_graph(key, handle) if _is_forward(key) else graphs.build_backward_graph(key, handle)
+                g.build_operation_graph()
+                g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+                g.check_support()
+                g.build_plans()
+                workspace = int(g.get_workspace_size())
+        except cudnn.cudnnGraphNotSupportedError as exc:
+            raise GraphBuildError(f"cuDNN does not support this graph: {exc}") from exc
+        return BuiltGraph(g, workspace, key)
+
+    def execute(self, built: BuiltGraph, pack: dict[int, torch.Tensor], device: torch.device) -> None:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        handle = self.handle(index)
+        try:
+            workspace = torch.empty(built.workspace_size, dtype=torch.uint8, device=device)
+        except torch.OutOfMemoryError as exc:
+            raise ExecuteError(f"cannot allocate a {built.workspace_size}-byte cuDNN workspace: {exc}") from exc
+        # cuDNN also needs the current device set, not only the handle's device.
+        with torch.cuda.device(index):
+            built.graph.execute(pack, workspace, handle=handle)
