@@ -104,8 +104,14 @@ def _mask_reasons(attn_mask: Any, q_dtype: torch.dtype | None, full: tuple[int, 
         for name, n, m in zip(("batch", "heads", "query length", "key length"), padded, full):
             if n not in (1, m):
                 reasons.append(f"attn_mask {name} extent {n} does not broadcast to {m}")
-    if getattr(attn_mask, "requires_grad", False) and m_dtype is torch.bool:
-        reasons.append("a boolean attn_mask cannot require grad")
+    if getattr(attn_mask, "requires_grad", False):
+        if m_dtype is torch.bool:
+            reasons.append("a boolean attn_mask cannot require grad")
+        elif len(shape) >= 2 and (shape[-2], shape[-1]) != full[2:]:
+            reasons.append(
+                "attn_mask requires grad and broadcasts over query or key positions: its gradient would be "
+                "summed from low-precision per-element dBias values, less accurate than eager"
+            )
     if _numel(full) >= INT32_LIMIT:
         reasons.append("the broadcast attention mask has more than 2**31 elements (int32 offsets)")
     return reasons

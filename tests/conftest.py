@@ -1,0 +1,30 @@
+import os
+
+import pytest
+import torch
+
+import thunder_cudnn_safe as tcs
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU with cuDNN")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def fresh_cache():
+    """An empty graph cache and zeroed copy counters for one test."""
+    tcs.clear_cache()
+    tcs.reset_copy_stats()
+    yield
+    tcs.clear_cache()
+    tcs.reset_copy_stats()
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(int(os.environ.get("THUNDER_CUDNN_SAFE_TEST_SEED", "1234")))

@@ -1,0 +1,119 @@
+"""For every uid of both graphs, the declared dims/strides/dtype equal the bound tensor's.
+
+The runtime below records the real frontend graph and the variant pack of each call;
+the check reads declarations from the graph objects themselves. A builder that
+declares dO like O (thunder 0.2.6's approach) is caught.
+"""
+
+import pytest
+import torch
+
+import thunder_cudnn_safe as tcs
+from thunder_cudnn_safe import graphs
+from thunder_cudnn_safe.dispatch import Dispatcher
+from thunder_cudnn_safe.emulation import EmulatedRuntime, _torch_dtype_of
+from thunder_cudnn_safe.graphs import Uid
+from thunder_cudnn_safe.keys import TensorSig
+from thunder_cudnn_safe.cache import GraphCache
+from thunder_cudnn_safe.testing import GRAD_OUT_LAYOUTS, QKV_LAYOUTS
+
+
+class RecordingRuntime(EmulatedRuntime):
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def execute(self, built, pack, device):
+        self.calls.append((built.graph, dict(pack)))
+        super().execute(built, pack, device)
+
+
+def declaration_mismatches(graph, pack) -> list[str]:
+    """Every uid whose declaration differs from its bound tensor, and every unbound input/output."""
+    problems = []
+    declared = {}
+    for node in graph.nodes:
+        for port, t in list(node.inputs.items()) + list(node.outputs.items()):
+            if t is None or t.get_is_virtual() or t.get_is_pass_by_value():
+                continue
+            declared[int(t.get_uid())] = (port, t)
+    for uid, (port, t) in declared.items():
+        if uid not in pack:
+            problems.append(f"{port} (uid {uid}) declared but not bound")
+            continue
+        bound = pack[uid]
+        want = (tuple(t.get_dim()), tuple(t.get_stride()), _torch_dtype_of(t.get_data_type()))
+        have = (tuple(bound.shape), tuple(bound.stride()), bound.dtype)
+        if want != have:
+            problems.append(f"{port} (uid {uid}): declared {want}, bound {have}")
+    for uid in pack:
+        if int(uid) not in declared:
+            problems.append(f"uid {int(uid)} bound but not declared")
+    return problems
+
+
+def run_dispatcher(qkv_layout, grad_layout, dtype=torch.float16, mask=None, mask_grad=False, dropout_p=0.0):
+    runtime = RecordingRuntime()
+    disp = Dispatcher(runtime, GraphCache(64))
+    q, k, v = (t.detach() for t in QKV_LAYOUTS[qkv_layout](2, 4, 16, 16, 64, 64, dtype))
+    res = disp.forward(q, k, v, mask, dropout_p, False, scale=None, layout="preserve")
+    out, stats = res[0], res[1]
+    seed, offset = (res[2], res[3]) if dropout_p else (None, None)
+    g = GRAD_OUT_LAYOUTS[grad_layout](tuple(out.shape), dtype)
+    disp.backward(g, q, k, v, mask, dropout_p, False, out, stats, seed, offset, mask_grad=mask_grad)
+    return runtime.calls
+
+
+@pytest.mark.parametrize("grad_layout", list(GRAD_OUT_LAYOUTS))
+@pytest.mark.parametrize("qkv_layout", list(QKV_LAYOUTS))
+def test_every_uid_declared_as_bound(qkv_layout, grad_layout):
+    calls = run_dispatcher(qkv_layout, grad_layout)
+    assert len(calls) == 2
+    for graph, pack in calls:
+        assert declaration_mismatches(graph, pack) == []
+
+
+@pytest.mark.parametrize("mask_shape", [(16, 16), (2, 1, 16, 16), (1, 4, 16, 16), (2, 4, 1, 16)])
+@pytest.mark.parametrize("mask_grad", [False, True])
+def test_mask_and_mask_gradient_declared_as_bound(mask_shape, mask_grad):
+    mask = torch.randn(mask_shape, dtype=torch.float16)
+    calls = run_dispatcher("bshd_transposed", "transposed", mask=mask, mask_grad=mask_grad)
+    for graph, pack in calls:
+        assert declaration_mismatches(graph, pack) == []
+    assert (int(Uid.DBIAS) in calls[1][1]) == mask_grad
+
+
+def test_dropout_seed_offset_declared_as_allocated():
+    calls = run_dispatcher("contiguous", "contiguous", dropout_p=0.25)
+    for graph, pack in calls:
+        assert pack[Uid.SEED].dtype == torch.int64
+        assert declaration_mismatches(graph, pack) == []
+
+
+def test_upstream_approach_is_caught(monkeypatch):
+    """Declaring dO like O (contiguous) while binding the transposed grad_out is a mismatch."""
+    real = graphs.build_backward_graph
+
+    def upstream_like(key, handle=None):
+        o = key.o
+        contiguous = TensorSig(o.shape, tuple(torch.empty(o.shape).stride()), o.dtype)
+        return real(key._replace(d_o=contiguous), handle)
+
+    monkeypatch.setattr(graphs, "build_backward_graph", upstream_like)
+    calls = run_dispatcher("bshd_transposed", "transposed")
+    problems = declaration_mismatches(*calls[1])
+    assert any(p.startswith("dO") for p in problems), problems
+
+
+def test_cudnn_before_9_5_1_gets_grad_out_in_o_layout():
+    """Old cuDNN assumed dO strides == O strides: a transposed grad_out is copied into O's layout."""
+    runtime = RecordingRuntime()
+    runtime.backend_version = 90400
+    disp = Dispatcher(runtime, GraphCache(8))
+    q, k, v = (t.detach() for t in QKV_LAYOUTS["contiguous"](2, 4, 16, 16, 64, 64, torch.float16))
+    out, stats = disp.forward(q, k, v)
+    g = GRAD_OUT_LAYOUTS["transposed"](tuple(out.shape), torch.float16)
+    disp.backward(g, q, k, v, None, 0.0, False, out, stats, None, None)
+    graph, pack = runtime.calls[1]
+    assert pack[Uid.DO].stride() == pack[Uid.O].stride()
+    assert declaration_mismatches(graph, pack) == []

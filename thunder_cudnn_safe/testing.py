@@ -1,0 +1,156 @@
+"""The layout zoo and the accuracy rule, for this package's tests, benchmarks and users.
+
+* :data:`QKV_LAYOUTS` / :data:`GRAD_OUT_LAYOUTS` make real tensors in every layout the
+  design notes list (contiguous BHSD, BSHD viewed as BHSD, SBHD, one interleaved QKV
+  buffer, a broadcast K/V head, size-1 dims with odd strides, a non-unit last-dim stride,
+  a misaligned base; grad_out contiguous, transposed, zero-stride, expanded). Each
+  returns leaf tensors with exactly that layout, so a test through ``thunder.jit`` hands
+  the executor those strides.
+* :func:`assert_close_to_reference` is the accuracy rule: a low-precision candidate
+  passes when its error to a float64 reference is at most twice eager PyTorch's own
+  error in the same precision, plus a small floor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+Shape = tuple[int, int, int, int, int, int]  # B, H, L, S, D_qk, D_v
+
+
+def _leaf(t: torch.Tensor) -> torch.Tensor:
+    """A leaf that requires grad and keeps ``t``'s strides and storage offset."""
+    return t.detach().requires_grad_(True)
+
+
+def _randn(*shape, dtype, device, gen=None):
+    return torch.randn(*shape, dtype=dtype, device=device, generator=gen)
+
+
+def make_contiguous(b, h, lq, s, d, dv, dtype, device="cpu"):
+    return tuple(_leaf(_randn(*shp, dtype=dtype, device=device)) for shp in ((b, h, lq, d), (b, h, s, d), (b, h, s, dv)))
+
+
+def make_bshd(b, h, lq, s, d, dv, dtype, device="cpu"):
+    """BSHD storage viewed as BHSD through transpose(1, 2): the diffusers / HF layout."""
+    shapes = ((b, lq, h, d), (b, s, h, d), (b, s, h, dv))
+    return tuple(_leaf(_randn(*shp, dtype=dtype, device=device).transpose(1, 2)) for shp in shapes)
+
+
+def make_sbhd(b, h, lq, s, d, dv, dtype, device="cpu"):
+    shapes = ((lq, b, h, d), (s, b, h, d), (s, b, h, dv))
+    return tuple(_leaf(_randn(*shp, dtype=dtype, device=device).permute(1, 2, 0, 3)) for shp in shapes)
+
+
+def make_packed_qkv(b, h, lq, s, d, dv, dtype, device="cpu"):
+    """One interleaved (B, S, 3, H, D) buffer sliced into q, k, v (needs L == S, D_qk == D_v)."""
+    if lq != s or d != dv:
+        return make_bshd(b, h, lq, s, d, dv, dtype, device)
+    buf = _randn(b, s, 3, h, d, dtype=dtype, device=device)
+    return tuple(_leaf(buf[:, :, i].transpose(1, 2)) for i in range(3))
+
+
+def make_kv_broadcast_head(b, h, lq, s, d, dv, dtype, device="cpu"):
+    """K and V with one head expanded over the query heads (stride 0)."""
+    q = _leaf(_randn(b, h, lq, d, dtype=dtype, device=device))
+    k = _leaf(_randn(b, 1, s, d, dtype=dtype, device=device).expand(b, h, s, d))
+    v = _leaf(_randn(b, 1, s, dv, dtype=dtype, device=device).expand(b, h, s, dv))
+    return q, k, v
+
+
+def make_size1_odd_strides(b, h, lq, s, d, dv, dtype, device="cpu"):
+    """Batch and heads of size 1 carrying arbitrary strides (7 and 13)."""
+
+    def one(n, dd):
+        base = _randn(n * dd + 16, dtype=dtype, device=device)
+        return _leaf(base.as_strided((1, 1, n, dd), (7, 13, dd, 1)))
+
+    return one(lq, d), one(s, d), one(s, dv)
+
+
+def make_lastdim_strided(b, h, lq, s, d, dv, dtype, device="cpu"):
+    """Last-dim stride 2 (a ``[..., ::2]`` slice): cuDNN cannot read it, the executor must copy."""
+    shapes = ((b, h, lq, 2 * d), (b, h, s, 2 * d), (b, h, s, 2 * dv))
+    return tuple(_leaf(_randn(*shp, dtype=dtype, device=device)[..., ::2]) for shp in shapes)
+
+
+def make_misaligned(b, h, lq, s, d, dv, dtype, device="cpu"):
+    """Base pointer one element past a 16-byte boundary (odd storage offset)."""
+
+    def one(*shape):
+        n = 1
+        for x in shape:
+            n *= x
+        return _leaf(_randn(n + 1, dtype=dtype, device=device)[1:].view(*shape))
+
+    return one(b, h, lq, d), one(b, h, s, d), one(b, h, s, dv)
+
+
+QKV_LAYOUTS: dict[str, Callable] = {
+    "contiguous": make_contiguous,
+    "bshd_transposed": make_bshd,
+    "sbhd": make_sbhd,
+    "packed_qkv": make_packed_qkv,
+    "kv_broadcast_head": make_kv_broadcast_head,
+    "size1_odd_strides": make_size1_odd_strides,
+    "lastdim_strided": make_lastdim_strided,
+    "misaligned": make_misaligned,
+}
+
+#: Layouts whose last dim is contiguous and base aligned: "preserve" must copy nothing.
+ZERO_COPY_QKV_LAYOUTS = ("contiguous", "bshd_transposed", "sbhd", "packed_qkv", "kv_broadcast_head", "size1_odd_strides")
+
+
+def grad_contiguous(shape, dtype, device="cpu"):
+    return _randn(*shape, dtype=dtype, device=device)
+
+
+def grad_transposed(shape, dtype, device="cpu"):
+    """(B, H, L, D) with BSHD storage: the seed bug's grad_out (strides (L*H*D, D, H*D, 1))."""
+    b, h, lq, d = shape
+    return _randn(b, lq, h, d, dtype=dtype, device=device).transpose(1, 2)
+
+
+def grad_zero_stride(shape, dtype, device="cpu"):
+    """All strides 0, as ``out.sum().backward()`` produces."""
+    return _randn(1, dtype=dtype, device=device).reshape(1, 1, 1, 1).expand(*shape)
+
+
+def grad_expanded(shape, dtype, device="cpu"):
+    """Broadcast over the batch (stride 0 in dim 0)."""
+    b, h, lq, d = shape
+    return _randn(1, h, lq, d, dtype=dtype, device=device).expand(b, h, lq, d)
+
+
+GRAD_OUT_LAYOUTS: dict[str, Callable] = {
+    "contiguous": grad_contiguous,
+    "transposed": grad_transposed,
+    "zero_stride": grad_zero_stride,
+    "expanded": grad_expanded,
+}
+
+ZERO_COPY_GRAD_LAYOUTS = ("contiguous", "transposed")
+
+_FLOOR = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float32: 2.0**-20}
+
+
+def error_bound(eager: torch.Tensor, reference: torch.Tensor, factor: float = 2.0) -> float:
+    """``factor`` x eager's max error to the float64 reference, plus a floor of a few ulps."""
+    ref = reference.double()
+    eager_err = (eager.double() - ref).abs().max().item() if ref.numel() else 0.0
+    floor = _FLOOR.get(eager.dtype, 1e-6) * max(1.0, ref.abs().max().item() if ref.numel() else 1.0)
+    return factor * eager_err + floor
+
+
+def assert_close_to_reference(
+    candidate: torch.Tensor, eager: torch.Tensor, reference: torch.Tensor, what: str, factor: float = 2.0
+) -> float:
+    """Assert the accuracy rule for one tensor; returns the candidate's max error."""
+    assert candidate.shape == reference.shape, f"{what}: shape {tuple(candidate.shape)} != {tuple(reference.shape)}"
+    ref = reference.double()
+    err = (candidate.double() - ref).abs().max().item() if ref.numel() else 0.0
+    bound = error_bound(eager, reference, factor)
+    assert err <= bound, f"{what}: error {err:.3g} to the float64 reference exceeds {bound:.3g} (eager {eager.dtype} x{factor} + floor)"
+    return err
