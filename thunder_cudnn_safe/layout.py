@@ -117,21 +117,24 @@ def empty_in_order(
 ) -> torch.Tensor:
     """A fresh dense tensor of ``shape`` whose dimensions are laid out in ``order``.
 
-    The innermost extent is padded so that every other stride is a multiple of 16 bytes
-    (the padding elements are never read: the returned view excludes them).
+    The innermost allocated extent larger than 1 is padded so that every other stride is
+    a multiple of 16 bytes (the padding elements are never read: the returned view
+    excludes them).
     """
     shape = tuple(shape)
     order = list(order)
     esize = _ESIZE.get(dtype) or torch.empty((), dtype=dtype).element_size()
     multiple = max(1, ALIGNMENT_BYTES // esize)
-    inner = shape[-1]
-    padded = -(-inner // multiple) * multiple if inner > 1 else inner
-    alloc_shape = [shape[i] for i in order[:-1]] + [padded]
-    if order == list(range(len(shape))) and padded == inner:
+    alloc = [shape[i] for i in order]
+    inner = max((pos for pos, n in enumerate(alloc) if n > 1), default=None)
+    padded = list(alloc)
+    if inner is not None:
+        padded[inner] = -(-alloc[inner] // multiple) * multiple
+    if order == list(range(len(shape))) and padded == alloc:
         return torch.empty(shape, dtype=dtype, device=device)
-    base = torch.empty(alloc_shape, dtype=dtype, device=device)
-    if padded != inner:
-        base = base[..., :inner]
+    base = torch.empty(padded, dtype=dtype, device=device)
+    if padded != alloc:
+        base = base.narrow(inner, 0, alloc[inner])
     inverse = [0] * len(order)
     for pos, dim in enumerate(order):
         inverse[dim] = pos

@@ -1,0 +1,135 @@
+"""Graph cache: hits, misses, eviction at the bound, no rebuild on a hit, distinct keys for strides."""
+
+import gc
+import threading
+import weakref
+
+import pytest
+import torch
+
+import thunder_cudnn_safe as tcs
+from thunder_cudnn_safe import graphs
+from thunder_cudnn_safe.cache import CACHE_SIZE_ENV, GraphBuildError, GraphCache, _env_cache_size
+from thunder_cudnn_safe.dispatch import Dispatcher
+from thunder_cudnn_safe.emulation import EmulatedRuntime
+
+
+class Built:
+    pass
+
+
+def test_hits_misses_builds():
+    cache = GraphCache(4)
+    built = []
+    make = lambda k: built.append(k) or Built()
+    a = cache.get_or_build("a", make)
+    assert cache.get_or_build("a", make) is a
+    cache.get_or_build("b", make)
+    info = cache.info()
+    assert (info.hits, info.misses, info.builds, info.size, info.maxsize) == (1, 2, 2, 2, 4)
+    assert built == ["a", "b"]
+    assert info.build_seconds >= 0
+
+
+def test_lru_eviction_at_bound_releases_graphs():
+    cache = GraphCache(3)
+    refs = []
+
+    def make(k):
+        obj = Built()
+        refs.append(weakref.ref(obj))
+        return obj
+
+    for k in range(10):
+        cache.get_or_build(k, make)
+        cache.get_or_build(0, make) if k > 0 else None  # keep 0 hot
+    info = cache.info()
+    assert info.size == 3 and info.evictions == 7
+    assert set(cache.keys()) == {0, 8, 9}
+    gc.collect()
+    assert sum(r() is not None for r in refs) == 3
+
+
+def test_failed_build_is_remembered_not_retried():
+    cache = GraphCache(4)
+    calls = []
+
+    def boom(k):
+        calls.append(k)
+        raise RuntimeError("no engine")
+
+    for _ in range(3):
+        with pytest.raises(GraphBuildError, match="no engine"):
+            cache.get_or_build("k", boom)
+    info = cache.info()
+    assert calls == ["k"] and info.build_failures == 1 and info.negative_hits == 2
+
+
+def test_concurrent_misses_build_once():
+    cache = GraphCache(8)
+    count = {"n": 0}
+    gate = threading.Event()
+
+    def slow(k):
+        count["n"] += 1
+        gate.wait(1)
+        return Built()
+
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(cache.get_or_build("x", slow))) for _ in range(8)]
+    for t in threads:
+        t.start()
+    gate.set()
+    for t in threads:
+        t.join()
+    assert count["n"] == 1 and len({id(r) for r in results}) == 1
+
+
+def test_env_var_sets_the_bound(monkeypatch):
+    monkeypatch.setenv(CACHE_SIZE_ENV, "7")
+    assert GraphCache().info().maxsize == 7
+    monkeypatch.setenv(CACHE_SIZE_ENV, "zero")
+    with pytest.raises(ValueError, match=CACHE_SIZE_ENV):
+        _env_cache_size()
+
+
+def test_public_cache_api(fresh_cache):
+    before = tcs.cache_info().maxsize
+    try:
+        tcs.set_cache_size(5)
+        assert tcs.cache_info().maxsize == 5
+    finally:
+        tcs.set_cache_size(before)
+    fields = tcs.cache_info()._fields
+    for f in ("hits", "misses", "builds", "evictions", "size", "maxsize", "build_seconds"):
+        assert f in fields
+
+
+def test_distinct_strides_distinct_graphs_and_no_rebuild_on_hit(monkeypatch):
+    disp = Dispatcher(EmulatedRuntime(), tcs.cache.GraphCache(16))
+    builds = []
+    real = graphs.build_forward_graph
+    monkeypatch.setattr(graphs, "build_forward_graph", lambda key, handle=None: builds.append(key) or real(key, handle))
+    contiguous = [torch.randn(2, 4, 16, 64, dtype=torch.float16) for _ in range(3)]
+    bshd = [torch.randn(2, 16, 4, 64, dtype=torch.float16).transpose(1, 2) for _ in range(3)]
+    for _ in range(3):
+        disp.forward(*contiguous)
+        disp.forward(*bshd)
+    assert len(builds) == 2 and builds[0].q.stride != builds[1].q.stride
+    info = disp.cache.info()
+    assert info.hits == 4 and info.builds == 2
+
+
+def test_cache_hit_makes_no_cudnn_call(monkeypatch):
+    """On a hit neither a pygraph is constructed nor any frontend function called."""
+    disp = Dispatcher(EmulatedRuntime(), tcs.cache.GraphCache(16))
+    q, k, v = (torch.randn(1, 2, 8, 64, dtype=torch.float16) for _ in range(3))
+    disp.forward(q, k, v)
+    cudnn = graphs.cudnn_module()
+
+    def forbidden(*a, **kw):
+        raise AssertionError("pygraph constructed on a cache hit")
+
+    monkeypatch.setattr(cudnn, "pygraph", forbidden)
+    disp.forward(q, k, v)
+    assert disp.cache.info().hits == 1

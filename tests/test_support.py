@@ -1,0 +1,108 @@
+"""Checker and explain(): reasons for tensors and thunder proxies alike; decline -> correct fallback."""
+
+import pytest
+import thunder
+import torch
+from thunder.core.proxies import TensorProxy
+from thunder.core.trace import detached_trace
+
+import thunder_cudnn_safe as tcs
+from thunder_cudnn_safe.emulation import EmulatedRuntime
+from thunder_cudnn_safe.executor import reasons_for
+
+from sdpa_cases import jit_sdpa
+
+
+def qkv(b=2, h=4, lq=16, s=16, d=64, dv=None, dtype=torch.float16, device="cpu"):
+    dv = d if dv is None else dv
+    return (
+        torch.randn(b, h, lq, d, dtype=dtype, device=device),
+        torch.randn(b, h, s, d, dtype=dtype, device=device),
+        torch.randn(b, h, s, dv, dtype=dtype, device=device),
+    )
+
+
+def emu(*args, **kwargs):
+    return tcs.explain(*args, executor=tcs.emulated_ex, **kwargs)
+
+
+def test_supported_call_has_no_reasons():
+    assert emu(*qkv()) == []
+
+
+@pytest.mark.parametrize(
+    "kwargs,fragment",
+    [
+        (dict(dtype=torch.float32), "float16 or bfloat16"),
+        (dict(dtype=torch.float64), "float16 or bfloat16"),
+        (dict(d=7, dv=7), "not a multiple of 8"),
+        (dict(d=264, dv=264), "exceeds 256"),
+        (dict(d=256, dv=128), "only d_qk=192, d_v=128"),
+        (dict(b=0), "empty input"),
+        (dict(s=0), "empty input"),
+    ],
+)
+def test_reasons_for_tensors(kwargs, fragment):
+    reasons = emu(*qkv(**kwargs))
+    assert any(fragment in r for r in reasons), reasons
+
+
+def test_wrong_rank_mixed_dtypes_and_heads():
+    q, k, v = qkv()
+    assert any("rank-4" in r for r in emu(q[0], k[0], v[0]))
+    assert any("dtypes differ" in r for r in emu(q, k.bfloat16(), v))
+    assert any("must both equal the query heads" in r for r in emu(q, k[:, :2], v[:, :2]))
+
+
+def test_arch_rules_follow_the_emulated_target():
+    q, k, v = qkv(d=192, dv=192)
+    assert emu(q, k, v) == []
+    ampere = EmulatedRuntime(arch=(8, 0))
+    assert any("limit on sm80" in r for r in reasons_for(ampere, q, k, v))
+    volta = EmulatedRuntime(arch=(7, 0))
+    assert any("needs Ampere" in r for r in reasons_for(volta, *qkv()))
+    assert any("needs Hopper" in r for r in reasons_for(ampere, *qkv(d=64, dv=128)))
+
+
+def test_mask_dropout_scale_and_causal_reasons():
+    q, k, v = qkv()
+    assert any("neither bool nor the query dtype" in r for r in emu(q, k, v, torch.zeros(16, 16, dtype=torch.int32)))
+    assert any("does not broadcast" in r for r in emu(q, k, v, torch.zeros(3, 16, 16, dtype=torch.float16)))
+    assert any("together with an explicit attn_mask" in r for r in emu(q, k, v, torch.zeros(16, 16, dtype=torch.float16), is_causal=True))
+    assert any("outside [0, 1)" in r for r in emu(q, k, v, dropout_p=1.5))
+    assert any("outside [0, 1)" in r for r in emu(q, k, v, dropout_p=-0.1))
+    assert any("finite" in r for r in emu(q, k, v, scale=float("inf")))
+
+
+def test_device_reasons():
+    q, k, v = qkv()
+    assert any("this executor runs on cuda tensors" in r for r in tcs.explain(q, k, v))
+    meta = torch.empty(2, 4, 16, 64, dtype=torch.float16, device="meta")
+    reasons = emu(q, meta, v)
+    assert any("not all on the same device" in r for r in reasons)
+
+
+def test_cudnn_executor_names_missing_gpu():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    reasons = tcs.explain(*qkv(device="cpu"))
+    assert any("CUDA is not available" in r or "libcudnn" in r for r in reasons), reasons
+
+
+def test_reasons_for_thunder_proxies():
+    with detached_trace():
+        ok = [TensorProxy(shape=(2, 4, 16, 64), dtype=thunder.float16, device=thunder.devices.cpu) for _ in range(3)]
+        bad = [TensorProxy(shape=(2, 4, 16, 7), dtype=thunder.float32, device=thunder.devices.cpu) for _ in range(3)]
+        assert emu(*ok) == []
+        reasons = emu(*bad)
+    assert any("float16 or bfloat16" in r for r in reasons)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_declined_calls_fall_back_with_correct_results(dtype, fresh_cache):
+    q, k, v = qkv(dtype=dtype)
+    jf = jit_sdpa()
+    out = jf(q, k, v)
+    assert "cudnn_safe" not in str(thunder.last_traces(jf)[-1])
+    torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v))
+    assert tcs.cache_info().builds == 0
