@@ -1,0 +1,114 @@
+"""Parity with the built-in executor and beyond: fused dQKV, deterministic backward, MQA without copies, warn once."""
+
+import logging
+
+import pytest
+import thunder
+import torch
+
+import thunder_cudnn_safe as tcs
+from thunder_cudnn_safe import graphs
+from thunder_cudnn_safe.cache import GraphCache, graph_cache
+from thunder_cudnn_safe.dispatch import Dispatcher
+from thunder_cudnn_safe.emulation import EmulatedRuntime
+from thunder_cudnn_safe.keys import BackwardKey
+from thunder_cudnn_safe.testing import QKV_LAYOUTS
+
+from sdpa_cases import jit_sdpa, run_and_check
+
+
+@pytest.mark.parametrize("option", ["cudnn_safe_bwd_may_cat_grad_qkv", "cudnn_sdpa_bwd_may_cat_grad_qkv"])
+def test_fused_dqkv_gradients_right(option, fresh_cache):
+    q, k, v = QKV_LAYOUTS["packed_qkv"](2, 4, 16, 16, 64, 64, torch.float16)
+    jf = jit_sdpa(**{option: True})
+    run_and_check(jf, q, k, v, torch.randn(2, 4, 16, 64, dtype=torch.float16))
+    assert "cat_grad_qkv=True" in str(thunder.last_backward_traces(jf)[-1])
+
+
+def test_fused_dqkv_buffer_is_shared_and_declared_with_slice_strides():
+    disp = Dispatcher(EmulatedRuntime(), GraphCache(8))
+    q, k, v = (torch.randn(2, 4, 16, 64, dtype=torch.float16) for _ in range(3))
+    out, stats = disp.forward(q, k, v)
+    (grad_qkv,) = disp.backward(torch.randn_like(out), q, k, v, None, 0.0, False, out, stats, None, None, cat_grad_qkv=True)
+    assert grad_qkv.shape == (2, 12, 16, 64)
+    dq, dk, dv = grad_qkv.split([4, 4, 4], dim=1)
+    ref = disp.backward(torch.zeros_like(out), q, k, v, None, 0.0, False, out, stats, None, None)  # noqa: F841
+    bkey = [key for key in disp.cache.keys() if isinstance(key, BackwardKey) and key.dq.stride != key.q.stride][0]
+    assert bkey.dq.stride == dq.stride() == (16 * 12 * 64, 64, 12 * 64, 1)
+    assert dk.data_ptr() == dq.data_ptr() + 4 * 64 * dq.element_size()
+
+
+def test_fused_dqkv_matches_unfused():
+    disp = Dispatcher(EmulatedRuntime(), GraphCache(8))
+    q, k, v = (torch.randn(2, 4, 16, 64, dtype=torch.float16) for _ in range(3))
+    out, stats = disp.forward(q, k, v)
+    g = torch.randn_like(out)
+    (fused,) = disp.backward(g, q, k, v, None, 0.0, False, out, stats, None, None, cat_grad_qkv=True)
+    separate = disp.backward(g, q, k, v, None, 0.0, False, out, stats, None, None)
+    for a, b in zip(fused.split([4, 4, 4], dim=1), separate):
+        assert torch.equal(a, b)
+
+
+def test_deterministic_option_reaches_the_graph(fresh_cache, monkeypatch):
+    seen = []
+    real = graphs.build_backward_graph
+
+    def spy(key, handle=None):
+        g = real(key, handle)
+        seen.append((key.deterministic, g.nodes[0].params.get("use_deterministic_algorithm", False)))
+        return g
+
+    monkeypatch.setattr(graphs, "build_backward_graph", spy)
+    q, k, v = QKV_LAYOUTS["contiguous"](1, 2, 16, 16, 64, 64, torch.float16)
+    for det in (True, False):
+        jf = jit_sdpa(cudnn_safe_deterministic=det)
+        run_and_check(jf, q, k, v, torch.randn(1, 2, 16, 64, dtype=torch.float16))
+    assert seen == [(True, True), (False, False)]
+    assert sorted(key.deterministic for key in graph_cache.keys() if isinstance(key, BackwardKey)) == [False, True]
+
+
+def test_deterministic_option_must_be_bool(fresh_cache):
+    q, k, v = QKV_LAYOUTS["contiguous"](1, 2, 16, 16, 64, 64, torch.float16)
+    with pytest.raises(ValueError, match="must be a bool"):
+        jit_sdpa(cudnn_safe_deterministic="yes")(q, k, v).sum().backward()
+
+
+def test_true_mqa_single_head_kv_no_copies(fresh_cache):
+    """K/V with one head (size-1 dim) are declared with one head: no copy forward or backward."""
+    b, h, s, d = 2, 8, 16, 64
+    q = torch.randn(b, s, h, d, dtype=torch.float16).transpose(1, 2).detach().requires_grad_()
+    k = torch.randn(b, 1, s, d, dtype=torch.float16, requires_grad=True)
+    v = torch.randn(b, 1, s, d, dtype=torch.float16, requires_grad=True)
+    out, grads = run_and_check(jit_sdpa(), q, k, v, torch.randn(b, s, h, d, dtype=torch.float16).transpose(1, 2))
+    assert grads[1].shape == (b, 1, s, d)
+    assert tcs.copy_stats().bytes_copied == 0
+
+
+def test_expanded_kv_head_forward_declares_one_head_without_copy(fresh_cache):
+    b, h, s, d = 2, 8, 16, 64
+    q, k, v = QKV_LAYOUTS["kv_broadcast_head"](b, h, s, s, d, d, torch.float16)
+    disp = tcs.emulated_ex.dispatcher
+    disp.forward(q.detach(), k.detach(), v.detach())
+    key = tcs.cache.graph_cache.keys()[-1]
+    assert key.k.shape == (b, 1, s, d) and key.v.shape == (b, 1, s, d)
+    assert tcs.copy_stats().bytes_copied == 0
+
+
+def test_forced_copy_warns_once_per_layout_and_counts_always(caplog, fresh_cache):
+    q, k, v = QKV_LAYOUTS["misaligned"](1, 2, 16, 16, 64, 64, torch.float16)
+    disp = Dispatcher(EmulatedRuntime(), GraphCache(8))
+    with caplog.at_level(logging.WARNING, logger="thunder_cudnn_safe"):
+        for _ in range(3):
+            disp.forward(q.detach(), k.detach(), v.detach())
+    warnings = [r for r in caplog.records if r.name == "thunder_cudnn_safe" and "copies query" in r.getMessage()]
+    assert len(warnings) == 1 and "aligned" in warnings[0].getMessage()
+    assert tcs.copy_stats().by_reason[("query", warnings[0].getMessage().split(": ", 1)[1].split(". This")[0])][0] == 3
+
+
+def test_contiguous_policy_copies_are_counted_but_not_warned(caplog, fresh_cache):
+    q, k, v = QKV_LAYOUTS["bshd_transposed"](1, 2, 16, 16, 64, 64, torch.float16)
+    disp = Dispatcher(EmulatedRuntime(), GraphCache(8))
+    with caplog.at_level(logging.WARNING, logger="thunder_cudnn_safe"):
+        disp.forward(q.detach(), k.detach(), v.detach(), layout="contiguous")
+    assert not [r for r in caplog.records if r.name == "thunder_cudnn_safe"]
+    assert tcs.copy_stats().copies == 3
