@@ -107,3 +107,16 @@ def test_torch_2_13_cpu_with_frontend_without_libcudnn(torch213_venv):
     assert "STUBS ['align_as', 'align_to', 'has_names', 'refine_names', 'rename']" in res.stdout
     assert "TRACE True" in res.stdout
     assert "libcudnn is not loadable" in res.stdout
+
+
+def test_broken_builtin_cudnn_executor_leaves_the_defaults():
+    """thunder 0.2.6 lists its "cudnn" executor first where libcudnn loads; with frontend 1.32 it raises."""
+    res = run(
+        "import thunder\nbefore = [e.name for e in thunder.get_default_executors()]\n"
+        "import thunder_cudnn_safe as tcs\nafter = [e.name for e in thunder.get_default_executors()]\n"
+        "print('BEFORE', before)\nprint('AFTER', after)\nprint('PROBLEM', tcs._compat.builtin_cudnn_sdpa_problem())\n"
+    )
+    assert res.returncode == 0, res.stderr
+    if "'cudnn'" in res.stdout.split("BEFORE", 1)[1].split("\n", 1)[0]:
+        assert "'cudnn'" not in res.stdout.split("AFTER", 1)[1].split("\n", 1)[0]
+    assert "has no pygraph.scaled_dot_product_flash_attention" in res.stdout

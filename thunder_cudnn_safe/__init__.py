@@ -10,9 +10,10 @@ Importing this package first runs the compat steps in :mod:`thunder_cudnn_safe._
 (torch >= 2.13, a frontend without libcudnn) and then imports thunder.
 """
 
-from ._compat import FRONTEND, prepare_and_import_thunder
+from ._compat import FRONTEND, drop_broken_builtin_cudnn_executor, prepare_and_import_thunder
 
 prepare_and_import_thunder()
+drop_broken_builtin_cudnn_executor()
 
 from ._version import __version__  # noqa: E402
 from .cache import CacheInfo, GraphBuildError, cache_info, clear_cache, set_cache_size  # noqa: E402

@@ -71,6 +71,7 @@ class GraphCache:
         self._entries: OrderedDict[Hashable, Any] = OrderedDict()
         self._failed: OrderedDict[Hashable, str] = OrderedDict()
         self._key_locks: dict[Hashable, threading.Lock] = {}
+        self._fallback_keys: set = set()
         self._hits = self._misses = self._builds = self._evictions = 0
         self._build_failures = self._negative_hits = self._fallbacks = 0
         self._build_seconds = 0.0
@@ -123,9 +124,17 @@ class GraphCache:
                 self._key_locks.pop(key, None)
             return entry
 
-    def record_fallback(self) -> None:
+    def record_fallback(self, key: Hashable) -> bool:
+        """Count a call answered by the torch fallback; True the first time for ``key``."""
         with self._lock:
             self._fallbacks += 1
+            first = key not in self._fallback_keys
+            if first:
+                self._fallback_keys.add(key)
+                if len(self._fallback_keys) > 4 * self._maxsize:  # bounded like everything else here
+                    self._fallback_keys.clear()
+                    self._fallback_keys.add(key)
+            return first
 
     # -- management ------------------------------------------------------------------
     def info(self) -> CacheInfo:
@@ -144,10 +153,11 @@ class GraphCache:
             )
 
     def clear(self) -> None:
-        """Drop every graph and failure record and zero the counters."""
+        """Drop every graph, failure record and fallback warning memory; zero the counters."""
         with self._lock:
             self._entries.clear()
             self._failed.clear()
+            self._fallback_keys.clear()
             self._hits = self._misses = self._builds = self._evictions = 0
             self._build_failures = self._negative_hits = self._fallbacks = 0
             self._build_seconds = 0.0

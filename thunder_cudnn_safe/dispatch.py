@@ -14,7 +14,6 @@ distinct key, counted in ``cache_info().fallbacks``.
 from __future__ import annotations
 
 import math
-import threading
 
 import torch
 
@@ -90,6 +89,8 @@ def prepare_mask(
     * batch/head dims broadcast with stride 0 are declared as size 1 (cuDNN broadcasts
       them) unless the mask needs a gradient, which must then be per element;
     * a boolean mask becomes an additive bias of the query dtype (0 / -inf), a copy;
+    * a floating mask of another dtype is converted to the query dtype (cuDNN's bias has the
+      io dtype), a copy;
     * a mask broadcast over query or key positions is materialized, a copy.
     """
     m = mask
@@ -106,10 +107,15 @@ def prepare_mask(
         bias.zero_().masked_fill_(~m.expand(shape), float("-inf"))
         _record("attn_mask", "boolean mask converted to an additive bias", m, bias, policy)
         m = bias
-    elif tuple(m.shape) != shape:
-        bias = empty_in_order(shape, range(4), m.dtype, m.device)
+    elif tuple(m.shape) != shape or m.dtype != q_dtype:
+        bias = empty_in_order(shape, range(4), q_dtype, m.device)
         bias.copy_(m.expand(shape))
-        _record("attn_mask", "mask broadcast over query/key positions materialized", m, bias, policy)
+        reason = (
+            f"mask converted from {m.dtype} to the query dtype {q_dtype}"
+            if m.dtype != q_dtype
+            else "mask broadcast over query/key positions materialized"
+        )
+        _record("attn_mask", reason, m, bias, policy)
         m = bias
     return prepare_operand(m, "attn_mask", policy)
 
@@ -152,17 +158,10 @@ class Dispatcher:
     def __init__(self, runtime: Runtime, cache: GraphCache = graph_cache) -> None:
         self.runtime = runtime
         self.cache = cache
-        self._warned: set = set()
-        self._warned_lock = threading.Lock()
 
     # -- helpers -----------------------------------------------------------------------
     def _warn_fallback(self, key, exc: Exception) -> None:
-        self.cache.record_fallback()
-        with self._warned_lock:
-            first = key not in self._warned
-            if first:
-                self._warned.add(key)
-        if first:
+        if self.cache.record_fallback(key):
             logger.warning(
                 "cudnn_safe: %s refused an attention graph (%s); this call and later calls with the same "
                 "layout run on the torch fallback. Shown once per distinct graph.",

@@ -112,7 +112,10 @@ class _Bindings:
 
     def __init__(self, node: Any, pack: dict[int, torch.Tensor]) -> None:
         self.node = node
-        self.pack = {int(k.get_uid()) if hasattr(k, "get_uid") else int(k): v for k, v in pack.items()}
+        # Like the frontend, skip None keys (thunder 0.2.6 binds {Seed: None, Offset: None} without dropout).
+        self.pack = {
+            int(k.get_uid()) if hasattr(k, "get_uid") else int(k): v for k, v in pack.items() if k is not None
+        }
 
     def _bound(self, port: str, t: Any) -> torch.Tensor:
         uid = int(t.get_uid())

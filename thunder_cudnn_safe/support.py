@@ -9,8 +9,8 @@ declining: a decline costs speed, a wrong claim could crash inside cuDNN.
 The rules follow cuDNN's documented support surface for fused flash attention:
 fp16/bf16 only, rank-4 BHSD, head dims multiples of 8, at most 128 on Ampere/Ada
 (sm80-sm89) and 256 on Hopper and newer (sm90+) where d_qk=192/d_v=128 is the only
-unequal pair supported, masks as an additive bias of the query dtype (booleans are
-converted), dropout in [0, 1).
+unequal pair supported, masks as an additive bias of the query dtype (booleans and other
+float dtypes are converted), dropout in [0, 1).
 """
 
 from __future__ import annotations
@@ -94,8 +94,10 @@ def _mask_reasons(attn_mask: Any, q_dtype: torch.dtype | None, full: tuple[int, 
     if is_causal:
         reasons.append("is_causal=True together with an explicit attn_mask (torch rejects this combination)")
     m_dtype = torch_dtype(attn_mask.dtype)
-    if m_dtype is not torch.bool and m_dtype != q_dtype:
-        reasons.append(f"attn_mask dtype {m_dtype} is neither bool nor the query dtype {q_dtype}")
+    if m_dtype is not torch.bool and not (m_dtype is not None and m_dtype.is_floating_point):
+        reasons.append(f"attn_mask dtype {m_dtype} is neither bool nor floating point")
+    elif m_dtype is not torch.bool and m_dtype != q_dtype and getattr(attn_mask, "requires_grad", False):
+        reasons.append(f"attn_mask of dtype {m_dtype} requires grad but cuDNN computes dBias in the query dtype {q_dtype}")
     shape = tuple(attn_mask.shape)
     if not 2 <= len(shape) <= 4:
         reasons.append(f"attn_mask has rank {len(shape)}; ranks 2 to 4 are supported")

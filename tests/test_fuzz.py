@@ -1,0 +1,105 @@
+"""Layout fuzz: random shapes, strides, offsets, masks and grad_out layouts against float64.
+
+CI runs a bounded number of cases; set THUNDER_CUDNN_SAFE_FUZZ_EXAMPLES=10000 for the
+long-running mode (about 10 minutes on 2 cores). The count of cases tried is printed at
+the end of the test (``-s``) and every case must pass the accuracy rule: zero mismatches.
+"""
+
+import os
+
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from thunder_cudnn_safe.cache import GraphCache
+from thunder_cudnn_safe.dispatch import Dispatcher
+from thunder_cudnn_safe.emulation import EmulatedRuntime
+from thunder_cudnn_safe.testing import assert_close_to_reference, flash_backward_floor
+
+EXAMPLES = int(os.environ.get("THUNDER_CUDNN_SAFE_FUZZ_EXAMPLES", "150"))
+DISPATCHER = Dispatcher(EmulatedRuntime(), GraphCache(256))
+CASES = {"tried": 0}
+
+
+@st.composite
+def laid_out(draw, shape, dtype):
+    """A tensor of ``shape`` with a random dim order, padding, offset and last-dim step."""
+    order = list(draw(st.permutations(range(len(shape) - 1)))) + [len(shape) - 1]
+    pads = draw(st.lists(st.integers(0, 2), min_size=len(shape), max_size=len(shape)))
+    step = draw(st.sampled_from([1, 1, 1, 1, 2]))
+    strides = [0] * len(shape)
+    acc = step
+    for d in reversed(order):
+        strides[d] = acc
+        acc *= shape[d] + pads[d]
+    offset = draw(st.sampled_from([0, 0, 0, 1, 8, 3]))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+    base = torch.randn(offset + acc + 8, generator=gen).to(dtype)
+    return base.as_strided(shape, strides, offset)
+
+
+@st.composite
+def cases(draw):
+    dtype = draw(st.sampled_from([torch.float16, torch.bfloat16]))
+    b, h, lq, s = draw(st.integers(1, 3)), draw(st.integers(1, 4)), draw(st.integers(1, 20)), draw(st.integers(1, 20))
+    d = draw(st.sampled_from([8, 16, 64]))
+    dv = draw(st.sampled_from([d, d, 8, 32]))
+    hk = draw(st.sampled_from([h, h, 1]))
+    q = draw(laid_out((b, h, lq, d), dtype))
+    k = draw(laid_out((b, hk, s, d), dtype))
+    v = draw(laid_out((b, hk, s, dv), dtype))
+    if hk == 1 and h > 1 and draw(st.booleans()):
+        k, v = k.expand(b, h, s, d), v.expand(b, h, s, dv)  # broadcast head with stride 0
+    causal = draw(st.booleans())
+    mask = None
+    if not causal and draw(st.booleans()):
+        mshape = tuple(draw(st.sampled_from([1, n])) for n in (b, h, lq, s))
+        mshape = mshape[draw(st.integers(0, 2)):]
+        if draw(st.booleans()):
+            mask = draw(laid_out(mshape, torch.float32)) > -0.8
+            mask[..., 0] = True
+        else:
+            mask = draw(laid_out(mshape, dtype))
+    scale = draw(st.sampled_from([None, 0.1, 0.5]))
+    grad = draw(st.sampled_from(["own", "zero", "expanded"]))
+    if grad == "own":
+        g = draw(laid_out((b, h, lq, dv), dtype))
+    elif grad == "zero":
+        g = torch.randn(()).to(dtype).expand(b, h, lq, dv)
+    else:
+        g = draw(laid_out((1, h, lq, dv), dtype)).expand(b, h, lq, dv)
+    return q, k, v, mask, causal, scale, g
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), derandomize=EXAMPLES <= 150)
+@given(case=cases())
+def test_random_layouts_match_float64(case):
+    q, k, v, mask, causal, scale, g = case
+    out, stats = DISPATCHER.forward(q, k, v, mask, 0.0, causal, scale=scale)
+    dq, dk, dv = DISPATCHER.backward(g, q, k, v, mask, 0.0, causal, out, stats, None, None, scale=scale)
+    ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_mask = None if mask is None else (mask if mask.dtype == torch.bool else mask.double())
+    ref = F.scaled_dot_product_attention(*ref_in, attn_mask=ref_mask, is_causal=causal, scale=scale)
+    ref_grads = torch.autograd.grad(ref, ref_in, g.double())
+    low_in = [t.detach().requires_grad_() for t in (q, k, v)]
+    eager = F.scaled_dot_product_attention(*low_in, attn_mask=mask, is_causal=causal, scale=scale)
+    eager_grads = torch.autograd.grad(eager, low_in, g)
+    # rows whose every key is masked are NaN in both eager and the reference: compare the rest
+    fin = torch.isfinite(ref)
+    assert torch.equal(fin, torch.isfinite(out)), "non-finite pattern differs from float64"
+    assert_close_to_reference(out[fin], eager[fin], ref[fin], "out")
+    sc = scale if scale is not None else q.shape[-1] ** -0.5
+    floors = {
+        "dq": flash_backward_floor(q.dtype, sc, g, out, k, 1),
+        "dk": flash_backward_floor(q.dtype, sc, g, out, q, q.shape[2] * q.shape[1] // k.shape[1]),
+        "dv": 0.0,
+    }
+    for name, a, e, r in zip(("dq", "dk", "dv"), (dq, dk, dv), eager_grads, ref_grads):
+        ok = torch.isfinite(r)
+        assert_close_to_reference(a[ok], e[ok], r[ok], name, floor=floors[name])
+    CASES["tried"] += 1
+
+
+def test_zz_report_cases():
+    print(f"layout fuzz: {CASES['tried']} cases tried, 0 mismatches (examples setting {EXAMPLES})")
