@@ -1,0 +1,645 @@
+"""The upstream patch for thunder's own cuDNN SDPA executor (upstream/cudnn_sdpa.patch), on CPU.
+
+* The patch applies cleanly (exact context, no offsets) to the installed
+  lightning-thunder 0.2.6 ``thunder/executors/cudnn_sdpa.py`` and the result compiles,
+  with the pure-Python applier and with the ``patch`` program; site-packages is untouched.
+* Both the unpatched and the patched module are loaded from files under private names
+  (thunder's executor registry is restored afterwards). With the GPU-only calls stubbed
+  (handle, ``graph.key()``, ``graph.build``, workspace size, ``graph.execute``), their real
+  frontend graphs are inspected: the patched backward graph declares dO with the
+  strides of the grad_out it is given, the unpatched one declares it contiguous.
+* ``graph.execute`` is routed to :func:`thunder_cudnn_safe.emulation.emulate`, which reads
+  every bound tensor through the layout declared in the graph, as cuDNN does. The
+  diffusers case (transposed grad_out) then gives correct gradients with the patch and
+  wrong ones without it; likewise for a strided attention mask and for dropout.
+* A GPU-marked test runs upstream/test_cudnn_sdpa_strides.py in a subprocess with the
+  patched module in place of ``thunder.executors.cudnn_sdpa`` (and checks that it fails
+  with the unpatched one).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import thunder_cudnn_safe  # noqa: F401  (compat steps, then thunder)
+import thunder.extend
+from thunder.core import devices, dtypes
+from thunder.core.proxies import TensorProxy
+from thunder.core.trace import detached_trace
+
+from thunder_cudnn_safe import reference
+from thunder_cudnn_safe.emulation import EmulationError, _torch_dtype_of, emulate
+from thunder_cudnn_safe.testing import assert_close_to_reference
+
+REPO = Path(__file__).resolve().parents[1]
+UPSTREAM = REPO / "upstream"
+sys.path.insert(0, str(UPSTREAM))
+import apply_patch  # noqa: E402
+
+cudnn = pytest.importorskip("cudnn")
+
+# The diffusers case of the seed issue: grad_out (2, 8, 64, 96) with strides (49152, 96, 768, 1).
+B, H, L, D = 2, 8, 64, 96
+BSHD_STRIDES = (L * H * D, D, H * D, 1)
+BHSD_STRIDES = (H * L * D, L * D, D, 1)
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+# --------------------------------------------------------------------------- applying the patch
+
+
+@pytest.fixture(scope="module")
+def applied(tmp_path_factory):
+    return apply_patch.apply_patch(out_dir=tmp_path_factory.mktemp("patched"))
+
+
+def test_patch_applies_cleanly_to_installed_thunder(applied):
+    assert thunder.__version__ == "0.2.6"
+    assert applied.source == Path(thunder.executors.cudnn_sdpa.__file__).resolve()
+    assert [h.offset for h in applied.hunks] == [0] * len(applied.hunks), applied.report()
+    assert applied.compiled and applied.clean, applied.report()
+    text = applied.patched.read_text()
+    assert "scaled_dot_product_flash_attention_backward(" not in text and "graph.sdpa_backward(" in text
+    assert "dO = graph.tensor_like(output)" not in text
+    # the pristine copy is byte-identical to the installed file, which is unchanged
+    assert _sha256(applied.original) == _sha256(applied.source) == applied.source_sha256
+
+
+@pytest.mark.skipif(shutil.which("patch") is None, reason="no 'patch' program")
+def test_patch_program_gives_the_same_file(applied, tmp_path):
+    res = apply_patch.apply_patch(out_dir=tmp_path, use_patch_program=True)
+    assert res.clean, res.report()
+    assert res.patched.read_bytes() == applied.patched.read_bytes()
+
+
+def test_applier_reports_offsets_and_failures(tmp_path):
+    src = apply_patch.find_thunder_file().read_text()
+    shifted = tmp_path / "shifted.py"
+    shifted.write_text("# one\n# two\n" + src)
+    res = apply_patch.apply_patch(shifted, tmp_path / "o1")
+    assert res.applied and not res.clean and {h.offset for h in res.hunks} == {2}
+    broken = tmp_path / "broken.py"
+    broken.write_text(src.replace("dO = graph.tensor_like(output)", "dO = graph.tensor_like(output)  # edited"))
+    res = apply_patch.apply_patch(broken, tmp_path / "o2")
+    assert not res.applied and not res.clean and res.patched is None
+    assert sum(h.applied_at is None for h in res.hunks) == 1
+
+
+def test_cli_exit_codes_and_never_writes_site_packages(tmp_path):
+    site_file = apply_patch.find_thunder_file()
+    before = _sha256(site_file)
+    cli = [sys.executable, str(UPSTREAM / "apply_patch.py")]
+    ok = subprocess.run([*cli, "--out", str(tmp_path / "ok")], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "RESULT: applied cleanly" in ok.stdout
+    assert (tmp_path / "ok" / "b" / apply_patch.TARGET).is_file()
+    broken = tmp_path / "cudnn_sdpa.py"
+    broken.write_text(site_file.read_text().replace("stride_o = (h * s_q * d_v", "stride_o = (s_q * h * d_v"))
+    bad = subprocess.run([*cli, "--thunder-file", str(broken), "--out", str(tmp_path / "bad")], capture_output=True, text=True)
+    assert bad.returncode == 1 and "did NOT apply cleanly" in bad.stdout
+    inside = site_file.parent.parent.parent / "_should_never_exist_upstream_patch"
+    refused = subprocess.run([*cli, "--out", str(inside)], capture_output=True, text=True)
+    assert refused.returncode == 2 and "refusing" in refused.stderr
+    assert not inside.exists()
+    assert _sha256(site_file) == before
+
+
+# --------------------------------------------------------------------------- loading both modules
+
+
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)  # calls register_executor(OperatorExecutor("cudnn", ...))
+    return mod
+
+
+@pytest.fixture(scope="module")
+def mods(applied):
+    """(unpatched, patched) thunder cudnn_sdpa modules; thunder's executor registry is left as found."""
+    registry = thunder.extend._executor_map
+    saved = dict(registry)
+    real_cudnn_ex = thunder.extend.get_executor("cudnn")
+    try:
+        old = _load("_upstream_cudnn_sdpa_unpatched", applied.original)
+        new = _load("_upstream_cudnn_sdpa_patched", applied.patched)
+    finally:
+        registry.clear()
+        registry.update(saved)
+    assert thunder.extend.get_executor("cudnn") is real_cudnn_ex
+    assert old.cudnn_ex is not real_cudnn_ex and new.cudnn_ex is not real_cudnn_ex
+    return old, new
+
+
+def test_loading_the_modules_leaves_thunders_registry_alone(mods):
+    import thunder.executors.cudnn_sdpa as real
+
+    assert thunder.extend.get_executor("cudnn") is real.cudnn_ex
+    assert thunder.cudnn_executor is real.cudnn_ex
+
+
+def _fake_key(graph):
+    """Stands in for the backend's ``graph.key()`` (a hash of the serialized graph: every tensor's
+    dims, strides and dtype, and the op attributes). Like the real one, it validates first."""
+    graph.validate()
+    parts = []
+    for node in graph.nodes:
+        parts.append((node.node_type.name, tuple(sorted((k, repr(v)) for k, v in node.params.items()))))
+        ports = sorted(list(node.inputs.items()) + list(node.outputs.items()), key=lambda kv: kv[0])
+        for port, t in ports:
+            parts.append((port, tuple(t.get_dim()), tuple(t.get_stride()), str(t.get_data_type()), t.get_is_virtual()))
+    return tuple(parts)
+
+
+class Executions:
+    """Records (graph, pack) of every stubbed ``graph.execute`` and runs it on the emulated cuDNN."""
+
+    def __init__(self):
+        self.calls = []
+
+    def execute(self, graph, pack, workspace=None, handle=None, **kwargs):
+        # The frontend ignores entries for absent optional tensors (e.g. {Seed: None} without dropout).
+        pack = {k: v for k, v in pack.items() if k is not None and v is not None}
+        self.calls.append((graph, pack))
+        emulate(graph, pack)
+
+
+@pytest.fixture
+def stubbed(mods, monkeypatch):
+    """Stub the GPU-only calls of both modules; alias the names frontend >= 1.27 removed for the unpatched one."""
+    runs = Executions()
+    for mod in mods:
+        monkeypatch.setattr(mod, "_get_cudnn_handle", lambda device: None)
+        monkeypatch.setattr(mod, "_cudnnex_cache", mod.CudnnexLRUCache(maxlen=1024))
+    graph_cls = cudnn.pygraph
+    monkeypatch.setattr(graph_cls, "key", _fake_key)
+    monkeypatch.setattr(graph_cls, "build", lambda self, *a, **k: None)
+    monkeypatch.setattr(graph_cls, "get_workspace_size", lambda self, *a, **k: 0)
+    monkeypatch.setattr(graph_cls, "execute", lambda self, pack, *a, **k: runs.execute(self, pack, *a, **k))
+    monkeypatch.setattr(graph_cls, "scaled_dot_product_flash_attention", graph_cls.sdpa, raising=False)
+    monkeypatch.setattr(graph_cls, "scaled_dot_product_flash_attention_backward", graph_cls.sdpa_backward, raising=False)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    return runs
+
+
+def _declaration_mismatches(graph, pack):
+    """Each bound uid whose declared (dims, strides, dtype) differ from the bound tensor's."""
+    by_uid = {int(k.get_uid()): v for k, v in pack.items()}
+    problems = []
+    for node in graph.nodes:
+        for port, t in list(node.inputs.items()) + list(node.outputs.items()):
+            if t is None or t.get_is_virtual() or t.get_is_pass_by_value():
+                continue
+            bound = by_uid.get(int(t.get_uid()))
+            if bound is None:
+                problems.append(f"{port}: declared but not bound")
+                continue
+            want = (tuple(t.get_dim()), tuple(t.get_stride()), _torch_dtype_of(t.get_data_type()))
+            have = (tuple(bound.shape), tuple(bound.stride()), bound.dtype)
+            if want != have:
+                problems.append(f"{port}: declared {want}, bound {have}")
+    return problems
+
+
+def _unreadable_by_cudnn(pack):
+    """Bound tensors cuDNN cannot take whatever is declared: last-dim stride != 1 or a misaligned base."""
+    bad = []
+    for t, bound in pack.items():
+        if t.get_is_pass_by_value() or bound.numel() == 1:
+            continue
+        if bound.stride(-1) != 1 or bound.data_ptr() % 16:
+            bad.append(f"{t.get_name()}: strides {bound.stride()}, base % 16 = {bound.data_ptr() % 16}")
+    return bad
+
+
+# --------------------------------------------------------------------------- tensors
+
+
+def _bshd_as_bhsd(dtype, low=-1.0, high=1.0, d=D):
+    """(B, H, L, d) viewed from BSHD storage, the layout diffusers hands to sdpa."""
+    return (torch.rand(B, L, H, d, dtype=torch.float64) * (high - low) + low).to(dtype).transpose(1, 2)
+
+
+def _diffusers_inputs(dtype):
+    q, k, v = (_bshd_as_bhsd(dtype) for _ in range(3))
+    g = _bshd_as_bhsd(dtype)
+    assert q.stride() == BSHD_STRIDES and g.stride() == BSHD_STRIDES
+    return q, k, v, g
+
+
+def _run(mod, q, k, v, g, mask=None, dropout_p=0.0):
+    out, stats, seed, offset = mod._cudnn_sdpa_fwd_impl(q, k, v, mask, dropout_p, False, scale=None)
+    grads = mod._cudnn_sdpa_bwd_impl(g, q, k, v, mask, dropout_p, False, out, stats, seed, offset, scale=None, cat_grad_qkv=False)
+    return out, grads, (seed, offset)
+
+
+def _math_attention(q, k, v, mask=None, keep=None, p=0.0):
+    s = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+    if mask is not None:
+        s = s + mask
+    a = torch.softmax(s, dim=-1)
+    if keep is not None:
+        a = a * keep / (1.0 - p)
+    return a @ v
+
+
+def _references(q, k, v, g, mask=None, keep=None, p=0.0):
+    """(float64 reference, eager in the inputs' precision): output and grads of q, k, v (and mask)."""
+    results = []
+    for dt in (torch.float64, q.dtype):
+        leaves = [t.detach().to(dt).requires_grad_() for t in (q, k, v)]
+        m = None if mask is None else mask.detach().to(dt).requires_grad_()
+        if keep is None and dt != torch.float64:
+            out = F.scaled_dot_product_attention(*leaves, attn_mask=m)
+        else:
+            out = _math_attention(*leaves, m, keep, p)
+        grads = torch.autograd.grad(out, leaves + ([m] if m is not None else []), g.to(dt))
+        results.append((out.detach(), grads))
+    return results
+
+
+def _check(out, grads, refs, names=("dq", "dk", "dv", "dmask")):
+    (ref_out, ref_grads), (eager_out, eager_grads) = refs
+    assert_close_to_reference(out, eager_out, ref_out, "output")
+    for name, got, eager, ref in zip(names, grads, eager_grads, ref_grads):
+        assert_close_to_reference(got, eager, ref, name)
+
+
+def _fails_rule(out, grads, refs) -> list[str]:
+    """Names of the tensors that violate the accuracy rule."""
+    (ref_out, ref_grads), (eager_out, eager_grads) = refs
+    failed = []
+    for name, got, eager, ref in zip(("output", "dq", "dk", "dv", "dmask"), (out, *grads), (eager_out, *eager_grads), (ref_out, *ref_grads)):
+        try:
+            assert_close_to_reference(got, eager, ref, name)
+        except AssertionError:
+            failed.append(name)
+    return failed
+
+
+# --------------------------------------------------------------------------- declarations
+
+
+def test_patched_backward_graph_declares_dO_with_grad_out_strides(mods, stubbed):
+    old, new = mods
+    q, k, v, g = _diffusers_inputs(torch.float16)
+    out = torch.empty(B, H, L, D, dtype=torch.float16)
+    row = old._compute_row_major_strides(q.shape)
+    assert row == BHSD_STRIDES
+
+    built_old = old._make_cudnn_sdpa_backward_graph(q, k, v, None, 0.0, False, q.stride(), k.stride(), v.stride(), q.stride(), k.stride(), v.stride())
+    built_new = new._make_cudnn_sdpa_backward_graph(
+        q, k, v, None, 0.0, False, q.stride(), k.stride(), v.stride(), q.stride(), k.stride(), v.stride(),
+        out_stride=out.stride(), grad_out_stride=g.stride(),
+    )
+    # the tuple is (Q, K, V, O, dO, Stats, Seed, Offset, Attn_scale, Bias, dQ, dK, dV, dBias, graph)
+    d_o_old, d_o_new = built_old[4], built_new[4]
+    assert built_old[14].nodes[0].inputs["dO"] is d_o_old and built_new[14].nodes[0].inputs["dO"] is d_o_new
+    assert tuple(d_o_old.get_stride()) == BHSD_STRIDES  # unpatched: contiguous, whatever grad_out is
+    assert tuple(d_o_new.get_stride()) == BSHD_STRIDES == g.stride()  # patched: grad_out's own strides
+    assert tuple(built_new[3].get_stride()) == out.stride()
+    # a different grad_out layout is a different graph (the cache key covers strides)
+    g_contig = g.contiguous()
+    again = new._make_cudnn_sdpa_backward_graph(
+        q, k, v, None, 0.0, False, q.stride(), k.stride(), v.stride(), q.stride(), k.stride(), v.stride(),
+        out_stride=out.stride(), grad_out_stride=g_contig.stride(),
+    )
+    assert tuple(again[4].get_stride()) == BHSD_STRIDES and again[14] is not built_new[14]
+    assert len(new._cudnnex_cache) == 2
+
+
+@pytest.mark.parametrize("case", ["diffusers", "strided_mask", "dropout"])
+def test_every_bound_tensor_is_declared_as_bound(mods, stubbed, case):
+    """Through the real impls, each uid's declared layout equals the bound tensor's only with the patch."""
+    old, new = mods
+    q, k, v, g = _diffusers_inputs(torch.float16)
+    mask = _strided_mask(torch.float16) if case == "strided_mask" else None
+    p = 0.25 if case == "dropout" else 0.0
+    _run(new, q, k, v, g, mask, p)
+    assert len(stubbed.calls) == 2
+    for graph, pack in stubbed.calls:
+        assert _declaration_mismatches(graph, pack) == []
+    stubbed.calls.clear()
+    if case == "dropout":  # declared INT64, bound int32: the emulated cuDNN refuses, as it would misread
+        with pytest.raises(EmulationError, match="int64 but the bound tensor is torch.int32"):
+            _run(old, q, k, v, g, mask, p)
+        return
+    _run(old, q, k, v, g, mask, p)
+    problems = [p for graph, pack in stubbed.calls for p in _declaration_mismatches(graph, pack)]
+    wanted = {"diffusers": "dO", "strided_mask": "bias"}[case]
+    assert any(p.startswith(f"{wanted}:") for p in problems), problems
+
+
+def test_checker_builds_graphs_from_proxies(mods, stubbed):
+    """At trace time, TensorProxies have no strides: both checkers still build (row-major) graphs."""
+    cuda = devices.Device("cuda:0")
+    with detached_trace():
+        q, k, v = (TensorProxy(shape=(B, H, L, D), dtype=dtypes.float16, device=cuda, requires_grad=True) for _ in range(3))
+        mask = TensorProxy(shape=(1, H, L, L), dtype=dtypes.bool8, device=cuda, requires_grad=False)
+        for mod in mods:
+            assert mod._cudnn_sdpa_checker(q, k, v, None, 0.0, False) is True
+            assert mod._cudnn_sdpa_checker(q, k, v, mask, 0.1, True) is True
+    old, new = mods
+    for mod in mods:
+        bwd = [entry for entry in mod._cudnnex_cache.values() if len(entry) == 15]
+        assert len(bwd) == 2
+        for entry in bwd:
+            assert tuple(entry[4].get_stride()) == BHSD_STRIDES  # dO row-major at trace time
+    masked = [e for e in new._cudnnex_cache.values() if len(e) == 15 and e[9] is not None][0]
+    assert tuple(masked[9].get_stride()) == (H * L * L, L * L, L, 1)
+    assert tuple(masked[13].get_stride()) == (H * L * L, L * L, L, 1)
+
+
+# --------------------------------------------------------------------------- numerics on the emulated cuDNN
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_diffusers_case_gradients(mods, stubbed, dtype):
+    """The seed bug: transposed grad_out. Patched: within 2x eager's error. Unpatched: far off."""
+    old, new = mods
+    q, k, v, g = _diffusers_inputs(dtype)
+    refs = _references(q, k, v, g)
+    out, grads, _ = _run(new, q, k, v, g)
+    _check(out, grads, refs)
+
+    out_old, grads_old, _ = _run(old, q, k, v, g)
+    assert _fails_rule(out_old, grads_old, refs) == ["dq", "dk", "dv"]
+    # and the error is large, not marginal (the issue saw ~14 in fp16 on the GPU)
+    ref_dq = refs[0][1][0]
+    assert (grads_old[0].double() - ref_dq).abs().max() > 10 * (grads[0].double() - ref_dq).abs().max()
+
+
+def test_cudnn_before_9_5_1_gets_grad_out_in_the_layout_of_out(mods, stubbed, monkeypatch):
+    """cuDNN < 9.5.1 read dO with O's strides: there the patch copies grad_out into O's layout."""
+    _, new = mods
+    monkeypatch.setattr(new, "cudnn_backend_version", 90400)
+    q, k, v, g = _diffusers_inputs(torch.float16)
+    refs = _references(q, k, v, g)
+    out, grads, _ = _run(new, q, k, v, g)
+    _check(out, grads, refs)
+    graph, pack = stubbed.calls[1]
+    d_o = graph.nodes[0].inputs["dO"]
+    o = graph.nodes[0].inputs["o"]
+    assert pack[d_o].stride() == pack[o].stride() == BHSD_STRIDES
+    assert _declaration_mismatches(graph, pack) == []
+
+
+def test_forward_uses_sdpa_with_generate_stats(mods, stubbed):
+    old, new = mods
+    assert new._sdpa_generate_stats_kwargs == {"generate_stats": True}  # frontend 1.32 >= 1.13
+    q, k, v, g = _diffusers_inputs(torch.float16)
+    _run(new, q, k, v, g)
+    fwd, bwd = (graph.nodes[0] for graph, _ in stubbed.calls)
+    assert fwd.node_type.name == "SDPA" and fwd.params.get("generate_stats") is True and "is_inference" not in fwd.params
+    assert bwd.node_type.name == "SDPA_BWD"
+
+
+def test_contiguous_and_transposed_grad_out_share_no_graph(mods, stubbed):
+    """Alternating grad_out layouts: each gets its own backward graph, both correct."""
+    _, new = mods
+    q, k, v, g = _diffusers_inputs(torch.float16)
+    for grad in (g.contiguous(), g, g.contiguous()):
+        refs = _references(q, k, v, grad)
+        out, grads, _ = _run(new, q, k, v, grad)
+        _check(out, grads, refs)
+    bwd_graphs = {id(entry[14]) for entry in new._cudnnex_cache.values() if len(entry) == 15}
+    assert len(bwd_graphs) == 2
+
+
+def _strided_mask(dtype):
+    """An additive (1, H, L, L) mask from (L, H, L) storage: last-dim stride 1, other strides not row-major."""
+    return (torch.randn(L, H, L, dtype=torch.float64) * 2).to(dtype).permute(1, 0, 2).unsqueeze(0)
+
+
+def test_strided_attn_mask(mods, stubbed):
+    old, new = mods
+    q, k, v, g = _diffusers_inputs(torch.float16)
+    mask = _strided_mask(torch.float16)
+    assert mask.stride()[1:] == (L, H * L, 1)
+    refs = _references(q, k, v, g, mask)
+    out, grads, _ = _run(new, q, k, v, g, mask)
+    _check(out, grads, refs)  # output, dq, dk, dv and dmask (summed over the batch by cuDNN)
+
+    out_old, grads_old, _ = _run(old, q, k, v, g, mask)
+    assert "output" in _fails_rule(out_old, grads_old, refs)  # the mask was read row-major
+
+
+def test_broadcast_attn_mask_and_its_gradient(mods, stubbed):
+    """A mask expanded over the heads (stride 0): Bias declared with stride 0, dBias with the dense
+    gradient buffer's strides. Unpatched, the row-major Bias declaration reaches past the mask's storage."""
+    old, new = mods
+    q, k, v, g = _diffusers_inputs(torch.float16)
+    mask = torch.randn(1, 1, L, L, dtype=torch.float16).expand(1, H, L, L)
+    assert mask.stride() == (L * L, 0, L, 1)
+    refs = _references(q, k, v, g, mask)
+    out, grads, _ = _run(new, q, k, v, g, mask)
+    assert grads[3].shape == (1, H, L, L) and grads[3].is_contiguous()
+    _check(out, grads, refs)
+    for graph, pack in stubbed.calls:
+        assert _declaration_mismatches(graph, pack) == []
+    with pytest.raises(EmulationError, match="past the 4096-element storage"):
+        _run(old, q, k, v, g, mask)
+
+
+def test_out_with_non_contiguous_layout(mods, stubbed):
+    """O is declared with the strides of the ``out`` it is bound to (latent: thunder allocates it contiguous)."""
+    old, new = mods
+    q, k, v, g = _diffusers_inputs(torch.float16)
+    g = g.contiguous()  # only O's layout differs from what the unpatched builder assumes
+    refs = _references(q, k, v, g)
+    results = {}
+    for name, mod in (("new", new), ("old", old)):
+        out, stats, seed, offset = mod._cudnn_sdpa_fwd_impl(q, k, v, None, 0.0, False)
+        out_bshd = torch.empty(B, L, H, D, dtype=out.dtype).transpose(1, 2).copy_(out)
+        grads = mod._cudnn_sdpa_bwd_impl(g, q, k, v, None, 0.0, False, out_bshd, stats, seed, offset, cat_grad_qkv=False)
+        results[name] = (out, grads)
+    _check(*results["new"], refs)
+    assert _fails_rule(*results["old"], refs) == ["dq", "dk"]  # delta = rowsum(dO * O) read through the wrong strides
+
+
+def test_bool_mask_with_transposed_storage(mods, stubbed):
+    _, new = mods
+    q, k, v, g = _diffusers_inputs(torch.float16)
+    keep = (torch.rand(L, L) > 0.3) | torch.eye(L, dtype=torch.bool)
+    mask = keep.t().contiguous().t()[None, None]  # column-major bool mask: cloned to row-major by the patch
+    additive = torch.zeros(1, 1, L, L, dtype=torch.float16).masked_fill(~mask, float("-inf"))
+    (ref_out, ref_grads), (eager_out, eager_grads) = _references(q, k, v, g, additive)
+    out, grads, _ = _run(new, q, k, v, g, mask)
+    _check(out, grads[:3], ((ref_out, ref_grads[:3]), (eager_out, eager_grads[:3])))
+    for graph, pack in stubbed.calls:  # the converted mask is cloned to a last-dim stride of 1 in both passes
+        assert _unreadable_by_cudnn(pack) == [] and _declaration_mismatches(graph, pack) == []
+
+
+@pytest.mark.parametrize("case", ["misaligned_q", "zero_stride_grad_out", "lastdim_strided_grad_out"])
+def test_layouts_cudnn_cannot_read_are_copied(mods, stubbed, case):
+    """Misaligned bases and non-unit last-dim strides are cloned (``contiguous()`` would keep a misaligned
+    contiguous tensor as is); the unpatched module binds them as they come."""
+    old, new = mods
+    q, k, v, g = _diffusers_inputs(torch.float16)
+    if case == "misaligned_q":
+        q = torch.randn(B * H * L * D + 1, dtype=torch.float16)[1:].view(B, H, L, D)
+    elif case == "zero_stride_grad_out":
+        g = torch.randn(1, dtype=torch.float16).reshape(1, 1, 1, 1).expand(B, H, L, D)  # out.sum().backward()
+    else:
+        g = torch.randn(B, H, L, 2 * D, dtype=torch.float16)[..., ::2]
+    refs = _references(q, k, v, g)
+    out, grads, _ = _run(new, q, k, v, g)
+    _check(out, grads, refs)
+    for graph, pack in stubbed.calls:
+        assert _unreadable_by_cudnn(pack) == [] and _declaration_mismatches(graph, pack) == []
+    stubbed.calls.clear()
+    try:
+        _run(old, q, k, v, g)
+    except EmulationError:
+        pass  # e.g. misaligned base, or a declared view past the bound storage
+    assert any(_unreadable_by_cudnn(pack) or _declaration_mismatches(graph, pack) for graph, pack in stubbed.calls)
+
+
+def test_dropout_with_transposed_grad_out(mods, stubbed):
+    """Dropout: seed/offset declared as allocated; gradients match a float64 reference using the same keep mask."""
+    old, new = mods
+    p = 0.2
+    q, k, v, g = _diffusers_inputs(torch.float16)
+    out, grads, (seed, offset) = _run(new, q, k, v, g, dropout_p=p)
+    assert seed.dtype == offset.dtype == torch.int32
+    keep = reference.dropout_keep_mask(int(seed.reshape(-1)[0]), int(offset.reshape(-1)[0]), (B, H, L, L), p, torch.device("cpu"))
+    assert 0.7 < keep.float().mean().item() < 0.9
+    _check(out, grads, _references(q, k, v, g, keep=keep, p=p))
+    with pytest.raises(EmulationError, match="declared torch.int64"):
+        _run(old, q, k, v, g, dropout_p=p)
+
+
+# --------------------------------------------------------------------------- the upstream test file, emulated
+
+
+def _retargeted(text: str, replacements: list[tuple[str, str]]) -> str:
+    for old, new in replacements:
+        assert old in text, f"cannot retarget: {old!r} not found"
+        text = text.replace(old, new)
+    return text
+
+
+@pytest.fixture(scope="module")
+def upstream_tests_on_cpu(applied, tmp_path_factory):
+    """upstream/test_cudnn_sdpa_strides.py, retargeted to CPU tensors and to a copy of thunder's cudnn
+    module (unpatched "a", patched "b") whose checker accepts CPU tensors. With the ``stubbed`` fixture
+    active, everything runs through thunder.jit up to ``graph.execute``, which the emulated cuDNN serves."""
+    work = tmp_path_factory.mktemp("upstream_cpu")
+    registry = thunder.extend._executor_map
+    saved = dict(registry)
+    suites = {}
+    try:
+        for side, src in (("a", applied.original), ("b", applied.patched)):
+            mod_path = work / f"cudnn_sdpa_{side}.py"
+            mod_path.write_text(_retargeted(src.read_text(), [('query.device.type != "cuda"', 'query.device.type != "cpu"')]))
+            mod = _load(f"_upstream_cudnn_sdpa_{side}_cpu", mod_path)
+            sys.modules[mod.__name__] = mod
+            test_text = _retargeted(
+                (UPSTREAM / "test_cudnn_sdpa_strides.py").read_text(),
+                [
+                    ('device="cuda"', 'device="cpu"'),
+                    ("@requiresCUDA\n", ""),
+                    ("from thunder.executors.cudnnex import cudnn_ex  # noqa: E402", f"from {mod.__name__} import cudnn_ex"),
+                    ("major, _ = torch.cuda.get_device_capability()", "major = 9"),
+                ],
+            )
+            test_path = work / f"upstream_strides_{side}.py"
+            test_path.write_text(test_text)
+            suites[side] = (mod, _load(f"_upstream_strides_test_{side}", test_path))
+    finally:
+        registry.clear()
+        registry.update(saved)
+    yield suites
+    for mod, _ in suites.values():
+        sys.modules.pop(mod.__name__, None)
+
+
+def _stub_module(mod, monkeypatch):
+    monkeypatch.setattr(mod, "_get_cudnn_handle", lambda device: None)
+    monkeypatch.setattr(mod, "_cudnnex_cache", mod.CudnnexLRUCache(maxlen=1024))
+
+
+_UPSTREAM_CASES = [
+    ("test_cudnn_sdpa_transposed_grad_out", (torch.float16,)),
+    ("test_cudnn_sdpa_transposed_grad_out", (torch.bfloat16,)),
+    ("test_cudnn_sdpa_diffusers_attention_block", (torch.float16,)),
+    ("test_cudnn_sdpa_strided_attn_mask", ("additive",)),
+    ("test_cudnn_sdpa_strided_attn_mask", ("bool",)),
+    ("test_cudnn_sdpa_dropout_transposed_grad_out", ()),
+]
+
+
+def test_upstream_test_passes_with_patch_on_emulated_cudnn(upstream_tests_on_cpu, stubbed, monkeypatch):
+    mod, suite = upstream_tests_on_cpu["b"]
+    _stub_module(mod, monkeypatch)
+    for name, args in _UPSTREAM_CASES:
+        getattr(suite, name)(*args)
+    assert len(stubbed.calls) >= 2 * len(_UPSTREAM_CASES) - 2  # forward-only mask cases run one graph each
+
+
+@pytest.mark.parametrize(
+    "name, args, error",
+    [
+        ("test_cudnn_sdpa_transposed_grad_out", (torch.float16,), "grad_query: max error"),
+        ("test_cudnn_sdpa_diffusers_attention_block", (torch.float16,), "grad_query: max error"),
+        ("test_cudnn_sdpa_strided_attn_mask", ("additive",), "output: max error"),
+    ],
+)
+def test_upstream_test_fails_without_patch_on_emulated_cudnn(upstream_tests_on_cpu, stubbed, monkeypatch, name, args, error):
+    mod, suite = upstream_tests_on_cpu["a"]
+    _stub_module(mod, monkeypatch)
+    with pytest.raises(AssertionError, match=error):
+        getattr(suite, name)(*args)
+
+
+# --------------------------------------------------------------------------- the upstream GPU test, on a GPU
+
+
+_GPU_RUNNER = r"""
+import sys
+sys.path.insert(0, {upstream!r})
+import apply_patch
+patched = {patched!r}
+if patched:
+    apply_patch.install_patched_module(patched)
+import thunder, thunder.executors.cudnn_sdpa as m
+if not patched:
+    apply_patch.alias_legacy_sdpa_names()
+print("cudnn_sdpa module:", m.__file__, flush=True)
+from pathlib import Path
+assert (Path(m.__file__).resolve() == Path(patched).resolve()) if patched else ("site-packages" in m.__file__)
+import pytest
+sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-o", "addopts=", {test!r}]))
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU with cuDNN")
+def test_upstream_regression_test_on_gpu(applied, tmp_path):
+    test = str(UPSTREAM / "test_cudnn_sdpa_strides.py")
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+
+    def run(patched: str):
+        code = _GPU_RUNNER.format(upstream=str(UPSTREAM), patched=patched, test=test)
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+
+    with_patch = run(str(applied.patched))
+    assert with_patch.returncode == 0, with_patch.stdout[-6000:] + with_patch.stderr[-3000:]
+    assert " passed" in with_patch.stdout and " skipped" not in with_patch.stdout.splitlines()[-1]
+    without = run("")
+    assert without.returncode != 0, "the regression test passed without the patch"
+    assert "test_cudnn_sdpa_transposed_grad_out" in without.stdout
