@@ -1,0 +1,246 @@
+#!/usr/bin/env python3
+"""Summary and packing step of scripts/gpu_check.sh (standard library only).
+
+    python3 scripts/gpu_check_report.py --out OUT --work WORK --steps STEPS.tsv
+
+* writes ``OUT/summary.md``: date, GPU, driver, torch / CUDA / cuDNN / frontend /
+  thunder versions (what benchmarks/results/ records), one row per step, the test
+  counts and failures from the JUnit XML, the built-in cuDNN executor probe, and the
+  benchmark headline (the suite's Markdown report, if any); prints it too;
+* keeps OUT within what the device tool brings back: at most 8 files, each at most
+  16 MiB and 2 folders deep, names of letters, digits, '.', '_' and '-' only, 64 MiB in
+  all. Files beyond that are packed, by priority, into ``OUT/rest.tar.gz``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import shutil
+import subprocess
+import tarfile
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+MAX_FILES = 8
+MAX_FILE = 16 * 2**20
+MAX_TOTAL = 60 * 2**20  # 64 MiB limit, with room to spare
+MAX_DEPTH = 2  # folders below OUT
+NAME_OK = re.compile(r"^[A-Za-z0-9._-]+$")
+# What to keep first when OUT holds too many files: the summary, the whole console log and
+# the JUnit XML; then the benchmark reports; last what gpu_check.log already contains.
+FIRST = ["summary.md", "gpu_check.log", "gpu-tests.xml"]
+LAST = ["env.json", "builtin_cudnn_probe.json", "gpu-tests.log"]
+
+
+def _load_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except Exception:
+        return None
+
+
+def _driver() -> str:
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=20, check=False,
+        )
+        return out.stdout.strip().splitlines()[0] if out.stdout.strip() else "?"
+    except Exception:
+        return "n/a (no nvidia-smi)"
+
+
+def _steps(path: Path) -> list[list[str]]:
+    rows = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            parts = line.split("\t")
+            rows.append((parts + [""] * 5)[:5])
+    return rows
+
+
+def _junit(path: Path) -> dict | None:
+    if not path.exists():
+        return None
+    try:
+        root = ET.parse(path).getroot()
+    except Exception as exc:
+        return {"error": f"unreadable JUnit XML: {exc}"}
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0, "time": 0.0}
+    for s in suites:
+        for k in ("tests", "failures", "errors", "skipped"):
+            counts[k] += int(s.get(k, 0) or 0)
+        counts["time"] += float(s.get("time", 0) or 0)
+    counts["passed"] = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+    failed = []
+    for case in root.iter("testcase"):
+        for tag in ("failure", "error"):
+            node = case.find(tag)
+            if node is not None:
+                msg = (node.get("message") or "").splitlines()[0][:160] if node.get("message") else ""
+                failed.append(f"{case.get('classname', '')}::{case.get('name', '')} ({tag}) {msg}")
+    counts["failed_cases"] = failed
+    return counts
+
+
+def _probe_lines(probe: dict | None) -> list[str]:
+    if not probe:
+        return ["(no probe record)"]
+    lines = [
+        f"- frontend {probe.get('frontend')}, backend {probe.get('backend')}, "
+        f"pygraph.scaled_dot_product_flash_attention present: {probe.get('pygraph_has_scaled_dot_product_flash_attention')}; "
+        f"built-in executor registered: {probe.get('builtin_registered')}; defaults: {probe.get('default_executors')}"
+    ]
+    runs = probe.get("runs")
+    if isinstance(runs, dict):
+        for name, r in runs.items():
+            if r.get("outcome") == "ran":
+                errs = ", ".join(f"{k} {v:.3g}" for k, v in r.get("max_abs_error_vs_float64", {}).items())
+                lines.append(f"- {name}: ran (claimed by built-in: {r.get('claimed_by_builtin')}); max abs error vs float64: {errs}")
+            else:
+                lines.append(f"- {name}: {r.get('type')}: {r.get('message', '')[:200]} at {(r.get('where') or ['?'])[-1]}")
+    else:
+        lines.append(f"- runs: {runs}")
+    if "thunder_import" in probe:
+        lines.append(f"- import thunder failed: {probe['thunder_import']}")
+    return lines
+
+
+def _bench_lines(out: Path) -> list[str]:
+    bench = out / "bench"
+    if not bench.is_dir():
+        return ["(no benchmark output)"]
+    files = sorted(p for p in bench.rglob("*") if p.is_file())
+    lines = ["files: " + ", ".join(str(p.relative_to(out)) for p in files)]
+    mds = [p for p in files if p.suffix == ".md"]
+    if mds:
+        text = mds[0].read_text(errors="replace").splitlines()
+        lines += ["", f"{mds[0].relative_to(out)} (first 60 lines):", ""] + text[:60]
+    return lines
+
+
+def write_summary(out: Path, work: Path, steps_path: Path) -> str:
+    env = _load_json(out / "env.json") or {}
+    probe = _load_json(work / "builtin_cudnn_probe.json")
+    junit = _junit(out / "gpu-tests.xml")
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    md = [f"# GPU check, {now}", ""]
+    md += [
+        "| what | value |",
+        "| --- | --- |",
+        f"| GPU | {env.get('gpu', 'none')} (sm {env.get('capability', '-')}, {env.get('gpu_memory_gib', '-')} GiB) |",
+        f"| driver | {_driver()} |",
+        f"| python | {env.get('python', '?')} |",
+        f"| torch / CUDA | {env.get('torch', '?')} / {env.get('torch_cuda', '?')} |",
+        f"| cuDNN (torch.backends.cudnn.version()) | {env.get('torch_cudnn', '?')} |",
+        f"| cuDNN (cudnn.backend_version()) | {env.get('cudnn_backend', env.get('frontend_error', '?'))} |",
+        f"| nvidia-cudnn-frontend | {env.get('frontend', '?')} |",
+        f"| lightning-thunder | {env.get('thunder', '?')} |",
+        f"| thunder_cudnn_safe | {env.get('thunder_cudnn_safe', '?')} |",
+        f"| executor problem | {env.get('executor_problem')} |",
+        "",
+        "| step | status | rc | seconds | note |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    md += [f"| {' | '.join(row)} |" for row in _steps(steps_path)]
+    md += ["", "## GPU-marked tests", ""]
+    if junit is None:
+        md.append("no JUnit XML (the test step did not finish)")
+    elif "error" in junit:
+        md.append(junit["error"])
+    else:
+        md.append(
+            f"{junit['passed']} passed, {junit['failures']} failed, {junit['errors']} errors, "
+            f"{junit['skipped']} skipped of {junit['tests']} in {junit['time']:.1f}s"
+        )
+        md += [f"- FAILED {c}" for c in junit["failed_cases"][:30]]
+    md += ["", "## thunder's built-in cuDNN executor with this frontend", ""] + _probe_lines(probe)
+    md += ["", "## GPU benchmark suite", ""] + _bench_lines(out)
+    text = "\n".join(md) + "\n"
+    (out / "summary.md").write_text(text)
+    return text
+
+
+def _rank(rel: str) -> tuple:
+    if rel in FIRST:
+        return (0, FIRST.index(rel), rel)
+    if rel in LAST:
+        return (2, LAST.index(rel), rel)
+    ext_rank = {".md": 0, ".json": 1, ".csv": 2, ".png": 3}.get(os.path.splitext(rel)[1], 4)
+    return (1, ext_rank, rel)
+
+
+def pack(out: Path, work: Path) -> list[str]:
+    """Keep OUT within the device tool's limits; return notes on what was packed or dropped."""
+    probe = work / "builtin_cudnn_probe.json"
+    if probe.exists() and not (out / probe.name).exists():
+        shutil.copy(probe, out / probe.name)
+    files = sorted((p for p in out.rglob("*") if p.is_file() or p.is_symlink()), key=lambda p: _rank(str(p.relative_to(out))))
+    keep, rest, total = [], [], 0
+    for p in files:
+        rel = p.relative_to(out)
+        ok = (
+            p.is_file() and not p.is_symlink()
+            and len(rel.parts) - 1 <= MAX_DEPTH
+            and all(NAME_OK.match(part) for part in rel.parts)
+            and p.stat().st_size <= MAX_FILE
+            and total + p.stat().st_size <= MAX_TOTAL
+        )
+        if ok and len(keep) < MAX_FILES:
+            keep.append(p)
+            total += p.stat().st_size
+        else:
+            rest.append(p)
+    notes = []
+    if not rest:
+        return notes
+    # The tarball takes one slot: move the lowest-priority kept file into it if all 8 are used.
+    if len(keep) == MAX_FILES:
+        rest.insert(0, keep.pop())
+    tar_path = out / "rest.tar.gz"
+    budget = min(MAX_FILE, MAX_TOTAL - sum(p.stat().st_size for p in keep))
+    packed = list(rest)
+    while True:
+        with tarfile.open(tar_path, "w:gz") as tar:
+            for p in packed:
+                tar.add(p, arcname=str(p.relative_to(out)))
+        if tar_path.stat().st_size <= budget or not packed:
+            break
+        dropped = max(packed, key=lambda p: p.stat().st_size)
+        packed.remove(dropped)
+        notes.append(f"dropped {dropped.relative_to(out)} ({dropped.stat().st_size} bytes): too large to bring back")
+    for p in rest:
+        p.unlink()
+    for d in sorted((d for d in out.rglob("*") if d.is_dir()), key=lambda d: -len(d.parts)):
+        try:
+            d.rmdir()
+        except OSError:
+            pass
+    notes.insert(0, f"packed {len(packed)} file(s) into rest.tar.gz: " + ", ".join(str(p.relative_to(out)) for p in packed))
+    return notes
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--work", type=Path, required=True)
+    ap.add_argument("--steps", type=Path, required=True)
+    args = ap.parse_args()
+    text = write_summary(args.out, args.work, args.steps)
+    notes = pack(args.out, args.work)
+    if notes:
+        with open(args.out / "summary.md", "a") as f:
+            f.write("\n## Packing\n\n" + "\n".join(f"- {n}" for n in notes) + "\n")
+    print(text + ("\n".join(notes) + "\n" if notes else ""))
+    kept = sorted(str(p.relative_to(args.out)) for p in args.out.rglob("*") if p.is_file())
+    print(f"$OUT holds {len(kept)} file(s): {', '.join(kept)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
