@@ -133,3 +133,27 @@ def test_cache_hit_makes_no_cudnn_call(monkeypatch):
     monkeypatch.setattr(cudnn, "pygraph", forbidden)
     disp.forward(q, k, v)
     assert disp.cache.info().hits == 1
+
+
+def test_steady_state_forward_path_keeps_declared_equal_to_bound(monkeypatch):
+    """The remembered-key path must not reuse a key for a misaligned input or another target."""
+    runtime = EmulatedRuntime()
+    disp = Dispatcher(runtime, tcs.cache.GraphCache(16))
+    packs = []
+    real_execute = runtime.execute
+    runtime.execute = lambda built, pack, device: packs.append((built.key, dict(pack))) or real_execute(built, pack, device)
+    q, k, v = (torch.randn(1, 2, 8, 64, dtype=torch.float16) for _ in range(3))
+    disp.forward(q, k, v)
+    disp.forward(q, k, v)  # steady-state path
+    mis = torch.randn(q.numel() + 1, dtype=torch.float16)[1:].view(q.shape)
+    assert mis.stride() == q.stride()
+    out = disp.forward(mis, k, v)[0]  # same strides, misaligned: must be copied, not bound as is
+    assert packs[-1][1][1].data_ptr() % 16 == 0
+    ref = torch.nn.functional.scaled_dot_product_attention(mis.float(), k.float(), v.float())
+    assert (out.float() - ref).abs().max() < 2e-3
+    runtime.backend_version = 90400
+    disp.forward(q, k, v)
+    assert packs[-1][0].target.backend_version == 90400
+    for key, pack in packs:
+        for uid, sig_ in ((1, key.q), (2, key.k), (3, key.v), (4, key.o), (5, key.stats)):
+            assert (pack[uid].shape, pack[uid].stride(), pack[uid].dtype) == tuple(sig_)

@@ -23,6 +23,7 @@ from .graphs import Uid
 from .keys import BackwardKey, ForwardKey, sig, sig_or_none
 from .layout import (
     LayoutPolicy,
+    binding_plan,
     canonical_strides,
     empty_in_order,
     empty_like_order,
@@ -54,14 +55,16 @@ def _record(operand: str, reason: str, t: torch.Tensor, copy: torch.Tensor, poli
 
 
 def prepare_operand(t: torch.Tensor, operand: str, policy: LayoutPolicy) -> torch.Tensor:
-    """The tensor to bind for ``t``: itself when cuDNN can read it, else a counted copy."""
-    reason = needs_copy(t, policy)
+    """The tensor to bind for ``t``: itself (with canonical size-1 strides) when cuDNN can read it, else a counted copy."""
+    reason, canon = binding_plan(t, policy)
     if reason is not None:
         copy = empty_like_order(t.shape, t, policy)
         copy.copy_(t)
         _record(operand, reason, t, copy, policy)
-        t = copy
-    return with_canonical_strides(t)
+        return copy  # fresh buffers already carry canonical strides
+    if canon is not None:
+        return t.as_strided(t.shape, canon, t.storage_offset())
+    return t
 
 
 def prepare_kv_forward(t: torch.Tensor, operand: str, policy: LayoutPolicy) -> torch.Tensor:
@@ -158,6 +161,8 @@ class Dispatcher:
     def __init__(self, runtime: Runtime, cache: GraphCache = graph_cache) -> None:
         self.runtime = runtime
         self.cache = cache
+        #: input layouts -> ForwardKey, for calls whose q, k, v were bound as they came
+        self._fast_forward: dict = {}
 
     # -- helpers -----------------------------------------------------------------------
     def _warn_fallback(self, key, exc: Exception) -> None:
@@ -192,8 +197,28 @@ class Dispatcher:
         scale: float | None = None,
         layout: str = "preserve",
     ) -> tuple[torch.Tensor, ...]:
-        policy = _policy(layout)
         device = query.device
+        target = self.runtime.target(device)
+        fast = None
+        if attn_mask is None and not dropout_p:
+            # Steady-state path: the same input layouts as an earlier call that bound q, k, v
+            # as they are. The remembered key was derived from those bound tensors, and O and
+            # stats are allocated with exactly the layouts it records, so declared == bound
+            # still holds by construction while skipping every per-operand decision.
+            fast = (
+                query.shape, query.stride(), key.shape, key.stride(), value.shape, value.stride(),
+                query.dtype, key.dtype, value.dtype, (query.data_ptr() | key.data_ptr() | value.data_ptr()) & 15,
+                is_causal, scale, layout, device, target,
+            )
+            fkey = self._fast_forward.get(fast)
+            if fkey is not None:
+                out = torch.empty_strided(fkey.o.shape, fkey.o.stride, dtype=fkey.o.dtype, device=device)
+                stats = torch.empty(fkey.stats.shape, dtype=torch.float32, device=device)
+                pack = {Uid.Q: query, Uid.K: key, Uid.V: value, Uid.O: out, Uid.STATS: stats}
+                if not self._run(fkey, pack, device):
+                    fallback.forward(query, key, value, None, fkey.scale, fkey.causal, 0.0, None, None, out, stats)
+                return out, stats
+        policy = _policy(layout)
         q = prepare_operand(query, "query", policy)
         k = prepare_kv_forward(key, "key", policy)
         v = prepare_kv_forward(value, "value", policy)
@@ -209,8 +234,12 @@ class Dispatcher:
         scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
         fkey = ForwardKey(
             sig(q), sig(k), sig(v), sig(out), sig(stats), sig_or_none(bias), sig_or_none(seed), sig_or_none(offset),
-            bool(is_causal), float(dropout_p), scale, policy.value, self.runtime.target(device),
+            bool(is_causal), float(dropout_p), scale, policy.value, target,
         )
+        if fast is not None and q is query and k is key and v is value:
+            if len(self._fast_forward) >= 4096:
+                self._fast_forward.clear()
+            self._fast_forward[fast] = fkey
         pack = {Uid.Q: q, Uid.K: k, Uid.V: v, Uid.O: out, Uid.STATS: stats}
         if bias is not None:
             pack[Uid.BIAS] = bias
@@ -286,9 +315,9 @@ class Dispatcher:
             grad_qkv, dq, dk, dv = allocate_cat_grad_qkv(q, k, v)
         else:
             cat_grad_qkv = False
-            dq = with_canonical_strides(empty_like_order(q.shape, q, policy))
-            dk = with_canonical_strides(empty_like_order(k.shape, k, policy))
-            dv = with_canonical_strides(empty_like_order(v.shape, v, policy))
+            dq = empty_like_order(q.shape, q, policy)
+            dk = empty_like_order(k.shape, k, policy)
+            dv = empty_like_order(v.shape, v, policy)
         scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
         bkey = BackwardKey(
             sig(q), sig(k), sig(v), sig(o), sig(d_o), sig(st), sig_or_none(bias), sig_or_none(d_bias),

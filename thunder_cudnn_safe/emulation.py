@@ -218,6 +218,7 @@ class EmulatedRuntime(Runtime):
     def __init__(self, arch: tuple[int, int] | None = None, backend_version: int | None = None) -> None:
         self.arch = arch if arch is not None else _parse_arch(os.environ.get(ARCH_ENV, "9.0"))
         self.backend_version = int(backend_version if backend_version is not None else os.environ.get(BACKEND_ENV, DEFAULT_BACKEND))
+        self._target: Target | None = None
         self._fail_build: Callable[[Any], str | None] | None = None
         self._fail_execute: Callable[[Any], str | None] | None = None
         self._lock = threading.Lock()
@@ -230,7 +231,12 @@ class EmulatedRuntime(Runtime):
         return None
 
     def target(self, device: torch.device) -> Target:
-        return Target(self.name, -1, self.arch, self.backend_version, str(_compat.FRONTEND.frontend_version))
+        target = self._target
+        if target is None or (target.arch, target.backend_version) != (self.arch, self.backend_version):
+            target = self._target = Target(
+                self.name, -1, tuple(self.arch), self.backend_version, str(_compat.FRONTEND.frontend_version)
+            )
+        return target
 
     def build(self, key: ForwardKey | BackwardKey) -> BuiltGraph:
         hook = self._fail_build

@@ -25,7 +25,7 @@ class TensorSig(NamedTuple):
 
 def sig(t: torch.Tensor) -> TensorSig:
     """The layout cuDNN will be told about ``t``: exactly ``t``'s own."""
-    return TensorSig(tuple(t.shape), t.stride(), t.dtype)
+    return TensorSig(t.shape, t.stride(), t.dtype)  # torch.Size is a tuple: equal and hashed alike
 
 
 def sig_or_none(t: torch.Tensor | None) -> TensorSig | None:

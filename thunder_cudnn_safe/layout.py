@@ -17,7 +17,7 @@ the declared strides and require:
   broadcast of size 1, which callers do before they get here),
 * element offsets that fit in int32 for some kernels.
 
-A tensor that violates one of them is copied with :func:`dense_copy`, which keeps the
+A tensor that violates one of them is copied into :func:`empty_like_order`, which keeps the
 tensor's own dimension order (so a BSHD buffer stays BSHD) and pads the innermost
 allocation so that the other strides are 16-byte multiples. ``clone()`` alone is not
 enough (it keeps a dense tensor's non-unit last stride), nor is ``contiguous()`` (it
@@ -112,33 +112,55 @@ def stride_order(strides: Sequence[int]) -> list[int]:
     return outer + [n - 1]
 
 
-def empty_in_order(
-    shape: Sequence[int], order: Sequence[int], dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
-    """A fresh dense tensor of ``shape`` whose dimensions are laid out in ``order``.
+_MEMO_LIMIT = 4096
 
-    The innermost allocated extent larger than 1 is padded so that every other stride is
-    a multiple of 16 bytes (the padding elements are never read: the returned view
-    excludes them).
-    """
-    shape = tuple(shape)
-    order = list(order)
+
+def _memo(table: dict, key: tuple, compute):
+    """Memoize a pure layout computation; the tables are bounded by being cleared when full."""
+    value = table.get(key)
+    if value is None:
+        if len(table) >= _MEMO_LIMIT:
+            table.clear()
+        value = table[key] = compute()
+    return value
+
+
+def _dense_strides(shape: tuple[int, ...], order: tuple[int, ...], dtype: torch.dtype) -> tuple[int, ...]:
     esize = _ESIZE.get(dtype) or torch.empty((), dtype=dtype).element_size()
     multiple = max(1, ALIGNMENT_BYTES // esize)
     alloc = [shape[i] for i in order]
     inner = max((pos for pos, n in enumerate(alloc) if n > 1), default=None)
-    padded = list(alloc)
     if inner is not None:
-        padded[inner] = -(-alloc[inner] // multiple) * multiple
-    if order == list(range(len(shape))) and padded == alloc:
-        return torch.empty(shape, dtype=dtype, device=device)
-    base = torch.empty(padded, dtype=dtype, device=device)
-    if padded != alloc:
-        base = base.narrow(inner, 0, alloc[inner])
-    inverse = [0] * len(order)
-    for pos, dim in enumerate(order):
-        inverse[dim] = pos
-    return base.permute(inverse)
+        alloc[inner] = -(-alloc[inner] // multiple) * multiple
+    strides = [0] * len(shape)
+    acc = 1
+    for pos in reversed(range(len(order))):
+        strides[order[pos]] = acc
+        acc *= alloc[pos]
+    return canonical_strides(shape, strides)
+
+
+_DENSE: dict = {}
+_LIKE: dict = {}
+_PLANS: dict = {}
+
+
+def dense_strides(shape: Sequence[int], order: Sequence[int], dtype: torch.dtype) -> tuple[int, ...]:
+    """Strides of a fresh dense tensor of ``shape`` laid out in ``order``.
+
+    The innermost allocated extent larger than 1 is padded so that every other stride is
+    a multiple of 16 bytes (the padding elements are never read); size-1 dims carry
+    canonical strides.
+    """
+    key = (tuple(shape), tuple(order), dtype)
+    return _memo(_DENSE, key, lambda: _dense_strides(key[0], key[1], dtype))
+
+
+def empty_in_order(
+    shape: Sequence[int], order: Sequence[int], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """A fresh dense tensor of ``shape`` whose dimensions are laid out in ``order`` (see :func:`dense_strides`)."""
+    return torch.empty_strided(tuple(shape), dense_strides(shape, order, dtype), dtype=dtype, device=device)
 
 
 def empty_like_order(
@@ -151,16 +173,32 @@ def empty_like_order(
     their input's layout.
     """
     dtype = like.dtype if dtype is None else dtype
+    shape = tuple(shape)
     if policy is LayoutPolicy.CONTIGUOUS:
-        return empty_in_order(shape, range(len(shape)), dtype, like.device)
-    return empty_in_order(shape, stride_order(canonical_strides(like.shape, like.stride())), dtype, like.device)
+        strides = dense_strides(shape, range(len(shape)), dtype)
+    else:
+        key = (shape, like.shape, like.stride(), dtype)
+        strides = _memo(
+            _LIKE, key, lambda: dense_strides(shape, stride_order(canonical_strides(like.shape, like.stride())), dtype)
+        )
+    return torch.empty_strided(shape, strides, dtype=dtype, device=like.device)
 
 
-def dense_copy(t: torch.Tensor, policy: LayoutPolicy) -> torch.Tensor:
-    """A copy of ``t`` that cuDNN can read: dense, aligned, in ``t``'s order (PRESERVE) or contiguous."""
-    out = empty_like_order(t.shape, t, policy)
-    out.copy_(t)
-    return out
+def binding_plan(t: torch.Tensor, policy: LayoutPolicy) -> tuple[str | None, tuple[int, ...] | None]:
+    """(why ``t`` must be copied or None, its canonical strides if they differ from its own or None).
+
+    Memoized on (shape, strides, dtype, base alignment, policy): on a steady training
+    step this is one dict lookup per operand.
+    """
+    key = (t.shape, t.stride(), t.dtype, t.data_ptr() % ALIGNMENT_BYTES, policy)
+    plan = _PLANS.get(key)
+    if plan is None:
+        canon = canonical_strides(t.shape, t.stride())
+        plan = (needs_copy(t, policy), None if canon == t.stride() else canon)
+        if len(_PLANS) >= _MEMO_LIMIT:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    return plan
 
 
 def with_canonical_strides(t: torch.Tensor) -> torch.Tensor:
