@@ -58,7 +58,13 @@ def test_arch_rules_follow_the_emulated_target():
     q, k, v = qkv(d=192, dv=192)
     assert emu(q, k, v) == []
     ampere = EmulatedRuntime(arch=(8, 0))
-    assert any("limit on sm80" in r for r in reasons_for(ampere, q, k, v))
+    assert any("limit for training on sm80" in r for r in reasons_for(ampere, q, k, v))
+    old_hopper = EmulatedRuntime(arch=(9, 0), backend_version=90400)
+    assert any("exceeds 128" in r for r in reasons_for(old_hopper, q, k, v))
+    blackwell = EmulatedRuntime(arch=(10, 0), backend_version=91900)
+    assert any("exceeds 128" in r for r in reasons_for(blackwell, q, k, v))
+    assert reasons_for(blackwell, *qkv(d=192, dv=128)) == []
+    assert any("exceeds 128" in r for r in reasons_for(EmulatedRuntime(arch=(10, 0), backend_version=91000), *qkv(d=192, dv=128)))
     volta = EmulatedRuntime(arch=(7, 0))
     assert any("needs Ampere" in r for r in reasons_for(volta, *qkv()))
     assert any("needs Hopper" in r for r in reasons_for(ampere, *qkv(d=64, dv=128)))

@@ -6,10 +6,10 @@ and :func:`thunder_cudnn_safe.explain` returns its list. Anything declined here 
 another executor (sdpaex, or thunder's torch decomposition), so every rule errs towards
 declining: a decline costs speed, a wrong claim could crash inside cuDNN.
 
-The rules follow cuDNN's documented support surface for fused flash attention:
-fp16/bf16 only, rank-4 BHSD, head dims multiples of 8, at most 128 on Ampere/Ada
-(sm80-sm89) and 256 on Hopper and newer (sm90+) where d_qk=192/d_v=128 is the only
-unequal pair supported, masks as an additive bias of the query dtype (booleans and other
+The rules follow cuDNN's documented support surface for fused flash attention, for
+forward and backward together: fp16/bf16 only, rank-4 BHSD, head dims multiples of 8, at
+most 128 except on Hopper (sm90, cuDNN >= 9.5: 256), d_qk=192/d_v=128 on Hopper (9.5+)
+and Blackwell (9.11+) being the only unequal pair above 128, masks as an additive bias of the query dtype (booleans and other
 float dtypes are converted), dropout in [0, 1).
 """
 
@@ -68,8 +68,16 @@ def _value(x: Any) -> Any:
         return x
 
 
-def head_dim_limit(arch: tuple[int, int]) -> int:
-    return 256 if arch >= (9, 0) else 128
+def head_dim_limit(arch: tuple[int, int], backend_version: int = 10**6) -> int:
+    """Largest head dim cuDNN supports for forward *and* backward on ``arch``.
+
+    cuDNN: d <= 128 from sm80 on; 128 < d <= 256 for training on Hopper (sm90) from
+    cuDNN 9.5; other architectures only gained d > 128 for the forward (cuDNN 9.10), which
+    is not enough for an executor that also runs the backward.
+    """
+    if arch[0] == 9 and backend_version >= 90500:
+        return 256
+    return 128
 
 
 def _head_dim_reasons(d_qk: int, d_v: int, target: Target) -> list[str]:
@@ -77,14 +85,19 @@ def _head_dim_reasons(d_qk: int, d_v: int, target: Target) -> list[str]:
     for name, d in (("query/key", d_qk), ("value", d_v)):
         if d % 8:
             reasons.append(f"{name} head dim {d} is not a multiple of 8")
-    limit = head_dim_limit(target.arch)
+    if (d_qk, d_v) == (192, 128) and (
+        (target.arch[0] == 9 and target.backend_version >= 90500) or (target.arch[0] >= 10 and target.backend_version >= 91100)
+    ):
+        return reasons  # DeepSeek-style MLA heads: Hopper (cuDNN 9.5+) and Blackwell (cuDNN 9.11+)
+    limit = head_dim_limit(target.arch, target.backend_version)
+    arch = f"sm{target.arch[0]}{target.arch[1]} with cuDNN {target.backend_version}"
     for name, d in (("query/key", d_qk), ("value", d_v)):
         if d > limit:
-            reasons.append(f"{name} head dim {d} exceeds {limit}, the limit on sm{target.arch[0]}{target.arch[1]}")
+            reasons.append(f"{name} head dim {d} exceeds {limit}, the limit for training on {arch}")
     if d_qk != d_v and not reasons:
         if target.arch < (9, 0):
             reasons.append(f"d_qk={d_qk} != d_v={d_v} needs Hopper (sm90) or newer")
-        elif max(d_qk, d_v) > 128 and (d_qk, d_v) != (192, 128):
+        elif max(d_qk, d_v) > 128:
             reasons.append(f"d_qk={d_qk} != d_v={d_v}: above 128 only d_qk=192, d_v=128 is supported")
     return reasons
 
