@@ -6,6 +6,26 @@ import torch
 import thunder_cudnn_safe as tcs
 
 
+_FIGURES: list[str] = []
+
+
+@pytest.fixture
+def figure():
+    """Report a figure a test established (cases tried, builds per key...) in the run's summary."""
+
+    def report(text: str) -> None:
+        _FIGURES.append(text)
+
+    return report
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _FIGURES:
+        terminalreporter.section("thunder_cudnn_safe figures")
+        for line in _FIGURES:
+            terminalreporter.write_line(line)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

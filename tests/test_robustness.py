@@ -81,8 +81,9 @@ BAD_INPUTS = {
 
 
 @pytest.mark.parametrize("name", list(BAD_INPUTS))
-def test_bad_input_table(name, fresh_cache):
+def test_bad_input_table(name, fresh_cache, figure):
     make, expectation, fragment = BAD_INPUTS[name]
+    figure(f"bad input {name}: {expectation}" + (f" ({fragment})" if fragment else ""))
     args = make()
     reasons = tcs.explain(*args[:3], *args[3:], executor=tcs.emulated_ex)
     if fragment is None:
@@ -205,7 +206,7 @@ def test_fallback_dropout_forward_and_backward_agree(fresh_cache):
 
 
 # -- scale and concurrency ---------------------------------------------------------------------
-def test_cache_stays_bounded_under_10000_distinct_keys_and_releases_graphs():
+def test_cache_stays_bounded_under_10000_distinct_keys_and_releases_graphs(figure):
     bound = 16
 
     class BuildOnlyRuntime(EmulatedRuntime):
@@ -245,9 +246,11 @@ def test_cache_stays_bounded_under_10000_distinct_keys_and_releases_graphs():
     assert n == 10000 and info.builds == 10000, f"{info.builds} builds for {n} distinct keys"
     assert max_size == bound, f"max cache size reached {max_size} (bound {bound})"
     assert live <= bound, f"{live} graphs still alive after churn (bound {bound})"
+    figure(f"cache churn: {n} distinct keys, {info.builds} builds, max cache size {max_size} (bound {bound}), "
+           f"{info.evictions} evictions, {live} graphs alive afterwards")
 
 
-def test_eight_threads_forward_backward_one_build_per_key():
+def test_eight_threads_forward_backward_one_build_per_key(figure):
     cache = GraphCache(64)
     runtime = EmulatedRuntime()
     disp = Dispatcher(runtime, cache)
@@ -295,6 +298,8 @@ def test_eight_threads_forward_backward_one_build_per_key():
     assert not errors, errors
     assert set(builds.values()) == {1}, f"builds per key: {sorted(builds.values())}"
     assert len(builds) == 2 * (1 + 4), f"{len(builds)} keys (1 shared + 4 distinct shapes, fwd and bwd)"
+    figure(f"threads: 8 threads x 5 fwd+bwd steps, {len(builds)} keys, builds per key {sorted(set(builds.values()))}, "
+           f"0 errors, every output and gradient within the accuracy rule")
 
 
 def test_cudnn_handles_are_per_thread_and_device():
