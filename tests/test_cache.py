@@ -157,3 +157,29 @@ def test_steady_state_forward_path_keeps_declared_equal_to_bound(monkeypatch):
     for key, pack in packs:
         for uid, sig_ in ((1, key.q), (2, key.k), (3, key.v), (4, key.o), (5, key.stats)):
             assert (pack[uid].shape, pack[uid].stride(), pack[uid].dtype) == tuple(sig_)
+
+
+def test_steady_state_backward_path_keeps_declared_equal_to_bound():
+    """A remembered backward key is reused only for the same input layouts, alignment and target."""
+    runtime = EmulatedRuntime()
+    disp = Dispatcher(runtime, tcs.cache.GraphCache(16))
+    packs = []
+    real_execute = runtime.execute
+    runtime.execute = lambda built, pack, device: packs.append((built.key, dict(pack))) or real_execute(built, pack, device)
+    q, k, v = (torch.randn(1, 2, 8, 64, dtype=torch.float16) for _ in range(3))
+    out, stats = disp.forward(q, k, v)
+    g = torch.randn(1, 8, 2, 64, dtype=torch.float16).transpose(1, 2)
+    first = disp.backward(g, q, k, v, None, 0.0, False, out, stats, None, None)
+    second = disp.backward(g, q, k, v, None, 0.0, False, out, stats, None, None)  # steady-state path
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+    mis = torch.randn(g.numel() + 1, dtype=torch.float16)[1:].as_strided(g.shape, g.stride())
+    mis.copy_(g)
+    third = disp.backward(mis, q, k, v, None, 0.0, False, out, stats, None, None)  # misaligned: copied
+    assert packs[-1][1][9].data_ptr() % 16 == 0
+    for a, b in zip(first, third):
+        assert torch.equal(a, b)
+    for key, pack in packs:
+        if hasattr(key, "d_o"):
+            for uid, s in ((1, key.q), (2, key.k), (3, key.v), (4, key.o), (9, key.d_o), (5, key.stats), (10, key.dq), (11, key.dk), (12, key.dv)):
+                assert (pack[uid].shape, pack[uid].stride(), pack[uid].dtype) == tuple(s)

@@ -52,23 +52,25 @@ def declaration_mismatches(graph, pack) -> list[str]:
     return problems
 
 
-def run_dispatcher(qkv_layout, grad_layout, dtype=torch.float16, mask=None, mask_grad=False, dropout_p=0.0):
+def run_dispatcher(qkv_layout, grad_layout, dtype=torch.float16, mask=None, mask_grad=False, dropout_p=0.0, steps=1):
+    """Forward+backward ``steps`` times (later steps take the steady-state paths); the recorded calls."""
     runtime = RecordingRuntime()
     disp = Dispatcher(runtime, GraphCache(64))
-    q, k, v = (t.detach() for t in QKV_LAYOUTS[qkv_layout](2, 4, 16, 16, 64, 64, dtype))
-    res = disp.forward(q, k, v, mask, dropout_p, False, scale=None, layout="preserve")
-    out, stats = res[0], res[1]
-    seed, offset = (res[2], res[3]) if dropout_p else (None, None)
-    g = GRAD_OUT_LAYOUTS[grad_layout](tuple(out.shape), dtype)
-    disp.backward(g, q, k, v, mask, dropout_p, False, out, stats, seed, offset, mask_grad=mask_grad)
+    for _ in range(steps):
+        q, k, v = (t.detach() for t in QKV_LAYOUTS[qkv_layout](2, 4, 16, 16, 64, 64, dtype))
+        res = disp.forward(q, k, v, mask, dropout_p, False, scale=None, layout="preserve")
+        out, stats = res[0], res[1]
+        seed, offset = (res[2], res[3]) if dropout_p else (None, None)
+        g = GRAD_OUT_LAYOUTS[grad_layout](tuple(out.shape), dtype)
+        disp.backward(g, q, k, v, mask, dropout_p, False, out, stats, seed, offset, mask_grad=mask_grad)
     return runtime.calls
 
 
 @pytest.mark.parametrize("grad_layout", list(GRAD_OUT_LAYOUTS))
 @pytest.mark.parametrize("qkv_layout", list(QKV_LAYOUTS))
 def test_every_uid_declared_as_bound(qkv_layout, grad_layout):
-    calls = run_dispatcher(qkv_layout, grad_layout)
-    assert len(calls) == 2
+    calls = run_dispatcher(qkv_layout, grad_layout, steps=3)
+    assert len(calls) == 6
     for graph, pack in calls:
         assert declaration_mismatches(graph, pack) == []
 

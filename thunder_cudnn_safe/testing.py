@@ -99,8 +99,11 @@ QKV_LAYOUTS: dict[str, Callable] = {
     "misaligned": make_misaligned,
 }
 
-#: Layouts whose last dim is contiguous and base aligned: "preserve" must copy nothing.
-ZERO_COPY_QKV_LAYOUTS = ("contiguous", "bshd_transposed", "sbhd", "packed_qkv", "kv_broadcast_head", "size1_odd_strides")
+#: Layouts "preserve" binds without any copy, forward and backward.
+ZERO_COPY_QKV_LAYOUTS = ("contiguous", "bshd_transposed", "sbhd", "packed_qkv", "size1_odd_strides")
+#: Layouts "preserve" binds without a copy in the forward. A K/V head broadcast with stride 0
+#: is declared as one head there; the backward copies it, since each head's gradient is returned.
+FORWARD_ZERO_COPY_QKV_LAYOUTS = ZERO_COPY_QKV_LAYOUTS + ("kv_broadcast_head",)
 
 
 def grad_contiguous(shape, dtype, device="cpu"):

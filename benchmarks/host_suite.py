@@ -1,0 +1,310 @@
+"""Host overhead per call: our dispatch on a graph-cache hit vs building one pygraph per call.
+
+* ``ours``: :meth:`Dispatcher.forward` / :meth:`Dispatcher.backward` of the package on
+  a graph-cache hit, with the runtime's execute replaced by a no-op
+  (:class:`benchmarks.harness.NoExecuteRuntime`), on q/k/v layouts that need no copy.
+  Everything the product does per call before launching cuDNN is included: layout
+  checks, output allocation (torch.empty on CPU), key construction, cache lookup,
+  variant pack.
+* ``built-in``: what thunder 0.2.6's cuDNN executor does on *every* call before its
+  cache lookup: construct one ``cudnn.pygraph``, declare Q/K/V (and O, dO, stats for the
+  backward) and a pass-by-value scale, ``sdpa(...)`` / ``sdpa_backward(...)`` (the
+  names it calls, ``scaled_dot_product_flash_attention*``, are gone from frontend 1.32),
+  set the outputs, ``validate()``. thunder then calls ``graph.key()``, which in
+  frontend 1.32 lowers the graph to the C++ backend and needs a GPU driver, so it is not
+  timed: the built-in numbers are a lower bound.
+
+Both are timed in the same process, interleaved, as the median of batches of calls
+after a warm-up.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import math
+import pstats
+import time
+from typing import Any
+
+import torch
+
+from thunder_cudnn_safe import dispatch as _dispatch
+from thunder_cudnn_safe import graphs, layout as _layout
+from thunder_cudnn_safe.cache import GraphCache
+from thunder_cudnn_safe.keys import ForwardKey, sig, sig_or_none
+
+from . import harness
+from .fastpath import PlanCachedDispatcher
+
+TARGET_FWD_US = 10.0
+
+METHOD = (
+    "Median wall time per call (perf_counter over batches of 10 calls, after warm-up), CPU tensors. 'ours': "
+    "thunder_cudnn_safe Dispatcher.forward / .backward on a graph-cache hit with the runtime's execute replaced by a "
+    "no-op (harness), layouts that need no copy, so the number is pure host overhead (layout checks, output "
+    "allocation, key, cache lookup, variant pack). 'built-in': cudnn.pygraph construction + tensor declarations + "
+    "sdpa/sdpa_backward + output settings + validate() as thunder 0.2.6's cuDNN executor does per call before its "
+    "cache lookup (graph.key(), which it calls next, needs a GPU driver in frontend 1.32 and is not timed: lower "
+    "bound). 'floor': torch.empty_strided of the tensors any executor must allocate per call (out+stats / dq+dk+dv). "
+    "'prototype': benchmarks/fastpath.py, a plan cache suggested for the package (not the product)."
+)
+
+
+def _cudnn():
+    return graphs.cudnn_module()
+
+
+def builtin_forward_graph(q, k, v, is_causal: bool = False):
+    """thunder 0.2.6 ``_make_cudnn_sdpa_forward_graph`` up to ``graph.key()``, with ``sdpa`` (frontend 1.32)."""
+    cudnn = _cudnn()
+    f32 = cudnn.data_type.FLOAT
+    dt = graphs.cudnn_dtype
+    graph = cudnn.pygraph(intermediate_data_type=f32, compute_data_type=f32)
+    Q = graph.tensor(name="Q", dim=q.shape, stride=q.stride(), data_type=dt(q.dtype))
+    K = graph.tensor(name="K", dim=k.shape, stride=k.stride(), data_type=dt(k.dtype))
+    V = graph.tensor(name="V", dim=v.shape, stride=v.stride(), data_type=dt(v.dtype))
+    scalar = tuple([1] * len(q.shape))
+    scale = graph.tensor(name="Attn_scale", dim=scalar, stride=scalar, data_type=f32, is_pass_by_value=True)
+    o, stats = graph.sdpa(
+        name="scaled_dot_product_flash_attention", q=Q, k=K, v=V, is_inference=False, bias=None,
+        use_causal_mask=is_causal, attn_scale=scale, dropout=None,
+    )
+    b, h, s_q, _ = q.shape
+    d_v = v.shape[3]
+    o.set_output(True).set_data_type(dt(v.dtype)).set_dim((b, h, s_q, d_v)).set_stride((h * s_q * d_v, s_q * d_v, d_v, 1))
+    stats.set_output(True).set_data_type(dt(torch.float32))
+    graph.validate()
+    return graph
+
+
+def builtin_backward_graph(q, k, v, is_causal: bool = False):
+    """thunder 0.2.6 ``_make_cudnn_sdpa_backward_graph`` up to ``graph.key()``, with ``sdpa_backward``."""
+    cudnn = _cudnn()
+    f32 = cudnn.data_type.FLOAT
+    dt = graphs.cudnn_dtype
+    b, h, s_q, _ = q.shape
+    d_v = v.shape[3]
+    graph = cudnn.pygraph(io_data_type=dt(q.dtype), intermediate_data_type=f32, compute_data_type=f32)
+    Q = graph.tensor(name="Q", dim=q.shape, stride=q.stride(), data_type=dt(q.dtype))
+    K = graph.tensor(name="K", dim=k.shape, stride=k.stride(), data_type=dt(k.dtype))
+    V = graph.tensor(name="V", dim=v.shape, stride=v.stride(), data_type=dt(v.dtype))
+    O = graph.tensor(name="O", dim=(b, h, s_q, d_v), stride=(h * s_q * d_v, s_q * d_v, d_v, 1), data_type=dt(q.dtype))
+    dO = graph.tensor_like(O)
+    stats = graph.tensor(name="Stats", dim=(b, h, s_q, 1), stride=(h * s_q, s_q, 1, 1), data_type=f32)
+    scalar = tuple([1] * len(q.shape))
+    scale = graph.tensor(name="Attn_scale", dim=scalar, stride=scalar, data_type=f32, is_pass_by_value=True)
+    dQ, dK, dV = graph.sdpa_backward(
+        q=Q, k=K, v=V, o=O, dO=dO, stats=stats, attn_scale=scale, bias=None, dBias=None,
+        use_causal_mask=is_causal, dropout=None,
+    )
+    dQ.set_output(True).set_dim(q.shape).set_stride(q.stride()).set_data_type(dt(q.dtype))
+    dK.set_output(True).set_dim(k.shape).set_stride(k.stride()).set_data_type(dt(k.dtype))
+    dV.set_output(True).set_dim(v.shape).set_stride(v.stride()).set_data_type(dt(v.dtype))
+    graph.validate()
+    return graph
+
+
+def _case(qkv_layout: str, grad_layout: str, b=2, h=8, s=64, d=96, dtype=torch.float16):
+    q, k, v = harness.make_qkv(qkv_layout, b, h, s, d, dtype)
+    g = harness.make_grad(grad_layout, (q.shape[0], q.shape[1], q.shape[2], v.shape[3]), dtype)
+    return q, k, v, g
+
+
+def _components(disp, q, k, v, g, out, stats, iters: int) -> list[dict[str, Any]]:
+    """Building blocks of a dispatch, each timed alone with the call's own tensors.
+
+    Which of them a cache-hit call really runs, and how often, is in the cProfile tables;
+    this list gives their unit prices. Blocks a future package version no longer has are
+    reported as errors, not failures.
+    """
+    P = _layout.LayoutPolicy.PRESERVE
+    device = q.device
+    target = disp.runtime.target(device)
+    scale = 1.0 / math.sqrt(q.shape[3])
+    fkey = ForwardKey(
+        sig(q), sig(k), sig(v), sig(out), sig(stats), sig_or_none(None), sig_or_none(None), sig_or_none(None),
+        False, 0.0, scale, "preserve", target,
+    )
+    steps = [
+        ("torch.empty_strided(out's shape, strides) (allocation)", lambda: torch.empty_strided(out.shape, out.stride(), dtype=out.dtype)),
+        ("torch.empty(stats.shape, dtype=float32) (shape given as a torch.Size)", lambda: torch.empty(stats.shape, dtype=torch.float32)),
+        ("torch.empty_strided(stats.shape, stats.stride(), dtype=float32)", lambda: torch.empty_strided(stats.shape, stats.stride(), dtype=torch.float32)),
+        ("raw signature of one tensor: (shape, stride(), dtype, data_ptr() & 15)", lambda: (q.shape, q.stride(), q.dtype, q.data_ptr() & 15)),
+        ("runtime.target(device)", lambda: disp.runtime.target(device)),
+        ("5x sig() + 3x sig_or_none() + ForwardKey(...)", lambda: ForwardKey(
+            sig(q), sig(k), sig(v), sig(out), sig(stats), sig_or_none(None), sig_or_none(None), sig_or_none(None),
+            False, 0.0, scale, "preserve", target)),
+        ("hash(ForwardKey)", lambda: hash(fkey)),
+        ("cache.get_or_build, hit (lock, hash + compare the key, move_to_end)", lambda: disp.cache.get_or_build(fkey, disp.runtime.build)),
+        ("dispatch.prepare_operand(q) (layout decision + canonical strides)", lambda: _dispatch.prepare_operand(q, "query", P)),
+        ("layout.layout_problem(q) (unmemoized rule check)", lambda: _layout.layout_problem(q)),
+        ("layout.canonical_strides(q.shape, q.stride())", lambda: _layout.canonical_strides(q.shape, q.stride())),
+        ("layout.empty_like_order(out shape, q, 'preserve')", lambda: _layout.empty_like_order(out.shape, q, P)),
+        ("layout.with_canonical_strides(stats)", lambda: _layout.with_canonical_strides(stats)),
+    ]
+    if hasattr(_layout, "binding_plan"):
+        steps.insert(8, ("layout.binding_plan(q) (memoized layout decision)", lambda: _layout.binding_plan(q, P)))
+    rows = []
+    for name, fn in steps:
+        try:
+            r = harness.median_us(fn, iters=iters, warmup=max(50, iters // 10))
+        except Exception as exc:  # a renamed helper must not break the suite
+            rows.append({"step": name, "error": f"{type(exc).__name__}: {exc}"})
+            continue
+        rows.append({"step": name, "median_us": r["median_us"]})
+    return rows
+
+
+def _profile(fn, calls: int, top: int = 14) -> list[dict[str, Any]]:
+    """cProfile of ``calls`` calls: the functions with the most own time (per call of ``fn``)."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    st = pstats.Stats(prof)
+    total = sum(v[2] for v in st.stats.values())
+    rows = []
+    for (file, line, func), (cc, nc, tt, ct, _) in sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:top]:
+        where = f"{file.split('site-packages/')[-1].split('/work/main/')[-1]}:{line}({func})" if file != "~" else func
+        rows.append({"function": where, "ncalls_per_call": nc / calls, "tottime_share": tt / total if total else 0.0})
+    return rows
+
+
+def run(*, quick: bool = False, iters: int | None = None, log=print) -> dict[str, Any]:
+    iters = iters or (1000 if quick else 4000)
+    warmup = max(100, iters // 10)
+    started = time.perf_counter()
+    cases = {
+        "bshd_transposed x transposed (diffusers)": ("bshd_transposed", "transposed"),
+        "contiguous x contiguous": ("contiguous", "contiguous"),
+    }
+    results: dict[str, Any] = {}
+    for label, (ql, gl) in cases.items():
+        q, k, v, g = _case(ql, gl)
+        disp = harness.make_dispatcher("cpu")
+        proto = PlanCachedDispatcher(harness.make_dispatcher("cpu").runtime, GraphCache())
+        out, stats, _ = harness.forward_backward(disp, q, k, v, g, "preserve")  # cold: builds both graphs
+        harness.forward_backward(proto, q, k, v, g, "preserve")  # records the prototype's plans
+        builds_before = disp.cache.info().builds
+        harness.reset_copy_stats()
+
+        fns = {
+            "ours_fwd": lambda: disp.forward(q, k, v, None, 0.0, False, layout="preserve"),
+            "ours_bwd": lambda: disp.backward(g, q, k, v, None, 0.0, False, out, stats, None, None, layout="preserve"),
+            "builtin_fwd_pygraph": lambda: builtin_forward_graph(q, k, v),
+            "builtin_bwd_pygraph": lambda: builtin_backward_graph(q, k, v),
+            "floor_fwd_alloc": lambda: (torch.empty_strided(out.shape, out.stride(), dtype=out.dtype),
+                                        torch.empty_strided(stats.shape, stats.stride(), dtype=torch.float32)),
+            "floor_bwd_alloc": lambda: tuple(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype) for t in (q, k, v)),
+            "prototype_fwd": lambda: proto.forward(q, k, v, None, 0.0, False, layout="preserve"),
+            "prototype_bwd": lambda: proto.backward(g, q, k, v, None, 0.0, False, out, stats, None, None, layout="preserve"),
+        }
+        timings = {name: {"median_us": [], "p25_us": [], "p75_us": []} for name in fns}
+        # Interleave the measurements in rounds so drifting machine load hits all of them alike.
+        rounds = 5
+        for _ in range(rounds):
+            for name, fn in fns.items():
+                r = harness.median_us(fn, iters=iters // rounds, warmup=warmup // rounds)
+                for key in ("median_us", "p25_us", "p75_us"):
+                    timings[name][key].append(r[key])
+        summary = {name: {k: sorted(v)[len(v) // 2] for k, v in t.items()} for name, t in timings.items()}
+        copies = harness.copy_stats()
+        info = disp.cache.info()
+        if copies.bytes_copied or info.builds != builds_before or info.fallbacks:
+            raise RuntimeError(f"host timing was not a zero-copy cache hit: {copies}, {info}")
+        ours_f, ours_b = summary["ours_fwd"]["median_us"], summary["ours_bwd"]["median_us"]
+        bi_f, bi_b = summary["builtin_fwd_pygraph"]["median_us"], summary["builtin_bwd_pygraph"]["median_us"]
+        results[label] = {
+            "qkv_layout": ql,
+            "grad_layout": gl,
+            "shape": list(q.shape),
+            "dtype": str(q.dtype),
+            "q": harness.describe(q),
+            "grad_out": harness.describe(g),
+            "timings": summary,
+            "ratio_builtin_over_ours_fwd": bi_f / ours_f,
+            "ratio_builtin_over_ours_bwd": bi_b / ours_b,
+            "ratio_builtin_over_prototype_fwd": bi_f / summary["prototype_fwd"]["median_us"],
+            "ratio_builtin_over_prototype_bwd": bi_b / summary["prototype_bwd"]["median_us"],
+            "target_fwd_us": TARGET_FWD_US,
+            "fwd_meets_target": ours_f <= TARGET_FWD_US,
+            "cache": info._asdict(),
+        }
+        log(f"host: {label}: ours fwd {ours_f:.1f} us, bwd {ours_b:.1f} us; built-in pygraph fwd {bi_f:.1f} us, bwd {bi_b:.1f} us")
+        if label.startswith("bshd"):
+            results[label]["building_blocks"] = _components(disp, q, k, v, g, out, stats, iters=max(500, iters // 4))
+            results[label]["fwd_profile"] = _profile(fns["ours_fwd"], calls=max(500, iters // 4))
+            results[label]["bwd_profile"] = _profile(fns["ours_bwd"], calls=max(500, iters // 4))
+    return {"method": METHOD, "iters": iters, "seconds": time.perf_counter() - started, "cases": results}
+
+
+# -- report ------------------------------------------------------------------------------------
+def markdown(suite: dict[str, Any]) -> str:
+    parts = ["## Host overhead per call (graph-cache hit, execute excluded)", "", f"Method: {suite['method']}", ""]
+    head = ("| case | ours fwd us | ours bwd us | built-in pygraph fwd us | built-in pygraph bwd us | ratio fwd | ratio bwd "
+            "| floor fwd / bwd us | prototype fwd / bwd us | prototype ratio fwd / bwd | fwd <= 10 us |")
+    lines = [head, "|" + "---|" * 11]
+    for label, r in suite["cases"].items():
+        t = r["timings"]
+        lines.append(
+            f"| {label} | {t['ours_fwd']['median_us']:.1f} | {t['ours_bwd']['median_us']:.1f} "
+            f"| {t['builtin_fwd_pygraph']['median_us']:.1f} | {t['builtin_bwd_pygraph']['median_us']:.1f} "
+            f"| {r['ratio_builtin_over_ours_fwd']:.2f}x | {r['ratio_builtin_over_ours_bwd']:.2f}x "
+            f"| {t['floor_fwd_alloc']['median_us']:.1f} / {t['floor_bwd_alloc']['median_us']:.1f} "
+            f"| {t['prototype_fwd']['median_us']:.1f} / {t['prototype_bwd']['median_us']:.1f} "
+            f"| {r['ratio_builtin_over_prototype_fwd']:.1f}x / {r['ratio_builtin_over_prototype_bwd']:.1f}x "
+            f"| {'yes' if r['fwd_meets_target'] else 'no'} |"
+        )
+    parts += lines
+    parts.append("")
+    parts.append("Ratio = built-in pygraph time / ours (above 1: ours is cheaper per call).")
+    for label, r in suite["cases"].items():
+        if "building_blocks" not in r:
+            continue
+        parts += ["", f"### Where the time goes ({label})", "",
+                  "Unit prices of the building blocks of a dispatch, each timed alone with the call's own tensors "
+                  "(which ones a cache-hit call runs, and how often, is in the cProfile tables below):", "",
+                  "| building block | us |", "|---|---|"]
+        for row in r["building_blocks"]:
+            parts.append(f"| {row['step']} | {row['median_us']:.2f} |" if "median_us" in row
+                         else f"| {row['step']} | {row['error']} |")
+        for which in ("fwd_profile", "bwd_profile"):
+            parts += ["", f"cProfile, {which.split('_')[0]} dispatch, top own time:", "",
+                      "| function | calls per dispatch | share of own time |", "|---|---|---|"]
+            for row in r[which]:
+                parts.append(f"| `{row['function']}` | {row['ncalls_per_call']:.0f} | {row['tottime_share'] * 100:.0f}% |")
+    return "\n".join(parts)
+
+
+def plot(suite: dict[str, Any], path) -> str | None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = suite["cases"]
+    names = [
+        ("ours_fwd", "ours fwd"), ("prototype_fwd", "prototype fwd"), ("floor_fwd_alloc", "alloc floor fwd"),
+        ("builtin_fwd_pygraph", "built-in pygraph fwd"),
+        ("ours_bwd", "ours bwd"), ("prototype_bwd", "prototype bwd"), ("floor_bwd_alloc", "alloc floor bwd"),
+        ("builtin_bwd_pygraph", "built-in pygraph bwd"),
+    ]
+    colors = ["#1f77b4", "#9ecae1", "#bbbbbb", "#d62728"] * 2
+    fig, axes = plt.subplots(1, len(cases), figsize=(6.5 * len(cases), 4.2), squeeze=False)
+    for ax, (label, r) in zip(axes[0], cases.items()):
+        vals = [r["timings"][n]["median_us"] for n, _ in names]
+        ax.barh(range(len(names)), vals, color=colors)
+        ax.set_yticks(range(len(names)), [lbl for _, lbl in names], fontsize=8)
+        ax.invert_yaxis()
+        ax.axvline(TARGET_FWD_US, color="k", ls="--", lw=0.8)
+        ax.text(TARGET_FWD_US, len(names) - 0.5, " 10 us target", fontsize=7, va="bottom")
+        for i, val in enumerate(vals):
+            ax.text(val, i, f" {val:.1f}", va="center", fontsize=7)
+        ax.set_xlabel("microseconds per call (median)")
+        ax.set_title(label, fontsize=9)
+    fig.suptitle("Host time per SDPA call on a graph-cache hit (execute excluded) vs building one pygraph", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return str(path)
