@@ -7,12 +7,18 @@ import torch
 
 import thunder_cudnn_safe
 from thunder_cudnn_safe import testing
-from thunder_cudnn_safe.cache import GraphCache
 
 from benchmarks import harness, host_suite
-from benchmarks.fastpath import PlanCachedDispatcher
 
 B, H, S, D, DTYPE = 2, 8, 64, 96, torch.float16
+
+_UIDS = {"q": 1, "k": 2, "v": 3, "o": 4, "stats": 5, "bias": 6, "seed": 7, "offset": 8, "d_o": 9, "dq": 10, "dk": 11,
+         "dv": 12, "d_bias": 13}  # thunder_cudnn_safe.graphs.Uid
+
+
+def _declared(key) -> dict:
+    """{uid: declared (shape, strides, dtype)} of every tensor a graph key declares."""
+    return {uid: getattr(key, f) for f, uid in _UIDS.items() if getattr(key, f, None) is not None}
 
 
 @pytest.fixture(scope="module")
@@ -21,9 +27,7 @@ def case():
     g = harness.make_grad("transposed", (B, H, S, D), DTYPE)
     disp = harness.make_dispatcher("cpu")
     out, stats, _ = harness.forward_backward(disp, q, k, v, g, "preserve")
-    proto = PlanCachedDispatcher(harness.make_dispatcher("cpu").runtime, GraphCache())
-    harness.forward_backward(proto, q, k, v, g, "preserve")
-    return dict(q=q, k=k, v=v, g=g, out=out, stats=stats, disp=disp, proto=proto)
+    return dict(q=q, k=k, v=v, g=g, out=out, stats=stats, disp=disp)
 
 
 def _hit_only(disp, fn):
@@ -67,35 +71,26 @@ def test_host_builtin_pygraph_backward(benchmark, case):
     benchmark(host_suite.builtin_backward_graph, case["q"], case["k"], case["v"])
 
 
-def test_host_prototype_forward(benchmark, case):
-    c = case
-    benchmark.group = "host fwd (us per call)"
-    benchmark(c["proto"].forward, c["q"], c["k"], c["v"], None, 0.0, False, layout="preserve")
-
-
-def test_host_prototype_backward(benchmark, case):
-    c = case
-    benchmark.group = "host bwd (us per call)"
-    benchmark(c["proto"].backward, c["g"], c["q"], c["k"], c["v"], None, 0.0, False, c["out"], c["stats"], None, None,
-              layout="preserve")
-
-
 @pytest.mark.parametrize("layout", ["preserve", "contiguous"])
 @pytest.mark.parametrize("qkv_layout", list(testing.QKV_LAYOUTS))
-def test_prototype_binds_what_the_product_binds(benchmark, qkv_layout, layout):
-    """The suggested plan cache (benchmarks/fastpath.py) declares and binds exactly the product's layouts."""
+def test_steady_state_binds_what_the_first_call_binds(benchmark, qkv_layout, layout):
+    """What "ours" times: later calls with the same layouts (the product's steady-state path) declare and bind
+    exactly what the first call (the full per-operand path) declared and bound, for every zoo layout and grad_out."""
     for grad_layout in testing.GRAD_OUT_LAYOUTS:
         q, k, v = harness.make_qkv(qkv_layout, 2, 4, 32, 64, torch.bfloat16)
         g = harness.make_grad(grad_layout, (q.shape[0], q.shape[1], q.shape[2], v.shape[3]), q.dtype)
-        ref = harness.make_dispatcher("cpu")
-        ref.runtime.record = []
-        proto = PlanCachedDispatcher(harness.make_dispatcher("cpu").runtime, GraphCache())
-        proto.runtime.record = []
-        harness.forward_backward(ref, q, k, v, g, layout)
+        disp = harness.make_dispatcher("cpu")
+        disp.runtime.record = []
         thunder_cudnn_safe.reset_copy_stats()
-        for _ in range(3):  # first call records the plans, the next two use them
-            harness.forward_backward(proto, q, k, v, g, layout)
-        for i in range(3):
-            assert proto.runtime.record[2 * i: 2 * i + 2] == ref.runtime.record, (grad_layout, i)
-    benchmark.group = f"prototype fwd+bwd {layout}"
-    benchmark.pedantic(harness.forward_backward, args=(proto, q, k, v, g, layout), rounds=10)
+        harness.forward_backward(disp, q, k, v, g, layout)
+        first = list(disp.runtime.record)
+        first_bytes = thunder_cudnn_safe.copy_stats().bytes_copied
+        for i in range(2):
+            thunder_cudnn_safe.reset_copy_stats()
+            harness.forward_backward(disp, q, k, v, g, layout)
+            assert disp.runtime.record[2 * (i + 1): 2 * (i + 2)] == first, (grad_layout, i)
+            assert thunder_cudnn_safe.copy_stats().bytes_copied == first_bytes, (grad_layout, i)
+        for key, pack in first:  # declared == bound on the first call as well
+            assert all(pack[int(uid)] == tuple(s) for uid, s in _declared(key).items()), grad_layout
+    benchmark.group = f"fwd+bwd steady state {layout}"
+    benchmark.pedantic(harness.forward_backward, args=(disp, q, k, v, g, layout), rounds=10)
