@@ -317,3 +317,19 @@ def test_cudnn_handles_are_per_thread_and_device():
     t.start()
     t.join()
     assert seen == [None], "another thread must not see this thread's handles"
+
+
+def test_cudnn_runtime_turns_any_build_refusal_into_graph_build_error():
+    """Whatever real cuDNN raises while building (here: no GPU at all) reaches the dispatcher as GraphBuildError."""
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    from thunder_cudnn_safe.cache import GraphBuildError
+    from thunder_cudnn_safe.keys import Target, sig
+    from thunder_cudnn_safe.runtime import CudnnRuntime
+
+    q = torch.empty(1, 2, 8, 64, dtype=torch.float16)
+    st = torch.empty(1, 2, 8, 1)
+    key = ForwardKey(sig(q), sig(q), sig(q), sig(q), sig(st), None, None, None, False, 0.0, 0.125, "preserve",
+                     Target("cudnn", 0, (9, 0), 91900, "1.32.0"))
+    with pytest.raises(GraphBuildError, match="cuDNN could not build this graph"):
+        CudnnRuntime().build(key)

@@ -108,19 +108,22 @@ class CudnnRuntime(Runtime):
         return handle
 
     def build(self, key: ForwardKey | BackwardKey) -> BuiltGraph:
+        """Validate, plan (heuristics A, then FALLBACK), check support and build plans.
+
+        Any refusal on the way (``cudnnGraphNotSupportedError``, "no engine proposed a
+        plan", a plan that fails to compile) becomes :class:`GraphBuildError`, which the
+        dispatcher answers with the torch fallback and remembers in the negative cache.
+        """
         cudnn = graphs.cudnn_module()
         index = key.target.device_index
-        handle = self.handle(index)
         try:
+            handle = self.handle(index)
             with torch.cuda.device(index):
                 g = graphs.build_forward_graph(key, handle) if _is_forward(key) else graphs.build_backward_graph(key, handle)
-                g.build_operation_graph()
-                g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-                g.check_support()
-                g.build_plans()
+                g.build([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
                 workspace = int(g.get_workspace_size())
-        except cudnn.cudnnGraphNotSupportedError as exc:
-            raise GraphBuildError(f"cuDNN does not support this graph: {exc}") from exc
+        except Exception as exc:  # noqa: BLE001 - every build refusal gets the same safe answer
+            raise GraphBuildError(f"cuDNN could not build this graph: {type(exc).__name__}: {exc}") from exc
         return BuiltGraph(g, workspace, key)
 
     def execute(self, built: BuiltGraph, pack: dict[int, torch.Tensor], device: torch.device) -> None:
@@ -130,6 +133,10 @@ class CudnnRuntime(Runtime):
             workspace = torch.empty(built.workspace_size, dtype=torch.uint8, device=device)
         except torch.OutOfMemoryError as exc:
             raise ExecuteError(f"cannot allocate a {built.workspace_size}-byte cuDNN workspace: {exc}") from exc
-        # cuDNN also needs the current device set, not only the handle's device.
-        with torch.cuda.device(index):
-            built.graph.execute(pack, workspace, handle=handle)
+        cudnn = graphs.cudnn_module()
+        try:
+            # cuDNN also needs the current device set, not only the handle's device.
+            with torch.cuda.device(index):
+                built.graph.execute(pack, workspace, handle=handle)
+        except (cudnn.cudnnGraphNotSupportedError, NotImplementedError) as exc:
+            raise ExecuteError(f"cuDNN refused to execute the graph: {type(exc).__name__}: {exc}") from exc
