@@ -22,6 +22,8 @@ from .cache import GraphBuildError, GraphCache, graph_cache
 from .graphs import Uid
 from .keys import BackwardKey, ForwardKey, sig, sig_or_none
 from .layout import (
+    ALIGNMENT_BYTES,
+    BROADCAST_REASON,
     LayoutPolicy,
     binding_plan,
     canonical_strides,
@@ -44,13 +46,14 @@ def _policy(layout: str) -> LayoutPolicy:
     return policy if policy is not None else LayoutPolicy.parse(layout)
 
 
-def _record(operand: str, reason: str, t: torch.Tensor, copy: torch.Tensor, policy: LayoutPolicy) -> None:
+def _record(operand: str, reason: str, t: torch.Tensor, copy: torch.Tensor, warn: bool) -> None:
+    """Count a copy; ``warn`` (once per distinct layout) only for copies a user could avoid.
+
+    Copies the user asked for (policy "contiguous") or that ordinary code makes
+    unavoidable (an expanded tensor, a boolean or broadcast mask) are counted silently.
+    """
     copy_counter.record(
-        operand,
-        reason,
-        copy.numel() * copy.element_size(),
-        (tuple(t.shape), t.stride(), str(t.dtype)),
-        forced=policy is LayoutPolicy.PRESERVE or not reason.startswith("layout policy"),
+        operand, reason, copy.numel() * copy.element_size(), (tuple(t.shape), t.stride(), str(t.dtype)), forced=warn
     )
 
 
@@ -60,23 +63,33 @@ def prepare_operand(t: torch.Tensor, operand: str, policy: LayoutPolicy) -> torc
     if reason is not None:
         copy = empty_like_order(t.shape, t, policy)
         copy.copy_(t)
-        _record(operand, reason, t, copy, policy)
+        warn = policy is LayoutPolicy.PRESERVE and reason != BROADCAST_REASON
+        _record(operand, reason, t, copy, warn)
         return copy  # fresh buffers already carry canonical strides
     if canon is not None:
         return t.as_strided(t.shape, canon, t.storage_offset())
     return t
 
 
-def prepare_kv_forward(t: torch.Tensor, operand: str, policy: LayoutPolicy) -> torch.Tensor:
-    """K or V for the forward: a head dimension broadcast with stride 0 is declared as one head.
+def prepare_kv_forward(
+    key: torch.Tensor, value: torch.Tensor, policy: LayoutPolicy
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V for the forward: a head dimension both broadcast with stride 0 is declared as one head.
 
     cuDNN broadcasts a single K/V head over all query heads (multi-query attention), so
-    an expanded K/V needs no copy in the forward. (The backward must produce per-head
-    gradients for such a tensor and binds it materialized, see ``prepare_operand``.)
+    an expanded K/V needs no copy in the forward. K and V must agree on their head count,
+    so only a broadcast shared by both is collapsed; a lone broadcast one is copied. (The
+    backward must produce per-head gradients for such tensors and binds them materialized,
+    see ``prepare_operand``.)
     """
-    if t.shape[1] > 1 and t.stride(1) == 0 and policy is LayoutPolicy.PRESERVE:
-        t = t.narrow(1, 0, 1)
-    return prepare_operand(t, operand, policy)
+    if (
+        policy is LayoutPolicy.PRESERVE
+        and key.shape[1] > 1
+        and key.stride(1) == 0
+        and value.stride(1) == 0
+    ):
+        key, value = key.narrow(1, 0, 1), value.narrow(1, 0, 1)
+    return prepare_operand(key, "key", policy), prepare_operand(value, "value", policy)
 
 
 def prepare_mask(
@@ -108,7 +121,7 @@ def prepare_mask(
     if m.dtype == torch.bool:
         bias = empty_in_order(shape, range(4), q_dtype, m.device)
         bias.zero_().masked_fill_(~m.expand(shape), float("-inf"))
-        _record("attn_mask", "boolean mask converted to an additive bias", m, bias, policy)
+        _record("attn_mask", "boolean mask converted to an additive bias", m, bias, warn=False)
         m = bias
     elif tuple(m.shape) != shape or m.dtype != q_dtype:
         bias = empty_in_order(shape, range(4), q_dtype, m.device)
@@ -118,7 +131,7 @@ def prepare_mask(
             if m.dtype != q_dtype
             else "mask broadcast over query/key positions materialized"
         )
-        _record("attn_mask", reason, m, bias, policy)
+        _record("attn_mask", reason, m, bias, warn=False)
         m = bias
     return prepare_operand(m, "attn_mask", policy)
 
@@ -252,8 +265,7 @@ class Dispatcher:
                 return out, stats
         policy = _policy(layout)
         q = prepare_operand(query, "query", policy)
-        k = prepare_kv_forward(key, "key", policy)
-        v = prepare_kv_forward(value, "value", policy)
+        k, v = prepare_kv_forward(key, value, policy)
         b, h, lq, d = q.shape
         bias = None
         if attn_mask is not None:
@@ -280,6 +292,8 @@ class Dispatcher:
             pack[Uid.OFFSET] = offset
         if not self._run(fkey, pack, device):
             fallback.forward(q, k, v, bias, scale, bool(is_causal), float(dropout_p), seed, offset, out, stats)
+        if bias is not None:
+            _zero_fully_masked_rows(bias, out, stats)
         if dropout_p:
             return out, stats, seed, offset
         return out, stats
@@ -300,7 +314,7 @@ class Dispatcher:
         copy.copy_(grad_out)
         if copy.stride() != o.stride():  # O has a layout we did not allocate: match it exactly
             copy = torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device=o.device).copy_(grad_out)
-        _record("grad_out", f"cuDNN {backend} < {DO_OWN_STRIDES_MIN_BACKEND} needs dO strides == O strides", grad_out, copy, policy)
+        _record("grad_out", f"cuDNN {backend} < {DO_OWN_STRIDES_MIN_BACKEND} needs dO strides == O strides", grad_out, copy, warn=True)
         return with_canonical_strides(copy)
 
     def backward(
@@ -353,9 +367,11 @@ class Dispatcher:
         v = prepare_operand(value, "value", policy)
         o = prepare_operand(out, "out", policy)
         st = stats
-        if st.dtype != torch.float32 or not st.is_contiguous() or needs_copy(st, policy) is not None:
+        # cuDNN reads stats as packed BHSD float32 with plain loads (no 16-byte stride rule):
+        # exactly what the forward allocated, so this copy only runs for foreign stats.
+        if st.dtype != torch.float32 or not st.is_contiguous() or st.data_ptr() % ALIGNMENT_BYTES:
             st = torch.empty(st.shape, dtype=torch.float32, device=device).copy_(stats)
-            _record("stats", "softmax stats must be packed BHSD float32", stats, st, policy)
+            _record("stats", "softmax stats must be packed BHSD float32", stats, st, warn=True)
         st = with_canonical_strides(st)
         d_o = self._prepare_grad_out(grad_out, o, policy, target.backend_version)
         b, h, lq, d = q.shape
@@ -399,8 +415,51 @@ class Dispatcher:
             grads = grads + (_mask_gradient(d_bias, attn_mask),)
         return grads
 
+    def mask_gradient(
+        self,
+        grad_out: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: torch.Tensor,
+        dropout_p: float,
+        is_causal: bool,
+        out: torch.Tensor,
+        stats: torch.Tensor,
+        seed: torch.Tensor | None,
+        offset: torch.Tensor | None,
+        *,
+        scale: float | None = None,
+        layout: str = "preserve",
+        deterministic: bool = False,
+    ) -> torch.Tensor:
+        """The gradient of a mask computed inside the traced function (see executor.grad_transform).
+
+        Runs the backward graph with dBias again; thunder only keeps this call when the
+        mask's gradient is used, so the common case (a padding mask) never pays for it.
+        """
+        return self.backward(
+            grad_out, query, key, value, attn_mask, dropout_p, is_causal, out, stats, seed, offset,
+            scale=scale, layout=layout, deterministic=deterministic, mask_grad=True,
+        )[-1]
+
+
+def _zero_fully_masked_rows(bias: torch.Tensor, out: torch.Tensor, stats: torch.Tensor) -> None:
+    """Eager torch's answer for a query row whose every key is masked with -inf: zeros, no gradient.
+
+    torch (since 2.5) uses a "safe softmax" there; a flash kernel computes exp(-inf - -inf)
+    = NaN, which would also poison dV of the whole batch element in the backward. The
+    output row is set to 0 and its stats to +inf, so the backward (cuDNN or emulated)
+    recomputes P = exp(-inf - inf) = 0 for that row: zero dQ and no contribution to
+    dK/dV, as in eager. One reduction over the mask, no host synchronization.
+    """
+    dead = torch.isneginf(bias).all(dim=-1, keepdim=True)
+    out.masked_fill_(dead, 0.0)
+    stats.masked_fill_(dead, float("inf"))
+
 
 def _mask_gradient(d_bias: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
     """dBias reduced over the dims the mask broadcast over, in the mask's own shape."""
     shape4 = (1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape)
-    return reduce_to_shape(d_bias, shape4).reshape(attn_mask.shape)
+    return reduce_to_shape(d_bias, shape4).reshape(attn_mask.shape).to(attn_mask.dtype)
+

@@ -118,6 +118,13 @@ def _bwd_meta(
     return grads
 
 
+def _bwd_mask_meta(
+    grad_out, query, key, value, attn_mask, dropout_p, is_causal, out, stats, seed, offset,
+    *, scale=None, layout="preserve", deterministic=False,
+):
+    return TensorProxy(like=attn_mask)
+
+
 def _can_cat(query, key, value) -> bool:
     return (
         query.shape[0] == key.shape[0] == value.shape[0]
@@ -138,8 +145,10 @@ def make_executor(name: str, runtime: Runtime) -> OperatorExecutor:
         f"{name}_sdpa_fwd", meta=_fwd_meta, fn=dispatcher.forward, tags=(OpTags.DONT_AUTO_RECOMPUTE_IN_BACKWARD,)
     )
     bwd = ex.register_operator(f"{name}_sdpa_bwd", meta=_bwd_meta, fn=dispatcher.backward)
+    bwd_mask = ex.register_operator(f"{name}_sdpa_bwd_mask", meta=_bwd_mask_meta, fn=dispatcher.mask_gradient)
     ex.sdpa_fwd = fwd
     ex.sdpa_bwd = bwd
+    ex.sdpa_bwd_mask = bwd_mask
 
     def checker(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None) -> bool:
         return not reasons_for(runtime, query, key, value, attn_mask, dropout_p, is_causal, scale)
@@ -152,20 +161,31 @@ def make_executor(name: str, runtime: Runtime) -> OperatorExecutor:
         results = fwd(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, layout=layout)
         out, stats = results[0], results[1]
         seed, offset = (results[2], results[3]) if dropout_p else (None, None)
-        mask_grad = (
-            attn_mask is not None
-            and bool(getattr(attn_mask, "requires_grad", False))
-            and torch_dtype(attn_mask.dtype) is not torch.bool
-        )
+        float_mask = attn_mask is not None and torch_dtype(attn_mask.dtype) is not torch.bool
+        # A leaf mask says whether it requires grad; a mask computed inside the function
+        # (b + 0, a learned bias gathered and permuted) reports requires_grad=False on its
+        # proxy even when its gradient is needed. Such masks get their gradient from a
+        # separate operator that thunder's dead-code elimination drops when nobody uses it,
+        # so a gradient is never silently lost and never computed in vain.
+        mask_grad = float_mask and bool(getattr(attn_mask, "requires_grad", False))
+        deterministic = _bool_option("cudnn_safe_deterministic", _DETERMINISTIC_DOC)
         cat = _cat_option() and _can_cat(query, key, value)
+        g = get_grad(out)
         grads = bwd(
-            get_grad(out), query, key, value, attn_mask, dropout_p, is_causal, out, stats, seed, offset,
-            scale=scale, layout=layout, deterministic=_bool_option("cudnn_safe_deterministic", _DETERMINISTIC_DOC),
-            cat_grad_qkv=cat, mask_grad=mask_grad,
+            g, query, key, value, attn_mask, dropout_p, is_causal, out, stats, seed, offset,
+            scale=scale, layout=layout, deterministic=deterministic, cat_grad_qkv=cat, mask_grad=mask_grad,
         )
         if mask_grad:
             put_grad(attn_mask, grads[-1])
             grads = grads[:-1]
+        elif float_mask:
+            put_grad(
+                attn_mask,
+                bwd_mask(
+                    g, query, key, value, attn_mask, dropout_p, is_causal, out, stats, seed, offset,
+                    scale=scale, layout=layout, deterministic=deterministic,
+                ),
+            )
         if cat:
             (grad_qkv,) = grads
             grads = grad_qkv.split([query.shape[1], key.shape[1], value.shape[1]], dim=1)

@@ -79,18 +79,23 @@ def span_elements(shape: Sequence[int], strides: Sequence[int]) -> int:
     return 1 + sum((n - 1) * s for n, s in zip(shape, strides))
 
 
+#: Why an expanded tensor (``expand``, ``out.sum().backward()``'s grad_out) is materialized.
+BROADCAST_REASON = "a zero (broadcast) stride on a dimension of size > 1"
+
+
 def layout_problem(t: torch.Tensor) -> str | None:
     """Why cuDNN cannot read ``t`` through its own strides, or None if it can."""
     shape, strides = tuple(t.shape), t.stride()
+    real = sorted((s, n) for n, s in zip(shape, strides) if n != 1)
+    if real and real[0][0] == 0:
+        return BROADCAST_REASON
+    if real and real[0][0] < 0:
+        return "a negative stride on a dimension of size > 1"
     if shape and shape[-1] != 1 and strides[-1] != 1:
         return f"last-dim stride is {strides[-1]}, cuDNN needs 1"
     if t.data_ptr() % ALIGNMENT_BYTES:
         return f"base address is not {ALIGNMENT_BYTES}-byte aligned (storage offset {t.storage_offset()})"
     esize = t.element_size()
-    real = sorted((s, n) for n, s in zip(shape, strides) if n != 1)
-    if real and real[0][0] <= 0:
-        kind = "zero (broadcast)" if real[0][0] == 0 else "negative"
-        return f"a {kind} stride on a dimension of size > 1"
     for s, _ in real[1:]:
         if (s * esize) % ALIGNMENT_BYTES:
             return f"stride {s} is not a multiple of {ALIGNMENT_BYTES} bytes"

@@ -64,8 +64,15 @@ def attention_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(O, stats) in float32 from float32 (B,H,L,D) inputs; ``keep`` is the dropout mask."""
     s = _scores(q, k, bias, scale, causal)
-    stats = torch.logsumexp(s, dim=-1, keepdim=True)
-    p = torch.exp(s - stats)
+    # As cuDNN's forward: unnormalized exp(s - rowmax), divided by the row sum at the end,
+    # stats = rowmax + log(rowsum). (With scores near -3e38, e.g. a row fully masked with
+    # torch.finfo(bf16).min, log(rowsum) is absorbed in float32: the forward still averages
+    # V, but stats cannot reproduce P in the backward; see README "Guarantees and limits".)
+    m = s.amax(dim=-1, keepdim=True)
+    p = torch.exp(s - m)
+    rowsum = p.sum(dim=-1, keepdim=True)
+    stats = m + torch.log(rowsum)
+    p = p / rowsum
     if dropout_p:
         p = p * keep / (1.0 - dropout_p)
     o = torch.matmul(p, _expand_heads(v, q.shape[1]))
