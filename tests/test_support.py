@@ -73,6 +73,8 @@ def test_arch_rules_follow_the_emulated_target():
 def test_mask_dropout_scale_and_causal_reasons():
     q, k, v = qkv()
     assert any("neither bool nor floating point" in r for r in emu(q, k, v, torch.zeros(16, 16, dtype=torch.int32)))
+    assert any("torch rejects it" in r for r in emu(q, k, v, torch.zeros(16, 16, dtype=torch.bfloat16)))
+    assert emu(q, k, v, torch.zeros(16, 16, dtype=torch.float32)) == []
     assert any("does not broadcast" in r for r in emu(q, k, v, torch.zeros(3, 16, 16, dtype=torch.float16)))
     assert any("together with an explicit attn_mask" in r for r in emu(q, k, v, torch.zeros(16, 16, dtype=torch.float16), is_causal=True))
     assert any("outside [0, 1)" in r for r in emu(q, k, v, dropout_p=1.5))

@@ -109,6 +109,8 @@ def _mask_reasons(attn_mask: Any, q_dtype: torch.dtype | None, full: tuple[int, 
     m_dtype = torch_dtype(attn_mask.dtype)
     if m_dtype is not torch.bool and not (m_dtype is not None and m_dtype.is_floating_point):
         reasons.append(f"attn_mask dtype {m_dtype} is neither bool nor floating point")
+    elif m_dtype not in (torch.bool, torch.float32, q_dtype):
+        reasons.append(f"attn_mask dtype {m_dtype} is neither bool, float32 nor the query dtype {q_dtype} (torch rejects it)")
     elif m_dtype is not torch.bool and m_dtype != q_dtype and getattr(attn_mask, "requires_grad", False):
         reasons.append(f"attn_mask of dtype {m_dtype} requires grad but cuDNN computes dBias in the query dtype {q_dtype}")
     shape = tuple(attn_mask.shape)
