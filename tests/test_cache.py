@@ -89,8 +89,7 @@ def test_env_var_sets_the_bound(monkeypatch):
     monkeypatch.setenv(CACHE_SIZE_ENV, "7")
     assert GraphCache().info().maxsize == 7
     monkeypatch.setenv(CACHE_SIZE_ENV, "zero")
-    with pytest.raises(ValueError, match=CACHE_SIZE_ENV):
-        _env_cache_size()
+    assert _env_cache_size() == 1024  # a typo warns and keeps the default, never breaks the import
 
 
 def test_public_cache_api(fresh_cache):

@@ -120,3 +120,20 @@ def test_broken_builtin_cudnn_executor_leaves_the_defaults():
     if "'cudnn'" in res.stdout.split("BEFORE", 1)[1].split("\n", 1)[0]:
         assert "'cudnn'" not in res.stdout.split("AFTER", 1)[1].split("\n", 1)[0]
     assert "has no pygraph.scaled_dot_product_flash_attention" in res.stdout
+
+
+def test_bad_environment_variables_warn_and_keep_defaults():
+    res = run(
+        "import thunder_cudnn_safe as tcs\n"
+        "print('SIZE', tcs.cache_info().maxsize)\nprint('TARGET', tcs.emulation.emulated_target().arch, "
+        "tcs.emulation.emulated_target().backend_version)\n",
+        extra_env={
+            "THUNDER_CUDNN_SAFE_CACHE_SIZE": "abc",
+            "THUNDER_CUDNN_SAFE_EMULATED_ARCH": "foo",
+            "THUNDER_CUDNN_SAFE_EMULATED_BACKEND": "nine",
+        },
+    )
+    assert res.returncode == 0, res.stderr
+    assert "SIZE 1024" in res.stdout and "TARGET (9, 0) 91900" in res.stdout
+    assert "THUNDER_CUDNN_SAFE_CACHE_SIZE must be a positive integer" in res.stderr
+    assert "THUNDER_CUDNN_SAFE_EMULATED_ARCH" in res.stderr and "THUNDER_CUDNN_SAFE_EMULATED_BACKEND" in res.stderr

@@ -14,6 +14,7 @@ with :func:`set_cache_size`.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -50,15 +51,23 @@ class GraphBuildError(RuntimeError):
 
 
 def _env_cache_size() -> int:
+    """The bound from the environment; an invalid value warns and keeps the default.
+
+    This runs at import: a typo in an environment variable must not make the package
+    (and with it a training script) unimportable.
+    """
     raw = os.environ.get(CACHE_SIZE_ENV)
     if raw is None or raw.strip() == "":
         return DEFAULT_CACHE_SIZE
     try:
         value = int(raw)
     except ValueError:
-        raise ValueError(f"{CACHE_SIZE_ENV} must be a positive integer, got {raw!r}") from None
+        value = 0
     if value < 1:
-        raise ValueError(f"{CACHE_SIZE_ENV} must be a positive integer, got {raw!r}")
+        logging.getLogger("thunder_cudnn_safe").warning(
+            "%s must be a positive integer, got %r; using %d", CACHE_SIZE_ENV, raw, DEFAULT_CACHE_SIZE
+        )
+        return DEFAULT_CACHE_SIZE
     return value
 
 

@@ -28,6 +28,7 @@ with :func:`set_emulated_target` or the environment variables
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -61,6 +62,32 @@ def _parse_arch(raw: str) -> tuple[int, int]:
         return int(major), int(minor)
     except ValueError:
         raise ValueError(f"{ARCH_ENV} must look like '9.0' or 'sm90', got {raw!r}") from None
+
+
+def _env_arch() -> tuple[int, int]:
+    """The emulated architecture from the environment; an invalid value warns and keeps sm90."""
+    raw = os.environ.get(ARCH_ENV)
+    if not raw:
+        return DEFAULT_ARCH
+    try:
+        return _parse_arch(raw)
+    except ValueError as exc:
+        logging.getLogger("thunder_cudnn_safe").warning("%s; using sm%d%d", exc, *DEFAULT_ARCH)
+        return DEFAULT_ARCH
+
+
+def _env_backend() -> int:
+    """The emulated cuDNN version from the environment; an invalid value warns and keeps the default."""
+    raw = os.environ.get(BACKEND_ENV)
+    if not raw:
+        return DEFAULT_BACKEND
+    try:
+        return int(raw)
+    except ValueError:
+        logging.getLogger("thunder_cudnn_safe").warning(
+            "%s must be an integer like 91900, got %r; using %d", BACKEND_ENV, raw, DEFAULT_BACKEND
+        )
+        return DEFAULT_BACKEND
 
 
 def _torch_dtype_of(cudnn_dtype: Any) -> torch.dtype:
@@ -216,8 +243,8 @@ class EmulatedRuntime(Runtime):
     device_type = "cpu"
 
     def __init__(self, arch: tuple[int, int] | None = None, backend_version: int | None = None) -> None:
-        self.arch = arch if arch is not None else _parse_arch(os.environ.get(ARCH_ENV, "9.0"))
-        self.backend_version = int(backend_version if backend_version is not None else os.environ.get(BACKEND_ENV, DEFAULT_BACKEND))
+        self.arch = arch if arch is not None else _env_arch()
+        self.backend_version = int(backend_version) if backend_version is not None else _env_backend()
         self._target: Target | None = None
         self._fail_build: Callable[[Any], str | None] | None = None
         self._fail_execute: Callable[[Any], str | None] | None = None
