@@ -333,3 +333,37 @@ def test_cudnn_runtime_turns_any_build_refusal_into_graph_build_error():
                      Target("cudnn", 0, (9, 0), 91900, "1.32.0"))
     with pytest.raises(GraphBuildError, match="cuDNN could not build this graph"):
         CudnnRuntime().build(key)
+
+
+def test_backward_of_a_fallen_back_dropout_forward_never_reaches_cudnn(fresh_cache):
+    """cuDNN's Philox mask would differ from the fallback's: such a backward must fall back too."""
+    disp = tcs.emulated_ex.dispatcher
+    executed = []
+    q, k, v = (T(1, 2, 8, 64) for _ in range(3))
+    with emulation.inject_failures(build=lambda key: "refused" if isinstance(key, ForwardKey) else None,
+                                   execute=lambda key: executed.append(type(key).__name__)):
+        out, stats, seed, offset = disp.forward(q, k, v, None, 0.3, False)
+        g = torch.randn_like(out)
+        dq, dk, dv = disp.backward(g, q, k, v, None, 0.3, False, out, stats, seed, offset)
+    assert executed == [], executed
+    from thunder_cudnn_safe.reference import dropout_keep_mask
+
+    keep = dropout_keep_mask(int(seed.item()), int(offset.item()), (1, 2, 8, 8), 0.3, torch.device("cpu"))
+    ref = [t.double().requires_grad_() for t in (q, k, v)]
+    o = (torch.softmax(ref[0] @ ref[1].transpose(-1, -2) / 8, -1) * keep / 0.7) @ ref[2]
+    for a, b in zip((dq, dk, dv), torch.autograd.grad(o, ref, g.double())):
+        assert (a.double() - b).abs().max() < 2e-2
+
+
+def test_symbolic_dropout_is_declined_and_runs_correctly(fresh_cache):
+    """Under cache='symbolic values' dropout_p may switch between 0 and > 0 within one trace."""
+    q, k, v = (torch.randn(1, 2, 8, 64, dtype=torch.float16, requires_grad=True) for _ in range(3))
+    jm = thunder.jit(
+        lambda q, k, v, p: F.scaled_dot_product_attention(q, k, v, dropout_p=p),
+        executors=[tcs.emulated_ex, *thunder.get_default_executors()],
+        cache="symbolic values",
+    )
+    for p in (0.0, 0.5, 0.0):
+        jm(q, k, v, p).sum().backward()
+    assert "cudnn_safe" not in str(thunder.last_traces(jm)[-1])
+    torch.testing.assert_close(jm(q, k, v, 0.0), F.scaled_dot_product_attention(q, k, v), atol=2e-3, rtol=2e-3)

@@ -114,3 +114,28 @@ def test_declined_calls_fall_back_with_correct_results(dtype, fresh_cache):
     assert "cudnn_safe" not in str(thunder.last_traces(jf)[-1])
     torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v))
     assert tcs.cache_info().builds == 0
+
+
+def test_api_misuse_gives_clear_errors():
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match="query must be a torch tensor"):
+        tcs.explain(None, k, v)
+    with pytest.raises(TypeError, match="attn_mask must be a torch tensor"):
+        tcs.explain(q, k, v, 0.5)
+    assert tcs.explain(q, k, v, executor="cudnn_safe_emulated") == []
+    with pytest.raises(TypeError, match="executor must be one of"):
+        tcs.explain(q, k, v, executor=thunder.pytorch_executor)
+    with pytest.raises(ValueError, match="arch must be"):
+        tcs.set_emulated_target(arch=(9,))
+    with pytest.raises(ValueError, match="backend_version must be"):
+        tcs.set_emulated_target(backend_version="x")
+    before = tcs.emulation.emulated_target()
+    tcs.set_emulated_target(arch="8.6")
+    try:
+        assert tcs.emulation.emulated_target().arch == (8, 6)
+    finally:
+        tcs.set_emulated_target(arch=before.arch)
+    with pytest.raises(ValueError, match="positive integer"):
+        tcs.set_cache_size(2.7)
+    with pytest.raises(TypeError, match="must be a bool"):
+        tcs.install(emulated="no")

@@ -172,8 +172,8 @@ class GraphCache:
             self._build_seconds = 0.0
 
     def resize(self, maxsize: int) -> None:
-        if int(maxsize) < 1:
-            raise ValueError("cache size must be >= 1")
+        if not isinstance(maxsize, int) or isinstance(maxsize, bool) or maxsize < 1:
+            raise ValueError(f"cache size must be a positive integer, got {maxsize!r}")
         with self._lock:
             self._maxsize = int(maxsize)
             while len(self._entries) > self._maxsize:

@@ -209,8 +209,8 @@ class Dispatcher:
     def _warn_fallback(self, key, exc: Exception) -> None:
         if self.cache.record_fallback(key):
             logger.warning(
-                "cudnn_safe: %s refused an attention graph (%s); this call and later calls with the same "
-                "layout run on the torch fallback. Shown once per distinct graph.",
+                "cudnn_safe: %s refused an attention graph (%s); the call ran on the torch fallback (a refused "
+                "build is remembered, so later calls with this layout do too). Shown once per distinct graph.",
                 self.runtime.name,
                 exc,
             )
@@ -406,7 +406,9 @@ class Dispatcher:
             views = _views_of((q, k, v, o, d_o, st), args)
             if views is not None:
                 _remember(self._fast_backward, fast, (bkey, views))
-        if not self._run(bkey, pack, device):
+        # A forward that fell back drew its dropout mask in torch: cuDNN's Philox would drop
+        # other elements, so its backward must fall back too.
+        if (dropout_p and fallback.forward_fell_back(seed)) or not self._run(bkey, pack, device):
             fallback.backward(
                 q, k, v, o, d_o, st, bias, scale, bool(is_causal), float(dropout_p), seed, offset, dq, dk, dv, d_bias
             )

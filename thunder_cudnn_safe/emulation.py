@@ -290,12 +290,25 @@ class EmulatedRuntime(Runtime):
 _runtime = EmulatedRuntime()
 
 
-def set_emulated_target(arch: tuple[int, int] | None = None, backend_version: int | None = None) -> None:
-    """Change which GPU and cuDNN version the emulated executor pretends to be (rules and keys)."""
+def set_emulated_target(arch: tuple[int, int] | str | None = None, backend_version: int | None = None) -> None:
+    """Change which GPU and cuDNN version the emulated executor pretends to be (rules and keys).
+
+    ``arch`` is ``(major, minor)`` or a string like ``"9.0"`` / ``"sm90"``; ``backend_version``
+    is cuDNN's integer version (``91900`` for 9.19.0).
+    """
+    if arch is not None:
+        if isinstance(arch, str):
+            arch = _parse_arch(arch)
+        elif not (
+            isinstance(arch, tuple | list) and len(arch) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in arch)
+        ):
+            raise ValueError(f"arch must be (major, minor) integers or a string like '9.0', got {arch!r}")
+    if backend_version is not None and (not isinstance(backend_version, int) or isinstance(backend_version, bool) or backend_version <= 0):
+        raise ValueError(f"backend_version must be a positive integer like 91900, got {backend_version!r}")
     if arch is not None:
         _runtime.arch = tuple(arch)
     if backend_version is not None:
-        _runtime.backend_version = int(backend_version)
+        _runtime.backend_version = backend_version
 
 
 def emulated_target() -> Target:

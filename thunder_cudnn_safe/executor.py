@@ -214,12 +214,31 @@ def explain(
     is_causal: bool = False,
     scale: float | None = None,
     *,
-    executor: OperatorExecutor | None = None,
+    executor: OperatorExecutor | str | None = None,
 ) -> list[str]:
     """Human-readable reasons why ``executor`` (default: ``cudnn_safe_ex``) would not claim this call.
 
     An empty list means it would. Works on real tensors of any device and on thunder
     proxies; the executors' checkers use the same function.
     """
-    ex = cudnn_safe_ex if executor is None else executor
+    ex = _resolve_executor(executor)
+    for name, t in (("query", query), ("key", key), ("value", value), ("attn_mask", attn_mask)):
+        if t is None and name == "attn_mask":
+            continue
+        if not all(hasattr(t, attr) for attr in ("shape", "dtype", "device")) or not hasattr(t.device, "type"):
+            raise TypeError(f"explain(): {name} must be a torch tensor or a thunder TensorProxy, got {type(t).__name__}")
     return reasons_for(ex.runtime, query, key, value, attn_mask, dropout_p, is_causal, scale)
+
+
+def _resolve_executor(executor: OperatorExecutor | str | None) -> OperatorExecutor:
+    """Our executor given as an object or by name."""
+    if executor is None:
+        return cudnn_safe_ex
+    from .emulation import emulated_ex
+
+    ours = {ex.name: ex for ex in (cudnn_safe_ex, emulated_ex)}
+    if isinstance(executor, str) and executor in ours:
+        return ours[executor]
+    if any(executor is ex for ex in ours.values()):
+        return executor
+    raise TypeError(f"explain(): executor must be one of {sorted(ours)} (object or name), got {executor!r}")

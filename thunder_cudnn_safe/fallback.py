@@ -9,7 +9,9 @@ writing the same outputs (O, stats, gradients) cuDNN would have written.
 Dropout: the fallback draws its keep-mask from (seed, offset) exactly as the emulated
 runtime does, so a forward and backward that both fall back agree. A backward that falls
 back after a *real cuDNN* forward with dropout cannot know which elements cuDNN dropped;
-that case raises a clear error instead of returning gradients for a different mask.
+that case raises a clear error instead of returning gradients for a different mask; and
+the reverse, a backward whose forward fell back, never goes to cuDNN (whose Philox mask
+would differ): the dispatcher sends it here (:func:`forward_fell_back`).
 """
 
 from __future__ import annotations
@@ -43,9 +45,14 @@ def forward(q, k, v, bias, scale, causal, dropout_p, seed, offset, out, stats) -
         _fallback_seeds[id(seed)] = seed
 
 
+def forward_fell_back(seed: torch.Tensor | None) -> bool:
+    """Whether ``seed`` came from a fallback forward (its dropout mask is this module's, not cuDNN's)."""
+    return seed is not None and _fallback_seeds.get(id(seed)) is seed
+
+
 def backward(q, k, v, o, d_o, stats, bias, scale, causal, dropout_p, seed, offset, dq, dk, dv, d_bias) -> None:
     """Compute the gradients into the given buffers without cuDNN."""
-    if dropout_p and _fallback_seeds.get(id(seed)) is not seed:
+    if dropout_p and not forward_fell_back(seed):
         raise RuntimeError(
             "cudnn_safe: cuDNN refused the backward graph of an attention call whose forward ran in cuDNN with "
             "dropout; the dropout mask cuDNN used cannot be reproduced, so no gradient is returned rather than a "

@@ -24,6 +24,8 @@ def _ours() -> tuple[Executor, ...]:
 def install(emulated: bool = False) -> list[Executor]:
     """Use ``cudnn_safe_ex`` (and ``emulated_ex`` for CPU tensors if ``emulated``) by default."""
     global _removed_builtin
+    if not isinstance(emulated, bool):
+        raise TypeError(f"install(emulated=...) must be a bool, got {emulated!r}")
     current = list(get_default_executors())
     for i, ex in enumerate(current):
         if ex.name == _BUILTIN_NAME and _removed_builtin is None:

@@ -68,6 +68,15 @@ def _value(x: Any) -> Any:
         return x
 
 
+def _is_symbolic(x: Any) -> bool:
+    """A thunder NumberProxy whose value may change between calls of one trace."""
+    try:
+        from thunder.core.proxies import NumberProxy
+    except Exception:
+        return False
+    return isinstance(x, NumberProxy)
+
+
 def head_dim_limit(arch: tuple[int, int], backend_version: int = 10**6) -> int:
     """Largest head dim cuDNN supports for forward *and* backward on ``arch``.
 
@@ -192,6 +201,11 @@ def not_supported_reasons(
         reasons.extend(_head_dim_reasons(d_qk, d_v, target))
     if attn_mask is not None:
         reasons.extend(_mask_reasons(attn_mask, dts[0], (b, h, lq, s), bool(_value(is_causal))))
+    if _is_symbolic(dropout_p):
+        reasons.append(
+            "dropout_p is symbolic (cache='symbolic values'): whether dropout runs, and so the operator's "
+            "outputs, must be known at trace time"
+        )
     p = _value(dropout_p)
     if not isinstance(p, (int, float)) or isinstance(p, bool):
         reasons.append(f"dropout_p {p!r} is not a number known at trace time")
