@@ -25,8 +25,12 @@ def trace_text(jf) -> tuple[str, str]:
     return fwd, (str(bwd_traces[-1]) if bwd_traces else "")
 
 
-def run_and_check(jf, q, k, v, grad_out, mask=None, is_causal=False, scale=None, check_grads=True, op_prefix="cudnn_safe_emulated_sdpa"):
+def run_and_check(
+    jf, q, k, v, grad_out, mask=None, is_causal=False, scale=None, check_grads=True,
+    op_prefix="cudnn_safe_emulated_sdpa", allow_fallback=False,
+):
     """Forward+backward through ``jf``; compare with a float64 reference under the accuracy rule."""
+    fallbacks_before = tcs.cache_info().fallbacks
     out = jf(q, k, v, mask, 0.0, is_causal, scale)
     fwd, bwd = trace_text(jf)
     assert f"{op_prefix}_fwd" in fwd, "the executor did not claim the call (silent fallback)"
@@ -34,6 +38,8 @@ def run_and_check(jf, q, k, v, grad_out, mask=None, is_causal=False, scale=None,
     grads = torch.autograd.grad(out, leaves, grad_out) if check_grads else ()
     if check_grads:
         assert f"{op_prefix}_bwd" in bwd, "the backward did not run on the executor"
+    if not allow_fallback:
+        assert tcs.cache_info().fallbacks == fallbacks_before, "a graph was refused and the torch fallback answered"
 
     ref_leaves = [t.detach().double().requires_grad_(t.requires_grad) for t in (q, k, v)]
     ref_mask = None

@@ -119,3 +119,19 @@ def test_cudnn_before_9_5_1_gets_grad_out_in_o_layout():
     graph, pack = runtime.calls[1]
     assert pack[Uid.DO].stride() == pack[Uid.O].stride()
     assert declaration_mismatches(graph, pack) == []
+
+
+@pytest.mark.parametrize("b,h", [(2, 4), (1, 4), (2, 1), (1, 1)])
+def test_backward_stats_declared_exactly_packed(b, h):
+    """cuDNN < 9.26 refuses backward Stats unless strides are exactly packed BHSD, size-1 dims included
+    (found by reading frontend 1.32's support surface: canonical size-1 strides broke every backward)."""
+    runtime = RecordingRuntime()
+    disp = Dispatcher(runtime, GraphCache(8))
+    q, k, v = (torch.randn(b, h, 16, 64, dtype=torch.float16) for _ in range(3))
+    out, stats = disp.forward(q, k, v)
+    disp.backward(torch.randn_like(out), q, k, v, None, 0.0, False, out, stats, None, None)
+    graph, pack = runtime.calls[-1]
+    st = graph.nodes[0].inputs["stats"]
+    assert tuple(st.get_stride()) == (h * 16, 16, 1, 1)
+    assert declaration_mismatches(graph, pack) == []
+    assert disp.cache.info().fallbacks == 0

@@ -30,6 +30,7 @@ from .layout import (
     empty_in_order,
     empty_like_order,
     needs_copy,
+    packed_strides,
     stride_order,
     with_canonical_strides,
 )
@@ -372,7 +373,9 @@ class Dispatcher:
         if st.dtype != torch.float32 or not st.is_contiguous() or st.data_ptr() % ALIGNMENT_BYTES:
             st = torch.empty(st.shape, dtype=torch.float32, device=device).copy_(stats)
             _record("stats", "softmax stats must be packed BHSD float32", stats, st, warn=True)
-        st = with_canonical_strides(st)
+        packed = packed_strides(st.shape)  # cuDNN < 9.26 refuses any other stats strides
+        if st.stride() != packed:
+            st = st.as_strided(st.shape, packed, st.storage_offset())
         d_o = self._prepare_grad_out(grad_out, o, policy, target.backend_version)
         b, h, lq, d = q.shape
         bias = d_bias = None

@@ -39,10 +39,12 @@ import torch
 from . import _compat, graphs, reference
 from .cache import GraphBuildError
 from .keys import BackwardKey, ForwardKey, Target
-from .layout import ALIGNMENT_BYTES, span_elements
+from .layout import ALIGNMENT_BYTES, packed_strides, span_elements
 from .runtime import BuiltGraph, ExecuteError, Runtime
 
 DEFAULT_ARCH = (9, 0)
+#: cuDNN version from which sdpa_backward accepts Stats with other than packed BHSD strides.
+STATS_ANY_STRIDES_MIN_BACKEND = 92600
 DEFAULT_BACKEND = 91900
 ARCH_ENV = "THUNDER_CUDNN_SAFE_EMULATED_ARCH"
 BACKEND_ENV = "THUNDER_CUDNN_SAFE_EMULATED_BACKEND"
@@ -271,6 +273,16 @@ class EmulatedRuntime(Runtime):
             reason = hook(key)
             if reason:
                 raise GraphBuildError(f"emulated cuDNN refused the graph: {reason}")
+        if (
+            isinstance(key, BackwardKey)
+            and key.target.backend_version < STATS_ANY_STRIDES_MIN_BACKEND
+            and tuple(key.stats.stride) != packed_strides(key.stats.shape)
+        ):
+            # The real frontend's rule (sdpa_support_surface.h): refused before planning.
+            raise GraphBuildError(
+                f"cuDNN {key.target.backend_version} < 9.26: a non-ragged Stats input of sdpa_backward must be a "
+                f"packed BHSD tensor, got strides {tuple(key.stats.stride)}"
+            )
         cudnn = graphs.cudnn_module()
         try:
             g = graphs.build_forward_graph(key) if isinstance(key, ForwardKey) else graphs.build_backward_graph(key)

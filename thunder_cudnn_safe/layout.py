@@ -72,6 +72,21 @@ def canonical_strides(shape: Sequence[int], strides: Sequence[int]) -> tuple[int
     return tuple(outer if n == 1 else s for n, s in zip(shape, strides))
 
 
+def packed_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """Row-major strides of a packed tensor, size-1 dims included (torch's contiguous strides).
+
+    cuDNN before 9.26 requires the backward's softmax stats to be exactly packed BHSD
+    (``stride == (H*L, L, 1, 1)``, size-1 dims too), so stats are declared with these and
+    never with :func:`canonical_strides`.
+    """
+    strides = []
+    acc = 1
+    for n in reversed(tuple(shape)):
+        strides.append(acc)
+        acc *= n
+    return tuple(reversed(strides))
+
+
 def span_elements(shape: Sequence[int], strides: Sequence[int]) -> int:
     """Number of elements between the first and one past the last element addressed."""
     if any(n == 0 for n in shape):
