@@ -31,7 +31,6 @@ from .layout import (
     empty_like_order,
     needs_copy,
     packed_strides,
-    stride_order,
     with_canonical_strides,
 )
 from .reference import reduce_to_shape
@@ -311,12 +310,12 @@ class Dispatcher:
         same = canonical_strides(grad_out.shape, grad_out.stride()) == o.stride()
         if same and needs_copy(grad_out, policy) is None:
             return with_canonical_strides(grad_out)
-        copy = empty_in_order(o.shape, stride_order(o.stride()), o.dtype, o.device)
+        # O as bound is readable with canonical strides (prepare_operand), so a buffer with
+        # exactly its strides is too; one allocation, one copy.
+        copy = torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device=o.device)
         copy.copy_(grad_out)
-        if copy.stride() != o.stride():  # O has a layout we did not allocate: match it exactly
-            copy = torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device=o.device).copy_(grad_out)
         _record("grad_out", f"cuDNN {backend} < {DO_OWN_STRIDES_MIN_BACKEND} needs dO strides == O strides", grad_out, copy, warn=True)
-        return with_canonical_strides(copy)
+        return copy
 
     def backward(
         self,
