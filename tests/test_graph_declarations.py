@@ -8,7 +8,6 @@ declares dO like O (thunder 0.2.6's approach) is caught.
 import pytest
 import torch
 
-import thunder_cudnn_safe as tcs
 from thunder_cudnn_safe import graphs
 from thunder_cudnn_safe.dispatch import Dispatcher
 from thunder_cudnn_safe.emulation import EmulatedRuntime, _torch_dtype_of

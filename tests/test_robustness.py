@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import thunder_cudnn_safe as tcs
-from thunder_cudnn_safe import emulation, graphs
+from thunder_cudnn_safe import emulation
 from thunder_cudnn_safe.cache import GraphCache
 from thunder_cudnn_safe.dispatch import Dispatcher
 from thunder_cudnn_safe.emulation import EmulatedRuntime
