@@ -1,6 +1,6 @@
 """Benchmarks for thunder_cudnn_safe (see benchmarks/README.md).
 
-Three suites answer the performance questions of the design notes:
+Three suites answer what the safe executor costs:
 
 * ``copy``: bytes copied by layout normalization per forward+backward for the layout
   zoo, under ``cudnn_safe_layout="preserve"`` and ``"contiguous"``, read from

@@ -65,7 +65,7 @@ class NoExecuteRuntime(Runtime):
         g = graphs.build_forward_graph(key) if isinstance(key, ForwardKey) else graphs.build_backward_graph(key)
         return BuiltGraph(g, 0, key)
 
-    def execute(self, built: BuiltGraph, pack: dict, device: torch.device) -> None:
+    def execute(self, built: BuiltGraph, pack: dict) -> None:
         self.executes += 1
         if self.record is not None:
             self.record.append((built.key, {int(u): (tuple(t.shape), t.stride(), t.dtype) for u, t in pack.items()}))

@@ -198,7 +198,7 @@ def run(*, quick: bool = False, iters: int | None = None, log=print) -> dict[str
         disp = harness.make_dispatcher("cpu")
         out, stats, _ = harness.forward_backward(disp, q, k, v, g, "preserve")  # cold: builds both graphs
         # Whether the product remembered keys for these layouts (its steady-state path; private, read if present).
-        steady = {which: bool(getattr(disp, attr, None)) for which, attr in (("fwd", "_fast_forward"), ("bwd", "_fast_backward"))}
+        steady = {which: bool(getattr(disp.binder, attr, None)) for which, attr in (("fwd", "forward_memo"), ("bwd", "backward_memo"))}
         builds_before = disp.cache.info().builds
         harness.reset_copy_stats()
 

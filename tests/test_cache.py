@@ -140,7 +140,7 @@ def test_steady_state_forward_path_keeps_declared_equal_to_bound(monkeypatch):
     disp = Dispatcher(runtime, tcs.cache.GraphCache(16))
     packs = []
     real_execute = runtime.execute
-    runtime.execute = lambda built, pack, device: packs.append((built.key, dict(pack))) or real_execute(built, pack, device)
+    runtime.execute = lambda built, pack: packs.append((built.key, dict(pack))) or real_execute(built, pack)
     q, k, v = (torch.randn(1, 2, 8, 64, dtype=torch.float16) for _ in range(3))
     disp.forward(q, k, v)
     disp.forward(q, k, v)  # steady-state path
@@ -164,7 +164,7 @@ def test_steady_state_backward_path_keeps_declared_equal_to_bound():
     disp = Dispatcher(runtime, tcs.cache.GraphCache(16))
     packs = []
     real_execute = runtime.execute
-    runtime.execute = lambda built, pack, device: packs.append((built.key, dict(pack))) or real_execute(built, pack, device)
+    runtime.execute = lambda built, pack: packs.append((built.key, dict(pack))) or real_execute(built, pack)
     q, k, v = (torch.randn(1, 2, 8, 64, dtype=torch.float16) for _ in range(3))
     out, stats = disp.forward(q, k, v)
     g = torch.randn(1, 8, 2, 64, dtype=torch.float16).transpose(1, 2)

@@ -22,9 +22,9 @@ class RecordingRuntime(EmulatedRuntime):
         super().__init__()
         self.calls = []
 
-    def execute(self, built, pack, device):
+    def execute(self, built, pack):
         self.calls.append((built.graph, dict(pack)))
-        super().execute(built, pack, device)
+        super().execute(built, pack)
 
 
 def declaration_mismatches(graph, pack) -> list[str]:

@@ -7,7 +7,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from thunder_cudnn_safe.dispatch import prepare_operand
+from thunder_cudnn_safe.binding import prepare_operand
 from thunder_cudnn_safe.keys import sig
 from thunder_cudnn_safe.layout import (
     LayoutPolicy,

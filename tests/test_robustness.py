@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import thunder_cudnn_safe as tcs
+from thunder_cudnn_safe.telemetry import CopyReason
 from thunder_cudnn_safe import emulation
 from thunder_cudnn_safe.cache import GraphCache
 from thunder_cudnn_safe.dispatch import Dispatcher
@@ -21,7 +22,7 @@ from thunder_cudnn_safe.emulation import EmulatedRuntime
 from thunder_cudnn_safe.keys import BackwardKey, ForwardKey
 from thunder_cudnn_safe.testing import QKV_LAYOUTS, assert_close_to_reference
 
-from sdpa_cases import jit_sdpa, run_and_check, sdpa_fn
+from thunder_cudnn_safe.testing import jit_sdpa, run_and_check, sdpa_fn
 
 
 def T(*shape, dtype=torch.float16):
@@ -131,7 +132,7 @@ def test_float32_mask_with_fp16_query_is_converted(fresh_cache):
     ref = sdpa_fn(q.double(), k.double(), v.double(), mask.double())
     eager = sdpa_fn(q, k, v, mask)
     assert_close_to_reference(out, eager, ref, "output")
-    assert any("converted from torch.float32" in reason for _, reason in tcs.copy_stats().by_reason)
+    assert ("attn_mask", CopyReason.MASK_DTYPE) in tcs.copy_stats().by_reason
 
 
 def test_int32_offset_overflow_is_declined_without_allocating():
@@ -212,7 +213,7 @@ def test_cache_stays_bounded_under_10000_distinct_keys_and_releases_graphs(figur
     class BuildOnlyRuntime(EmulatedRuntime):
         """Real frontend graphs, no execution: this test is about the cache, not the math."""
 
-        def execute(self, built, pack, device):
+        def execute(self, built, pack):
             pass
 
     cache = GraphCache(bound)

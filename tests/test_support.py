@@ -10,7 +10,7 @@ import thunder_cudnn_safe as tcs
 from thunder_cudnn_safe.emulation import EmulatedRuntime
 from thunder_cudnn_safe.executor import reasons_for
 
-from sdpa_cases import jit_sdpa
+from thunder_cudnn_safe.testing import jit_sdpa
 
 
 def qkv(b=2, h=4, lq=16, s=16, d=64, dv=None, dtype=torch.float16, device="cpu"):
@@ -111,7 +111,7 @@ def test_declined_calls_fall_back_with_correct_results(dtype, fresh_cache):
     q, k, v = qkv(dtype=dtype)
     jf = jit_sdpa()
     out = jf(q, k, v)
-    assert "cudnn_safe" not in str(thunder.last_traces(jf)[-1])
+    assert "cudnn_safe_emulated_sdpa" not in str(thunder.last_traces(jf)[-1])
     torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v))
     assert tcs.cache_info().builds == 0
 

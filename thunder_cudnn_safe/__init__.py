@@ -10,18 +10,20 @@ Importing this package first runs the compat steps in :mod:`thunder_cudnn_safe._
 (torch >= 2.13, a frontend without libcudnn) and then imports thunder.
 """
 
-from ._compat import FRONTEND, drop_broken_builtin_cudnn_executor, prepare_and_import_thunder
+from ._compat import FRONTEND, prepare_and_import_thunder
 
 prepare_and_import_thunder()
-drop_broken_builtin_cudnn_executor()
 
 from ._version import __version__  # noqa: E402
-from .cache import CacheInfo, GraphBuildError, cache_info, clear_cache, set_cache_size  # noqa: E402
-from .emulation import EmulationError, emulated_ex, set_emulated_target  # noqa: E402
-from .executor import cudnn_safe_ex, explain  # noqa: E402
-from .install import install, installed, uninstall  # noqa: E402
+from .cache import CacheInfo, cache_info, clear_cache, set_cache_size  # noqa: E402
+from .emulation import set_emulated_target  # noqa: E402
+from .errors import EmulationError, GraphBuildError  # noqa: E402
+from .executor import cudnn_safe_ex, emulated_ex, explain  # noqa: E402
+from .install import drop_broken_builtin_cudnn_executor, install, installed, uninstall  # noqa: E402
 from .layout import LayoutPolicy  # noqa: E402
-from .stats import CopyStats, copy_stats, reset_copy_stats  # noqa: E402
+from .telemetry import CopyStats, copy_stats, reset_copy_stats  # noqa: E402
+
+drop_broken_builtin_cudnn_executor()
 
 __all__ = [
     "FRONTEND",

@@ -18,12 +18,9 @@ our code could run, so this module fixes them up front and records what it did:
 Neither step helps if thunder was imported before this package: import
 ``thunder_cudnn_safe`` first on such machines (see README, "Guarantees and limits").
 
-A third step runs after thunder's import: thunder 0.2.6 puts its built-in ``"cudnn"``
-executor first in the default executors wherever libcudnn loads, but that executor
-calls ``pygraph.scaled_dot_product_flash_attention``, which nvidia-cudnn-frontend >= 1.27
-no longer has, and its checker re-raises the AttributeError. Any SDPA call on a GPU that
-reaches it then fails. :func:`drop_broken_builtin_cudnn_executor` takes it out of the
-defaults when the installed frontend lacks that method (it cannot work there).
+:func:`builtin_cudnn_sdpa_problem` says whether thunder's built-in ``"cudnn"`` executor can
+work with the installed frontend at all; :mod:`thunder_cudnn_safe.install` takes it out of
+thunder's defaults when it cannot.
 """
 
 from __future__ import annotations
@@ -129,23 +126,3 @@ def builtin_cudnn_sdpa_problem() -> str | None:
             "which thunder 0.2.6's built-in cuDNN executor calls (its checker raises)"
         )
     return None
-
-
-#: The built-in executor this module removed from thunder's defaults (None: none removed).
-removed_builtin_cudnn_executor = None
-
-
-def drop_broken_builtin_cudnn_executor() -> bool:
-    """Remove thunder's built-in ``"cudnn"`` executor from the defaults if it cannot work; True if removed."""
-    global removed_builtin_cudnn_executor
-    if builtin_cudnn_sdpa_problem() is None:
-        return False
-    from thunder.extend import get_default_executors, set_default_executors
-
-    current = list(get_default_executors())
-    keep = [ex for ex in current if ex.name != "cudnn"]
-    if len(keep) == len(current):
-        return False
-    removed_builtin_cudnn_executor = next(ex for ex in current if ex.name == "cudnn")
-    set_default_executors(keep)
-    return True

@@ -14,16 +14,19 @@ with :func:`set_cache_size`.
 
 from __future__ import annotations
 
-import logging
-import os
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
 
+from ._env import CACHE_SIZE_ENV, env_value, positive_int
+from .errors import GraphBuildError
+from .telemetry import forget_warnings
+
 DEFAULT_CACHE_SIZE = 1024
-CACHE_SIZE_ENV = "THUNDER_CUDNN_SAFE_CACHE_SIZE"
+
+__all__ = ["CACHE_SIZE_ENV", "CacheInfo", "GraphBuildError", "GraphCache", "cache_info", "clear_cache", "graph_cache", "set_cache_size"]
 
 
 class CacheInfo(NamedTuple):
@@ -42,33 +45,9 @@ class CacheInfo(NamedTuple):
     fallbacks: int
 
 
-class GraphBuildError(RuntimeError):
-    """cuDNN (or the emulated runtime) refused to build the graph for a key."""
-
-    def __init__(self, reason: str):
-        super().__init__(reason)
-        self.reason = reason
-
-
 def _env_cache_size() -> int:
-    """The bound from the environment; an invalid value warns and keeps the default.
-
-    This runs at import: a typo in an environment variable must not make the package
-    (and with it a training script) unimportable.
-    """
-    raw = os.environ.get(CACHE_SIZE_ENV)
-    if raw is None or raw.strip() == "":
-        return DEFAULT_CACHE_SIZE
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value < 1:
-        logging.getLogger("thunder_cudnn_safe").warning(
-            "%s must be a positive integer, got %r; using %d", CACHE_SIZE_ENV, raw, DEFAULT_CACHE_SIZE
-        )
-        return DEFAULT_CACHE_SIZE
-    return value
+    """The bound from the environment; an invalid value warns and keeps the default."""
+    return env_value(CACHE_SIZE_ENV, DEFAULT_CACHE_SIZE, positive_int, "a positive integer")
 
 
 class GraphCache:
@@ -80,7 +59,6 @@ class GraphCache:
         self._entries: OrderedDict[Hashable, Any] = OrderedDict()
         self._failed: OrderedDict[Hashable, str] = OrderedDict()
         self._key_locks: dict[Hashable, threading.Lock] = {}
-        self._fallback_keys: set = set()
         self._hits = self._misses = self._builds = self._evictions = 0
         self._build_failures = self._negative_hits = self._fallbacks = 0
         self._build_seconds = 0.0
@@ -133,17 +111,10 @@ class GraphCache:
                 self._key_locks.pop(key, None)
             return entry
 
-    def record_fallback(self, key: Hashable) -> bool:
-        """Count a call answered by the torch fallback; True the first time for ``key``."""
+    def record_fallback(self) -> None:
+        """Count a call answered by the torch fallback."""
         with self._lock:
             self._fallbacks += 1
-            first = key not in self._fallback_keys
-            if first:
-                self._fallback_keys.add(key)
-                if len(self._fallback_keys) > 4 * self._maxsize:  # bounded like everything else here
-                    self._fallback_keys.clear()
-                    self._fallback_keys.add(key)
-            return first
 
     # -- management ------------------------------------------------------------------
     def info(self) -> CacheInfo:
@@ -162,11 +133,10 @@ class GraphCache:
             )
 
     def clear(self) -> None:
-        """Drop every graph, failure record and fallback warning memory; zero the counters."""
+        """Drop every graph and failure record; zero the counters."""
         with self._lock:
             self._entries.clear()
             self._failed.clear()
-            self._fallback_keys.clear()
             self._hits = self._misses = self._builds = self._evictions = 0
             self._build_failures = self._negative_hits = self._fallbacks = 0
             self._build_seconds = 0.0
@@ -196,8 +166,9 @@ def cache_info() -> CacheInfo:
 
 
 def clear_cache() -> None:
-    """Drop every cached graph (and remembered failure) and zero the counters."""
+    """Drop every cached graph (and remembered failure), zero the counters, show fallback warnings again."""
     graph_cache.clear()
+    forget_warnings("fallback")
 
 
 def set_cache_size(maxsize: int) -> None:

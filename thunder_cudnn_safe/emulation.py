@@ -1,4 +1,4 @@
-"""A CPU runtime that reads and writes memory the way cuDNN does, and its executor.
+"""A CPU runtime that reads and writes memory the way cuDNN does.
 
 CI has no GPU, yet the whole promise of this package is numerical. The emulated runtime
 takes the *real* frontend graph (built and validated by nvidia-cudnn-frontend on CPU)
@@ -18,7 +18,8 @@ and the same variant pack ``{uid: tensor}`` the cuDNN runtime would get, and:
 A declared/bound layout mismatch therefore gives the same wrong numbers here as on a
 GPU: the upstream thunder bug reproduces on CPU.
 
-``emulated_ex`` (named ``"cudnn_safe_emulated"``) claims SDPA on CPU tensors under the
+:data:`default_runtime` is what ``emulated_ex`` (named ``"cudnn_safe_emulated"``, registered
+in :mod:`thunder_cudnn_safe.executor`) runs: it claims SDPA on CPU tensors under the
 support rules of a chosen GPU: Hopper (sm90) with cuDNN 9.19 by default, configurable
 with :func:`set_emulated_target` or the environment variables
 ``THUNDER_CUDNN_SAFE_EMULATED_ARCH`` (e.g. ``8.0`` or ``sm80``) and
@@ -28,83 +29,42 @@ with :func:`set_emulated_target` or the environment variables
 from __future__ import annotations
 
 import contextlib
-import logging
-import os
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from . import _compat, graphs, reference
-from .cache import GraphBuildError
+from . import _compat, cudnn_rules, graphs, reference
+from ._env import EMULATED_ARCH_ENV, EMULATED_BACKEND_ENV, env_value, parse_arch
+from .cudnn_rules import ALIGNMENT_BYTES
+from .errors import EmulationError, ExecuteError, GraphBuildError
 from .keys import BackwardKey, ForwardKey, Target
-from .layout import ALIGNMENT_BYTES, packed_strides, span_elements
-from .runtime import BuiltGraph, ExecuteError, Runtime
+from .layout import packed_strides, span_elements
+from .runtime import BuiltGraph, Runtime
 
 DEFAULT_ARCH = (9, 0)
-#: cuDNN version from which sdpa_backward accepts Stats with other than packed BHSD strides.
-STATS_ANY_STRIDES_MIN_BACKEND = 92600
 DEFAULT_BACKEND = 91900
-ARCH_ENV = "THUNDER_CUDNN_SAFE_EMULATED_ARCH"
-BACKEND_ENV = "THUNDER_CUDNN_SAFE_EMULATED_BACKEND"
-
-
-class EmulationError(RuntimeError):
-    """The emulated cuDNN refuses a variant pack, as the real one would fault or misread."""
-
-
-def _parse_arch(raw: str) -> tuple[int, int]:
-    text = raw.strip().lower().removeprefix("sm").removeprefix("_")
-    if "." in text:
-        major, minor = text.split(".", 1)
-    else:
-        major, minor = text[:-1], text[-1:]
-    try:
-        return int(major), int(minor)
-    except ValueError:
-        raise ValueError(f"{ARCH_ENV} must look like '9.0' or 'sm90', got {raw!r}") from None
+#: Deprecated aliases of :mod:`thunder_cudnn_safe._env`'s names.
+ARCH_ENV = EMULATED_ARCH_ENV
+BACKEND_ENV = EMULATED_BACKEND_ENV
 
 
 def _env_arch() -> tuple[int, int]:
-    """The emulated architecture from the environment; an invalid value warns and keeps sm90."""
-    raw = os.environ.get(ARCH_ENV)
-    if not raw:
-        return DEFAULT_ARCH
-    try:
-        return _parse_arch(raw)
-    except ValueError as exc:
-        logging.getLogger("thunder_cudnn_safe").warning("%s; using sm%d%d", exc, *DEFAULT_ARCH)
-        return DEFAULT_ARCH
+    """The emulated architecture from the environment (an invalid value warns and keeps sm90)."""
+    return env_value(EMULATED_ARCH_ENV, DEFAULT_ARCH, parse_arch, "an architecture like '9.0' or 'sm90'")
 
 
 def _env_backend() -> int:
-    """The emulated cuDNN version from the environment; an invalid value warns and keeps the default."""
-    raw = os.environ.get(BACKEND_ENV)
-    if not raw:
-        return DEFAULT_BACKEND
-    try:
-        return int(raw)
-    except ValueError:
-        logging.getLogger("thunder_cudnn_safe").warning(
-            "%s must be an integer like 91900, got %r; using %d", BACKEND_ENV, raw, DEFAULT_BACKEND
-        )
-        return DEFAULT_BACKEND
+    """The emulated cuDNN version from the environment (an invalid value warns and keeps the default)."""
+    return env_value(EMULATED_BACKEND_ENV, DEFAULT_BACKEND, int, "an integer like 91900")
 
 
 def _torch_dtype_of(cudnn_dtype: Any) -> torch.dtype:
-    name = getattr(cudnn_dtype, "name", str(cudnn_dtype)).split(".")[-1]
-    table = {
-        "HALF": torch.float16,
-        "BFLOAT16": torch.bfloat16,
-        "FLOAT": torch.float32,
-        "INT32": torch.int32,
-        "INT64": torch.int64,
-        "BOOLEAN": torch.bool,
-    }
-    if name not in table:
-        raise EmulationError(f"the emulated runtime has no torch dtype for cuDNN data type {name}")
-    return table[name]
+    dtype = graphs.torch_dtype_of(cudnn_dtype)
+    if dtype is None:
+        raise EmulationError(f"the emulated runtime has no torch dtype for cuDNN data type {cudnn_dtype}")
+    return dtype
 
 
 def declared_view(bound: torch.Tensor, declared: Any, role: str) -> torch.Tensor:
@@ -275,7 +235,7 @@ class EmulatedRuntime(Runtime):
                 raise GraphBuildError(f"emulated cuDNN refused the graph: {reason}")
         if (
             isinstance(key, BackwardKey)
-            and key.target.backend_version < STATS_ANY_STRIDES_MIN_BACKEND
+            and cudnn_rules.STATS_PACKED_ONLY.holds(key.target)
             and tuple(key.stats.stride) != packed_strides(key.stats.shape)
         ):
             # The real frontend's rule (sdpa_support_surface.h): refused before planning.
@@ -290,7 +250,7 @@ class EmulatedRuntime(Runtime):
             raise GraphBuildError(f"cuDNN frontend rejected the graph: {exc}") from exc
         return BuiltGraph(g, 0, key)
 
-    def execute(self, built: BuiltGraph, pack: dict[int, torch.Tensor], device: torch.device) -> None:
+    def execute(self, built: BuiltGraph, pack: dict[int, torch.Tensor]) -> None:
         hook = self._fail_execute
         if hook is not None:
             reason = hook(built.key)
@@ -299,7 +259,9 @@ class EmulatedRuntime(Runtime):
         emulate(built.graph, pack)
 
 
-_runtime = EmulatedRuntime()
+#: The runtime behind ``emulated_ex`` (its target is what :func:`set_emulated_target` changes).
+default_runtime = EmulatedRuntime()
+_runtime = default_runtime
 
 
 def set_emulated_target(arch: tuple[int, int] | str | None = None, backend_version: int | None = None) -> None:
@@ -310,7 +272,7 @@ def set_emulated_target(arch: tuple[int, int] | str | None = None, backend_versi
     """
     if arch is not None:
         if isinstance(arch, str):
-            arch = _parse_arch(arch)
+            arch = parse_arch(arch)
         elif not (
             isinstance(arch, tuple | list) and len(arch) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in arch)
         ):
@@ -345,9 +307,3 @@ def inject_failures(
     finally:
         with _runtime._lock:
             _runtime._fail_build, _runtime._fail_execute = saved
-
-
-from .executor import make_executor  # noqa: E402
-
-#: The emulated executor: claims SDPA on CPU tensors, runs the cuDNN path up to execute.
-emulated_ex = make_executor("cudnn_safe_emulated", _runtime)

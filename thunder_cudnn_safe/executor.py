@@ -1,9 +1,10 @@
-"""Thunder registration: operators with meta functions, checker, execution and grad transforms.
+"""Thunder registration, the only module that registers anything with thunder's executors.
 
 :func:`make_executor` wires one :class:`~thunder_cudnn_safe.runtime.Runtime` into a
-thunder ``OperatorExecutor`` that claims ``ltorch.scaled_dot_product_attention``. It is
-used twice: for ``cudnn_safe_ex`` (real cuDNN on CUDA tensors) and for ``emulated_ex``
-(the CPU emulation), so both run the same code up to the final execute.
+thunder ``OperatorExecutor`` that claims ``ltorch.scaled_dot_product_attention``
+(operators with meta functions, checker, execution and grad transforms). It is used
+twice: for ``cudnn_safe_ex`` (real cuDNN on CUDA tensors) and for ``emulated_ex`` (the
+CPU emulation), so both run the same code up to the final execute.
 
 Compile options (``thunder.jit(..., cudnn_safe_layout="contiguous")``):
 
@@ -32,10 +33,11 @@ from thunder.core.transforms import get_grad, put_grad, put_grads  # noqa: E402
 from thunder.extend import OperatorExecutor, register_executor  # noqa: E402
 
 from ._version import __version__  # noqa: E402
+from . import emulation  # noqa: E402
 from .dispatch import Dispatcher  # noqa: E402
-from .layout import LayoutPolicy  # noqa: E402
+from .layout import LayoutPolicy, same_size_except_heads  # noqa: E402
 from .runtime import CudnnRuntime, Runtime  # noqa: E402
-from .support import not_supported_reasons, torch_dtype  # noqa: E402
+from .support import Decline, not_supported_reasons, torch_dtype  # noqa: E402
 
 _LAYOUT_DOC = (
     "cudnn_safe_layout: 'preserve' declares and binds each tensor's own strides and copies only what cuDNN "
@@ -79,7 +81,7 @@ def _to_torch_device(device: Any) -> torch.device:
 def reasons_for(
     runtime: Runtime, query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: Any = 0.0,
     is_causal: Any = False, scale: Any = None,
-) -> list[str]:
+) -> list[Decline]:
     """Why ``runtime``'s executor would not claim this call (tensors or proxies)."""
     problem = runtime.environment_problem()
     target = None
@@ -125,14 +127,6 @@ def _bwd_mask_meta(
     return TensorProxy(like=attn_mask)
 
 
-def _can_cat(query, key, value) -> bool:
-    return (
-        query.shape[0] == key.shape[0] == value.shape[0]
-        and query.shape[2:] == key.shape[2:] == value.shape[2:]
-        and query.dtype == key.dtype == value.dtype
-    )
-
-
 def make_executor(name: str, runtime: Runtime) -> OperatorExecutor:
     """An executor named ``name`` claiming SDPA through ``runtime``; registered with thunder."""
     ex = OperatorExecutor(name, version=__version__)
@@ -148,7 +142,6 @@ def make_executor(name: str, runtime: Runtime) -> OperatorExecutor:
     bwd_mask = ex.register_operator(f"{name}_sdpa_bwd_mask", meta=_bwd_mask_meta, fn=dispatcher.mask_gradient)
     ex.sdpa_fwd = fwd
     ex.sdpa_bwd = bwd
-    ex.sdpa_bwd_mask = bwd_mask
 
     def checker(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None) -> bool:
         return not reasons_for(runtime, query, key, value, attn_mask, dropout_p, is_causal, scale)
@@ -169,7 +162,7 @@ def make_executor(name: str, runtime: Runtime) -> OperatorExecutor:
         # so a gradient is never silently lost and never computed in vain.
         mask_grad = float_mask and bool(getattr(attn_mask, "requires_grad", False))
         deterministic = _bool_option("cudnn_safe_deterministic", _DETERMINISTIC_DOC)
-        cat = _cat_option() and _can_cat(query, key, value)
+        cat = _cat_option() and same_size_except_heads(query, key, value)
         g = get_grad(out)
         grads = bwd(
             g, query, key, value, attn_mask, dropout_p, is_causal, out, stats, seed, offset,
@@ -203,6 +196,9 @@ def make_executor(name: str, runtime: Runtime) -> OperatorExecutor:
 
 #: The stride-safe cuDNN SDPA executor for CUDA tensors.
 cudnn_safe_ex: OperatorExecutor = make_executor("cudnn_safe", CudnnRuntime())
+#: The emulated executor: claims SDPA on CPU tensors, runs the cuDNN path up to execute
+#: (:mod:`thunder_cudnn_safe.emulation`).
+emulated_ex: OperatorExecutor = make_executor("cudnn_safe_emulated", emulation.default_runtime)
 
 
 def explain(
@@ -215,7 +211,7 @@ def explain(
     scale: float | None = None,
     *,
     executor: OperatorExecutor | str | None = None,
-) -> list[str]:
+) -> list[Decline]:
     """Human-readable reasons why ``executor`` (default: ``cudnn_safe_ex``) would not claim this call.
 
     An empty list means it would. Works on real tensors of any device and on thunder
@@ -234,8 +230,6 @@ def _resolve_executor(executor: OperatorExecutor | str | None) -> OperatorExecut
     """Our executor given as an object or by name."""
     if executor is None:
         return cudnn_safe_ex
-    from .emulation import emulated_ex
-
     ours = {ex.name: ex for ex in (cudnn_safe_ex, emulated_ex)}
     if isinstance(executor, str) and executor in ours:
         return ours[executor]

@@ -14,6 +14,7 @@ Only API present in every frontend version we support is used: ``pygraph.sdpa`` 
 from __future__ import annotations
 
 import enum
+import functools
 from typing import Any
 
 import torch
@@ -48,19 +49,32 @@ def cudnn_module() -> Any:
 
 
 def cudnn_dtype(dtype: torch.dtype) -> Any:
-    dt = cudnn_module().data_type
-    table = {
-        torch.float16: dt.HALF,
-        torch.bfloat16: dt.BFLOAT16,
-        torch.float32: dt.FLOAT,
-        torch.int32: dt.INT32,
-        torch.int64: dt.INT64,
-        torch.bool: dt.BOOLEAN,
-    }
-    try:
-        return table[dtype]
-    except KeyError:
-        raise TypeError(f"no cuDNN data type for {dtype}") from None
+    """cuDNN's data type for a torch dtype, from the frontend's own table."""
+    cudnn_module()
+    from cudnn.datatypes import torch_to_cudnn_data_type
+
+    value = torch_to_cudnn_data_type(dtype)
+    if value is None:
+        raise TypeError(f"no cuDNN data type for {dtype}")
+    return value
+
+
+@functools.cache
+def _torch_dtypes_by_cudnn() -> dict:
+    cudnn_module()
+    from cudnn.datatypes import torch_to_cudnn_data_type
+
+    table = {}
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64, torch.bool):
+        value = torch_to_cudnn_data_type(dtype)
+        if value is not None:
+            table.setdefault(value, dtype)
+    return table
+
+
+def torch_dtype_of(cudnn_data_type: Any) -> torch.dtype | None:
+    """The torch dtype cuDNN's ``cudnn_data_type`` stands for (None if none), from the frontend's table."""
+    return _torch_dtypes_by_cudnn().get(cudnn_data_type)
 
 
 def _declare(graph: Any, uid: Uid, s: TensorSig) -> Any:

@@ -1,19 +1,26 @@
-"""Make plain ``thunder.jit(model)`` use the safe executor (and undo it).
+"""Thunder's default executors: make plain ``thunder.jit(model)`` use ours (and undo it).
 
-``install()`` puts ``cudnn_safe_ex`` first in thunder's default executors and takes
-thunder's built-in ``"cudnn"`` executor out of them, so the two never compete for SDPA.
-``uninstall()`` removes ours and puts the built-in one back where it was. Both are
-idempotent.
+Two things change thunder's defaults, both through :func:`_take_out_builtin`:
+
+* at import, :func:`drop_broken_builtin_cudnn_executor`: thunder 0.2.6 puts its built-in
+  ``"cudnn"`` executor first in the defaults wherever libcudnn loads, but that executor
+  calls ``pygraph.scaled_dot_product_flash_attention``, which nvidia-cudnn-frontend >= 1.27
+  no longer has, and its checker re-raises the AttributeError: any SDPA call on a GPU that
+  reaches it fails. It is removed for good when the installed frontend lacks that method.
+* :func:`install` puts ``cudnn_safe_ex`` first and takes the built-in ``"cudnn"`` executor
+  out, so the two never compete for SDPA; :func:`uninstall` removes ours and puts the
+  built-in one back where it was. Both are idempotent.
 """
 
 from __future__ import annotations
 
 from thunder.extend import Executor, get_default_executors, set_default_executors
 
-from .emulation import emulated_ex
-from .executor import cudnn_safe_ex
+from ._compat import builtin_cudnn_sdpa_problem
+from .executor import cudnn_safe_ex, emulated_ex
 
-_BUILTIN_NAME = "cudnn"
+BUILTIN_NAME = "cudnn"
+#: (index, executor) of the built-in executor :func:`install` took out, for :func:`uninstall`.
 _removed_builtin: tuple[int, Executor] | None = None
 
 
@@ -21,16 +28,32 @@ def _ours() -> tuple[Executor, ...]:
     return (cudnn_safe_ex, emulated_ex)
 
 
+def _take_out_builtin() -> tuple[int, Executor] | None:
+    """Remove thunder's built-in cuDNN executor from the defaults; (its index, it) or None if absent."""
+    current = list(get_default_executors())
+    for index, ex in enumerate(current):
+        if ex.name == BUILTIN_NAME:
+            set_default_executors(current[:index] + current[index + 1 :])
+            return index, ex
+    return None
+
+
+def drop_broken_builtin_cudnn_executor() -> bool:
+    """Remove thunder's built-in ``"cudnn"`` executor from the defaults if it cannot work; True if removed."""
+    if builtin_cudnn_sdpa_problem() is None:
+        return False
+    return _take_out_builtin() is not None
+
+
 def install(emulated: bool = False) -> list[Executor]:
     """Use ``cudnn_safe_ex`` (and ``emulated_ex`` for CPU tensors if ``emulated``) by default."""
     global _removed_builtin
     if not isinstance(emulated, bool):
         raise TypeError(f"install(emulated=...) must be a bool, got {emulated!r}")
-    current = list(get_default_executors())
-    for i, ex in enumerate(current):
-        if ex.name == _BUILTIN_NAME and _removed_builtin is None:
-            _removed_builtin = (i, ex)
-    rest = [ex for ex in current if ex.name != _BUILTIN_NAME and ex not in _ours()]
+    removed = _take_out_builtin()
+    if removed is not None and _removed_builtin is None:
+        _removed_builtin = removed
+    rest = [ex for ex in get_default_executors() if ex not in _ours()]
     front = [cudnn_safe_ex] + ([emulated_ex] if emulated else [])
     return set_default_executors(front + rest)
 

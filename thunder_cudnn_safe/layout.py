@@ -1,13 +1,13 @@
-"""Pure layout rules: which tensors cuDNN can read as they are, and how to fix the rest.
+"""Pure layout rules: which tensors cuDNN can read as they are, and how to lay out the rest.
 
 Everything the executors declare to cuDNN is derived from the torch tensor that will be
-bound to that uid, after it went through :func:`prepare_operand` (or one of the helpers
-below). These functions decide *which* tensor gets bound; :mod:`thunder_cudnn_safe.keys`
-then reads the declared layout off that very tensor. That is the one rule of the
-project: declared layout == bound layout, by construction.
+bound to that uid (:mod:`thunder_cudnn_safe.binding` decides which tensor that is, with
+these functions; :mod:`thunder_cudnn_safe.keys` then reads the declared layout off that
+very tensor). That is the one rule of the project: declared layout == bound layout, by
+construction.
 
-cuDNN's SDPA kernels (TMA based on Hopper) read a tensor from a base pointer through
-the declared strides and require:
+cuDNN's SDPA kernels (TMA based on Hopper) read a tensor from a base pointer through the
+declared strides and require (:data:`thunder_cudnn_safe.cudnn_rules.LAYOUT`):
 
 * the innermost (head-dim / key) stride to be 1,
 * a 16-byte aligned base pointer,
@@ -17,22 +17,27 @@ the declared strides and require:
   broadcast of size 1, which callers do before they get here),
 * element offsets that fit in int32 for some kernels.
 
-A tensor that violates one of them is copied into :func:`empty_like_order`, which keeps the
-tensor's own dimension order (so a BSHD buffer stays BSHD) and pads the innermost
-allocation so that the other strides are 16-byte multiples. ``clone()`` alone is not
-enough (it keeps a dense tensor's non-unit last stride), nor is ``contiguous()`` (it
-returns an already contiguous but misaligned tensor unchanged).
+A tensor that violates one of them is copied into a buffer from
+:func:`empty_like_order`, which keeps the tensor's own dimension order (so a BSHD buffer
+stays BSHD) and pads the innermost allocation so that the other strides are 16-byte
+multiples. ``clone()`` alone is not enough (it keeps a dense tensor's non-unit last
+stride), nor is ``contiguous()`` (it returns an already contiguous but misaligned tensor
+unchanged). This module makes no copy itself.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Sequence
 
 import torch
 
-ALIGNMENT_BYTES = 16
-INT32_ELEMENT_LIMIT = 2**31
+from .cudnn_rules import ALIGNMENT_BYTES, INT32_ELEMENT_LIMIT
+from .telemetry import CopyReason
+
+#: Bound of each memoized pure layout computation (distinct layouts seen in one process).
+MEMO_SIZE = 4096
 
 
 class LayoutPolicy(str, enum.Enum):
@@ -76,8 +81,8 @@ def packed_strides(shape: Sequence[int]) -> tuple[int, ...]:
     """Row-major strides of a packed tensor, size-1 dims included (torch's contiguous strides).
 
     cuDNN before 9.26 requires the backward's softmax stats to be exactly packed BHSD
-    (``stride == (H*L, L, 1, 1)``, size-1 dims too), so stats are declared with these and
-    never with :func:`canonical_strides`.
+    (:data:`~thunder_cudnn_safe.cudnn_rules.STATS_PACKED_ONLY`), so stats are declared
+    with these and never with :func:`canonical_strides`.
     """
     strides = []
     acc = 1
@@ -94,35 +99,66 @@ def span_elements(shape: Sequence[int], strides: Sequence[int]) -> int:
     return 1 + sum((n - 1) * s for n, s in zip(shape, strides))
 
 
-#: Why an expanded tensor (``expand``, ``out.sum().backward()``'s grad_out) is materialized.
-BROADCAST_REASON = "a zero (broadcast) stride on a dimension of size > 1"
-
-
-def layout_problem(t: torch.Tensor) -> str | None:
-    """Why cuDNN cannot read ``t`` through its own strides, or None if it can."""
-    shape, strides = tuple(t.shape), t.stride()
+def _stride_problem(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> CopyReason | None:
     real = sorted((s, n) for n, s in zip(shape, strides) if n != 1)
     if real and real[0][0] == 0:
-        return BROADCAST_REASON
+        return CopyReason.BROADCAST
     if real and real[0][0] < 0:
-        return "a negative stride on a dimension of size > 1"
+        return CopyReason.NEGATIVE_STRIDE
     if shape and shape[-1] != 1 and strides[-1] != 1:
-        return f"last-dim stride is {strides[-1]}, cuDNN needs 1"
-    if t.data_ptr() % ALIGNMENT_BYTES:
-        return f"base address is not {ALIGNMENT_BYTES}-byte aligned (storage offset {t.storage_offset()})"
-    esize = t.element_size()
+        return CopyReason.LAST_DIM_STRIDE
     for s, _ in real[1:]:
-        if (s * esize) % ALIGNMENT_BYTES:
-            return f"stride {s} is not a multiple of {ALIGNMENT_BYTES} bytes"
+        if (s * itemsize) % ALIGNMENT_BYTES:
+            return CopyReason.STRIDE_ALIGNMENT
     for (s0, n0), (s1, _) in zip(real, real[1:]):
         if s1 < s0 * n0:
-            return "overlapping strides (aliased elements)"
+            return CopyReason.OVERLAP
     if span_elements(shape, strides) >= INT32_ELEMENT_LIMIT:
-        return "element offsets overflow int32"
+        return CopyReason.INT32_OFFSETS
     return None
 
 
-_ESIZE = {torch.float16: 2, torch.bfloat16: 2, torch.float32: 4, torch.float64: 8, torch.int64: 8, torch.int32: 4}
+def layout_problem(t: torch.Tensor) -> CopyReason | None:
+    """Why cuDNN cannot read ``t`` through its own strides, or None if it can."""
+    problem = _stride_problem(tuple(t.shape), t.stride(), t.element_size())
+    if problem is CopyReason.BROADCAST or problem is CopyReason.NEGATIVE_STRIDE or problem is CopyReason.LAST_DIM_STRIDE:
+        return problem
+    if t.data_ptr() % ALIGNMENT_BYTES:
+        return CopyReason.MISALIGNED
+    return problem
+
+
+def needs_copy(t: torch.Tensor, policy: LayoutPolicy) -> CopyReason | None:
+    """The reason ``t`` must be copied before binding under ``policy``, or None."""
+    problem = layout_problem(t)
+    if problem is not None:
+        return problem
+    if policy is LayoutPolicy.CONTIGUOUS and not t.is_contiguous():
+        return CopyReason.POLICY_CONTIGUOUS
+    return None
+
+
+@functools.lru_cache(maxsize=MEMO_SIZE)
+def _plan(shape: torch.Size, strides: tuple[int, ...], itemsize: int, misaligned: bool, contiguous: bool, policy: LayoutPolicy):
+    problem = _stride_problem(tuple(shape), strides, itemsize)
+    if problem not in (CopyReason.BROADCAST, CopyReason.NEGATIVE_STRIDE, CopyReason.LAST_DIM_STRIDE) and misaligned:
+        problem = CopyReason.MISALIGNED
+    if problem is None and policy is LayoutPolicy.CONTIGUOUS and not contiguous:
+        problem = CopyReason.POLICY_CONTIGUOUS
+    canon = canonical_strides(shape, strides)
+    return problem, (None if canon == strides else canon)
+
+
+def binding_plan(t: torch.Tensor, policy: LayoutPolicy) -> tuple[CopyReason | None, tuple[int, ...] | None]:
+    """(why ``t`` must be copied or None, its canonical strides if they differ from its own or None).
+
+    The same answer as :func:`needs_copy` and :func:`canonical_strides`, memoized on
+    (shape, strides, dtype size, base alignment, policy): on a steady training step this
+    is one cache lookup per operand.
+    """
+    return _plan(
+        t.shape, t.stride(), t.element_size(), bool(t.data_ptr() % ALIGNMENT_BYTES), t.is_contiguous(), policy
+    )
 
 
 def stride_order(strides: Sequence[int]) -> list[int]:
@@ -132,22 +168,15 @@ def stride_order(strides: Sequence[int]) -> list[int]:
     return outer + [n - 1]
 
 
-_MEMO_LIMIT = 4096
+@functools.lru_cache(maxsize=MEMO_SIZE)
+def dense_strides(shape: tuple[int, ...], order: tuple[int, ...], dtype: torch.dtype) -> tuple[int, ...]:
+    """Strides of a fresh dense tensor of ``shape`` laid out in ``order`` (outermost first).
 
-
-def _memo(table: dict, key: tuple, compute):
-    """Memoize a pure layout computation; the tables are bounded by being cleared when full."""
-    value = table.get(key)
-    if value is None:
-        if len(table) >= _MEMO_LIMIT:
-            table.clear()
-        value = table[key] = compute()
-    return value
-
-
-def _dense_strides(shape: tuple[int, ...], order: tuple[int, ...], dtype: torch.dtype) -> tuple[int, ...]:
-    esize = _ESIZE.get(dtype) or torch.empty((), dtype=dtype).element_size()
-    multiple = max(1, ALIGNMENT_BYTES // esize)
+    The innermost allocated extent larger than 1 is padded so that every other stride is
+    a multiple of 16 bytes (the padding elements are never read); size-1 dims carry
+    canonical strides.
+    """
+    multiple = max(1, ALIGNMENT_BYTES // dtype.itemsize)
     alloc = [shape[i] for i in order]
     inner = max((pos for pos, n in enumerate(alloc) if n > 1), default=None)
     if inner is not None:
@@ -160,27 +189,15 @@ def _dense_strides(shape: tuple[int, ...], order: tuple[int, ...], dtype: torch.
     return canonical_strides(shape, strides)
 
 
-_DENSE: dict = {}
-_LIKE: dict = {}
-_PLANS: dict = {}
-
-
-def dense_strides(shape: Sequence[int], order: Sequence[int], dtype: torch.dtype) -> tuple[int, ...]:
-    """Strides of a fresh dense tensor of ``shape`` laid out in ``order``.
-
-    The innermost allocated extent larger than 1 is padded so that every other stride is
-    a multiple of 16 bytes (the padding elements are never read); size-1 dims carry
-    canonical strides.
-    """
-    key = (tuple(shape), tuple(order), dtype)
-    return _memo(_DENSE, key, lambda: _dense_strides(key[0], key[1], dtype))
-
-
-def empty_in_order(
-    shape: Sequence[int], order: Sequence[int], dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
+def empty_in_order(shape: Sequence[int], order: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A fresh dense tensor of ``shape`` whose dimensions are laid out in ``order`` (see :func:`dense_strides`)."""
-    return torch.empty_strided(tuple(shape), dense_strides(shape, order, dtype), dtype=dtype, device=device)
+    shape = tuple(shape)
+    return torch.empty_strided(shape, dense_strides(shape, tuple(order), dtype), dtype=dtype, device=device)
+
+
+@functools.lru_cache(maxsize=MEMO_SIZE)
+def _strides_like(shape: tuple[int, ...], like_shape: torch.Size, like_strides: tuple[int, ...], dtype: torch.dtype):
+    return dense_strides(shape, tuple(stride_order(canonical_strides(like_shape, like_strides))), dtype)
 
 
 def empty_like_order(
@@ -195,30 +212,10 @@ def empty_like_order(
     dtype = like.dtype if dtype is None else dtype
     shape = tuple(shape)
     if policy is LayoutPolicy.CONTIGUOUS:
-        strides = dense_strides(shape, range(len(shape)), dtype)
+        strides = dense_strides(shape, tuple(range(len(shape))), dtype)
     else:
-        key = (shape, like.shape, like.stride(), dtype)
-        strides = _memo(
-            _LIKE, key, lambda: dense_strides(shape, stride_order(canonical_strides(like.shape, like.stride())), dtype)
-        )
+        strides = _strides_like(shape, like.shape, like.stride(), dtype)
     return torch.empty_strided(shape, strides, dtype=dtype, device=like.device)
-
-
-def binding_plan(t: torch.Tensor, policy: LayoutPolicy) -> tuple[str | None, tuple[int, ...] | None]:
-    """(why ``t`` must be copied or None, its canonical strides if they differ from its own or None).
-
-    Memoized on (shape, strides, dtype, base alignment, policy): on a steady training
-    step this is one dict lookup per operand.
-    """
-    key = (t.shape, t.stride(), t.dtype, t.data_ptr() % ALIGNMENT_BYTES, policy)
-    plan = _PLANS.get(key)
-    if plan is None:
-        canon = canonical_strides(t.shape, t.stride())
-        plan = (needs_copy(t, policy), None if canon == t.stride() else canon)
-        if len(_PLANS) >= _MEMO_LIMIT:
-            _PLANS.clear()
-        _PLANS[key] = plan
-    return plan
 
 
 def with_canonical_strides(t: torch.Tensor) -> torch.Tensor:
@@ -230,11 +227,11 @@ def with_canonical_strides(t: torch.Tensor) -> torch.Tensor:
     return t.as_strided(t.shape, canon, t.storage_offset())
 
 
-def needs_copy(t: torch.Tensor, policy: LayoutPolicy) -> str | None:
-    """The reason ``t`` must be copied before binding under ``policy``, or None."""
-    problem = layout_problem(t)
-    if problem is not None:
-        return problem
-    if policy is LayoutPolicy.CONTIGUOUS and not t.is_contiguous():
-        return "layout policy 'contiguous'"
-    return None
+def same_size_except_heads(*tensors) -> bool:
+    """Whether tensors (or proxies) share batch, sequence, head dim and dtype: they could be
+    slices of one (B, H1+H2+..., S, D) buffer along the heads (fused dQKV)."""
+    first = tensors[0]
+    return all(
+        t.shape[0] == first.shape[0] and tuple(t.shape[2:]) == tuple(first.shape[2:]) and t.dtype == first.dtype
+        for t in tensors
+    )

@@ -1,10 +1,18 @@
 """Runtimes: what turns a key into a runnable graph and runs it with a variant pack.
 
-Everything before :meth:`Runtime.execute` (layouts, keys, graph construction and
-validation, cache, variant pack) is shared by both runtimes; only the last step
-differs. :class:`CudnnRuntime` builds execution plans and launches real cuDNN kernels;
-:class:`thunder_cudnn_safe.emulation.EmulatedRuntime` computes the same result on CPU
-reading memory through the declared layouts.
+Every runtime executes a :class:`~thunder_cudnn_safe.binding.Bound` call through the
+same small protocol, :class:`Runtime`: ``build(key)`` once per key (the dispatcher caches
+it), then ``execute(built, pack)`` per call. Everything before (layouts, keys, variant
+pack) is shared; only these two steps differ:
+
+* :class:`CudnnRuntime` (here): builds execution plans and launches real cuDNN kernels;
+* :class:`~thunder_cudnn_safe.emulation.EmulatedRuntime`: computes the same result on CPU
+  reading memory through the declared layouts;
+* :class:`~thunder_cudnn_safe.fallback.FallbackRuntime`: torch float32 math, for calls a
+  runtime refused;
+* the benchmarks' no-op runtime (benchmarks/harness.py).
+
+No runtime imports thunder.
 """
 
 from __future__ import annotations
@@ -15,7 +23,7 @@ from typing import Any, NamedTuple
 import torch
 
 from . import _compat, graphs
-from .cache import GraphBuildError
+from .errors import ExecuteError, GraphBuildError
 from .keys import BackwardKey, ForwardKey, Target
 
 
@@ -27,12 +35,8 @@ class BuiltGraph(NamedTuple):
     key: Any = None
 
 
-class ExecuteError(RuntimeError):
-    """The runtime refused to run a built graph (no engine, workspace allocation, ...)."""
-
-
 class Runtime:
-    """Interface shared by the cuDNN and the emulated runtime."""
+    """The protocol every runtime implements."""
 
     name: str = "abstract"
     device_type: str = "cuda"
@@ -42,16 +46,19 @@ class Runtime:
         raise NotImplementedError
 
     def target(self, device: torch.device) -> Target:
+        """Where graphs for ``device`` run (its architecture and library versions go into every key)."""
         raise NotImplementedError
 
     def build(self, key: ForwardKey | BackwardKey) -> BuiltGraph:
+        """Everything that depends on the key alone; raises GraphBuildError on a refusal."""
         raise NotImplementedError
 
-    def execute(self, built: BuiltGraph, pack: dict[int, torch.Tensor], device: torch.device) -> None:
+    def execute(self, built: BuiltGraph, pack: dict[int, torch.Tensor]) -> None:
+        """Run ``built`` on the tensors bound to its uids; raises ExecuteError on a refusal."""
         raise NotImplementedError
 
 
-def _is_forward(key: ForwardKey | BackwardKey) -> bool:
+def is_forward(key: ForwardKey | BackwardKey) -> bool:
     return isinstance(key, ForwardKey)
 
 
@@ -119,15 +126,16 @@ class CudnnRuntime(Runtime):
         try:
             handle = self.handle(index)
             with torch.cuda.device(index):
-                g = graphs.build_forward_graph(key, handle) if _is_forward(key) else graphs.build_backward_graph(key, handle)
+                g = graphs.build_forward_graph(key, handle) if is_forward(key) else graphs.build_backward_graph(key, handle)
                 g.build([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
                 workspace = int(g.get_workspace_size())
         except Exception as exc:  # noqa: BLE001 - every build refusal gets the same safe answer
             raise GraphBuildError(f"cuDNN could not build this graph: {type(exc).__name__}: {exc}") from exc
         return BuiltGraph(g, workspace, key)
 
-    def execute(self, built: BuiltGraph, pack: dict[int, torch.Tensor], device: torch.device) -> None:
-        index = device.index if device.index is not None else torch.cuda.current_device()
+    def execute(self, built: BuiltGraph, pack: dict[int, torch.Tensor]) -> None:
+        index = built.key.target.device_index
+        device = torch.device("cuda", index)
         handle = self.handle(index)
         try:
             workspace = torch.empty(built.workspace_size, dtype=torch.uint8, device=device)

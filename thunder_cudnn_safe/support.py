@@ -6,27 +6,60 @@ and :func:`thunder_cudnn_safe.explain` returns its list. Anything declined here 
 another executor (sdpaex, or thunder's torch decomposition), so every rule errs towards
 declining: a decline costs speed, a wrong claim could crash inside cuDNN.
 
-The rules follow cuDNN's documented support surface for fused flash attention, for
-forward and backward together: fp16/bf16 only, rank-4 BHSD, head dims multiples of 8, at
-most 128 except on Hopper (sm90, cuDNN >= 9.5: 256), d_qk=192/d_v=128 on Hopper (9.5+)
-and Blackwell (9.11+) being the only unequal pair above 128, masks as an additive bias of the query dtype (booleans and other
-float dtypes are converted), dropout in [0, 1).
+The architecture and version rules come from :mod:`thunder_cudnn_safe.cudnn_rules` (each
+decline names the rule behind it); the rest follows cuDNN's documented support surface for
+fused flash attention, forward and backward together: fp16/bf16 only, rank-4 BHSD, masks
+as an additive bias of the query dtype (booleans and other float dtypes are converted),
+dropout in [0, 1). Every reason is a :class:`Decline`: a ``str`` with a :class:`DeclineCode`.
 """
 
 from __future__ import annotations
 
+import enum
 import math
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from . import cudnn_rules
+from .cudnn_rules import INT32_ELEMENT_LIMIT
 from .keys import Target
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
-INT32_LIMIT = 2**31
-#: cuDNN version from which dO may have strides different from O's (older versions assumed equal).
-DO_OWN_STRIDES_MIN_BACKEND = 90501
+
+
+class DeclineCode(enum.Enum):
+    """What kind of reason a decline is (its text says the details)."""
+
+    ENVIRONMENT = "environment"
+    DEVICE = "device"
+    RANK = "rank"
+    DTYPE = "dtype"
+    SHAPE = "shape"
+    EMPTY = "empty"
+    INT32 = "int32"
+    ARCH = "arch"
+    HEAD_DIM = "head_dim"
+    MASK = "mask"
+    DROPOUT = "dropout"
+    SCALE = "scale"
+    CAUSAL = "causal"
+
+
+class Decline(str):
+    """A human-readable reason (a ``str``, as :func:`~thunder_cudnn_safe.explain` returns) with its :class:`DeclineCode`.
+
+    ``rule`` names the :mod:`~thunder_cudnn_safe.cudnn_rules` entry behind it, if any.
+    """
+
+    code: DeclineCode
+    rule: str | None
+
+    def __new__(cls, code: DeclineCode, text: str, rule: cudnn_rules.Rule | None = None) -> "Decline":
+        self = super().__new__(cls, text)
+        self.code = code
+        self.rule = None if rule is None else rule.name
+        return self
 
 
 def torch_dtype(dtype: Any) -> torch.dtype | None:
@@ -39,21 +72,6 @@ def torch_dtype(dtype: Any) -> torch.dtype | None:
         return dtypes.to_torch_dtype(dtype)
     except Exception:
         return None
-
-
-def _device_type(t: Any) -> str:
-    return t.device.type
-
-
-def _device_index(t: Any) -> int | None:
-    return t.device.index
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
 
 
 def _value(x: Any) -> Any:
@@ -77,69 +95,60 @@ def _is_symbolic(x: Any) -> bool:
     return isinstance(x, NumberProxy)
 
 
-def head_dim_limit(arch: tuple[int, int], backend_version: int = 10**6) -> int:
-    """Largest head dim cuDNN supports for forward *and* backward on ``arch``.
-
-    cuDNN: d <= 128 from sm80 on; 128 < d <= 256 for training on Hopper (sm90) from
-    cuDNN 9.5; other architectures only gained d > 128 for the forward (cuDNN 9.10), which
-    is not enough for an executor that also runs the backward.
-    """
-    if arch[0] == 9 and backend_version >= 90500:
-        return 256
-    return 128
-
-
-def _head_dim_reasons(d_qk: int, d_v: int, target: Target) -> list[str]:
+def _head_dim_reasons(d_qk: int, d_v: int, target: Target) -> list[Decline]:
     reasons = []
     for name, d in (("query/key", d_qk), ("value", d_v)):
         if d % 8:
-            reasons.append(f"{name} head dim {d} is not a multiple of 8")
-    if (d_qk, d_v) == (192, 128) and (
-        (target.arch[0] == 9 and target.backend_version >= 90500) or (target.arch[0] >= 10 and target.backend_version >= 91100)
-    ):
-        return reasons  # DeepSeek-style MLA heads: Hopper (cuDNN 9.5+) and Blackwell (cuDNN 9.11+)
-    limit = head_dim_limit(target.arch, target.backend_version)
+            reasons.append(Decline(DeclineCode.HEAD_DIM, f"{name} head dim {d} is not a multiple of 8", cudnn_rules.HEAD_DIM_128))
+    if (d_qk, d_v) == (192, 128) and cudnn_rules.mla_192_128(target):
+        return reasons  # DeepSeek-style MLA heads
+    limit = cudnn_rules.head_dim_limit(target)
+    rule = cudnn_rules.HEAD_DIM_256_TRAINING_HOPPER if limit > 128 else cudnn_rules.HEAD_DIM_128
     arch = f"sm{target.arch[0]}{target.arch[1]} with cuDNN {target.backend_version}"
     for name, d in (("query/key", d_qk), ("value", d_v)):
         if d > limit:
-            reasons.append(f"{name} head dim {d} exceeds {limit}, the limit for training on {arch}")
+            reasons.append(Decline(DeclineCode.HEAD_DIM, f"{name} head dim {d} exceeds {limit}, the limit for training on {arch}", rule))
     if d_qk != d_v and not reasons:
-        if target.arch < (9, 0):
-            reasons.append(f"d_qk={d_qk} != d_v={d_v} needs Hopper (sm90) or newer")
+        if not cudnn_rules.UNEQUAL_HEAD_DIMS.holds(target):
+            reasons.append(Decline(DeclineCode.HEAD_DIM, f"d_qk={d_qk} != d_v={d_v} needs Hopper (sm90) or newer", cudnn_rules.UNEQUAL_HEAD_DIMS))
         elif max(d_qk, d_v) > 128:
-            reasons.append(f"d_qk={d_qk} != d_v={d_v}: above 128 only d_qk=192, d_v=128 is supported")
+            reasons.append(
+                Decline(DeclineCode.HEAD_DIM, f"d_qk={d_qk} != d_v={d_v}: above 128 only d_qk=192, d_v=128 is supported", cudnn_rules.MLA_192_128_HOPPER)
+            )
     return reasons
 
 
-def _mask_reasons(attn_mask: Any, q_dtype: torch.dtype | None, full: tuple[int, int, int, int], is_causal: bool) -> list[str]:
+def _mask_reasons(attn_mask: Any, q_dtype: torch.dtype | None, full: tuple[int, int, int, int], is_causal: bool) -> list[Decline]:
+    M = DeclineCode.MASK
     reasons = []
     if is_causal:
-        reasons.append("is_causal=True together with an explicit attn_mask (torch rejects this combination)")
+        reasons.append(Decline(DeclineCode.CAUSAL, "is_causal=True together with an explicit attn_mask (torch rejects this combination)"))
     m_dtype = torch_dtype(attn_mask.dtype)
     if m_dtype is not torch.bool and not (m_dtype is not None and m_dtype.is_floating_point):
-        reasons.append(f"attn_mask dtype {m_dtype} is neither bool nor floating point")
+        reasons.append(Decline(M, f"attn_mask dtype {m_dtype} is neither bool nor floating point"))
     elif m_dtype not in (torch.bool, torch.float32, q_dtype):
-        reasons.append(f"attn_mask dtype {m_dtype} is neither bool, float32 nor the query dtype {q_dtype} (torch rejects it)")
+        reasons.append(Decline(M, f"attn_mask dtype {m_dtype} is neither bool, float32 nor the query dtype {q_dtype} (torch rejects it)"))
     elif m_dtype is not torch.bool and m_dtype != q_dtype and getattr(attn_mask, "requires_grad", False):
-        reasons.append(f"attn_mask of dtype {m_dtype} requires grad but cuDNN computes dBias in the query dtype {q_dtype}")
+        reasons.append(Decline(M, f"attn_mask of dtype {m_dtype} requires grad but cuDNN computes dBias in the query dtype {q_dtype}"))
     shape = tuple(attn_mask.shape)
     if not 2 <= len(shape) <= 4:
-        reasons.append(f"attn_mask has rank {len(shape)}; ranks 2 to 4 are supported")
+        reasons.append(Decline(M, f"attn_mask has rank {len(shape)}; ranks 2 to 4 are supported"))
     else:
         padded = (1,) * (4 - len(shape)) + shape
         for name, n, m in zip(("batch", "heads", "query length", "key length"), padded, full):
             if n not in (1, m):
-                reasons.append(f"attn_mask {name} extent {n} does not broadcast to {m}")
+                reasons.append(Decline(M, f"attn_mask {name} extent {n} does not broadcast to {m}"))
     if getattr(attn_mask, "requires_grad", False):
         if m_dtype is torch.bool:
-            reasons.append("a boolean attn_mask cannot require grad")
+            reasons.append(Decline(M, "a boolean attn_mask cannot require grad"))
         elif len(shape) >= 2 and (shape[-2], shape[-1]) != full[2:]:
-            reasons.append(
+            reasons.append(Decline(
+                M,
                 "attn_mask requires grad and broadcasts over query or key positions: its gradient would be "
-                "summed from low-precision per-element dBias values, less accurate than eager"
-            )
-    if _numel(full) >= INT32_LIMIT:
-        reasons.append("the broadcast attention mask has more than 2**31 elements (int32 offsets)")
+                "summed from low-precision per-element dBias values, less accurate than eager",
+            ))
+    if math.prod(full) >= INT32_ELEMENT_LIMIT:
+        reasons.append(Decline(DeclineCode.INT32, "the broadcast attention mask has more than 2**31 elements (int32 offsets)", cudnn_rules.LAYOUT))
     return reasons
 
 
@@ -155,66 +164,69 @@ def not_supported_reasons(
     target: Target | None,
     device_type: str,
     environment_problem: str | None = None,
-) -> list[str]:
+) -> list[Decline]:
     """Every reason the executor for ``device_type`` on ``target`` would not claim this call.
 
     ``environment_problem`` is a reason the runtime cannot work at all here (no frontend,
     no libcudnn); ``target`` may then be None.
     """
-    reasons: list[str] = []
+    reasons: list[Decline] = []
     if environment_problem:
-        reasons.append(environment_problem)
+        reasons.append(Decline(DeclineCode.ENVIRONMENT, environment_problem))
     tensors = [("query", query), ("key", key), ("value", value)]
     if attn_mask is not None:
         tensors.append(("attn_mask", attn_mask))
     for name, t in tensors:
-        if _device_type(t) != device_type:
-            reasons.append(f"{name} is on {t.device}, this executor runs on {device_type} tensors")
-    if len({(_device_type(t), _device_index(t)) for _, t in tensors}) > 1:
-        reasons.append("query, key, value (and attn_mask) are not all on the same device")
+        if t.device.type != device_type:
+            reasons.append(Decline(DeclineCode.DEVICE, f"{name} is on {t.device}, this executor runs on {device_type} tensors"))
+    if len({(t.device.type, t.device.index) for _, t in tensors}) > 1:
+        reasons.append(Decline(DeclineCode.DEVICE, "query, key, value (and attn_mask) are not all on the same device"))
     ranks = [len(t.shape) for _, t in tensors[:3]]
     if any(r != 4 for r in ranks):
-        reasons.append(f"query/key/value ranks are {ranks}; cuDNN SDPA takes rank-4 (batch, heads, seq, dim) tensors")
+        reasons.append(Decline(DeclineCode.RANK, f"query/key/value ranks are {ranks}; cuDNN SDPA takes rank-4 (batch, heads, seq, dim) tensors"))
         return reasons
     dts = [torch_dtype(t.dtype) for _, t in tensors[:3]]
     if any(d not in SUPPORTED_DTYPES for d in dts):
-        reasons.append(f"dtypes {[str(d) for d in dts]}: cuDNN flash attention takes float16 or bfloat16 only")
+        reasons.append(Decline(DeclineCode.DTYPE, f"dtypes {[str(d) for d in dts]}: cuDNN flash attention takes float16 or bfloat16 only"))
     elif len(set(dts)) > 1:
-        reasons.append(f"query/key/value dtypes differ: {[str(d) for d in dts]}")
+        reasons.append(Decline(DeclineCode.DTYPE, f"query/key/value dtypes differ: {[str(d) for d in dts]}"))
     (b, h, lq, d_qk), (bk, hk, s, dk), (bv, hv, sv, d_v) = (tuple(int(x) for x in t.shape) for _, t in tensors[:3])
     if not (b == bk == bv):
-        reasons.append(f"batch sizes differ: query {b}, key {bk}, value {bv}")
+        reasons.append(Decline(DeclineCode.SHAPE, f"batch sizes differ: query {b}, key {bk}, value {bv}"))
     if dk != d_qk:
-        reasons.append(f"query head dim {d_qk} != key head dim {dk}")
+        reasons.append(Decline(DeclineCode.SHAPE, f"query head dim {d_qk} != key head dim {dk}"))
     if s != sv:
-        reasons.append(f"key length {s} != value length {sv}")
+        reasons.append(Decline(DeclineCode.SHAPE, f"key length {s} != value length {sv}"))
     if hk != hv or hk not in (1, h):
-        reasons.append(f"key/value heads ({hk}, {hv}) must both equal the query heads ({h}) or be 1 (broadcast)")
+        reasons.append(Decline(DeclineCode.SHAPE, f"key/value heads ({hk}, {hv}) must both equal the query heads ({h}) or be 1 (broadcast)"))
     if 0 in (b, h, lq, s, d_qk, d_v):
-        reasons.append(f"empty input (batch {b}, heads {h}, query length {lq}, key length {s}): nothing for cuDNN to do")
+        reasons.append(Decline(DeclineCode.EMPTY, f"empty input (batch {b}, heads {h}, query length {lq}, key length {s}): nothing for cuDNN to do"))
     for name, shape in (("query", (b, h, lq, d_qk)), ("key", (b, hk, s, dk)), ("value", (bv, hv, sv, d_v)), ("output", (b, h, lq, d_v))):
-        if _numel(shape) >= INT32_LIMIT:
-            reasons.append(f"{name} has {_numel(shape)} elements; element offsets would overflow int32")
+        if math.prod(shape) >= INT32_ELEMENT_LIMIT:
+            reasons.append(Decline(DeclineCode.INT32, f"{name} has {math.prod(shape)} elements; element offsets would overflow int32", cudnn_rules.LAYOUT))
     if target is not None:
-        if target.arch < (8, 0):
-            reasons.append(f"sm{target.arch[0]}{target.arch[1]}: cuDNN fused flash attention needs Ampere (sm80) or newer")
+        if not cudnn_rules.FLASH_ATTENTION.holds(target):
+            reasons.append(
+                Decline(DeclineCode.ARCH, f"sm{target.arch[0]}{target.arch[1]}: cuDNN fused flash attention needs Ampere (sm80) or newer", cudnn_rules.FLASH_ATTENTION)
+            )
         reasons.extend(_head_dim_reasons(d_qk, d_v, target))
     if attn_mask is not None:
         reasons.extend(_mask_reasons(attn_mask, dts[0], (b, h, lq, s), bool(_value(is_causal))))
     if _is_symbolic(dropout_p):
-        reasons.append(
+        reasons.append(Decline(
+            DeclineCode.DROPOUT,
             "dropout_p is symbolic (cache='symbolic values'): whether dropout runs, and so the operator's "
-            "outputs, must be known at trace time"
-        )
+            "outputs, must be known at trace time",
+        ))
     p = _value(dropout_p)
     if not isinstance(p, (int, float)) or isinstance(p, bool):
-        reasons.append(f"dropout_p {p!r} is not a number known at trace time")
+        reasons.append(Decline(DeclineCode.DROPOUT, f"dropout_p {p!r} is not a number known at trace time"))
     elif not (0.0 <= float(p) < 1.0) or math.isnan(float(p)):
-        reasons.append(f"dropout_p={p} is outside [0, 1)")
+        reasons.append(Decline(DeclineCode.DROPOUT, f"dropout_p={p} is outside [0, 1)"))
     sc = _value(scale)
     if sc is not None and (not isinstance(sc, (int, float)) or isinstance(sc, bool) or not math.isfinite(float(sc))):
-        reasons.append(f"scale {sc!r} is not a finite number known at trace time")
+        reasons.append(Decline(DeclineCode.SCALE, f"scale {sc!r} is not a finite number known at trace time"))
     causal = _value(is_causal)
     if not isinstance(causal, bool):
-        reasons.append(f"is_causal {causal!r} is not a bool known at trace time")
+        reasons.append(Decline(DeclineCode.CAUSAL, f"is_causal {causal!r} is not a bool known at trace time"))
     return reasons

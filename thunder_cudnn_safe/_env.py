@@ -1,0 +1,56 @@
+"""Environment variables: one parser for every knob the package reads at import.
+
+A typo in an environment variable must never make the package (and with it a training
+script) unimportable, so every invalid value warns through the package logger and keeps
+the default.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+#: Graph-cache bound (:mod:`thunder_cudnn_safe.cache`).
+CACHE_SIZE_ENV = "THUNDER_CUDNN_SAFE_CACHE_SIZE"
+#: Which GPU architecture the emulated runtime pretends to be (e.g. ``9.0`` or ``sm90``).
+EMULATED_ARCH_ENV = "THUNDER_CUDNN_SAFE_EMULATED_ARCH"
+#: Which cuDNN version the emulated runtime pretends to be (e.g. ``91900``).
+EMULATED_BACKEND_ENV = "THUNDER_CUDNN_SAFE_EMULATED_BACKEND"
+
+
+def env_value(name: str, default: T, parse: Callable[[str], T], expected: str) -> T:
+    """``parse(os.environ[name])``, or ``default`` when unset, empty or invalid (invalid warns).
+
+    ``parse`` raises ``ValueError`` for an invalid value; ``expected`` says what a valid one
+    looks like, for the warning.
+    """
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        return parse(raw)
+    except ValueError:
+        logging.getLogger("thunder_cudnn_safe").warning("%s must be %s, got %r; using %r", name, expected, raw, default)
+        return default
+
+
+def positive_int(raw: str) -> int:
+    """An integer >= 1 (raises ValueError otherwise)."""
+    value = int(raw)
+    if value < 1:
+        raise ValueError(raw)
+    return value
+
+
+def parse_arch(raw: str) -> tuple[int, int]:
+    """``"9.0"``, ``"sm90"`` or ``"sm_90"`` -> ``(9, 0)`` (raises ValueError otherwise)."""
+    text = raw.strip().lower().removeprefix("sm").removeprefix("_")
+    major, minor = text.split(".", 1) if "." in text else (text[:-1], text[-1:])
+    try:
+        return int(major), int(minor)
+    except ValueError:
+        raise ValueError(f"an architecture must look like '9.0' or 'sm90', got {raw!r}") from None

@@ -1,0 +1,124 @@
+"""Every cuDNN architecture and version rule the package relies on, one named entry each.
+
+These are the most safety-critical facts in the package: a rule claimed too widely sends
+cuDNN a graph it cannot run (a crash, or a refusal and a slow fallback); a rule claimed
+too narrowly costs speed. Each :class:`Rule` says what it allows or requires, where the
+fact comes from (a release note, a frontend check, a GPU measurement), and on which
+targets it holds. :mod:`support` (what we claim), :mod:`binding` (what we bind),
+:mod:`emulation` (what the emulated cuDNN refuses) and the lowering sweep in the tests
+read the rules from here and nowhere else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .keys import Target
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One cuDNN fact: holds on targets with ``min_arch <= arch`` (and ``arch_major`` if set)
+    and ``min_backend <= cuDNN version < max_backend``."""
+
+    name: str
+    text: str
+    source: str
+    min_arch: tuple[int, int] = (0, 0)
+    arch_major: int | None = None
+    min_backend: int = 0
+    max_backend: int | None = None
+
+    def holds(self, target: Target) -> bool:
+        arch, version = tuple(target.arch), int(target.backend_version)
+        if arch < self.min_arch or (self.arch_major is not None and arch[0] != self.arch_major):
+            return False
+        if version < self.min_backend:
+            return False
+        return self.max_backend is None or version < self.max_backend
+
+
+FLASH_ATTENTION = Rule(
+    "FLASH_ATTENTION",
+    "cuDNN fused flash attention (forward and backward) runs on Ampere (sm80) or newer",
+    "cuDNN developer guide, 'Fused Flash Attention' support surface",
+    min_arch=(8, 0),
+)
+HEAD_DIM_128 = Rule(
+    "HEAD_DIM_128",
+    "head dims up to 128, multiples of 8, for forward and backward",
+    "cuDNN developer guide, 'Fused Flash Attention' (d <= 128 on sm80+)",
+    min_arch=(8, 0),
+)
+HEAD_DIM_256_TRAINING_HOPPER = Rule(
+    "HEAD_DIM_256_TRAINING_HOPPER",
+    "128 < head dim <= 256 for training (forward and backward) on Hopper",
+    "cuDNN 9.5.0 release notes; other architectures only gained d > 128 for the forward (9.10)",
+    arch_major=9,
+    min_backend=90500,
+)
+UNEQUAL_HEAD_DIMS = Rule(
+    "UNEQUAL_HEAD_DIMS",
+    "d_qk != d_v (both <= 128) on Hopper or newer",
+    "cuDNN developer guide, 'Fused Flash Attention' (different QK and V head dims need sm90+)",
+    min_arch=(9, 0),
+)
+MLA_192_128_HOPPER = Rule(
+    "MLA_192_128_HOPPER",
+    "d_qk=192, d_v=128 (DeepSeek-style MLA heads) on Hopper",
+    "cuDNN 9.5.0 release notes; lightning-thunder PR #2771",
+    arch_major=9,
+    min_backend=90500,
+)
+MLA_192_128_BLACKWELL = Rule(
+    "MLA_192_128_BLACKWELL",
+    "d_qk=192, d_v=128 (DeepSeek-style MLA heads) on Blackwell",
+    "cuDNN 9.11.0 release notes; lightning-thunder PR #2771",
+    min_arch=(10, 0),
+    min_backend=91100,
+)
+DO_OWN_STRIDES = Rule(
+    "DO_OWN_STRIDES",
+    "sdpa_backward reads dO through its own declared strides (before 9.5.1 it assumed O's strides)",
+    "cuDNN 9.5.1 release notes; PyTorch's cuDNN attention warned about dO/O stride mismatch until then",
+    min_backend=90501,
+)
+STATS_PACKED_ONLY = Rule(
+    "STATS_PACKED_ONLY",
+    "a non-ragged Stats input of sdpa_backward must be packed BHSD (exact strides, size-1 dims too)",
+    "nvidia-cudnn-frontend 1.32 sdpa_support_surface.h (checked before planning)",
+    max_backend=92600,
+)
+
+#: Layout rules every target shares (TMA-based kernels read from a base pointer through the
+#: declared strides); :mod:`layout` enforces them, the emulated runtime refuses their violation.
+ALIGNMENT_BYTES = 16
+INT32_ELEMENT_LIMIT = 2**31
+LAYOUT = Rule(
+    "LAYOUT",
+    f"inner stride 1, {ALIGNMENT_BYTES}-byte aligned base, other strides multiples of {ALIGNMENT_BYTES} bytes, "
+    f"non-overlapping positive strides, element offsets below 2**31",
+    "cuDNN developer guide (tensor descriptors for SDPA; TMA alignment on Hopper)",
+)
+
+RULES: tuple[Rule, ...] = (
+    FLASH_ATTENTION,
+    HEAD_DIM_128,
+    HEAD_DIM_256_TRAINING_HOPPER,
+    UNEQUAL_HEAD_DIMS,
+    MLA_192_128_HOPPER,
+    MLA_192_128_BLACKWELL,
+    DO_OWN_STRIDES,
+    STATS_PACKED_ONLY,
+    LAYOUT,
+)
+
+
+def head_dim_limit(target: Target) -> int:
+    """Largest head dim cuDNN supports for forward *and* backward on ``target``."""
+    return 256 if HEAD_DIM_256_TRAINING_HOPPER.holds(target) else 128
+
+
+def mla_192_128(target: Target) -> bool:
+    """Whether d_qk=192, d_v=128 is supported on ``target``."""
+    return MLA_192_128_HOPPER.holds(target) or MLA_192_128_BLACKWELL.holds(target)

@@ -1,0 +1,145 @@
+"""What the package tells its user: the logger, warn-once messages and copy counters.
+
+* One logger, ``thunder_cudnn_safe``.
+* :func:`warn_once` shows a message once per distinct key (a refused graph, a copy a
+  user could avoid), so a training loop does not flood the log; the memory of what was
+  shown is bounded.
+* :class:`CopyReason` names every reason layout normalization copies a tensor, and the
+  copy counter behind :func:`copy_stats` counts copies and bytes per (operand, reason).
+  The benchmarks read bytes copied from here: counted by the package, never estimated.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+from collections.abc import Hashable
+from typing import NamedTuple
+
+logger = logging.getLogger("thunder_cudnn_safe")
+
+#: Bound on the remembered warn-once keys (cleared when full: a repeat warning is harmless).
+WARN_ONCE_LIMIT = 4096
+
+
+class CopyReason(str, enum.Enum):
+    """Why layout normalization copied a tensor before binding it to cuDNN."""
+
+    BROADCAST = "a zero (broadcast) stride on a dimension of size > 1"
+    NEGATIVE_STRIDE = "a negative stride on a dimension of size > 1"
+    LAST_DIM_STRIDE = "last-dim stride is not 1 (cuDNN needs 1)"
+    MISALIGNED = "base address is not 16-byte aligned"
+    STRIDE_ALIGNMENT = "a stride is not a multiple of 16 bytes"
+    OVERLAP = "overlapping strides (aliased elements)"
+    INT32_OFFSETS = "element offsets overflow int32"
+    POLICY_CONTIGUOUS = "layout policy 'contiguous'"
+    BOOL_MASK = "boolean mask converted to an additive bias"
+    MASK_DTYPE = "mask converted to the query dtype"
+    MASK_BROADCAST = "mask broadcast over query/key positions materialized"
+    STATS_LAYOUT = "softmax stats must be packed BHSD float32"
+    DO_LIKE_O = "cuDNN < 9.5.1 needs dO strides == O strides"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def avoidable(self) -> bool:
+        """Whether a user could avoid this copy by passing another layout (worth a warning).
+
+        Copies the user asked for (policy "contiguous") or that ordinary code makes
+        unavoidable (an expanded tensor, a boolean or broadcast mask) are counted silently.
+        """
+        return self not in _UNAVOIDABLE
+
+
+_UNAVOIDABLE = frozenset(
+    {CopyReason.BROADCAST, CopyReason.POLICY_CONTIGUOUS, CopyReason.BOOL_MASK, CopyReason.MASK_DTYPE, CopyReason.MASK_BROADCAST}
+)
+
+_warned: set[Hashable] = set()
+_warned_lock = threading.Lock()
+
+
+def warn_once(key: tuple[str, Hashable], msg: str, *args: object) -> bool:
+    """Log ``msg % args`` as a warning the first time ``key`` is seen; True if it was logged.
+
+    ``key[0]`` is the warning's category (``"copy"``, ``"fallback"``), which
+    :func:`forget_warnings` can forget on its own.
+    """
+    with _warned_lock:
+        if key in _warned:
+            return False
+        if len(_warned) >= WARN_ONCE_LIMIT:
+            _warned.clear()
+        _warned.add(key)
+    logger.warning(msg, *args)
+    return True
+
+
+def forget_warnings(category: str | None = None) -> None:
+    """Show warn-once messages of ``category`` (default: all) again."""
+    with _warned_lock:
+        if category is None:
+            _warned.clear()
+        else:
+            _warned.difference_update([k for k in _warned if k[0] == category])
+
+
+class CopyStats(NamedTuple):
+    """Snapshot of what layout normalization copied since the last reset."""
+
+    copies: int
+    bytes_copied: int
+    #: ``{(operand, reason): (count, bytes)}``; reason is a :class:`CopyReason` (a str).
+    by_reason: dict
+
+
+class _CopyCounter:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._copies = 0
+        self._bytes = 0
+        self._by_reason: dict[tuple[str, CopyReason], list[int]] = {}
+
+    def record(self, operand: str, reason: CopyReason, nbytes: int, signature: tuple) -> None:
+        """Count one copy; warn once per distinct (operand, reason, layout) if the copy was avoidable."""
+        with self._lock:
+            self._copies += 1
+            self._bytes += nbytes
+            entry = self._by_reason.setdefault((operand, reason), [0, 0])
+            entry[0] += 1
+            entry[1] += nbytes
+        if reason.avoidable:
+            warn_once(
+                ("copy", operand, reason, signature),
+                "cudnn_safe copies %s (shape, strides, dtype = %s) before cuDNN: %s. "
+                "This warning is shown once per distinct layout.",
+                operand,
+                signature,
+                reason.value,
+            )
+
+    def snapshot(self) -> CopyStats:
+        with self._lock:
+            return CopyStats(self._copies, self._bytes, {k: tuple(v) for k, v in self._by_reason.items()})
+
+    def reset(self) -> None:
+        with self._lock:
+            self._copies = 0
+            self._bytes = 0
+            self._by_reason.clear()
+        forget_warnings("copy")
+
+
+copy_counter = _CopyCounter()
+
+
+def copy_stats() -> CopyStats:
+    """Copies made by layout normalization (count, bytes, and per operand and reason)."""
+    return copy_counter.snapshot()
+
+
+def reset_copy_stats() -> None:
+    """Zero the copy counters and forget which layouts were already warned about."""
+    copy_counter.reset()
