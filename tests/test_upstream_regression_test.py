@@ -19,7 +19,7 @@ import torch
 
 import thunder_cudnn_safe  # noqa: F401  (compat steps, then thunder)
 from thunder_cudnn_safe.emulation import EmulationError
-from upstream_patch_support import UPSTREAM, apply_patch, installed_thunder_file, load_private, stub_gpu_calls, stub_module
+from upstream_patch_support import UPSTREAM, apply_patch, installed_thunder_file, load_private, stub_gpu_calls
 
 cudnn = pytest.importorskip("cudnn")
 
