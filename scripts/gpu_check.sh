@@ -170,8 +170,16 @@ run_step env 90 60 env_info
 
 # -- 3. the upstream patch still applies to the carried thunder ----------------------------
 patch_check() {
-  if [ ! -f upstream/apply_patch.py ]; then echo "upstream/apply_patch.py: not in this tree"; return 0; fi
-  "$PY" upstream/apply_patch.py --out "$WORK/upstream_patch"
+  # On a copy of the carried thunder's file, with the standard tools (nothing installed is modified).
+  local src work="$WORK/upstream_patch" patch_file="$PWD/upstream/cudnn_sdpa.patch"
+  src=$("$PY" -c 'import importlib.util as u, pathlib as p; s = u.find_spec("thunder"); print(p.Path(list(s.submodule_search_locations)[0]) / "executors" / "cudnn_sdpa.py")') || return 1
+  mkdir -p "$work/thunder/executors" && cp "$src" "$work/thunder/executors/cudnn_sdpa.py"
+  echo "patching a copy of $src"
+  if command -v git >/dev/null; then
+    (cd "$work" && GIT_CEILING_DIRECTORIES="$work" git apply --verbose "$patch_file")
+  else
+    patch -d "$work" -p1 --fuzz=0 --no-backup-if-mismatch -i "$patch_file"
+  fi && "$PY" -m py_compile "$work/thunder/executors/cudnn_sdpa.py" && echo "RESULT: applied and compiles"
 }
 export -f patch_check
 run_step patch 60 60 patch_check

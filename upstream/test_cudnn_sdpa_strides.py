@@ -5,7 +5,8 @@ only, so each tensor must be declared with the strides of the tensor bound to it
 tests feed layouts thunder meets in real models (diffusers/HF attention: BSHD storage seen
 as BHSD through transpose(1, 2), and the matching transposed cotangent) and compare with
 torch eager against a float64 reference: thunder's error must be at most twice eager's in
-the same precision (plus a few ulps).
+the same precision (plus a few ulps). Seed and Offset are declared INT64 to cuDNN, so
+the tensors bound to them (and the meta function's proxies) must be int64 too.
 """
 
 from functools import partial
@@ -19,6 +20,7 @@ from thunder.tests.framework import requiresCUDA
 
 cudnn = pytest.importorskip("cudnn")
 from thunder.executors.cudnnex import cudnn_ex  # noqa: E402
+from thunder.executors.cudnn_sdpa import _cudnn_sdpa_fwd_impl  # noqa: E402
 
 # The layout of the seed issue: (2, 8, 64, 96) viewed from (2, 64, 768) storage.
 B, H, L, D = 2, 8, 64, 96
@@ -188,3 +190,23 @@ def test_cudnn_sdpa_dropout_transposed_grad_out():
     _assert_close_to_reference(out, eager_out, ref_out, "output")
     for name, g, eg, rg in zip(("grad_query", "grad_key", "grad_value"), grads, eager_grads, ref_grads):
         _assert_close_to_reference(g, eg, rg, name)
+
+
+@requiresCUDA
+def test_cudnn_sdpa_dropout_seed_offset_are_int64():
+    # Seed/Offset are declared INT64 in both graphs (#2520); int32 tensors bound to them make
+    # cuDNN read 8 bytes from a 4-byte allocation. The trace (meta function) and the tensors
+    # the forward allocates must both be int64.
+    _skip_if_unsupported()
+    dtype, p = torch.float16, 0.2
+    q, k, v = (_bshd_as_bhsd(dtype) for _ in range(3))
+
+    jfn = thunder.jit(partial(_sdpa, dropout_p=p), executors=[cudnn_ex])
+    jfn(q, k, v)
+    fwd = thunder.last_traces(jfn)[-1]
+    (bsym,) = (bsym for bsym in fwd.bound_symbols if bsym.sym.name == "cudnn_sdpa_fwd")
+    _, _, seed_proxy, offset_proxy = bsym.output
+    assert seed_proxy.dtype == offset_proxy.dtype == thunder.dtypes.int64
+
+    _, _, seed, offset = _cudnn_sdpa_fwd_impl(q.detach(), k.detach(), v.detach(), None, p, False)
+    assert seed.dtype == offset.dtype == torch.int64

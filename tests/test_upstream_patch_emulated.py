@@ -1,32 +1,19 @@
-"""The upstream patch for thunder's own cuDNN SDPA executor (upstream/cudnn_sdpa.patch), on CPU.
+"""What the patched thunder cuDNN SDPA module declares and computes, on the emulated cuDNN (CPU).
 
-* The patch applies cleanly (exact context, no offsets) to the installed
-  lightning-thunder 0.2.6 ``thunder/executors/cudnn_sdpa.py`` and the result compiles,
-  with the pure-Python applier and with the ``patch`` program; site-packages is untouched.
-* Both the unpatched and the patched module are loaded from files under private names
-  (thunder's executor registry is restored afterwards). With the GPU-only calls stubbed
-  (handle, ``graph.key()``, ``graph.build``, workspace size, ``graph.execute``), their real
-  frontend graphs are inspected: the patched backward graph declares dO with the
-  strides of the grad_out it is given, the unpatched one declares it contiguous.
-* ``graph.execute`` is routed to :func:`thunder_cudnn_safe.emulation.emulate`, which reads
-  every bound tensor through the layout declared in the graph, as cuDNN does. The
-  diffusers case (transposed grad_out) then gives correct gradients with the patch and
-  wrong ones without it; likewise for a strided attention mask and for dropout.
-* A GPU-marked test runs upstream/test_cudnn_sdpa_strides.py in a subprocess with the
-  patched module in place of ``thunder.executors.cudnn_sdpa`` (and checks that it fails
-  with the unpatched one).
+Thunder's ``cudnn_sdpa.py`` (the installed one: 0.2.6 or main) is patched with
+upstream/cudnn_sdpa.patch on a temporary copy; the unpatched and patched copies are
+loaded under private names. With the GPU-only calls stubbed, their real frontend graphs
+are inspected, and ``graph.execute`` is served by :func:`thunder_cudnn_safe.emulation.emulate`,
+which reads every bound tensor through the dims/strides/dtype *declared* in the graph,
+as cuDNN does. Each fix must hold with the patch and each bug must show without it:
+
+* dO (and O, bias, dBias) declared with the strides of the tensors bound to them;
+* Seed/Offset declared INT64 and allocated int64 (unpatched: declared INT64, bound int32);
+* layouts cuDNN cannot read (misaligned base, non-unit last-dim stride) are copied;
+* frontend >= 1.27 names (``sdpa``/``sdpa_backward``, ``generate_stats``).
 """
 
 from __future__ import annotations
-
-import contextlib
-import hashlib
-import importlib.util
-import os
-import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -39,13 +26,9 @@ from thunder.core.proxies import TensorProxy
 from thunder.core.trace import detached_trace
 
 from thunder_cudnn_safe import reference
-from thunder_cudnn_safe.emulation import EmulationError, _torch_dtype_of, emulate
+from thunder_cudnn_safe.emulation import EmulationError, _torch_dtype_of
 from thunder_cudnn_safe.testing import assert_close_to_reference
-
-REPO = Path(__file__).resolve().parents[1]
-UPSTREAM = REPO / "upstream"
-sys.path.insert(0, str(UPSTREAM))
-import apply_patch  # noqa: E402
+from upstream_patch_support import apply_patch, installed_thunder_file, load_private, stub_gpu_calls
 
 cudnn = pytest.importorskip("cudnn")
 
@@ -55,91 +38,13 @@ BSHD_STRIDES = (L * H * D, D, H * D, 1)
 BHSD_STRIDES = (H * L * D, L * D, D, 1)
 
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-# --------------------------------------------------------------------------- applying the patch
-
-
 @pytest.fixture(scope="module")
-def applied(tmp_path_factory):
-    return apply_patch.apply_patch(out_dir=tmp_path_factory.mktemp("patched"))
-
-
-def test_patch_applies_cleanly_to_installed_thunder(applied):
-    assert thunder.__version__ == "0.2.6"
-    assert applied.source == Path(thunder.executors.cudnn_sdpa.__file__).resolve()
-    assert [h.offset for h in applied.hunks] == [0] * len(applied.hunks), applied.report()
-    assert applied.compiled and applied.clean, applied.report()
-    text = applied.patched.read_text()
-    assert "scaled_dot_product_flash_attention_backward(" not in text and "graph.sdpa_backward(" in text
-    assert "dO = graph.tensor_like(output)" not in text
-    # the pristine copy is byte-identical to the installed file, which is unchanged
-    assert _sha256(applied.original) == _sha256(applied.source) == applied.source_sha256
-
-
-@pytest.mark.skipif(shutil.which("patch") is None, reason="no 'patch' program")
-def test_patch_program_gives_the_same_file(applied, tmp_path):
-    res = apply_patch.apply_patch(out_dir=tmp_path, use_patch_program=True)
-    assert res.clean, res.report()
-    assert res.patched.read_bytes() == applied.patched.read_bytes()
-
-
-def test_applier_reports_offsets_and_failures(tmp_path):
-    src = apply_patch.find_thunder_file().read_text()
-    shifted = tmp_path / "shifted.py"
-    shifted.write_text("# one\n# two\n" + src)
-    res = apply_patch.apply_patch(shifted, tmp_path / "o1")
-    assert res.applied and not res.clean and {h.offset for h in res.hunks} == {2}
-    broken = tmp_path / "broken.py"
-    broken.write_text(src.replace("dO = graph.tensor_like(output)", "dO = graph.tensor_like(output)  # edited"))
-    res = apply_patch.apply_patch(broken, tmp_path / "o2")
-    assert not res.applied and not res.clean and res.patched is None
-    assert sum(h.applied_at is None for h in res.hunks) == 1
-
-
-def test_cli_exit_codes_and_never_writes_site_packages(tmp_path):
-    site_file = apply_patch.find_thunder_file()
-    before = _sha256(site_file)
-    cli = [sys.executable, str(UPSTREAM / "apply_patch.py")]
-    ok = subprocess.run([*cli, "--out", str(tmp_path / "ok")], capture_output=True, text=True)
-    assert ok.returncode == 0, ok.stdout + ok.stderr
-    assert "RESULT: applied cleanly" in ok.stdout
-    assert (tmp_path / "ok" / "b" / apply_patch.TARGET).is_file()
-    broken = tmp_path / "cudnn_sdpa.py"
-    broken.write_text(site_file.read_text().replace("stride_o = (h * s_q * d_v", "stride_o = (s_q * h * d_v"))
-    bad = subprocess.run([*cli, "--thunder-file", str(broken), "--out", str(tmp_path / "bad")], capture_output=True, text=True)
-    assert bad.returncode == 1 and "did NOT apply cleanly" in bad.stdout
-    inside = site_file.parent.parent.parent / "_should_never_exist_upstream_patch"
-    refused = subprocess.run([*cli, "--out", str(inside)], capture_output=True, text=True)
-    assert refused.returncode == 2 and "refusing" in refused.stderr
-    assert not inside.exists()
-    assert _sha256(site_file) == before
-
-
-# --------------------------------------------------------------------------- loading both modules
-
-
-def _load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)  # calls register_executor(OperatorExecutor("cudnn", ...))
-    return mod
-
-
-@pytest.fixture(scope="module")
-def mods(applied):
-    """(unpatched, patched) thunder cudnn_sdpa modules; thunder's executor registry is left as found."""
-    registry = thunder.extend._executor_map
-    saved = dict(registry)
+def mods(tmp_path_factory):
+    """(unpatched, patched) copies of the installed thunder's cudnn_sdpa module; thunder's registry is left as found."""
+    applied = apply_patch(installed_thunder_file(), tmp_path_factory.mktemp("patched"))
     real_cudnn_ex = thunder.extend.get_executor("cudnn")
-    try:
-        old = _load("_upstream_cudnn_sdpa_unpatched", applied.original)
-        new = _load("_upstream_cudnn_sdpa_patched", applied.patched)
-    finally:
-        registry.clear()
-        registry.update(saved)
+    old = load_private("_upstream_cudnn_sdpa_unpatched", applied.original)
+    new = load_private("_upstream_cudnn_sdpa_patched", applied.patched)
     assert thunder.extend.get_executor("cudnn") is real_cudnn_ex
     assert old.cudnn_ex is not real_cudnn_ex and new.cudnn_ex is not real_cudnn_ex
     return old, new
@@ -152,49 +57,10 @@ def test_loading_the_modules_leaves_thunders_registry_alone(mods):
     assert thunder.cudnn_executor is real.cudnn_ex
 
 
-def _fake_key(graph):
-    """Stands in for the backend's ``graph.key()`` (a hash of the serialized graph: every tensor's
-    dims, strides and dtype, and the op attributes). Like the real one, it validates first."""
-    graph.validate()
-    parts = []
-    for node in graph.nodes:
-        parts.append((node.node_type.name, tuple(sorted((k, repr(v)) for k, v in node.params.items()))))
-        ports = sorted(list(node.inputs.items()) + list(node.outputs.items()), key=lambda kv: kv[0])
-        for port, t in ports:
-            parts.append((port, tuple(t.get_dim()), tuple(t.get_stride()), str(t.get_data_type()), t.get_is_virtual()))
-    return tuple(parts)
-
-
-class Executions:
-    """Records (graph, pack) of every stubbed ``graph.execute`` and runs it on the emulated cuDNN."""
-
-    def __init__(self):
-        self.calls = []
-
-    def execute(self, graph, pack, workspace=None, handle=None, **kwargs):
-        # The frontend ignores entries for absent optional tensors (e.g. {Seed: None} without dropout).
-        pack = {k: v for k, v in pack.items() if k is not None and v is not None}
-        self.calls.append((graph, pack))
-        emulate(graph, pack)
-
-
 @pytest.fixture
 def stubbed(mods, monkeypatch):
-    """Stub the GPU-only calls of both modules; alias the names frontend >= 1.27 removed for the unpatched one."""
-    runs = Executions()
-    for mod in mods:
-        monkeypatch.setattr(mod, "_get_cudnn_handle", lambda device: None)
-        monkeypatch.setattr(mod, "_cudnnex_cache", mod.CudnnexLRUCache(maxlen=1024))
-    graph_cls = cudnn.pygraph
-    monkeypatch.setattr(graph_cls, "key", _fake_key)
-    monkeypatch.setattr(graph_cls, "build", lambda self, *a, **k: None)
-    monkeypatch.setattr(graph_cls, "get_workspace_size", lambda self, *a, **k: 0)
-    monkeypatch.setattr(graph_cls, "execute", lambda self, pack, *a, **k: runs.execute(self, pack, *a, **k))
-    monkeypatch.setattr(graph_cls, "scaled_dot_product_flash_attention", graph_cls.sdpa, raising=False)
-    monkeypatch.setattr(graph_cls, "scaled_dot_product_flash_attention_backward", graph_cls.sdpa_backward, raising=False)
-    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
-    return runs
-
+    """GPU-only calls stubbed for both modules; ``graph.execute`` runs on the emulated cuDNN."""
+    return stub_gpu_calls(monkeypatch, mods)
 
 def _declaration_mismatches(graph, pack):
     """Each bound uid whose declared (dims, strides, dtype) differ from the bound tensor's."""
@@ -510,136 +376,29 @@ def test_layouts_cudnn_cannot_read_are_copied(mods, stubbed, case):
 
 
 def test_dropout_with_transposed_grad_out(mods, stubbed):
-    """Dropout: seed/offset declared as allocated; gradients match a float64 reference using the same keep mask."""
+    """Dropout: Seed/Offset int64 as declared; gradients match a float64 reference using the same keep mask."""
     old, new = mods
     p = 0.2
     q, k, v, g = _diffusers_inputs(torch.float16)
     out, grads, (seed, offset) = _run(new, q, k, v, g, dropout_p=p)
-    assert seed.dtype == offset.dtype == torch.int32
+    assert seed.dtype == offset.dtype == torch.int64
+    graph, pack = stubbed.calls[0]
+    assert {str(t.get_data_type()) for t in pack if t.get_name() in ("Seed", "Offset")} == {"data_type.INT64"}
     keep = reference.dropout_keep_mask(int(seed.reshape(-1)[0]), int(offset.reshape(-1)[0]), (B, H, L, L), p, torch.device("cpu"))
     assert 0.7 < keep.float().mean().item() < 0.9
     _check(out, grads, _references(q, k, v, g, keep=keep, p=p))
+    # unpatched: declared INT64, allocated int32 (cuDNN would read 8 bytes from a 4-byte tensor)
     with pytest.raises(EmulationError, match="declared torch.int64"):
         _run(old, q, k, v, g, dropout_p=p)
 
 
-# --------------------------------------------------------------------------- the upstream test file, emulated
-
-
-def _retargeted(text: str, replacements: list[tuple[str, str]]) -> str:
-    for old, new in replacements:
-        assert old in text, f"cannot retarget: {old!r} not found"
-        text = text.replace(old, new)
-    return text
-
-
-@pytest.fixture(scope="module")
-def upstream_tests_on_cpu(applied, tmp_path_factory):
-    """upstream/test_cudnn_sdpa_strides.py, retargeted to CPU tensors and to a copy of thunder's cudnn
-    module (unpatched "a", patched "b") whose checker accepts CPU tensors. With the ``stubbed`` fixture
-    active, everything runs through thunder.jit up to ``graph.execute``, which the emulated cuDNN serves."""
-    work = tmp_path_factory.mktemp("upstream_cpu")
-    registry = thunder.extend._executor_map
-    saved = dict(registry)
-    suites = {}
-    try:
-        for side, src in (("a", applied.original), ("b", applied.patched)):
-            mod_path = work / f"cudnn_sdpa_{side}.py"
-            mod_path.write_text(_retargeted(src.read_text(), [('query.device.type != "cuda"', 'query.device.type != "cpu"')]))
-            mod = _load(f"_upstream_cudnn_sdpa_{side}_cpu", mod_path)
-            sys.modules[mod.__name__] = mod
-            test_text = _retargeted(
-                (UPSTREAM / "test_cudnn_sdpa_strides.py").read_text(),
-                [
-                    ('device="cuda"', 'device="cpu"'),
-                    ("@requiresCUDA\n", ""),
-                    ("from thunder.executors.cudnnex import cudnn_ex  # noqa: E402", f"from {mod.__name__} import cudnn_ex"),
-                    ("major, _ = torch.cuda.get_device_capability()", "major = 9"),
-                ],
-            )
-            test_path = work / f"upstream_strides_{side}.py"
-            test_path.write_text(test_text)
-            suites[side] = (mod, _load(f"_upstream_strides_test_{side}", test_path))
-    finally:
-        registry.clear()
-        registry.update(saved)
-    yield suites
-    for mod, _ in suites.values():
-        sys.modules.pop(mod.__name__, None)
-
-
-def _stub_module(mod, monkeypatch):
-    monkeypatch.setattr(mod, "_get_cudnn_handle", lambda device: None)
-    monkeypatch.setattr(mod, "_cudnnex_cache", mod.CudnnexLRUCache(maxlen=1024))
-
-
-_UPSTREAM_CASES = [
-    ("test_cudnn_sdpa_transposed_grad_out", (torch.float16,)),
-    ("test_cudnn_sdpa_transposed_grad_out", (torch.bfloat16,)),
-    ("test_cudnn_sdpa_diffusers_attention_block", (torch.float16,)),
-    ("test_cudnn_sdpa_strided_attn_mask", ("additive",)),
-    ("test_cudnn_sdpa_strided_attn_mask", ("bool",)),
-    ("test_cudnn_sdpa_dropout_transposed_grad_out", ()),
-]
-
-
-def test_upstream_test_passes_with_patch_on_emulated_cudnn(upstream_tests_on_cpu, stubbed, monkeypatch):
-    mod, suite = upstream_tests_on_cpu["b"]
-    _stub_module(mod, monkeypatch)
-    for name, args in _UPSTREAM_CASES:
-        getattr(suite, name)(*args)
-    assert len(stubbed.calls) >= 2 * len(_UPSTREAM_CASES) - 2  # forward-only mask cases run one graph each
-
-
-@pytest.mark.parametrize(
-    "name, args, error",
-    [
-        ("test_cudnn_sdpa_transposed_grad_out", (torch.float16,), "grad_query: max error"),
-        ("test_cudnn_sdpa_diffusers_attention_block", (torch.float16,), "grad_query: max error"),
-        ("test_cudnn_sdpa_strided_attn_mask", ("additive",), "output: max error"),
-    ],
-)
-def test_upstream_test_fails_without_patch_on_emulated_cudnn(upstream_tests_on_cpu, stubbed, monkeypatch, name, args, error):
-    mod, suite = upstream_tests_on_cpu["a"]
-    _stub_module(mod, monkeypatch)
-    with pytest.raises(AssertionError, match=error):
-        getattr(suite, name)(*args)
-
-
-# --------------------------------------------------------------------------- the upstream GPU test, on a GPU
-
-
-_GPU_RUNNER = r"""
-import sys
-sys.path.insert(0, {upstream!r})
-import apply_patch
-patched = {patched!r}
-if patched:
-    apply_patch.install_patched_module(patched)
-import thunder, thunder.executors.cudnn_sdpa as m
-if not patched:
-    apply_patch.alias_legacy_sdpa_names()
-print("cudnn_sdpa module:", m.__file__, flush=True)
-from pathlib import Path
-assert (Path(m.__file__).resolve() == Path(patched).resolve()) if patched else ("site-packages" in m.__file__)
-import pytest
-sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-o", "addopts=", {test!r}]))
-"""
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU with cuDNN")
-def test_upstream_regression_test_on_gpu(applied, tmp_path):
-    test = str(UPSTREAM / "test_cudnn_sdpa_strides.py")
-    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
-
-    def run(patched: str):
-        code = _GPU_RUNNER.format(upstream=str(UPSTREAM), patched=patched, test=test)
-        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
-
-    with_patch = run(str(applied.patched))
-    assert with_patch.returncode == 0, with_patch.stdout[-6000:] + with_patch.stderr[-3000:]
-    assert " passed" in with_patch.stdout and " skipped" not in with_patch.stdout.splitlines()[-1]
-    without = run("")
-    assert without.returncode != 0, "the regression test passed without the patch"
-    assert "test_cudnn_sdpa_transposed_grad_out" in without.stdout
+def test_forward_meta_types_seed_and_offset_as_allocated(mods):
+    """The meta function (what thunder's traces see) says int64 for Seed/Offset with the patch; int32 without."""
+    old, new = mods
+    cuda = devices.Device("cuda:0")
+    with detached_trace():
+        q, k, v = (TensorProxy(shape=(B, H, L, D), dtype=dtypes.float16, device=cuda, requires_grad=True) for _ in range(3))
+        *_, seed_new, offset_new = new._cudnn_sdpa_forward_meta(q, k, v, None, 0.1, False)
+        *_, seed_old, offset_old = old._cudnn_sdpa_forward_meta(q, k, v, None, 0.1, False)
+    assert seed_new.dtype == offset_new.dtype == dtypes.int64
+    assert seed_old.dtype == offset_old.dtype == dtypes.int32
