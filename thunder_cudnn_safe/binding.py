@@ -27,17 +27,16 @@ import torch
 from . import cudnn_rules
 from .cudnn_rules import ALIGNMENT_BYTES
 from .graphs import Uid
-from .keys import BackwardKey, ForwardKey, Target, sig, sig_or_none
+from .keys import BackwardKey, ForwardKey, Target, TensorSig, sig, sig_or_none
 from .layout import (
     MEMO_SIZE,
     LayoutPolicy,
     binding_plan,
-    canonical_strides,
     empty_in_order,
     empty_like_order,
-    needs_copy,
     packed_strides,
     same_size_except_heads,
+    strides_like_order,
     with_canonical_strides,
 )
 from .telemetry import CopyReason, copy_counter
@@ -141,34 +140,42 @@ def prepare_stats(stats: torch.Tensor) -> torch.Tensor:
 
 
 def prepare_grad_out(grad_out: torch.Tensor, o: torch.Tensor, policy: LayoutPolicy, target: Target) -> torch.Tensor:
-    """dO as bound: its own layout where cuDNN allows, else a copy with exactly O's strides.
+    """dO as bound: its own layout where cuDNN can read it, else one copy with exactly O's strides.
 
     cuDNN before 9.5.1 assumed dO has O's strides
     (:data:`~thunder_cudnn_safe.cudnn_rules.DO_OWN_STRIDES`); binding any other layout
-    there reads wrong elements, which is the upstream thunder bug in another form.
+    there reads wrong elements, which is the upstream thunder bug in another form. Where a
+    copy is needed anyway (an expanded or zero-stride grad_out, a misaligned one), it goes
+    into O's exact strides, as cuDNN's own torch op and PyTorch do: a copy laid out "like"
+    a broadcast tensor would put the heads outermost and the batch innermost.
     """
-    if policy is LayoutPolicy.CONTIGUOUS or cudnn_rules.DO_OWN_STRIDES.holds(target):
-        return prepare_operand(grad_out, "grad_out", policy)
-    if canonical_strides(grad_out.shape, grad_out.stride()) == o.stride() and needs_copy(grad_out, policy) is None:
+    reason, canon = binding_plan(grad_out, policy)
+    if reason is None and (policy is LayoutPolicy.CONTIGUOUS or cudnn_rules.DO_OWN_STRIDES.holds(target)):
+        return grad_out if canon is None else grad_out.as_strided(grad_out.shape, canon, grad_out.storage_offset())
+    if reason is None and (canon or grad_out.stride()) == o.stride():
         return with_canonical_strides(grad_out)
+    if reason is None:
+        reason = CopyReason.DO_LIKE_O
     # O as bound is readable with canonical strides, so a buffer with exactly its strides
     # is too; one allocation, one copy.
     copy = torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device=o.device)
     copy.copy_(grad_out)
-    _record("grad_out", CopyReason.DO_LIKE_O, grad_out, copy)
+    _record("grad_out", reason, grad_out, copy)
     return copy
 
 
 def rng_tensors(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Seed and offset for cuDNN's Philox dropout: int64, declared INT64 (they agree).
+    """Seed and offset for cuDNN's Philox dropout: int64 tensors on ``device``, declared INT64.
 
-    Drawn from torch's default CPU generator, so ``torch.manual_seed`` makes runs repeatable.
+    Drawn on the device by the device's own generator: no host round trip, so the draw is
+    captured by a CUDA graph and replays draw fresh values (a Python int baked into
+    ``torch.full`` would replay one dropout mask forever); the user's CPU random stream is
+    not shifted by a GPU call; and ``torch.manual_seed`` (which seeds every device) still
+    makes runs repeatable.
     """
-    seed, offset = torch.randint(0, 2**62, (2,), dtype=torch.int64).tolist()
-    return (
-        torch.full((1, 1, 1, 1), seed, dtype=torch.int64, device=device),
-        torch.full((1, 1, 1, 1), offset, dtype=torch.int64, device=device),
-    )
+    seed = torch.randint(0, 2**62, (1, 1, 1, 1), dtype=torch.int64, device=device)
+    offset = torch.randint(0, 2**62, (1, 1, 1, 1), dtype=torch.int64, device=device)
+    return seed, offset
 
 
 def allocate_cat_grad_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
@@ -187,6 +194,49 @@ def allocate_cat_grad_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
 def default_scale(head_dim: int, scale: float | None) -> float:
     """torch's default softmax scale, 1/sqrt(d_qk), unless one is given."""
     return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+
+
+def bound_sig(t: torch.Tensor, policy: LayoutPolicy) -> TensorSig:
+    """The layout :func:`prepare_operand` would bind for ``t``, without copying anything."""
+    reason, canon = binding_plan(t, policy)
+    if reason is None:
+        return TensorSig(t.shape, t.stride() if canon is None else canon, t.dtype)
+    return TensorSig(t.shape, strides_like_order(t.shape, t.shape, t.stride(), t.dtype, policy), t.dtype)
+
+
+def companion_backward_key(fkey: ForwardKey, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> BackwardKey:
+    """The backward key of a forward call, for dO in O's exact layout, computed without binding anything.
+
+    A forward with dropout must not run in cuDNN unless cuDNN will also run its backward:
+    only cuDNN can reproduce the dropout mask its Philox generator drew. The backward gets
+    the same q, k, v, O, stats, bias, seed and offset; dO in O's layout is the one layout
+    the backward can always fall back to (one copy, see :meth:`Binder.with_grad_out_like_o`).
+    """
+    policy = LayoutPolicy(fkey.layout)
+    q, k, v = (bound_sig(t, policy) for t in (query, key, value))
+    grads = [TensorSig(s.shape, strides_like_order(s.shape, s.shape, s.stride, s.dtype, policy), s.dtype) for s in (q, k, v)]
+    stats = TensorSig(fkey.stats.shape, packed_strides(fkey.stats.shape), torch.float32)
+    return BackwardKey(
+        q, k, v, fkey.o, fkey.o, stats, fkey.bias, None, fkey.seed, fkey.offset, *grads,
+        fkey.causal, fkey.dropout_p, fkey.scale, fkey.layout, False, fkey.target,
+    )
+
+
+def with_grad_out_like_o(bound: Bound) -> Bound | None:
+    """``bound`` with dO copied once into O's exact strides (None if it already has them).
+
+    The backward of a dropout forward that ran in cuDNN must run in cuDNN: when cuDNN
+    refuses the graph for dO's own layout, this is the layout to retry with (the forward
+    checked that cuDNN builds it: :func:`companion_backward_key`).
+    """
+    key, pack = bound.key, bound.pack
+    if key.d_o == key.o:
+        return None
+    o, d_o = pack[Uid.O], pack[Uid.DO]
+    copy = torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device=o.device)
+    copy.copy_(d_o)
+    _record("grad_out", CopyReason.DO_REFUSED, d_o, copy)
+    return Bound(key._replace(d_o=key.o), {**pack, Uid.DO: copy}, bound.outputs)
 
 
 # -- the steady-state memo -------------------------------------------------------------------

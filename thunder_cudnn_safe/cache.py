@@ -3,8 +3,10 @@
 * A hit is one dict lookup under a short uncontended lock: no cuDNN call, no pygraph.
 * A miss builds outside the cache lock, under a per-key lock, so concurrent misses on
   one key build once while other keys build in parallel.
-* A failed build is remembered (bounded, LRU) so a graph cuDNN refuses is not rebuilt
-  every training step; :class:`GraphBuildError` carries the original reason.
+* A refused build is remembered (bounded, LRU) so a graph cuDNN refuses is not rebuilt
+  every training step; :class:`GraphBuildError` carries the original reason. A transient
+  failure (``GraphBuildError.definitive`` false: out of memory, a CUDA error) is retried
+  on later calls, and remembered only after :data:`TRANSIENT_BUILD_ATTEMPTS` failures.
 * Evicted graphs are dropped from every structure the cache owns, so their memory is
   released once callers drop their references.
 
@@ -25,6 +27,8 @@ from .errors import GraphBuildError
 from .telemetry import forget_warnings
 
 DEFAULT_CACHE_SIZE = 1024
+#: Builds of one key that may fail transiently before the failure is remembered as a refusal.
+TRANSIENT_BUILD_ATTEMPTS = 3
 
 __all__ = ["CACHE_SIZE_ENV", "CacheInfo", "GraphBuildError", "GraphCache", "cache_info", "clear_cache", "graph_cache", "set_cache_size"]
 
@@ -58,6 +62,8 @@ class GraphCache:
         self._lock = threading.Lock()
         self._entries: OrderedDict[Hashable, Any] = OrderedDict()
         self._failed: OrderedDict[Hashable, str] = OrderedDict()
+        #: key -> transient build failures so far (retried until TRANSIENT_BUILD_ATTEMPTS)
+        self._transient: OrderedDict[Hashable, int] = OrderedDict()
         self._key_locks: dict[Hashable, threading.Lock] = {}
         self._hits = self._misses = self._builds = self._evictions = 0
         self._build_failures = self._negative_hits = self._fallbacks = 0
@@ -92,18 +98,27 @@ class GraphCache:
             try:
                 entry = build(key)
             except Exception as exc:
-                reason = exc.reason if isinstance(exc, GraphBuildError) else f"{type(exc).__name__}: {exc}"
+                error = exc if isinstance(exc, GraphBuildError) else GraphBuildError(f"{type(exc).__name__}: {exc}")
                 with self._lock:
                     self._build_failures += 1
-                    self._failed[key] = reason
+                    self._key_locks.pop(key, None)
+                    if not error.definitive:
+                        attempts = self._transient.pop(key, 0) + 1
+                        if attempts < TRANSIENT_BUILD_ATTEMPTS:
+                            self._transient[key] = attempts
+                            while len(self._transient) > self._maxsize:
+                                self._transient.popitem(last=False)
+                            raise GraphBuildError(error.reason, definitive=False) from exc
+                        error = GraphBuildError(f"{error.reason} (failed {attempts} times; not retried again)")
+                    self._failed[key] = error.reason
                     while len(self._failed) > self._maxsize:
                         self._failed.popitem(last=False)
-                    self._key_locks.pop(key, None)
-                raise GraphBuildError(reason) from exc
+                raise GraphBuildError(error.reason) from exc
             elapsed = time.perf_counter() - start
             with self._lock:
                 self._builds += 1
                 self._build_seconds += elapsed
+                self._transient.pop(key, None)
                 self._entries[key] = entry
                 while len(self._entries) > self._maxsize:
                     self._entries.popitem(last=False)
@@ -137,6 +152,7 @@ class GraphCache:
         with self._lock:
             self._entries.clear()
             self._failed.clear()
+            self._transient.clear()
             self._hits = self._misses = self._builds = self._evictions = 0
             self._build_failures = self._negative_hits = self._fallbacks = 0
             self._build_seconds = 0.0

@@ -13,11 +13,12 @@ from __future__ import annotations
 import torch
 
 from . import fallback
-from .binding import Binder, Bound
+from .binding import Binder, Bound, companion_backward_key, with_grad_out_like_o
 from .cache import GraphCache, graph_cache
 from .errors import ExecuteError, GraphBuildError
 from .graphs import Uid
-from .keys import BackwardKey
+from .keys import BackwardKey, ForwardKey
+from .layout import MEMO_SIZE
 from .reference import reduce_to_shape
 from .runtime import Runtime
 from .telemetry import warn_once
@@ -30,27 +31,80 @@ class Dispatcher:
         self.runtime = runtime
         self.cache = cache
         self.binder = Binder()
+        #: dropout ForwardKey -> whether the runtime builds its backward (bounded)
+        self._dropout_verdicts: dict = {}
+
+    def try_runtime(self, bound: Bound) -> bool:
+        """Execute ``bound`` on the runtime; False (after a warning once per key) if it refused."""
+        key = bound.key
+        try:
+            built = self.cache.get_or_build(key, self.runtime.build)
+            self.runtime.execute(built, bound.pack)
+            return True
+        except (GraphBuildError, ExecuteError) as exc:
+            warn_once(
+                ("fallback", self.runtime.name, key),
+                "cudnn_safe: %s refused an attention graph (%s); the call ran on the torch fallback (a refused "
+                "build is remembered, so later calls with this layout do too). Shown once per distinct graph.",
+                self.runtime.name,
+                exc,
+            )
+            return False
+
+    def run_fallback(self, bound: Bound) -> None:
+        """Execute ``bound`` on the torch fallback, counted in ``cache_info().fallbacks``."""
+        self.cache.record_fallback()
+        fallback.FALLBACK.execute(fallback.FALLBACK.build(bound.key), bound.pack)
 
     def run(self, bound: Bound) -> None:
-        """Execute ``bound`` on the runtime, or on the torch fallback if the runtime refuses it."""
+        """Execute ``bound`` on the runtime, or on the torch fallback if the runtime refuses it.
+
+        Dropout: only cuDNN can reproduce the mask its own forward drew. So a dropout forward
+        runs in cuDNN only if cuDNN builds its backward (:meth:`forward` asks
+        :meth:`_backward_buildable` first); the backward of a forward that fell back falls
+        back too; and the backward of a forward that ran in cuDNN, if refused for dO's own
+        layout, retries once with dO copied into O's layout (the graph the forward checked).
+        """
         key = bound.key
-        # A forward that fell back drew its dropout mask in torch: cuDNN's Philox would drop
-        # other elements, so its backward must fall back too.
-        if not (key.dropout_p and isinstance(key, BackwardKey) and fallback.forward_fell_back(bound.pack[Uid.SEED])):
-            try:
-                built = self.cache.get_or_build(key, self.runtime.build)
-                self.runtime.execute(built, bound.pack)
+        if not key.dropout_p:
+            if not self.try_runtime(bound):
+                self.run_fallback(bound)
+            return
+        if isinstance(key, BackwardKey):
+            if fallback.forward_fell_back(bound.pack[Uid.SEED]):
+                self.run_fallback(bound)
                 return
-            except (GraphBuildError, ExecuteError) as exc:
-                self.cache.record_fallback()
+            if self.try_runtime(bound):
+                return
+            retry = with_grad_out_like_o(bound)
+            if retry is not None and self.try_runtime(retry):
+                return
+            self.run_fallback(bound)  # raises: the cuDNN forward's mask cannot be reproduced
+            return
+        if not self.try_runtime(bound):
+            self.run_fallback(bound)
+
+    def _backward_buildable(self, fkey: ForwardKey, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+        """Whether the runtime builds the backward graph of a dropout forward (dO in O's layout)."""
+        verdict = self._dropout_verdicts.get(fkey)
+        if verdict is None:
+            try:
+                self.cache.get_or_build(companion_backward_key(fkey, query, key, value), self.runtime.build)
+                verdict = True
+            except GraphBuildError as exc:
+                verdict = False
                 warn_once(
-                    ("fallback", self.runtime.name, key),
-                    "cudnn_safe: %s refused an attention graph (%s); the call ran on the torch fallback (a refused "
-                    "build is remembered, so later calls with this layout do too). Shown once per distinct graph.",
+                    ("fallback", self.runtime.name, fkey),
+                    "cudnn_safe: %s refuses the backward graph of an attention call with dropout (%s), and only "
+                    "cuDNN could reproduce its dropout mask: the forward runs on the torch fallback too. Shown once "
+                    "per distinct graph.",
                     self.runtime.name,
                     exc,
                 )
-        fallback.FALLBACK.execute(fallback.FALLBACK.build(key), bound.pack)
+            if len(self._dropout_verdicts) >= MEMO_SIZE:
+                self._dropout_verdicts.clear()
+            self._dropout_verdicts[fkey] = verdict
+        return verdict
 
     def forward(
         self,
@@ -67,7 +121,10 @@ class Dispatcher:
         """O and stats (and the dropout seed and offset when ``dropout_p``)."""
         target = self.runtime.target(query.device)
         bound = self.binder.forward(query, key, value, attn_mask, dropout_p, is_causal, scale, layout, target)
-        self.run(bound)
+        if dropout_p and not self._backward_buildable(bound.key, query, key, value):
+            self.run_fallback(bound)
+        else:
+            self.run(bound)
         outputs = bound.outputs
         if attn_mask is not None:
             _zero_fully_masked_rows(bound.pack[Uid.BIAS], outputs[0], outputs[1])

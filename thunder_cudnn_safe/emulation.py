@@ -231,6 +231,8 @@ class EmulatedRuntime(Runtime):
         hook = self._fail_build
         if hook is not None:
             reason = hook(key)
+            if isinstance(reason, GraphBuildError):
+                raise reason
             if reason:
                 raise GraphBuildError(f"emulated cuDNN refused the graph: {reason}")
         if (
@@ -254,6 +256,8 @@ class EmulatedRuntime(Runtime):
         hook = self._fail_execute
         if hook is not None:
             reason = hook(built.key)
+            if isinstance(reason, BaseException):
+                raise reason
             if reason:
                 raise ExecuteError(f"emulated cuDNN failed to execute: {reason}")
         emulate(built.graph, pack)
@@ -294,6 +298,10 @@ def inject_failures(
     build: Callable[[Any], str | None] | None = None, execute: Callable[[Any], str | None] | None = None
 ) -> Iterator[None]:
     """Make the emulated cuDNN refuse builds or executions (return a reason to refuse a key).
+
+    A ``build`` hook may also return a :class:`GraphBuildError` to raise as it is (e.g. a
+    transient one, ``definitive=False``); an ``execute`` hook may return an exception
+    instance to raise as it is (a crash rather than a refusal).
 
     This is how the run-time fallback is exercised without a GPU: a ``build`` hook acts
     like ``cudnnGraphNotSupportedError`` from graph building, an ``execute`` hook like a

@@ -12,11 +12,18 @@ from __future__ import annotations
 
 
 class GraphBuildError(RuntimeError):
-    """cuDNN (or the emulated runtime) refused to build the graph for a key."""
+    """cuDNN (or the emulated runtime) refused to build the graph for a key.
 
-    def __init__(self, reason: str):
+    ``definitive`` says the refusal is cuDNN's judgment of the graph itself (not supported:
+    it will be refused again, so the cache remembers it). A transient failure (out of
+    memory or a CUDA error while building plans) is retried on later calls, a bounded
+    number of times, instead of pinning the key to the fallback for the whole process.
+    """
+
+    def __init__(self, reason: str, definitive: bool = True):
         super().__init__(reason)
         self.reason = reason
+        self.definitive = definitive
 
 
 class ExecuteError(RuntimeError):

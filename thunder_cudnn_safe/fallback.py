@@ -2,7 +2,10 @@
 
 A graph build or execution can still be refused at run time (``cudnnGraphNotSupportedError``
 for a layout or size the heuristics have no engine for, a workspace that cannot be
-allocated). Training must not die for that, nor get a wrong number: the dispatcher hands
+allocated: :class:`~thunder_cudnn_safe.errors.GraphBuildError` and
+:class:`~thunder_cudnn_safe.errors.ExecuteError`). Any other execution error (a failed
+launch) is not a refusal and propagates, naming the graph's key
+(:func:`thunder_cudnn_safe.runtime.execute_graph`). Training must not die for that, nor get a wrong number: the dispatcher hands
 the same :class:`~thunder_cudnn_safe.binding.Bound` call to :class:`FallbackRuntime`, which
 computes it with :mod:`thunder_cudnn_safe.reference` in float32 on the tensors' device and
 writes the same outputs (O, stats, gradients) cuDNN would have written. Everything it

@@ -200,6 +200,17 @@ def _strides_like(shape: tuple[int, ...], like_shape: torch.Size, like_strides: 
     return dense_strides(shape, tuple(stride_order(canonical_strides(like_shape, like_strides))), dtype)
 
 
+def strides_like_order(
+    shape: Sequence[int], like_shape: Sequence[int], like_strides: Sequence[int], dtype: torch.dtype, policy: LayoutPolicy
+) -> tuple[int, ...]:
+    """Strides :func:`empty_like_order` gives a buffer of ``shape`` laid out like a tensor of
+    ``like_shape`` / ``like_strides`` (a pure function of layouts: no tensor needed)."""
+    shape = tuple(shape)
+    if policy is LayoutPolicy.CONTIGUOUS:
+        return dense_strides(shape, tuple(range(len(shape))), dtype)
+    return _strides_like(shape, torch.Size(like_shape), tuple(like_strides), dtype)
+
+
 def empty_like_order(
     shape: Sequence[int], like: torch.Tensor, policy: LayoutPolicy, dtype: torch.dtype | None = None
 ) -> torch.Tensor:
@@ -211,10 +222,7 @@ def empty_like_order(
     """
     dtype = like.dtype if dtype is None else dtype
     shape = tuple(shape)
-    if policy is LayoutPolicy.CONTIGUOUS:
-        strides = dense_strides(shape, tuple(range(len(shape))), dtype)
-    else:
-        strides = _strides_like(shape, like.shape, like.stride(), dtype)
+    strides = strides_like_order(shape, like.shape, like.stride(), dtype, policy)
     return torch.empty_strided(shape, strides, dtype=dtype, device=like.device)
 
 

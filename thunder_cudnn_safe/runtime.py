@@ -117,20 +117,25 @@ class CudnnRuntime(Runtime):
     def build(self, key: ForwardKey | BackwardKey) -> BuiltGraph:
         """Validate, plan (heuristics A, then FALLBACK), check support and build plans.
 
-        Any refusal on the way (``cudnnGraphNotSupportedError``, "no engine proposed a
-        plan", a plan that fails to compile) becomes :class:`GraphBuildError`, which the
-        dispatcher answers with the torch fallback and remembers in the negative cache.
+        A refusal of the graph itself (the frontend's ``cudnnGraphNotSupportedError`` or any
+        error while describing and validating it) is a definitive :class:`GraphBuildError`:
+        the dispatcher answers it with the torch fallback and the cache remembers it. Any
+        other failure while building plans (out of memory, a CUDA error) is transient: the
+        cache retries it on later calls.
         """
         cudnn = graphs.cudnn_module()
         index = key.target.device_index
+        stage = "describe"
         try:
             handle = self.handle(index)
             with torch.cuda.device(index):
                 g = graphs.build_forward_graph(key, handle) if is_forward(key) else graphs.build_backward_graph(key, handle)
+                stage = "plan"
                 g.build([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
                 workspace = int(g.get_workspace_size())
-        except Exception as exc:  # noqa: BLE001 - every build refusal gets the same safe answer
-            raise GraphBuildError(f"cuDNN could not build this graph: {type(exc).__name__}: {exc}") from exc
+        except Exception as exc:  # noqa: BLE001 - every build failure gets a safe answer
+            definitive = stage == "describe" or isinstance(exc, cudnn.cudnnGraphNotSupportedError)
+            raise GraphBuildError(f"cuDNN could not build this graph: {type(exc).__name__}: {exc}", definitive) from exc
         return BuiltGraph(g, workspace, key)
 
     def execute(self, built: BuiltGraph, pack: dict[int, torch.Tensor]) -> None:
@@ -141,10 +146,23 @@ class CudnnRuntime(Runtime):
             workspace = torch.empty(built.workspace_size, dtype=torch.uint8, device=device)
         except torch.OutOfMemoryError as exc:
             raise ExecuteError(f"cannot allocate a {built.workspace_size}-byte cuDNN workspace: {exc}") from exc
-        cudnn = graphs.cudnn_module()
-        try:
-            # cuDNN also needs the current device set, not only the handle's device.
-            with torch.cuda.device(index):
-                built.graph.execute(pack, workspace, handle=handle)
-        except (cudnn.cudnnGraphNotSupportedError, NotImplementedError) as exc:
-            raise ExecuteError(f"cuDNN refused to execute the graph: {type(exc).__name__}: {exc}") from exc
+        # cuDNN also needs the current device set, not only the handle's device.
+        with torch.cuda.device(index):
+            execute_graph(built, pack, workspace, handle)
+
+
+def execute_graph(built: BuiltGraph, pack: dict[int, torch.Tensor], workspace: torch.Tensor, handle: Any) -> None:
+    """``built.graph.execute``: a not-supported refusal becomes ExecuteError (the call falls back),
+    anything else propagates with the graph's key in the message.
+
+    A launch that fails for another reason (an illegal address, a CUDA error) may have
+    left the device in an unknown state; answering it with a fallback would hide that, so
+    the error is raised, naming the graph's key so the failing layout can be reproduced.
+    """
+    cudnn = graphs.cudnn_module()
+    try:
+        built.graph.execute(pack, workspace, handle=handle)
+    except (cudnn.cudnnGraphNotSupportedError, NotImplementedError) as exc:
+        raise ExecuteError(f"cuDNN refused to execute the graph: {type(exc).__name__}: {exc}") from exc
+    except Exception as exc:
+        raise RuntimeError(f"cudnn_safe: cuDNN failed to execute the graph for key {built.key}: {type(exc).__name__}: {exc}") from exc

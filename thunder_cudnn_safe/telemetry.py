@@ -39,6 +39,7 @@ class CopyReason(str, enum.Enum):
     MASK_BROADCAST = "mask broadcast over query/key positions materialized"
     STATS_LAYOUT = "softmax stats must be packed BHSD float32"
     DO_LIKE_O = "cuDNN < 9.5.1 needs dO strides == O strides"
+    DO_REFUSED = "cuDNN refused the backward graph for dO's own layout; dO copied into O's layout"
 
     def __str__(self) -> str:
         return self.value
