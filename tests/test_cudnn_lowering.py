@@ -297,6 +297,24 @@ def _key(call: Call, kind: type):
     return next(key for key in keys_of(call) if isinstance(key, kind))
 
 
+def test_causal_is_the_top_left_diagonal_band() -> None:
+    """torch's is_causal is declared as the frontend's band (TOP_LEFT, right bound 0), not the deprecated flag."""
+    import cudnn
+
+    from thunder_cudnn_safe import graphs
+    from thunder_cudnn_safe.keys import BackwardKey
+
+    call = Call("causal", causal=True)
+    for g in (graphs.build_forward_graph(_key(call, ForwardKey)), graphs.build_backward_graph(_key(call, BackwardKey))):
+        params = g.nodes[0].params
+        assert not params.get("use_causal_mask")
+        assert params.get("diagonal_alignment") == cudnn.diagonal_alignment.TOP_LEFT
+        assert params.get("diagonal_band_right_bound") == 0 and params.get("diagonal_band_left_bound") is None
+        assert lowering.lower(g, 90).ok
+    plain = graphs.build_forward_graph(_key(Call("full"), ForwardKey)).nodes[0].params
+    assert plain.get("diagonal_band_right_bound") is None and not plain.get("use_causal_mask")
+
+
 def test_implementation_can_be_pinned() -> None:
     """build_forward_graph(implementation=...) reaches cuDNN: the lowered node records the pinned one."""
     from thunder_cudnn_safe import graphs

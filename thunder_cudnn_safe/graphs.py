@@ -7,8 +7,12 @@ emulated runtime can find each tensor's declaration in the graph by uid.
 
 Only API present in every frontend version we support is used: ``pygraph.sdpa`` /
 ``sdpa_backward`` (the ``scaled_dot_product_flash_attention*`` aliases are gone from
-1.27 on), ``use_causal_mask`` (top-left, like torch), a python-float ``attn_scale``,
-``dropout=(p, seed, offset)``.
+1.27 on), a python-float ``attn_scale``, ``dropout=(p, seed, offset)``.
+
+Causal masking uses the frontend's diagonal band, top-left aligned with right bound 0
+(``diagonal_alignment=TOP_LEFT, diagonal_band_right_bound=0``): torch's ``is_causal``.
+``use_causal_mask`` is deprecated in the frontend ("can cause undetermined behavior
+when combined with the preferred masking args").
 """
 
 from __future__ import annotations
@@ -86,6 +90,13 @@ def _new_graph(io_dtype: torch.dtype, handle: Any) -> Any:
     )
 
 
+def _causal(key: ForwardKey | BackwardKey) -> dict[str, Any]:
+    """torch's ``is_causal`` (query i sees keys 0..i) as the frontend's diagonal band."""
+    if not key.causal:
+        return {}
+    return {"diagonal_alignment": cudnn_module().diagonal_alignment.TOP_LEFT, "diagonal_band_right_bound": 0}
+
+
 def attention_implementation(implementation: Any) -> Any:
     """The frontend's ``attention_implementation`` for "auto" / "composite" / "unified" (or the enum itself).
 
@@ -134,8 +145,8 @@ def build_forward_graph(key: ForwardKey, handle: Any = None, *, implementation: 
         v=v,
         generate_stats=True,
         attn_scale=float(key.scale),
-        use_causal_mask=bool(key.causal),
         name="cudnn_safe_sdpa_fwd",
+        **_causal(key),
         **extra,
     )
     _mark_output(o, Uid.O, key.o)
@@ -176,8 +187,8 @@ def build_backward_graph(key: BackwardKey, handle: Any = None, *, implementation
         dO=d_o,
         stats=stats,
         attn_scale=float(key.scale),
-        use_causal_mask=bool(key.causal),
         name="cudnn_safe_sdpa_bwd",
+        **_causal(key),
         **extra,
     )
     _mark_output(dq, Uid.DQ, key.dq)
