@@ -351,3 +351,9 @@ def test_unsupported_frontend_internals_are_reported(monkeypatch) -> None:
     assert "_lower_to_cpp" in lowering.lowering_problem()
     with pytest.raises(lowering.LoweringUnavailable, match="_lower_to_cpp"):
         lowering.lower_key(_key(Call("full"), ForwardKey), 90)
+
+
+def test_implementation_of_an_unlowered_graph_is_unknown() -> None:
+    from thunder_cudnn_safe import graphs
+
+    assert lowering.implementation_of(graphs.build_forward_graph(_key(Call("full"), ForwardKey))) is None

@@ -91,10 +91,16 @@ def _require() -> Any:
     return _compat.FRONTEND.module
 
 
-def _implementation(cpp_graph: Any) -> str | None:
-    """The implementation recorded on the lowered graph's SDPA node (its JSON repr)."""
+def implementation_of(graph: Any) -> str | None:
+    """The SDPA implementation recorded on a lowered graph's node: "UNIFIED", "COMPOSITE", "backward", or None.
+
+    Reads the C++ graph's JSON dump (``repr``). A ``cudnn.pygraph`` reprs as that same
+    dump once it has been lowered (on a GPU: after ``build()`` chose a backend plan;
+    ``_pygraph.py`` ``__repr__``), so the runtime can record the implementation of what it
+    built; an unlowered pygraph (or one a python engine serves) gives None.
+    """
     try:
-        nodes = json.loads(repr(cpp_graph)).get("nodes", [])
+        nodes = json.loads(repr(graph)).get("nodes", [])
     except ValueError:
         return None
     for node in nodes:
@@ -135,7 +141,7 @@ def lower(graph: Any, sm_version: int) -> Lowering:
         cpp.validate()
     except Exception as exc:
         return Lowering(False, _reason(exc), "validate", None, sm)
-    implementation = _implementation(cpp)
+    implementation = implementation_of(cpp)
     try:
         cpp.build_operation_graph()
     except Exception as exc:
