@@ -4,8 +4,8 @@ For each call below (the layout zoo x grad_out layouts x fp16/bf16 x causal, mas
 every broadcast shape with and without grad, dropout, deterministic, fused dQKV, head
 dims, L != S, one K/V head) the dispatcher runs forward and backward on CPU tensors;
 every graph key it asks to build is recorded, its pygraph built by :mod:`graphs` exactly
-as the runtimes build it, lowered to the frontend's C++ graph for sm80, sm90 and sm100
-and checked by libcudnn (C++ ``validate()`` + ``build_operation_graph()``, see
+as the runtimes build it, lowered to the frontend's C++ graph for sm80, sm90, sm100 and
+sm120 and checked by libcudnn (C++ ``validate()`` + ``build_operation_graph()``, see
 :mod:`thunder_cudnn_safe.lowering`). Asserted per arch:
 
 * every call ``explain()`` claims under that emulated target lowers, forward and backward;
@@ -38,7 +38,8 @@ from thunder_cudnn_safe.testing import GRAD_OUT_LAYOUTS, QKV_LAYOUTS
 _PROBLEM = lowering.lowering_problem()
 pytestmark = pytest.mark.skipif(_PROBLEM is not None, reason=f"cannot lower graphs here: {_PROBLEM}")
 
-ARCHS = {80: (8, 0), 90: (9, 0), 100: (10, 0)}
+#: Ampere, Hopper, datacenter Blackwell; and consumer Blackwell (sm120), whose rules differ from sm100's.
+ARCHS = {80: (8, 0), 90: (9, 0), 100: (10, 0), 120: (12, 0)}
 
 
 class Call(NamedTuple):
@@ -119,15 +120,23 @@ _S1 = (
     "sdpa_backward refuses s_q = s_kv = 1 with or without dropout (cudnn/_sdpa_validate.py:423 and the C++ "
     "validate), the forward lowers; explain() claims the call"
 )
+_MLA_SM120 = (
+    "cuDNN 9.19 on sm120 refuses the d_qk=192/d_v=128 backward ('Num hidden_dim should be less than or equal "
+    "to 128'); the support rules allow 192/128 on every arch >= 10 with cuDNN >= 9.11"
+)
 _DET_BLACKWELL = (
-    "cuDNN 9.19 on sm100: 'Deterministic algorithm is not supported on blackwell architecture when dbias, "
+    "cuDNN 9.19 on sm100 (and sm103, not sm120): 'Deterministic algorithm is not supported on blackwell architecture when dbias, "
     "rng/dropout, alibi is enabled'; explain() cannot see the cudnn_safe_deterministic option"
 )
 KNOWN_GAPS: dict[str, tuple[tuple[int, ...], str]] = {
-    "dropout-L1-S1": ((80, 90, 100), _S1),
-    "dropout-L1-S1-causal": ((80, 90, 100), _S1),
-    "LneS-L1-S1": ((80, 90, 100), _S1),
-    "LneS-L1-S1-causal": ((80, 90, 100), _S1),
+    "dropout-L1-S1": ((80, 90, 100, 120), _S1),
+    "dropout-L1-S1-causal": ((80, 90, 100, 120), _S1),
+    "LneS-L1-S1": ((80, 90, 100, 120), _S1),
+    "LneS-L1-S1-causal": ((80, 90, 100, 120), _S1),
+    "headdim-192-128-fp16": ((120,), _MLA_SM120),
+    "headdim-192-128-bf16": ((120,), _MLA_SM120),
+    "headdim-192-128-causal": ((120,), _MLA_SM120),
+    "dropout-headdim-192-128": ((120,), _MLA_SM120),
     "deterministic-dropout": ((100,), _DET_BLACKWELL),
     "deterministic-mask-grad": ((100,), _DET_BLACKWELL),
     "deterministic-dropout-mask": ((100,), _DET_BLACKWELL),
@@ -357,3 +366,18 @@ def test_implementation_of_an_unlowered_graph_is_unknown() -> None:
     from thunder_cudnn_safe import graphs
 
     assert lowering.implementation_of(graphs.build_forward_graph(_key(Call("full"), ForwardKey))) is None
+
+
+def test_s1_backward_is_refused_while_its_forward_lowers() -> None:
+    """The cuDNN rule behind issue 12's dropout crash: sdpa_backward refuses s_q = s_kv = 1, the forward does not.
+
+    A dropout forward that ran in cuDNN then has no backward graph, and the fallback cannot
+    reproduce cuDNN's mask. The fix must build (or decline) the backward before the forward runs.
+    """
+    from thunder_cudnn_safe.keys import BackwardKey
+
+    call = Call("s1-dropout", shape=(2, 2, 1, 1, 64, 64), dropout=0.1)
+    for sm in ARCHS:
+        forward, backward = lowering.lower_key(_key(call, ForwardKey), sm), lowering.lower_key(_key(call, BackwardKey), sm)
+        assert forward.ok, forward
+        assert not backward.ok and "s_q = s_kv = 1" in backward.reason, backward
