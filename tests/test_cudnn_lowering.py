@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+from unittest import mock
 from typing import Any, NamedTuple
 
 import pytest
@@ -178,12 +179,10 @@ def _recording(dispatcher) -> Any:
         seen.append(key)
         return build(key)
 
-    runtime.build = recording_build
-    runtime.execute = lambda built, pack, device: None
-    try:
+    with mock.patch.object(runtime, "build", recording_build), mock.patch.object(
+        runtime, "execute", lambda built, pack, device: None
+    ):
         yield seen
-    finally:
-        del runtime.build, runtime.execute  # back to the class's methods
 
 
 _KEYS: dict[str, list] = {}
