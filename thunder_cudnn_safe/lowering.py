@@ -116,7 +116,7 @@ def _reason(exc: BaseException) -> str:
 
 
 def lower(graph: Any, sm_version: int) -> Lowering:
-    """Lower a built pygraph to the C++ graph for ``sm_version`` (80, 90, 100) and have libcudnn check it.
+    """Lower a built pygraph to the C++ graph for ``sm_version`` (80, 90, 100, 120, ...) and have libcudnn check it.
 
     Runs the C++ ``validate()`` and ``build_operation_graph()``. Never touches a GPU or a
     handle. The pygraph is frozen afterwards (the frontend freezes a graph when it is
@@ -156,6 +156,7 @@ def lower_key(key: ForwardKey | BackwardKey, sm_version: int, implementation: An
     "pygraph". ``implementation`` is passed to :func:`graphs.build_forward_graph`.
     """
     cudnn = _require()
+    graphs.attention_implementation(implementation)  # a bad name is our caller's error, not a refusal
     try:
         if isinstance(key, ForwardKey):
             g = graphs.build_forward_graph(key, implementation=implementation)
