@@ -93,7 +93,35 @@ def declared_view(bound: torch.Tensor, declared: Any, role: str) -> torch.Tensor
 _KNOWN_PARAMS = {
     "attn_scale", "generate_stats", "is_inference", "use_causal_mask", "use_deterministic_algorithm",
     "_dropout_n", "dropout_0",
+    # torch's is_causal as the frontend's diagonal band (graphs._causal); read by _causal() below
+    "diagonal_alignment", "diagonal_band_right_bound",
+    # which cuDNN SDPA implementation runs the forward: same numbers, nothing to emulate
+    "implementation",
 }
+
+
+def _causal(node: Any) -> bool:
+    """Whether the node masks causally, the way torch's is_causal does (top-left, right bound 0).
+
+    Accepts the deprecated ``use_causal_mask`` too (graphs built before the diagonal band). Any
+    other band (bottom-right alignment, a left bound, a right bound other than 0) is refused:
+    the reference implements torch's mask only.
+    """
+    params = node.params
+    if params.get("use_causal_mask"):
+        return True
+    right = params.get("diagonal_band_right_bound")
+    if right is None:
+        return False
+    alignment = params.get("diagonal_alignment")
+    align = "TOP_LEFT" if alignment is None else getattr(alignment, "name", str(alignment)).split(".")[-1]
+    left = params.get("diagonal_band_left_bound")
+    if align != "TOP_LEFT" or int(right) != 0 or left is not None:
+        raise EmulationError(
+            f"the emulated runtime implements torch's causal mask only (TOP_LEFT, right bound 0), got "
+            f"{align} with bounds left={left}, right={right}"
+        )
+    return True
 
 
 class _Bindings:
@@ -173,7 +201,7 @@ def emulate(graph: Any, pack: dict) -> None:
     _check_params(node)
     kind = getattr(node.node_type, "name", str(node.node_type))
     b = _Bindings(node, pack)
-    causal = bool(node.params.get("use_causal_mask"))
+    causal = _causal(node)
     scale = _scale(b)
     q, k, v = _f32(b.read("q")), _f32(b.read("k")), _f32(b.read("v"))
     bias = _f32(b.read("bias", required=False))

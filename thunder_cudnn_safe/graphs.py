@@ -7,8 +7,12 @@ emulated runtime can find each tensor's declaration in the graph by uid.
 
 Only API present in every frontend version we support is used: ``pygraph.sdpa`` /
 ``sdpa_backward`` (the ``scaled_dot_product_flash_attention*`` aliases are gone from
-1.27 on), ``use_causal_mask`` (top-left, like torch), a python-float ``attn_scale``,
-``dropout=(p, seed, offset)``.
+1.27 on), a python-float ``attn_scale``, ``dropout=(p, seed, offset)``.
+
+Causal masking uses the frontend's diagonal band, top-left aligned with right bound 0
+(``diagonal_alignment=TOP_LEFT, diagonal_band_right_bound=0``): torch's ``is_causal``.
+``use_causal_mask`` is deprecated in the frontend ("can cause undetermined behavior
+when combined with the preferred masking args").
 """
 
 from __future__ import annotations
@@ -100,14 +104,44 @@ def _new_graph(io_dtype: torch.dtype, handle: Any) -> Any:
     )
 
 
+def _causal(key: ForwardKey | BackwardKey) -> dict[str, Any]:
+    """torch's ``is_causal`` (query i sees keys 0..i) as the frontend's diagonal band."""
+    if not key.causal:
+        return {}
+    return {"diagonal_alignment": cudnn_module().diagonal_alignment.TOP_LEFT, "diagonal_band_right_bound": 0}
+
+
+def attention_implementation(implementation: Any) -> Any:
+    """The frontend's ``attention_implementation`` for "auto" / "composite" / "unified" (or the enum itself).
+
+    None means the frontend's own choice (AUTO): the argument is then not passed at all.
+    """
+    if implementation is None:
+        return None
+    enum_type = cudnn_module().attention_implementation
+    if isinstance(implementation, enum_type):
+        return implementation
+    try:
+        return enum_type.__members__[str(implementation).upper()]
+    except KeyError:
+        raise ValueError(
+            f"implementation must be one of {sorted(m.lower() for m in enum_type.__members__)} or None, got {implementation!r}"
+        ) from None
+
+
 def _dropout(graph: Any, key: ForwardKey | BackwardKey) -> tuple | None:
     if not key.dropout_p:
         return None
     return (key.dropout_p, _declare(graph, Uid.SEED, key.seed), _declare(graph, Uid.OFFSET, key.offset))
 
 
-def build_forward_graph(key: ForwardKey, handle: Any = None) -> Any:
-    """A validated forward graph (O and softmax stats as outputs) declaring exactly ``key``."""
+def build_forward_graph(key: ForwardKey, handle: Any = None, *, implementation: Any = None) -> Any:
+    """A validated forward graph (O and softmax stats as outputs) declaring exactly ``key``.
+
+    ``implementation`` ("composite", "unified", or None for the frontend's choice) pins
+    the cuDNN SDPA implementation; the forward is the only SDPA op that has this choice
+    (``sdpa_backward`` has no such argument in any frontend).
+    """
     g = _new_graph(key.q.dtype, handle)
     q, k, v = _declare(g, Uid.Q, key.q), _declare(g, Uid.K, key.k), _declare(g, Uid.V, key.v)
     extra = {}
@@ -116,14 +150,17 @@ def build_forward_graph(key: ForwardKey, handle: Any = None) -> Any:
     dropout = _dropout(g, key)
     if dropout is not None:
         extra["dropout"] = dropout
+    impl = attention_implementation(implementation)
+    if impl is not None:
+        extra["implementation"] = impl
     o, stats = g.sdpa(
         q=q,
         k=k,
         v=v,
         generate_stats=True,
         attn_scale=float(key.scale),
-        use_causal_mask=bool(key.causal),
         name="cudnn_safe_sdpa_fwd",
+        **_causal(key),
         **extra,
     )
     _mark_output(o, Uid.O, key.o)
@@ -132,8 +169,16 @@ def build_forward_graph(key: ForwardKey, handle: Any = None) -> Any:
     return g
 
 
-def build_backward_graph(key: BackwardKey, handle: Any = None) -> Any:
-    """A validated backward graph (dQ, dK, dV and optionally dBias) declaring exactly ``key``."""
+def build_backward_graph(key: BackwardKey, handle: Any = None, *, implementation: Any = None) -> Any:
+    """A validated backward graph (dQ, dK, dV and optionally dBias) declaring exactly ``key``.
+
+    ``implementation`` is accepted for symmetry with :func:`build_forward_graph`: the
+    frontend's ``sdpa_backward`` has no implementation choice (its lowered node is the
+    composite one), so only None, "auto" and "composite" are valid and change nothing.
+    """
+    impl = attention_implementation(implementation)
+    if impl is not None and impl.name not in ("AUTO", "COMPOSITE"):
+        raise ValueError(f"sdpa_backward has no {impl.name} implementation; pass None, 'auto' or 'composite'")
     g = _new_graph(key.q.dtype, handle)
     q, k, v = _declare(g, Uid.Q, key.q), _declare(g, Uid.K, key.k), _declare(g, Uid.V, key.v)
     o, d_o, stats = _declare(g, Uid.O, key.o), _declare(g, Uid.DO, key.d_o), _declare(g, Uid.STATS, key.stats)
@@ -156,8 +201,8 @@ def build_backward_graph(key: BackwardKey, handle: Any = None) -> Any:
         dO=d_o,
         stats=stats,
         attn_scale=float(key.scale),
-        use_causal_mask=bool(key.causal),
         name="cudnn_safe_sdpa_bwd",
+        **_causal(key),
         **extra,
     )
     _mark_output(dq, Uid.DQ, key.dq)

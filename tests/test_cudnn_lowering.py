@@ -1,0 +1,382 @@
+"""The lowering sweep: libcudnn's own verdict on every graph the dispatcher builds, per arch, no GPU.
+
+For each call below (the layout zoo x grad_out layouts x fp16/bf16 x causal, masks of
+every broadcast shape with and without grad, dropout, deterministic, fused dQKV, head
+dims, L != S, one K/V head) the dispatcher runs forward and backward on CPU tensors;
+every graph key it asks to build is recorded, its pygraph built by :mod:`graphs` exactly
+as the runtimes build it, lowered to the frontend's C++ graph for sm80, sm90, sm100 and
+sm120 and checked by libcudnn (C++ ``validate()`` + ``build_operation_graph()``, see
+:mod:`thunder_cudnn_safe.lowering`). Asserted per arch:
+
+* every call ``explain()`` claims under that emulated target lowers, forward and backward;
+* so every graph cuDNN refuses belongs to a call ``explain()`` declines, with a reason.
+
+Where that fails today the case is ``xfail(strict=True)`` with the reason (see
+:data:`KNOWN_GAPS`), so fixing the support rules turns it into an XPASS failure and the
+mark must go. The forward's chosen SDPA implementation is counted per arch in the
+pytest summary.
+
+What this proves and what it does not: cuDNN's validation accepts every graph we claim;
+whether an engine exists and computes the right numbers needs a GPU (tests/test_gpu.py).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+from unittest import mock
+from typing import Any, NamedTuple
+
+import pytest
+import torch
+
+import thunder_cudnn_safe as tcs
+from thunder_cudnn_safe import emulation, lowering
+from thunder_cudnn_safe.cache import graph_cache
+from thunder_cudnn_safe.keys import ForwardKey
+from thunder_cudnn_safe.testing import GRAD_OUT_LAYOUTS, QKV_LAYOUTS
+
+_PROBLEM = lowering.lowering_problem()
+pytestmark = pytest.mark.skipif(_PROBLEM is not None, reason=f"cannot lower graphs here: {_PROBLEM}")
+
+#: Ampere, Hopper, datacenter Blackwell; and consumer Blackwell (sm120), whose rules differ from sm100's.
+ARCHS = {80: (8, 0), 90: (9, 0), 100: (10, 0), 120: (12, 0)}
+
+
+class Call(NamedTuple):
+    """One SDPA call and its backward, described by how to make its tensors."""
+
+    id: str
+    layout: str = "contiguous"
+    grad: str = "contiguous"
+    dtype: torch.dtype = torch.float16
+    shape: tuple[int, int, int, int, int, int] = (2, 2, 16, 16, 64, 64)  # B, H, L, S, D_qk, D_v
+    causal: bool = False
+    mask: tuple[int, ...] | None = None  # the mask's own shape (broadcasts to B, H, L, S)
+    mask_bool: bool = False
+    mask_grad: bool = False
+    dropout: float = 0.0
+    deterministic: bool = False
+    cat_grad_qkv: bool = False
+    kv_heads: int | None = None  # K/V with this many (real, not expanded) heads
+    policy: str = "preserve"  # the dispatcher's layout policy
+
+
+def _calls() -> list[Call]:
+    calls = []
+    for layout in QKV_LAYOUTS:
+        for grad in GRAD_OUT_LAYOUTS:
+            for dtype in (torch.float16, torch.bfloat16):
+                for causal in (False, True):
+                    dt = "bf16" if dtype is torch.bfloat16 else "fp16"
+                    calls.append(Call(f"zoo-{layout}-{grad}-{dt}-{'causal' if causal else 'full'}", layout, grad, dtype, causal=causal))
+    for layout in QKV_LAYOUTS:
+        calls.append(Call(f"policy-contiguous-{layout}", layout, "transposed", policy="contiguous"))
+    b, h, lq, s = 2, 2, 16, 16
+    mask_shapes = [(b, h, lq, s), (1, h, lq, s), (b, 1, lq, s), (1, 1, lq, s), (lq, s), (h, lq, s), (b, 1, 1, s), (1, 1, 1, s), (1, 1, lq, 1)]
+    for shape in mask_shapes:
+        sid = "x".join(map(str, shape))
+        calls.append(Call(f"mask-{sid}-bool", mask=shape, mask_bool=True))
+        calls.append(Call(f"mask-{sid}-additive", mask=shape))
+        calls.append(Call(f"mask-{sid}-additive-grad", mask=shape, mask_grad=True))
+    calls.append(Call("mask-bshd-additive-grad-bf16", layout="bshd_transposed", dtype=torch.bfloat16, mask=(b, h, lq, s), mask_grad=True))
+    for lq_, s_ in ((16, 16), (16, 24), (1, 16), (16, 1), (1, 1)):
+        for causal in (False, True):
+            calls.append(Call(f"dropout-L{lq_}-S{s_}{'-causal' if causal else ''}", shape=(2, 2, lq_, s_, 64, 64), dropout=0.1, causal=causal))
+    calls.append(Call("dropout-mask", dropout=0.1, mask=(b, 1, 1, s), mask_bool=True))
+    calls.append(Call("dropout-bshd-transposed-grad", layout="bshd_transposed", grad="transposed", dropout=0.1))
+    for causal in (False, True):
+        calls.append(Call(f"deterministic{'-causal' if causal else ''}", deterministic=True, causal=causal))
+    calls.append(Call("deterministic-dropout", deterministic=True, dropout=0.1))
+    calls.append(Call("deterministic-mask-grad", deterministic=True, mask=(b, h, lq, s), mask_grad=True))
+    calls.append(Call("deterministic-mask-nograd", deterministic=True, mask=(b, h, lq, s)))
+    calls.append(Call("deterministic-dropout-mask", deterministic=True, dropout=0.1, mask=(1, 1, lq, s)))
+    calls.append(Call("dropout-mask-grad", dropout=0.1, mask=(b, h, lq, s), mask_grad=True))
+    for d_qk, d_v in ((128, 128), (256, 256), (192, 128)):
+        calls.append(Call(f"dropout-headdim-{d_qk}-{d_v}", shape=(2, 2, 16, 16, d_qk, d_v), dropout=0.1))
+    for layout in ("packed_qkv", "contiguous", "bshd_transposed"):
+        calls.append(Call(f"fused-dqkv-{layout}", layout=layout, cat_grad_qkv=True))
+    calls.append(Call("fused-dqkv-causal-bf16", layout="packed_qkv", dtype=torch.bfloat16, cat_grad_qkv=True, causal=True))
+    for d_qk, d_v in ((64, 64), (96, 96), (128, 128), (256, 256), (192, 128)):
+        for dtype in (torch.float16, torch.bfloat16):
+            dt = "bf16" if dtype is torch.bfloat16 else "fp16"
+            calls.append(Call(f"headdim-{d_qk}-{d_v}-{dt}", dtype=dtype, shape=(2, 2, 16, 16, d_qk, d_v)))
+        calls.append(Call(f"headdim-{d_qk}-{d_v}-causal", shape=(2, 2, 16, 16, d_qk, d_v), causal=True))
+    for lq_, s_ in ((16, 24), (24, 16), (8, 64), (1, 16), (16, 1), (1, 1)):
+        for causal in (False, True):
+            calls.append(Call(f"LneS-L{lq_}-S{s_}{'-causal' if causal else ''}", shape=(2, 2, lq_, s_, 64, 64), causal=causal))
+    calls.append(Call("LneS-bshd-mask", layout="bshd_transposed", shape=(2, 2, 16, 24, 64, 64), mask=(2, 1, 1, 24), mask_bool=True))
+    for causal in (False, True):
+        calls.append(Call(f"kv-one-head{'-causal' if causal else ''}", shape=(2, 4, 16, 16, 64, 64), kv_heads=1, causal=causal))
+    calls.append(Call("kv-one-head-LneS-dropout", shape=(2, 4, 16, 24, 64, 64), kv_heads=1, dropout=0.1))
+    calls.append(Call("kv-broadcast-head-dropout", layout="kv_broadcast_head", dropout=0.1))
+    return calls
+
+
+CALLS = _calls()
+
+#: Calls the support rules claim but cuDNN refuses today, per arch: case id -> (archs, reason).
+#: Each is xfail(strict=True): the lead fixes the support rules / dispatch, then removes the entry.
+_S1 = (
+    "sdpa_backward refuses s_q = s_kv = 1 with or without dropout (cudnn/_sdpa_validate.py:423 and the C++ "
+    "validate), the forward lowers; explain() claims the call"
+)
+_MLA_SM120 = (
+    "cuDNN 9.19 on sm120 refuses the d_qk=192/d_v=128 backward ('Num hidden_dim should be less than or equal "
+    "to 128'); the support rules allow 192/128 on every arch >= 10 with cuDNN >= 9.11"
+)
+_DET_BLACKWELL = (
+    "cuDNN 9.19 on sm100 (and sm103, not sm120): 'Deterministic algorithm is not supported on blackwell architecture when dbias, "
+    "rng/dropout, alibi is enabled'; explain() cannot see the cudnn_safe_deterministic option"
+)
+KNOWN_GAPS: dict[str, tuple[tuple[int, ...], str]] = {
+    "dropout-L1-S1": ((80, 90, 100, 120), _S1),
+    "dropout-L1-S1-causal": ((80, 90, 100, 120), _S1),
+    "LneS-L1-S1": ((80, 90, 100, 120), _S1),
+    "LneS-L1-S1-causal": ((80, 90, 100, 120), _S1),
+    "headdim-192-128-fp16": ((120,), _MLA_SM120),
+    "headdim-192-128-bf16": ((120,), _MLA_SM120),
+    "headdim-192-128-causal": ((120,), _MLA_SM120),
+    "dropout-headdim-192-128": ((120,), _MLA_SM120),
+    "deterministic-dropout": ((100,), _DET_BLACKWELL),
+    "deterministic-mask-grad": ((100,), _DET_BLACKWELL),
+    "deterministic-dropout-mask": ((100,), _DET_BLACKWELL),
+}
+
+
+def _tensors(call: Call):
+    b, h, lq, s, d, dv = call.shape
+    g = torch.Generator().manual_seed(0)
+    if call.kv_heads is not None:
+        mk = lambda *shape: torch.randn(*shape, dtype=call.dtype, generator=g)  # noqa: E731
+        q, k, v = mk(b, h, lq, d), mk(b, call.kv_heads, s, d), mk(b, call.kv_heads, s, dv)
+    else:
+        q, k, v = (t.detach() for t in QKV_LAYOUTS[call.layout](b, h, lq, s, d, dv, call.dtype))
+    mask = None
+    if call.mask is not None:
+        if call.mask_bool:
+            mask = torch.rand(call.mask, generator=g) > 0.2
+            mask[..., 0] = True  # no fully masked row: keep the case about layouts
+        else:
+            mask = torch.randn(call.mask, dtype=call.dtype, generator=g)
+        if call.mask_grad:
+            mask.requires_grad_(True)
+    return q, k, v, mask
+
+
+@contextlib.contextmanager
+def _recording(dispatcher) -> Any:
+    """Record every key the dispatcher asks its runtime to build; skip execution.
+
+    The sweep needs the keys, not numbers: execution is a no-op, so a case costs no
+    float32 attention and does not depend on the emulation understanding every attribute.
+    """
+    runtime = dispatcher.runtime
+    seen: list = []
+    build = runtime.build
+
+    def recording_build(key):
+        seen.append(key)
+        return build(key)
+
+    with mock.patch.object(runtime, "build", recording_build), mock.patch.object(
+        runtime, "execute", lambda built, pack, device: None
+    ):
+        yield seen
+
+
+_KEYS: dict[str, list] = {}
+
+
+def keys_of(call: Call) -> list:
+    """Every graph key (target stripped: graphs do not depend on it) the dispatcher builds for ``call``."""
+    if call.id in _KEYS:
+        return _KEYS[call.id]
+    dispatcher = tcs.emulated_ex.dispatcher
+    q, k, v, mask = _tensors(call)
+    tcs.clear_cache()
+    with torch.no_grad(), _recording(dispatcher) as seen:
+        res = dispatcher.forward(q, k, v, mask, call.dropout, call.causal, layout=call.policy)
+        out, stats = res[0], res[1]
+        seed, offset = (res[2], res[3]) if call.dropout else (None, None)
+        grad_out = GRAD_OUT_LAYOUTS[call.grad](tuple(out.shape), call.dtype)
+        try:
+            dispatcher.backward(
+                grad_out, q, k, v, mask, call.dropout, call.causal, out, stats, seed, offset,
+                layout=call.policy, deterministic=call.deterministic, cat_grad_qkv=call.cat_grad_qkv, mask_grad=call.mask_grad,
+            )
+        except RuntimeError as exc:
+            # A refused backward after a cuDNN dropout forward raises (issue 12); its key was recorded.
+            assert "dropout mask cuDNN used cannot be reproduced" in str(exc), exc
+        cached = graph_cache.keys()
+    assert set(cached) <= set(seen), "the cache holds a key the runtime was never asked to build"
+    assert any(isinstance(key, ForwardKey) for key in seen) and len(seen) >= 2, seen
+    keys = list(dict.fromkeys(key._replace(target=None) for key in seen))
+    _KEYS[call.id] = keys
+    tcs.clear_cache()
+    return keys
+
+
+_LOWERED: dict = {}
+
+
+def lowered(key, sm: int) -> lowering.Lowering:
+    """cuDNN's verdict on ``key`` at ``sm`` (memoized: the zoo shares many keys)."""
+    if (key, sm) not in _LOWERED:
+        _LOWERED[(key, sm)] = lowering.lower_key(key, sm)
+    return _LOWERED[(key, sm)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _restore_target():
+    before = emulation.emulated_target()
+    yield
+    tcs.set_emulated_target(before.arch, backend_version=before.backend_version)
+
+
+def _explain(call: Call, sm: int) -> list[str]:
+    import cudnn
+
+    tcs.set_emulated_target(ARCHS[sm], backend_version=cudnn.backend_version())
+    q, k, v, mask = _tensors(call)
+    return tcs.explain(q, k, v, mask, call.dropout, call.causal, executor="cudnn_safe_emulated")
+
+
+def _verdict(call: Call, sm: int) -> tuple[list[str], list[tuple[Any, lowering.Lowering]]]:
+    reasons = _explain(call, sm)
+    return reasons, [(key, lowered(key, sm)) for key in keys_of(call)]
+
+
+def _params():
+    for call in CALLS:
+        for sm in ARCHS:
+            marks = []
+            gap = KNOWN_GAPS.get(call.id)
+            if gap is not None and sm in gap[0]:
+                marks.append(pytest.mark.xfail(strict=True, reason=gap[1]))
+            yield pytest.param(call, sm, id=f"{call.id}-sm{sm}", marks=marks)
+
+
+@pytest.mark.parametrize("call,sm", list(_params()))
+def test_claimed_calls_lower(call: Call, sm: int) -> None:
+    reasons, verdicts = _verdict(call, sm)
+    refused = [(type(key).__name__, v.stage, v.reason) for key, v in verdicts if not v.ok]
+    if not reasons:
+        assert not refused, f"explain() claims {call.id} on sm{sm} but cuDNN refuses: {refused}"
+    else:
+        assert all(r.strip() for r in reasons), reasons
+
+
+@pytest.mark.parametrize("sm", list(ARCHS))
+def test_lowering_sweep_counts(sm: int, figure) -> None:
+    """Per arch: graphs lowered, refusals (each in a declined call or a known gap), forward implementations."""
+    impl: collections.Counter = collections.Counter()
+    claimed = declined = 0
+    refused: dict = {}
+    seen = set()
+    for call in CALLS:
+        reasons, verdicts = _verdict(call, sm)
+        claimed += not reasons
+        declined += bool(reasons)
+        for key, v in verdicts:
+            if not v.ok:
+                in_gap = call.id in KNOWN_GAPS and sm in KNOWN_GAPS[call.id][0]
+                assert reasons or in_gap, f"{call.id}: claimed on sm{sm}, refused by cuDNN, not a known gap: {v.reason}"
+                refused.setdefault(key, "declined" if reasons else "known gap")
+            if key in seen:
+                continue
+            seen.add(key)
+            if v.ok and isinstance(key, ForwardKey):
+                impl[v.implementation] += 1
+    assert seen and sum(impl.values()) > 0
+    kinds = collections.Counter(refused.values())
+    figure(
+        f"lowering sweep sm{sm} (cuDNN {lowering.backend_version()}): {len(CALLS)} calls ({claimed} claimed, "
+        f"{declined} declined), {len(seen)} distinct graphs, {len(refused)} refused by cuDNN "
+        f"({kinds['declined']} in declined calls, {kinds['known gap']} known gaps); forwards lower to "
+        + ", ".join(f"{name} x{n}" for name, n in sorted(impl.items()))
+    )
+
+
+# -- the lowering module and the graphs it lowers ----------------------------------------------
+
+
+def _key(call: Call, kind: type):
+    return next(key for key in keys_of(call) if isinstance(key, kind))
+
+
+def test_causal_is_the_top_left_diagonal_band() -> None:
+    """torch's is_causal is declared as the frontend's band (TOP_LEFT, right bound 0), not the deprecated flag."""
+    import cudnn
+
+    from thunder_cudnn_safe import graphs
+    from thunder_cudnn_safe.keys import BackwardKey
+
+    call = Call("causal", causal=True)
+    for g in (graphs.build_forward_graph(_key(call, ForwardKey)), graphs.build_backward_graph(_key(call, BackwardKey))):
+        params = g.nodes[0].params
+        assert not params.get("use_causal_mask")
+        assert params.get("diagonal_alignment") == cudnn.diagonal_alignment.TOP_LEFT
+        assert params.get("diagonal_band_right_bound") == 0 and params.get("diagonal_band_left_bound") is None
+        assert lowering.lower(g, 90).ok
+    plain = graphs.build_forward_graph(_key(Call("full"), ForwardKey)).nodes[0].params
+    assert plain.get("diagonal_band_right_bound") is None and not plain.get("use_causal_mask")
+
+
+def test_implementation_can_be_pinned() -> None:
+    """build_forward_graph(implementation=...) reaches cuDNN: the lowered node records the pinned one."""
+    from thunder_cudnn_safe import graphs
+    from thunder_cudnn_safe.keys import BackwardKey
+
+    key = _key(Call("full"), ForwardKey)
+    chosen = lowering.lower_key(key, 90)
+    assert chosen.ok and chosen.implementation in ("UNIFIED", "COMPOSITE"), chosen
+    for name in ("composite", "COMPOSITE"):
+        pinned = lowering.lower_key(key, 90, implementation=name)
+        assert pinned.ok and pinned.implementation == "COMPOSITE", pinned
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        graphs.build_forward_graph(key, implementation="fastest")
+    backward = _key(Call("full"), BackwardKey)
+    assert lowering.lower(graphs.build_backward_graph(backward, implementation="composite"), 90).ok
+    with pytest.raises(ValueError, match="no UNIFIED implementation"):
+        graphs.build_backward_graph(backward, implementation="unified")
+
+
+def test_lowering_asks_libcudnn_for_the_given_arch() -> None:
+    """Head dim 256 trains on Hopper only: the C++ validate refuses the backward for sm80, accepts it for sm90."""
+    from thunder_cudnn_safe.keys import BackwardKey
+
+    key = _key(Call("d256", shape=(2, 2, 16, 16, 256, 256)), BackwardKey)
+    ampere, hopper = lowering.lower_key(key, 80), lowering.lower_key(key, 90)
+    assert hopper.ok and hopper.implementation == "backward", hopper
+    assert not ampere.ok and ampere.stage == "validate" and "cudnnGraphNotSupportedError" in ampere.reason, ampere
+
+
+def test_unsupported_frontend_internals_are_reported(monkeypatch) -> None:
+    import cudnn
+
+    monkeypatch.delattr(cudnn.pygraph, "_lower_to_cpp")
+    assert "_lower_to_cpp" in lowering.lowering_problem()
+    with pytest.raises(lowering.LoweringUnavailable, match="_lower_to_cpp"):
+        lowering.lower_key(_key(Call("full"), ForwardKey), 90)
+
+
+def test_implementation_of_an_unlowered_graph_is_unknown() -> None:
+    from thunder_cudnn_safe import graphs
+
+    assert lowering.implementation_of(graphs.build_forward_graph(_key(Call("full"), ForwardKey))) is None
+
+
+def test_s1_backward_is_refused_while_its_forward_lowers() -> None:
+    """The cuDNN rule behind issue 12's dropout crash: sdpa_backward refuses s_q = s_kv = 1, the forward does not.
+
+    A dropout forward that ran in cuDNN then has no backward graph, and the fallback cannot
+    reproduce cuDNN's mask. The fix must build (or decline) the backward before the forward runs.
+    """
+    from thunder_cudnn_safe.keys import BackwardKey
+
+    call = Call("s1-dropout", shape=(2, 2, 1, 1, 64, 64), dropout=0.1)
+    for sm in ARCHS:
+        forward, backward = lowering.lower_key(_key(call, ForwardKey), sm), lowering.lower_key(_key(call, BackwardKey), sm)
+        assert forward.ok, forward
+        assert not backward.ok and "s_q = s_kv = 1" in backward.reason, backward

@@ -1,0 +1,172 @@
+"""cuDNN's own verdict on a graph we built, without a GPU and without a handle.
+
+The emulated runtime proves that what a graph declares is what we bind; it cannot say
+whether cuDNN accepts the graph. libcudnn can, on a machine without a GPU: the
+frontend lowers its Python graph (``cudnn.pygraph``) to the C++ graph
+(``cudnn._pybind_module.backend_graph``), whose ``validate()`` runs the frontend's C++
+support checks (head dims, dropout shapes, masks, per-arch rules, it picks the SDPA
+implementation) and whose ``build_operation_graph()`` has libcudnn finalize every
+backend operation descriptor. Both only need the SM version, which the C++ graph takes
+as its ``sm_version`` keyword; no handle, no device.
+
+What this does *not* show: that an engine exists for the graph on that GPU and
+computes the right numbers (heuristics and plan building need a handle), nor anything
+about execution.
+
+How it is done relies on nvidia-cudnn-frontend 1.32's pure-Python pygraph internals
+(``_pygraph.py``): ``pygraph._cpp_graph_kwargs`` (forwarded to the C++ graph at
+lowering), ``pygraph._backend_handle_for_lowering(cpp_kwargs)`` (the hook that
+supplies a handle; returning None lowers without one, as the frontend's own deviceless
+``device_property`` path does) and ``pygraph._lower_to_cpp()``. Those move between
+versions, so :func:`lowering_problem` checks for them and every entry point raises
+:class:`LoweringUnavailable` with the reason where they are missing.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, NamedTuple
+
+from . import _compat, graphs
+from .keys import BackwardKey, ForwardKey
+
+#: The frontend version whose internals this module was written against (the package floor).
+MIN_FRONTEND = (1, 32)
+_REQUIRED_INTERNALS = ("_cpp_graph_kwargs", "_backend_handle_for_lowering", "_lower_to_cpp")
+
+
+class LoweringUnavailable(RuntimeError):
+    """This environment cannot ask libcudnn for a verdict (frontend internals or libcudnn missing)."""
+
+
+class Lowering(NamedTuple):
+    """cuDNN's verdict on one graph for one SM version."""
+
+    #: The C++ validate() and build_operation_graph() both accepted the graph.
+    ok: bool
+    #: Why not (the exception type and message), None when ``ok``.
+    reason: str | None
+    #: Where it was refused: "pygraph" (the Python frontend's own checks), "validate",
+    #: "build_operation_graph"; None when ``ok``.
+    stage: str | None
+    #: The SDPA implementation the C++ validate() resolved ("UNIFIED", "COMPOSITE"),
+    #: "backward" for an sdpa_backward node (it has no implementation choice), None if refused
+    #: before validate() finished.
+    implementation: str | None
+    sm_version: int
+
+
+def _frontend_version() -> tuple[int, ...]:
+    raw = str(getattr(_compat.FRONTEND.module, "__version__", "0"))
+    parts = []
+    for piece in raw.split(".")[:2]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts)
+
+
+def lowering_problem() -> str | None:
+    """Why graphs cannot be lowered here, or None when they can."""
+    cudnn = _compat.FRONTEND.module
+    if cudnn is None:
+        return _compat.FRONTEND.frontend_problem or "nvidia-cudnn-frontend is not importable"
+    if _frontend_version() < MIN_FRONTEND:
+        return f"nvidia-cudnn-frontend {cudnn.__version__} predates {MIN_FRONTEND[0]}.{MIN_FRONTEND[1]}, whose pygraph internals this module uses"
+    missing = [name for name in _REQUIRED_INTERNALS if not hasattr(cudnn.pygraph, name) and name != "_cpp_graph_kwargs"]
+    if missing:
+        return f"nvidia-cudnn-frontend {cudnn.__version__}'s pygraph lacks {missing}: its lowering internals moved"
+    if not hasattr(getattr(cudnn, "_pybind_module", None), "backend_graph"):
+        return f"nvidia-cudnn-frontend {cudnn.__version__} has no _pybind_module.backend_graph"
+    try:
+        cudnn.backend_version()
+    except Exception as exc:  # libcudnn not loadable: nothing to ask
+        return f"libcudnn is not loadable: {type(exc).__name__}: {exc}"
+    return None
+
+
+def _require() -> Any:
+    problem = lowering_problem()
+    if problem is not None:
+        raise LoweringUnavailable(problem)
+    return _compat.FRONTEND.module
+
+
+def implementation_of(graph: Any) -> str | None:
+    """The SDPA implementation recorded on a lowered graph's node: "UNIFIED", "COMPOSITE", "backward", or None.
+
+    Reads the C++ graph's JSON dump (``repr``). A ``cudnn.pygraph`` reprs as that same
+    dump once it has been lowered (on a GPU: after ``build()`` chose a backend plan;
+    ``_pygraph.py`` ``__repr__``), so the runtime can record the implementation of what it
+    built; an unlowered pygraph (or one a python engine serves) gives None.
+    """
+    try:
+        nodes = json.loads(repr(graph)).get("nodes", [])
+    except ValueError:
+        return None
+    for node in nodes:
+        if node.get("tag") == "SDPA":
+            return node.get("implementation")
+        if node.get("tag") == "SDPA_BWD":
+            return "backward"
+    return None
+
+
+def _reason(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}".strip()
+
+
+def lower(graph: Any, sm_version: int) -> Lowering:
+    """Lower a built pygraph to the C++ graph for ``sm_version`` (80, 90, 100, 120, ...) and have libcudnn check it.
+
+    Runs the C++ ``validate()`` and ``build_operation_graph()``. Never touches a GPU or a
+    handle. The pygraph is frozen afterwards (the frontend freezes a graph when it is
+    lowered), so lower a graph built for this purpose, not one that will run.
+    Raises :class:`LoweringUnavailable` where this frontend cannot be lowered this way;
+    a refusal by cuDNN is returned, not raised.
+    """
+    cudnn = _require()
+    if not isinstance(graph, cudnn.pygraph):
+        raise TypeError(f"lower() takes a cudnn.pygraph, got {type(graph).__name__}")
+    if not isinstance(getattr(graph, "_cpp_graph_kwargs", None), dict):
+        raise LoweringUnavailable(f"nvidia-cudnn-frontend {cudnn.__version__}'s pygraph has no _cpp_graph_kwargs dict")
+    sm = int(sm_version)
+    # Instance-level overrides: the C++ graph gets sm_version, and no handle is made.
+    graph._cpp_graph_kwargs = {**graph._cpp_graph_kwargs, "sm_version": sm}
+    graph._backend_handle_for_lowering = lambda cpp_kwargs: None
+    try:
+        cpp = graph._lower_to_cpp()
+    except Exception as exc:  # the lowering itself rejected an attribute
+        return Lowering(False, _reason(exc), "validate", None, sm)
+    try:
+        cpp.validate()
+    except Exception as exc:
+        return Lowering(False, _reason(exc), "validate", None, sm)
+    implementation = implementation_of(cpp)
+    try:
+        cpp.build_operation_graph()
+    except Exception as exc:
+        return Lowering(False, _reason(exc), "build_operation_graph", implementation, sm)
+    return Lowering(True, None, None, implementation, sm)
+
+
+def lower_key(key: ForwardKey | BackwardKey, sm_version: int, implementation: Any = None) -> Lowering:
+    """Build the graph for ``key`` exactly as the runtimes do (:mod:`graphs`) and lower it.
+
+    A refusal by the Python frontend's own checks while building is reported with stage
+    "pygraph". ``implementation`` is passed to :func:`graphs.build_forward_graph`.
+    """
+    cudnn = _require()
+    graphs.attention_implementation(implementation)  # a bad name is our caller's error, not a refusal
+    try:
+        if isinstance(key, ForwardKey):
+            g = graphs.build_forward_graph(key, implementation=implementation)
+        else:
+            g = graphs.build_backward_graph(key)
+    except (cudnn.cudnnGraphNotSupportedError, ValueError, TypeError, NotImplementedError) as exc:
+        return Lowering(False, _reason(exc), "pygraph", None, int(sm_version))
+    return lower(g, sm_version)
+
+
+def backend_version() -> int:
+    """The libcudnn version the verdicts come from (e.g. 91900)."""
+    return int(_require().backend_version())
