@@ -108,7 +108,7 @@ def test_distinct_strides_distinct_graphs_and_no_rebuild_on_hit(monkeypatch):
     disp = Dispatcher(EmulatedRuntime(), tcs.cache.GraphCache(16))
     builds = []
     real = graphs.build_forward_graph
-    monkeypatch.setattr(graphs, "build_forward_graph", lambda key, handle=None: builds.append(key) or real(key, handle))
+    monkeypatch.setattr(graphs, "build_forward_graph", lambda key, handle=None, **kw: builds.append(key) or real(key, handle, **kw))
     contiguous = [torch.randn(2, 4, 16, 64, dtype=torch.float16) for _ in range(3)]
     bshd = [torch.randn(2, 16, 4, 64, dtype=torch.float16).transpose(1, 2) for _ in range(3)]
     for _ in range(3):

@@ -111,9 +111,9 @@ def test_seed_bug_reproduced_on_cpu_and_fixed(monkeypatch, fresh_cache):
 
     real = graphs.build_backward_graph
 
-    def upstream_like(key, handle=None):
+    def upstream_like(key, handle=None, **kwargs):
         contiguous = TensorSig(key.o.shape, tuple(torch.empty(key.o.shape).stride()), key.o.dtype)
-        return real(key._replace(d_o=contiguous), handle)
+        return real(key._replace(d_o=contiguous), handle, **kwargs)
 
     tcs.clear_cache()
     monkeypatch.setattr(graphs, "build_backward_graph", upstream_like)

@@ -95,10 +95,10 @@ def test_upstream_approach_is_caught(monkeypatch):
     """Declaring dO like O (contiguous) while binding the transposed grad_out is a mismatch."""
     real = graphs.build_backward_graph
 
-    def upstream_like(key, handle=None):
+    def upstream_like(key, handle=None, **kwargs):
         o = key.o
         contiguous = TensorSig(o.shape, tuple(torch.empty(o.shape).stride()), o.dtype)
-        return real(key._replace(d_o=contiguous), handle)
+        return real(key._replace(d_o=contiguous), handle, **kwargs)
 
     monkeypatch.setattr(graphs, "build_backward_graph", upstream_like)
     calls = run_dispatcher("bshd_transposed", "transposed")

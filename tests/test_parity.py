@@ -53,8 +53,8 @@ def test_deterministic_option_reaches_the_graph(fresh_cache, monkeypatch):
     seen = []
     real = graphs.build_backward_graph
 
-    def spy(key, handle=None):
-        g = real(key, handle)
+    def spy(key, handle=None, **kwargs):
+        g = real(key, handle, **kwargs)
         seen.append((key.deterministic, g.nodes[0].params.get("use_deterministic_algorithm", False)))
         return g
 

@@ -163,3 +163,77 @@ def test_dispatcher_propagates_an_execution_crash(fresh_cache):
         with pytest.raises(RuntimeError, match="device-side assert"):
             disp.forward(q, k, v)
     assert tcs.cache_info().fallbacks == 0
+
+
+def test_forward_refused_with_the_frontend_choice_retries_composite_and_records_it(fresh_cache):
+    """The implementation ladder: a forward refused with the frontend's choice (e.g. no engine for
+    "unified" on some GPU) is built with the composite implementation before any fallback."""
+    disp = tcs.emulated_ex.dispatcher
+    q, k, v = (T(1, 2, 8, 64) for _ in range(3))
+    runtime = tcs.emulated_ex.runtime
+    tried = []
+    real = runtime._build_one
+
+    def build_one(key, implementation):
+        tried.append(implementation)
+        if implementation is None:
+            raise GraphBuildError("no engine for the unified implementation")
+        return real(key, implementation)
+
+    runtime._build_one = build_one
+    try:
+        out, _ = disp.forward(q, k, v)
+    finally:
+        del runtime._build_one
+    assert tried == [None, "composite"]
+    assert tcs.cache_info().fallbacks == 0
+    (graph,) = tcs.cached_graphs()
+    assert (graph.implementation, graph.plan) == ("COMPOSITE", "emulated")
+    ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double())
+    assert (out.double() - ref).abs().max() < 1e-2
+
+
+def test_transient_failure_is_not_retried_down_the_ladder(fresh_cache):
+    runtime = tcs.emulated_ex.runtime
+    tried = []
+
+    def build_one(key, implementation):
+        tried.append(implementation)
+        raise GraphBuildError("out of memory", definitive=False)
+
+    runtime._build_one = build_one
+    try:
+        tcs.emulated_ex.dispatcher.forward(*(T(1, 2, 8, 64) for _ in range(3)))
+    finally:
+        del runtime._build_one
+    assert tried == [None]
+
+
+def test_frontend_refusal_warning_is_not_repeated(caplog):
+    """The frontend logs its own WARNING for a refusal the dispatcher already reports once."""
+    import logging
+
+    from thunder_cudnn_safe.runtime import frontend_refusal_filter
+
+    log = logging.getLogger("cudnn.pygraph")
+    with caplog.at_level(logging.DEBUG):
+        with frontend_refusal_filter.active():
+            log.warning("backend could not build this graph, treating as a decline: %s", "no engine")
+            log.warning("something else: %s", "kept")
+        log.warning("backend could not build this graph, treating as a decline: %s", "outside our builds")
+    frontend = [r.getMessage() for r in caplog.records if r.name == "cudnn.pygraph"]
+    assert frontend == ["something else: kept", "backend could not build this graph, treating as a decline: outside our builds"]
+    assert any("no engine" in r.getMessage() and r.levelno == logging.DEBUG for r in caplog.records if r.name == "thunder_cudnn_safe")
+
+
+def test_definitive_refusal_classification():
+    cudnn = pytest.importorskip("cudnn")
+    from thunder_cudnn_safe.runtime import is_definitive_refusal
+
+    class Graph:
+        _backend_declined = RuntimeError("CUDA driver error: out of memory")
+
+    refusal = cudnn.cudnnGraphNotSupportedError("no engine proposed a plan")
+    assert is_definitive_refusal(refusal) and is_definitive_refusal(ValueError("bad dim"))
+    assert not is_definitive_refusal(refusal, Graph()), "frontend 1.32 wraps a lowering CUDA error in the refusal type"
+    assert not is_definitive_refusal(RuntimeError("CUDA error")) and not is_definitive_refusal(torch.OutOfMemoryError())

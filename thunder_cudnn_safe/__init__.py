@@ -15,7 +15,7 @@ from ._compat import FRONTEND, prepare_and_import_thunder
 prepare_and_import_thunder()
 
 from ._version import __version__  # noqa: E402
-from .cache import CacheInfo, cache_info, clear_cache, set_cache_size  # noqa: E402
+from .cache import CacheInfo, CachedGraph, cache_info, cached_graphs, clear_cache, set_cache_size  # noqa: E402
 from .emulation import set_emulated_target  # noqa: E402
 from .errors import EmulationError, GraphBuildError  # noqa: E402
 from .executor import cudnn_safe_ex, emulated_ex, explain  # noqa: E402
@@ -28,12 +28,14 @@ drop_broken_builtin_cudnn_executor()
 __all__ = [
     "FRONTEND",
     "CacheInfo",
+    "CachedGraph",
     "CopyStats",
     "EmulationError",
     "GraphBuildError",
     "LayoutPolicy",
     "__version__",
     "cache_info",
+    "cached_graphs",
     "clear_cache",
     "copy_stats",
     "cudnn_safe_ex",

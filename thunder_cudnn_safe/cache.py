@@ -30,7 +30,7 @@ DEFAULT_CACHE_SIZE = 1024
 #: Builds of one key that may fail transiently before the failure is remembered as a refusal.
 TRANSIENT_BUILD_ATTEMPTS = 3
 
-__all__ = ["CACHE_SIZE_ENV", "CacheInfo", "GraphBuildError", "GraphCache", "cache_info", "clear_cache", "graph_cache", "set_cache_size"]
+__all__ = ["CACHE_SIZE_ENV", "CacheInfo", "CachedGraph", "cached_graphs", "GraphBuildError", "GraphCache", "cache_info", "clear_cache", "graph_cache", "set_cache_size"]
 
 
 class CacheInfo(NamedTuple):
@@ -47,6 +47,15 @@ class CacheInfo(NamedTuple):
     negative_hits: int
     #: Calls served by the torch fallback after cuDNN refused to build or execute.
     fallbacks: int
+
+
+class CachedGraph(NamedTuple):
+    """What the cache holds for one key: which implementation and plan cuDNN built, its workspace."""
+
+    key: Any
+    implementation: str | None
+    plan: str | None
+    workspace_size: int
 
 
 def _env_cache_size() -> int:
@@ -172,6 +181,15 @@ class GraphCache:
         with self._lock:
             return list(self._entries)
 
+    def graphs(self) -> list[CachedGraph]:
+        """Every cached graph, least recently used first, with its implementation and plan."""
+        with self._lock:
+            items = list(self._entries.items())
+        return [
+            CachedGraph(key, getattr(b, "implementation", None), getattr(b, "plan", None), int(getattr(b, "workspace_size", 0)))
+            for key, b in items
+        ]
+
 
 graph_cache = GraphCache()
 
@@ -185,6 +203,11 @@ def clear_cache() -> None:
     """Drop every cached graph (and remembered failure), zero the counters, show fallback warnings again."""
     graph_cache.clear()
     forget_warnings("fallback")
+
+
+def cached_graphs() -> list[CachedGraph]:
+    """The graphs in the process-wide cache: key, cuDNN SDPA implementation, execution plan, workspace bytes."""
+    return graph_cache.graphs()
 
 
 def set_cache_size(maxsize: int) -> None:

@@ -72,10 +72,24 @@ MLA_192_128_HOPPER = Rule(
 )
 MLA_192_128_BLACKWELL = Rule(
     "MLA_192_128_BLACKWELL",
-    "d_qk=192, d_v=128 (DeepSeek-style MLA heads) on Blackwell",
-    "cuDNN 9.11.0 release notes; lightning-thunder PR #2771",
-    min_arch=(10, 0),
+    "d_qk=192, d_v=128 (DeepSeek-style MLA heads) on datacenter Blackwell (sm100/sm103)",
+    "cuDNN 9.11.0 release notes; lightning-thunder PR #2771; the lowering sweep: cuDNN 9.19's validate "
+    "refuses the backward on sm120 ('hidden_dim should be less than or equal to 128')",
+    arch_major=10,
     min_backend=91100,
+)
+BACKWARD_SEQ_1 = Rule(
+    "BACKWARD_SEQ_1",
+    "sdpa_backward refuses s_q = s_kv = 1 (the forward accepts it)",
+    "nvidia-cudnn-frontend 1.32 _sdpa_validate.py ('s_q = s_kv = 1 is not supported') and cuDNN 9.19's C++ "
+    "validate, on every arch (the lowering sweep)",
+)
+DETERMINISTIC_BACKWARD_BLACKWELL = Rule(
+    "DETERMINISTIC_BACKWARD_BLACKWELL",
+    "the deterministic backward refuses dBias and dropout on datacenter Blackwell (sm100/sm103)",
+    "cuDNN 9.19 C++ validate: 'Deterministic algorithm is not supported on blackwell architecture when dbias, "
+    "rng/dropout, alibi is enabled' (the lowering sweep; sm120 accepts)",
+    arch_major=10,
 )
 DO_OWN_STRIDES = Rule(
     "DO_OWN_STRIDES",
@@ -108,6 +122,8 @@ RULES: tuple[Rule, ...] = (
     UNEQUAL_HEAD_DIMS,
     MLA_192_128_HOPPER,
     MLA_192_128_BLACKWELL,
+    BACKWARD_SEQ_1,
+    DETERMINISTIC_BACKWARD_BLACKWELL,
     DO_OWN_STRIDES,
     STATS_PACKED_ONLY,
     LAYOUT,

@@ -41,7 +41,7 @@ from .cudnn_rules import ALIGNMENT_BYTES
 from .errors import EmulationError, ExecuteError, GraphBuildError
 from .keys import BackwardKey, ForwardKey, Target
 from .layout import packed_strides, span_elements
-from .runtime import BuiltGraph, Runtime
+from .runtime import BuiltGraph, Runtime, build_with_ladder, frontend_refusal_filter
 
 DEFAULT_ARCH = (9, 0)
 DEFAULT_BACKEND = 91900
@@ -273,12 +273,18 @@ class EmulatedRuntime(Runtime):
                 f"cuDNN {key.target.backend_version} < 9.26: a non-ragged Stats input of sdpa_backward must be a "
                 f"packed BHSD tensor, got strides {tuple(key.stats.stride)}"
             )
+        return build_with_ladder(key, self._build_one)
+
+    def _build_one(self, key: ForwardKey | BackwardKey, implementation: str | None) -> BuiltGraph:
+        """The frontend graph (built and validated by the pure-Python frontend); the plan is "emulated"."""
         cudnn = graphs.cudnn_module()
+        build = graphs.build_forward_graph if isinstance(key, ForwardKey) else graphs.build_backward_graph
         try:
-            g = graphs.build_forward_graph(key) if isinstance(key, ForwardKey) else graphs.build_backward_graph(key)
+            with frontend_refusal_filter.active():
+                g = build(key, implementation=implementation)
         except cudnn.cudnnGraphNotSupportedError as exc:
             raise GraphBuildError(f"cuDNN frontend rejected the graph: {exc}") from exc
-        return BuiltGraph(g, 0, key)
+        return BuiltGraph(g, 0, key, None if implementation is None else implementation.upper(), "emulated")
 
     def execute(self, built: BuiltGraph, pack: dict[int, torch.Tensor]) -> None:
         hook = self._fail_execute

@@ -80,7 +80,7 @@ def _to_torch_device(device: Any) -> torch.device:
 
 def reasons_for(
     runtime: Runtime, query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: Any = 0.0,
-    is_causal: Any = False, scale: Any = None,
+    is_causal: Any = False, scale: Any = None, deterministic: bool = False,
 ) -> list[Decline]:
     """Why ``runtime``'s executor would not claim this call (tensors or proxies)."""
     problem = runtime.environment_problem()
@@ -89,7 +89,7 @@ def reasons_for(
         target = runtime.target(_to_torch_device(query.device))
     return not_supported_reasons(
         query, key, value, attn_mask, dropout_p, is_causal, scale,
-        target=target, device_type=runtime.device_type, environment_problem=problem,
+        target=target, device_type=runtime.device_type, environment_problem=problem, deterministic=deterministic,
     )
 
 
@@ -144,7 +144,8 @@ def make_executor(name: str, runtime: Runtime) -> OperatorExecutor:
     ex.sdpa_bwd = bwd
 
     def checker(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None) -> bool:
-        return not reasons_for(runtime, query, key, value, attn_mask, dropout_p, is_causal, scale)
+        deterministic = _bool_option("cudnn_safe_deterministic", _DETERMINISTIC_DOC)
+        return not reasons_for(runtime, query, key, value, attn_mask, dropout_p, is_causal, scale, deterministic)
 
     def execution_transform(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None):
         return fwd(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, layout=_layout_option())[0]
@@ -211,11 +212,15 @@ def explain(
     scale: float | None = None,
     *,
     executor: OperatorExecutor | str | None = None,
+    deterministic: bool = False,
 ) -> list[Decline]:
     """Human-readable reasons why ``executor`` (default: ``cudnn_safe_ex``) would not claim this call.
 
     An empty list means it would. Works on real tensors of any device and on thunder
-    proxies; the executors' checkers use the same function.
+    proxies; the executors' checkers use the same function. ``deterministic`` stands for
+    the ``cudnn_safe_deterministic`` compile option (the checker reads it from thunder).
+    Each reason is a :class:`~thunder_cudnn_safe.support.Decline`: a ``str`` with ``.code``
+    and ``.rule`` (the :mod:`~thunder_cudnn_safe.cudnn_rules` entry behind it, if any).
     """
     ex = _resolve_executor(executor)
     for name, t in (("query", query), ("key", key), ("value", value), ("attn_mask", attn_mask)):
@@ -223,7 +228,7 @@ def explain(
             continue
         if not all(hasattr(t, attr) for attr in ("shape", "dtype", "device")) or not hasattr(t.device, "type"):
             raise TypeError(f"explain(): {name} must be a torch tensor or a thunder TensorProxy, got {type(t).__name__}")
-    return reasons_for(ex.runtime, query, key, value, attn_mask, dropout_p, is_causal, scale)
+    return reasons_for(ex.runtime, query, key, value, attn_mask, dropout_p, is_causal, scale, bool(deterministic))
 
 
 def _resolve_executor(executor: OperatorExecutor | str | None) -> OperatorExecutor:

@@ -17,7 +17,10 @@ No runtime imports thunder.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import threading
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -25,14 +28,107 @@ import torch
 from . import _compat, graphs
 from .errors import ExecuteError, GraphBuildError
 from .keys import BackwardKey, ForwardKey, Target
+from .lowering import implementation_of
 
 
 class BuiltGraph(NamedTuple):
-    """A graph ready to execute, the workspace bytes it needs, and the key it was built from."""
+    """A graph ready to execute, the workspace bytes it needs, and the key it was built from.
+
+    ``implementation`` is the cuDNN SDPA implementation the graph lowered to ("UNIFIED",
+    "COMPOSITE"; None where unknown or for a backward) and ``plan`` the execution plan
+    (engine) cuDNN built, where the runtime knows it: both show in
+    :func:`thunder_cudnn_safe.cached_graphs`.
+    """
 
     graph: Any
     workspace_size: int
     key: Any = None
+    implementation: str | None = None
+    plan: str | None = None
+
+
+#: The forward's implementation ladder: the frontend's choice first, then the composite
+#: implementation, which the frontend accepts for every forward (the lowering sweep: pinned
+#: "unified" is refused for causal, masked and dropout forwards on cuDNN 9.19).
+FORWARD_IMPLEMENTATIONS: tuple[str | None, ...] = (None, "composite")
+
+
+def build_with_ladder(key: Any, build_one: Callable[[Any, str | None], BuiltGraph]) -> BuiltGraph:
+    """``build_one(key, implementation)`` down the implementation ladder: a forward refused
+    definitively with the frontend's choice is retried once with the composite implementation
+    before the call falls back. A backward has no implementation choice."""
+    ladder = FORWARD_IMPLEMENTATIONS if isinstance(key, ForwardKey) else (None,)
+    for i, implementation in enumerate(ladder):
+        try:
+            return build_one(key, implementation)
+        except GraphBuildError as exc:
+            if not exc.definitive or i == len(ladder) - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+class _FrontendRefusalFilter(logging.Filter):
+    """Drops the frontend's own WARNING for a refusal we report ourselves, on the building thread only.
+
+    nvidia-cudnn-frontend 1.32 logs "backend could not build / lower this graph, treating as
+    a decline" on logger ``cudnn.pygraph`` when a graph is refused; the dispatcher warns once
+    per refused key, so each refusal would be reported twice. The message is kept at DEBUG on
+    our logger (it is the only trace when a python engine then serves the graph).
+    """
+
+    MESSAGES = frozenset(
+        {
+            "backend could not build this graph, treating as a decline: %s",
+            "backend could not lower this graph, treating as a decline: %s",
+        }
+    )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._local = threading.local()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if getattr(self._local, "depth", 0) and record.msg in self.MESSAGES:
+            logging.getLogger("thunder_cudnn_safe").debug("cuDNN frontend: %s", record.getMessage())
+            return False
+        return True
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        self._local.depth = getattr(self._local, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            self._local.depth -= 1
+
+
+frontend_refusal_filter = _FrontendRefusalFilter()
+logging.getLogger("cudnn.pygraph").addFilter(frontend_refusal_filter)
+
+
+def is_definitive_refusal(exc: BaseException, graph: Any = None) -> bool:
+    """Whether a build failure is cuDNN's judgment of the graph (remember it) rather than transient.
+
+    ``cudnnGraphNotSupportedError`` is a refusal, except that frontend 1.32's ``graph.build()``
+    also wraps a CUDA error or out-of-memory raised while lowering into that type; it keeps
+    the original in ``graph._backend_declined`` (an internal, absent on other versions). An
+    ill-formed graph (ValueError, TypeError, NotImplementedError) is refused for good too;
+    anything else (RuntimeError, torch.OutOfMemoryError, MemoryError) is transient.
+    """
+    cudnn = graphs.cudnn_module()
+    if isinstance(exc, cudnn.cudnnGraphNotSupportedError):
+        declined = getattr(graph, "_backend_declined", None)
+        return declined is None or isinstance(declined, cudnn.cudnnGraphNotSupportedError)
+    return isinstance(exc, (ValueError, TypeError, NotImplementedError))
+
+
+def plan_name(graph: Any) -> str | None:
+    """The name of the execution plan a built frontend graph will run (frontend 1.32; None if unknown)."""
+    try:
+        index = int(getattr(graph, "_plan_index", 0) or 0)
+        return str(graph.get_plan_name_at_index(index))
+    except Exception:  # noqa: BLE001 - introspection only; other frontend versions differ
+        return None
 
 
 class Runtime:
@@ -117,26 +213,30 @@ class CudnnRuntime(Runtime):
     def build(self, key: ForwardKey | BackwardKey) -> BuiltGraph:
         """Validate, plan (heuristics A, then FALLBACK), check support and build plans.
 
-        A refusal of the graph itself (the frontend's ``cudnnGraphNotSupportedError`` or any
-        error while describing and validating it) is a definitive :class:`GraphBuildError`:
-        the dispatcher answers it with the torch fallback and the cache remembers it. Any
-        other failure while building plans (out of memory, a CUDA error) is transient: the
-        cache retries it on later calls.
+        A refusal of the graph itself (:func:`is_definitive_refusal`) is a definitive
+        :class:`GraphBuildError`: the dispatcher answers it with the torch fallback and the
+        cache remembers it; a forward is first retried with the composite implementation
+        (:func:`build_with_ladder`). Any other failure (out of memory, a CUDA error) is
+        transient: the cache retries it on later calls.
         """
+        return build_with_ladder(key, self._build_one)
+
+    def _build_one(self, key: ForwardKey | BackwardKey, implementation: str | None) -> BuiltGraph:
         cudnn = graphs.cudnn_module()
         index = key.target.device_index
-        stage = "describe"
+        g = None
         try:
             handle = self.handle(index)
-            with torch.cuda.device(index):
-                g = graphs.build_forward_graph(key, handle) if is_forward(key) else graphs.build_backward_graph(key, handle)
-                stage = "plan"
+            with torch.cuda.device(index), frontend_refusal_filter.active():
+                build = graphs.build_forward_graph if is_forward(key) else graphs.build_backward_graph
+                g = build(key, handle, implementation=implementation)
                 g.build([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
                 workspace = int(g.get_workspace_size())
         except Exception as exc:  # noqa: BLE001 - every build failure gets a safe answer
-            definitive = stage == "describe" or isinstance(exc, cudnn.cudnnGraphNotSupportedError)
-            raise GraphBuildError(f"cuDNN could not build this graph: {type(exc).__name__}: {exc}", definitive) from exc
-        return BuiltGraph(g, workspace, key)
+            raise GraphBuildError(
+                f"cuDNN could not build this graph: {type(exc).__name__}: {exc}", is_definitive_refusal(exc, g)
+            ) from exc
+        return BuiltGraph(g, workspace, key, implementation_of(g) if is_forward(key) else None, plan_name(g))
 
     def execute(self, built: BuiltGraph, pack: dict[int, torch.Tensor]) -> None:
         index = built.key.target.device_index

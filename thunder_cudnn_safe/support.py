@@ -164,11 +164,13 @@ def not_supported_reasons(
     target: Target | None,
     device_type: str,
     environment_problem: str | None = None,
+    deterministic: bool = False,
 ) -> list[Decline]:
     """Every reason the executor for ``device_type`` on ``target`` would not claim this call.
 
     ``environment_problem`` is a reason the runtime cannot work at all here (no frontend,
-    no libcudnn); ``target`` may then be None.
+    no libcudnn); ``target`` may then be None. ``deterministic`` is the
+    ``cudnn_safe_deterministic`` compile option (it changes which backwards cuDNN builds).
     """
     reasons: list[Decline] = []
     if environment_problem:
@@ -210,6 +212,23 @@ def not_supported_reasons(
                 Decline(DeclineCode.ARCH, f"sm{target.arch[0]}{target.arch[1]}: cuDNN fused flash attention needs Ampere (sm80) or newer", cudnn_rules.FLASH_ATTENTION)
             )
         reasons.extend(_head_dim_reasons(d_qk, d_v, target))
+        if lq == 1 and s == 1 and cudnn_rules.BACKWARD_SEQ_1.holds(target):
+            reasons.append(Decline(
+                DeclineCode.SHAPE,
+                "query and key length are both 1: cuDNN's backward refuses s_q = s_kv = 1 (with dropout, the "
+                "forward's mask could then not be reproduced)",
+                cudnn_rules.BACKWARD_SEQ_1,
+            ))
+        p_value = _value(dropout_p)
+        mask_grad = attn_mask is not None and bool(getattr(attn_mask, "requires_grad", False))
+        dropout = isinstance(p_value, (int, float)) and not isinstance(p_value, bool) and p_value > 0
+        if deterministic and (dropout or mask_grad) and cudnn_rules.DETERMINISTIC_BACKWARD_BLACKWELL.holds(target):
+            reasons.append(Decline(
+                DeclineCode.ARCH,
+                f"cudnn_safe_deterministic with {'dropout' if dropout else 'a mask gradient'}: cuDNN's deterministic "
+                f"backward refuses dBias and dropout on sm{target.arch[0]}{target.arch[1]}",
+                cudnn_rules.DETERMINISTIC_BACKWARD_BLACKWELL,
+            ))
     if attn_mask is not None:
         reasons.extend(_mask_reasons(attn_mask, dts[0], (b, h, lq, s), bool(_value(is_causal))))
     if _is_symbolic(dropout_p):
