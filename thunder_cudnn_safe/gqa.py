@@ -157,8 +157,9 @@ def torch_sdpa(
 ):
     """thunder's translation of ``torch.nn.functional.scaled_dot_product_attention`` once registered.
 
-    Same signature as eager (``scale`` and ``enable_gqa`` keyword-only). Without grouped heads it is exactly thunder's own translation
-    (``ltorch.scaled_dot_product_attention``); with them it is :data:`sdpa_gqa`.
+    Same signature as eager (``scale`` and ``enable_gqa`` keyword-only). Without grouped heads it is
+    exactly thunder's own translation (``ltorch.scaled_dot_product_attention``); with them it is
+    :data:`sdpa_gqa`.
     """
     if enable_gqa:
         rep_k, rep_v = _check_gqa_shapes(query, key, value)
