@@ -1,0 +1,453 @@
+"""Grouped-query attention for thunder: ``enable_gqa`` and a transform that sees through repeat_kv.
+
+thunder 0.2.6 maps ``torch.nn.functional.scaled_dot_product_attention`` to
+``thunder.torch.scaled_dot_product_attention``, whose signature has no ``enable_gqa``. So
+
+* under ``thunder.jit`` a call with ``enable_gqa=...`` (True *or* False) raises
+  ``TypeError: ... unexpected keyword argument 'enable_gqa'``;
+* under ThunderFX the splitter runs that symbol's meta on the FX node's arguments, gets the same
+  ``TypeError`` and moves the call out of thunder's region (split reason
+  ``EXCEPTION_META_THUNDER_OP``). Hugging Face transformers 5 passes ``enable_gqa=True`` when there is
+  no mask; diffusers passes ``enable_gqa=False`` on every call.
+
+:func:`register` replaces that mapping with :func:`torch_sdpa`, a plain function (not a symbol, so it
+leaves no trace of its own) with eager's signature:
+
+* ``enable_gqa`` false, or query and key/value with the same number of heads: it calls
+  ``ltorch.scaled_dot_product_attention`` exactly as before, so traces and executor claims are
+  unchanged for every caller who does not group heads;
+* otherwise it calls :data:`sdpa_gqa`, a thunder symbol taking K/V with their own (fewer) heads.
+  An executor may claim it and hand K/V with H_kv heads straight to its kernel (cuDNN does grouped
+  heads natively, returning dK/dV with H_kv heads). Where no executor claims it, thunder decomposes
+  it into exactly torch's definition of ``enable_gqa``: K and V ``repeat_interleave``'d over the head
+  groups (dim -3), then ``ltorch.scaled_dot_product_attention``, which sdpaex/torchex/others claim.
+
+:class:`RepeatKVToGQA` is a thunder transform that finds K/V repeated over head groups feeding an
+SDPA (transformers' repeat_kv, LitGPT's ``repeat_interleave``, plain ``expand`` + ``reshape``) and
+rewrites the SDPA to :data:`sdpa_gqa` on the un-repeated K/V, before autodiff, so neither the forward
+nor the backward materialize the repeat when an executor claims the GQA symbol natively.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from ._compat import prepare_and_import_thunder
+
+prepare_and_import_thunder()
+
+import thunder.core.dtypes as dtypes  # noqa: E402
+import thunder.core.utils as utils  # noqa: E402
+import thunder.torch as ltorch  # noqa: E402
+from thunder.core.jit_ext import (  # noqa: E402
+    _general_jit_lookaside_map,
+    ensure_recursive_proxies,
+    interpreter_needs_wrap,
+    record_source_loc_in_symbol_header,
+)
+import thunder.core.prims as prims  # noqa: E402
+from thunder.core.prims import OpTags  # noqa: E402
+from thunder.core.proxies import TensorProxy, variableify  # noqa: E402
+from thunder.core.symbol import BoundSymbol, Symbol  # noqa: E402
+from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, tracectx  # noqa: E402
+from thunder.core.transform_common import Transform  # noqa: E402
+from thunder.transforms.autocast import autocast_impls, maybe_downcast_to  # noqa: E402
+
+__all__ = [
+    "GQA_SYMBOL_ID",
+    "GQAArgs",
+    "RepeatKVToGQA",
+    "gqa_arguments",
+    "register",
+    "registered",
+    "sdpa_gqa",
+    "torch_sdpa",
+    "unregister",
+]
+
+GQA_SYMBOL_ID = "cudnn_safe.sdpa_gqa"
+
+# Eager's message (aten/src/ATen/native/transformers/attention.cpp, torch 2.11) is cut short after
+# "in "; we give the same text as its prefix so `match=` on eager's message matches ours too.
+_EAGER_HEADS_MESSAGE = "Number of heads in key and value must divide the number of heads in "
+
+_TORCH_SDPA = torch.nn.functional.scaled_dot_product_attention
+
+
+class GQAArgs(NamedTuple):
+    """The arguments of one :data:`sdpa_gqa` call, normalized (positional or keyword alike)."""
+
+    query: Any
+    key: Any
+    value: Any
+    attn_mask: Any
+    dropout_p: Any
+    is_causal: Any
+    scale: Any
+    enable_gqa: bool
+
+
+def gqa_arguments(
+    query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: Any = 0.0, is_causal: Any = False,
+    scale: Any = None, enable_gqa: bool = True,
+) -> GQAArgs:
+    """Normalize the arguments of a :data:`sdpa_gqa` call (e.g. in an executor's checker or transforms).
+
+    ``thunder_cudnn_safe.gqa.gqa_arguments(*bsym.args, **bsym.kwargs)`` gives
+    ``(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)``; key and value keep
+    their own (H_kv) heads.
+    """
+    return GQAArgs(query, key, value, attn_mask, dropout_p, is_causal, scale, bool(enable_gqa))
+
+
+def _heads(t: Any) -> int:
+    return t.shape[-3]
+
+
+def _check_gqa_shapes(query: Any, key: Any, value: Any) -> tuple[int, int]:
+    """Eager's checks for ``enable_gqa=True``; returns the repeat counts for key and value."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        utils.check(
+            t.ndim >= 3,
+            lambda: f"scaled_dot_product_attention(enable_gqa=True): {name} has {t.ndim} dims, needs >= 3 "
+            "(heads are dim -3)",
+            IndexError,
+        )
+    hq, hk, hv = _heads(query), _heads(key), _heads(value)
+    utils.check(
+        hk > 0 and hv > 0 and hq % hk == 0 and hq % hv == 0,
+        lambda: f"{_EAGER_HEADS_MESSAGE}query (query has {hq} heads, key {hk}, value {hv})",
+        RuntimeError,
+    )
+    return hq // hk, hq // hv
+
+
+@ltorch.torchsymbol(id=GQA_SYMBOL_ID, tags=(OpTags.DONT_AUTO_RECOMPUTE_IN_BACKWARD,))
+def sdpa_gqa(
+    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=True
+):
+    """SDPA with K/V holding H_kv heads, H_kv dividing H_q (torch's ``enable_gqa=True``).
+
+    The body is the decomposition used where no executor claims the symbol: torch's definition of
+    ``enable_gqa`` (``repeat_interleave(H_q // H_kv, dim=-3)`` on key and value), then
+    ``ltorch.scaled_dot_product_attention``, so every executor that claims plain SDPA keeps working
+    and numerics match eager.
+    """
+    # The ThunderFX splitter hands constants over as static proxies (an IntegerProxy of bool type).
+    utils.check(bool(enable_gqa), lambda: f"{GQA_SYMBOL_ID} needs enable_gqa=True, got {enable_gqa!r}")
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        utils.check(
+            dtypes.is_float_dtype(t.dtype),
+            lambda: f"{name}.dtype={t.dtype} is expected to be a floating type",
+            ValueError,
+        )
+    rep_k, rep_v = _check_gqa_shapes(query, key, value)
+    if rep_k != 1:
+        key = ltorch.repeat_interleave(key, rep_k, -3)
+    if rep_v != 1:
+        value = ltorch.repeat_interleave(value, rep_v, -3)
+    return ltorch.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale)
+
+
+def torch_sdpa(
+    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False
+):
+    """thunder's translation of ``torch.nn.functional.scaled_dot_product_attention`` once registered.
+
+    Same signature as eager (``scale`` and ``enable_gqa`` keyword-only). Without grouped heads it is
+    exactly thunder's own translation (``ltorch.scaled_dot_product_attention``); with them it is
+    :data:`sdpa_gqa`.
+    """
+    if enable_gqa:
+        rep_k, rep_v = _check_gqa_shapes(query, key, value)
+        if rep_k != 1 or rep_v != 1:
+            return sdpa_gqa(query, key, value, attn_mask, dropout_p, is_causal, scale, True)
+    return ltorch.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale)
+
+
+def _autocast_sdpa_gqa(
+    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=True, *, dtype
+):
+    """Autocast rule, the same as thunder's for plain SDPA (q, k, v downcast; the mask untouched)."""
+    q, k, v = maybe_downcast_to(dtype, (query, key, value))
+    return sdpa_gqa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+# -- registration with thunder --------------------------------------------------------------
+# thunder reads the torch -> thunder mapping in two places: thunder.torch's map (the ThunderFX
+# splitter, thunder.examine) and jit_ext's lookaside map, which thunder.jit's interpreter uses and
+# which jit_ext copied from the first map at import. Both must change, and both must come back.
+_saved: dict[str, Any] | None = None
+
+
+def _lookaside(fn: Callable) -> Callable:
+    return ensure_recursive_proxies(interpreter_needs_wrap(record_source_loc_in_symbol_header(fn)))
+
+
+def register() -> None:
+    """Make thunder translate ``F.scaled_dot_product_attention`` with :func:`torch_sdpa` (idempotent)."""
+    global _saved
+    if _saved is not None:
+        return
+    _saved = {
+        "map": ltorch._torch_to_thunder_function_map.get(_TORCH_SDPA),
+        "lookaside": _general_jit_lookaside_map.get(_TORCH_SDPA),
+        "autocast": autocast_impls.get(GQA_SYMBOL_ID),
+    }
+    ltorch._torch_to_thunder_function_map[_TORCH_SDPA] = torch_sdpa
+    _general_jit_lookaside_map[_TORCH_SDPA] = _lookaside(torch_sdpa)
+    autocast_impls[GQA_SYMBOL_ID] = _autocast_sdpa_gqa
+
+
+def _restore(mapping: dict, key: Any, value: Any) -> None:
+    if value is None:
+        mapping.pop(key, None)
+    else:
+        mapping[key] = value
+
+
+def unregister() -> None:
+    """Put back thunder's own translation of ``F.scaled_dot_product_attention`` (idempotent)."""
+    global _saved
+    if _saved is None:
+        return
+    _restore(ltorch._torch_to_thunder_function_map, _TORCH_SDPA, _saved["map"])
+    _restore(_general_jit_lookaside_map, _TORCH_SDPA, _saved["lookaside"])
+    _restore(autocast_impls, GQA_SYMBOL_ID, _saved["autocast"])
+    _saved = None
+
+
+def registered() -> bool:
+    """Whether :func:`register` is in effect."""
+    return _saved is not None
+
+
+def is_sdpa_gqa(sym: Symbol) -> bool:
+    """Whether ``sym`` is :data:`sdpa_gqa` (executors key implementations by symbol id)."""
+    return sym.id == GQA_SYMBOL_ID
+
+
+# -- seeing through repeat_kv -----------------------------------------------------------------
+# The repeats people write all lower to two thunder prims, broadcast_in_dim and reshape:
+#   transformers' repeat_kv  x[:, :, None, :, :].expand(b, h, n, s, d).reshape(b, h * n, s, d)
+#   LitGPT                   x.repeat_interleave(n, dim=1)   (thunder: unsqueeze, expand, reshape)
+#   plain torch              x.unsqueeze(2).expand(...).flatten(1, 2), x.view(b, h, 1, s, d).expand(...)...,
+#                            and x.expand(b, h, s, d) for a single K/V head (MQA)
+# Instead of matching each spelling, the chain of those prims is followed symbolically: every dim of
+# a tensor is a list of factors, each either a dim of the base tensor X ("x", i, size) or a broadcast
+# ("b", size) whose index is not read. A repeat over head groups is exactly the case where the head
+# dim of the result is [X's head dim, broadcast of n] (X's head outer, so head h reads X's head
+# h // n: torch's repeat_interleave, what enable_gqa means) and every other dim is X's own. A tile
+# (x.repeat(1, n, 1, 1): broadcast outer) gives [broadcast, X's head] and is rejected: it is not GQA.
+_Factor = tuple  # ("x", dim, size) | ("b", -1, size)
+_Dims = list  # list[list[_Factor]]
+_VIEW_PRIMS = frozenset({prims.PrimIDs.BROADCAST_IN_DIM, prims.PrimIDs.RESHAPE, prims.PrimIDs.SHALLOW_COPY})
+
+
+def _initial_dims(shape: tuple[int, ...]) -> _Dims:
+    return [[("x", i, s)] if s != 1 else [] for i, s in enumerate(shape)]
+
+
+def _merge_broadcasts(dims: _Dims) -> _Dims:
+    merged = []
+    for factors in dims:
+        out: list = []
+        for f in factors:
+            if f[0] == "b" and out and out[-1][0] == "b":
+                out[-1] = ("b", -1, out[-1][2] * f[2])
+            else:
+                out.append(f)
+        merged.append(out)
+    return merged
+
+
+def _apply_broadcast_in_dim(dims: _Dims, in_shape, out_shape, bdims) -> _Dims | None:
+    out: _Dims = [[("b", -1, s)] if s != 1 else [] for s in out_shape]
+    for i, o in enumerate(bdims):
+        if in_shape[i] == out_shape[o]:
+            out[o] = list(dims[i])
+        elif in_shape[i] == 1:
+            out[o] = [("b", -1, out_shape[o])]
+        else:
+            return None
+    return out
+
+
+def _apply_reshape(dims: _Dims, out_shape) -> _Dims | None:
+    flat = [f for factors in dims for f in factors]
+    out: _Dims = []
+    for size in out_shape:
+        group: list = []
+        product = 1
+        while product < size:
+            if not flat:
+                return None
+            f = flat.pop(0)
+            group.append(f)
+            product *= f[2]
+        if product != size:  # the reshape splits a factor: not a pattern we can see through
+            return None
+        out.append(group)
+    return None if flat else out
+
+
+def _leaf_prims(bsym: BoundSymbol) -> list[BoundSymbol]:
+    """The primitives ``bsym`` lowers to that produce tensors (metadata queries such as
+    ``prims.shape``, which getitem records, cannot change a value and are left out)."""
+    if not bsym.subsymbols:
+        has_tensor_out = any(isinstance(o, TensorProxy) for o in bsym.flat_proxy_outs)
+        return [bsym] if has_tensor_out else []
+    return [leaf for sub in bsym.subsymbols for leaf in _leaf_prims(sub)]
+
+
+def _tensor_args(bsym: BoundSymbol) -> list[TensorProxy]:
+    return [a for a in bsym.flat_proxy_args if isinstance(a, TensorProxy)]
+
+
+def _view_chain(t: TensorProxy, producers) -> list[tuple[TensorProxy, list[BoundSymbol]]]:
+    """``[(input, leaf prims), ...]``, farthest first, of the view-only bound symbols producing ``t``."""
+    chain: list[tuple[TensorProxy, list[BoundSymbol]]] = []
+    current = t
+    while True:
+        bsym = producers.get(current, None)
+        if bsym is None:
+            break
+        inputs = _tensor_args(bsym)
+        leaves = _leaf_prims(bsym)
+        if len(inputs) != 1 or not leaves or not all(leaf.sym.id in _VIEW_PRIMS for leaf in leaves):
+            break
+        chain.insert(0, (inputs[0], leaves))
+        current = inputs[0]
+    return chain
+
+
+def _follow(base: TensorProxy, leaves: list[BoundSymbol], result: TensorProxy) -> _Dims | None:
+    """The factors of ``result``'s dims as a function of ``base``, through a linear chain of view prims."""
+    if any(s == 0 for s in base.shape):
+        return None
+    dims = _initial_dims(tuple(base.shape))
+    current = base
+    for leaf in leaves:
+        args = leaf.args
+        if not args or not isinstance(args[0], TensorProxy) or args[0].name != current.name:
+            return None
+        if leaf.sym.id == prims.PrimIDs.BROADCAST_IN_DIM:
+            dims = _apply_broadcast_in_dim(dims, tuple(args[0].shape), tuple(args[1]), tuple(args[2]))
+        elif leaf.sym.id == prims.PrimIDs.RESHAPE:
+            dims = _apply_reshape(dims, tuple(args[1]))
+        if dims is None:
+            return None
+        current = leaf.output
+    if current.name != result.name:
+        return None
+    return _merge_broadcasts(dims)
+
+
+def _head_repeat(base: TensorProxy, dims: _Dims, result: TensorProxy) -> int | None:
+    """n if ``result`` is ``base`` repeat_interleave'd n times (n > 1) over dim -3, else None."""
+    if base.ndim != result.ndim or base.ndim < 3:
+        return None
+    h = base.ndim - 3
+    hb, hr = base.shape[h], result.shape[h]
+    if hr % hb or hr == hb:
+        return None
+    n = hr // hb
+    expected = _initial_dims(tuple(base.shape))
+    expected[h] = expected[h] + [("b", -1, n)]
+    return n if dims == expected else None
+
+
+def find_head_repeat(t: TensorProxy, producers) -> tuple[TensorProxy, int] | None:
+    """``(X, n)`` when ``t`` is X repeated over head groups (X's head h read by heads h*n .. h*n+n-1).
+
+    The farthest such X wins, so stacked repeats all disappear.
+    """
+    chain = _view_chain(t, producers)
+    for i, (base, _) in enumerate(chain):
+        leaves = [leaf for _, ls in chain[i:] for leaf in ls]
+        dims = _follow(base, leaves, t)
+        if dims is None:
+            continue
+        n = _head_repeat(base, dims, t)
+        if n is not None:
+            return base, n
+    return None
+
+
+class RepeatKVToGQA(Transform):
+    """Rewrite SDPA on K/V repeated over head groups into :data:`sdpa_gqa` on the un-repeated K/V.
+
+    Pass it to ``thunder.jit(fn, transforms=[RepeatKVToGQA()])`` or ``thunderfx(fn,
+    transforms=[RepeatKVToGQA()])`` (``ThunderCompiler(transforms=...)``). It runs on the
+    computation trace before autodiff (``transform_traces_pre_prologue``), so the backward is built
+    from the rewritten call and never sees the repeat. Only the SDPA's operands change: the repeat
+    stays in the trace for every other consumer and is dropped by dead-code elimination when there
+    is none.
+
+    Rewritten where key and value are both repeats of tensors with H_kv heads by the same factor
+    n > 1 (repeat_interleave order) and the query has H_kv * n heads. Where no executor claims
+    :data:`sdpa_gqa`, its decomposition is that same repeat followed by the same SDPA, so numerics do
+    not change.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rewritten = 0  # SDPA calls rewritten by the last application (for tests and explain)
+
+    def _plan(self, bsym: BoundSymbol, producers) -> GQAArgs | None:
+        try:
+            call = _sdpa_arguments(*bsym.args, **bsym.kwargs)
+        except TypeError:
+            return None
+        q, k, v = call.query, call.key, call.value
+        if not all(isinstance(t, TensorProxy) for t in (q, k, v)) or q.ndim < 3:
+            return None
+        found_k, found_v = find_head_repeat(k, producers), find_head_repeat(v, producers)
+        if found_k is None or found_v is None:
+            return None
+        (base_k, n_k), (base_v, n_v) = found_k, found_v
+        if n_k != n_v or base_k.shape[-3] != base_v.shape[-3] or q.shape[-3] != k.shape[-3]:
+            return None
+        return call._replace(key=base_k, value=base_v, enable_gqa=True)
+
+    def transform_traces_pre_prologue(
+        self, prologue_trace: TraceCtx, computation_trace: TraceCtx, epilogue_trace: TraceCtx | None, **kwargs
+    ):
+        from thunder.core.utils import producers as find_producers
+
+        self.rewritten = 0
+        producers = find_producers(computation_trace)
+        new_trace = from_trace(computation_trace)
+        new_bsyms: list[BoundSymbol] = []
+        for bsym in computation_trace.bound_symbols:
+            plan = self._plan(bsym, producers) if bsym.sym.id == ltorch.scaled_dot_product_attention.id else None
+            if plan is None:
+                new_bsyms.append(bsym)
+                continue
+            with tracectx(new_trace):
+                new_trace.push_scope([])
+                out = sdpa_gqa(*plan)
+                (gqa_bsym,) = new_trace.pop_scope()
+            # Keep the original output proxy so every consumer (and the return) is untouched.
+            gqa_bsym = gqa_bsym.from_bsym_swap_proxies({variableify(out): bsym.output}, skip_inputs=True)
+            new_bsyms.append(
+                gqa_bsym.from_bsym(
+                    header=bsym.header, source_filename=bsym.source_filename,
+                    source_positions=bsym.source_positions,
+                )
+            )
+            self.rewritten += 1
+        if not self.rewritten:
+            return prologue_trace, computation_trace, epilogue_trace
+        new_trace.bound_symbols = new_bsyms
+        new_trace.set_provenance(TraceProvenance(f"RepeatKVToGQA ({self.rewritten} SDPA call(s) on un-repeated K/V)"))
+        return prologue_trace, new_trace, epilogue_trace
+
+
+def _sdpa_arguments(
+    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None
+) -> GQAArgs:
+    return GQAArgs(query, key, value, attn_mask, dropout_p, is_causal, scale, False)
