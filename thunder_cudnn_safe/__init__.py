@@ -18,12 +18,17 @@ from ._version import __version__  # noqa: E402
 from .cache import CacheInfo, CachedGraph, cache_info, cached_graphs, clear_cache, set_cache_size  # noqa: E402
 from .emulation import set_emulated_target  # noqa: E402
 from .errors import EmulationError, GraphBuildError  # noqa: E402
+from . import gqa  # noqa: E402
 from .executor import cudnn_safe_ex, emulated_ex, explain  # noqa: E402
+from .gqa import RepeatKVToGQA  # noqa: E402
 from .install import drop_broken_builtin_cudnn_executor, install, installed, uninstall  # noqa: E402
 from .layout import LayoutPolicy  # noqa: E402
 from .telemetry import CopyStats, copy_stats, reset_copy_stats  # noqa: E402
 
 drop_broken_builtin_cudnn_executor()
+# enable_gqa traces under thunder.jit and stays in thunder's region under ThunderFX (see gqa.py);
+# gqa.unregister() undoes it.
+gqa.register()
 
 __all__ = [
     "FRONTEND",
@@ -33,6 +38,7 @@ __all__ = [
     "EmulationError",
     "GraphBuildError",
     "LayoutPolicy",
+    "RepeatKVToGQA",
     "__version__",
     "cache_info",
     "cached_graphs",

@@ -78,6 +78,14 @@ MLA_192_128_BLACKWELL = Rule(
     arch_major=10,
     min_backend=91100,
 )
+GROUPED_KV_HEADS = Rule(
+    "GROUPED_KV_HEADS",
+    "K and V may have H_kv heads where H_kv divides H_q (MQA/GQA), forward and backward; dK/dV come back "
+    "with H_kv heads",
+    "cuDNN developer guide, 'Fused Flash Attention' (h_k, h_v divide h_q); PyTorch's cuDNN attention uses it "
+    "since 2025; accepted by cuDNN 9.19's validate at sm80-sm120 (the lowering sweep)",
+    min_arch=(8, 0),
+)
 BACKWARD_SEQ_1 = Rule(
     "BACKWARD_SEQ_1",
     "sdpa_backward refuses s_q = s_kv = 1 (the forward accepts it)",
@@ -122,6 +130,7 @@ RULES: tuple[Rule, ...] = (
     UNEQUAL_HEAD_DIMS,
     MLA_192_128_HOPPER,
     MLA_192_128_BLACKWELL,
+    GROUPED_KV_HEADS,
     BACKWARD_SEQ_1,
     DETERMINISTIC_BACKWARD_BLACKWELL,
     DO_OWN_STRIDES,

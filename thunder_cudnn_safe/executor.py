@@ -33,7 +33,7 @@ from thunder.core.transforms import get_grad, put_grad, put_grads  # noqa: E402
 from thunder.extend import OperatorExecutor, register_executor  # noqa: E402
 
 from ._version import __version__  # noqa: E402
-from . import emulation  # noqa: E402
+from . import emulation, gqa  # noqa: E402
 from .dispatch import Dispatcher  # noqa: E402
 from .layout import LayoutPolicy, same_size_except_heads  # noqa: E402
 from .runtime import CudnnRuntime, Runtime  # noqa: E402
@@ -80,7 +80,7 @@ def _to_torch_device(device: Any) -> torch.device:
 
 def reasons_for(
     runtime: Runtime, query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: Any = 0.0,
-    is_causal: Any = False, scale: Any = None, deterministic: bool = False,
+    is_causal: Any = False, scale: Any = None, deterministic: bool = False, enable_gqa: bool = False,
 ) -> list[Decline]:
     """Why ``runtime``'s executor would not claim this call (tensors or proxies)."""
     problem = runtime.environment_problem()
@@ -90,6 +90,7 @@ def reasons_for(
     return not_supported_reasons(
         query, key, value, attn_mask, dropout_p, is_causal, scale,
         target=target, device_type=runtime.device_type, environment_problem=problem, deterministic=deterministic,
+        enable_gqa=enable_gqa,
     )
 
 
@@ -143,9 +144,11 @@ def make_executor(name: str, runtime: Runtime) -> OperatorExecutor:
     ex.sdpa_fwd = fwd
     ex.sdpa_bwd = bwd
 
-    def checker(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None) -> bool:
+    def checker(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False) -> bool:
         deterministic = _bool_option("cudnn_safe_deterministic", _DETERMINISTIC_DOC)
-        return not reasons_for(runtime, query, key, value, attn_mask, dropout_p, is_causal, scale, deterministic)
+        return not reasons_for(
+            runtime, query, key, value, attn_mask, dropout_p, is_causal, scale, deterministic, bool(enable_gqa)
+        )
 
     def execution_transform(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None):
         return fwd(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, layout=_layout_option())[0]
@@ -192,6 +195,27 @@ def make_executor(name: str, runtime: Runtime) -> OperatorExecutor:
         execution_transform=execution_transform,
         grad_transform=grad_transform,
     )
+
+    # Grouped-query attention (thunder_cudnn_safe.gqa.sdpa_gqa): K and V keep their H_kv heads all
+    # the way to cuDNN, which returns dK/dV with H_kv heads; the same operators serve both.
+    def gqa_checker(*args, **kwargs) -> bool:
+        a = gqa.gqa_arguments(*args, **kwargs)
+        return checker(a.query, a.key, a.value, a.attn_mask, a.dropout_p, a.is_causal, scale=a.scale, enable_gqa=True)
+
+    def gqa_execution_transform(*args, **kwargs):
+        a = gqa.gqa_arguments(*args, **kwargs)
+        return execution_transform(a.query, a.key, a.value, a.attn_mask, a.dropout_p, a.is_causal, scale=a.scale)
+
+    def gqa_grad_transform(*args, **kwargs):
+        a = gqa.gqa_arguments(*args, **kwargs)
+        return grad_transform(a.query, a.key, a.value, a.attn_mask, a.dropout_p, a.is_causal, scale=a.scale)
+
+    ex.register_implementation(
+        gqa.sdpa_gqa,
+        checker=gqa_checker,
+        execution_transform=gqa_execution_transform,
+        grad_transform=gqa_grad_transform,
+    )
     return ex
 
 
@@ -213,12 +237,14 @@ def explain(
     *,
     executor: OperatorExecutor | str | None = None,
     deterministic: bool = False,
+    enable_gqa: bool = False,
 ) -> list[Decline]:
     """Human-readable reasons why ``executor`` (default: ``cudnn_safe_ex``) would not claim this call.
 
     An empty list means it would. Works on real tensors of any device and on thunder
     proxies; the executors' checkers use the same function. ``deterministic`` stands for
-    the ``cudnn_safe_deterministic`` compile option (the checker reads it from thunder).
+    the ``cudnn_safe_deterministic`` compile option (the checker reads it from thunder);
+    ``enable_gqa`` as torch's (K/V with fewer heads, a divisor of the query's).
     Each reason is a :class:`~thunder_cudnn_safe.support.Decline`: a ``str`` with ``.code``
     and ``.rule`` (the :mod:`~thunder_cudnn_safe.cudnn_rules` entry behind it, if any).
     """
@@ -228,7 +254,9 @@ def explain(
             continue
         if not all(hasattr(t, attr) for attr in ("shape", "dtype", "device")) or not hasattr(t.device, "type"):
             raise TypeError(f"explain(): {name} must be a torch tensor or a thunder TensorProxy, got {type(t).__name__}")
-    return reasons_for(ex.runtime, query, key, value, attn_mask, dropout_p, is_causal, scale, bool(deterministic))
+    return reasons_for(
+        ex.runtime, query, key, value, attn_mask, dropout_p, is_causal, scale, bool(deterministic), bool(enable_gqa)
+    )
 
 
 def _resolve_executor(executor: OperatorExecutor | str | None) -> OperatorExecutor:

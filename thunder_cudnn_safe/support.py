@@ -165,12 +165,16 @@ def not_supported_reasons(
     device_type: str,
     environment_problem: str | None = None,
     deterministic: bool = False,
+    enable_gqa: bool = False,
 ) -> list[Decline]:
     """Every reason the executor for ``device_type`` on ``target`` would not claim this call.
 
     ``environment_problem`` is a reason the runtime cannot work at all here (no frontend,
     no libcudnn); ``target`` may then be None. ``deterministic`` is the
     ``cudnn_safe_deterministic`` compile option (it changes which backwards cuDNN builds).
+    ``enable_gqa``: K and V may have fewer heads than the query, a divisor of them
+    (:data:`~thunder_cudnn_safe.cudnn_rules.GROUPED_KV_HEADS`); without it they must have the
+    query's heads or one (broadcast).
     """
     reasons: list[Decline] = []
     if environment_problem:
@@ -199,7 +203,15 @@ def not_supported_reasons(
         reasons.append(Decline(DeclineCode.SHAPE, f"query head dim {d_qk} != key head dim {dk}"))
     if s != sv:
         reasons.append(Decline(DeclineCode.SHAPE, f"key length {s} != value length {sv}"))
-    if hk != hv or hk not in (1, h):
+    if enable_gqa:
+        if hk != hv or hk == 0 or h % hk:
+            reasons.append(Decline(
+                DeclineCode.SHAPE, f"enable_gqa: key/value heads ({hk}, {hv}) must be equal and divide the query heads ({h})",
+                cudnn_rules.GROUPED_KV_HEADS,
+            ))
+        elif target is not None and not cudnn_rules.GROUPED_KV_HEADS.holds(target):
+            reasons.append(Decline(DeclineCode.ARCH, "grouped K/V heads need cuDNN flash attention (sm80+)", cudnn_rules.GROUPED_KV_HEADS))
+    elif hk != hv or hk not in (1, h):
         reasons.append(Decline(DeclineCode.SHAPE, f"key/value heads ({hk}, {hv}) must both equal the query heads ({h}) or be 1 (broadcast)"))
     if 0 in (b, h, lq, s, d_qk, d_v):
         reasons.append(Decline(DeclineCode.EMPTY, f"empty input (batch {b}, heads {h}, query length {lq}, key length {s}): nothing for cuDNN to do"))
