@@ -9,6 +9,8 @@ import thunder
 import torch
 import torch.nn.functional as F
 
+import thunder_cudnn_safe as tcs
+
 from thunder_cudnn_safe.testing import assert_close_to_reference, check_against_eager, jit_with_ours
 
 
@@ -74,3 +76,84 @@ def test_finite_sentinel_fully_masked_row_forward_averages_v_like_eager(fresh_ca
     out = jit_with_ours(lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m))(q, k, v, m)
     ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=m.double())
     assert_close_to_reference(out, F.scaled_dot_product_attention(q, k, v, attn_mask=m), ref, "output")
+
+
+def _count_backward_executions(runtime):
+    from thunder_cudnn_safe.keys import BackwardKey
+
+    counts = []
+    real = runtime.execute
+    runtime.execute = lambda built, pack: (counts.append(1) if isinstance(built.key, BackwardKey) else None) or real(built, pack)
+    return counts
+
+
+def test_a_used_mask_gradient_costs_no_second_backward(fresh_cache):
+    """T5/Swin-style learned bias in 3 layers: one cuDNN backward per layer computes dQ, dK, dV and dBias
+    together (it used to run the backward graph twice per layer: once without, once with dBias)."""
+    h, n, layers = 2, 16, 3
+    idx = (torch.arange(n)[None, :] - torch.arange(n)[:, None]).clamp(-7, 7) + 7
+    q = torch.randn(1, h, n, 32, dtype=torch.float16, requires_grad=True)
+    w = (torch.randn(15, h, dtype=torch.float16) * 0.5).requires_grad_()
+
+    def f(q, w):
+        bias = F.embedding(idx, w).permute(2, 0, 1).unsqueeze(0)
+        x = q
+        for _ in range(layers):
+            x = F.scaled_dot_product_attention(x, x, x, attn_mask=bias)
+        return x
+
+    runtime = tcs.emulated_ex.runtime
+    counts = _count_backward_executions(runtime)
+    try:
+        jf = jit_with_ours(f)
+        check_against_eager(jf, (q, w), torch.randn(1, h, n, 32, dtype=torch.float16), f, [q, w])
+    finally:
+        del runtime.execute
+    assert len(counts) == layers, f"{len(counts)} backward executions for {layers} attention layers"
+    bwd = str(thunder.last_backward_traces(jf)[-1])
+    assert bwd.count("cudnn_safe_emulated_sdpa_bwd_mask(") == layers
+
+
+def test_one_boolean_mask_is_converted_once_per_step(fresh_cache):
+    """transformers under ThunderFX passes one boolean causal mask to every layer: it used to be
+    converted to a bias on every forward and every backward (2 x layers conversions per step)."""
+    layers = 4
+    q = torch.randn(2, 2, 16, 32, dtype=torch.float16, requires_grad=True)
+    mask = torch.ones(2, 1, 16, 16, dtype=torch.bool).tril()
+
+    def f(q, m):
+        x = q
+        for _ in range(layers):
+            x = F.scaled_dot_product_attention(x, x, x, attn_mask=m)
+        return x
+
+    jf = jit_with_ours(f)
+    jf(q, mask).sum().backward()  # warm-up step (traces, graphs)
+    tcs.reset_copy_stats()
+    before = tcs.mask_cache_info()
+    mask = torch.ones(2, 1, 16, 16, dtype=torch.bool).tril()  # a new step builds a new mask tensor
+    out = jf(q, mask)
+    out.backward(torch.randn_like(out))
+    conversions = {k: v for k, v in tcs.copy_stats().by_reason.items() if k[0] == "attn_mask"}
+    assert [count for count, _ in conversions.values()] == [1], conversions
+    info = tcs.mask_cache_info()
+    assert info.conversions - before.conversions == 1 and info.hits - before.hits == 2 * layers - 1, info
+    assert info.bytes_held <= 2 * 16 * 16 * 2 * 2, info  # at most this step's bias and the last step's (until freed)
+    del out, mask, jf
+    import gc
+
+    gc.collect()
+    assert tcs.mask_cache_info().entries == 0, "a converted bias outlived its mask"
+
+
+def test_a_mask_modified_in_place_is_converted_again(fresh_cache):
+    q, k, v = (torch.randn(1, 2, 8, 32, dtype=torch.float16) for _ in range(3))
+    mask = torch.ones(8, 8, dtype=torch.bool)
+    disp = tcs.emulated_ex.dispatcher
+    out1 = disp.forward(q, k, v, mask)[0]
+    mask[:, 4:] = False
+    out2 = disp.forward(q, k, v, mask)[0]
+    ref2 = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask)
+    assert (out2.double() - ref2).abs().max() < 1e-2
+    assert not torch.allclose(out1, out2)
+    assert tcs.mask_cache_info().conversions == 2

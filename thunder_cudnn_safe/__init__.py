@@ -23,6 +23,7 @@ from .executor import cudnn_safe_ex, emulated_ex, explain  # noqa: E402
 from .gqa import RepeatKVToGQA  # noqa: E402
 from .install import drop_broken_builtin_cudnn_executor, install, installed, uninstall  # noqa: E402
 from .layout import LayoutPolicy  # noqa: E402
+from .masks import MaskCacheInfo, mask_cache_info  # noqa: E402
 from .telemetry import CopyStats, copy_stats, reset_copy_stats  # noqa: E402
 
 drop_broken_builtin_cudnn_executor()
@@ -38,6 +39,7 @@ __all__ = [
     "EmulationError",
     "GraphBuildError",
     "LayoutPolicy",
+    "MaskCacheInfo",
     "RepeatKVToGQA",
     "__version__",
     "cache_info",
@@ -49,6 +51,7 @@ __all__ = [
     "explain",
     "install",
     "installed",
+    "mask_cache_info",
     "reset_copy_stats",
     "set_cache_size",
     "set_emulated_target",

@@ -39,6 +39,7 @@ from .layout import (
     strides_like_order,
     with_canonical_strides,
 )
+from .masks import converted_masks, to_bias
 from .telemetry import CopyReason, copy_counter
 
 
@@ -98,6 +99,9 @@ def prepare_mask(
     * a floating mask of another dtype is converted to the query dtype (cuDNN's bias has the
       io dtype), a copy;
     * a mask broadcast over query or key positions is materialized, a copy.
+
+    Each conversion is made once per distinct mask tensor and state
+    (:mod:`thunder_cudnn_safe.masks`) and reused by every layer and the backward.
     """
     m = mask
     while m.dim() < 4:
@@ -108,16 +112,22 @@ def prepare_mask(
                 m = m.narrow(d, 0, 1)
     _, _, lq, s = full
     shape = (m.shape[0], m.shape[1], lq, s)
-    if m.dtype == torch.bool:
-        bias = empty_in_order(shape, range(4), q_dtype, m.device)
-        bias.zero_().masked_fill_(~m.expand(shape), float("-inf"))
-        _record("attn_mask", CopyReason.BOOL_MASK, m, bias)
-        m = bias
-    elif tuple(m.shape) != shape or m.dtype != q_dtype:
-        bias = empty_in_order(shape, range(4), q_dtype, m.device)
-        bias.copy_(m.expand(shape))
-        _record("attn_mask", CopyReason.MASK_DTYPE if m.dtype != q_dtype else CopyReason.MASK_BROADCAST, m, bias)
-        m = bias
+    if m.dtype == torch.bool or tuple(m.shape) != shape or m.dtype != q_dtype:
+        reason = (
+            CopyReason.BOOL_MASK if m.dtype == torch.bool
+            else CopyReason.MASK_DTYPE if m.dtype != q_dtype else CopyReason.MASK_BROADCAST
+        )
+        view = m
+
+        def convert() -> torch.Tensor:
+            bias = to_bias(view, shape, q_dtype, empty_in_order(shape, range(4), q_dtype, view.device))
+            _record("attn_mask", reason, view, bias)
+            return bias
+
+        # Converted once per distinct mask tensor (and state): reused across layers and by
+        # the backward. A mask that needs a gradient is per call (its value is the input).
+        how = (shape, q_dtype, needs_grad, tuple(m.shape), m.stride(), m.storage_offset())
+        m = convert() if needs_grad else converted_masks.get(mask, how, convert)
     return prepare_operand(m, "attn_mask", policy)
 
 

@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 
 from ._env import CACHE_SIZE_ENV, env_value, positive_int
 from .errors import GraphBuildError
+from .masks import converted_masks
 from .telemetry import forget_warnings
 
 DEFAULT_CACHE_SIZE = 1024
@@ -200,8 +201,10 @@ def cache_info() -> CacheInfo:
 
 
 def clear_cache() -> None:
-    """Drop every cached graph (and remembered failure), zero the counters, show fallback warnings again."""
+    """Drop every cached graph (and remembered failure) and converted mask, zero the counters, show
+    fallback warnings again."""
     graph_cache.clear()
+    converted_masks.clear()
     forget_warnings("fallback")
 
 

@@ -10,6 +10,8 @@ thunder's operators return: forward outputs, gradients in the shape each input h
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from . import fallback
@@ -33,6 +35,8 @@ class Dispatcher:
         self.binder = Binder()
         #: dropout ForwardKey -> whether the runtime builds its backward (bounded)
         self._dropout_verdicts: dict = {}
+        #: per thread: (call identity, (dq, dk, dv)) of the last mask_gradient call (see there)
+        self._local = threading.local()
 
     def try_runtime(self, bound: Bound) -> bool:
         """Execute ``bound`` on the runtime; False (after a warning once per key) if it refused."""
@@ -151,6 +155,15 @@ class Dispatcher:
         mask_grad: bool = False,
     ) -> tuple[torch.Tensor, ...]:
         """(dq, dk, dv), or (grad_qkv,) when fused, followed by the mask's gradient when ``mask_grad``."""
+        if attn_mask is not None:
+            stash = getattr(self._local, "stash", None)
+            if stash is not None:
+                self._local.stash = None
+                if not (mask_grad or cat_grad_qkv) and stash[0] == _call_identity(
+                    grad_out, query, key, value, attn_mask, dropout_p, is_causal, out, stats, seed, offset,
+                    scale, layout, deterministic,
+                ):
+                    return stash[1]  # computed by mask_gradient, in the same backward pass as dBias
         target = self.runtime.target(query.device)
         bound = self.binder.backward(
             grad_out, query, key, value, attn_mask, dropout_p, is_causal, out, stats, seed, offset,
@@ -181,13 +194,29 @@ class Dispatcher:
     ) -> torch.Tensor:
         """The gradient of a mask computed inside the traced function (see executor.grad_transform).
 
-        Runs the backward graph with dBias again; thunder only keeps this call when the
-        mask's gradient is used, so the common case (a padding mask) never pays for it.
+        thunder only keeps this call when the mask's gradient is used, so the common case (a
+        padding mask) never pays for it. When it runs, it runs the one backward graph with
+        dBias (dQ, dK, dV and dBias together) and keeps dQ, dK, dV for the :meth:`backward`
+        call of the same operands that the grad transform places right after it: that call
+        returns them instead of running the backward a second time. The kept gradients live
+        until the next backward call on this thread.
         """
-        return self.backward(
+        grads = self.backward(
             grad_out, query, key, value, attn_mask, dropout_p, is_causal, out, stats, seed, offset,
             scale=scale, layout=layout, deterministic=deterministic, mask_grad=True,
-        )[-1]
+        )
+        identity = _call_identity(
+            grad_out, query, key, value, attn_mask, dropout_p, is_causal, out, stats, seed, offset, scale, layout,
+            deterministic,
+        )
+        self._local.stash = (identity, grads[:3])
+        return grads[-1]
+
+
+def _call_identity(*args) -> tuple:
+    """The identity of one backward call: each tensor by object and ``_version`` (so an in-place
+    change in between is never mistaken for the same call), every other argument by value."""
+    return tuple((id(a), a._version) if isinstance(a, torch.Tensor) else a for a in args)
 
 
 def _zero_fully_masked_rows(bias: torch.Tensor, out: torch.Tensor, stats: torch.Tensor) -> None:

@@ -168,14 +168,11 @@ def make_executor(name: str, runtime: Runtime) -> OperatorExecutor:
         deterministic = _bool_option("cudnn_safe_deterministic", _DETERMINISTIC_DOC)
         cat = _cat_option() and same_size_except_heads(query, key, value)
         g = get_grad(out)
-        grads = bwd(
-            g, query, key, value, attn_mask, dropout_p, is_causal, out, stats, seed, offset,
-            scale=scale, layout=layout, deterministic=deterministic, cat_grad_qkv=cat, mask_grad=mask_grad,
-        )
-        if mask_grad:
-            put_grad(attn_mask, grads[-1])
-            grads = grads[:-1]
-        elif float_mask:
+        if float_mask and not mask_grad:
+            # Placed before the backward on purpose: when the mask's gradient is used, this one
+            # call computes dQ, dK, dV and dBias in the same cuDNN backward and the backward call
+            # below returns its dQ, dK, dV (Dispatcher.mask_gradient); when it is unused, thunder
+            # drops this call and the backward runs alone, without dBias.
             put_grad(
                 attn_mask,
                 bwd_mask(
@@ -183,6 +180,13 @@ def make_executor(name: str, runtime: Runtime) -> OperatorExecutor:
                     scale=scale, layout=layout, deterministic=deterministic,
                 ),
             )
+        grads = bwd(
+            g, query, key, value, attn_mask, dropout_p, is_causal, out, stats, seed, offset,
+            scale=scale, layout=layout, deterministic=deterministic, cat_grad_qkv=cat, mask_grad=mask_grad,
+        )
+        if mask_grad:
+            put_grad(attn_mask, grads[-1])
+            grads = grads[:-1]
         if cat:
             (grad_qkv,) = grads
             grads = grad_qkv.split([query.shape[1], key.shape[1], value.shape[1]], dim=1)
