@@ -232,16 +232,14 @@ def companion_backward_key(fkey: ForwardKey, query: torch.Tensor, key: torch.Ten
     )
 
 
-def with_grad_out_like_o(bound: Bound) -> Bound | None:
-    """``bound`` with dO copied once into O's exact strides (None if it already has them).
+def with_grad_out_like_o(bound: Bound) -> Bound:
+    """``bound`` with dO copied once into O's exact strides (the caller checks they differ).
 
     The backward of a dropout forward that ran in cuDNN must run in cuDNN: when cuDNN
     refuses the graph for dO's own layout, this is the layout to retry with (the forward
     checked that cuDNN builds it: :func:`companion_backward_key`).
     """
     key, pack = bound.key, bound.pack
-    if key.d_o == key.o:
-        return None
     o, d_o = pack[Uid.O], pack[Uid.DO]
     copy = torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device=o.device)
     copy.copy_(d_o)

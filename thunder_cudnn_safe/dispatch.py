@@ -38,21 +38,22 @@ class Dispatcher:
         #: per thread: (call identity, (dq, dk, dv)) of the last mask_gradient call (see there)
         self._local = threading.local()
 
-    def try_runtime(self, bound: Bound) -> bool:
-        """Execute ``bound`` on the runtime; False (after a warning once per key) if it refused."""
+    def try_runtime(self, bound: Bound, warn: bool = True) -> bool:
+        """Execute ``bound`` on the runtime; False (after a warning once per key, if ``warn``) if it refused."""
         key = bound.key
         try:
             built = self.cache.get_or_build(key, self.runtime.build)
             self.runtime.execute(built, bound.pack)
             return True
         except (GraphBuildError, ExecuteError) as exc:
-            warn_once(
-                ("fallback", self.runtime.name, key),
-                "cudnn_safe: %s refused an attention graph (%s); the call ran on the torch fallback (a refused "
-                "build is remembered, so later calls with this layout do too). Shown once per distinct graph.",
-                self.runtime.name,
-                exc,
-            )
+            if warn:
+                warn_once(
+                    ("fallback", self.runtime.name, key),
+                    "cudnn_safe: %s refused an attention graph (%s); the call ran on the torch fallback (a refused "
+                    "build is remembered, so later calls with this layout do too). Shown once per distinct graph.",
+                    self.runtime.name,
+                    exc,
+                )
             return False
 
     def run_fallback(self, bound: Bound) -> None:
@@ -78,10 +79,10 @@ class Dispatcher:
             if fallback.forward_fell_back(bound.pack[Uid.SEED]):
                 self.run_fallback(bound)
                 return
-            if self.try_runtime(bound):
+            can_retry = key.d_o != key.o
+            if self.try_runtime(bound, warn=not can_retry):
                 return
-            retry = with_grad_out_like_o(bound)
-            if retry is not None and self.try_runtime(retry):
+            if can_retry and self.try_runtime(with_grad_out_like_o(bound)):
                 return
             self.run_fallback(bound)  # raises: the cuDNN forward's mask cannot be reproduced
             return
