@@ -83,6 +83,17 @@ def _gpt2():
     return GPT2Model(cfg)
 
 
+def _gpt2_head_dim_12():
+    """n_embd 48 over 4 heads: head dim 12, which cuDNN does not take (not a multiple of 8)."""
+    from transformers import GPT2Config, GPT2Model
+
+    cfg = GPT2Config(
+        vocab_size=128, n_positions=64, n_embd=48, n_layer=2, n_head=4, use_cache=False,
+        attn_implementation="sdpa", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )
+    return GPT2Model(cfg)
+
+
 def _bert():
     from transformers import BertConfig, BertModel
 
@@ -254,6 +265,7 @@ CASES: dict[str, ModelCase] = {c.name: c for c in [
     ModelCase("mistral", _llm("Mistral", sliding_window=8), _llm_inputs, _hidden, note="GQA, sliding window 8"),
     ModelCase("qwen2", _llm("Qwen2"), _llm_inputs, _hidden, note="GQA, qkv bias"),
     ModelCase("gpt2", _gpt2, _llm_inputs, _hidden, note="causal, fused c_attn"),
+    ModelCase("gpt2_head_dim_12", _gpt2_head_dim_12, _llm_inputs, _hidden, note="head dim 12: declined, runs on thunder's torch path"),
     ModelCase("bert", _bert, _bert_inputs, _hidden, quick=True, note="padding mask"),
     ModelCase("t5", _t5, _t5_inputs, _hidden, quick=True, note="relative position bias with a gradient, cross-attention"),
     ModelCase("vit", _vit, _image, _hidden, note="bidirectional, 17 tokens"),
