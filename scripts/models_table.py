@@ -39,8 +39,11 @@ def _status(rec: dict | None) -> str:
     if status == "pass":
         return f"pass ({rec['worst_ratio']:.2f})"
     if status == "thunder limitation":
-        why = rec.get("error") or f"over the bound: {', '.join(rec.get('over_bound', {}))}"
-        return f"thunder limitation: {why[:80]}"
+        if rec.get("error"):
+            return f"thunder limitation (fails without this executor too): `{rec['error'][:60]}`"
+        over = rec.get("over_bound", {})
+        return (f"thunder limitation: {len(over)} grads over the bound (worst {max(over.values()):.2f}), "
+                f"also over it without this executor")
     return "**FAIL**"
 
 

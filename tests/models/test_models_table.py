@@ -48,6 +48,6 @@ def test_one_row_per_model_figures_from_thunderfx_bf16(tmp_path, capsys):
     assert llama[2] == "2 / 2"
     assert llama[3] == "4 (4.0 KiB): 4x attn_mask: boolean mask converted to an additive bias"
     assert llama[4] == "4" and llama[6] == "2"  # from the bf16 ThunderFX record, not the fp16 one (99 builds)
-    assert llama[8:] == ["pass (0.25)", "pass (0.50)", "thunder limitation: NotImplementedError: something"]
+    assert llama[8:] == ["pass (0.25)", "pass (0.50)", "thunder limitation (fails without this executor too): `NotImplementedError: something`"]
     assert "declined: head dim 12 is not a multiple of 8" in rows["gpt2_hd12"][2]
     assert rows["bad"][9] == "**FAIL**"
