@@ -40,7 +40,7 @@ def _status(rec: dict | None) -> str:
         return f"pass ({rec['worst_ratio']:.2f})"
     if status == "thunder limitation":
         if rec.get("error"):
-            return f"thunder limitation (fails without this executor too): `{rec['error'][:60]}`"
+            return f"thunder limitation (fails without this executor too): `{rec['error'][:45]}`"
         over = rec.get("over_bound", {})
         return (f"thunder limitation: {len(over)} grads over the bound (worst {max(over.values()):.2f}), "
                 f"also over it without this executor")
