@@ -1,0 +1,210 @@
+"""Grouped-query attention on the emulated executor: every layout, grad_out, mask, causal, L != S, dropout.
+
+``F.scaled_dot_product_attention(..., enable_gqa=True)`` through ``thunder.jit`` with
+``tcs.emulated_ex`` first: the call must be claimed (``cudnn_safe_emulated_sdpa_fwd``/``_bwd`` in the
+final traces, no torch fallback), K/V must reach the graphs with their own H_kv heads (no
+``repeat_interleave``/``expand`` anywhere in the final forward or backward trace), dK/dV must come back
+with H_kv heads, and output and gradients must meet the accuracy rule
+(:func:`thunder_cudnn_safe.testing.assert_close_to_reference`) against a float64 eager
+``enable_gqa=True`` reference. cuDNN reads K/V head ``h // (H_q / H_kv)`` for query head ``h``; the
+emulation reads memory through the declared layouts, so a wrong head mapping or a stride declared
+for H_q heads shows up as an accuracy failure here.
+
+The parametrization is a representative cross-product (each layout with each head ratio, grad_out
+layouts and dtypes rotated through them), not the full product, to stay well under a minute on CI's
+two cores.
+"""
+
+from __future__ import annotations
+
+import pytest
+import thunder
+import torch
+import torch.nn.functional as F
+
+import thunder_cudnn_safe as tcs
+from thunder_cudnn_safe import reference
+from thunder_cudnn_safe.cache import GraphCache
+from thunder_cudnn_safe.dispatch import Dispatcher
+from thunder_cudnn_safe.emulation import EmulatedRuntime
+from thunder_cudnn_safe.testing import GRAD_OUT_LAYOUTS, QKV_LAYOUTS, assert_close_to_reference
+
+from gqa_support import gqa_layout
+
+DTYPES = (torch.float16, torch.bfloat16)
+#: (H_q, H_kv): group sizes 2, 4 and 8, and a single K/V head (MQA).
+RATIOS = ((8, 4), (8, 2), (16, 2), (4, 1))
+FWD_OP, BWD_OP = "cudnn_safe_emulated_sdpa_fwd", "cudnn_safe_emulated_sdpa_bwd"
+REPEAT_NAMES = ("repeat_interleave", "expand", "repeat")
+
+
+# -- running and checking ---------------------------------------------------------------------
+def gqa_fn(q, k, v, mask=None, dropout_p=0.0, is_causal=False):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, enable_gqa=True)
+
+
+def _jit():
+    return thunder.jit(gqa_fn, executors=[tcs.emulated_ex, *thunder.get_default_executors()])
+
+
+def _op_names(trace) -> list[str]:
+    return [b.sym.name for b in trace.bound_symbols]
+
+
+def assert_native_gqa_traces(jf) -> None:
+    """Our operators, and no repeat of K/V, in the final forward and backward traces."""
+    fwd, bwd = thunder.last_traces(jf)[-1], thunder.last_backward_traces(jf)[-1]
+    assert FWD_OP in _op_names(fwd), _op_names(fwd)
+    assert BWD_OP in _op_names(bwd), _op_names(bwd)
+    for trace in (fwd, bwd):
+        names = _op_names(trace)
+        assert not [n for n in names if any(r in n for r in REPEAT_NAMES)], names
+    # the backward returns dK/dV with H_kv heads (checked on the proxies, independent of the values)
+    (call,) = [b for b in bwd.bound_symbols if b.sym.name == BWD_OP]
+    q, k, v = call.args[1:4]
+    dq, dk, dv = call.output[:3]
+    assert (tuple(dq.shape), tuple(dk.shape), tuple(dv.shape)) == (tuple(q.shape), tuple(k.shape), tuple(v.shape))
+
+
+def run_gqa_and_check(q, k, v, grad_out, mask=None, is_causal=False):
+    """Forward+backward through thunder.jit on the emulated executor, against float64 eager GQA."""
+    fallbacks = tcs.cache_info().fallbacks
+    jf = _jit()
+    out = jf(q, k, v, mask, 0.0, is_causal)
+    leaves = [t for t in (q, k, v, mask) if t is not None and t.requires_grad]
+    grads = torch.autograd.grad(out, leaves, grad_out)
+    assert_native_gqa_traces(jf)
+    assert tcs.cache_info().fallbacks == fallbacks, "a graph was refused and the torch fallback answered"
+    for g, leaf in zip(grads, leaves):
+        assert g.shape == leaf.shape  # dK/dV with H_kv heads
+
+    def run(dtype):
+        ins = [t.detach().to(dtype).requires_grad_() for t in leaves]
+        if mask is not None and not mask.requires_grad:
+            m = mask if mask.dtype == torch.bool else mask.to(dtype)
+            ins_all = [*ins, m]
+        else:
+            ins_all = ins if mask is not None else [*ins, None]
+        o = gqa_fn(*ins_all[:3], ins_all[3], 0.0, is_causal)
+        return o, torch.autograd.grad(o, ins, grad_out.to(dtype))
+
+    ref, ref_grads = run(torch.float64)
+    eager, eager_grads = run(q.dtype)
+    assert_close_to_reference(out, eager, ref, "output")
+    for name, g, e, r in zip(("dq", "dk", "dv", "dmask"), grads, eager_grads, ref_grads):
+        assert_close_to_reference(g, e, r, name)
+    return jf
+
+
+def _case_id(val):
+    if isinstance(val, torch.dtype):
+        return str(val).removeprefix("torch.")
+    if isinstance(val, tuple):
+        return "x".join(map(str, val))
+    return str(val)
+
+
+# -- the layout zoo x head ratios ---------------------------------------------------------------
+LAYOUT_CASES = [
+    (layout, ratio, list(GRAD_OUT_LAYOUTS)[(i + j) % len(GRAD_OUT_LAYOUTS)], DTYPES[(i + j) % 2])
+    for i, layout in enumerate(QKV_LAYOUTS)
+    for j, ratio in enumerate(RATIOS[:3] if layout != "kv_broadcast_head" else RATIOS[1:])
+]
+
+
+@pytest.mark.parametrize("layout,ratio,grad_layout,dtype", LAYOUT_CASES, ids=_case_id)
+def test_gqa_layout_zoo(layout, ratio, grad_layout, dtype, fresh_cache):
+    h, hkv = ratio
+    b, lq, s, d = 2, 16, 16, 64
+    q, k, v = gqa_layout(layout, b, h, hkv, lq, s, d, dtype)
+    assert (q.shape[1], k.shape[1], v.shape[1]) == (h, hkv, hkv)
+    g = GRAD_OUT_LAYOUTS[grad_layout]((q.shape[0], h, lq, d), dtype)
+    run_gqa_and_check(q, k, v, g)
+    if layout in ("contiguous", "bshd_transposed", "sbhd", "packed_qkv") and grad_layout in ("contiguous", "transposed"):
+        # K/V with H_kv heads are bound as they are: nothing copied, forward or backward
+        assert tcs.copy_stats().bytes_copied == 0, tcs.copy_stats()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_case_id)
+@pytest.mark.parametrize("grad_layout", list(GRAD_OUT_LAYOUTS))
+def test_gqa_grad_out_layouts(grad_layout, dtype, fresh_cache):
+    q, k, v = gqa_layout("bshd_transposed", 2, 8, 2, 16, 24, 64, dtype)
+    run_gqa_and_check(q, k, v, GRAD_OUT_LAYOUTS[grad_layout]((2, 8, 16, 64), dtype))
+
+
+# -- masks, causal, L != S --------------------------------------------------------------------
+MASK_CASES = [
+    ("boolean", (16, 24)), ("boolean", (2, 1, 16, 24)), ("boolean", (1, 8, 16, 24)), ("boolean", (2, 1, 1, 24)),
+    ("additive", (16, 24)), ("additive", (2, 8, 16, 24)), ("additive", (1, 8, 16, 24)), ("additive", (2, 1, 1, 24)),
+    ("additive_grad", (2, 8, 16, 24)), ("additive_grad", (1, 1, 16, 24)),
+]
+
+
+@pytest.mark.parametrize("kind,mask_shape", MASK_CASES, ids=_case_id)
+def test_gqa_masks(kind, mask_shape, fresh_cache):
+    dtype = DTYPES[len(mask_shape) % 2]
+    q, k, v = gqa_layout("bshd_transposed", 2, 8, 2, 16, 24, 64, dtype)
+    if kind == "boolean":
+        mask = torch.rand(mask_shape) > 0.3
+        mask[..., 0] = True  # no fully masked row
+    else:
+        mask = torch.randn(mask_shape, dtype=dtype).requires_grad_(kind == "additive_grad")
+    run_gqa_and_check(q, k, v, torch.randn(2, 8, 16, 64, dtype=dtype), mask=mask)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_case_id)
+@pytest.mark.parametrize("ratio", [(8, 4), (8, 1)], ids=_case_id)
+@pytest.mark.parametrize("lq,s", [(16, 40), (40, 16), (17, 33)], ids=_case_id)
+def test_gqa_causal_and_unequal_lengths(lq, s, ratio, dtype, fresh_cache):
+    h, hkv = ratio
+    q, k, v = gqa_layout("contiguous", 1, h, hkv, lq, s, 64, dtype)
+    run_gqa_and_check(q, k, v, torch.randn(1, h, lq, 64, dtype=dtype), is_causal=True)
+
+
+def test_gqa_explain_claims_and_declines():
+    q, k, v = gqa_layout("contiguous", 1, 8, 2, 16, 16, 64, torch.float16)
+    assert tcs.explain(q, k, v, executor=tcs.emulated_ex, enable_gqa=True) == []
+    # without enable_gqa, differing head counts are not SDPA's contract
+    assert tcs.explain(q, k, v, executor=tcs.emulated_ex) != []
+    _, k3, v3 = gqa_layout("contiguous", 1, 8, 3, 16, 16, 64, torch.float16)
+    reasons = tcs.explain(q, k3, v3, executor=tcs.emulated_ex, enable_gqa=True)
+    assert any("divide" in r for r in reasons), reasons
+
+
+# -- dropout ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("h,hkv", [(8, 2), (4, 1)])
+def test_gqa_dropout_forward_backward_consistent(h, hkv):
+    """Forward and backward drop the same elements of the (B, H_q, L, S) probabilities, at rate p,
+    with K/V read through their H_kv heads (the same check as test_emulation's, grouped)."""
+    disp = Dispatcher(EmulatedRuntime(), GraphCache(8))
+    p = 0.3
+    q = torch.randn(2, h, 32, 64, dtype=torch.float16)
+    k, v = (torch.randn(2, hkv, 32, 64, dtype=torch.float16) for _ in range(2))
+    out, stats, seed, offset = disp.forward(q, k, v, None, p, False)
+    keep = reference.dropout_keep_mask(int(seed.item()), int(offset.item()), (2, h, 32, 32), p, torch.device("cpu"))
+    assert abs((1 - keep.float().mean().item()) - p) < 0.03
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    kr, vr = (t.repeat_interleave(h // hkv, dim=1) for t in (k64, v64))
+    ref = (torch.softmax(q64 @ kr.transpose(-1, -2) / 8.0, dim=-1) * keep / (1 - p)) @ vr
+    assert (out.double() - ref).abs().max() < 5e-3
+    g = torch.randn_like(out)
+    dq, dk, dv = disp.backward(g, q, k, v, None, p, False, out, stats, seed, offset)
+    assert dk.shape == k.shape and dv.shape == v.shape
+    for a, r in zip((dq, dk, dv), torch.autograd.grad(ref, (q64, k64, v64), g.double())):
+        assert (a.double() - r).abs().max() < 2e-2
+
+
+def test_gqa_dropout_through_thunder_is_claimed_and_unbiased(fresh_cache):
+    torch.manual_seed(0)
+    q = torch.randn(2, 8, 64, 64, dtype=torch.float16, requires_grad=True)
+    k, v = (torch.randn(2, 2, 64, 64, dtype=torch.float16, requires_grad=True) for _ in range(2))
+    fallbacks = tcs.cache_info().fallbacks
+    jf = _jit()
+    outs = torch.stack([jf(q, k, v, None, 0.2).detach().float() for _ in range(20)])
+    expected = gqa_fn(q, k, v).detach().float()
+    assert (outs.mean(0) - expected).abs().mean() < 0.35 * (outs[0] - expected).abs().mean()
+    out = jf(q, k, v, None, 0.2)
+    out.sum().backward()
+    assert_native_gqa_traces(jf)
+    assert tcs.cache_info().fallbacks == fallbacks
+    assert k.grad.shape == k.shape and all(torch.isfinite(t.grad).all() for t in (q, k, v))
