@@ -21,6 +21,7 @@ import pytest
 import thunder
 import torch
 import torch.nn.functional as F
+from thunder.core.pytree import tree_flatten
 
 import thunder_cudnn_safe as tcs
 from thunder_cudnn_safe import reference
@@ -208,3 +209,49 @@ def test_gqa_dropout_through_thunder_is_claimed_and_unbiased(fresh_cache):
     assert_native_gqa_traces(jf)
     assert tcs.cache_info().fallbacks == fallbacks
     assert k.grad.shape == k.shape and all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+# -- RepeatKVToGQA on our executor: the repeat leaves forward, backward and the saved tensors ----
+def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """transformers' repeat_kv (models/llama/modeling_llama.py)."""
+    b, h, s, d = x.shape
+    return x[:, :, None, :, :].expand(b, h, n_rep, s, d).reshape(b, h * n_rep, s, d)
+
+
+def _hf_attention(q, k, v):
+    n = q.shape[1] // k.shape[1]
+    return F.scaled_dot_product_attention(q, _repeat_kv(k, n), _repeat_kv(v, n), is_causal=True)
+
+
+@pytest.mark.parametrize("transform", [True, False])
+def test_repeat_kv_saved_for_backward_on_our_executor(transform, fresh_cache):
+    """With the transform, K/V reach our operator with H_kv heads and the backward keeps k and v
+    themselves; without it, it keeps the H_q-head repeats (what the transform saves)."""
+    dtype = torch.bfloat16
+    q, k, v = gqa_layout("bshd_transposed", 1, 8, 2, 16, 16, 64, dtype)
+    options = {"transforms": [tcs.RepeatKVToGQA()]} if transform else {}
+    jf = thunder.jit(_hf_attention, executors=[tcs.emulated_ex, *thunder.get_default_executors()], **options)
+    out = jf(q, k, v)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    fwd = thunder.last_traces(jf)[-1]
+    (call,) = [b for b in fwd.bound_symbols if b.sym.name == FWD_OP]
+    # the forward trace returns (forward result, saved_for_backward)
+    saved = [t for t in tree_flatten(fwd.bound_symbols[-1].args[1])[0] if isinstance(t, thunder.TensorProxy)]
+    full_kv = [t for t in saved if tuple(t.shape) == (1, 8, 16, 64) and t.name != "q"]
+    if transform:
+        assert_native_gqa_traces(jf)
+        assert (call.args[1].name, call.args[2].name) == ("k", "v")
+        assert {"k", "v"} <= {t.name for t in saved}
+        assert len(full_kv) == 1  # the output only: no H_q-head K/V kept for the backward
+    else:
+        assert call.args[1].shape[1] == 8  # the repeat reaches our operator
+        assert len(full_kv) == 3  # repeated K, repeated V and the output
+    ins64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    insl = [t.detach().requires_grad_() for t in (q, k, v)]
+    ref, low = _hf_attention(*ins64), _hf_attention(*insl)
+    assert_close_to_reference(out, low, ref, "output")
+    r_grads = torch.autograd.grad(ref, ins64, g.double())
+    l_grads = torch.autograd.grad(low, insl, g)
+    for name, a, e, r in zip(("dq", "dk", "dv"), grads, l_grads, r_grads):
+        assert_close_to_reference(a, e, r, name)
