@@ -30,71 +30,29 @@ from thunder_cudnn_safe.dispatch import Dispatcher
 from thunder_cudnn_safe.emulation import EmulatedRuntime
 from thunder_cudnn_safe.testing import GRAD_OUT_LAYOUTS, QKV_LAYOUTS, assert_close_to_reference
 
+import gqa_support
 from gqa_support import gqa_layout
 
 DTYPES = (torch.float16, torch.bfloat16)
 #: (H_q, H_kv): group sizes 2, 4 and 8, and a single K/V head (MQA).
 RATIOS = ((8, 4), (8, 2), (16, 2), (4, 1))
-FWD_OP, BWD_OP = "cudnn_safe_emulated_sdpa_fwd", "cudnn_safe_emulated_sdpa_bwd"
-REPEAT_NAMES = ("repeat_interleave", "expand", "repeat")
+FWD_OP = "cudnn_safe_emulated_sdpa_fwd"
 
 
-# -- running and checking ---------------------------------------------------------------------
-def gqa_fn(q, k, v, mask=None, dropout_p=0.0, is_causal=False):
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, enable_gqa=True)
-
-
-def _jit():
-    return thunder.jit(gqa_fn, executors=[tcs.emulated_ex, *thunder.get_default_executors()])
-
-
-def _op_names(trace) -> list[str]:
-    return [b.sym.name for b in trace.bound_symbols]
+# -- running and checking (gqa_support; the GPU tests use the same code with cudnn_safe_ex) ------
+def run_gqa_and_check(q, k, v, grad_out, mask=None, is_causal=False):
+    return gqa_support.run_gqa_and_check(tcs.emulated_ex, q, k, v, grad_out, mask, is_causal)
 
 
 def assert_native_gqa_traces(jf) -> None:
-    """Our operators, and no repeat of K/V, in the final forward and backward traces."""
-    fwd, bwd = thunder.last_traces(jf)[-1], thunder.last_backward_traces(jf)[-1]
-    assert FWD_OP in _op_names(fwd), _op_names(fwd)
-    assert BWD_OP in _op_names(bwd), _op_names(bwd)
-    for trace in (fwd, bwd):
-        names = _op_names(trace)
-        assert not [n for n in names if any(r in n for r in REPEAT_NAMES)], names
-    # the backward returns dK/dV with H_kv heads (checked on the proxies, independent of the values)
-    (call,) = [b for b in bwd.bound_symbols if b.sym.name == BWD_OP]
-    q, k, v = call.args[1:4]
-    dq, dk, dv = call.output[:3]
-    assert (tuple(dq.shape), tuple(dk.shape), tuple(dv.shape)) == (tuple(q.shape), tuple(k.shape), tuple(v.shape))
+    gqa_support.assert_native_gqa_traces(jf, tcs.emulated_ex)
 
 
-def run_gqa_and_check(q, k, v, grad_out, mask=None, is_causal=False):
-    """Forward+backward through thunder.jit on the emulated executor, against float64 eager GQA."""
-    fallbacks = tcs.cache_info().fallbacks
-    jf = _jit()
-    out = jf(q, k, v, mask, 0.0, is_causal)
-    leaves = [t for t in (q, k, v, mask) if t is not None and t.requires_grad]
-    grads = torch.autograd.grad(out, leaves, grad_out)
-    assert_native_gqa_traces(jf)
-    assert tcs.cache_info().fallbacks == fallbacks, "a graph was refused and the torch fallback answered"
-    for g, leaf in zip(grads, leaves):
-        assert g.shape == leaf.shape  # dK/dV with H_kv heads
+def _jit():
+    return gqa_support.jit_gqa(tcs.emulated_ex)
 
-    def run(dtype):
-        ins = [t.detach().to(dtype).requires_grad_() for t in leaves]
-        if mask is not None and not mask.requires_grad:
-            m = mask if mask.dtype == torch.bool else mask.to(dtype)
-            ins_all = [*ins, m]
-        else:
-            ins_all = ins if mask is not None else [*ins, None]
-        o = gqa_fn(*ins_all[:3], ins_all[3], 0.0, is_causal)
-        return o, torch.autograd.grad(o, ins, grad_out.to(dtype))
 
-    ref, ref_grads = run(torch.float64)
-    eager, eager_grads = run(q.dtype)
-    assert_close_to_reference(out, eager, ref, "output")
-    for name, g, e, r in zip(("dq", "dk", "dv", "dmask"), grads, eager_grads, ref_grads):
-        assert_close_to_reference(g, e, r, name)
-    return jf
+gqa_fn = gqa_support.gqa_fn
 
 
 def _case_id(val):
