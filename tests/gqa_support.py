@@ -61,9 +61,9 @@ def gqa_fn(q, k, v, mask=None, dropout_p=0.0, is_causal=False):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, enable_gqa=True)
 
 
-def jit_gqa(executor):
+def jit_gqa(executor, **options):
     """:func:`gqa_fn` through ``thunder.jit`` with ``executor`` ahead of thunder's defaults."""
-    return thunder.jit(gqa_fn, executors=[executor, *thunder.get_default_executors()])
+    return thunder.jit(gqa_fn, executors=[executor, *thunder.get_default_executors()], **options)
 
 
 def _op_names(trace) -> list[str]:
@@ -82,17 +82,21 @@ def assert_native_gqa_traces(jf, executor) -> None:
         assert not [n for n in names if any(r in n for r in REPEAT_NAMES)], names
     (call,) = [b for b in bwd.bound_symbols if b.sym.name == bwd_op]
     q, k, v = call.args[1:4]
+    if call.kwargs.get("cat_grad_qkv"):  # one (B, H_q + 2 H_kv, S, D) buffer, split after the call
+        (dqkv,) = call.output[:1]
+        assert dqkv.shape[1] == q.shape[1] + k.shape[1] + v.shape[1], dqkv
+        return
     dq, dk, dv = call.output[:3]
     assert (tuple(dq.shape), tuple(dk.shape), tuple(dv.shape)) == (tuple(q.shape), tuple(k.shape), tuple(v.shape))
 
 
-def run_gqa_and_check(executor, q, k, v, grad_out, mask=None, is_causal=False):
+def run_gqa_and_check(executor, q, k, v, grad_out, mask=None, is_causal=False, **jit_options):
     """Forward+backward through thunder.jit on ``executor``, against float64 eager GQA (accuracy rule:
     within twice eager's own low-precision error of the float64 reference, plus a floor)."""
     import thunder_cudnn_safe as tcs
 
     fallbacks = tcs.cache_info().fallbacks
-    jf = jit_gqa(executor)
+    jf = jit_gqa(executor, **jit_options)
     out = jf(q, k, v, mask, 0.0, is_causal)
     leaves = [t for t in (q, k, v, mask) if t is not None and t.requires_grad]
     grads = torch.autograd.grad(out, leaves, grad_out)

@@ -40,8 +40,8 @@ FWD_OP = "cudnn_safe_emulated_sdpa_fwd"
 
 
 # -- running and checking (gqa_support; the GPU tests use the same code with cudnn_safe_ex) ------
-def run_gqa_and_check(q, k, v, grad_out, mask=None, is_causal=False):
-    return gqa_support.run_gqa_and_check(tcs.emulated_ex, q, k, v, grad_out, mask, is_causal)
+def run_gqa_and_check(q, k, v, grad_out, mask=None, is_causal=False, **jit_options):
+    return gqa_support.run_gqa_and_check(tcs.emulated_ex, q, k, v, grad_out, mask, is_causal, **jit_options)
 
 
 def assert_native_gqa_traces(jf) -> None:
@@ -118,6 +118,21 @@ def test_gqa_causal_and_unequal_lengths(lq, s, ratio, dtype, fresh_cache):
     h, hkv = ratio
     q, k, v = gqa_layout("contiguous", 1, h, hkv, lq, s, 64, dtype)
     run_gqa_and_check(q, k, v, torch.randn(1, h, lq, 64, dtype=dtype), is_causal=True)
+
+
+@pytest.mark.parametrize(
+    "option", [{"cudnn_safe_layout": "contiguous"}, {"cudnn_safe_bwd_may_cat_grad_qkv": True},
+               {"cudnn_safe_deterministic": True}],
+    ids=lambda o: next(iter(o)),
+)
+@pytest.mark.parametrize("layout", ["packed_qkv", "bshd_transposed"])
+def test_gqa_compile_options(option, layout, fresh_cache):
+    """The executor's compile options with grouped heads: the fused dQKV buffer splits into
+    [H_q, H_kv, H_kv] heads; "contiguous" copies K/V with their own H_kv heads."""
+    q, k, v = gqa_layout(layout, 2, 8, 2, 16, 16, 64, torch.bfloat16)
+    jf = run_gqa_and_check(q, k, v, torch.randn(2, 8, 16, 64, dtype=torch.bfloat16), is_causal=True, **option)
+    if "cudnn_safe_bwd_may_cat_grad_qkv" in option:
+        assert "split" in [b.sym.name for b in thunder.last_backward_traces(jf)[-1].bound_symbols]
 
 
 def test_gqa_explain_claims_and_declines():
