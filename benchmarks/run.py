@@ -1,4 +1,4 @@
-"""Command line: ``python -m benchmarks.run --suite {copy,host,gpu,all} --out DIR``.
+"""Command line: ``python -m benchmarks.run --suite {copy,host,gqa,gpu,all} --out DIR``.
 
 Writes ``DIR/results.json`` (environment + every suite's raw numbers),
 ``DIR/results.md`` (the same as Markdown tables) and PNG plots
@@ -21,8 +21,8 @@ SCHEMA = "thunder_cudnn_safe.benchmarks/1"
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n\n")[0])
-    p.add_argument("--suite", choices=("copy", "host", "gpu", "all"), default="all",
-                   help="'all' = copy + host, plus gpu when CUDA is available (recorded as skipped otherwise)")
+    p.add_argument("--suite", choices=("copy", "host", "gqa", "gpu", "all"), default="all",
+                   help="'all' = copy + host + gqa, plus gpu when CUDA is available (recorded as skipped otherwise)")
     p.add_argument("--out", required=True, type=Path, help="output directory (created)")
     p.add_argument("--quick", action="store_true", help="trimmed sizes and repetitions (CPU: ~1 minute)")
     p.add_argument("--threads", type=int, default=1,
@@ -57,11 +57,11 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    from . import copy_suite, env, gpu_suite, host_suite
+    from . import copy_suite, env, gpu_suite, gqa_suite, host_suite
 
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
-    suites = ("copy", "host", "gpu") if args.suite == "all" else (args.suite,)
+    suites = ("copy", "host", "gqa", "gpu") if args.suite == "all" else (args.suite,)
     environment = env.environment()
     environment["loadavg_start"] = list(os.getloadavg())
     result: dict[str, Any] = {"schema": SCHEMA, "command": " ".join(["python -m benchmarks.run", *(argv or sys.argv[1:])]),
@@ -79,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
             result["suites"]["copy"] = copy_suite.run(args.sizes, quick=args.quick, device=dev, budget_s=args.copy_budget, log=_log)
         elif name == "host":
             result["suites"]["host"] = host_suite.run(quick=args.quick, iters=args.host_iters, log=_log)
+        elif name == "gqa":
+            result["suites"]["gqa"] = gqa_suite.run(quick=args.quick, log=_log)
         elif name == "gpu":
             if not torch.cuda.is_available():
                 result["suites"]["gpu"] = {"skipped": "CUDA is not available"}
@@ -125,7 +127,7 @@ def dumps(obj: Any, indent: int = 0) -> str:
 
 
 def write(result: dict[str, Any], out: Path, plots: bool = True) -> list[Path]:
-    from . import copy_suite, env, gpu_suite, host_suite
+    from . import copy_suite, env, gpu_suite, gqa_suite, host_suite
 
     paths = [out / "results.json", out / "results.md"]
     images: dict[str, str] = {}
@@ -151,7 +153,7 @@ def write(result: dict[str, Any], out: Path, plots: bool = True) -> list[Path]:
         md.append(f"| peak RSS | {result['environment']['peak_rss_mib']} MiB |")
     if "seconds" in result:
         md.append(f"| run time | {result['seconds']:.0f} s |")
-    for name, mod in (("copy", copy_suite), ("host", host_suite), ("gpu", gpu_suite)):
+    for name, mod in (("copy", copy_suite), ("host", host_suite), ("gqa", gqa_suite), ("gpu", gpu_suite)):
         s = suites.get(name)
         if s is None:
             continue

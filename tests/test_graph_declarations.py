@@ -16,6 +16,8 @@ from thunder_cudnn_safe.keys import TensorSig
 from thunder_cudnn_safe.cache import GraphCache
 from thunder_cudnn_safe.testing import GRAD_OUT_LAYOUTS, QKV_LAYOUTS
 
+from gqa_support import gqa_layout
+
 
 class RecordingRuntime(EmulatedRuntime):
     def __init__(self):
@@ -134,3 +136,46 @@ def test_backward_stats_declared_exactly_packed(b, h):
     assert tuple(st.get_stride()) == (h * 16, 16, 1, 1)
     assert declaration_mismatches(graph, pack) == []
     assert disp.cache.info().fallbacks == 0
+
+
+# -- grouped-query attention: K/V (and dK/dV) declared and bound with their own H_kv heads -------
+def run_gqa_dispatcher(qkv_layout, grad_layout, h, hkv, dtype=torch.float16, mask=None, steps=2):
+    """Like :func:`run_dispatcher` with q of ``h`` heads and k/v of ``hkv`` heads in the same layout."""
+    runtime = RecordingRuntime()
+    disp = Dispatcher(runtime, GraphCache(64))
+    for _ in range(steps):
+        q, k, v = (t.detach() for t in gqa_layout(qkv_layout, 2, h, hkv, 16, 16, 64, dtype))
+        out, stats = disp.forward(q, k, v, mask, 0.0, False, scale=None, layout="preserve")[:2]
+        g = GRAD_OUT_LAYOUTS[grad_layout](tuple(out.shape), dtype)
+        dq, dk, dv = disp.backward(g, q, k, v, mask, 0.0, False, out, stats, None, None)[:3]
+        assert (dk.shape, dv.shape) == (k.shape, v.shape)
+    return runtime.calls
+
+
+GQA_DECLARATION_CASES = [
+    (layout, list(GRAD_OUT_LAYOUTS)[i % len(GRAD_OUT_LAYOUTS)], ratio)
+    for i, layout in enumerate(QKV_LAYOUTS)
+    for ratio in ((8, 2), (4, 1))
+]
+
+
+@pytest.mark.parametrize("qkv_layout,grad_layout,ratio", GQA_DECLARATION_CASES)
+def test_gqa_every_uid_declared_as_bound(qkv_layout, grad_layout, ratio):
+    h, hkv = ratio
+    calls = run_gqa_dispatcher(qkv_layout, grad_layout, h, hkv)
+    assert len(calls) == 4
+    for graph, pack in calls:
+        assert declaration_mismatches(graph, pack) == []
+        # K/V go to cuDNN with H_kv heads: no repeat before the graph, none declared in it (a K/V
+        # head broadcast with stride 0 is bound as the one head it is, in the forward)
+        heads = {hkv, 1} if qkv_layout == "kv_broadcast_head" else {hkv}
+        assert pack[Uid.K].shape[1] == pack[Uid.V].shape[1] and pack[Uid.K].shape[1] in heads
+        assert pack[Uid.Q].shape[1] == h
+    assert calls[1][1][Uid.DK].shape[1] == calls[1][1][Uid.DV].shape[1] == hkv
+
+
+@pytest.mark.parametrize("mask_shape", [(16, 16), (2, 1, 16, 16), (1, 8, 16, 16)])
+def test_gqa_mask_declared_as_bound(mask_shape):
+    calls = run_gqa_dispatcher("bshd_transposed", "transposed", 8, 2, mask=torch.randn(mask_shape, dtype=torch.float16))
+    for graph, pack in calls:
+        assert declaration_mismatches(graph, pack) == []
