@@ -23,7 +23,7 @@ from .executor import cudnn_safe_ex, emulated_ex, explain  # noqa: E402
 from .gqa import RepeatKVToGQA  # noqa: E402
 from .install import drop_broken_builtin_cudnn_executor, install, installed, uninstall  # noqa: E402
 from .layout import LayoutPolicy  # noqa: E402
-from .masks import MaskCacheInfo, mask_cache_info  # noqa: E402
+from .masks import MaskCacheInfo, mask_cache_info, set_mask_cache_size  # noqa: E402
 from .telemetry import CopyStats, copy_stats, reset_copy_stats  # noqa: E402
 
 drop_broken_builtin_cudnn_executor()
@@ -55,5 +55,6 @@ __all__ = [
     "reset_copy_stats",
     "set_cache_size",
     "set_emulated_target",
+    "set_mask_cache_size",
     "uninstall",
 ]

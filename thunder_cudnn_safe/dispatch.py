@@ -11,6 +11,7 @@ thunder's operators return: forward outputs, gradients in the shape each input h
 from __future__ import annotations
 
 import threading
+import weakref
 
 import torch
 
@@ -20,7 +21,6 @@ from .cache import GraphCache, graph_cache
 from .errors import ExecuteError, GraphBuildError
 from .graphs import Uid
 from .keys import BackwardKey, ForwardKey
-from .layout import MEMO_SIZE
 from .reference import reduce_to_shape
 from .runtime import Runtime
 from .telemetry import warn_once
@@ -33,9 +33,7 @@ class Dispatcher:
         self.runtime = runtime
         self.cache = cache
         self.binder = Binder()
-        #: dropout ForwardKey -> whether the runtime builds its backward (bounded)
-        self._dropout_verdicts: dict = {}
-        #: per thread: (call identity, (dq, dk, dv)) of the last mask_gradient call (see there)
+        #: per thread: the _Stash of the last mask_gradient call (see there)
         self._local = threading.local()
 
     def try_runtime(self, bound: Bound, warn: bool = True) -> bool:
@@ -90,26 +88,25 @@ class Dispatcher:
             self.run_fallback(bound)
 
     def _backward_buildable(self, fkey: ForwardKey, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
-        """Whether the runtime builds the backward graph of a dropout forward (dO in O's layout)."""
-        verdict = self._dropout_verdicts.get(fkey)
-        if verdict is None:
-            try:
-                self.cache.get_or_build(companion_backward_key(fkey, query, key, value), self.runtime.build)
-                verdict = True
-            except GraphBuildError as exc:
-                verdict = False
-                warn_once(
-                    ("fallback", self.runtime.name, fkey),
-                    "cudnn_safe: %s refuses the backward graph of an attention call with dropout (%s), and only "
-                    "cuDNN could reproduce its dropout mask: the forward runs on the torch fallback too. Shown once "
-                    "per distinct graph.",
-                    self.runtime.name,
-                    exc,
-                )
-            if len(self._dropout_verdicts) >= MEMO_SIZE:
-                self._dropout_verdicts.clear()
-            self._dropout_verdicts[fkey] = verdict
-        return verdict
+        """Whether the runtime builds the backward graph of a dropout forward (dO in O's layout).
+
+        Asked of the graph cache each time (a hit is one lookup): a definitive refusal is
+        remembered there (and forgotten by clear_cache), a transient one is retried there.
+        """
+        companion = companion_backward_key(fkey, query, key, value)
+        try:
+            self.cache.get_or_build(companion, self.runtime.build)
+            return True
+        except GraphBuildError as exc:
+            warn_once(
+                ("fallback", self.runtime.name, companion),
+                "cudnn_safe: %s refuses the backward graph of an attention call with dropout (%s), and only "
+                "cuDNN could reproduce its dropout mask: the forward runs on the torch fallback too. Shown once "
+                "per distinct graph.",
+                self.runtime.name,
+                exc,
+            )
+            return False
 
     def forward(
         self,
@@ -160,11 +157,11 @@ class Dispatcher:
             stash = getattr(self._local, "stash", None)
             if stash is not None:
                 self._local.stash = None
-                if not (mask_grad or cat_grad_qkv) and stash[0] == _call_identity(
+                if not mask_grad and stash.grads is not None and stash.matches(
                     grad_out, query, key, value, attn_mask, dropout_p, is_causal, out, stats, seed, offset,
-                    scale, layout, deterministic,
+                    scale, layout, deterministic, cat_grad_qkv,
                 ):
-                    return stash[1]  # computed by mask_gradient, in the same backward pass as dBias
+                    return stash.grads  # computed by mask_gradient, in the same backward pass as dBias
         target = self.runtime.target(query.device)
         bound = self.binder.backward(
             grad_out, query, key, value, attn_mask, dropout_p, is_causal, out, stats, seed, offset,
@@ -192,6 +189,7 @@ class Dispatcher:
         scale: float | None = None,
         layout: str = "preserve",
         deterministic: bool = False,
+        cat_grad_qkv: bool = False,
     ) -> torch.Tensor:
         """The gradient of a mask computed inside the traced function (see executor.grad_transform).
 
@@ -204,20 +202,39 @@ class Dispatcher:
         """
         grads = self.backward(
             grad_out, query, key, value, attn_mask, dropout_p, is_causal, out, stats, seed, offset,
-            scale=scale, layout=layout, deterministic=deterministic, mask_grad=True,
+            scale=scale, layout=layout, deterministic=deterministic, cat_grad_qkv=cat_grad_qkv, mask_grad=True,
         )
-        identity = _call_identity(
-            grad_out, query, key, value, attn_mask, dropout_p, is_causal, out, stats, seed, offset, scale, layout,
-            deterministic,
+        self._local.stash = _Stash(
+            (grad_out, query, key, value, attn_mask, dropout_p, is_causal, out, stats, seed, offset, scale, layout,
+             deterministic, cat_grad_qkv),
+            grads[:-1],
         )
-        self._local.stash = (identity, grads[:3])
         return grads[-1]
 
 
-def _call_identity(*args) -> tuple:
-    """The identity of one backward call: each tensor by object and ``_version`` (so an in-place
-    change in between is never mistaken for the same call), every other argument by value."""
-    return tuple((id(a), a._version) if isinstance(a, torch.Tensor) else a for a in args)
+class _Stash:
+    """dQ, dK, dV of one mask_gradient call, for the backward call with the very same operands.
+
+    Tensors are compared by object (weak references, so a freed tensor whose id is reused
+    never matches) and ``_version``; the gradients are dropped when grad_out is freed, so a
+    backward call thunder removed (only the mask needed a gradient) keeps nothing alive.
+    """
+
+    def __init__(self, args: tuple, grads: tuple) -> None:
+        self.refs = tuple(
+            (weakref.ref(a), a._version) if isinstance(a, torch.Tensor) else (None, a) for a in args
+        )
+        self.grads = grads
+        weakref.finalize(args[0], self._drop)
+
+    def _drop(self) -> None:
+        self.grads = None
+
+    def matches(self, *args) -> bool:
+        return len(args) == len(self.refs) and all(
+            (ref() is a and a._version == v) if ref is not None else (not isinstance(a, torch.Tensor) and a == v)
+            for (ref, v), a in zip(self.refs, args)
+        )
 
 
 def _zero_fully_masked_rows(bias: torch.Tensor, out: torch.Tensor, stats: torch.Tensor) -> None:

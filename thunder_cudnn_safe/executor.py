@@ -123,7 +123,7 @@ def _bwd_meta(
 
 def _bwd_mask_meta(
     grad_out, query, key, value, attn_mask, dropout_p, is_causal, out, stats, seed, offset,
-    *, scale=None, layout="preserve", deterministic=False,
+    *, scale=None, layout="preserve", deterministic=False, cat_grad_qkv=False,
 ):
     return TensorProxy(like=attn_mask)
 
@@ -177,7 +177,7 @@ def make_executor(name: str, runtime: Runtime) -> OperatorExecutor:
                 attn_mask,
                 bwd_mask(
                     g, query, key, value, attn_mask, dropout_p, is_causal, out, stats, seed, offset,
-                    scale=scale, layout=layout, deterministic=deterministic,
+                    scale=scale, layout=layout, deterministic=deterministic, cat_grad_qkv=cat,
                 ),
             )
         grads = bwd(

@@ -16,7 +16,11 @@ most once, and reused across layers and between forward and backward:
   converted bias never outlives its mask;
 * a mask modified in place bumps ``_version`` and is converted again;
 * at most :data:`MASK_CACHE_SIZE` entries (least recently used evicted first), so the memory
-  it keeps is at most that many biases, each no longer than its mask lives.
+  it keeps is at most that many biases, each no longer than its mask lives;
+* inference tensors (no version counter) are converted on every call.
+
+A write that bypasses the version counter (through ``.data``, numpy or DLPack) is invisible
+to it: turn the cache off (:func:`set_mask_cache_size` ``(0)``) for masks changed that way.
 """
 
 from __future__ import annotations
@@ -29,7 +33,10 @@ from typing import NamedTuple
 
 import torch
 
-#: Converted biases remembered at once (a model step uses one or a few distinct masks).
+from ._env import MASK_CACHE_SIZE_ENV, env_value
+
+#: Converted biases remembered at once (a model step uses one or a few distinct masks);
+#: ``THUNDER_CUDNN_SAFE_MASK_CACHE_SIZE`` or :func:`set_mask_cache_size` change it, 0 turns it off.
 MASK_CACHE_SIZE = 8
 
 
@@ -49,11 +56,22 @@ class ConvertedMasks:
         self._lock = threading.Lock()
         self._entries: OrderedDict[tuple, tuple[weakref.ref, torch.Tensor]] = OrderedDict()
         self._hits = self._conversions = 0
+        #: keys of freed masks, appended by weakref callbacks without the lock (a callback can run
+        #: inside a garbage collection triggered while this thread holds the lock) and purged under it
+        self._dead: list[tuple] = []
+
+    def _purge(self) -> None:
+        while self._dead:
+            self._entries.pop(self._dead.pop(), None)
 
     def get(self, mask: torch.Tensor, how: tuple, convert: Callable[[], torch.Tensor]) -> torch.Tensor:
         """The bias ``convert()`` makes from ``mask``; made once per distinct (mask, state, ``how``)."""
+        if mask.is_inference() or self._maxsize == 0:
+            # No version counter: an in-place write (allowed under inference_mode) cannot be seen.
+            return convert()
         key = (id(mask), mask.data_ptr(), tuple(mask.shape), mask.stride(), mask.dtype, mask._version, how)
         with self._lock:
+            self._purge()
             entry = self._entries.get(key)
             if entry is not None and entry[0]() is mask:
                 self._entries.move_to_end(key)
@@ -70,13 +88,21 @@ class ConvertedMasks:
         return bias
 
     def _forget(self, key: tuple) -> None:
-        with self._lock:
-            self._entries.pop(key, None)
+        self._dead.append(key)  # no lock here: see _dead
 
     def info(self) -> MaskCacheInfo:
         with self._lock:
+            self._purge()
             held = sum(b.numel() * b.element_size() for _, b in self._entries.values())
             return MaskCacheInfo(self._hits, self._conversions, len(self._entries), held)
+
+    def resize(self, maxsize: int) -> None:
+        if not isinstance(maxsize, int) or isinstance(maxsize, bool) or maxsize < 0:
+            raise ValueError(f"mask cache size must be a non-negative integer, got {maxsize!r}")
+        with self._lock:
+            self._maxsize = maxsize
+            while len(self._entries) > maxsize:
+                self._entries.popitem(last=False)
 
     def clear(self) -> None:
         with self._lock:
@@ -84,7 +110,19 @@ class ConvertedMasks:
             self._hits = self._conversions = 0
 
 
-converted_masks = ConvertedMasks()
+def _non_negative_int(raw: str) -> int:
+    value = int(raw)
+    if value < 0:
+        raise ValueError(raw)
+    return value
+
+
+converted_masks = ConvertedMasks(env_value(MASK_CACHE_SIZE_ENV, MASK_CACHE_SIZE, _non_negative_int, "a non-negative integer"))
+
+
+def set_mask_cache_size(maxsize: int) -> None:
+    """How many converted masks to remember (0: convert on every call)."""
+    converted_masks.resize(maxsize)
 
 
 def mask_cache_info() -> MaskCacheInfo:

@@ -73,10 +73,10 @@ def count_graph_executions(ex=tcs.emulated_ex):
     original = runtime.execute
     counts: Counter = Counter()
 
-    def execute(built, pack, device):
+    def execute(built, pack):
         kind = type(built.key).__name__
         counts[kind + ("+dBias" if _has_dbias(built.key) else "")] += 1
-        return original(built, pack, device)
+        return original(built, pack)
 
     runtime.execute = execute
     try:

@@ -1,0 +1,256 @@
+"""State the dispatch path keeps between calls, and how it could go stale.
+
+* the dropout check (does cuDNN build this forward's backward?) asks the graph cache each
+  time, so transient failures are retried, clear_cache() forgets refusals, and the answer
+  is per backward graph, not per forward key;
+* the mask-gradient stash (dQ, dK, dV computed with dBias, handed to the next backward call
+  of the same operands) matches by object identity, never outlives grad_out, and works with
+  fused dQKV;
+* the converted-mask cache: inference tensors (no version counter), writes that bypass the
+  version counter (opt out with set_mask_cache_size(0)), a weakref callback during a garbage
+  collection under the cache's own lock.
+
+Each test failed before its fix (found by an independent adversarial review).
+"""
+import gc
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import thunder_cudnn_safe as tcs
+from thunder_cudnn_safe.emulation import inject_failures
+from thunder_cudnn_safe.errors import GraphBuildError
+from thunder_cudnn_safe.keys import BackwardKey
+from thunder_cudnn_safe.testing import assert_close_to_reference, jit_sdpa, jit_with_ours
+
+DISPATCH = tcs.emulated_ex.dispatcher
+
+
+def _qkv(h=2, hk=None, dtype=torch.float16, grad=False):
+    hk = h if hk is None else hk
+    q = torch.randn(1, h, 16, 16, dtype=dtype)
+    k, v = (torch.randn(1, hk, 16, 16, dtype=dtype) for _ in range(2))
+    return tuple(t.requires_grad_(grad) for t in (q, k, v))
+
+
+def test_bool_mask_under_inference_mode():
+    """masks.py:295 reads mask._version; inference tensors have no version counter."""
+    q, k, v = _qkv()
+    jf = jit_sdpa()
+    with torch.inference_mode():
+        m = torch.rand(16, 16) > 0.3
+        out = jf(q, k, v, m)  # RuntimeError: Inference tensors do not track version counter.
+    ref = F.scaled_dot_product_attention(*(t.double() for t in (q, k, v)), attn_mask=m)
+    eager = F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+    assert_close_to_reference(out, eager, ref, "output")
+
+
+def test_transient_companion_build_failure_is_retried():
+    """dispatch.py:99-111 memoizes a transient (definitive=False) build failure of the dropout
+    companion backward as a permanent 'fall back' verdict."""
+    tcs.clear_cache()
+    q, k, v = _qkv()
+    failures = {"left": 1}
+
+    def hook(key):
+        if isinstance(key, BackwardKey) and failures["left"]:
+            failures["left"] -= 1
+            return GraphBuildError("CUDA out of memory", definitive=False)
+        return None
+
+    with inject_failures(build=hook):
+        DISPATCH.forward(q, k, v, None, 0.1)  # transient failure: this call falls back
+        before = tcs.cache_info().fallbacks
+        DISPATCH.forward(q, k, v, None, 0.1)  # the failure is gone: must run on the runtime
+    assert tcs.cache_info().fallbacks == before
+
+
+def test_clear_cache_forgets_dropout_verdicts():
+    """clear_cache() says it forgets refused graphs; Dispatcher._dropout_verdicts survives it."""
+    tcs.clear_cache()
+    q, k, v = _qkv()
+    with inject_failures(build=lambda key: "refused" if isinstance(key, BackwardKey) else None):
+        DISPATCH.forward(q, k, v, None, 0.2)
+    tcs.clear_cache()
+    DISPATCH.forward(q, k, v, None, 0.2)
+    assert tcs.cache_info().fallbacks == 0
+
+
+def test_dropout_verdict_is_per_backward_graph_not_per_forward_key():
+    """dispatch.py:94 keys the verdict by ForwardKey, but the checked graph
+    (companion_backward_key, binding.py:226) depends on the raw K/V: K/V broadcast over heads
+    with stride 0 and a true one-head K/V share a ForwardKey, not a backward graph."""
+    tcs.clear_cache()
+    q = torch.randn(1, 4, 16, 16, dtype=torch.float16, requires_grad=True)
+    k1, v1 = (torch.randn(1, 1, 16, 16, dtype=torch.float16, requires_grad=True) for _ in range(2))
+    k4, v4 = (torch.randn(1, 1, 16, 16, dtype=torch.float16).expand(1, 4, 16, 16).detach().requires_grad_() for _ in range(2))
+    jf = jit_sdpa()
+    # cuDNN builds the one-head backward, refuses the per-head one (materialized broadcast K/V)
+    with inject_failures(build=lambda key: "refused" if isinstance(key, BackwardKey) and key.k.shape[1] == 4 else None):
+        out = jf(q, k1, v1, None, 0.1, False, None)
+        out.backward(torch.randn_like(out))
+        out = jf(q, k4, v4, None, 0.1, False, None)  # verdict reused: forward runs on the runtime
+        out.backward(torch.randn_like(out))  # RuntimeError: ... the dropout mask cuDNN used cannot be reproduced
+
+
+def test_cat_grad_qkv_with_used_mask_gradient_runs_one_backward():
+    """CHANGELOG: 'A used mask gradient no longer runs the backward twice'. With
+    cudnn_safe_bwd_may_cat_grad_qkv the stash is bypassed (dispatch.py:163) and the backward runs twice."""
+    runs = []
+    run = DISPATCH.run
+    DISPATCH.run = lambda bound: (runs.append(type(bound.key).__name__), run(bound))[1]
+    try:
+        x = torch.randn(1, 16, 3, 2, 16, dtype=torch.float16)
+        q, k, v = (x[:, :, i].transpose(1, 2).detach().requires_grad_() for i in range(3))
+        b = torch.randn(1, 2, 16, 16, dtype=torch.float16, requires_grad=True)
+        jf = jit_with_ours(lambda q, k, v, b: F.scaled_dot_product_attention(q, k, v, attn_mask=b * 1.0),
+                           cudnn_safe_bwd_may_cat_grad_qkv=True)
+        out = jf(q, k, v, b)
+        torch.autograd.grad(out, (q, k, v, b), torch.randn_like(out))
+    finally:
+        DISPATCH.run = run
+    assert runs.count("BackwardKey") == 1, runs
+
+
+def _tensors_reachable(root, depth=4):
+    seen, frontier, found = set(), [root], 0
+    for _ in range(depth):
+        nxt = []
+        for o in frontier:
+            for r in gc.get_referents(o):
+                if id(r) in seen or isinstance(r, type):
+                    continue
+                seen.add(id(r))
+                if isinstance(r, torch.Tensor):
+                    found += 1
+                else:
+                    nxt.append(r)
+        frontier = nxt
+    return found
+
+
+def test_mask_gradient_stash_does_not_outlive_the_backward_pass():
+    """Only the mask needs a gradient: thunder drops the backward call, and the stash
+    (dispatch.py:213) keeps dQ, dK, dV alive until some later masked backward on this thread."""
+    jf = jit_with_ours(lambda q, k, v, b: F.scaled_dot_product_attention(q, k, v, attn_mask=b * 1.0))
+    q, k, v = _qkv()
+    b = torch.randn(1, 2, 16, 16, dtype=torch.float16, requires_grad=True)
+    out = jf(q, k, v, b)
+    out.backward(torch.randn_like(out))
+    del out
+    gc.collect()
+    assert _tensors_reachable(DISPATCH._local.__dict__) == 0
+
+
+def test_mask_gradient_stash_is_not_handed_to_another_call_with_reused_ids():
+    """_call_identity (dispatch.py:217) compares id() and _version: a different call whose
+    tensors reuse freed objects' ids gets the stashed gradients of the old call."""
+    shape = (1, 2, 16, 16)
+
+    def args(seed):
+        g = torch.Generator().manual_seed(seed)
+        q, k, v, m, do = (torch.randn(shape, dtype=torch.float16, generator=g) for _ in range(5))
+        out, st = DISPATCH.forward(q, k, v, m)
+        return [do, q, k, v, m, 0.0, False, out, st, None, None]
+
+    a1 = args(1)
+    DISPATCH.mask_gradient(*a1)
+    want = [(id(t), t._version) if isinstance(t, torch.Tensor) else t for t in a1]
+    del a1
+    gc.collect()
+    pool = [torch.randn(shape, dtype=torch.float16) * 3 for _ in range(4000)]  # new tensors, new values
+    by_id = {id(t): t for t in pool}
+    a2 = []
+    for i, w in enumerate(want):
+        if not isinstance(w, tuple):
+            a2.append(w)
+            continue
+        t = by_id.get(w[0])
+        if t is None:
+            pytest.skip("the allocator did not reuse this object's address")
+        if i == 8:
+            t.resize_(1, 2, 16, 1)  # stats' shape
+        while t._version < w[1]:
+            t.add_(0)
+        a2.append(t)
+    first = DISPATCH.backward(*a2)
+    again = DISPATCH.backward(*a2)  # nothing stashed any more: computed for a2
+    assert all(torch.equal(x, y) for x, y in zip(first, again)), "returned another call's gradients"
+
+
+def test_mask_cache_can_be_turned_off_for_writes_that_bypass_the_version_counter():
+    """A write through .data, numpy or DLPack does not bump _version: the cache cannot see it
+    (documented). set_mask_cache_size(0) (or THUNDER_CUDNN_SAFE_MASK_CACHE_SIZE=0) converts every call."""
+    q, k, v = _qkv(dtype=torch.bfloat16)
+    m = torch.rand(16, 16) > 0.3
+    jf = jit_sdpa()
+    tcs.set_mask_cache_size(0)
+    try:
+        jf(q, k, v, m)
+        m.data.copy_(~m)
+        out = jf(q, k, v, m)
+    finally:
+        tcs.set_mask_cache_size(8)
+    ref = F.scaled_dot_product_attention(*(t.double() for t in (q, k, v)), attn_mask=m)
+    eager = F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+    assert_close_to_reference(out, eager, ref, "output after mask.data changed")
+
+
+def test_mask_cache_weakref_callback_inside_its_own_lock_does_not_deadlock():
+    """masks.py:63/72: the weakref callback _forget takes the cache's non-reentrant lock. A garbage
+    collection that runs while a thread holds that lock (any allocation inside `with self._lock`)
+    and frees a cached mask (a mask in a reference cycle, dropped by any thread) runs the callback on
+    that thread: it waits for itself. A tracer triggers the collection at that point deterministically."""
+    import sys
+    import threading
+
+    from thunder_cudnn_safe import masks
+
+    class Cycle:
+        pass
+
+    def conv():
+        return torch.zeros(2, 2, dtype=torch.float16)
+
+    cm = masks.ConvertedMasks()
+    holder = {"victim": Cycle()}
+    holder["victim"].self = holder["victim"]
+    holder["victim"].mask = torch.ones(2, 2, dtype=torch.bool)
+    cm.get(holder["victim"].mask, ("victim",), conv)
+    lines = open(masks.__file__).read().splitlines()
+    armed = [True]
+
+    def tracer(frame, event, arg):
+        if frame.f_code.co_filename != masks.__file__:
+            return None
+
+        def local(frame, event, arg):
+            if event == "line" and armed[0] and cm._lock.locked() and "(ref, bias)" in lines[frame.f_lineno - 1]:
+                armed[0] = False
+                gc.disable()
+                holder.clear()  # the cycle holding the cached mask becomes garbage
+                gc.set_threshold(1)  # the next allocation (under the lock) collects it
+                gc.enable()
+            return local
+
+        return local
+
+    done = []
+
+    def work():
+        sys.settrace(tracer)
+        try:
+            cm.get(torch.ones(2, 2, dtype=torch.bool), ("other",), conv)
+        finally:
+            sys.settrace(None)
+        done.append(True)
+
+    thread = threading.Thread(target=work, daemon=True)
+    try:
+        thread.start()
+        thread.join(5)
+    finally:
+        gc.set_threshold(700, 10, 10)
+    assert not armed[0], "the tracer never reached the allocation under the lock"
+    assert done, "deadlock: the weakref callback waited on the lock its own thread held"
