@@ -157,3 +157,17 @@ def test_a_mask_modified_in_place_is_converted_again(fresh_cache):
     assert (out2.double() - ref2).abs().max() < 1e-2
     assert not torch.allclose(out1, out2)
     assert tcs.mask_cache_info().conversions == 2
+
+
+def test_the_backward_reuses_the_forwards_conversion_through_another_tensor_object(fresh_cache):
+    """Under ThunderFX the backward receives the saved mask as another tensor object over the same
+    storage; keyed by the tensor object, it was converted a second time every step."""
+    q, k, v = (torch.randn(1, 2, 16, 32, dtype=torch.float16) for _ in range(3))
+    mask = torch.ones(1, 1, 16, 16, dtype=torch.bool).tril()
+    disp = tcs.emulated_ex.dispatcher
+    out, stats = disp.forward(q, k, v, mask)
+    same_storage = mask.view(mask.shape)
+    assert same_storage is not mask
+    disp.backward(torch.randn_like(out), q, k, v, same_storage, 0.0, False, out, stats, None, None)
+    info = tcs.mask_cache_info()
+    assert (info.conversions, info.hits) == (1, 1), info

@@ -8,12 +8,13 @@ receives it again: converting on every call costs, at an 8B-class shape (32 laye
 S=4096, bf16), about 16 GiB of mask writes per training step.
 
 :class:`ConvertedMasks` remembers the converted bias of a mask by its identity and state
-(the tensor object, data pointer, shape, strides, dtype and ``_version``, plus the query
+(its storage object, data pointer, shape, strides, dtype and ``_version``, plus the query
 dtype and the attention shape it is converted for), so each distinct mask is converted at
-most once, and reused across layers and between forward and backward:
+most once, and reused across layers and between forward and backward (which receives the
+saved mask as another tensor object over the same storage):
 
-* it holds a *weak* reference to the mask and drops the entry when the mask is freed, so a
-  converted bias never outlives its mask;
+* it holds a *weak* reference to the mask's storage and drops the entry when the storage is
+  freed, so a converted bias never outlives its mask;
 * a mask modified in place bumps ``_version`` and is converted again;
 * at most :data:`MASK_CACHE_SIZE` entries (least recently used evicted first), so the memory
   it keeps is at most that many biases, each no longer than its mask lives;
@@ -69,16 +70,22 @@ class ConvertedMasks:
         if mask.is_inference() or self._maxsize == 0:
             # No version counter: an in-place write (allowed under inference_mode) cannot be seen.
             return convert()
-        key = (id(mask), mask.data_ptr(), tuple(mask.shape), mask.stride(), mask.dtype, mask._version, how)
+        # Keyed by the mask's *storage* object, not the tensor object: thunder hands the backward
+        # a saved mask as another tensor object over the same storage (torch keeps one Python
+        # storage object per storage while it lives).
+        storage = mask.untyped_storage()
+        key = (
+            id(storage), mask.data_ptr(), tuple(mask.shape), mask.stride(), mask.dtype, mask._version, how,
+        )
         with self._lock:
             self._purge()
             entry = self._entries.get(key)
-            if entry is not None and entry[0]() is mask:
+            if entry is not None and entry[0]() is storage:
                 self._entries.move_to_end(key)
                 self._hits += 1
                 return entry[1]
         bias = convert()
-        ref = weakref.ref(mask, lambda _, key=key: self._forget(key))
+        ref = weakref.ref(storage, lambda _, key=key: self._forget(key))
         with self._lock:
             self._conversions += 1
             self._entries[key] = (ref, bias)

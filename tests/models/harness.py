@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 import thunder_cudnn_safe as tcs
+from thunder_cudnn_safe.telemetry import CopyReason
 from thunder_cudnn_safe.testing import error_bound
 
 from zoo import ModelCase
@@ -185,14 +186,14 @@ def _compile_and_measure(frontend, model, inputs, output, grad, executors, ours:
         rec["copies_per_step"] = stats.copies
         rec["bytes_per_step"] = stats.bytes_copied
         rec["copies_by_reason"] = by_reason
+        conversions = (CopyReason.BOOL_MASK, CopyReason.MASK_DTYPE, CopyReason.MASK_BROADCAST)
         rec["mask_conversions_per_step"] = sum(
-            n for (op, why), (n, _) in stats.by_reason.items()
-            if op == "attn_mask" and ("boolean mask converted" in why or "converted from" in why)
+            n for (op, why), (n, _) in stats.by_reason.items() if op == "attn_mask" and why in conversions
         )
         rec["mask_conversion_bytes_per_step"] = sum(
-            b for (op, why), (_, b) in stats.by_reason.items()
-            if op == "attn_mask" and ("boolean mask converted" in why or "converted from" in why)
+            b for (op, why), (_, b) in stats.by_reason.items() if op == "attn_mask" and why in conversions
         )
+        rec["mask_cache_bytes_held"] = tcs.mask_cache_info().bytes_held
         rec["graph_executions_per_step"] = dict(execs)
         rec["backward_executions_per_step"] = sum(v for k, v in execs.items() if k.startswith("Backward"))
         rec["builds"] = after.builds
