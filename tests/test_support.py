@@ -165,3 +165,23 @@ def test_rules_the_lowering_sweep_found():
 def test_every_decline_is_a_str_with_a_code():
     reasons = emu(*qkv(d=7, dtype=torch.float32), None, 1.5)
     assert reasons and all(isinstance(r, str) and r.code is not None for r in reasons)
+
+
+def test_describe_reports_the_cached_graphs_of_a_call_without_counting_copies(fresh_cache):
+    """explain() says why a call is declined; describe() also says which implementation and plan its
+    cached graphs use (issue 12), binding the call exactly as the executor does."""
+    from thunder_cudnn_safe.testing import QKV_LAYOUTS
+
+    q, k, v = (t.detach() for t in QKV_LAYOUTS["lastdim_strided"](2, 4, 16, 16, 64, 64, torch.float16))
+    report = tcs.describe(q, k, v, executor="cudnn_safe_emulated")
+    assert report == tcs.CallReport([], None, None), "nothing built yet"
+    disp = tcs.emulated_ex.dispatcher
+    out, stats = disp.forward(q, k, v)
+    disp.backward(torch.randn_like(out), q, k, v, None, 0.0, False, out, stats, None, None)
+    copies = tcs.copy_stats()
+    report = tcs.describe(q, k, v, executor="cudnn_safe_emulated")
+    assert report.reasons == [] and report.forward is not None and report.backward is not None
+    assert report.forward.plan == "emulated" and report.forward.key.q.stride[-1] == 1
+    assert tcs.copy_stats() == copies, "describe() must not change the copy figures"
+    declined = tcs.describe(*qkv(d=7), executor="cudnn_safe_emulated")
+    assert declined.reasons and declined.forward is None

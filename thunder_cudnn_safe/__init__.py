@@ -19,7 +19,7 @@ from .cache import CacheInfo, CachedGraph, cache_info, cached_graphs, clear_cach
 from .emulation import set_emulated_target  # noqa: E402
 from .errors import EmulationError, GraphBuildError  # noqa: E402
 from . import gqa  # noqa: E402
-from .executor import cudnn_safe_ex, emulated_ex, explain  # noqa: E402
+from .executor import CallReport, cudnn_safe_ex, describe, emulated_ex, explain  # noqa: E402
 from .gqa import RepeatKVToGQA  # noqa: E402
 from .install import drop_broken_builtin_cudnn_executor, install, installed, uninstall  # noqa: E402
 from .layout import LayoutPolicy  # noqa: E402
@@ -34,6 +34,7 @@ gqa.register()
 __all__ = [
     "FRONTEND",
     "CacheInfo",
+    "CallReport",
     "CachedGraph",
     "CopyStats",
     "EmulationError",
@@ -47,6 +48,7 @@ __all__ = [
     "clear_cache",
     "copy_stats",
     "cudnn_safe_ex",
+    "describe",
     "emulated_ex",
     "explain",
     "install",

@@ -16,7 +16,7 @@ Compile options (``thunder.jit(..., cudnn_safe_layout="contiguous")``):
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -34,6 +34,10 @@ from thunder.extend import OperatorExecutor, register_executor  # noqa: E402
 
 from ._version import __version__  # noqa: E402
 from . import emulation, gqa  # noqa: E402
+from .binding import companion_backward_key, rng_tensors  # noqa: E402
+from .cache import CachedGraph  # noqa: E402
+from .keys import sig  # noqa: E402
+from .telemetry import copies_not_counted  # noqa: E402
 from .dispatch import Dispatcher  # noqa: E402
 from .layout import LayoutPolicy, same_size_except_heads  # noqa: E402
 from .runtime import CudnnRuntime, Runtime  # noqa: E402
@@ -261,6 +265,61 @@ def explain(
     return reasons_for(
         ex.runtime, query, key, value, attn_mask, dropout_p, is_causal, scale, bool(deterministic), bool(enable_gqa)
     )
+
+
+class CallReport(NamedTuple):
+    """What :func:`describe` knows about one call."""
+
+    #: Why the executor would not claim it (``explain()``); empty when it would.
+    reasons: list[Decline]
+    #: The call's forward graph in the cache (implementation, plan, workspace), or None if not built yet.
+    forward: CachedGraph | None
+    #: Its backward graph for dO in O's layout (the one a dropout forward checks), or None if not built yet.
+    backward: CachedGraph | None
+
+
+def describe(
+    query: Any,
+    key: Any,
+    value: Any,
+    attn_mask: Any = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    *,
+    executor: OperatorExecutor | str | None = None,
+    layout: str = "preserve",
+    deterministic: bool = False,
+    enable_gqa: bool = False,
+) -> CallReport:
+    """:func:`explain` plus, for a claimed call on real tensors, which cuDNN SDPA implementation
+    and execution plan its cached graphs use.
+
+    The call is bound exactly as the executor would bind it (so the key is the real one),
+    without counting or warning about copies; nothing is built or run: a graph not built yet
+    reads None. The backward reported is the one for dO in O's layout (a transposed grad_out
+    has its own graph, listed by :func:`~thunder_cudnn_safe.cached_graphs`).
+    """
+    reasons = explain(
+        query, key, value, attn_mask, dropout_p, is_causal, scale, executor=executor, deterministic=deterministic,
+        enable_gqa=enable_gqa,
+    )
+    if reasons or not isinstance(query, torch.Tensor):
+        return CallReport(reasons, None, None)
+    ex = _resolve_executor(executor)
+    dispatcher: Dispatcher = ex.dispatcher
+    target = ex.runtime.target(query.device)
+    with copies_not_counted():
+        bound = dispatcher.binder.forward(
+            query, key, value, attn_mask, 0.0, bool(is_causal), scale, LayoutPolicy.parse(layout).value, target
+        )
+        fkey = bound.key._replace(dropout_p=float(dropout_p)) if dropout_p else bound.key
+        if dropout_p:  # the seed/offset sigs a dropout forward declares
+            seed, offset = rng_tensors(query.device)
+            fkey = fkey._replace(seed=sig(seed), offset=sig(offset))
+        bkey = companion_backward_key(fkey, query, key, value)._replace(deterministic=bool(deterministic))
+    graphs = {g.key: g for g in dispatcher.cache.graphs()}
+    return CallReport(reasons, graphs.get(fkey), graphs.get(bkey))
 
 
 def _resolve_executor(executor: OperatorExecutor | str | None) -> OperatorExecutor:

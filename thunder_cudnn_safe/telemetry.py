@@ -11,10 +11,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import threading
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 from typing import NamedTuple
 
 logger = logging.getLogger("thunder_cudnn_safe")
@@ -105,6 +106,8 @@ class _CopyCounter:
 
     def record(self, operand: str, reason: CopyReason, nbytes: int, signature: tuple) -> None:
         """Count one copy; warn once per distinct (operand, reason, layout) if the copy was avoidable."""
+        if getattr(_muted, "depth", 0):
+            return
         with self._lock:
             self._copies += 1
             self._bytes += nbytes
@@ -134,6 +137,18 @@ class _CopyCounter:
 
 
 copy_counter = _CopyCounter()
+_muted = threading.local()
+
+
+@contextlib.contextmanager
+def copies_not_counted() -> Iterator[None]:
+    """On this thread, copies are neither counted nor warned about (a diagnostic that binds a call
+    to read its graph key, :func:`thunder_cudnn_safe.describe`, must not change the figures)."""
+    _muted.depth = getattr(_muted, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _muted.depth -= 1
 
 
 def copy_stats() -> CopyStats:
