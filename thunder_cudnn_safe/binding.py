@@ -164,10 +164,15 @@ def prepare_grad_out(grad_out: torch.Tensor, o: torch.Tensor, policy: LayoutPoli
         return grad_out if canon is None else grad_out.as_strided(grad_out.shape, canon, grad_out.storage_offset())
     if reason is None and (canon or grad_out.stride()) == o.stride():
         return with_canonical_strides(grad_out)
-    if reason is None:
-        reason = CopyReason.DO_LIKE_O
-    # O as bound is readable with canonical strides, so a buffer with exactly its strides
-    # is too; one allocation, one copy.
+    return _grad_out_in_strides_of(o, grad_out, CopyReason.DO_LIKE_O if reason is None else reason)
+
+
+def _grad_out_in_strides_of(o: torch.Tensor, grad_out: torch.Tensor, reason: CopyReason) -> torch.Tensor:
+    """One counted copy of ``grad_out`` into a buffer with exactly O's strides.
+
+    O as bound is readable with canonical strides, so a buffer with exactly its strides is
+    too: one allocation, one copy, and dO declared like O.
+    """
     copy = torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device=o.device)
     copy.copy_(grad_out)
     _record("grad_out", reason, grad_out, copy)
@@ -220,7 +225,7 @@ def companion_backward_key(fkey: ForwardKey, query: torch.Tensor, key: torch.Ten
     A forward with dropout must not run in cuDNN unless cuDNN will also run its backward:
     only cuDNN can reproduce the dropout mask its Philox generator drew. The backward gets
     the same q, k, v, O, stats, bias, seed and offset; dO in O's layout is the one layout
-    the backward can always fall back to (one copy, see :meth:`Binder.with_grad_out_like_o`).
+    the backward can always fall back to (one copy, see :func:`with_grad_out_like_o`).
     """
     policy = LayoutPolicy(fkey.layout)
     q, k, v = (bound_sig(t, policy) for t in (query, key, value))
@@ -240,10 +245,7 @@ def with_grad_out_like_o(bound: Bound) -> Bound:
     checked that cuDNN builds it: :func:`companion_backward_key`).
     """
     key, pack = bound.key, bound.pack
-    o, d_o = pack[Uid.O], pack[Uid.DO]
-    copy = torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device=o.device)
-    copy.copy_(d_o)
-    _record("grad_out", CopyReason.DO_REFUSED, d_o, copy)
+    copy = _grad_out_in_strides_of(pack[Uid.O], pack[Uid.DO], CopyReason.DO_REFUSED)
     return Bound(key._replace(d_o=key.o), {**pack, Uid.DO: copy}, bound.outputs)
 
 

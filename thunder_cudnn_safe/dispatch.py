@@ -198,7 +198,7 @@ class Dispatcher:
         dBias (dQ, dK, dV and dBias together) and keeps dQ, dK, dV for the :meth:`backward`
         call of the same operands that the grad transform places right after it: that call
         returns them instead of running the backward a second time. The kept gradients live
-        until the next backward call on this thread.
+        until the next backward call on this thread or until grad_out is freed (:class:`_Stash`).
         """
         grads = self.backward(
             grad_out, query, key, value, attn_mask, dropout_p, is_causal, out, stats, seed, offset,
