@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from thunder_cudnn_safe import graphs
-from thunder_cudnn_safe.keys import ForwardKey, sig, sig_or_none
+from thunder_cudnn_safe.binding import BackwardCall, ForwardCall, bind, plan_forward, signature
 
 from . import harness
 
@@ -125,37 +125,22 @@ def _components(disp, q, k, v, g, out, stats, iters: int) -> list[dict[str, Any]
     harness.forward_backward(disp, q, k, v, g, "preserve")
     (fkey, _), (bkey, _) = disp.runtime.record
     disp.runtime.record = None
-    bwd_args = (q, k, v, out, g, stats)
-
-    def fwd_signature():
-        return (
-            q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
-            (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15, False, None, "preserve", device, target,
-        )
-
-    def bwd_signature():
-        return (
-            tuple((t.shape, t.stride(), t.dtype) for t in bwd_args),
-            (q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr() | g.data_ptr() | stats.data_ptr()) & 15,
-            False, None, "preserve", False, device, target,
-        )
-
-    remembered = {fwd_signature(): fkey}
-    fsig = fwd_signature()
+    fcall = ForwardCall(q, k, v)
+    bcall = BackwardCall(g, q, k, v, None, 0.0, False, out, stats, None, None)
+    fsig = (signature(fcall), target)
     steps = [
         ("runtime.target(device)", lambda: disp.runtime.target(device)),
-        ("forward layout signature (3 tensors' shape, strides, dtype; alignment; flags)", fwd_signature),
-        ("backward layout signature (6 tensors)", bwd_signature),
-        ("remembered-key dict lookup (forward signature)", lambda: remembered.get(fsig)),
+        ("forward call signature (3 tensors' shape, strides, dtype, alignment; flags)", lambda: signature(fcall)),
+        ("backward call signature (6 tensors)", lambda: signature(bcall)),
+        ("plan memo lookup (forward signature)", lambda: disp.plans.get(fsig)),
+        ("bind(plan, call) (views and 2 allocations)", lambda: bind(disp.plans.get(fsig), fcall)),
         ("torch.empty_strided(out's shape, strides) (allocation)", lambda: torch.empty_strided(out.shape, out.stride(), dtype=out.dtype)),
         ("torch.empty_strided(stats.shape, stats.stride(), dtype=float32)", lambda: torch.empty_strided(stats.shape, stats.stride(), dtype=torch.float32)),
         ("3x torch.empty_strided (dq, dk, dv)", lambda: tuple(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype) for t in (q, k, v))),
         ("cache.get_or_build, forward hit (lock, hash + compare the key, move_to_end)", lambda: disp.cache.get_or_build(fkey, disp.runtime.build)),
         ("cache.get_or_build, backward hit", lambda: disp.cache.get_or_build(bkey, disp.runtime.build)),
         ("hash(ForwardKey)", lambda: hash(fkey)),
-        ("for reference, a miss only: 5x sig() + 3x sig_or_none() + ForwardKey(...)", lambda: ForwardKey(
-            sig(q), sig(k), sig(v), sig(out), sig(stats), sig_or_none(None), sig_or_none(None), sig_or_none(None),
-            False, 0.0, fkey.scale, "preserve", target)),
+        ("for reference, a miss only: plan_forward(signature)", lambda: plan_forward(*fsig)),
     ]
     rows = []
     for name, fn in steps:
@@ -197,8 +182,9 @@ def run(*, quick: bool = False, iters: int | None = None, log=print) -> dict[str
         q, k, v, g = _case(ql, gl)
         disp = harness.make_dispatcher("cpu")
         out, stats, _ = harness.forward_backward(disp, q, k, v, g, "preserve")  # cold: builds both graphs
-        # Whether the product remembered keys for these layouts (its steady-state path; private, read if present).
-        steady = {which: bool(getattr(disp.binder, attr, None)) for which, attr in (("fwd", "forward_memo"), ("bwd", "backward_memo"))}
+        # Whether the dispatcher remembered the plans for these layouts (its steady-state path).
+        kinds = [type(plan.key).__name__ for _, plan in disp.plans.items()]
+        steady = {"fwd": "ForwardKey" in kinds, "bwd": "BackwardKey" in kinds}
         builds_before = disp.cache.info().builds
         harness.reset_copy_stats()
 

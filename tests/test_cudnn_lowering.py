@@ -105,6 +105,13 @@ def _calls() -> list[Call]:
     for lq_, s_ in ((16, 24), (24, 16), (8, 64), (1, 16), (16, 1), (1, 1)):
         for causal in (False, True):
             calls.append(Call(f"LneS-L{lq_}-S{s_}{'-causal' if causal else ''}", shape=(2, 2, lq_, s_, 64, 64), causal=causal))
+    # Key length 1 (issue 20, item 3): a size-1 last dim must keep stride 1 (cuDNN requires it of the bias).
+    for shape in ((b, h, lq, 1), (b, 1, lq, 1), (1, 1, lq, 1)):
+        sid = "x".join(map(str, shape))
+        calls.append(Call(f"keylen1-mask-{sid}-additive", shape=(2, 2, 16, 1, 64, 64), mask=shape))
+        calls.append(Call(f"keylen1-mask-{sid}-bool", shape=(2, 2, 16, 1, 64, 64), mask=shape, mask_bool=True))
+    calls.append(Call("keylen1-mask-grad", shape=(2, 2, 16, 1, 64, 64), mask=(b, h, lq, 1), mask_grad=True))
+    calls.append(Call("keylen1-bshd-dropout", layout="bshd_transposed", shape=(2, 2, 16, 1, 64, 64), dropout=0.1))
     calls.append(Call("LneS-bshd-mask", layout="bshd_transposed", shape=(2, 2, 16, 24, 64, 64), mask=(2, 1, 1, 24), mask_bool=True))
     for causal in (False, True):
         calls.append(Call(f"kv-one-head{'-causal' if causal else ''}", shape=(2, 4, 16, 16, 64, 64), kv_heads=1, causal=causal))
@@ -350,13 +357,13 @@ def test_s1_backward_is_refused_while_its_forward_lowers() -> None:
     A dropout forward that ran in cuDNN then has no backward graph, and the fallback cannot
     reproduce cuDNN's mask. The fix must build (or decline) the backward before the forward runs.
     """
+    from thunder_cudnn_safe.binding import ForwardCall
     from thunder_cudnn_safe.keys import BackwardKey
 
     call = Call("s1-dropout", shape=(2, 2, 1, 1, 64, 64), dropout=0.1)
     # The dispatcher no longer builds this forward (it checks the backward first), so bind it directly.
     q, k, v, _ = _tensors(call)
-    target = tcs.emulated_ex.runtime.target(q.device)
-    forward_key = tcs.emulated_ex.dispatcher.binder.forward(q, k, v, None, 0.1, False, None, "preserve", target).key
+    forward_key = tcs.emulated_ex.dispatcher.plan(ForwardCall(q, k, v, None, 0.1)).key
     for sm in ARCHS:
         forward, backward = lowering.lower_key(forward_key, sm), lowering.lower_key(_key(call, BackwardKey), sm)
         assert forward.ok, forward

@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 
 import thunder_cudnn_safe as tcs
-from thunder_cudnn_safe.emulation import inject_failures
+from thunder_cudnn_safe import handoff
+from thunder_cudnn_safe.testing import inject_failures
 from thunder_cudnn_safe.errors import GraphBuildError
 from thunder_cudnn_safe.keys import BackwardKey
 from thunder_cudnn_safe.testing import assert_close_to_reference, jit_sdpa, jit_with_ours
@@ -35,7 +36,7 @@ def _qkv(h=2, hk=None, dtype=torch.float16, grad=False):
 
 
 def test_bool_mask_under_inference_mode():
-    """masks.py:295 reads mask._version; inference tensors have no version counter."""
+    """The mask cache reads mask._version; inference tensors have no version counter."""
     q, k, v = _qkv()
     jf = jit_sdpa()
     with torch.inference_mode():
@@ -67,7 +68,7 @@ def test_transient_companion_build_failure_is_retried():
 
 
 def test_clear_cache_forgets_dropout_verdicts():
-    """clear_cache() says it forgets refused graphs; Dispatcher._dropout_verdicts survives it."""
+    """clear_cache() says it forgets refused graphs; a separate memory of dropout verdicts survived it."""
     tcs.clear_cache()
     q, k, v = _qkv()
     with inject_failures(build=lambda key: "refused" if isinstance(key, BackwardKey) else None):
@@ -131,8 +132,8 @@ def _tensors_reachable(root, depth=4):
 
 
 def test_mask_gradient_stash_does_not_outlive_the_backward_pass():
-    """Only the mask needs a gradient: thunder drops the backward call, and the stash
-    (dispatch.py:213) keeps dQ, dK, dV alive until some later masked backward on this thread."""
+    """Only the mask needs a gradient: thunder drops the backward call, and the kept gradients
+    (handoff.keep_gradients) stayed alive until some later masked backward on this thread."""
     jf = jit_with_ours(lambda q, k, v, b: F.scaled_dot_product_attention(q, k, v, attn_mask=b * 1.0))
     q, k, v = _qkv()
     b = torch.randn(1, 2, 16, 16, dtype=torch.float16, requires_grad=True)
@@ -140,12 +141,12 @@ def test_mask_gradient_stash_does_not_outlive_the_backward_pass():
     out.backward(torch.randn_like(out))
     del out
     gc.collect()
-    assert _tensors_reachable(DISPATCH._local.__dict__) == 0
+    assert _tensors_reachable(handoff._local.__dict__) == 0
 
 
 def test_mask_gradient_stash_is_not_handed_to_another_call_with_reused_ids():
-    """_call_identity (dispatch.py:217) compares id() and _version: a different call whose
-    tensors reuse freed objects' ids gets the stashed gradients of the old call."""
+    """Kept gradients were matched by id() and _version: a different call whose tensors reuse
+    freed objects' ids got the kept gradients of the old call."""
     shape = (1, 2, 16, 16)
 
     def args(seed):
@@ -198,14 +199,14 @@ def test_mask_cache_can_be_turned_off_for_writes_that_bypass_the_version_counter
 
 
 def test_mask_cache_weakref_callback_inside_its_own_lock_does_not_deadlock():
-    """masks.py:63/72: the weakref callback _forget takes the cache's non-reentrant lock. A garbage
-    collection that runs while a thread holds that lock (any allocation inside `with self._lock`)
-    and frees a cached mask (a mask in a reference cycle, dropped by any thread) runs the callback on
-    that thread: it waits for itself. A tracer triggers the collection at that point deterministically."""
+    """The weakref callback that forgets a freed mask took the cache's non-reentrant lock. A garbage
+    collection that runs while a thread holds that lock (any allocation under it) and frees a cached
+    mask (a mask in a reference cycle) runs the callback on that thread: it waited for itself. A
+    tracer triggers the collection under the LRU's lock deterministically."""
     import sys
     import threading
 
-    from thunder_cudnn_safe import masks
+    from thunder_cudnn_safe import lru, masks
 
     class Cycle:
         pass
@@ -218,15 +219,15 @@ def test_mask_cache_weakref_callback_inside_its_own_lock_does_not_deadlock():
     holder["victim"].self = holder["victim"]
     holder["victim"].mask = torch.ones(2, 2, dtype=torch.bool)
     cm.get(holder["victim"].mask, ("victim",), conv)
-    lines = open(masks.__file__).read().splitlines()
+    lines = open(lru.__file__).read().splitlines()
     armed = [True]
 
     def tracer(frame, event, arg):
-        if frame.f_code.co_filename != masks.__file__:
+        if frame.f_code.co_filename != lru.__file__:
             return None
 
         def local(frame, event, arg):
-            if event == "line" and armed[0] and cm._lock.locked() and "(ref, bias)" in lines[frame.f_lineno - 1]:
+            if event == "line" and armed[0] and cm._lru._lock.locked() and "self._data[key] = value" in lines[frame.f_lineno - 1]:
                 armed[0] = False
                 gc.disable()
                 holder.clear()  # the cycle holding the cached mask becomes garbage
@@ -254,3 +255,6 @@ def test_mask_cache_weakref_callback_inside_its_own_lock_does_not_deadlock():
         gc.set_threshold(700, 10, 10)
     assert not armed[0], "the tracer never reached the allocation under the lock"
     assert done, "deadlock: the weakref callback waited on the lock its own thread held"
+    keep = torch.ones(2, 2, dtype=torch.bool)
+    cm.get(keep, ("third",), conv)  # purges the freed masks' entries
+    assert len(cm._lru) == 1 and cm.info().entries == 1

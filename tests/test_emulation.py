@@ -30,7 +30,7 @@ def test_forward_matches_reference():
     q, k, v, o, st = tensors()
     g = graphs.build_forward_graph(fwd_key(q, k, v, o, st))
     emulate(g, {Uid.Q: q, Uid.K: k, Uid.V: v, Uid.O: o, Uid.STATS: st})
-    ref_o, ref_st = reference.attention_forward(q.float(), k.float(), v.float(), None, 0.125, False)
+    ref_o, ref_st = reference.attention_forward(q.float(), k.float(), v.float(), reference.Scores(0.125))
     torch.testing.assert_close(o.float(), ref_o, atol=2e-3, rtol=2e-3)
     torch.testing.assert_close(st, ref_st)
 
@@ -45,7 +45,7 @@ def test_reads_through_declared_not_actual_strides():
     good_o = torch.empty_like(o)
     g2 = graphs.build_forward_graph(fwd_key(qt, k, v, good_o, st))
     emulate(g2, {Uid.Q: qt, Uid.K: k, Uid.V: v, Uid.O: good_o, Uid.STATS: st})
-    ref_o, _ = reference.attention_forward(qt.float(), k.float(), v.float(), None, 0.125, False)
+    ref_o, _ = reference.attention_forward(qt.float(), k.float(), v.float(), reference.Scores(0.125))
     torch.testing.assert_close(good_o.float(), ref_o, atol=2e-3, rtol=2e-3)
     assert (wrong.float() - ref_o).abs().max() > 0.1
 

@@ -7,15 +7,21 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from thunder_cudnn_safe.binding import prepare_operand
+from thunder_cudnn_safe import emulation
+from thunder_cudnn_safe.binding import ForwardCall, bind, plan_forward, signature
+from thunder_cudnn_safe.graphs import Uid
 from thunder_cudnn_safe.keys import sig
-from thunder_cudnn_safe.layout import (
-    LayoutPolicy,
-    canonical_strides,
-    empty_like_order,
-    layout_problem,
-    stride_order,
-)
+from thunder_cudnn_safe.layout import LayoutPolicy, arg_sig, canonical_strides, layout_problem, stride_order, strides_like
+
+
+def prepare_operand(t, name, policy):
+    """The tensor the executor binds for ``t`` as the query of a call."""
+    call = ForwardCall(t, t, t, layout=policy.value)
+    return bind(plan_forward(signature(call), emulation.emulated_target()), call).pack[Uid.Q]
+
+
+def empty_like_order(shape, like, policy):
+    return torch.empty_strided(shape, strides_like(shape, arg_sig(like), policy), dtype=like.dtype)
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -24,6 +24,7 @@ from .gqa import RepeatKVToGQA  # noqa: E402
 from .install import drop_broken_builtin_cudnn_executor, install, installed, uninstall  # noqa: E402
 from .layout import LayoutPolicy  # noqa: E402
 from .masks import MaskCacheInfo, mask_cache_info, set_mask_cache_size  # noqa: E402
+from .patterns import mask_pattern_info, reset_mask_pattern_info, set_mask_patterns  # noqa: E402
 from .telemetry import CopyStats, copy_stats, reset_copy_stats  # noqa: E402
 
 drop_broken_builtin_cudnn_executor()
@@ -54,9 +55,12 @@ __all__ = [
     "install",
     "installed",
     "mask_cache_info",
+    "mask_pattern_info",
     "reset_copy_stats",
+    "reset_mask_pattern_info",
     "set_cache_size",
     "set_emulated_target",
     "set_mask_cache_size",
+    "set_mask_patterns",
     "uninstall",
 ]

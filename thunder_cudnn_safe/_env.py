@@ -18,6 +18,8 @@ T = TypeVar("T")
 CACHE_SIZE_ENV = "THUNDER_CUDNN_SAFE_CACHE_SIZE"
 #: Converted-mask cache bound (:mod:`thunder_cudnn_safe.masks`; 0 turns it off).
 MASK_CACHE_SIZE_ENV = "THUNDER_CUDNN_SAFE_MASK_CACHE_SIZE"
+#: Bytes of dP workspace a dBias or deterministic backward may need (:data:`cudnn_rules.DP_WORKSPACE`).
+DP_WORKSPACE_LIMIT_ENV = "THUNDER_CUDNN_SAFE_DP_WORKSPACE_LIMIT"
 #: Which GPU architecture the emulated runtime pretends to be (e.g. ``9.0`` or ``sm90``).
 EMULATED_ARCH_ENV = "THUNDER_CUDNN_SAFE_EMULATED_ARCH"
 #: Which cuDNN version the emulated runtime pretends to be (e.g. ``91900``).

@@ -1,209 +1,125 @@
-"""One call becomes one value: :class:`Bound`, a graph key and its ``{uid: tensor}`` pack.
+"""A call becomes one value, a plan, then :class:`Bound`: the graph key and its ``{uid: tensor}`` pack.
 
-This is the one place to read to check the project's rule, *declared layout == bound
-layout*: every tensor put in the pack went through the layout decisions below (its own
-strides when cuDNN can read them, else a counted copy), and the key is built by
-:func:`~thunder_cudnn_safe.keys.sig` from exactly the tensors in the pack. Outputs (O,
-stats, gradients) are allocated here too, so the key records their real strides.
+This is the one place to read to check the project's rule, *declared layout == bound layout*:
 
-Data flows one way: thunder hands torch tensors -> operand normalization (:mod:`layout`
-decides, this module copies and counts) -> outputs allocated -> key read off the pack.
-
-:class:`Binder` adds the steady-state path: a training step repeats the same input
-layouts every iteration, so a call whose inputs were all bound without a copy remembers
-(key, how each bound tensor is a view of its argument). The next call with the same
-layouts rebinds the same views of the new tensors and allocates outputs with exactly the
-layouts the key records: declared == bound still holds by construction, and no layout
-decision is taken again.
+* :func:`plan_forward` / :func:`plan_backward` decide, from the signatures of the call's
+  arguments alone (:class:`~thunder_cudnn_safe.layout.ArgSig`: shape, strides, dtype, base
+  alignment), how each uid's tensor is made (the argument itself, a free view of it, or a
+  fresh buffer: a counted copy, a mask conversion, an output) and the layout it will have.
+  The key is read off those layouts. A plan depends on signatures only, so the dispatcher
+  memoizes it: the layouts a training step repeats take no decision again.
+* :func:`bind` carries a plan out on the call's tensors. Each bound tensor gets exactly the
+  recorded layout (``as_strided`` to the recorded view, ``empty_strided`` with the recorded
+  layout), so what the key declares is what cuDNN reads, by construction.
 """
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 from . import cudnn_rules
-from .cudnn_rules import ALIGNMENT_BYTES
 from .graphs import Uid
-from .keys import BackwardKey, ForwardKey, Target, TensorSig, sig, sig_or_none
+from .keys import RNG_SIG, BackwardKey, ForwardKey, Target, TensorSig
 from .layout import (
-    MEMO_SIZE,
-    LayoutPolicy,
-    binding_plan,
-    empty_in_order,
-    empty_like_order,
-    packed_strides,
-    same_size_except_heads,
-    strides_like_order,
-    with_canonical_strides,
+    ArgSig, LayoutPolicy, arg_sig, canonical_strides, copy_reason, dense_strides, is_contiguous, packed_strides,
+    same_size_except_heads, strides_like,
 )
-from .masks import converted_masks, to_bias
+from .masks import converted_masks
+from .patterns import MaskPattern
 from .telemetry import CopyReason, copy_counter
 
 
-class Bound(NamedTuple):
-    """A call ready for any runtime: the graph key and the tensors bound to its uids.
+def torch_deterministic() -> bool:
+    """Whether ``torch.use_deterministic_algorithms(True)`` is on (not warn-only): then cuDNN's
+    deterministic backward runs, as PyTorch's own kernels switch (read when the call runs)."""
+    return torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled()
 
-    ``outputs`` are what the operator returns once a runtime has run: (O, stats), plus
-    (seed, offset) with dropout, for a forward; (dQ, dK, dV), or the one buffer they are
-    slices of when the backward fuses them (``cat_grad_qkv``), for a backward.
-    """
+
+class ForwardCall(NamedTuple):
+    """One SDPA forward: the forward operator's arguments (its thunder signature is this tuple's)."""
+
+    query: Any
+    key: Any
+    value: Any
+    attn_mask: Any = None
+    dropout_p: float = 0.0
+    is_causal: bool = False
+    scale: float | None = None
+    layout: str = "preserve"
+    #: the backward's options, known to the forward: a dropout forward checks the backward that will run
+    deterministic: bool = False
+    cat_grad_qkv: bool = False
+    enable_gqa: bool = False
+
+
+class BackwardCall(NamedTuple):
+    """One SDPA backward: the backward operators' arguments (their thunder signature is this tuple's)."""
+
+    grad_out: Any
+    query: Any
+    key: Any
+    value: Any
+    attn_mask: Any
+    dropout_p: float
+    is_causal: bool
+    out: Any
+    stats: Any
+    seed: Any
+    offset: Any
+    scale: float | None = None
+    layout: str = "preserve"
+    deterministic: bool = False
+    cat_grad_qkv: bool = False
+    #: also return the mask's gradient (the backward graph computes dBias)
+    mask_grad: bool = False
+
+
+class Step(NamedTuple):
+    """How one tensor of the pack is made: a value (``src``, an index into the call, then earlier
+    steps), viewed (``view``: shape, strides, extra storage offset), then copied into or allocated
+    as a fresh buffer (``fill``). Its layout is ``fill``, else ``view``, else the value's own."""
+
+    uid: Uid | None
+    src: int | None
+    view: tuple | None = None
+    fill: TensorSig | None = None
+    reason: CopyReason | None = None
+    name: str = ""
+    #: a mask conversion made once per distinct mask (:data:`~thunder_cudnn_safe.masks.converted_masks`)
+    shared: bool = False
+    #: fill with random int64 drawn on the device (dropout seed and offset)
+    draw: bool = False
+    #: the value is a :class:`~thunder_cudnn_safe.patterns.MaskPattern`: bind this field of it
+    field: str | None = None
+
+
+class Plan(NamedTuple):
+    key: ForwardKey | BackwardKey
+    steps: tuple[Step, ...]
+    #: indices of the values the operator returns
+    outputs: tuple[int, ...]
+
+
+class Bound(NamedTuple):
+    """A call ready for any runtime: the graph key, the tensors bound to its uids, the operator's outputs."""
 
     key: ForwardKey | BackwardKey
     pack: dict[Uid, torch.Tensor]
     outputs: tuple[torch.Tensor, ...]
 
 
-# -- operands -------------------------------------------------------------------------------
-def _record(operand: str, reason: CopyReason, t: torch.Tensor, copy: torch.Tensor) -> None:
-    copy_counter.record(operand, reason, copy.numel() * copy.element_size(), (tuple(t.shape), t.stride(), str(t.dtype)))
+def signature(call: ForwardCall | BackwardCall) -> ForwardCall | BackwardCall:
+    """The call with every tensor replaced by its :class:`ArgSig`: all a plan depends on."""
+    return type(call)._make([arg_sig(x) if isinstance(x, torch.Tensor) else _pattern_sig(x) for x in call])
 
 
-def prepare_operand(t: torch.Tensor, operand: str, policy: LayoutPolicy) -> torch.Tensor:
-    """The tensor to bind for ``t``: itself (with canonical size-1 strides) when cuDNN can read it, else a counted copy."""
-    reason, canon = binding_plan(t, policy)
-    if reason is not None:
-        copy = empty_like_order(t.shape, t, policy)
-        copy.copy_(t)
-        _record(operand, reason, t, copy)
-        return copy  # fresh buffers already carry canonical strides
-    if canon is not None:
-        return t.as_strided(t.shape, canon, t.storage_offset())
-    return t
-
-
-def prepare_kv_forward(key: torch.Tensor, value: torch.Tensor, policy: LayoutPolicy) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V for the forward: a head dimension both broadcast with stride 0 is declared as one head.
-
-    cuDNN broadcasts a single K/V head over all query heads (multi-query attention), so
-    an expanded K/V needs no copy in the forward. K and V must agree on their head count,
-    so only a broadcast shared by both is collapsed; a lone broadcast one is copied. (The
-    backward must produce per-head gradients for such tensors and binds them materialized.)
-    """
-    if policy is LayoutPolicy.PRESERVE and key.shape[1] > 1 and key.stride(1) == 0 and value.stride(1) == 0:
-        key, value = key.narrow(1, 0, 1), value.narrow(1, 0, 1)
-    return prepare_operand(key, "key", policy), prepare_operand(value, "value", policy)
-
-
-def prepare_mask(
-    mask: torch.Tensor, q_dtype: torch.dtype, full: tuple[int, int, int, int], policy: LayoutPolicy, needs_grad: bool
-) -> torch.Tensor:
-    """The additive bias to bind for ``attn_mask``: rank 4, (1|B, 1|H, L, S), cuDNN-readable.
-
-    * leading dims are added as free views (torch broadcasting aligns trailing dims);
-    * batch/head dims broadcast with stride 0 are declared as size 1 (cuDNN broadcasts
-      them) unless the mask needs a gradient, which must then be per element;
-    * a boolean mask becomes an additive bias of the query dtype (0 / -inf), a copy;
-    * a floating mask of another dtype is converted to the query dtype (cuDNN's bias has the
-      io dtype), a copy;
-    * a mask broadcast over query or key positions is materialized, a copy.
-
-    Each conversion is made once per distinct mask tensor and state
-    (:mod:`thunder_cudnn_safe.masks`) and reused by every layer and the backward.
-    """
-    m = mask
-    while m.dim() < 4:
-        m = m.unsqueeze(0)
-    if not needs_grad:
-        for d in (0, 1):
-            if m.shape[d] > 1 and m.stride(d) == 0:
-                m = m.narrow(d, 0, 1)
-    _, _, lq, s = full
-    shape = (m.shape[0], m.shape[1], lq, s)
-    if m.dtype == torch.bool or tuple(m.shape) != shape or m.dtype != q_dtype:
-        reason = (
-            CopyReason.BOOL_MASK if m.dtype == torch.bool
-            else CopyReason.MASK_DTYPE if m.dtype != q_dtype else CopyReason.MASK_BROADCAST
-        )
-        view = m
-
-        def convert() -> torch.Tensor:
-            bias = to_bias(view, shape, q_dtype, empty_in_order(shape, range(4), q_dtype, view.device))
-            _record("attn_mask", reason, view, bias)
-            return bias
-
-        # Converted once per distinct mask tensor (and state): reused across layers and by
-        # the backward. A mask that needs a gradient is per call (its value is the input).
-        how = (shape, q_dtype, needs_grad, tuple(m.shape), m.stride(), m.storage_offset())
-        m = convert() if needs_grad else converted_masks.get(mask, how, convert)
-    return prepare_operand(m, "attn_mask", policy)
-
-
-def prepare_stats(stats: torch.Tensor) -> torch.Tensor:
-    """Softmax stats as the backward binds them: packed BHSD float32, declared exactly packed.
-
-    cuDNN reads stats with plain loads (no 16-byte stride rule); what the forward
-    allocated already qualifies, so the copy only runs for foreign stats. cuDNN < 9.26
-    refuses any strides but the packed ones, size-1 dims included
-    (:data:`~thunder_cudnn_safe.cudnn_rules.STATS_PACKED_ONLY`).
-    """
-    st = stats
-    if st.dtype != torch.float32 or not st.is_contiguous() or st.data_ptr() % ALIGNMENT_BYTES:
-        st = torch.empty(st.shape, dtype=torch.float32, device=st.device).copy_(stats)
-        _record("stats", CopyReason.STATS_LAYOUT, stats, st)
-    packed = packed_strides(st.shape)
-    if st.stride() != packed:
-        st = st.as_strided(st.shape, packed, st.storage_offset())
-    return st
-
-
-def prepare_grad_out(grad_out: torch.Tensor, o: torch.Tensor, policy: LayoutPolicy, target: Target) -> torch.Tensor:
-    """dO as bound: its own layout where cuDNN can read it, else one copy with exactly O's strides.
-
-    cuDNN before 9.5.1 assumed dO has O's strides
-    (:data:`~thunder_cudnn_safe.cudnn_rules.DO_OWN_STRIDES`); binding any other layout
-    there reads wrong elements, which is the upstream thunder bug in another form. Where a
-    copy is needed anyway (an expanded or zero-stride grad_out, a misaligned one), it goes
-    into O's exact strides, as cuDNN's own torch op and PyTorch do: a copy laid out "like"
-    a broadcast tensor would put the heads outermost and the batch innermost.
-    """
-    reason, canon = binding_plan(grad_out, policy)
-    if reason is None and (policy is LayoutPolicy.CONTIGUOUS or cudnn_rules.DO_OWN_STRIDES.holds(target)):
-        return grad_out if canon is None else grad_out.as_strided(grad_out.shape, canon, grad_out.storage_offset())
-    if reason is None and (canon or grad_out.stride()) == o.stride():
-        return with_canonical_strides(grad_out)
-    return _grad_out_in_strides_of(o, grad_out, CopyReason.DO_LIKE_O if reason is None else reason)
-
-
-def _grad_out_in_strides_of(o: torch.Tensor, grad_out: torch.Tensor, reason: CopyReason) -> torch.Tensor:
-    """One counted copy of ``grad_out`` into a buffer with exactly O's strides.
-
-    O as bound is readable with canonical strides, so a buffer with exactly its strides is
-    too: one allocation, one copy, and dO declared like O.
-    """
-    copy = torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device=o.device)
-    copy.copy_(grad_out)
-    _record("grad_out", reason, grad_out, copy)
-    return copy
-
-
-def rng_tensors(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Seed and offset for cuDNN's Philox dropout: int64 tensors on ``device``, declared INT64.
-
-    Drawn on the device by the device's own generator: no host round trip, so the draw is
-    captured by a CUDA graph and replays draw fresh values (a Python int baked into
-    ``torch.full`` would replay one dropout mask forever); the user's CPU random stream is
-    not shifted by a GPU call; and ``torch.manual_seed`` (which seeds every device) still
-    makes runs repeatable.
-    """
-    seed = torch.randint(0, 2**62, (1, 1, 1, 1), dtype=torch.int64, device=device)
-    offset = torch.randint(0, 2**62, (1, 1, 1, 1), dtype=torch.int64, device=device)
-    return seed, offset
-
-
-def allocate_cat_grad_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    """One (B, Hq+Hk+Hv, S, D) buffer laid out BSHD, and dq, dk, dv as its head slices.
-
-    The slices' strides are their real strides inside the shared buffer; they are what
-    the backward graph declares for dQ, dK and dV.
-    """
-    b, s, d = q.shape[0], q.shape[2], q.shape[3]
-    hq, hk, hv = q.shape[1], k.shape[1], v.shape[1]
-    buf = empty_in_order((b, hq + hk + hv, s, d), (0, 2, 1, 3), q.dtype, q.device)
-    dq, dk, dv = buf.split([hq, hk, hv], dim=1)
-    return buf, with_canonical_strides(dq), with_canonical_strides(dk), with_canonical_strides(dv)
+def _pattern_sig(x: Any) -> Any:
+    if isinstance(x, MaskPattern) and x.kv_lens is not None:
+        return x._replace(q_lens=True, kv_lens=True)  # the lengths are bound per call, not planned
+    return x
 
 
 def default_scale(head_dim: int, scale: float | None) -> float:
@@ -211,207 +127,252 @@ def default_scale(head_dim: int, scale: float | None) -> float:
     return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 
 
-def bound_sig(t: torch.Tensor, policy: LayoutPolicy) -> TensorSig:
-    """The layout :func:`prepare_operand` would bind for ``t``, without copying anything."""
-    reason, canon = binding_plan(t, policy)
-    if reason is None:
-        return TensorSig(t.shape, t.stride() if canon is None else canon, t.dtype)
-    return TensorSig(t.shape, strides_like_order(t.shape, t.shape, t.stride(), t.dtype, policy), t.dtype)
+class _Planner:
+    def __init__(self, call: tuple, policy: LayoutPolicy) -> None:
+        self.call, self.policy = call, policy
+        self.steps: list[Step] = []
+        self.sigs: dict[Uid, TensorSig] = {}
+
+    def add(self, step: Step, sig: TensorSig) -> int:
+        self.steps.append(step)
+        if step.uid is not None:
+            self.sigs[step.uid] = sig
+        return len(self.call) + len(self.steps) - 1
+
+    def new(self, uid: Uid | None, shape: tuple, strides: tuple, dtype: torch.dtype, draw: bool = False) -> int:
+        """A fresh output buffer."""
+        sig = TensorSig(tuple(shape), tuple(strides), dtype)
+        return self.add(Step(uid, None, fill=sig, draw=draw), sig)
+
+    def operand(self, uid: Uid, src: int, name: str, a: ArgSig, view: tuple | None = None) -> TensorSig:
+        """An input as is (canonical size-1 strides), or a counted copy in its own order if cuDNN cannot read it."""
+        reason = copy_reason(a, self.policy)
+        if reason is not None:
+            fill = TensorSig(tuple(a.shape), strides_like(a.shape, a, self.policy), a.dtype)
+            self.add(Step(uid, src, view, fill, reason, name), fill)
+            return fill
+        canon = canonical_strides(a.shape, a.stride)
+        if canon != tuple(a.stride) or view is not None:
+            view = (tuple(a.shape), canon, 0 if view is None else view[2])
+        self.add(Step(uid, src, view), TensorSig(tuple(a.shape), canon, a.dtype))
+        return self.sigs[uid]
+
+    def masking(self, src: int, a: Any, q_dtype: torch.dtype, lq: int, s: int, needs_grad: bool) -> tuple[int | None, bool]:
+        """The call's mask as a bias (see :meth:`mask`) or as a recognized pattern's seq-len tensors:
+        the band's left bound and whether it pads."""
+        if isinstance(a, MaskPattern):
+            if a.kv_lens is not None:
+                lens = TensorSig(RNG_SIG.shape, RNG_SIG.stride, torch.int32)
+                for uid, field in ((Uid.SEQ_LEN_Q, "q_lens"), (Uid.SEQ_LEN_KV, "kv_lens")):
+                    self.add(Step(uid, src, field=field), lens._replace(shape=(self.call.query.shape[0], 1, 1, 1)))
+            return a.left, a.kv_lens is not None
+        if a is not None:
+            self.mask(src, a, q_dtype, lq, s, needs_grad)
+        return None, False
+
+    def mask(self, src: int, a: ArgSig, q_dtype: torch.dtype, lq: int, s: int, needs_grad: bool) -> TensorSig:
+        """The additive bias bound for ``attn_mask``: (1|B, 1|H, L, S) in the query dtype.
+
+        Leading dims are added as free views; batch/head dims broadcast with stride 0 are declared
+        of size 1 (cuDNN broadcasts them) unless the mask needs a per-element gradient. A boolean
+        mask, another dtype or a mask broadcast over positions is converted once per distinct mask.
+        """
+        shape, strides = [1] * (4 - len(a.shape)) + list(a.shape), [0] * (4 - len(a.shape)) + list(a.stride)
+        for d in (0, 1):
+            if not needs_grad and shape[d] > 1 and strides[d] == 0:
+                shape[d] = 1
+        shape, strides = tuple(shape), canonical_strides(shape, strides)
+        view = None if (shape, strides) == (tuple(a.shape), tuple(a.stride)) else (shape, strides, 0)
+        viewed = ArgSig(shape, strides, a.dtype, a.aligned)
+        full = (shape[0], shape[1], lq, s)
+        if a.dtype == torch.bool or shape != full or a.dtype != q_dtype:
+            reason = (
+                CopyReason.BOOL_MASK if a.dtype == torch.bool
+                else CopyReason.MASK_DTYPE if a.dtype != q_dtype else CopyReason.MASK_BROADCAST
+            )
+            fill = TensorSig(full, dense_strides(full, range(4), q_dtype), q_dtype)
+            self.add(Step(Uid.BIAS, src, view, fill, reason, "attn_mask", shared=not needs_grad), fill)
+            return fill
+        return self.operand(Uid.BIAS, src, "attn_mask", viewed, view)
 
 
-def companion_backward_key(fkey: ForwardKey, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> BackwardKey:
-    """The backward key of a forward call, for dO in O's exact layout, computed without binding anything.
-
-    A forward with dropout must not run in cuDNN unless cuDNN will also run its backward:
-    only cuDNN can reproduce the dropout mask its Philox generator drew. The backward gets
-    the same q, k, v, O, stats, bias, seed and offset; dO in O's layout is the one layout
-    the backward can always fall back to (one copy, see :func:`with_grad_out_like_o`).
-    """
-    policy = LayoutPolicy(fkey.layout)
-    q, k, v = (bound_sig(t, policy) for t in (query, key, value))
-    grads = [TensorSig(s.shape, strides_like_order(s.shape, s.shape, s.stride, s.dtype, policy), s.dtype) for s in (q, k, v)]
-    stats = TensorSig(fkey.stats.shape, packed_strides(fkey.stats.shape), torch.float32)
-    return BackwardKey(
-        q, k, v, fkey.o, fkey.o, stats, fkey.bias, None, fkey.seed, fkey.offset, *grads,
-        fkey.causal, fkey.dropout_p, fkey.scale, fkey.layout, False, fkey.target,
+def plan_forward(call: ForwardCall, target: Target) -> Plan:
+    """The forward's plan, from ``signature(call)``."""
+    p = _Planner(call, LayoutPolicy.parse(call.layout))
+    q = p.operand(Uid.Q, 0, "query", call.query)
+    k, v = call.key, call.value
+    if p.policy is LayoutPolicy.PRESERVE and k.shape[1] > 1 and k.stride[1] == 0 and v.stride[1] == 0:
+        # cuDNN broadcasts one K/V head over the query heads: an expanded pair is declared with one head.
+        k, v = (a._replace(shape=(a.shape[0], 1, *a.shape[2:])) for a in (k, v))
+        k = p.operand(Uid.K, 1, "key", k, (k.shape, k.stride, 0))
+        v = p.operand(Uid.V, 2, "value", v, (v.shape, v.stride, 0))
+    else:
+        k, v = p.operand(Uid.K, 1, "key", k), p.operand(Uid.V, 2, "value", v)
+    b, h, lq, d = q.shape
+    left, padded = p.masking(3, call.attn_mask, q.dtype, lq, k.shape[2], needs_grad=False)
+    out_shape = (b, h, lq, v.shape[3])
+    outputs = [p.new(Uid.O, out_shape, strides_like(out_shape, q, p.policy), q.dtype)]
+    outputs.append(p.new(Uid.STATS, (b, h, lq, 1), packed_strides((b, h, lq, 1)), torch.float32))
+    if call.dropout_p:
+        outputs += [p.new(uid, RNG_SIG.shape, RNG_SIG.stride, RNG_SIG.dtype, draw=True) for uid in (Uid.SEED, Uid.OFFSET)]
+    s = p.sigs
+    key = ForwardKey(
+        q, k, v, s[Uid.O], s[Uid.STATS], s.get(Uid.BIAS), s.get(Uid.SEED), s.get(Uid.OFFSET),
+        _causal(call), float(call.dropout_p), default_scale(d, call.scale), p.policy.value, target, left, padded,
     )
+    return Plan(key, tuple(p.steps), tuple(outputs))
+
+
+def plan_backward(call: BackwardCall, target: Target) -> Plan:
+    """The backward's plan, from ``signature(call)``."""
+    p = _Planner(call, LayoutPolicy.parse(call.layout))
+    q, k, v = (p.operand(uid, i, name, a) for uid, i, name, a in ((Uid.Q, 1, "query", call.query), (Uid.K, 2, "key", call.key), (Uid.V, 3, "value", call.value)))
+    o = p.operand(Uid.O, 7, "out", call.out)
+    _stats(p, call.stats)
+    _grad_out(p, call.grad_out, o, target)
+    left, padded = p.masking(4, call.attn_mask, q.dtype, q.shape[2], k.shape[2], needs_grad=call.mask_grad)
+    if call.mask_grad:
+        bias = p.sigs[Uid.BIAS]
+        p.new(Uid.DBIAS, bias.shape, dense_strides(bias.shape, range(4), bias.dtype), bias.dtype)
+    if call.dropout_p:
+        for uid, i in ((Uid.SEED, 9), (Uid.OFFSET, 10)):
+            a = call[i]
+            p.add(Step(uid, i), TensorSig(tuple(a.shape), tuple(a.stride), a.dtype))
+    if call.cat_grad_qkv and same_size_except_heads(q, k, v):
+        outputs = (_cat_grad_qkv(p, q, k, v),)
+    else:
+        outputs = tuple(
+            p.new(uid, t.shape, strides_like(t.shape, t, p.policy), t.dtype) for uid, t in ((Uid.DQ, q), (Uid.DK, k), (Uid.DV, v))
+        )
+    s = p.sigs
+    key = BackwardKey(
+        q, k, v, o, s[Uid.DO], s[Uid.STATS], s.get(Uid.BIAS), s.get(Uid.DBIAS), s.get(Uid.SEED), s.get(Uid.OFFSET),
+        s[Uid.DQ], s[Uid.DK], s[Uid.DV], _causal(call), float(call.dropout_p),
+        default_scale(q.shape[3], call.scale), p.policy.value, bool(call.deterministic), target, left, padded,
+    )
+    return Plan(key, tuple(p.steps), outputs)
+
+
+def _causal(call: ForwardCall | BackwardCall) -> bool:
+    return bool(call.is_causal) or (isinstance(call.attn_mask, MaskPattern) and call.attn_mask.right == 0)
+
+
+def _stats(p: _Planner, a: ArgSig) -> None:
+    """Softmax stats, packed BHSD float32 and declared exactly packed (size-1 dims too:
+    :data:`~thunder_cudnn_safe.cudnn_rules.STATS_PACKED_ONLY`). What the forward allocated
+    qualifies; only foreign stats are copied."""
+    packed = packed_strides(a.shape)
+    if a.dtype != torch.float32 or not is_contiguous(a.shape, a.stride) or not a.aligned:
+        fill = TensorSig(tuple(a.shape), packed, torch.float32)
+        p.add(Step(Uid.STATS, 8, None, fill, CopyReason.STATS_LAYOUT, "stats"), fill)
+        return
+    view = None if tuple(a.stride) == packed else (tuple(a.shape), packed, 0)
+    p.add(Step(Uid.STATS, 8, view), TensorSig(tuple(a.shape), packed, a.dtype))
+
+
+def _grad_out(p: _Planner, a: ArgSig, o: TensorSig, target: Target) -> None:
+    """dO as bound: its own layout where cuDNN reads it, else one copy with exactly O's strides.
+
+    cuDNN before 9.5.1 assumed dO has O's strides (:data:`~thunder_cudnn_safe.cudnn_rules.DO_OWN_STRIDES`);
+    binding another layout there reads wrong elements, the upstream bug in another form. A copy
+    that is needed anyway (an expanded grad_out) goes into O's strides, as PyTorch and cuDNN's own
+    torch op do.
+    """
+    reason = copy_reason(a, p.policy)
+    if reason is None and (
+        p.policy is LayoutPolicy.CONTIGUOUS or cudnn_rules.DO_OWN_STRIDES.holds(target)
+        or canonical_strides(a.shape, a.stride) == o.stride
+    ):
+        p.operand(Uid.DO, 0, "grad_out", a)
+        return
+    p.add(Step(Uid.DO, 0, None, o, CopyReason.DO_LIKE_O if reason is None else reason, "grad_out"), o)
+
+
+def _cat_grad_qkv(p: _Planner, q: TensorSig, k: TensorSig, v: TensorSig) -> int:
+    """dq, dk, dv as head slices of one (B, Hq+Hk+Hv, S, D) buffer laid out BSHD; the slices'
+    real strides are what the graph declares."""
+    b, _, s, d = q.shape
+    shape = (b, q.shape[1] + k.shape[1] + v.shape[1], s, d)
+    strides = dense_strides(shape, (0, 2, 1, 3), q.dtype)
+    buf = p.new(None, shape, strides, q.dtype)
+    start = 0
+    for uid, t in ((Uid.DQ, q), (Uid.DK, k), (Uid.DV, v)):
+        view = (tuple(t.shape), canonical_strides(t.shape, strides), start * strides[1])
+        p.add(Step(uid, buf, view), TensorSig(view[0], view[1], q.dtype))
+        start += t.shape[1]
+    return buf
+
+
+def companion_backward_key(call: ForwardCall, fkey: ForwardKey, mask_grad: bool) -> BackwardKey:
+    """The key of the backward a forward call will run, for dO in O's layout, without binding anything.
+
+    A forward with dropout must not run in cuDNN unless cuDNN will also run its backward (only
+    cuDNN reproduces its Philox mask). ``call`` is the forward's signature; the backward gets its
+    options (deterministic, fused dQKV), O and stats as the forward declares them, and dO in O's
+    layout, the one layout the backward can always fall back to (:func:`with_grad_out_like_o`).
+    """
+    o, stats, rng = (ArgSig(*s) for s in (fkey.o, fkey.stats, RNG_SIG))
+    bcall = BackwardCall(
+        o, call.query, call.key, call.value, call.attn_mask, call.dropout_p, call.is_causal, o, stats, rng, rng,
+        call.scale, call.layout, call.deterministic, call.cat_grad_qkv, mask_grad,
+    )
+    return plan_backward(bcall, fkey.target).key
+
+
+def bind(plan: Plan, call: ForwardCall | BackwardCall) -> Bound:
+    """Carry ``plan`` out on ``call``'s tensors: every bound tensor has the layout the key declares."""
+    values: list = list(call)
+    pack: dict[Uid, torch.Tensor] = {}
+    device = call.query.device
+    for step in plan.steps:
+        t = None if step.src is None else values[step.src]
+        if step.field is not None:
+            t = getattr(t, step.field)
+        if step.view is not None:
+            t = t.as_strided(step.view[0], step.view[1], t.storage_offset() + step.view[2])
+        if step.fill is not None:
+            if step.shared:
+                source = t
+                t = converted_masks.get(values[step.src], (step.view, step.fill), lambda: _fill(step, source, device))
+            else:
+                t = _fill(step, t, device)
+        values.append(t)
+        if step.uid is not None:
+            pack[step.uid] = t
+    return Bound(plan.key, pack, tuple(values[i] for i in plan.outputs))
+
+
+def _fill(step: Step, src: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    f = step.fill
+    if step.draw:  # on the device, by its generator: captured by CUDA graphs, repeatable with manual_seed
+        return torch.randint(0, 2**62, f.shape, dtype=f.dtype, device=device)
+    buf = torch.empty_strided(f.shape, f.stride, dtype=f.dtype, device=device)
+    if src is not None:
+        _copy_into(buf, src, step.name, step.reason)
+    return buf
+
+
+def _copy_into(buf: torch.Tensor, src: torch.Tensor, name: str, reason: CopyReason) -> None:
+    """One counted copy; a boolean mask becomes 0 / -inf in one pass (``~mask`` would allocate a
+    temporary the size of the scores)."""
+    if src.dtype == torch.bool:
+        zero = torch.zeros((), dtype=buf.dtype, device=buf.device)
+        torch.where(src.expand(buf.shape), zero, torch.full_like(zero, float("-inf")), out=buf)
+    else:
+        buf.copy_(src.expand(buf.shape))
+    copy_counter.record(name, reason, buf.numel() * buf.element_size(), (tuple(src.shape), src.stride(), str(src.dtype)))
 
 
 def with_grad_out_like_o(bound: Bound) -> Bound:
-    """``bound`` with dO copied once into O's exact strides (the caller checks they differ).
-
-    The backward of a dropout forward that ran in cuDNN must run in cuDNN: when cuDNN
-    refuses the graph for dO's own layout, this is the layout to retry with (the forward
-    checked that cuDNN builds it: :func:`companion_backward_key`).
-    """
-    key, pack = bound.key, bound.pack
-    copy = _grad_out_in_strides_of(pack[Uid.O], pack[Uid.DO], CopyReason.DO_REFUSED)
-    return Bound(key._replace(d_o=key.o), {**pack, Uid.DO: copy}, bound.outputs)
+    """``bound`` with dO copied once into O's exact strides: the layout a refused dropout backward
+    retries with (the forward checked it builds: :func:`companion_backward_key`)."""
+    o, d_o = bound.pack[Uid.O], bound.pack[Uid.DO]
+    copy = torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device=o.device)
+    _copy_into(copy, d_o, "grad_out", CopyReason.DO_REFUSED)
+    return Bound(bound.key._replace(d_o=bound.key.o), {**bound.pack, Uid.DO: copy}, bound.outputs)
 
 
-# -- the steady-state memo -------------------------------------------------------------------
-def _view_of(bound: torch.Tensor, arg: torch.Tensor):
-    """How ``bound`` came from ``arg``: None (``arg`` itself), (shape, strides) (a free view), False (a copy)."""
-    if bound is arg:
-        return None
-    if bound.data_ptr() != arg.data_ptr():  # a copy lives elsewhere; a view starts where its source does
-        return False
-    return (tuple(bound.shape), bound.stride())
-
-
-_COPIED = object()
-
-
-def _views_of(bound: tuple, args: tuple):
-    """Per argument, how the bound tensor came from it; None if every argument is bound as itself,
-    :data:`_COPIED` if any was copied (such calls are not remembered)."""
-    views = tuple(_view_of(b, a) for b, a in zip(bound, args))
-    if False in views:
-        return _COPIED
-    return None if all(view is None for view in views) else views
-
-
-def _rebind(args: tuple, views: tuple | None) -> tuple:
-    """The bound tensors for ``args``, recreated from remembered views (no decision, no copy)."""
-    if views is None:
-        return args
-    return tuple(t if view is None else t.as_strided(view[0], view[1], t.storage_offset()) for t, view in zip(args, views))
-
-
-class Binder:
-    """Turns forward and backward calls into :class:`Bound` values, remembering steady layouts."""
-
-    def __init__(self) -> None:
-        #: input layouts -> (ForwardKey, views), for calls whose q, k, v were bound without a copy
-        self.forward_memo: dict = {}
-        #: input layouts -> (BackwardKey, views), for calls whose inputs were bound without a copy
-        self.backward_memo: dict = {}
-
-    @staticmethod
-    def _remember(table: dict, fast: tuple, entry: tuple) -> None:
-        if len(table) >= MEMO_SIZE:  # bounded like every memo here (cleared when full)
-            table.clear()
-        table[fast] = entry
-
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attn_mask: torch.Tensor | None,
-        dropout_p: float,
-        is_causal: bool,
-        scale: float | None,
-        layout: str,
-        target: Target,
-    ) -> Bound:
-        device = query.device
-        args = (query, key, value)
-        fast = None
-        if attn_mask is None and not dropout_p:
-            fast = (
-                query.shape, query.stride(), key.shape, key.stride(), value.shape, value.stride(),
-                query.dtype, key.dtype, value.dtype, (query.data_ptr() | key.data_ptr() | value.data_ptr()) & 15,
-                is_causal, scale, layout, device, target,
-            )
-            hit = self.forward_memo.get(fast)
-            if hit is not None:
-                fkey, views = hit
-                q, k, v = _rebind(args, views)
-                o, st = fkey.o, fkey.stats
-                out = torch.empty_strided(o.shape, o.stride, dtype=o.dtype, device=device)
-                stats = torch.empty_strided(st.shape, st.stride, dtype=st.dtype, device=device)
-                return Bound(fkey, {Uid.Q: q, Uid.K: k, Uid.V: v, Uid.O: out, Uid.STATS: stats}, (out, stats))
-        policy = LayoutPolicy.parse(layout)
-        q = prepare_operand(query, "query", policy)
-        k, v = prepare_kv_forward(key, value, policy)
-        b, h, lq, d = q.shape
-        pack = {Uid.Q: q, Uid.K: k, Uid.V: v}
-        if attn_mask is not None:
-            pack[Uid.BIAS] = prepare_mask(attn_mask, q.dtype, (b, h, lq, k.shape[2]), policy, needs_grad=False)
-        out = pack[Uid.O] = empty_like_order((b, h, lq, v.shape[3]), q, policy)
-        stats = pack[Uid.STATS] = torch.empty((b, h, lq, 1), dtype=torch.float32, device=device)
-        outputs: tuple[torch.Tensor, ...] = (out, stats)
-        if dropout_p:
-            pack[Uid.SEED], pack[Uid.OFFSET] = rng_tensors(device)
-            outputs = (out, stats, pack[Uid.SEED], pack[Uid.OFFSET])
-        fkey = ForwardKey(
-            sig(q), sig(k), sig(v), sig(pack[Uid.O]), sig(pack[Uid.STATS]), sig_or_none(pack.get(Uid.BIAS)),
-            sig_or_none(pack.get(Uid.SEED)), sig_or_none(pack.get(Uid.OFFSET)),
-            bool(is_causal), float(dropout_p), default_scale(d, scale), policy.value, target,
-        )
-        if fast is not None:
-            views = _views_of((q, k, v), args)
-            if views is not _COPIED:
-                self._remember(self.forward_memo, fast, (fkey, views))
-        return Bound(fkey, pack, outputs)
-
-    def backward(
-        self,
-        grad_out: torch.Tensor,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attn_mask: torch.Tensor | None,
-        dropout_p: float,
-        is_causal: bool,
-        out: torch.Tensor,
-        stats: torch.Tensor,
-        seed: torch.Tensor | None,
-        offset: torch.Tensor | None,
-        scale: float | None,
-        layout: str,
-        deterministic: bool,
-        cat_grad_qkv: bool,
-        mask_grad: bool,
-        target: Target,
-    ) -> Bound:
-        device = query.device
-        args = (query, key, value, out, grad_out, stats)
-        fast = None
-        if attn_mask is None and not dropout_p and not cat_grad_qkv and not mask_grad:
-            fast = (
-                tuple((t.shape, t.stride(), t.dtype) for t in args),
-                (query.data_ptr() | key.data_ptr() | value.data_ptr() | out.data_ptr() | grad_out.data_ptr()
-                 | stats.data_ptr()) & 15,
-                is_causal, scale, layout, deterministic, device, target,
-            )
-            hit = self.backward_memo.get(fast)
-            if hit is not None:
-                bkey, views = hit
-                q, k, v, o, d_o, st = _rebind(args, views)
-                dq, dk, dv = (torch.empty_strided(s.shape, s.stride, dtype=s.dtype, device=device) for s in (bkey.dq, bkey.dk, bkey.dv))
-                pack = {Uid.Q: q, Uid.K: k, Uid.V: v, Uid.O: o, Uid.DO: d_o, Uid.STATS: st, Uid.DQ: dq, Uid.DK: dk, Uid.DV: dv}
-                return Bound(bkey, pack, (dq, dk, dv))
-        policy = LayoutPolicy.parse(layout)
-        q = prepare_operand(query, "query", policy)
-        k = prepare_operand(key, "key", policy)
-        v = prepare_operand(value, "value", policy)
-        o = prepare_operand(out, "out", policy)
-        st = prepare_stats(stats)
-        d_o = prepare_grad_out(grad_out, o, policy, target)
-        b, h, lq, d = q.shape
-        pack = {Uid.Q: q, Uid.K: k, Uid.V: v, Uid.O: o, Uid.DO: d_o, Uid.STATS: st}
-        if attn_mask is not None:
-            bias = pack[Uid.BIAS] = prepare_mask(attn_mask, q.dtype, (b, h, lq, k.shape[2]), policy, needs_grad=mask_grad)
-            if mask_grad:
-                pack[Uid.DBIAS] = empty_in_order(bias.shape, range(4), bias.dtype, device)
-        if dropout_p:
-            pack[Uid.SEED], pack[Uid.OFFSET] = seed, offset
-        grad_qkv = None
-        if cat_grad_qkv and same_size_except_heads(q, k, v):
-            grad_qkv, pack[Uid.DQ], pack[Uid.DK], pack[Uid.DV] = allocate_cat_grad_qkv(q, k, v)
-        else:
-            pack[Uid.DQ], pack[Uid.DK], pack[Uid.DV] = (empty_like_order(t.shape, t, policy) for t in (q, k, v))
-        bkey = BackwardKey(
-            sig(q), sig(k), sig(v), sig(o), sig(d_o), sig(st), sig_or_none(pack.get(Uid.BIAS)),
-            sig_or_none(pack.get(Uid.DBIAS)), sig_or_none(pack.get(Uid.SEED)), sig_or_none(pack.get(Uid.OFFSET)),
-            sig(pack[Uid.DQ]), sig(pack[Uid.DK]), sig(pack[Uid.DV]),
-            bool(is_causal), float(dropout_p), default_scale(d, scale), policy.value, bool(deterministic), target,
-        )
-        if fast is not None:
-            views = _views_of((q, k, v, o, d_o, st), args)
-            if views is not _COPIED:
-                self._remember(self.backward_memo, fast, (bkey, views))
-        outputs = (grad_qkv,) if grad_qkv is not None else (pack[Uid.DQ], pack[Uid.DK], pack[Uid.DV])
-        return Bound(bkey, pack, outputs)
+def rng_tensors(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A dropout seed and offset as a forward draws them (int64, :data:`~thunder_cudnn_safe.keys.RNG_SIG`)."""
+    step = Step(Uid.SEED, None, fill=RNG_SIG, draw=True)
+    return _fill(step, None, device), _fill(step, None, device)

@@ -1,37 +1,31 @@
-"""Bounded LRU cache of built graphs, with counters and a negative cache.
+"""The process-wide cache of built graphs, with counters and a memory of refusals.
 
-* A hit is one dict lookup under a short uncontended lock: no cuDNN call, no pygraph.
-* A miss builds outside the cache lock, under a per-key lock, so concurrent misses on
-  one key build once while other keys build in parallel.
-* A refused build is remembered (bounded, LRU) so a graph cuDNN refuses is not rebuilt
-  every training step; :class:`GraphBuildError` carries the original reason. A transient
-  failure (``GraphBuildError.definitive`` false: out of memory, a CUDA error) is retried
-  on later calls, and remembered only after :data:`TRANSIENT_BUILD_ATTEMPTS` failures.
-* Evicted graphs are dropped from every structure the cache owns, so their memory is
-  released once callers drop their references.
-
-The bound comes from ``THUNDER_CUDNN_SAFE_CACHE_SIZE`` (default 1024) and can be changed
-with :func:`set_cache_size`.
+* A hit is one lookup: no cuDNN call, no pygraph.
+* A miss builds outside the cache lock, under a per-key lock: concurrent misses on one key
+  build once while other keys build in parallel.
+* A refused build is remembered, so a graph cuDNN refuses is not rebuilt every step. A
+  transient failure (``GraphBuildError.definitive`` false: out of memory, a CUDA error) is
+  retried on later calls and remembered after :data:`TRANSIENT_BUILD_ATTEMPTS` failures.
+* Bounded (``THUNDER_CUDNN_SAFE_CACHE_SIZE``, default 1024, or :func:`set_cache_size`);
+  evicted graphs are released once callers drop them.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
 
 from ._env import CACHE_SIZE_ENV, env_value, positive_int
 from .errors import GraphBuildError
+from .lru import LRU
 from .masks import converted_masks
 from .telemetry import forget_warnings
 
 DEFAULT_CACHE_SIZE = 1024
 #: Builds of one key that may fail transiently before the failure is remembered as a refusal.
 TRANSIENT_BUILD_ATTEMPTS = 3
-
-__all__ = ["CACHE_SIZE_ENV", "CacheInfo", "CachedGraph", "cached_graphs", "GraphBuildError", "GraphCache", "cache_info", "clear_cache", "graph_cache", "set_cache_size"]
 
 
 class CacheInfo(NamedTuple):
@@ -44,9 +38,9 @@ class CacheInfo(NamedTuple):
     build_seconds: float
     #: Builds that raised (the graph was refused).
     build_failures: int
-    #: Lookups answered by the negative cache (a refused graph, not rebuilt).
+    #: Lookups answered by the memory of refusals (not rebuilt).
     negative_hits: int
-    #: Calls served by the torch fallback after cuDNN refused to build or execute.
+    #: Calls served by the torch fallback after a runtime refused to build or execute.
     fallbacks: int
 
 
@@ -60,135 +54,112 @@ class CachedGraph(NamedTuple):
 
 
 def _env_cache_size() -> int:
-    """The bound from the environment; an invalid value warns and keeps the default."""
     return env_value(CACHE_SIZE_ENV, DEFAULT_CACHE_SIZE, positive_int, "a positive integer")
 
 
 class GraphCache:
     def __init__(self, maxsize: int | None = None) -> None:
-        self._maxsize = _env_cache_size() if maxsize is None else int(maxsize)
-        if self._maxsize < 1:
+        maxsize = _env_cache_size() if maxsize is None else int(maxsize)
+        if maxsize < 1:
             raise ValueError("cache size must be >= 1")
-        self._lock = threading.Lock()
-        self._entries: OrderedDict[Hashable, Any] = OrderedDict()
-        self._failed: OrderedDict[Hashable, str] = OrderedDict()
-        #: key -> transient build failures so far (retried until TRANSIENT_BUILD_ATTEMPTS)
-        self._transient: OrderedDict[Hashable, int] = OrderedDict()
+        self._lock = threading.Lock()  # counters and per-key locks
+        self._graphs, self._refused, self._transient = LRU(maxsize), LRU(maxsize), LRU(maxsize)
         self._key_locks: dict[Hashable, threading.Lock] = {}
-        self._hits = self._misses = self._builds = self._evictions = 0
-        self._build_failures = self._negative_hits = self._fallbacks = 0
-        self._build_seconds = 0.0
+        self._zero()
 
-    # -- lookups -------------------------------------------------------------------
-    def get_or_build(self, key: Hashable, build: Callable[[Hashable], Any]) -> Any:
-        """The built graph for ``key``; builds it once on a miss. Raises GraphBuildError."""
+    def _zero(self) -> None:
+        self.hits = self.misses = self.builds = self.build_failures = self.negative_hits = self.fallbacks = 0
+        self.build_seconds = 0.0
+
+    def _count(self, name: str, n: float = 1) -> None:
         with self._lock:
-            entry = self._entries.get(key)
-            if entry is not None:
-                self._entries.move_to_end(key)
-                self._hits += 1
-                return entry
-            reason = self._failed.get(key)
-            if reason is not None:
-                self._failed.move_to_end(key)
-                self._negative_hits += 1
-                raise GraphBuildError(reason)
-            self._misses += 1
+            setattr(self, name, getattr(self, name) + n)
+
+    def _known(self, key: Hashable, count: bool) -> Any:
+        """The built graph for ``key`` if cached; raises GraphBuildError if refused; else None."""
+        entry = self._graphs.get(key)
+        if entry is not None:
+            count and self._count("hits")
+            return entry
+        reason = self._refused.get(key)
+        if reason is not None:
+            count and self._count("negative_hits")
+            raise GraphBuildError(reason)
+        return None
+
+    def get_or_build(self, key: Hashable, build: Callable[[Hashable], Any]) -> Any:
+        """The built graph for ``key``, built once on a miss. Raises GraphBuildError."""
+        entry = self._known(key, count=True)
+        if entry is not None:
+            return entry
+        with self._lock:
+            self.misses += 1
             key_lock = self._key_locks.setdefault(key, threading.Lock())
         with key_lock:
-            with self._lock:
-                entry = self._entries.get(key)
-                if entry is not None:  # another thread built it while we waited
-                    self._entries.move_to_end(key)
-                    return entry
-                reason = self._failed.get(key)
-                if reason is not None:
-                    raise GraphBuildError(reason)
-            start = time.perf_counter()
             try:
-                entry = build(key)
-            except Exception as exc:
-                error = exc if isinstance(exc, GraphBuildError) else GraphBuildError(f"{type(exc).__name__}: {exc}")
+                entry = self._known(key, count=False)  # another thread may have built it meanwhile
+                return entry if entry is not None else self._build(key, build)
+            finally:
                 with self._lock:
-                    self._build_failures += 1
                     self._key_locks.pop(key, None)
-                    if not error.definitive:
-                        attempts = self._transient.pop(key, 0) + 1
-                        if attempts < TRANSIENT_BUILD_ATTEMPTS:
-                            self._transient[key] = attempts
-                            while len(self._transient) > self._maxsize:
-                                self._transient.popitem(last=False)
-                            raise GraphBuildError(error.reason, definitive=False) from exc
-                        error = GraphBuildError(f"{error.reason} (failed {attempts} times; not retried again)")
-                    self._failed[key] = error.reason
-                    while len(self._failed) > self._maxsize:
-                        self._failed.popitem(last=False)
-                raise GraphBuildError(error.reason) from exc
-            elapsed = time.perf_counter() - start
-            with self._lock:
-                self._builds += 1
-                self._build_seconds += elapsed
-                self._transient.pop(key, None)
-                self._entries[key] = entry
-                while len(self._entries) > self._maxsize:
-                    self._entries.popitem(last=False)
-                    self._evictions += 1
-                self._key_locks.pop(key, None)
-            return entry
+
+    def _build(self, key: Hashable, build: Callable[[Hashable], Any]) -> Any:
+        start = time.perf_counter()
+        try:
+            entry = build(key)
+        except Exception as exc:
+            self._failed(key, exc)
+        self._count("build_seconds", time.perf_counter() - start)
+        self._count("builds")
+        self._transient.pop(key)
+        self._graphs.put(key, entry)
+        return entry
+
+    def _failed(self, key: Hashable, exc: Exception) -> None:
+        """Remember a refusal (or count a transient failure) and raise it as GraphBuildError."""
+        self._count("build_failures")
+        error = exc if isinstance(exc, GraphBuildError) else GraphBuildError(f"{type(exc).__name__}: {exc}")
+        if not error.definitive:
+            attempts = self._transient.pop(key, 0) + 1
+            if attempts < TRANSIENT_BUILD_ATTEMPTS:
+                self._transient.put(key, attempts)
+                raise GraphBuildError(error.reason, definitive=False) from exc
+            error = GraphBuildError(f"{error.reason} (failed {attempts} times; not retried again)")
+        self._refused.put(key, error.reason)
+        raise GraphBuildError(error.reason) from exc
 
     def record_fallback(self) -> None:
         """Count a call answered by the torch fallback."""
-        with self._lock:
-            self._fallbacks += 1
+        self._count("fallbacks")
 
-    # -- management ------------------------------------------------------------------
     def info(self) -> CacheInfo:
         with self._lock:
             return CacheInfo(
-                self._hits,
-                self._misses,
-                self._builds,
-                self._evictions,
-                len(self._entries),
-                self._maxsize,
-                self._build_seconds,
-                self._build_failures,
-                self._negative_hits,
-                self._fallbacks,
+                self.hits, self.misses, self.builds, self._graphs.evictions, len(self._graphs), self._graphs.maxsize,
+                self.build_seconds, self.build_failures, self.negative_hits, self.fallbacks,
             )
 
     def clear(self) -> None:
-        """Drop every graph and failure record; zero the counters."""
+        """Drop every graph and refusal; zero the counters."""
+        for lru in (self._graphs, self._refused, self._transient):
+            lru.clear()
         with self._lock:
-            self._entries.clear()
-            self._failed.clear()
-            self._transient.clear()
-            self._hits = self._misses = self._builds = self._evictions = 0
-            self._build_failures = self._negative_hits = self._fallbacks = 0
-            self._build_seconds = 0.0
+            self._zero()
 
     def resize(self, maxsize: int) -> None:
         if not isinstance(maxsize, int) or isinstance(maxsize, bool) or maxsize < 1:
             raise ValueError(f"cache size must be a positive integer, got {maxsize!r}")
-        with self._lock:
-            self._maxsize = int(maxsize)
-            while len(self._entries) > self._maxsize:
-                self._entries.popitem(last=False)
-                self._evictions += 1
-            while len(self._failed) > self._maxsize:
-                self._failed.popitem(last=False)
+        for lru in (self._graphs, self._refused, self._transient):
+            lru.resize(maxsize)
 
     def keys(self) -> list:
-        with self._lock:
-            return list(self._entries)
+        return [key for key, _ in self._graphs.items()]
 
     def graphs(self) -> list[CachedGraph]:
         """Every cached graph, least recently used first, with its implementation and plan."""
-        with self._lock:
-            items = list(self._entries.items())
         return [
             CachedGraph(key, getattr(b, "implementation", None), getattr(b, "plan", None), int(getattr(b, "workspace_size", 0)))
-            for key, b in items
+            for key, b in self._graphs.items()
         ]
 
 
@@ -201,7 +172,7 @@ def cache_info() -> CacheInfo:
 
 
 def clear_cache() -> None:
-    """Drop every cached graph (and remembered failure) and converted mask, zero the counters, show
+    """Drop every cached graph, remembered refusal and converted mask; zero the counters; show
     fallback warnings again."""
     graph_cache.clear()
     converted_masks.clear()

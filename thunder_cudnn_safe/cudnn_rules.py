@@ -99,6 +99,37 @@ DETERMINISTIC_BACKWARD_BLACKWELL = Rule(
     "rng/dropout, alibi is enabled' (the lowering sweep; sm120 accepts)",
     arch_major=10,
 )
+DETERMINISTIC_BIAS_BACKWARD_BLACKWELL = Rule(
+    "DETERMINISTIC_BIAS_BACKWARD_BLACKWELL",
+    "the deterministic backward with a bias (any attn_mask, without its gradient too) does not compile on "
+    "datacenter Blackwell (sm100/sm103)",
+    "the compile sweep (tests/test_cudnn_compile.py): cuDNN 9.19's engine 5 fails in NVRTC for sm100 "
+    "(INTERNAL_ERROR_COMPILATION_FAILED, 'identifier \"reg_s\" is undefined': a codegen defect); sm80/sm90 build it",
+    arch_major=10,
+)
+DROPOUT_DBIAS_BLACKWELL = Rule(
+    "DROPOUT_DBIAS_BLACKWELL",
+    "dropout with a mask gradient (dBias) has no backward engine on datacenter Blackwell (sm100/sm103)",
+    "the compile sweep (tests/test_cudnn_compile.py): cuDNN 9.19's engines 1, 4, 7 refuse it for sm100 ('With dropout, "
+    "this engine only supports fprop inference under non matching device version and architecture'), no other "
+    "engine serves dBias; sm80/sm90 build it. Deviceless planning: a B200 run may lift it",
+    arch_major=10,
+)
+_SQ_VECTORS = (
+    "a backward with an attn_mask when the key length is 1 has no engine: its bias (..., L, 1) is a third "
+    "'sq broadcasted vector' and these code paths take 2",
+    "the compile sweep (tests/test_cudnn_compile.py), cuDNN 9.19: 'Only 2 sq broadcasted vectors are supported on "
+    "SM80' (its SM80 and SM120 code paths; an sm120 descriptor confirms it); sm90/sm100 build it",
+)
+BIAS_KEY_LENGTH_1_AMPERE = Rule("BIAS_KEY_LENGTH_1_AMPERE", *_SQ_VECTORS, arch_major=8)
+BIAS_KEY_LENGTH_1_SM120 = Rule("BIAS_KEY_LENGTH_1_SM120", *_SQ_VECTORS, arch_major=12)
+DBIAS_KEY_LENGTH_1_BLACKWELL = Rule(
+    "DBIAS_KEY_LENGTH_1_BLACKWELL",
+    "a mask gradient (dBias) when the key length is 1 has no backward engine on datacenter Blackwell (sm100/sm103)",
+    "the compile sweep, cuDNN 9.19: no engine config for sm100 ('This tile size is not supported for Blackwell "
+    "flash bprop'); sm90 builds it",
+    arch_major=10,
+)
 DO_OWN_STRIDES = Rule(
     "DO_OWN_STRIDES",
     "sdpa_backward reads dO through its own declared strides (before 9.5.1 it assumed O's strides)",
@@ -123,20 +154,6 @@ LAYOUT = Rule(
     "cuDNN developer guide (tensor descriptors for SDPA; TMA alignment on Hopper)",
 )
 
-RULES: tuple[Rule, ...] = (
-    FLASH_ATTENTION,
-    HEAD_DIM_128,
-    HEAD_DIM_256_TRAINING_HOPPER,
-    UNEQUAL_HEAD_DIMS,
-    MLA_192_128_HOPPER,
-    MLA_192_128_BLACKWELL,
-    GROUPED_KV_HEADS,
-    BACKWARD_SEQ_1,
-    DETERMINISTIC_BACKWARD_BLACKWELL,
-    DO_OWN_STRIDES,
-    STATS_PACKED_ONLY,
-    LAYOUT,
-)
 
 
 def head_dim_limit(target: Target) -> int:
@@ -147,3 +164,24 @@ def head_dim_limit(target: Target) -> int:
 def mla_192_128(target: Target) -> bool:
     """Whether d_qk=192, d_v=128 is supported on ``target``."""
     return MLA_192_128_HOPPER.holds(target) or MLA_192_128_BLACKWELL.holds(target)
+
+
+DP_WORKSPACE = Rule(
+    "DP_WORKSPACE",
+    "a backward with dBias, or deterministic (except on sm100's deterministic engine), materializes dP "
+    "in a workspace of B*H_q*pad64(S_q)*pad64(S_kv)*2 bytes: 8.6 GB at B=8, H=32, S=4096",
+    "cudnn_frontend 1.32 node/scaled_dot_product_flash_attention.h, CompositeSDPABackwardNode: "
+    "use_dp_workspace is forced for dBias and is_deterministic_algorithm; required_dp_workspace_bytes",
+)
+#: Default budget for :data:`DP_WORKSPACE`; ``THUNDER_CUDNN_SAFE_DP_WORKSPACE_LIMIT`` (bytes) changes it.
+DP_WORKSPACE_LIMIT = 4 * 2**30
+
+
+def dp_workspace_bytes(batch: int, heads_q: int, s_q: int, s_kv: int) -> int:
+    """The dP workspace of :data:`DP_WORKSPACE` (the frontend's own formula)."""
+    return batch * heads_q * (-(-s_q // 64) * 64) * (-(-s_kv // 64) * 64) * 2
+
+
+def needs_dp_workspace(target: Target, d_bias: bool, deterministic: bool) -> bool:
+    """Whether a backward materializes dP on ``target``."""
+    return d_bias or (deterministic and not DETERMINISTIC_BACKWARD_BLACKWELL.holds(target))

@@ -1,36 +1,20 @@
-"""A CPU runtime that reads and writes memory the way cuDNN does.
+"""A CPU runtime that reads and writes memory the way cuDNN does, so CI can prove the stride logic.
 
-CI has no GPU, yet the whole promise of this package is numerical. The emulated runtime
-takes the *real* frontend graph (built and validated by nvidia-cudnn-frontend on CPU)
-and the same variant pack ``{uid: tensor}`` the cuDNN runtime would get, and:
+It runs the *real* frontend graph (built and validated on CPU) with the variant pack the cuDNN
+runtime would get. It reads each tensor's declared dims, strides and dtype from the graph's own
+tensor objects (never from our key, never from the torch tensor), views the bound storage through
+them from the data pointer as cuDNN does (refusing, with :class:`EmulationError`, views outside
+the storage, dtype mismatches and misaligned bases), computes in float32
+(:mod:`~thunder_cudnn_safe.reference`) and writes through the declared output views. A
+declared/bound mismatch gives the same wrong numbers here as on a GPU.
 
-* reads each tensor's declared dims, strides and dtype from the graph's own tensor
-  objects (``get_uid()``, ``get_dim()``, ``get_stride()``, ``get_data_type()``), never
-  from our key and never from the torch tensor's own strides;
-* views the bound tensor's storage through those declared strides from its storage
-  offset, exactly as cuDNN reads memory from a data pointer, refusing with
-  :class:`EmulationError` when the view falls outside the storage, the dtype differs or
-  the base is not 16-byte aligned;
-* computes forward (O and log-sum-exp stats) and backward (dQ, dK, dV, dBias) in
-  float32 (:mod:`thunder_cudnn_safe.reference`) and writes results through the declared
-  views of the output buffers.
-
-A declared/bound layout mismatch therefore gives the same wrong numbers here as on a
-GPU: the upstream thunder bug reproduces on CPU.
-
-:data:`default_runtime` is what ``emulated_ex`` (named ``"cudnn_safe_emulated"``, registered
-in :mod:`thunder_cudnn_safe.executor`) runs: it claims SDPA on CPU tensors under the
-support rules of a chosen GPU: Hopper (sm90) with cuDNN 9.19 by default, configurable
-with :func:`set_emulated_target` or the environment variables
-``THUNDER_CUDNN_SAFE_EMULATED_ARCH`` (e.g. ``8.0`` or ``sm80``) and
-``THUNDER_CUDNN_SAFE_EMULATED_BACKEND`` (e.g. ``90400``).
+:data:`default_runtime` serves ``emulated_ex`` under the support rules of a chosen GPU: sm90 with
+cuDNN 9.19 by default (:func:`set_emulated_target`, ``THUNDER_CUDNN_SAFE_EMULATED_ARCH`` /
+``_BACKEND``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -38,16 +22,13 @@ import torch
 from . import _compat, cudnn_rules, graphs, reference
 from ._env import EMULATED_ARCH_ENV, EMULATED_BACKEND_ENV, env_value, parse_arch
 from .cudnn_rules import ALIGNMENT_BYTES
-from .errors import EmulationError, ExecuteError, GraphBuildError
+from .errors import EmulationError, GraphBuildError
 from .keys import BackwardKey, ForwardKey, Target
 from .layout import packed_strides, span_elements
 from .runtime import BuiltGraph, Runtime, build_with_ladder, frontend_refusal_filter
 
 DEFAULT_ARCH = (9, 0)
 DEFAULT_BACKEND = 91900
-#: Deprecated aliases of :mod:`thunder_cudnn_safe._env`'s names.
-ARCH_ENV = EMULATED_ARCH_ENV
-BACKEND_ENV = EMULATED_BACKEND_ENV
 
 
 def _env_arch() -> tuple[int, int]:
@@ -92,36 +73,28 @@ def declared_view(bound: torch.Tensor, declared: Any, role: str) -> torch.Tensor
 
 _KNOWN_PARAMS = {
     "attn_scale", "generate_stats", "is_inference", "use_causal_mask", "use_deterministic_algorithm",
-    "_dropout_n", "dropout_0",
-    # torch's is_causal as the frontend's diagonal band (graphs._causal); read by _causal() below
-    "diagonal_alignment", "diagonal_band_right_bound",
+    "_dropout_n", "dropout_0", "diagonal_alignment", "diagonal_band_right_bound", "diagonal_band_left_bound",
+    "use_padding_mask",
     # which cuDNN SDPA implementation runs the forward: same numbers, nothing to emulate
     "implementation",
 }
 
 
-def _causal(node: Any) -> bool:
-    """Whether the node masks causally, the way torch's is_causal does (top-left, right bound 0).
+def _band(node: Any) -> tuple[int | None, int | None]:
+    """(right, left) bounds of the node's diagonal band (see :class:`~thunder_cudnn_safe.reference.Scores`).
 
-    Accepts the deprecated ``use_causal_mask`` too (graphs built before the diagonal band). Any
-    other band (bottom-right alignment, a left bound, a right bound other than 0) is refused:
-    the reference implements torch's mask only.
+    Top-left alignment only (the deprecated ``use_causal_mask`` is right bound 0): the executors
+    never declare a bottom-right band, so one is refused rather than emulated.
     """
     params = node.params
+    right, left = params.get("diagonal_band_right_bound"), params.get("diagonal_band_left_bound")
     if params.get("use_causal_mask"):
-        return True
-    right = params.get("diagonal_band_right_bound")
-    if right is None:
-        return False
+        right = 0 if right is None else right
     alignment = params.get("diagonal_alignment")
     align = "TOP_LEFT" if alignment is None else getattr(alignment, "name", str(alignment)).split(".")[-1]
-    left = params.get("diagonal_band_left_bound")
-    if align != "TOP_LEFT" or int(right) != 0 or left is not None:
-        raise EmulationError(
-            f"the emulated runtime implements torch's causal mask only (TOP_LEFT, right bound 0), got "
-            f"{align} with bounds left={left}, right={right}"
-        )
-    return True
+    if align != "TOP_LEFT" and (right is not None or left is not None):
+        raise EmulationError(f"the emulated runtime implements top-left diagonal bands only, got {align}")
+    return (None if right is None else int(right)), (None if left is None else int(left))
 
 
 class _Bindings:
@@ -192,6 +165,16 @@ def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.float()
 
 
+def _padding(b: _Bindings, q: torch.Tensor) -> torch.Tensor | None:
+    """Keys kept per batch element by cuDNN's padding mask; queries must all be valid (seq_len_q = L)."""
+    if not b.node.params.get("use_padding_mask"):
+        return None
+    lens_q = b.read("seq_len_q").reshape(-1)
+    if lens_q.numel() != q.shape[0] or bool((lens_q != q.shape[2]).any()):
+        raise EmulationError(f"the emulated runtime implements padding with seq_len_q = L = {q.shape[2]} only, got {lens_q.tolist()}")
+    return b.read("seq_len_kv").reshape(-1).to(torch.int64)
+
+
 def emulate(graph: Any, pack: dict) -> None:
     """Run a single-node SDPA forward or backward graph on CPU through declared layouts."""
     nodes = graph.nodes
@@ -201,21 +184,21 @@ def emulate(graph: Any, pack: dict) -> None:
     _check_params(node)
     kind = getattr(node.node_type, "name", str(node.node_type))
     b = _Bindings(node, pack)
-    causal = _causal(node)
-    scale = _scale(b)
-    q, k, v = _f32(b.read("q")), _f32(b.read("k")), _f32(b.read("v"))
-    bias = _f32(b.read("bias", required=False))
+    io_q = b.read("q")
+    q, k, v = _f32(io_q), _f32(b.read("k")), _f32(b.read("v"))
     if q.shape[1] % k.shape[1] or k.shape[1] != v.shape[1]:
         raise EmulationError(f"declared heads q={q.shape[1]} k={k.shape[1]} v={v.shape[1]} do not group")
-    score_shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-    p, keep = _dropout(b, score_shape)
+    p, keep = _dropout(b, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]))
+    how = reference.Scores(_scale(b), _f32(b.read("bias", required=False)), *_band(node), _padding(b, q), p, keep)
     if kind == "SDPA":
-        o, stats = reference.attention_forward(q, k, v, bias, scale, causal, p, keep)
+        o, stats = reference.attention_forward(q, k, v, how)
         b.write("O", o)
         b.write("Stats", stats)
     elif kind == "SDPA_BWD":
         o, d_o, stats = _f32(b.read("o")), _f32(b.read("dO")), _f32(b.read("stats"))
-        dq, dk, dv, ds = reference.attention_backward(q, k, v, o, d_o, stats, bias, scale, causal, p, keep)
+        # Grouped heads: per-query-head dK/dV partials are declared in the I/O dtype, then added
+        # (cudnn_frontend CompositeSDPABackwardNode: dK_fullhead / dV_fullhead, reduction ADD).
+        dq, dk, dv, ds = reference.attention_backward(q, k, v, o, d_o, stats, how, partials=io_q.dtype)
         b.write("dQ", dq)
         b.write("dK", dk)
         b.write("dV", dv)
@@ -236,9 +219,6 @@ class EmulatedRuntime(Runtime):
         self.arch = arch if arch is not None else _env_arch()
         self.backend_version = int(backend_version) if backend_version is not None else _env_backend()
         self._target: Target | None = None
-        self._fail_build: Callable[[Any], str | None] | None = None
-        self._fail_execute: Callable[[Any], str | None] | None = None
-        self._lock = threading.Lock()
 
     def environment_problem(self) -> str | None:
         if _compat.FRONTEND.module is None:
@@ -256,13 +236,6 @@ class EmulatedRuntime(Runtime):
         return target
 
     def build(self, key: ForwardKey | BackwardKey) -> BuiltGraph:
-        hook = self._fail_build
-        if hook is not None:
-            reason = hook(key)
-            if isinstance(reason, GraphBuildError):
-                raise reason
-            if reason:
-                raise GraphBuildError(f"emulated cuDNN refused the graph: {reason}")
         if (
             isinstance(key, BackwardKey)
             and cudnn_rules.STATS_PACKED_ONLY.holds(key.target)
@@ -287,13 +260,6 @@ class EmulatedRuntime(Runtime):
         return BuiltGraph(g, 0, key, None if implementation is None else implementation.upper(), "emulated")
 
     def execute(self, built: BuiltGraph, pack: dict[int, torch.Tensor]) -> None:
-        hook = self._fail_execute
-        if hook is not None:
-            reason = hook(built.key)
-            if isinstance(reason, BaseException):
-                raise reason
-            if reason:
-                raise ExecuteError(f"emulated cuDNN failed to execute: {reason}")
         emulate(built.graph, pack)
 
 
@@ -325,27 +291,3 @@ def set_emulated_target(arch: tuple[int, int] | str | None = None, backend_versi
 
 def emulated_target() -> Target:
     return _runtime.target(torch.device("cpu"))
-
-
-@contextlib.contextmanager
-def inject_failures(
-    build: Callable[[Any], str | None] | None = None, execute: Callable[[Any], str | None] | None = None
-) -> Iterator[None]:
-    """Make the emulated cuDNN refuse builds or executions (return a reason to refuse a key).
-
-    A ``build`` hook may also return a :class:`GraphBuildError` to raise as it is (e.g. a
-    transient one, ``definitive=False``); an ``execute`` hook may return an exception
-    instance to raise as it is (a crash rather than a refusal).
-
-    This is how the run-time fallback is exercised without a GPU: a ``build`` hook acts
-    like ``cudnnGraphNotSupportedError`` from graph building, an ``execute`` hook like a
-    failed launch or workspace allocation.
-    """
-    with _runtime._lock:
-        saved = (_runtime._fail_build, _runtime._fail_execute)
-        _runtime._fail_build, _runtime._fail_execute = build, execute
-    try:
-        yield
-    finally:
-        with _runtime._lock:
-            _runtime._fail_build, _runtime._fail_execute = saved

@@ -1,21 +1,21 @@
-"""Thunder registration, the only module that registers anything with thunder's executors.
+"""Thunder registration: the only module that registers anything with thunder's executors.
 
-:func:`make_executor` wires one :class:`~thunder_cudnn_safe.runtime.Runtime` into a
-thunder ``OperatorExecutor`` that claims ``ltorch.scaled_dot_product_attention``
-(operators with meta functions, checker, execution and grad transforms). It is used
-twice: for ``cudnn_safe_ex`` (real cuDNN on CUDA tensors) and for ``emulated_ex`` (the
-CPU emulation), so both run the same code up to the final execute.
+:func:`make_executor` wires one :class:`~thunder_cudnn_safe.runtime.Runtime` into a thunder
+``OperatorExecutor`` claiming ``ltorch.scaled_dot_product_attention`` and
+:data:`~thunder_cudnn_safe.gqa.sdpa_gqa`: the same code serves ``cudnn_safe_ex`` (real cuDNN)
+and ``emulated_ex`` (the CPU emulation) up to the final execute. Each operator's signature is
+its call value's (:class:`~thunder_cudnn_safe.binding.ForwardCall` /
+:class:`~thunder_cudnn_safe.binding.BackwardCall`): an option added there reaches the trace,
+the meta functions and the dispatcher without another edit.
 
-Compile options (``thunder.jit(..., cudnn_safe_layout="contiguous")``):
-
-* ``cudnn_safe_layout``: ``"preserve"`` (default) or ``"contiguous"``.
-* ``cudnn_safe_deterministic``: select cuDNN's deterministic backward.
-* ``cudnn_safe_bwd_may_cat_grad_qkv`` (or thunder's ``cudnn_sdpa_bwd_may_cat_grad_qkv``):
-  allocate dq/dk/dv as slices of one buffer when their shapes allow.
+Compile options (``thunder.jit(..., cudnn_safe_layout="contiguous")``): ``cudnn_safe_layout``
+("preserve" or "contiguous"), ``cudnn_safe_deterministic``, ``cudnn_safe_bwd_may_cat_grad_qkv``
+(or thunder's ``cudnn_sdpa_bwd_may_cat_grad_qkv``).
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, NamedTuple
 
 import torch
@@ -34,237 +34,180 @@ from thunder.extend import OperatorExecutor, register_executor  # noqa: E402
 
 from ._version import __version__  # noqa: E402
 from . import emulation, gqa  # noqa: E402
-from .binding import companion_backward_key, rng_tensors  # noqa: E402
+from .patterns import MaskPattern  # noqa: E402
+from .binding import BackwardCall, ForwardCall, companion_backward_key, plan_forward, signature, torch_deterministic  # noqa: E402
 from .cache import CachedGraph  # noqa: E402
-from .keys import sig  # noqa: E402
-from .telemetry import copies_not_counted  # noqa: E402
-from .dispatch import Dispatcher  # noqa: E402
+from .dispatch import Dispatcher, with_mask_pattern  # noqa: E402
 from .layout import LayoutPolicy, same_size_except_heads  # noqa: E402
 from .runtime import CudnnRuntime, Runtime  # noqa: E402
 from .support import Decline, not_supported_reasons, torch_dtype  # noqa: E402
 
-_LAYOUT_DOC = (
-    "cudnn_safe_layout: 'preserve' declares and binds each tensor's own strides and copies only what cuDNN "
-    "cannot read; 'contiguous' copies every operand and grad_out to contiguous first."
-)
-_DETERMINISTIC_DOC = "cudnn_safe_deterministic: use cuDNN's deterministic SDPA backward algorithm."
-_CAT_DOC = (
-    "cudnn_safe_bwd_may_cat_grad_qkv (or cudnn_sdpa_bwd_may_cat_grad_qkv): allocate dq, dk, dv as slices of one "
-    "buffer when their shapes allow, so the backward of a fused qkv projection does not concatenate."
-)
+_DOCS = {
+    "cudnn_safe_layout": "'preserve' declares and binds each tensor's own strides and copies only what cuDNN cannot "
+    "read; 'contiguous' copies every operand and grad_out to contiguous first.",
+    "cudnn_safe_deterministic": "use cuDNN's deterministic SDPA backward algorithm.",
+    "cudnn_safe_bwd_may_cat_grad_qkv": "allocate dq, dk, dv as slices of one buffer when their shapes allow.",
+    "cudnn_sdpa_bwd_may_cat_grad_qkv": "thunder's name for cudnn_safe_bwd_may_cat_grad_qkv.",
+}
 
 
-def _layout_option() -> str:
-    return LayoutPolicy.parse(get_compile_option("cudnn_safe_layout", _LAYOUT_DOC)).value
+def _bool_option(*names: str) -> bool:
+    """The first of ``names`` set as a compile option (a bool), else False."""
+    for name in names:
+        value = get_compile_option(name, _DOCS[name])
+        if value is not None:
+            if not isinstance(value, bool):
+                raise ValueError(f"compile option {names[0]} must be a bool, got {value!r}")
+            return value
+    return False
 
 
-def _bool_option(name: str, doc: str) -> bool:
-    value = get_compile_option(name, doc)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise ValueError(f"compile option {name} must be a bool, got {value!r}")
-    return value
+def _call(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False) -> ForwardCall:
+    """A thunder SDPA call (torch's signature) with this trace's compile options: the forward call value."""
+    layout = LayoutPolicy.parse(get_compile_option("cudnn_safe_layout", _DOCS["cudnn_safe_layout"])).value
+    cat = _bool_option("cudnn_safe_bwd_may_cat_grad_qkv", "cudnn_sdpa_bwd_may_cat_grad_qkv")
+    return ForwardCall(
+        query, key, value, attn_mask, dropout_p, is_causal, scale, layout,
+        _bool_option("cudnn_safe_deterministic") or torch_deterministic(),
+        cat and same_size_except_heads(query, key, value), bool(enable_gqa),
+    )
 
 
-def _cat_option() -> bool:
-    ours = get_compile_option("cudnn_safe_bwd_may_cat_grad_qkv", _CAT_DOC)
-    theirs = get_compile_option("cudnn_sdpa_bwd_may_cat_grad_qkv", _CAT_DOC)
-    value = ours if ours is not None else theirs
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise ValueError(f"compile option cudnn_safe_bwd_may_cat_grad_qkv must be a bool, got {value!r}")
-    return value
+def _gqa_call(*args, **kwargs) -> ForwardCall:
+    a = gqa.gqa_arguments(*args, **kwargs)
+    return _call(a.query, a.key, a.value, a.attn_mask, a.dropout_p, a.is_causal, scale=a.scale, enable_gqa=True)
 
 
-def _to_torch_device(device: Any) -> torch.device:
-    return torch.device(device.type, device.index) if device.index is not None else torch.device(device.type)
-
-
-def reasons_for(
-    runtime: Runtime, query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: Any = 0.0,
-    is_causal: Any = False, scale: Any = None, deterministic: bool = False, enable_gqa: bool = False,
-) -> list[Decline]:
-    """Why ``runtime``'s executor would not claim this call (tensors or proxies)."""
+def reasons_for(runtime: Runtime, *args, **kwargs) -> list[Decline]:
+    """Why ``runtime``'s executor would not claim ``ForwardCall(*args, **kwargs)`` (tensors or proxies)."""
+    call = ForwardCall(*args, **kwargs)
     problem = runtime.environment_problem()
+    device = call.query.device
     target = None
-    if problem is None and getattr(query.device, "type", None) == runtime.device_type:
-        target = runtime.target(_to_torch_device(query.device))
-    return not_supported_reasons(
-        query, key, value, attn_mask, dropout_p, is_causal, scale,
-        target=target, device_type=runtime.device_type, environment_problem=problem, deterministic=deterministic,
-        enable_gqa=enable_gqa,
-    )
+    if problem is None and getattr(device, "type", None) == runtime.device_type:
+        target = runtime.target(torch.device(device.type, device.index) if device.index is not None else torch.device(device.type))
+    return not_supported_reasons(call, target, runtime.device_type, problem)
 
 
-# -- meta functions -------------------------------------------------------------------------
-def _fwd_meta(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, layout="preserve"):
-    b, h, lq, _ = query.shape
+# -- meta functions: the operators' signatures are the call values' -----------------------------
+def _fwd_meta(*args, **kwargs):
+    c = ForwardCall(*args, **kwargs)
+    b, h, lq, _ = c.query.shape
     outputs = (
-        TensorProxy(like=query, shape=(b, h, lq, value.shape[3])),
-        TensorProxy(shape=(b, h, lq, 1), dtype=dtypes.float32, device=query.device, requires_grad=False),
+        TensorProxy(like=c.query, shape=(b, h, lq, c.value.shape[3])),
+        TensorProxy(shape=(b, h, lq, 1), dtype=dtypes.float32, device=c.query.device, requires_grad=False),
     )
-    if dropout_p:
-        rng = TensorProxy(shape=(1, 1, 1, 1), dtype=dtypes.int64, device=query.device, requires_grad=False)
+    if c.dropout_p:
+        rng = TensorProxy(shape=(1, 1, 1, 1), dtype=dtypes.int64, device=c.query.device, requires_grad=False)
         outputs = outputs + (rng, TensorProxy(like=rng))
     return outputs
 
 
-def _bwd_meta(
-    grad_out, query, key, value, attn_mask, dropout_p, is_causal, out, stats, seed, offset,
-    *, scale=None, layout="preserve", deterministic=False, cat_grad_qkv=False, mask_grad=False,
-):
-    if cat_grad_qkv:
-        b, hq, s, d = query.shape
-        grads = (TensorProxy(like=query, shape=(b, hq + key.shape[1] + value.shape[1], s, d)),)
+def _bwd_meta(*args, **kwargs):
+    c = BackwardCall(*args, **kwargs)
+    if c.cat_grad_qkv:
+        b, hq, s, d = c.query.shape
+        grads = (TensorProxy(like=c.query, shape=(b, hq + c.key.shape[1] + c.value.shape[1], s, d)),)
     else:
-        grads = (TensorProxy(like=query), TensorProxy(like=key), TensorProxy(like=value))
-    if mask_grad:
-        grads = grads + (TensorProxy(like=attn_mask),)
-    return grads
+        grads = (TensorProxy(like=c.query), TensorProxy(like=c.key), TensorProxy(like=c.value))
+    return grads + (TensorProxy(like=c.attn_mask),) if c.mask_grad else grads
 
 
-def _bwd_mask_meta(
-    grad_out, query, key, value, attn_mask, dropout_p, is_causal, out, stats, seed, offset,
-    *, scale=None, layout="preserve", deterministic=False, cat_grad_qkv=False,
-):
-    return TensorProxy(like=attn_mask)
+def _bwd_mask_meta(*args, **kwargs):
+    return TensorProxy(like=BackwardCall(*args, **kwargs).attn_mask)
+
+
+def _operator_signature(call_type) -> inspect.Signature:
+    """The call value's fields, keyword-only from ``scale`` on (as torch's SDPA), so traces name the options."""
+    params = list(inspect.signature(call_type).parameters.values())
+    n = call_type._fields.index("scale")
+    return inspect.Signature(params[:n] + [p.replace(kind=p.KEYWORD_ONLY) for p in params[n:]])
+
+
+_fwd_meta.__signature__ = _operator_signature(ForwardCall)
+_bwd_meta.__signature__ = _bwd_mask_meta.__signature__ = _operator_signature(BackwardCall)
+
+
+def _invoke(op, call: ForwardCall | BackwardCall):
+    """Call ``op`` with torch's SDPA arguments positional and ``scale`` onwards by keyword, so
+    traces read ``cudnn_safe_sdpa_bwd(..., scale=None, layout='preserve', cat_grad_qkv=True, ...)``."""
+    n = call._fields.index("scale")
+    return op(*call[:n], **dict(zip(call._fields[n:], call[n:])))
 
 
 def make_executor(name: str, runtime: Runtime) -> OperatorExecutor:
     """An executor named ``name`` claiming SDPA through ``runtime``; registered with thunder."""
     ex = OperatorExecutor(name, version=__version__)
     register_executor(ex)
-    dispatcher = Dispatcher(runtime)
-    ex.runtime = runtime
-    ex.dispatcher = dispatcher
+    ex.runtime, ex.dispatcher = runtime, Dispatcher(runtime)
+    fwd = ex.register_operator(f"{name}_sdpa_fwd", meta=_fwd_meta, fn=ex.dispatcher.forward, tags=(OpTags.DONT_AUTO_RECOMPUTE_IN_BACKWARD,))
+    bwd = ex.register_operator(f"{name}_sdpa_bwd", meta=_bwd_meta, fn=ex.dispatcher.backward)
+    bwd_mask = ex.register_operator(f"{name}_sdpa_bwd_mask", meta=_bwd_mask_meta, fn=ex.dispatcher.mask_gradient)
+    ex.sdpa_fwd, ex.sdpa_bwd = fwd, bwd
 
-    fwd = ex.register_operator(
-        f"{name}_sdpa_fwd", meta=_fwd_meta, fn=dispatcher.forward, tags=(OpTags.DONT_AUTO_RECOMPUTE_IN_BACKWARD,)
-    )
-    bwd = ex.register_operator(f"{name}_sdpa_bwd", meta=_bwd_meta, fn=dispatcher.backward)
-    bwd_mask = ex.register_operator(f"{name}_sdpa_bwd_mask", meta=_bwd_mask_meta, fn=dispatcher.mask_gradient)
-    ex.sdpa_fwd = fwd
-    ex.sdpa_bwd = bwd
-
-    def checker(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False) -> bool:
-        deterministic = _bool_option("cudnn_safe_deterministic", _DETERMINISTIC_DOC)
-        return not reasons_for(
-            runtime, query, key, value, attn_mask, dropout_p, is_causal, scale, deterministic, bool(enable_gqa)
-        )
-
-    def execution_transform(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None):
-        return fwd(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, layout=_layout_option())[0]
-
-    def grad_transform(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None):
-        layout = _layout_option()
-        results = fwd(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, layout=layout)
+    def grad_transform(call: ForwardCall):
+        results = _invoke(fwd, call)
         out, stats = results[0], results[1]
-        seed, offset = (results[2], results[3]) if dropout_p else (None, None)
-        float_mask = attn_mask is not None and torch_dtype(attn_mask.dtype) is not torch.bool
-        # A leaf mask says whether it requires grad; a mask computed inside the function
-        # (b + 0, a learned bias gathered and permuted) reports requires_grad=False on its
-        # proxy even when its gradient is needed. Such masks get their gradient from a
-        # separate operator that thunder's dead-code elimination drops when nobody uses it,
-        # so a gradient is never silently lost and never computed in vain.
-        mask_grad = float_mask and bool(getattr(attn_mask, "requires_grad", False))
-        deterministic = _bool_option("cudnn_safe_deterministic", _DETERMINISTIC_DOC)
-        cat = _cat_option() and same_size_except_heads(query, key, value)
-        g = get_grad(out)
-        if float_mask and not mask_grad:
-            # Placed before the backward on purpose: when the mask's gradient is used, this one
-            # call computes dQ, dK, dV and dBias in the same cuDNN backward and the backward call
-            # below returns its dQ, dK, dV (Dispatcher.mask_gradient); when it is unused, thunder
-            # drops this call and the backward runs alone, without dBias.
-            put_grad(
-                attn_mask,
-                bwd_mask(
-                    g, query, key, value, attn_mask, dropout_p, is_causal, out, stats, seed, offset,
-                    scale=scale, layout=layout, deterministic=deterministic, cat_grad_qkv=cat,
-                ),
-            )
-        grads = bwd(
-            g, query, key, value, attn_mask, dropout_p, is_causal, out, stats, seed, offset,
-            scale=scale, layout=layout, deterministic=deterministic, cat_grad_qkv=cat, mask_grad=mask_grad,
+        seed, offset = (results[2], results[3]) if call.dropout_p else (None, None)
+        mask = call.attn_mask
+        float_mask = mask is not None and torch_dtype(mask.dtype) is not torch.bool
+        # A leaf mask says whether it requires grad; a mask computed inside the function (b + 0,
+        # a learned bias gathered and permuted) reports requires_grad=False on its proxy even when
+        # its gradient is needed. Such masks get their gradient from a separate operator that
+        # thunder's dead-code elimination drops when unused: never lost, never computed in vain.
+        mask_grad = float_mask and bool(getattr(mask, "requires_grad", False))
+        bcall = BackwardCall(
+            get_grad(out), call.query, call.key, call.value, mask, call.dropout_p, call.is_causal, out, stats, seed,
+            offset, call.scale, call.layout, call.deterministic, call.cat_grad_qkv, mask_grad,
         )
+        if float_mask and not mask_grad:
+            # Before the backward on purpose: when the mask's gradient is used, this call computes
+            # dQ, dK, dV and dBias in one cuDNN backward and the backward below returns its dQ, dK,
+            # dV (dispatch.Dispatcher.mask_gradient); unused, thunder drops it.
+            put_grad(mask, _invoke(bwd_mask, bcall))
+        grads = _invoke(bwd, bcall)
         if mask_grad:
-            put_grad(attn_mask, grads[-1])
+            put_grad(mask, grads[-1])
             grads = grads[:-1]
-        if cat:
-            (grad_qkv,) = grads
-            grads = grad_qkv.split([query.shape[1], key.shape[1], value.shape[1]], dim=1)
-        put_grads((query, key, value), tuple(grads))
+        if call.cat_grad_qkv:
+            grads = grads[0].split([call.query.shape[1], call.key.shape[1], call.value.shape[1]], dim=1)
+        put_grads((call.query, call.key, call.value), tuple(grads))
         return out
 
-    ex.register_implementation(
-        ltorch.scaled_dot_product_attention,
-        checker=checker,
-        execution_transform=execution_transform,
-        grad_transform=grad_transform,
-    )
-
-    # Grouped-query attention (thunder_cudnn_safe.gqa.sdpa_gqa): K and V keep their H_kv heads all
-    # the way to cuDNN, which returns dK/dV with H_kv heads; the same operators serve both.
-    def gqa_checker(*args, **kwargs) -> bool:
-        a = gqa.gqa_arguments(*args, **kwargs)
-        return checker(a.query, a.key, a.value, a.attn_mask, a.dropout_p, a.is_causal, scale=a.scale, enable_gqa=True)
-
-    def gqa_execution_transform(*args, **kwargs):
-        a = gqa.gqa_arguments(*args, **kwargs)
-        return execution_transform(a.query, a.key, a.value, a.attn_mask, a.dropout_p, a.is_causal, scale=a.scale)
-
-    def gqa_grad_transform(*args, **kwargs):
-        a = gqa.gqa_arguments(*args, **kwargs)
-        return grad_transform(a.query, a.key, a.value, a.attn_mask, a.dropout_p, a.is_causal, scale=a.scale)
-
-    ex.register_implementation(
-        gqa.sdpa_gqa,
-        checker=gqa_checker,
-        execution_transform=gqa_execution_transform,
-        grad_transform=gqa_grad_transform,
-    )
+    for symbol, make_call in ((ltorch.scaled_dot_product_attention, _call), (gqa.sdpa_gqa, _gqa_call)):
+        ex.register_implementation(
+            symbol,
+            checker=lambda *a, _make=make_call, **kw: not reasons_for(runtime, *_make(*a, **kw)),
+            execution_transform=lambda *a, _make=make_call, **kw: _invoke(fwd, _make(*a, **kw))[0],
+            grad_transform=lambda *a, _make=make_call, **kw: grad_transform(_make(*a, **kw)),
+        )
     return ex
 
 
 #: The stride-safe cuDNN SDPA executor for CUDA tensors.
 cudnn_safe_ex: OperatorExecutor = make_executor("cudnn_safe", CudnnRuntime())
-#: The emulated executor: claims SDPA on CPU tensors, runs the cuDNN path up to execute
-#: (:mod:`thunder_cudnn_safe.emulation`).
+#: The emulated executor: claims SDPA on CPU tensors, runs the cuDNN path up to execute (:mod:`emulation`).
 emulated_ex: OperatorExecutor = make_executor("cudnn_safe_emulated", emulation.default_runtime)
 
 
-def explain(
-    query: Any,
-    key: Any,
-    value: Any,
-    attn_mask: Any = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    *,
-    executor: OperatorExecutor | str | None = None,
-    deterministic: bool = False,
-    enable_gqa: bool = False,
-) -> list[Decline]:
+def explain(query: Any, key: Any, value: Any, *args: Any, executor: OperatorExecutor | str | None = None, **kwargs: Any) -> list[Decline]:
     """Human-readable reasons why ``executor`` (default: ``cudnn_safe_ex``) would not claim this call.
 
-    An empty list means it would. Works on real tensors of any device and on thunder
-    proxies; the executors' checkers use the same function. ``deterministic`` stands for
-    the ``cudnn_safe_deterministic`` compile option (the checker reads it from thunder);
-    ``enable_gqa`` as torch's (K/V with fewer heads, a divisor of the query's).
-    Each reason is a :class:`~thunder_cudnn_safe.support.Decline`: a ``str`` with ``.code``
-    and ``.rule`` (the :mod:`~thunder_cudnn_safe.cudnn_rules` entry behind it, if any).
+    Takes torch's SDPA arguments (``attn_mask``, ``dropout_p``, ``is_causal``, ``scale``) and the
+    options of :class:`~thunder_cudnn_safe.binding.ForwardCall` (``deterministic`` as the
+    ``cudnn_safe_deterministic`` compile option, ``enable_gqa`` as torch's). An empty list means
+    it would. Works on real tensors of any device and on thunder proxies; the checkers use the same
+    function. Each reason is a :class:`~thunder_cudnn_safe.support.Decline`: a ``str`` with
+    ``.code`` and ``.rule`` (the :mod:`~thunder_cudnn_safe.cudnn_rules` entry behind it).
     """
-    ex = _resolve_executor(executor)
-    for name, t in (("query", query), ("key", key), ("value", value), ("attn_mask", attn_mask)):
-        if t is None and name == "attn_mask":
+    call = ForwardCall(query, key, value, *args, **kwargs)
+    for field in ("query", "key", "value", "attn_mask"):
+        t = getattr(call, field)
+        if t is None and field == "attn_mask":
             continue
         if not all(hasattr(t, attr) for attr in ("shape", "dtype", "device")) or not hasattr(t.device, "type"):
-            raise TypeError(f"explain(): {name} must be a torch tensor or a thunder TensorProxy, got {type(t).__name__}")
-    return reasons_for(
-        ex.runtime, query, key, value, attn_mask, dropout_p, is_causal, scale, bool(deterministic), bool(enable_gqa)
-    )
+            raise TypeError(f"explain(): {field} must be a torch tensor or a thunder TensorProxy, got {type(t).__name__}")
+    return reasons_for(_resolve_executor(executor).runtime, *call._replace(deterministic=bool(call.deterministic), enable_gqa=bool(call.enable_gqa)))
 
 
 class CallReport(NamedTuple):
@@ -276,50 +219,42 @@ class CallReport(NamedTuple):
     forward: CachedGraph | None
     #: Its backward graph for dO in O's layout (the one a dropout forward checks), or None if not built yet.
     backward: CachedGraph | None
+    #: The mask's recognized pattern (:mod:`~thunder_cudnn_safe.patterns`: "causal", "causal+padding", ...),
+    #: "bias" when it runs as an additive bias, None without a mask.
+    mask_pattern: str | None = None
 
 
-def describe(
-    query: Any,
-    key: Any,
-    value: Any,
-    attn_mask: Any = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    *,
-    executor: OperatorExecutor | str | None = None,
-    layout: str = "preserve",
-    deterministic: bool = False,
-    enable_gqa: bool = False,
-) -> CallReport:
-    """:func:`explain` plus, for a claimed call on real tensors, which cuDNN SDPA implementation
-    and execution plan its cached graphs use.
+def describe(query: Any, key: Any, value: Any, *args: Any, executor: OperatorExecutor | str | None = None, **kwargs: Any) -> CallReport:
+    """:func:`explain` plus, for a claimed call on real tensors, which cuDNN SDPA implementation and
+    execution plan its cached graphs use (None where a graph is not built yet).
 
-    The call is bound exactly as the executor would bind it (so the key is the real one),
-    without counting or warning about copies; nothing is built or run: a graph not built yet
-    reads None. The backward reported is the one for dO in O's layout (a transposed grad_out
-    has its own graph, listed by :func:`~thunder_cudnn_safe.cached_graphs`).
+    The call's keys are planned exactly as the executor plans them, from the tensors' layouts
+    alone: nothing is copied, built, run or drawn from a random generator (a mask's pattern is
+    recognized, or read from the mask cache, as a call would). The backward reported is the one
+    for dO in O's layout (:func:`~thunder_cudnn_safe.cached_graphs` lists the others).
     """
-    reasons = explain(
-        query, key, value, attn_mask, dropout_p, is_causal, scale, executor=executor, deterministic=deterministic,
-        enable_gqa=enable_gqa,
-    )
+    call = ForwardCall(query, key, value, *args, **kwargs)
+    reasons = explain(*call, executor=executor)
     if reasons or not isinstance(query, torch.Tensor):
         return CallReport(reasons, None, None)
     ex = _resolve_executor(executor)
-    dispatcher: Dispatcher = ex.dispatcher
-    target = ex.runtime.target(query.device)
-    with copies_not_counted():
-        bound = dispatcher.binder.forward(
-            query, key, value, attn_mask, 0.0, bool(is_causal), scale, LayoutPolicy.parse(layout).value, target
-        )
-        fkey = bound.key._replace(dropout_p=float(dropout_p)) if dropout_p else bound.key
-        if dropout_p:  # the seed/offset sigs a dropout forward declares
-            seed, offset = rng_tensors(query.device)
-            fkey = fkey._replace(seed=sig(seed), offset=sig(offset))
-        bkey = companion_backward_key(fkey, query, key, value)._replace(deterministic=bool(deterministic))
-    graphs = {g.key: g for g in dispatcher.cache.graphs()}
-    return CallReport(reasons, graphs.get(fkey), graphs.get(bkey))
+    mask = call.attn_mask
+    mask_grad = mask is not None and mask.dtype is not torch.bool and mask.requires_grad
+    call = call._replace(layout=LayoutPolicy.parse(call.layout).value, dropout_p=float(call.dropout_p))
+    masked = call if mask_grad else with_mask_pattern(call)
+    fkey = plan_forward(signature(masked), ex.runtime.target(query.device)).key
+    bkey = companion_backward_key(signature(masked), fkey, mask_grad=mask_grad)
+    graphs = {g.key: g for g in ex.dispatcher.cache.graphs()}
+    pattern = None if mask is None else _pattern_name(masked)
+    return CallReport(reasons, graphs.get(fkey), graphs.get(bkey), pattern)
+
+
+def _pattern_name(masked: ForwardCall) -> str:
+    if isinstance(masked.attn_mask, MaskPattern):
+        return masked.attn_mask.name
+    if masked.attn_mask is None:
+        return "causal" if masked.is_causal else "all_kept"
+    return "bias"
 
 
 def _resolve_executor(executor: OperatorExecutor | str | None) -> OperatorExecutor:

@@ -1,31 +1,17 @@
-"""Grouped-query attention for thunder: ``enable_gqa`` and a transform that sees through repeat_kv.
+"""Grouped-query attention for thunder: ``enable_gqa``, and a transform that sees through repeat_kv.
 
-thunder 0.2.6 maps ``torch.nn.functional.scaled_dot_product_attention`` to
-``thunder.torch.scaled_dot_product_attention``, whose signature has no ``enable_gqa``. So
+thunder 0.2.6's translation of ``F.scaled_dot_product_attention`` has no ``enable_gqa``: under
+``thunder.jit`` such a call (True *or* False) raises ``TypeError``, and the ThunderFX splitter
+moves it out of thunder's region. transformers 5 passes ``enable_gqa=True`` without a mask,
+diffusers ``enable_gqa=False`` always. :func:`register` installs :func:`torch_sdpa` (eager's
+signature) instead: without grouped heads it is thunder's own translation, so traces and claims
+do not change; with them it is :data:`sdpa_gqa`, a symbol taking K/V with their own H_kv heads,
+which an executor may claim natively and which otherwise decomposes into torch's definition
+(K/V ``repeat_interleave``'d over dim -3, then thunder's SDPA).
 
-* under ``thunder.jit`` a call with ``enable_gqa=...`` (True *or* False) raises
-  ``TypeError: ... unexpected keyword argument 'enable_gqa'``;
-* under ThunderFX the splitter runs that symbol's meta on the FX node's arguments, gets the same
-  ``TypeError`` and moves the call out of thunder's region (split reason
-  ``EXCEPTION_META_THUNDER_OP``). Hugging Face transformers 5 passes ``enable_gqa=True`` when there is
-  no mask; diffusers passes ``enable_gqa=False`` on every call.
-
-:func:`register` replaces that mapping with :func:`torch_sdpa`, a plain function (not a symbol, so it
-leaves no trace of its own) with eager's signature:
-
-* ``enable_gqa`` false, or query and key/value with the same number of heads: it calls
-  ``ltorch.scaled_dot_product_attention`` exactly as before, so traces and executor claims are
-  unchanged for every caller who does not group heads;
-* otherwise it calls :data:`sdpa_gqa`, a thunder symbol taking K/V with their own (fewer) heads.
-  An executor may claim it and hand K/V with H_kv heads straight to its kernel (cuDNN does grouped
-  heads natively, returning dK/dV with H_kv heads). Where no executor claims it, thunder decomposes
-  it into exactly torch's definition of ``enable_gqa``: K and V ``repeat_interleave``'d over the head
-  groups (dim -3), then ``ltorch.scaled_dot_product_attention``, which sdpaex/torchex/others claim.
-
-:class:`RepeatKVToGQA` is a thunder transform that finds K/V repeated over head groups feeding an
-SDPA (transformers' repeat_kv, LitGPT's ``repeat_interleave``, plain ``expand`` + ``reshape``) and
-rewrites the SDPA to :data:`sdpa_gqa` on the un-repeated K/V, before autodiff, so neither the forward
-nor the backward materialize the repeat when an executor claims the GQA symbol natively.
+:class:`RepeatKVToGQA` rewrites SDPA on K/V repeated over head groups (transformers' repeat_kv,
+LitGPT's ``repeat_interleave``, ``expand`` + ``reshape``) into :data:`sdpa_gqa` on the un-repeated
+K/V before autodiff, so neither forward nor backward materialize the repeat.
 """
 
 from __future__ import annotations
@@ -51,7 +37,7 @@ from thunder.core.jit_ext import (  # noqa: E402
 import thunder.core.prims as prims  # noqa: E402
 from thunder.core.prims import OpTags  # noqa: E402
 from thunder.core.proxies import TensorProxy, variableify  # noqa: E402
-from thunder.core.symbol import BoundSymbol, Symbol  # noqa: E402
+from thunder.core.symbol import BoundSymbol  # noqa: E402
 from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, tracectx  # noqa: E402
 from thunder.core.transform_common import Transform  # noqa: E402
 from thunder.transforms.autocast import autocast_impls, maybe_downcast_to  # noqa: E402
@@ -94,12 +80,7 @@ def gqa_arguments(
     query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: Any = 0.0, is_causal: Any = False,
     scale: Any = None, enable_gqa: bool = True,
 ) -> GQAArgs:
-    """Normalize the arguments of a :data:`sdpa_gqa` call (e.g. in an executor's checker or transforms).
-
-    ``thunder_cudnn_safe.gqa.gqa_arguments(*bsym.args, **bsym.kwargs)`` gives
-    ``(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)``; key and value keep
-    their own (H_kv) heads.
-    """
+    """The arguments of a :data:`sdpa_gqa` call, positional or keyword alike (K/V keep their H_kv heads)."""
     return GQAArgs(query, key, value, attn_mask, dropout_p, is_causal, scale, bool(enable_gqa))
 
 
@@ -129,13 +110,8 @@ def _check_gqa_shapes(query: Any, key: Any, value: Any) -> tuple[int, int]:
 def sdpa_gqa(
     query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=True
 ):
-    """SDPA with K/V holding H_kv heads, H_kv dividing H_q (torch's ``enable_gqa=True``).
-
-    The body is the decomposition used where no executor claims the symbol: torch's definition of
-    ``enable_gqa`` (``repeat_interleave(H_q // H_kv, dim=-3)`` on key and value), then
-    ``ltorch.scaled_dot_product_attention``, so every executor that claims plain SDPA keeps working
-    and numerics match eager.
-    """
+    """SDPA with K/V holding H_kv heads, H_kv dividing H_q (torch's ``enable_gqa=True``). The body,
+    used where no executor claims it, is torch's definition, so numerics match eager."""
     # The ThunderFX splitter hands constants over as static proxies (an IntegerProxy of bool type).
     utils.check(bool(enable_gqa), lambda: f"{GQA_SYMBOL_ID} needs enable_gqa=True, got {enable_gqa!r}")
     for name, t in (("query", query), ("key", key), ("value", value)):
@@ -155,12 +131,7 @@ def sdpa_gqa(
 def torch_sdpa(
     query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False
 ):
-    """thunder's translation of ``torch.nn.functional.scaled_dot_product_attention`` once registered.
-
-    Same signature as eager (``scale`` and ``enable_gqa`` keyword-only). Without grouped heads it is
-    exactly thunder's own translation (``ltorch.scaled_dot_product_attention``); with them it is
-    :data:`sdpa_gqa`.
-    """
+    """thunder's translation of ``F.scaled_dot_product_attention`` once registered (eager's signature)."""
     if enable_gqa:
         rep_k, rep_v = _check_gqa_shapes(query, key, value)
         if rep_k != 1 or rep_v != 1:
@@ -168,12 +139,11 @@ def torch_sdpa(
     return ltorch.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale)
 
 
-def _autocast_sdpa_gqa(
-    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=True, *, dtype
-):
+def _autocast_sdpa_gqa(*args, dtype, **kwargs):
     """Autocast rule, the same as thunder's for plain SDPA (q, k, v downcast; the mask untouched)."""
-    q, k, v = maybe_downcast_to(dtype, (query, key, value))
-    return sdpa_gqa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    a = gqa_arguments(*args, **kwargs)
+    q, k, v = maybe_downcast_to(dtype, (a.query, a.key, a.value))
+    return sdpa_gqa(*a._replace(query=q, key=k, value=v))
 
 
 # -- registration with thunder --------------------------------------------------------------
@@ -223,11 +193,6 @@ def unregister() -> None:
 def registered() -> bool:
     """Whether :func:`register` is in effect."""
     return _saved is not None
-
-
-def is_sdpa_gqa(sym: Symbol) -> bool:
-    """Whether ``sym`` is :data:`sdpa_gqa` (executors key implementations by symbol id)."""
-    return sym.id == GQA_SYMBOL_ID
 
 
 # -- seeing through repeat_kv -----------------------------------------------------------------

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import json
 from typing import Any
 
 import torch
@@ -43,6 +44,8 @@ class Uid(enum.IntEnum):
     DK = 11
     DV = 12
     DBIAS = 13
+    SEQ_LEN_Q = 14
+    SEQ_LEN_KV = 15
 
 
 def cudnn_module() -> Any:
@@ -93,9 +96,12 @@ def _mark_output(t: Any, uid: Uid, s: TensorSig) -> None:
     t.set_name(uid.name)
 
 
-def _new_graph(io_dtype: torch.dtype, handle: Any) -> Any:
+def _new_graph(io_dtype: torch.dtype, handle: Any, device_property: Any = None) -> Any:
     cudnn = cudnn_module()
     kwargs = {} if handle is None else {"handle": handle}
+    if device_property is not None:  # deviceless planning (aot.py): no handle, the descriptor's GPU and SM
+        sm = json.loads(device_property.serialize())["deviceVer"] // 10
+        kwargs.update(device_property=device_property, sm_version=sm)
     return cudnn.pygraph(
         io_data_type=cudnn_dtype(io_dtype),
         intermediate_data_type=cudnn.data_type.FLOAT,
@@ -104,11 +110,18 @@ def _new_graph(io_dtype: torch.dtype, handle: Any) -> Any:
     )
 
 
-def _causal(key: ForwardKey | BackwardKey) -> dict[str, Any]:
-    """torch's ``is_causal`` (query i sees keys 0..i) as the frontend's diagonal band."""
-    if not key.causal:
-        return {}
-    return {"diagonal_alignment": cudnn_module().diagonal_alignment.TOP_LEFT, "diagonal_band_right_bound": 0}
+def _masking(graph: Any, key: ForwardKey | BackwardKey) -> dict[str, Any]:
+    """torch's ``is_causal`` (query i sees keys 0..i) as the frontend's top-left diagonal band, a
+    sliding window as its left bound (keep i - j < left), key padding as its padding mask."""
+    band: dict[str, Any] = {}
+    if key.causal:
+        band = {"diagonal_alignment": cudnn_module().diagonal_alignment.TOP_LEFT, "diagonal_band_right_bound": 0}
+    if key.left is not None:
+        band.update(diagonal_alignment=cudnn_module().diagonal_alignment.TOP_LEFT, diagonal_band_left_bound=int(key.left))
+    if key.padded:
+        lens = TensorSig((key.q.shape[0], 1, 1, 1), (1, 1, 1, 1), torch.int32)
+        band.update(use_padding_mask=True, seq_len_q=_declare(graph, Uid.SEQ_LEN_Q, lens), seq_len_kv=_declare(graph, Uid.SEQ_LEN_KV, lens))
+    return band
 
 
 def attention_implementation(implementation: Any) -> Any:
@@ -135,14 +148,15 @@ def _dropout(graph: Any, key: ForwardKey | BackwardKey) -> tuple | None:
     return (key.dropout_p, _declare(graph, Uid.SEED, key.seed), _declare(graph, Uid.OFFSET, key.offset))
 
 
-def build_forward_graph(key: ForwardKey, handle: Any = None, *, implementation: Any = None) -> Any:
+def build_forward_graph(key: ForwardKey, handle: Any = None, *, implementation: Any = None, device_property: Any = None) -> Any:
     """A validated forward graph (O and softmax stats as outputs) declaring exactly ``key``.
 
     ``implementation`` ("composite", "unified", or None for the frontend's choice) pins
     the cuDNN SDPA implementation; the forward is the only SDPA op that has this choice
-    (``sdpa_backward`` has no such argument in any frontend).
+    (``sdpa_backward`` has no such argument in any frontend). ``device_property``
+    (``cudnn.create_device_properties``) plans for that GPU without one (:mod:`aot`).
     """
-    g = _new_graph(key.q.dtype, handle)
+    g = _new_graph(key.q.dtype, handle, device_property)
     q, k, v = _declare(g, Uid.Q, key.q), _declare(g, Uid.K, key.k), _declare(g, Uid.V, key.v)
     extra = {}
     if key.bias is not None:
@@ -160,7 +174,7 @@ def build_forward_graph(key: ForwardKey, handle: Any = None, *, implementation: 
         generate_stats=True,
         attn_scale=float(key.scale),
         name="cudnn_safe_sdpa_fwd",
-        **_causal(key),
+        **_masking(g, key),
         **extra,
     )
     _mark_output(o, Uid.O, key.o)
@@ -169,7 +183,7 @@ def build_forward_graph(key: ForwardKey, handle: Any = None, *, implementation: 
     return g
 
 
-def build_backward_graph(key: BackwardKey, handle: Any = None, *, implementation: Any = None) -> Any:
+def build_backward_graph(key: BackwardKey, handle: Any = None, *, implementation: Any = None, device_property: Any = None) -> Any:
     """A validated backward graph (dQ, dK, dV and optionally dBias) declaring exactly ``key``.
 
     ``implementation`` is accepted for symmetry with :func:`build_forward_graph`: the
@@ -179,7 +193,7 @@ def build_backward_graph(key: BackwardKey, handle: Any = None, *, implementation
     impl = attention_implementation(implementation)
     if impl is not None and impl.name not in ("AUTO", "COMPOSITE"):
         raise ValueError(f"sdpa_backward has no {impl.name} implementation; pass None, 'auto' or 'composite'")
-    g = _new_graph(key.q.dtype, handle)
+    g = _new_graph(key.q.dtype, handle, device_property)
     q, k, v = _declare(g, Uid.Q, key.q), _declare(g, Uid.K, key.k), _declare(g, Uid.V, key.v)
     o, d_o, stats = _declare(g, Uid.O, key.o), _declare(g, Uid.DO, key.d_o), _declare(g, Uid.STATS, key.stats)
     extra: dict[str, Any] = {}
@@ -202,7 +216,7 @@ def build_backward_graph(key: BackwardKey, handle: Any = None, *, implementation
         stats=stats,
         attn_scale=float(key.scale),
         name="cudnn_safe_sdpa_bwd",
-        **_causal(key),
+        **_masking(g, key),
         **extra,
     )
     _mark_output(dq, Uid.DQ, key.dq)

@@ -28,8 +28,9 @@ def sig(t: torch.Tensor) -> TensorSig:
     return TensorSig(t.shape, t.stride(), t.dtype)  # torch.Size is a tuple: equal and hashed alike
 
 
-def sig_or_none(t: torch.Tensor | None) -> TensorSig | None:
-    return None if t is None else sig(t)
+#: Dropout seed and offset: one int64 each, drawn on the device (declared INT64: thunder 0.2.6
+#: declared INT64 but allocated int32).
+RNG_SIG = TensorSig((1, 1, 1, 1), (1, 1, 1, 1), torch.int64)
 
 
 class Target(NamedTuple):
@@ -56,6 +57,10 @@ class ForwardKey(NamedTuple):
     scale: float
     layout: str
     target: Target
+    #: a recognized mask pattern (:mod:`~thunder_cudnn_safe.patterns`): the band's left bound (a
+    #: sliding window) and cuDNN's padding mask (lengths bound per call, not part of the key)
+    left: int | None = None
+    padded: bool = False
 
 
 class BackwardKey(NamedTuple):
@@ -78,3 +83,5 @@ class BackwardKey(NamedTuple):
     layout: str
     deterministic: bool
     target: Target
+    left: int | None = None
+    padded: bool = False

@@ -92,13 +92,16 @@ def _require() -> Any:
 
 
 def implementation_of(graph: Any) -> str | None:
-    """The SDPA implementation recorded on a lowered graph's node: "UNIFIED", "COMPOSITE", "backward", or None.
+    """What serves a built graph: "python:<engine>", "UNIFIED", "COMPOSITE", "backward", or None.
 
-    Reads the C++ graph's JSON dump (``repr``). A ``cudnn.pygraph`` reprs as that same
-    dump once it has been lowered (on a GPU: after ``build()`` chose a backend plan;
-    ``_pygraph.py`` ``__repr__``), so the runtime can record the implementation of what it
-    built; an unlowered pygraph (or one a python engine serves) gives None.
+    Frontend 1.32 may serve a graph with one of its own Python kernels (FROST, e.g.
+    ``sdpa_fwd_prefill_sm100``) instead of the backend, also after the composite retry: then
+    ``graph.selected_engine`` names it and the lowered description below would be wrong.
+    Otherwise the C++ graph's JSON dump (``repr`` of a lowered pygraph) records the implementation.
     """
+    engine = getattr(graph, "selected_engine", None)
+    if engine is not None:
+        return f"python:{getattr(engine, 'name', type(engine).__name__)}"
     try:
         nodes = json.loads(repr(graph)).get("nodes", [])
     except ValueError:

@@ -1,49 +1,43 @@
-"""Masks converted to cuDNN's additive bias, converted once per distinct mask tensor.
+"""Masks converted to cuDNN's additive bias once per distinct mask, not once per call.
 
-cuDNN takes a mask as an additive bias of the query dtype, (1|B, 1|H, L, S). A boolean
-mask, a float32 mask with half-precision queries, or a mask broadcast over query/key
-positions needs a conversion, a fresh tensor. Models pass the *same* mask tensor to every
-layer (transformers builds one causal mask per step under ThunderFX), and the backward
-receives it again: converting on every call costs, at an 8B-class shape (32 layers, B=8,
-S=4096, bf16), about 16 GiB of mask writes per training step.
+cuDNN takes a mask as an additive bias of the query dtype. A boolean mask, a float32 mask
+with half-precision queries or a mask broadcast over positions needs a conversion, a fresh
+tensor. Models pass the *same* mask to every layer and the backward gets it again:
+converting per call costs about 16 GiB of writes per step at an 8B-class shape (32 layers,
+B=8, S=4096, bf16). :class:`ConvertedMasks` remembers a conversion by the mask's identity
+and state:
 
-:class:`ConvertedMasks` remembers the converted bias of a mask by its identity and state
-(its storage object, data pointer, shape, strides, dtype and ``_version``, plus the query
-dtype and the attention shape it is converted for), so each distinct mask is converted at
-most once, and reused across layers and between forward and backward (which receives the
-saved mask as another tensor object over the same storage):
+* keyed by the mask's *storage* object (the backward's saved mask is another tensor object
+  over the same storage), data pointer, layout, dtype and ``_version`` (an in-place write
+  converts again), plus how it is converted;
+* weak: an entry goes when its mask's storage is freed, so a bias never outlives its mask;
+* bounded (least recently used first);
+* never used or filled while the current CUDA stream is capturing a graph: a conversion
+  found in the cache would not be recorded, and every replay would read the mask of the
+  warm-up step (thunder's CUDAGraphTransform copies new inputs into static buffers, which
+  the version counter sees, but the captured graph never asks again). Inference tensors (no
+  version counter) are converted on every call too.
 
-* it holds a *weak* reference to the mask's storage and drops the entry when the storage is
-  freed, so a converted bias never outlives its mask;
-* a mask modified in place bumps ``_version`` and is converted again;
-* at most :data:`MASK_CACHE_SIZE` entries (least recently used evicted first), so the memory
-  it keeps is at most that many biases, each no longer than its mask lives;
-* inference tensors (no version counter) are converted on every call.
-
-A write that bypasses the version counter (through ``.data``, numpy or DLPack) is invisible
-to it: turn the cache off (:func:`set_mask_cache_size` ``(0)``) for masks changed that way.
+A write that bypasses the version counter (``.data``, numpy, DLPack) is invisible: turn the
+cache off (:func:`set_mask_cache_size` ``(0)``) for masks changed that way.
 """
 
 from __future__ import annotations
 
-import threading
 import weakref
-from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import NamedTuple
 
 import torch
 
 from ._env import MASK_CACHE_SIZE_ENV, env_value
+from .lru import LRU
 
-#: Converted biases remembered at once (a model step uses one or a few distinct masks);
-#: ``THUNDER_CUDNN_SAFE_MASK_CACHE_SIZE`` or :func:`set_mask_cache_size` change it, 0 turns it off.
-MASK_CACHE_SIZE = 8
+#: Converted biases and pattern verdicts remembered (a step uses one or a few masks); 0 turns the cache off.
+MASK_CACHE_SIZE = 16
 
 
 class MaskCacheInfo(NamedTuple):
-    """Counters of the converted-mask cache (see :mod:`thunder_cudnn_safe.masks`)."""
-
     hits: int
     conversions: int
     entries: int
@@ -51,77 +45,58 @@ class MaskCacheInfo(NamedTuple):
     bytes_held: int
 
 
+def capturing(t: torch.Tensor) -> bool:
+    """Whether ``t``'s device stream is capturing a CUDA graph: no host-side decision may be reused."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 class ConvertedMasks:
     def __init__(self, maxsize: int = MASK_CACHE_SIZE) -> None:
-        self._maxsize = maxsize
-        self._lock = threading.Lock()
-        self._entries: OrderedDict[tuple, tuple[weakref.ref, torch.Tensor]] = OrderedDict()
-        self._hits = self._conversions = 0
-        #: keys of freed masks, appended by weakref callbacks without the lock (a callback can run
-        #: inside a garbage collection triggered while this thread holds the lock) and purged under it
-        self._dead: list[tuple] = []
+        self._lru = LRU(maxsize)
+        self.hits = self.conversions = 0
+        #: keys of freed masks, appended by weakref callbacks without any lock (a callback can run
+        #: in a garbage collection while this thread holds the LRU's lock) and purged on the next use
+        self._dead: list[Hashable] = []
 
-    def _purge(self) -> None:
-        while self._dead:
-            self._entries.pop(self._dead.pop(), None)
-
-    def get(self, mask: torch.Tensor, how: tuple, convert: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """The bias ``convert()`` makes from ``mask``; made once per distinct (mask, state, ``how``)."""
-        if mask.is_inference() or self._maxsize == 0:
-            # No version counter: an in-place write (allowed under inference_mode) cannot be seen.
+    def get(self, mask: torch.Tensor, how: Hashable, convert: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """The bias ``convert()`` makes from ``mask``, made once per distinct (mask, state, ``how``)."""
+        if self._lru.maxsize == 0 or mask.is_inference() or capturing(mask):
             return convert()
-        # Keyed by the mask's *storage* object, not the tensor object: thunder hands the backward
-        # a saved mask as another tensor object over the same storage (torch keeps one Python
-        # storage object per storage while it lives).
+        while self._dead:
+            self._lru.pop(self._dead.pop())
         storage = mask.untyped_storage()
-        key = (
-            id(storage), mask.data_ptr(), tuple(mask.shape), mask.stride(), mask.dtype, mask._version, how,
-        )
-        with self._lock:
-            self._purge()
-            entry = self._entries.get(key)
-            if entry is not None and entry[0]() is storage:
-                self._entries.move_to_end(key)
-                self._hits += 1
-                return entry[1]
+        key = (id(storage), mask.data_ptr(), mask.shape, mask.stride(), mask.dtype, mask._version, how)
+        entry = self._lru.get(key)
+        if entry is not None and entry[0]() is storage:
+            self.hits += 1
+            return entry[1]
         bias = convert()
-        ref = weakref.ref(storage, lambda _, key=key: self._forget(key))
-        with self._lock:
-            self._conversions += 1
-            self._entries[key] = (ref, bias)
-            self._entries.move_to_end(key)
-            while len(self._entries) > self._maxsize:
-                self._entries.popitem(last=False)
+        self.conversions += 1
+        self._lru.put(key, (weakref.ref(storage, lambda _, key=key: self._dead.append(key)), bias))
         return bias
 
-    def _forget(self, key: tuple) -> None:
-        self._dead.append(key)  # no lock here: see _dead
+    @property
+    def maxsize(self) -> int:
+        return self._lru.maxsize
 
     def info(self) -> MaskCacheInfo:
-        with self._lock:
-            self._purge()
-            held = sum(b.numel() * b.element_size() for _, b in self._entries.values())
-            return MaskCacheInfo(self._hits, self._conversions, len(self._entries), held)
+        entries = [bias for _, (ref, bias) in self._lru.items() if ref() is not None and isinstance(bias, torch.Tensor)]
+        return MaskCacheInfo(self.hits, self.conversions, len(entries), sum(b.numel() * b.element_size() for b in entries))
 
     def resize(self, maxsize: int) -> None:
         if not isinstance(maxsize, int) or isinstance(maxsize, bool) or maxsize < 0:
             raise ValueError(f"mask cache size must be a non-negative integer, got {maxsize!r}")
-        with self._lock:
-            self._maxsize = maxsize
-            while len(self._entries) > maxsize:
-                self._entries.popitem(last=False)
+        self._lru.resize(maxsize)
 
     def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
-            self._hits = self._conversions = 0
+        self._lru.clear()
+        self.hits = self.conversions = 0
 
 
 def _non_negative_int(raw: str) -> int:
-    value = int(raw)
-    if value < 0:
+    if int(raw) < 0:
         raise ValueError(raw)
-    return value
+    return int(raw)
 
 
 converted_masks = ConvertedMasks(env_value(MASK_CACHE_SIZE_ENV, MASK_CACHE_SIZE, _non_negative_int, "a non-negative integer"))
@@ -135,16 +110,3 @@ def set_mask_cache_size(maxsize: int) -> None:
 def mask_cache_info() -> MaskCacheInfo:
     """Hits, conversions, entries and bytes held by the converted-mask cache."""
     return converted_masks.info()
-
-
-def to_bias(mask: torch.Tensor, shape: tuple[int, int, int, int], dtype: torch.dtype, out: torch.Tensor) -> torch.Tensor:
-    """Write ``mask`` broadcast to ``shape`` as an additive bias of ``dtype`` into ``out``.
-
-    A boolean mask becomes 0 where True and -inf where False, written in one pass with no
-    full-size temporary (``~mask`` would allocate one the size of the attention scores).
-    """
-    if mask.dtype == torch.bool:
-        zero = torch.zeros((), dtype=dtype, device=mask.device)
-        neg_inf = torch.full((), float("-inf"), dtype=dtype, device=mask.device)
-        return torch.where(mask.expand(shape), zero, neg_inf, out=out)
-    return out.copy_(mask.expand(shape))

@@ -8,7 +8,8 @@ way cuDNN does: a wrongly read O or stats shows up as wrong gradients.
 Conventions (cuDNN's):
 * ``stats`` is the natural-log log-sum-exp of the scaled, masked scores per query row,
   shape (B, H, L, 1), float32.
-* causal masking is top-left aligned (query i sees keys j <= i), as torch's ``is_causal``.
+* masking (:class:`Scores`): an additive bias, the top-left diagonal band (causal: query i
+  sees keys j <= i, as torch's ``is_causal``; a sliding window also i - j < w), key padding.
 * dropout keeps an element with probability 1 - p and scales kept ones by 1 / (1 - p);
   which elements are kept is a deterministic function of (seed, offset).
 * K and V may have fewer heads than Q when the head count divides (MQA / GQA); their
@@ -16,6 +17,8 @@ Conventions (cuDNN's):
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -34,36 +37,56 @@ def _expand_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
     return t.repeat_interleave(heads // h, dim=1)
 
 
-def _reduce_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
+def _reduce_heads(t: torch.Tensor, heads: int, partials: torch.dtype | None = None) -> torch.Tensor:
+    """Sum per-query-head gradients over each K/V head's group; ``partials``: round each to that
+    dtype first (cuDNN's GQA backward stores them in the I/O dtype, then adds them)."""
     if t.shape[1] == heads:
         return t
+    if partials is not None:
+        t = t.to(partials).float()
     b, hq, s, d = t.shape
     return t.reshape(b, heads, hq // heads, s, d).sum(dim=2)
 
 
-def _scores(q, k, bias, scale, causal):
-    s = torch.matmul(q, _expand_heads(k, q.shape[1]).transpose(-2, -1)) * scale
-    if bias is not None:
-        s = s + bias
-    if causal:
-        lq, lk = s.shape[-2], s.shape[-1]
-        allowed = torch.ones(lq, lk, dtype=torch.bool, device=s.device).tril()
-        s = s.masked_fill(~allowed, float("-inf"))
-    return s
+class Scores(NamedTuple):
+    """How the scores S = scale * Q K^T are masked and dropped, as a cuDNN graph declares it."""
+
+    scale: float
+    #: additive bias broadcast to (B, H, L, S)
+    bias: torch.Tensor | None = None
+    #: the diagonal band, top-left aligned: keep key j for query i when j <= i + right and
+    #: i - j < left (causal is right=0, a sliding window of w keys adds left=w); None: unbounded
+    right: int | None = None
+    left: int | None = None
+    #: key padding: keep key j of batch element b when j < kv_lens[b] ((B,) integers)
+    kv_lens: torch.Tensor | None = None
+    dropout_p: float = 0.0
+    #: the dropout keep-mask (see :func:`dropout_keep_mask`)
+    keep: torch.Tensor | None = None
 
 
-def attention_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    bias: torch.Tensor | None,
-    scale: float,
-    causal: bool,
-    dropout_p: float = 0.0,
-    keep: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(O, stats) in float32 from float32 (B,H,L,D) inputs; ``keep`` is the dropout mask."""
-    s = _scores(q, k, bias, scale, causal)
+def _scores(q: torch.Tensor, k: torch.Tensor, how: Scores) -> torch.Tensor:
+    s = torch.matmul(q, _expand_heads(k, q.shape[1]).transpose(-2, -1)) * how.scale
+    if how.bias is not None:
+        s = s + how.bias
+    if how.right is None and how.left is None and how.kv_lens is None:
+        return s
+    lq, lk = s.shape[-2], s.shape[-1]
+    i = torch.arange(lq, device=s.device).view(lq, 1)
+    j = torch.arange(lk, device=s.device).view(1, lk)
+    masked = torch.zeros(lq, lk, dtype=torch.bool, device=s.device)
+    if how.right is not None:
+        masked |= j > i + how.right
+    if how.left is not None:
+        masked |= i - j >= how.left
+    if how.kv_lens is not None:
+        masked = masked | (j >= how.kv_lens.to(s.device).view(-1, 1, 1, 1))
+    return s.masked_fill(masked, float("-inf"))
+
+
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, how: Scores) -> tuple[torch.Tensor, torch.Tensor]:
+    """(O, stats) in float32 from float32 (B,H,L,D) inputs."""
+    s = _scores(q, k, how)
     # As cuDNN's forward: unnormalized exp(s - rowmax), divided by the row sum at the end,
     # stats = rowmax + log(rowsum). (With scores near -3e38, e.g. a row fully masked with
     # torch.finfo(bf16).min, log(rowsum) is absorbed in float32: the forward still averages
@@ -73,39 +96,31 @@ def attention_forward(
     rowsum = p.sum(dim=-1, keepdim=True)
     stats = m + torch.log(rowsum)
     p = p / rowsum
-    if dropout_p:
-        p = p * keep / (1.0 - dropout_p)
-    o = torch.matmul(p, _expand_heads(v, q.shape[1]))
-    return o, stats
+    if how.dropout_p:
+        p = p * how.keep / (1.0 - how.dropout_p)
+    return torch.matmul(p, _expand_heads(v, q.shape[1])), stats
 
 
 def attention_backward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    o: torch.Tensor,
-    d_o: torch.Tensor,
-    stats: torch.Tensor,
-    bias: torch.Tensor | None,
-    scale: float,
-    causal: bool,
-    dropout_p: float = 0.0,
-    keep: torch.Tensor | None = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, d_o: torch.Tensor, stats: torch.Tensor, how: Scores,
+    partials: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dQ, dK, dV, dS) in float32; dS is the gradient of the (biased) scores, i.e. dBias before reduction."""
-    heads = q.shape[1]
-    s = _scores(q, k, bias, scale, causal)
+    """(dQ, dK, dV, dS) in float32; dS is the gradient of the (biased) scores, i.e. dBias before reduction.
+
+    ``partials``: the dtype grouped heads' per-query-head dK/dV are rounded to before their sum.
+    """
+    heads, p_drop = q.shape[1], how.dropout_p
+    s = _scores(q, k, how)
     p = torch.exp(s - stats)  # probabilities recomputed from the forward's stats, as cuDNN does
-    p_dropped = p * keep / (1.0 - dropout_p) if dropout_p else p
-    v_full = _expand_heads(v, heads)
-    dv = _reduce_heads(torch.matmul(p_dropped.transpose(-2, -1), d_o), v.shape[1])
-    dp_dropped = torch.matmul(d_o, v_full.transpose(-2, -1))
-    dp = dp_dropped * keep / (1.0 - dropout_p) if dropout_p else dp_dropped
+    p_dropped = p * how.keep / (1.0 - p_drop) if p_drop else p
+    dv = _reduce_heads(torch.matmul(p_dropped.transpose(-2, -1), d_o), v.shape[1], partials)
+    dp_dropped = torch.matmul(d_o, _expand_heads(v, heads).transpose(-2, -1))
+    dp = dp_dropped * how.keep / (1.0 - p_drop) if p_drop else dp_dropped
     delta = (d_o * o).sum(dim=-1, keepdim=True)  # uses O, exactly like cuDNN's backward
     ds = p * (dp - delta)
     ds = ds.masked_fill(s == float("-inf"), 0.0)  # masked scores get no gradient; NaN still propagates
-    dq = torch.matmul(ds, _expand_heads(k, heads)) * scale
-    dk = _reduce_heads(torch.matmul(ds.transpose(-2, -1), q), k.shape[1]) * scale
+    dq = torch.matmul(ds, _expand_heads(k, heads)) * how.scale
+    dk = _reduce_heads(torch.matmul(ds.transpose(-2, -1), q) * how.scale, k.shape[1], partials)
     return dq, dk, dv, ds
 
 

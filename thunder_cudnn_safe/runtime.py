@@ -1,15 +1,10 @@
-"""Runtimes: what turns a key into a runnable graph and runs it with a variant pack.
+"""Runtimes turn a key into a runnable graph (``build(key)``, once per key: the dispatcher caches it)
+and run it on a variant pack (``execute(built, pack)``, per call). Everything before is shared:
 
-Every runtime executes a :class:`~thunder_cudnn_safe.binding.Bound` call through the
-same small protocol, :class:`Runtime`: ``build(key)`` once per key (the dispatcher caches
-it), then ``execute(built, pack)`` per call. Everything before (layouts, keys, variant
-pack) is shared; only these two steps differ:
-
-* :class:`CudnnRuntime` (here): builds execution plans and launches real cuDNN kernels;
-* :class:`~thunder_cudnn_safe.emulation.EmulatedRuntime`: computes the same result on CPU
-  reading memory through the declared layouts;
-* :class:`~thunder_cudnn_safe.fallback.FallbackRuntime`: torch float32 math, for calls a
-  runtime refused;
+* :class:`CudnnRuntime` (here): execution plans and real cuDNN kernels;
+* :class:`~thunder_cudnn_safe.emulation.EmulatedRuntime`: the same result on CPU, reading memory
+  through the declared layouts;
+* :class:`~thunder_cudnn_safe.fallback.FallbackRuntime`: torch float32 math for refused calls;
 * the benchmarks' no-op runtime (benchmarks/harness.py).
 
 No runtime imports thunder.
@@ -32,13 +27,8 @@ from .lowering import implementation_of
 
 
 class BuiltGraph(NamedTuple):
-    """A graph ready to execute, the workspace bytes it needs, and the key it was built from.
-
-    ``implementation`` is the cuDNN SDPA implementation the graph lowered to ("UNIFIED",
-    "COMPOSITE"; None where unknown or for a backward) and ``plan`` the execution plan
-    (engine) cuDNN built, where the runtime knows it: both show in
-    :func:`thunder_cudnn_safe.cached_graphs`.
-    """
+    """A graph ready to execute, its workspace bytes, its key; the SDPA implementation it lowered to
+    ("UNIFIED", "COMPOSITE", None where unknown) and its execution plan, for :func:`~thunder_cudnn_safe.cached_graphs`."""
 
     graph: Any
     workspace_size: int
@@ -54,9 +44,7 @@ FORWARD_IMPLEMENTATIONS: tuple[str | None, ...] = (None, "composite")
 
 
 def build_with_ladder(key: Any, build_one: Callable[[Any, str | None], BuiltGraph]) -> BuiltGraph:
-    """``build_one(key, implementation)`` down the implementation ladder: a forward refused
-    definitively with the frontend's choice is retried once with the composite implementation
-    before the call falls back. A backward has no implementation choice."""
+    """``build_one(key, implementation)`` down :data:`FORWARD_IMPLEMENTATIONS` (a backward has no choice)."""
     ladder = FORWARD_IMPLEMENTATIONS if isinstance(key, ForwardKey) else (None,)
     for i, implementation in enumerate(ladder):
         try:
@@ -68,13 +56,8 @@ def build_with_ladder(key: Any, build_one: Callable[[Any, str | None], BuiltGrap
 
 
 class _FrontendRefusalFilter(logging.Filter):
-    """Drops the frontend's own WARNING for a refusal we report ourselves, on the building thread only.
-
-    nvidia-cudnn-frontend 1.32 logs "backend could not build / lower this graph, treating as
-    a decline" on logger ``cudnn.pygraph`` when a graph is refused; the dispatcher warns once
-    per refused key, so each refusal would be reported twice. The message is kept at DEBUG on
-    our logger (it is the only trace when a python engine then serves the graph).
-    """
+    """Moves frontend 1.32's own WARNING for a refused graph (logger ``cudnn.pygraph``) to DEBUG on
+    ours, on the building thread only: the dispatcher already warns once per refused key."""
 
     MESSAGES = frozenset(
         {
@@ -142,7 +125,7 @@ class Runtime:
         raise NotImplementedError
 
     def target(self, device: torch.device) -> Target:
-        """Where graphs for ``device`` run (its architecture and library versions go into every key)."""
+        """Where graphs for ``device`` run (architecture and library versions go into every key)."""
         raise NotImplementedError
 
     def build(self, key: ForwardKey | BackwardKey) -> BuiltGraph:
@@ -194,11 +177,8 @@ class CudnnRuntime(Runtime):
         return target
 
     def handle(self, device_index: int) -> Any:
-        """This thread's handle for the device, bound to torch's current stream.
-
-        cuDNN handles must not be shared across threads, and kernels must run on the
-        stream torch is using, or they race with the surrounding torch ops.
-        """
+        """This thread's handle for the device (handles are not thread-safe), bound to torch's
+        current stream (or kernels race with the surrounding torch ops)."""
         cudnn = graphs.cudnn_module()
         handles = getattr(self._local, "handles", None)
         if handles is None:
@@ -211,14 +191,8 @@ class CudnnRuntime(Runtime):
         return handle
 
     def build(self, key: ForwardKey | BackwardKey) -> BuiltGraph:
-        """Validate, plan (heuristics A, then FALLBACK), check support and build plans.
-
-        A refusal of the graph itself (:func:`is_definitive_refusal`) is a definitive
-        :class:`GraphBuildError`: the dispatcher answers it with the torch fallback and the
-        cache remembers it; a forward is first retried with the composite implementation
-        (:func:`build_with_ladder`). Any other failure (out of memory, a CUDA error) is
-        transient: the cache retries it on later calls.
-        """
+        """Validate, plan (heuristics A, then FALLBACK), check support and build plans; a refusal of
+        the graph itself is definitive (remembered), anything else transient (retried later)."""
         return build_with_ladder(key, self._build_one)
 
     def _build_one(self, key: ForwardKey | BackwardKey, implementation: str | None) -> BuiltGraph:
@@ -252,13 +226,9 @@ class CudnnRuntime(Runtime):
 
 
 def execute_graph(built: BuiltGraph, pack: dict[int, torch.Tensor], workspace: torch.Tensor, handle: Any) -> None:
-    """``built.graph.execute``: a not-supported refusal becomes ExecuteError (the call falls back),
-    anything else propagates with the graph's key in the message.
-
-    A launch that fails for another reason (an illegal address, a CUDA error) may have
-    left the device in an unknown state; answering it with a fallback would hide that, so
-    the error is raised, naming the graph's key so the failing layout can be reproduced.
-    """
+    """``built.graph.execute``: a not-supported refusal becomes ExecuteError (the call falls back);
+    any other failure (an illegal address) may have left the device in an unknown state, so it
+    propagates, naming the key so the failing layout can be reproduced."""
     cudnn = graphs.cudnn_module()
     try:
         built.graph.execute(pack, workspace, handle=handle)

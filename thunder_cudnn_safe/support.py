@@ -22,10 +22,21 @@ from typing import Any
 import torch
 
 from . import cudnn_rules
+from ._env import DP_WORKSPACE_LIMIT_ENV, env_value
 from .cudnn_rules import INT32_ELEMENT_LIMIT
 from .keys import Target
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _bytes(raw: str) -> int:
+    if int(raw) < 0:
+        raise ValueError(raw)
+    return int(raw)
+
+
+#: Most dP workspace bytes a claimed backward may need (:data:`~thunder_cudnn_safe.cudnn_rules.DP_WORKSPACE`).
+DP_WORKSPACE_LIMIT = env_value(DP_WORKSPACE_LIMIT_ENV, cudnn_rules.DP_WORKSPACE_LIMIT, _bytes, "a number of bytes >= 0")
 
 
 class DeclineCode(enum.Enum):
@@ -44,6 +55,7 @@ class DeclineCode(enum.Enum):
     DROPOUT = "dropout"
     SCALE = "scale"
     CAUSAL = "causal"
+    WORKSPACE = "workspace"
 
 
 class Decline(str):
@@ -152,30 +164,17 @@ def _mask_reasons(attn_mask: Any, q_dtype: torch.dtype | None, full: tuple[int, 
     return reasons
 
 
-def not_supported_reasons(
-    query: Any,
-    key: Any,
-    value: Any,
-    attn_mask: Any = None,
-    dropout_p: Any = 0.0,
-    is_causal: Any = False,
-    scale: Any = None,
-    *,
-    target: Target | None,
-    device_type: str,
-    environment_problem: str | None = None,
-    deterministic: bool = False,
-    enable_gqa: bool = False,
-) -> list[Decline]:
-    """Every reason the executor for ``device_type`` on ``target`` would not claim this call.
+def not_supported_reasons(call: Any, target: Target | None, device_type: str, environment_problem: str | None = None) -> list[Decline]:
+    """Every reason the executor for ``device_type`` on ``target`` would not claim ``call``.
 
-    ``environment_problem`` is a reason the runtime cannot work at all here (no frontend,
-    no libcudnn); ``target`` may then be None. ``deterministic`` is the
-    ``cudnn_safe_deterministic`` compile option (it changes which backwards cuDNN builds).
-    ``enable_gqa``: K and V may have fewer heads than the query, a divisor of them
-    (:data:`~thunder_cudnn_safe.cudnn_rules.GROUPED_KV_HEADS`); without it they must have the
-    query's heads or one (broadcast).
+    ``call`` is a :class:`~thunder_cudnn_safe.binding.ForwardCall` of tensors or proxies; its
+    ``deterministic`` (the compile option) changes which backwards cuDNN builds, its
+    ``enable_gqa`` lets K/V have fewer heads, a divisor of the query's
+    (:data:`~thunder_cudnn_safe.cudnn_rules.GROUPED_KV_HEADS`). ``environment_problem`` is why
+    the runtime cannot work here at all; ``target`` may then be None.
     """
+    query, key, value, attn_mask, dropout_p, is_causal, scale = call[:7]
+    deterministic, enable_gqa = bool(call.deterministic), bool(call.enable_gqa)
     reasons: list[Decline] = []
     if environment_problem:
         reasons.append(Decline(DeclineCode.ENVIRONMENT, environment_problem))
@@ -240,6 +239,33 @@ def not_supported_reasons(
                 f"cudnn_safe_deterministic with {'dropout' if dropout else 'a mask gradient'}: cuDNN's deterministic "
                 f"backward refuses dBias and dropout on sm{target.arch[0]}{target.arch[1]}",
                 cudnn_rules.DETERMINISTIC_BACKWARD_BLACKWELL,
+            ))
+        elif deterministic and attn_mask is not None and cudnn_rules.DETERMINISTIC_BIAS_BACKWARD_BLACKWELL.holds(target):
+            reasons.append(Decline(
+                DeclineCode.ARCH,
+                f"cudnn_safe_deterministic with an attn_mask: cuDNN's deterministic backward with a bias does not "
+                f"compile for sm{target.arch[0]}{target.arch[1]}",
+                cudnn_rules.DETERMINISTIC_BIAS_BACKWARD_BLACKWELL,
+            ))
+        if dropout and mask_grad and cudnn_rules.DROPOUT_DBIAS_BLACKWELL.holds(target):
+            reasons.append(Decline(
+                DeclineCode.ARCH,
+                f"dropout with an attn_mask that requires grad: cuDNN has no backward engine for dropout with dBias "
+                f"on sm{target.arch[0]}{target.arch[1]}",
+                cudnn_rules.DROPOUT_DBIAS_BLACKWELL,
+            ))
+        key_length_1 = (cudnn_rules.BIAS_KEY_LENGTH_1_AMPERE, cudnn_rules.BIAS_KEY_LENGTH_1_SM120)
+        if mask_grad:
+            key_length_1 += (cudnn_rules.DBIAS_KEY_LENGTH_1_BLACKWELL,)
+        for rule in (r for r in key_length_1 if attn_mask is not None and s == 1 and r.holds(target)):
+            reasons.append(Decline(DeclineCode.MASK, f"an attn_mask with key length 1: {rule.text}", rule))
+        need = cudnn_rules.dp_workspace_bytes(b, h, lq, s)
+        if cudnn_rules.needs_dp_workspace(target, mask_grad, deterministic) and need > DP_WORKSPACE_LIMIT:
+            reasons.append(Decline(
+                DeclineCode.WORKSPACE,
+                f"{'the mask gradient (dBias)' if mask_grad else 'cudnn_safe_deterministic'} needs {need / 2**30:.1f} GiB "
+                f"of cuDNN dP workspace, over the {DP_WORKSPACE_LIMIT / 2**30:.1f} GiB budget ({DP_WORKSPACE_LIMIT_ENV})",
+                cudnn_rules.DP_WORKSPACE,
             ))
     if attn_mask is not None:
         reasons.extend(_mask_reasons(attn_mask, dts[0], (b, h, lq, s), bool(_value(is_causal))))

@@ -11,18 +11,18 @@
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import logging
 import threading
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable
 from typing import NamedTuple
+
+from .lru import LRU
 
 logger = logging.getLogger("thunder_cudnn_safe")
 
-#: Bound on the remembered warn-once keys (cleared when full: a repeat warning is harmless).
+#: Warn-once keys remembered (least recently used forgotten first: a repeat warning is harmless).
 WARN_ONCE_LIMIT = 4096
-
 
 class CopyReason(str, enum.Enum):
     """Why layout normalization copied a tensor before binding it to cuDNN."""
@@ -59,8 +59,7 @@ _UNAVOIDABLE = frozenset(
     {CopyReason.BROADCAST, CopyReason.POLICY_CONTIGUOUS, CopyReason.BOOL_MASK, CopyReason.MASK_DTYPE, CopyReason.MASK_BROADCAST}
 )
 
-_warned: set[Hashable] = set()
-_warned_lock = threading.Lock()
+_warned = LRU(WARN_ONCE_LIMIT)
 
 
 def warn_once(key: tuple[str, Hashable], msg: str, *args: object) -> bool:
@@ -69,23 +68,16 @@ def warn_once(key: tuple[str, Hashable], msg: str, *args: object) -> bool:
     ``key[0]`` is the warning's category (``"copy"``, ``"fallback"``), which
     :func:`forget_warnings` can forget on its own.
     """
-    with _warned_lock:
-        if key in _warned:
-            return False
-        if len(_warned) >= WARN_ONCE_LIMIT:
-            _warned.clear()
-        _warned.add(key)
+    if key in _warned:
+        return False
+    _warned.put(key, True)
     logger.warning(msg, *args)
     return True
 
 
 def forget_warnings(category: str | None = None) -> None:
     """Show warn-once messages of ``category`` (default: all) again."""
-    with _warned_lock:
-        if category is None:
-            _warned.clear()
-        else:
-            _warned.difference_update([k for k in _warned if k[0] == category])
+    _warned.remove_if(lambda key: category is None or key[0] == category)
 
 
 class CopyStats(NamedTuple):
@@ -106,8 +98,6 @@ class _CopyCounter:
 
     def record(self, operand: str, reason: CopyReason, nbytes: int, signature: tuple) -> None:
         """Count one copy; warn once per distinct (operand, reason, layout) if the copy was avoidable."""
-        if getattr(_muted, "depth", 0):
-            return
         with self._lock:
             self._copies += 1
             self._bytes += nbytes
@@ -137,18 +127,6 @@ class _CopyCounter:
 
 
 copy_counter = _CopyCounter()
-_muted = threading.local()
-
-
-@contextlib.contextmanager
-def copies_not_counted() -> Iterator[None]:
-    """On this thread, copies are neither counted nor warned about (a diagnostic that binds a call
-    to read its graph key, :func:`thunder_cudnn_safe.describe`, must not change the figures)."""
-    _muted.depth = getattr(_muted, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _muted.depth -= 1
 
 
 def copy_stats() -> CopyStats:

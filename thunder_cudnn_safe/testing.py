@@ -13,11 +13,14 @@
   (eager bf16 - ref fp64)).
 * :func:`jit_sdpa`, :func:`run_and_check` and :func:`check_against_eager` run a call
   through ``thunder.jit`` with an executor of ours and check output and gradients.
+* :func:`inject_failures` makes a runtime refuse, to exercise the fallback without a GPU.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -214,11 +217,15 @@ def trace_text(jf) -> tuple[str, str]:
     return fwd, (str(bwd_traces[-1]) if bwd_traces else "")
 
 
-def run_and_check(
-    jf, q, k, v, grad_out, mask=None, is_causal=False, scale=None, check_grads=True,
-    op_prefix="cudnn_safe_emulated_sdpa", allow_fallback=False,
-):
-    """Forward+backward through ``jf``; compare with a float64 reference under the accuracy rule."""
+def run_and_check(jf, q, k, v, grad_out, mask=None, is_causal=False, scale=None, **checks):
+    """Forward+backward through ``jf``; compare with a float64 reference under the accuracy rule.
+
+    ``checks``: ``check_grads`` (True), ``op_prefix`` (the emulated executor's operators) and
+    ``allow_fallback`` (False: a call the runtime refused fails the check).
+    """
+    check_grads = checks.get("check_grads", True)
+    op_prefix = checks.get("op_prefix", "cudnn_safe_emulated_sdpa")
+    allow_fallback = checks.get("allow_fallback", False)
     import thunder_cudnn_safe as tcs
 
     fallbacks_before = tcs.cache_info().fallbacks
@@ -265,3 +272,33 @@ def check_against_eager(jf, inputs, grad, reference_fn, leaves):
     for i, (a, e, r) in enumerate(zip(grads, low_grads, ref_grads)):
         assert_close_to_reference(a, e, r, f"grad {i}")
     return out, grads
+
+
+@contextlib.contextmanager
+def inject_failures(build: Callable[[Any], Any] | None = None, execute: Callable[[Any], Any] | None = None, runtime: Any = None) -> Iterator[None]:
+    """Make ``runtime`` (default: the emulated executor's) refuse builds or executions of some keys.
+
+    A hook returns a reason to refuse a key (None or "" to let it through), as
+    ``cudnnGraphNotSupportedError`` from a build or a failed launch would; a ``build`` hook may
+    return a :class:`~thunder_cudnn_safe.errors.GraphBuildError` to raise as it is (a transient
+    one), an ``execute`` hook any exception instance (a crash rather than a refusal).
+    """
+    from thunder_cudnn_safe import emulation
+    from thunder_cudnn_safe.errors import ExecuteError, GraphBuildError
+
+    rt = emulation.default_runtime if runtime is None else runtime
+    real_build, real_execute = rt.build, rt.execute
+
+    def refuse(hook, key, error):
+        reason = None if hook is None else hook(key)
+        if isinstance(reason, BaseException):
+            raise reason
+        if reason:
+            raise error(f"emulated cuDNN refused: {reason}")
+
+    rt.build = lambda key: (refuse(build, key, GraphBuildError), real_build(key))[1]
+    rt.execute = lambda built, pack: (refuse(execute, built.key, ExecuteError), real_execute(built, pack))[1]
+    try:
+        yield
+    finally:
+        del rt.build, rt.execute

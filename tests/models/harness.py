@@ -163,6 +163,7 @@ def _compile_and_measure(frontend, model, inputs, output, grad, executors, ours:
     rec: dict = {}
     try:
         tcs.clear_cache()
+        tcs.reset_mask_pattern_info()
         t0 = time.perf_counter()
         _grads(model, inputs, output, grad, call=compiled)  # compiles, builds graphs
         rec["compile_step_s"] = round(time.perf_counter() - t0, 2)
@@ -199,6 +200,8 @@ def _compile_and_measure(frontend, model, inputs, output, grad, executors, ours:
         rec["builds"] = after.builds
         rec["builds_in_step"] = after.builds - before.builds
         rec["fallbacks"] = after.fallbacks
+        rec["bias_graphs"] = sum(1 for g in tcs.cached_graphs() if g.key.bias is not None)
+        rec["mask_patterns"] = tcs.mask_pattern_info()
     return rec
 
 
@@ -248,7 +251,7 @@ def run_case(case: ModelCase, dtype: torch.dtype, frontend: str, compare_default
     r_default = None if "skipped" in default else judged(default)
     for key in ("copies_per_step", "bytes_per_step", "copies_by_reason", "mask_conversions_per_step",
                 "mask_conversion_bytes_per_step", "graph_executions_per_step", "backward_executions_per_step",
-                "builds", "builds_in_step", "fallbacks", "compile_step_s", "step_s", "split_reasons", "error"):
+                "builds", "builds_in_step", "fallbacks", "bias_graphs", "mask_patterns", "compile_step_s", "step_s", "split_reasons", "error"):
         if key in ours:
             record[key] = ours[key]
     record["default_compared"] = "skipped" not in default

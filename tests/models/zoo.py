@@ -73,6 +73,12 @@ def _llm_inputs(dtype, gen):
     return {"input_ids": _ids((2, 16), 128, gen)}
 
 
+def _llm_right_padded_inputs(dtype, gen):
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[1, 10:] = 0  # the second sequence is right-padded: causal and key padding
+    return {"input_ids": _ids((2, 16), 128, gen), "attention_mask": mask}
+
+
 def _gpt2():
     from transformers import GPT2Config, GPT2Model
 
@@ -262,6 +268,7 @@ def _logits(o):
 
 CASES: dict[str, ModelCase] = {c.name: c for c in [
     ModelCase("llama", _llm("Llama"), _llm_inputs, _hidden, quick=True, note="causal, GQA 4/2 heads, boolean causal mask"),
+    ModelCase("llama_right_padding", _llm("Llama"), _llm_right_padded_inputs, _hidden, note="causal + right padding"),
     ModelCase("mistral", _llm("Mistral", sliding_window=8), _llm_inputs, _hidden, note="GQA, sliding window 8"),
     ModelCase("qwen2", _llm("Qwen2"), _llm_inputs, _hidden, note="GQA, qkv bias"),
     ModelCase("gpt2", _gpt2, _llm_inputs, _hidden, note="causal, fused c_attn"),

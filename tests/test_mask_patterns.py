@@ -1,0 +1,206 @@
+"""Masks that are patterns run as cuDNN's own masking (issue 21): recognized exactly, never sampled.
+
+Each pattern is checked three ways: what :func:`patterns.recognize` says of it, which graph the
+dispatcher builds (no bias; a band bound or padding in the key), and the numbers (forward and
+every gradient, through the emulated runtime that implements cuDNN's band and padding semantics,
+against float64 eager with the mask as given).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import thunder_cudnn_safe as tcs
+from thunder_cudnn_safe import masks, patterns
+from thunder_cudnn_safe.keys import BackwardKey
+from thunder_cudnn_safe.patterns import recognize
+
+
+def causal(lq, s):
+    return torch.ones(lq, s, dtype=torch.bool).tril()
+
+
+def window(lq, s, w):
+    i, j = torch.arange(lq)[:, None], torch.arange(s)[None, :]
+    return (j <= i) & (i - j < w)
+
+
+def prefix(lens, lq, s):
+    return (torch.arange(s)[None, :] < torch.tensor(lens)[:, None])[:, None, None, :].expand(len(lens), 1, lq, s)
+
+
+def additive(keep, low=float("-inf"), dtype=torch.float32):
+    return torch.zeros(keep.shape, dtype=dtype).masked_fill(~keep, low)
+
+
+# -- recognition ------------------------------------------------------------------------------
+@pytest.mark.parametrize("lq,s", [(8, 8), (4, 8), (8, 4), (1, 8)])
+def test_causal_is_recognized_also_for_l_ne_s(lq, s):
+    p = recognize(causal(lq, s), 2, lq, s)
+    if lq == 1:  # one query row keeping key 0 only: causal (hi = 0), or padding n=1; causal first
+        assert p is not None and p.right == 0
+    else:
+        assert p == patterns.MaskPattern(0, None)
+
+
+def test_all_kept_and_all_zero_are_no_mask():
+    assert recognize(torch.ones(2, 1, 8, 8, dtype=torch.bool), 2, 8, 8) == patterns.MaskPattern(None, None)
+    assert recognize(torch.zeros(8, 8, dtype=torch.float16), 2, 8, 8) == patterns.MaskPattern(None, None)
+
+
+def test_sliding_window_is_the_band_left_bound():
+    assert recognize(window(16, 16, 4), 1, 16, 16) == patterns.MaskPattern(0, 4)
+    assert recognize(window(8, 16, 3), 1, 8, 16) == patterns.MaskPattern(0, 3)
+    assert recognize(window(16, 8, 3), 1, 16, 8) is None, "cuDNN 9.19 refuses a left bound with L > S"
+    assert recognize(window(8, 8, 8), 1, 8, 8) == patterns.MaskPattern(0, None), "a window as wide as L is causal"
+
+
+@pytest.mark.parametrize("lq", [1, 6])
+def test_key_padding_prefix(lq):
+    p = recognize(prefix([5, 8, 1], lq, 8), 3, lq, 8)
+    assert p.right is None and p.left is None
+    assert p.kv_lens.shape == (3, 1, 1, 1) and p.kv_lens.dtype == torch.int32 and p.kv_lens.flatten().tolist() == [5, 8, 1]
+    assert p.q_lens.flatten().tolist() == [lq] * 3
+
+
+def test_causal_with_padding_and_finfo_min_floats():
+    keep = causal(8, 8)[None, None] & prefix([8, 3], 8, 8)
+    for mask in (keep, additive(keep), additive(keep, torch.finfo(torch.bfloat16).min, torch.bfloat16)):
+        p = recognize(mask, 2, 8, 8)
+        assert p.right == 0 and p.left is None and p.kv_lens.flatten().tolist() == [8, 3], mask.dtype
+
+
+@pytest.mark.parametrize("case", ["one_element", "left_padding", "empty_row", "random", "finite_low", "per_head_lengths"])
+def test_near_patterns_stay_biases(case):
+    if case == "one_element":
+        m = causal(8, 8).clone()
+        m[5, 6] = True
+    elif case == "left_padding":
+        m = ~prefix([3], 8, 8)
+    elif case == "empty_row":
+        m = prefix([0, 8], 8, 8)
+    elif case == "random":
+        m = torch.rand(2, 1, 8, 8) > 0.5
+    elif case == "finite_low":
+        m = additive(causal(8, 8), -1e4)
+    else:
+        m = torch.cat([prefix([3], 8, 8), prefix([5], 8, 8)], dim=1)
+    assert recognize(m, m.shape[0] if m.dim() == 4 else 2, 8, 8) is None
+
+
+# -- the graphs and the numbers -----------------------------------------------------------------
+def _run(mask, lq=8, s=8, b=2, h=2, dtype=torch.bfloat16, dropout=0.0):
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(b, h, lq, 64, generator=g).to(dtype)
+    k, v = (torch.randn(b, h, s, 64, generator=g).to(dtype) for _ in range(2))
+    disp = tcs.emulated_ex.dispatcher
+    out, stats, *rng = disp.forward(q, k, v, mask, dropout, False)
+    d_o = torch.randn(out.shape, generator=g).to(dtype)
+    grads = disp.backward(d_o, q, k, v, mask, dropout, False, out, stats, *(rng or (None, None)))
+    return (q, k, v, d_o), out, grads
+
+
+def _eager(inputs, mask):
+    q, k, v, d_o = (t.double().requires_grad_() for t in inputs)
+    m = mask if mask.dtype == torch.bool else mask.double()
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+    return out, torch.autograd.grad(out, (q, k, v), d_o.detach())
+
+
+MASKS = {
+    "causal": lambda: causal(8, 8),
+    "causal_L<S": lambda: causal(4, 8),
+    "window": lambda: window(8, 8, 3),
+    "padding": lambda: prefix([5, 8], 8, 8),
+    "padding_decode": lambda: prefix([5, 2], 1, 8),
+    "causal_padding_float": lambda: additive(causal(8, 8)[None, None] & prefix([8, 3], 8, 8), dtype=torch.bfloat16),
+    "all_true": lambda: torch.ones(8, 8, dtype=torch.bool),
+}
+
+
+@pytest.mark.parametrize("name", list(MASKS))
+def test_pattern_runs_without_a_bias_and_is_exact(name, fresh_cache):
+    mask = MASKS[name]()
+    lq = mask.shape[-2]
+    inputs, out, grads = _run(mask, lq=lq)
+    keys = [g.key for g in tcs.cached_graphs()]
+    assert len(keys) == 2 and all(key.bias is None for key in keys), keys
+    assert any(key.padded for key in keys) == ("padding" in name)
+    ref_out, ref_grads = _eager(inputs, mask)
+    assert (out.double() - ref_out).abs().max() < 2e-2
+    for a, r in zip(grads, ref_grads):
+        assert (a.double() - r).abs().max() < 3e-2
+    assert tcs.cache_info().fallbacks == 0
+
+
+def test_two_padding_lengths_share_one_graph_and_recognize_once(fresh_cache):
+    patterns.reset_mask_pattern_info()
+    for lens in ([5, 8], [3, 2], [3, 2]):
+        mask = prefix(lens, 1, 16)
+        for _ in range(3):  # three layers, one mask: one verdict
+            _run(mask, lq=1, s=16)
+    assert tcs.cache_info().builds == 2, "one forward and one backward graph for every length"
+    assert tcs.mask_pattern_info() == {"padding": 3}
+
+
+def test_dropout_with_a_pattern(fresh_cache):
+    mask = causal(8, 8)
+    _run(mask, dropout=0.2)
+    assert all(g.key.bias is None and g.key.causal for g in tcs.cached_graphs())
+    assert tcs.cache_info().fallbacks == 0
+
+
+def test_mask_that_requires_grad_keeps_the_bias(fresh_cache):
+    mask = additive(causal(8, 8), dtype=torch.bfloat16).requires_grad_()
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 2, 8, 64, generator=g).bfloat16() for _ in range(3))
+    disp = tcs.emulated_ex.dispatcher
+    out, stats = disp.forward(q, k, v, mask)
+    disp.backward(torch.randn_like(out), q, k, v, mask, 0.0, False, out, stats, None, None, mask_grad=True)
+    assert all(g.key.bias is not None for g in tcs.cached_graphs())
+
+
+def test_no_verdict_under_capture_nor_when_off(fresh_cache, monkeypatch):
+    mask = causal(8, 8)
+    monkeypatch.setattr(patterns, "capturing", lambda t: True)
+    _run(mask)
+    monkeypatch.setattr(patterns, "capturing", masks.capturing)
+    tcs.set_mask_patterns(False)
+    try:
+        _run(mask.clone())
+    finally:
+        tcs.set_mask_patterns(True)
+    assert all(g.key.bias is not None for g in tcs.cached_graphs())
+
+
+def test_describe_reports_the_pattern(fresh_cache):
+    q, k, v = (torch.randn(2, 2, 8, 64).bfloat16() for _ in range(3))
+    for mask, name in ((prefix([5, 8], 8, 8), "padding"), (window(8, 8, 3), "causal+window"), (torch.rand(8, 8) > 0.5, "bias")):
+        assert tcs.describe(q, k, v, mask, executor="cudnn_safe_emulated").mask_pattern == name
+    assert tcs.describe(q, k, v, executor="cudnn_safe_emulated").mask_pattern is None
+
+
+def test_pattern_keys_lower_in_cudnn():
+    """libcudnn's validation accepts the band and padding graphs at every arch (no GPU needed)."""
+    from thunder_cudnn_safe import lowering
+
+    if lowering.lowering_problem():
+        pytest.skip(lowering.lowering_problem())
+    from thunder_cudnn_safe.emulation import EmulatedRuntime
+    from thunder_cudnn_safe.dispatch import Dispatcher
+    from thunder_cudnn_safe.cache import GraphCache
+
+    for mask, lq in ((window(8, 8, 3), 8), (prefix([5, 8], 8, 8), 8), (causal(8, 8)[None, None] & prefix([8, 3], 8, 8), 8), (prefix([5, 2], 1, 8), 1)):
+        for arch in (80, 90, 100, 120):
+            disp = Dispatcher(EmulatedRuntime(arch=(arch // 10, arch % 10), backend_version=91900), GraphCache())
+            q = torch.randn(2, 4, lq, 64).half()
+            k, v = torch.randn(2, 2, 8, 64).half(), torch.randn(2, 2, 8, 64).half()
+            out, stats, seed, offset = disp.forward(q, k, v, mask, 0.1, False, enable_gqa=True, deterministic=arch == 90)
+            disp.backward(torch.randn_like(out), q, k, v, mask, 0.1, False, out, stats, seed, offset, deterministic=arch == 90)
+            for key in disp.cache.keys():
+                assert isinstance(key, tuple) and key.bias is None
+                ladder = (None, "composite") if not isinstance(key, BackwardKey) else (None,)  # the runtime's ladder
+                lows = [lowering.lower_key(key, arch, impl) for impl in ladder]
+                assert any(low.ok for low in lows), (arch, type(key).__name__, lows)

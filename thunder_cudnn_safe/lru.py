@@ -1,0 +1,73 @@
+"""The one bounded cache of the package: a locked least-recently-used map.
+
+Every cache here must stay bounded in a long training run (new layouts, masks, keys keep
+coming) and safe under threads: built graphs and refusals (:mod:`cache`), call plans
+(:mod:`dispatch`), converted masks (:mod:`masks`), warn-once keys (:mod:`telemetry`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from typing import Any
+
+
+class LRU:
+    """A map of at most ``maxsize`` entries; adding one more evicts the least recently used."""
+
+    def __init__(self, maxsize: int) -> None:
+        self._lock = threading.Lock()
+        self._data: OrderedDict[Hashable, Any] = OrderedDict()
+        self.maxsize = maxsize
+        #: entries dropped to respect the bound (not by pop/clear)
+        self.evictions = 0
+
+    def get(self, key: Hashable, default: Any = None) -> Any:
+        with self._lock:
+            value = self._data.get(key, default)
+            if value is not default:
+                self._data.move_to_end(key)
+            return value
+
+    def put(self, key: Hashable, value: Any) -> None:
+        with self._lock:
+            self._data[key] = value
+            self._data.move_to_end(key)
+            self._trim()
+
+    def pop(self, key: Hashable, default: Any = None) -> Any:
+        with self._lock:
+            return self._data.pop(key, default)
+
+    def remove_if(self, predicate: Callable[[Hashable], bool]) -> None:
+        """Drop every entry whose key satisfies ``predicate``."""
+        with self._lock:
+            for key in [k for k in self._data if predicate(k)]:
+                del self._data[key]
+
+    def resize(self, maxsize: int) -> None:
+        with self._lock:
+            self.maxsize = maxsize
+            self._trim()
+
+    def clear(self) -> None:
+        with self._lock:
+            self._data.clear()
+            self.evictions = 0
+
+    def items(self) -> list[tuple[Hashable, Any]]:
+        """A snapshot, least recently used first."""
+        with self._lock:
+            return list(self._data.items())
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._data
+
+    def _trim(self) -> None:
+        while len(self._data) > self.maxsize:
+            self._data.popitem(last=False)
+            self.evictions += 1

@@ -1,0 +1,139 @@
+"""Masks that are patterns run as cuDNN's own masking: no bias read, fully masked tiles skipped.
+
+Under ThunderFX, Hugging Face models materialize every mask (causal, sliding window, key
+padding, all-True) because dynamo cannot look at it; cuDNN then reads a B*S^2 bias per layer,
+forward and backward, and cannot skip masked tiles. The executor holds the mask's data at run
+time, so it checks, exactly and over the whole tensor, whether the mask is
+
+* all kept (all-True, or all 0 for a float mask): no mask;
+* causal as torch's ``is_causal`` (top-left, also for L != S): the diagonal band, right bound 0;
+* causal with a sliding window of W keys (keep j <= i and i - j < W), L <= S: left bound W;
+* key padding (batch element b keeps keys j < n_b for every head and query, 1 <= n_b):
+  cuDNN's padding mask with ``seq_len_kv`` = n (B,1,1,1) int32 and ``seq_len_q`` = L;
+* causal (with or without a window) combined with key padding.
+
+A float mask may mask with -inf or anything <= its dtype's lowest finite value (HF's
+``finfo.min``): both give exactly 0 probability. Anything else, a row with no kept key, a
+mask that needs its gradient, left padding, or a near-pattern differing in one element stays
+an additive bias. The verdict costs one host synchronization per distinct mask and state: it
+is kept in the converted-mask cache (:mod:`masks`: same identity and version rules), so every
+layer and the backward reuse it. No verdict is made or reused while a CUDA stream captures
+(a decision made before capture would be replayed on new mask contents), nor when the mask
+cache is off or the mask is an inference tensor (no version counter): those stay biases.
+The pattern and whether it pads are part of the graph key; the lengths are bound per call, so
+two steps with different padding lengths share one graph.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from typing import Any, NamedTuple
+
+import torch
+
+from .masks import capturing, converted_masks
+
+
+class MaskPattern(NamedTuple):
+    """A mask as cuDNN's masking: ``right`` (0 = causal, None = none) and ``left`` (window) bounds of
+    the top-left diagonal band; ``q_lens`` / ``kv_lens`` (B,1,1,1) int32 for the padding mask, or None."""
+
+    right: int | None
+    left: int | None
+    q_lens: Any = None
+    kv_lens: Any = None
+
+    @property
+    def name(self) -> str:
+        parts = [p for p, on in (("causal", self.right == 0), ("window", self.left is not None), ("padding", self.kv_lens is not None)) if on]
+        return "+".join(parts) or "all_kept"
+
+
+_NOT_A_PATTERN = "bias"
+_enabled = True
+_counts: collections.Counter = collections.Counter()
+_lock = threading.Lock()
+
+
+def set_mask_patterns(enabled: bool) -> None:
+    """Turn recognizing mask patterns on (default) or off (every mask then runs as a bias)."""
+    global _enabled
+    _enabled = bool(enabled)
+
+
+def mask_pattern_info() -> dict[str, int]:
+    """How many distinct masks were recognized as each pattern ("bias": none), since the last reset."""
+    with _lock:
+        return dict(_counts)
+
+
+def reset_mask_pattern_info() -> None:
+    with _lock:
+        _counts.clear()
+
+
+def pattern_of(mask: torch.Tensor, batch: int, lq: int, s: int) -> MaskPattern | None:
+    """``mask``'s pattern for a (batch, H, lq, s) call, or None (a bias): cached per distinct mask."""
+    if not _enabled or capturing(mask) or mask.is_inference() or converted_masks.maxsize == 0 or mask.requires_grad:
+        return None
+    verdict = converted_masks.get(mask, ("pattern", batch, lq, s), lambda: _recognize(mask, batch, lq, s))
+    return None if verdict == _NOT_A_PATTERN else verdict
+
+
+def _recognize(mask: torch.Tensor, batch: int, lq: int, s: int) -> MaskPattern | str:
+    pattern = recognize(mask, batch, lq, s)
+    with _lock:
+        _counts[_NOT_A_PATTERN if pattern is None else pattern.name] += 1
+    return _NOT_A_PATTERN if pattern is None else pattern
+
+
+def recognize(mask: torch.Tensor, batch: int, lq: int, s: int) -> MaskPattern | None:
+    """The exact pattern of ``mask`` (broadcastable to (batch, H, lq, s)), or None; one host sync.
+
+    Temporaries are one byte per mask element (the per-row first and last kept key by argmax).
+    """
+    if mask.dim() < 2 or tuple(mask.shape[-2:]) != (lq, s) or lq == 0 or s == 0:
+        return None
+    m = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+    if m.dtype == torch.bool:
+        keep, valid = m, torch.ones((), dtype=torch.bool, device=m.device)
+    else:
+        keep = m == 0
+        valid = (keep | (m <= torch.finfo(m.dtype).min)).all()
+    k8 = keep.view(torch.uint8)
+    count = keep.sum(-1)
+    lo, hi = k8.argmax(-1), s - 1 - k8.flip(-1).argmax(-1)  # first and last kept key of each row
+    n = hi.amax(dim=(1, 2), keepdim=True) + 1  # kept keys per batch element, if it pads
+    row = torch.arange(lq, device=m.device)
+    window = (row - lo + 1).amax()
+    checks = torch.stack([
+        valid,
+        ((hi - lo + 1 == count) & (count > 0)).all(),  # every row one non-empty run of keys
+        (hi == s - 1).all(),
+        (hi == row.clamp(max=s - 1)).all(),
+        (hi == n - 1).all(),
+        (hi == torch.minimum(row, n - 1)).all(),
+        (lo == 0).all(),
+        (lo == (row - window + 1).clamp(min=0)).all(),
+    ]).to(torch.int64)
+    valid, runs, full, causal, padded, causal_padded, no_left, windowed, window = torch.cat([checks, window.view(1)]).tolist()
+    if not (valid and runs):
+        return None
+    if no_left:
+        left = None
+    elif windowed and lq <= s:  # cuDNN 9.19 refuses a left bound with L > S
+        left = int(window)
+    else:
+        return None
+    lens = n.reshape(-1, 1, 1, 1).expand(batch, 1, 1, 1).to(torch.int32).contiguous()
+    q_lens = torch.full((batch, 1, 1, 1), lq, dtype=torch.int32, device=m.device)
+    if full and left is None:
+        return MaskPattern(None, None)
+    if causal:
+        return MaskPattern(0, left)
+    if causal_padded:
+        return MaskPattern(0, left, q_lens, lens)
+    if padded and left is None:
+        return MaskPattern(None, None, q_lens, lens)
+    return None  # e.g. a window without the causal bound: not a form models produce
