@@ -7,7 +7,7 @@ import torch
 import thunder_cudnn_safe as tcs
 from thunder_cudnn_safe.testing import GRAD_OUT_LAYOUTS, QKV_LAYOUTS, ZERO_COPY_GRAD_LAYOUTS, ZERO_COPY_QKV_LAYOUTS
 
-from thunder_cudnn_safe.testing import jit_sdpa, run_and_check
+from checks import jit_sdpa, run_and_check
 
 DTYPES = [torch.float16, torch.bfloat16]
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import thunder_cudnn_safe as tcs
-from thunder_cudnn_safe.testing import check_against_eager, jit_with_ours
+from checks import check_against_eager, jit_with_ours
 
 
 def test_key_broadcast_over_heads_but_value_not(fresh_cache):

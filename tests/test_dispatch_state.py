@@ -20,10 +20,11 @@ import torch.nn.functional as F
 
 import thunder_cudnn_safe as tcs
 from thunder_cudnn_safe import handoff
-from thunder_cudnn_safe.testing import inject_failures
+from checks import inject_failures
 from thunder_cudnn_safe.errors import GraphBuildError
 from thunder_cudnn_safe.keys import BackwardKey
-from thunder_cudnn_safe.testing import assert_close_to_reference, jit_sdpa, jit_with_ours
+from thunder_cudnn_safe.testing import assert_close_to_reference
+from checks import jit_sdpa, jit_with_ours
 
 DISPATCH = tcs.emulated_ex.dispatcher
 

@@ -12,7 +12,7 @@ from thunder_cudnn_safe.graphs import Uid
 from thunder_cudnn_safe.keys import ForwardKey, Target, TensorSig, sig
 from thunder_cudnn_safe.testing import assert_close_to_reference
 
-from thunder_cudnn_safe.testing import jit_sdpa
+from checks import jit_sdpa
 
 TARGET = Target("emulated", -1, (9, 0), 91900, "test")
 

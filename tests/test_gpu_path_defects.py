@@ -17,10 +17,12 @@ import types
 
 import pytest
 import torch
+
+import checks
 import torch.nn.functional as F
 
 import thunder_cudnn_safe as tcs
-from thunder_cudnn_safe import emulation, lowering, masks, testing
+from thunder_cudnn_safe import emulation, lowering, masks
 from thunder_cudnn_safe.keys import BackwardKey
 from thunder_cudnn_safe.layout import canonical_strides
 from thunder_cudnn_safe.reference import Scores, attention_backward
@@ -78,7 +80,7 @@ def test_dropout_forward_prechecks_the_backward_that_will_run(variant, fresh_cac
     deterministic = variant == "deterministic"
     refused = (lambda key: key.deterministic) if deterministic else (lambda key: key.d_bias is not None)
     hook = lambda key: "refused variant" if isinstance(key, BackwardKey) and refused(key) else None  # noqa: E731
-    with testing.inject_failures(build=hook):
+    with checks.inject_failures(build=hook):
         out, stats, seed, offset = disp.forward(q, k, v, mask, 0.25, False, deterministic=deterministic)
         g = torch.randn_like(out)
         grads = disp.backward(g, q, k, v, mask, 0.25, False, out, stats, seed, offset, deterministic=deterministic, mask_grad=mask is not None)
@@ -168,7 +170,7 @@ def test_torch_deterministic_mode_selects_the_deterministic_backward(warn_only, 
     import thunder
 
     q, k, v = (T(2, 2, 8, 64).requires_grad_() for _ in range(3))
-    jf = thunder.jit(testing.sdpa_fn, executors=[tcs.emulated_ex])
+    jf = thunder.jit(checks.sdpa_fn, executors=[tcs.emulated_ex])
     was, was_warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     torch.use_deterministic_algorithms(True, warn_only=warn_only)
     try:

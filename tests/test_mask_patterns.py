@@ -204,3 +204,19 @@ def test_pattern_keys_lower_in_cudnn():
                 ladder = (None, "composite") if not isinstance(key, BackwardKey) else (None,)  # the runtime's ladder
                 lows = [lowering.lower_key(key, arch, impl) for impl in ladder]
                 assert any(low.ok for low in lows), (arch, type(key).__name__, lows)
+
+
+def test_a_mask_written_in_place_is_recognized_again(fresh_cache):
+    """The verdict is keyed by the mask's version: an in-place write (a new padding length into the
+    same buffer, as a static KV cache's mask) is seen, never served a stale pattern."""
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 2, 1, 64, generator=g).bfloat16()
+    k, v = (torch.randn(2, 2, 8, 64, generator=g).bfloat16() for _ in range(2))
+    mask = prefix([3, 5], 1, 8).clone()
+    disp = tcs.emulated_ex.dispatcher
+    for lens in ([3, 5], [4, 6], [8, 1]):
+        mask.copy_(prefix(lens, 1, 8))
+        out, _ = disp.forward(q, k, v, mask)
+        ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask)
+        assert (out.double() - ref).abs().max() < 2e-2, lens
+    assert tcs.cache_info().builds == 1 and all(gr.key.padded and gr.key.bias is None for gr in tcs.cached_graphs())

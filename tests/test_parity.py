@@ -14,7 +14,7 @@ from thunder_cudnn_safe.emulation import EmulatedRuntime
 from thunder_cudnn_safe.keys import BackwardKey
 from thunder_cudnn_safe.testing import QKV_LAYOUTS
 
-from thunder_cudnn_safe.testing import jit_sdpa, run_and_check
+from checks import jit_sdpa, run_and_check
 
 
 @pytest.mark.parametrize("option", ["cudnn_safe_bwd_may_cat_grad_qkv", "cudnn_sdpa_bwd_may_cat_grad_qkv"])

@@ -11,18 +11,19 @@ import weakref
 import pytest
 import thunder
 import torch
+
+import checks
 import torch.nn.functional as F
 
 import thunder_cudnn_safe as tcs
 from thunder_cudnn_safe.telemetry import CopyReason
-from thunder_cudnn_safe import testing
 from thunder_cudnn_safe.cache import GraphCache
 from thunder_cudnn_safe.dispatch import Dispatcher
 from thunder_cudnn_safe.emulation import EmulatedRuntime
 from thunder_cudnn_safe.keys import BackwardKey, ForwardKey
 from thunder_cudnn_safe.testing import QKV_LAYOUTS, assert_close_to_reference
 
-from thunder_cudnn_safe.testing import jit_sdpa, run_and_check, sdpa_fn
+from checks import jit_sdpa, run_and_check, sdpa_fn
 
 
 def T(*shape, dtype=torch.float16):
@@ -164,7 +165,7 @@ def test_runtime_refusal_falls_back_correctly_and_warns_once(where, phase, caplo
 
     q, k, v = QKV_LAYOUTS["bshd_transposed"](2, 4, 16, 16, 64, 64, torch.float16)
     jf = jit_sdpa()
-    with caplog.at_level(logging.WARNING, logger="thunder_cudnn_safe"), testing.inject_failures(**{where: refuse}):
+    with caplog.at_level(logging.WARNING, logger="thunder_cudnn_safe"), checks.inject_failures(**{where: refuse}):
         for _ in range(3):
             run_and_check(jf, q, k, v, torch.randn(2, 4, 16, 64, dtype=torch.float16), allow_fallback=True)
     info = tcs.cache_info()
@@ -182,7 +183,7 @@ def test_fallback_with_dropout_after_a_cudnn_forward_raises_clearly(fresh_cache)
     disp = Dispatcher(EmulatedRuntime(), GraphCache(8))
     q, k, v = (T(1, 2, 8, 64) for _ in range(3))
     out, stats, seed, offset = disp.forward(q, k, v, None, 0.2, False)
-    with testing.inject_failures(build=lambda key: "refused" if isinstance(key, BackwardKey) else None):
+    with checks.inject_failures(build=lambda key: "refused" if isinstance(key, BackwardKey) else None):
         # the dispatcher above uses its own runtime; route through the shared one for the hook
         disp2 = tcs.emulated_ex.dispatcher
         with pytest.raises(RuntimeError, match="dropout mask cuDNN used cannot be reproduced"):
@@ -193,7 +194,7 @@ def test_fallback_dropout_forward_and_backward_agree(fresh_cache):
     """When both directions fall back, they draw the same dropout mask from (seed, offset)."""
     disp = tcs.emulated_ex.dispatcher
     q, k, v = (T(1, 2, 8, 64) for _ in range(3))
-    with testing.inject_failures(build=lambda key: "refused"):
+    with checks.inject_failures(build=lambda key: "refused"):
         out, stats, seed, offset = disp.forward(q, k, v, None, 0.3, False)
         g = torch.randn_like(out)
         dq, dk, dv = disp.backward(g, q, k, v, None, 0.3, False, out, stats, seed, offset)
@@ -341,7 +342,7 @@ def test_backward_of_a_fallen_back_dropout_forward_never_reaches_cudnn(fresh_cac
     disp = tcs.emulated_ex.dispatcher
     executed = []
     q, k, v = (T(1, 2, 8, 64) for _ in range(3))
-    with testing.inject_failures(build=lambda key: "refused" if isinstance(key, ForwardKey) else None,
+    with checks.inject_failures(build=lambda key: "refused" if isinstance(key, ForwardKey) else None,
                                    execute=lambda key: executed.append(type(key).__name__)):
         out, stats, seed, offset = disp.forward(q, k, v, None, 0.3, False)
         g = torch.randn_like(out)

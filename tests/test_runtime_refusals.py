@@ -13,8 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+import checks
+
 import thunder_cudnn_safe as tcs
-from thunder_cudnn_safe import testing
 from thunder_cudnn_safe.binding import rng_tensors
 from thunder_cudnn_safe.cache import TRANSIENT_BUILD_ATTEMPTS
 from thunder_cudnn_safe.errors import ExecuteError, GraphBuildError
@@ -42,7 +43,7 @@ def test_dropout_forward_falls_back_when_cudnn_refuses_its_backward(fresh_cache)
     in cuDNN, and the backward then raised (the fallback cannot reproduce cuDNN's mask)."""
     disp = tcs.emulated_ex.dispatcher
     q, k, v = (T(1, 2, 8, 64) for _ in range(3))
-    with testing.inject_failures(build=lambda key: "no backward" if isinstance(key, BackwardKey) else None):
+    with checks.inject_failures(build=lambda key: "no backward" if isinstance(key, BackwardKey) else None):
         out, stats, seed, offset = disp.forward(q, k, v, None, 0.3, False)
         g = torch.randn_like(out)
         dq, dk, dv = disp.backward(g, q, k, v, None, 0.3, False, out, stats, seed, offset)
@@ -61,7 +62,7 @@ def test_refused_dropout_backward_retries_with_grad_out_in_o_layout(fresh_cache)
     out, stats, seed, offset = disp.forward(q, k, v, None, 0.2, False)
     g = GRAD_OUT_LAYOUTS["transposed"](tuple(out.shape), torch.float16)
     refuse = lambda key: "dO layout" if isinstance(key, BackwardKey) and key.d_o != key.o else None  # noqa: E731
-    with testing.inject_failures(build=refuse):
+    with checks.inject_failures(build=refuse):
         dq, dk, dv = disp.backward(g, q, k, v, None, 0.2, False, out, stats, seed, offset)
     assert tcs.cache_info().fallbacks == 0
     assert ("grad_out", CopyReason.DO_REFUSED) in tcs.copy_stats().by_reason
@@ -111,7 +112,7 @@ def test_transient_build_failure_is_retried_not_remembered(fresh_cache):
     disp = tcs.emulated_ex.dispatcher
     q, k, v = (T(1, 2, 8, 64) for _ in range(3))
     failures = [GraphBuildError("CUDA out of memory while building plans", definitive=False)]
-    with testing.inject_failures(build=lambda key: failures.pop() if failures else None):
+    with checks.inject_failures(build=lambda key: failures.pop() if failures else None):
         disp.forward(q, k, v)  # transient failure: this call falls back
         disp.forward(q, k, v)  # retried: builds
     info = tcs.cache_info()
@@ -122,7 +123,7 @@ def test_repeated_transient_failures_are_remembered_after_a_bound(fresh_cache):
     disp = tcs.emulated_ex.dispatcher
     q, k, v = (T(1, 2, 8, 64) for _ in range(3))
     fail = lambda key: GraphBuildError("CUDA error: launch failure", definitive=False)  # noqa: E731
-    with testing.inject_failures(build=fail):
+    with checks.inject_failures(build=fail):
         for _ in range(TRANSIENT_BUILD_ATTEMPTS + 2):
             disp.forward(q, k, v)
     info = tcs.cache_info()
@@ -132,7 +133,7 @@ def test_repeated_transient_failures_are_remembered_after_a_bound(fresh_cache):
 def test_definitive_refusal_is_remembered_at_once(fresh_cache):
     disp = tcs.emulated_ex.dispatcher
     q, k, v = (T(1, 2, 8, 64) for _ in range(3))
-    with testing.inject_failures(build=lambda key: "not supported"):
+    with checks.inject_failures(build=lambda key: "not supported"):
         for _ in range(3):
             disp.forward(q, k, v)
     info = tcs.cache_info()
@@ -159,7 +160,7 @@ def test_execution_crash_propagates_naming_the_key_and_refusal_falls_back():
 def test_dispatcher_propagates_an_execution_crash(fresh_cache):
     disp = tcs.emulated_ex.dispatcher
     q, k, v = (T(1, 2, 8, 64) for _ in range(3))
-    with testing.inject_failures(execute=lambda key: RuntimeError("device-side assert")):
+    with checks.inject_failures(execute=lambda key: RuntimeError("device-side assert")):
         with pytest.raises(RuntimeError, match="device-side assert"):
             disp.forward(q, k, v)
     assert tcs.cache_info().fallbacks == 0

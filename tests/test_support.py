@@ -10,7 +10,7 @@ import thunder_cudnn_safe as tcs
 from thunder_cudnn_safe.emulation import EmulatedRuntime
 from thunder_cudnn_safe.executor import reasons_for
 
-from thunder_cudnn_safe.testing import jit_sdpa
+from checks import jit_sdpa
 
 
 def qkv(b=2, h=4, lq=16, s=16, d=64, dv=None, dtype=torch.float16, device="cpu"):

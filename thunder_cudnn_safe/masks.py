@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Hashable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -58,8 +58,9 @@ class ConvertedMasks:
         #: in a garbage collection while this thread holds the LRU's lock) and purged on the next use
         self._dead: list[Hashable] = []
 
-    def get(self, mask: torch.Tensor, how: Hashable, convert: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """The bias ``convert()`` makes from ``mask``, made once per distinct (mask, state, ``how``)."""
+    def get(self, mask: torch.Tensor, how: Hashable, convert: Callable[[], Any], count: bool = True) -> Any:
+        """The bias ``convert()`` makes from ``mask``, made once per distinct (mask, state, ``how``);
+        ``count``: in the hits and conversions (pattern verdicts are not conversions)."""
         if self._lru.maxsize == 0 or mask.is_inference() or capturing(mask):
             return convert()
         while self._dead:
@@ -68,10 +69,10 @@ class ConvertedMasks:
         key = (id(storage), mask.data_ptr(), mask.shape, mask.stride(), mask.dtype, mask._version, how)
         entry = self._lru.get(key)
         if entry is not None and entry[0]() is storage:
-            self.hits += 1
+            self.hits += count
             return entry[1]
         bias = convert()
-        self.conversions += 1
+        self.conversions += count
         self._lru.put(key, (weakref.ref(storage, lambda _, key=key: self._dead.append(key)), bias))
         return bias
 

@@ -77,7 +77,7 @@ def pattern_of(mask: torch.Tensor, batch: int, lq: int, s: int) -> MaskPattern |
     """``mask``'s pattern for a (batch, H, lq, s) call, or None (a bias): cached per distinct mask."""
     if not _enabled or capturing(mask) or mask.is_inference() or converted_masks.maxsize == 0 or mask.requires_grad:
         return None
-    verdict = converted_masks.get(mask, ("pattern", batch, lq, s), lambda: _recognize(mask, batch, lq, s))
+    verdict = converted_masks.get(mask, ("pattern", batch, lq, s), lambda: _recognize(mask, batch, lq, s), count=False)
     return None if verdict == _NOT_A_PATTERN else verdict
 
 

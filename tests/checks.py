@@ -1,0 +1,129 @@
+"""Test seams: run calls through ``thunder.jit`` with an executor of ours and check them against
+float64 and eager under the accuracy rule; make a runtime refuse, to exercise the fallback."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from thunder_cudnn_safe.testing import assert_close_to_reference
+
+
+# -- running calls through thunder.jit and checking them ------------------------------------
+def jit_with_ours(fn, executor=None, **options):
+    """``thunder.jit(fn)`` with ``executor`` (default: the emulated executor) ahead of thunder's defaults."""
+    import thunder
+
+    import thunder_cudnn_safe as tcs
+
+    ex = tcs.emulated_ex if executor is None else executor
+    return thunder.jit(fn, executors=[ex, *thunder.get_default_executors()], **options)
+
+
+def sdpa_fn(q, k, v, mask=None, dropout_p=0.0, is_causal=False, scale=None):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
+
+
+def jit_sdpa(executor=None, **options):
+    """:func:`sdpa_fn` through ``thunder.jit`` with ``executor`` (default: the emulated executor) first."""
+    return jit_with_ours(sdpa_fn, executor, **options)
+
+
+def trace_text(jf) -> tuple[str, str]:
+    """The last forward and backward execution traces of ``jf``, as text."""
+    import thunder
+
+    fwd = str(thunder.last_traces(jf)[-1])
+    bwd_traces = thunder.last_backward_traces(jf)
+    return fwd, (str(bwd_traces[-1]) if bwd_traces else "")
+
+
+def run_and_check(jf, q, k, v, grad_out, mask=None, is_causal=False, scale=None, **checks):
+    """Forward+backward through ``jf``; compare with a float64 reference under the accuracy rule.
+
+    ``checks``: ``check_grads`` (True), ``op_prefix`` (the emulated executor's operators) and
+    ``allow_fallback`` (False: a call the runtime refused fails the check).
+    """
+    check_grads = checks.get("check_grads", True)
+    op_prefix = checks.get("op_prefix", "cudnn_safe_emulated_sdpa")
+    allow_fallback = checks.get("allow_fallback", False)
+    import thunder_cudnn_safe as tcs
+
+    fallbacks_before = tcs.cache_info().fallbacks
+    out = jf(q, k, v, mask, 0.0, is_causal, scale)
+    fwd, bwd = trace_text(jf)
+    assert f"{op_prefix}_fwd" in fwd, "the executor did not claim the call (silent fallback)"
+    leaves = [t for t in (q, k, v, mask) if t is not None and t.requires_grad]
+    grads = torch.autograd.grad(out, leaves, grad_out) if check_grads else ()
+    if check_grads:
+        assert f"{op_prefix}_bwd" in bwd, "the backward did not run on the executor"
+    if not allow_fallback:
+        assert tcs.cache_info().fallbacks == fallbacks_before, "a graph was refused and the torch fallback answered"
+
+    ref_leaves = [t.detach().double().requires_grad_(t.requires_grad) for t in (q, k, v)]
+    ref_mask = None
+    if mask is not None:
+        ref_mask = mask.detach().double().requires_grad_(mask.requires_grad) if mask.dtype != torch.bool else mask
+    ref = sdpa_fn(*ref_leaves, ref_mask, 0.0, is_causal, scale)
+    low_leaves = [t.detach().requires_grad_(t.requires_grad) for t in (q, k, v)]
+    low_mask = None if mask is None else (mask.detach().requires_grad_(mask.requires_grad) if mask.dtype != torch.bool else mask)
+    eager = sdpa_fn(*low_leaves, low_mask, 0.0, is_causal, scale)
+    assert_close_to_reference(out, eager, ref, "output")
+    if check_grads:
+        ref_in = [t for t in ref_leaves if t.requires_grad] + ([ref_mask] if mask is not None and mask.requires_grad else [])
+        low_in = [t for t in low_leaves if t.requires_grad] + ([low_mask] if mask is not None and mask.requires_grad else [])
+        ref_grads = torch.autograd.grad(ref, ref_in, grad_out.double())
+        eager_grads = torch.autograd.grad(eager, low_in, grad_out)
+        for name, g, e, r in zip(("dq", "dk", "dv", "dmask"), grads, eager_grads, ref_grads):
+            assert_close_to_reference(g, e, r, name)
+    return out, grads
+
+
+def check_against_eager(jf, inputs, grad, reference_fn, leaves):
+    """Run ``jf``, compare its output and the gradients of ``leaves`` with float64 and eager ``reference_fn``."""
+    out = jf(*inputs)
+    grads = torch.autograd.grad(out, leaves, grad)
+    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    low_leaves = [t.detach().requires_grad_() for t in leaves]
+    ref = reference_fn(*ref_leaves)
+    low = reference_fn(*low_leaves)
+    ref_grads = torch.autograd.grad(ref, ref_leaves, grad.double())
+    low_grads = torch.autograd.grad(low, low_leaves, grad)
+    assert_close_to_reference(out, low, ref, "output")
+    for i, (a, e, r) in enumerate(zip(grads, low_grads, ref_grads)):
+        assert_close_to_reference(a, e, r, f"grad {i}")
+    return out, grads
+
+
+@contextlib.contextmanager
+def inject_failures(build: Callable[[Any], Any] | None = None, execute: Callable[[Any], Any] | None = None, runtime: Any = None) -> Iterator[None]:
+    """Make ``runtime`` (default: the emulated executor's) refuse builds or executions of some keys.
+
+    A hook returns a reason to refuse a key (None or "" to let it through), as
+    ``cudnnGraphNotSupportedError`` from a build or a failed launch would; a ``build`` hook may
+    return a :class:`~thunder_cudnn_safe.errors.GraphBuildError` to raise as it is (a transient
+    one), an ``execute`` hook any exception instance (a crash rather than a refusal).
+    """
+    from thunder_cudnn_safe import emulation
+    from thunder_cudnn_safe.errors import ExecuteError, GraphBuildError
+
+    rt = emulation.default_runtime if runtime is None else runtime
+    real_build, real_execute = rt.build, rt.execute
+
+    def refuse(hook, key, error):
+        reason = None if hook is None else hook(key)
+        if isinstance(reason, BaseException):
+            raise reason
+        if reason:
+            raise error(f"emulated cuDNN refused: {reason}")
+
+    rt.build = lambda key: (refuse(build, key, GraphBuildError), real_build(key))[1]
+    rt.execute = lambda built, pack: (refuse(execute, built.key, ExecuteError), real_execute(built, pack))[1]
+    try:
+        yield
+    finally:
+        del rt.build, rt.execute
