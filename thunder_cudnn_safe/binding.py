@@ -53,6 +53,9 @@ class ForwardCall(NamedTuple):
     deterministic: bool = False
     cat_grad_qkv: bool = False
     enable_gqa: bool = False
+    #: False where no backward follows (thunder's execution transform: no_grad, inference): the
+    #: graph then writes no softmax stats, and the operator returns none
+    need_stats: bool = True
 
 
 class BackwardCall(NamedTuple):
@@ -212,12 +215,13 @@ def plan_forward(call: ForwardCall, target: Target) -> Plan:
     left, padded = p.masking(3, call.attn_mask, q.dtype, lq, k.shape[2], needs_grad=False)
     out_shape = (b, h, lq, v.shape[3])
     outputs = [p.new(Uid.O, out_shape, strides_like(out_shape, q, p.policy), q.dtype)]
-    outputs.append(p.new(Uid.STATS, (b, h, lq, 1), packed_strides((b, h, lq, 1)), torch.float32))
+    if call.need_stats:
+        outputs.append(p.new(Uid.STATS, (b, h, lq, 1), packed_strides((b, h, lq, 1)), torch.float32))
     if call.dropout_p:
         outputs += [p.new(uid, RNG_SIG.shape, RNG_SIG.stride, RNG_SIG.dtype, draw=True) for uid in (Uid.SEED, Uid.OFFSET)]
     s = p.sigs
     key = ForwardKey(
-        q, k, v, s[Uid.O], s[Uid.STATS], s.get(Uid.BIAS), s.get(Uid.SEED), s.get(Uid.OFFSET),
+        q, k, v, s[Uid.O], s.get(Uid.STATS), s.get(Uid.BIAS), s.get(Uid.SEED), s.get(Uid.OFFSET),
         _causal(call), float(call.dropout_p), default_scale(d, call.scale), p.policy.value, target, left, padded,
     )
     return Plan(key, tuple(p.steps), tuple(outputs))

@@ -52,17 +52,17 @@ class Dispatcher:
 
     # -- the operators (thunder calls them with the call's fields) ----------------------------
     def forward(self, *args, **kwargs) -> tuple[torch.Tensor, ...]:
-        """O and stats (and the dropout seed and offset)."""
+        """O and stats (none when ``need_stats`` is False), then the dropout seed and offset."""
         call = ForwardCall(*args, **kwargs)
         call = call._replace(deterministic=call.deterministic or torch_deterministic())
         masked = with_mask_pattern(call)
         bound = bind(self.plan(masked), masked)
-        if call.dropout_p and not self._backward_builds(call, masked, bound):
+        if call.dropout_p and call.need_stats and not self._backward_builds(call, masked, bound):
             self.run_fallback(bound)
         else:
             self.run(bound)
         if Uid.BIAS in bound.pack:
-            _zero_fully_masked_rows(bound.pack[Uid.BIAS], bound.outputs[0], bound.outputs[1])
+            _zero_fully_masked_rows(bound.pack[Uid.BIAS], bound.outputs[0], bound.pack.get(Uid.STATS))
         return bound.outputs
 
     def backward(self, *args, **kwargs) -> tuple[torch.Tensor, ...]:
@@ -175,7 +175,7 @@ def _check_dp_workspace(key: BackwardKey) -> None:
         raise GraphBuildError(f"the backward needs {need} bytes of dP workspace, over the budget of {support.DP_WORKSPACE_LIMIT}", True)
 
 
-def _zero_fully_masked_rows(bias: torch.Tensor, out: torch.Tensor, stats: torch.Tensor) -> None:
+def _zero_fully_masked_rows(bias: torch.Tensor, out: torch.Tensor, stats: torch.Tensor | None) -> None:
     """Eager torch's answer for a query row whose every key is masked with -inf: zeros, no gradient.
 
     torch (since 2.5) uses a "safe softmax" there; a flash kernel computes exp(-inf - -inf) =
@@ -185,7 +185,8 @@ def _zero_fully_masked_rows(bias: torch.Tensor, out: torch.Tensor, stats: torch.
     """
     dead = torch.isneginf(bias).all(dim=-1, keepdim=True)
     out.masked_fill_(dead, 0.0)
-    stats.masked_fill_(dead, float("inf"))
+    if stats is not None:
+        stats.masked_fill_(dead, float("inf"))
 
 
 def _mask_gradient(d_bias: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:

@@ -93,10 +93,9 @@ def reasons_for(runtime: Runtime, *args, **kwargs) -> list[Decline]:
 def _fwd_meta(*args, **kwargs):
     c = ForwardCall(*args, **kwargs)
     b, h, lq, _ = c.query.shape
-    outputs = (
-        TensorProxy(like=c.query, shape=(b, h, lq, c.value.shape[3])),
-        TensorProxy(shape=(b, h, lq, 1), dtype=dtypes.float32, device=c.query.device, requires_grad=False),
-    )
+    outputs = (TensorProxy(like=c.query, shape=(b, h, lq, c.value.shape[3])),)
+    if c.need_stats:
+        outputs += (TensorProxy(shape=(b, h, lq, 1), dtype=dtypes.float32, device=c.query.device, requires_grad=False),)
     if c.dropout_p:
         rng = TensorProxy(shape=(1, 1, 1, 1), dtype=dtypes.int64, device=c.query.device, requires_grad=False)
         outputs = outputs + (rng, TensorProxy(like=rng))
@@ -178,7 +177,7 @@ def make_executor(name: str, runtime: Runtime) -> OperatorExecutor:
         ex.register_implementation(
             symbol,
             checker=lambda *a, _make=make_call, **kw: not reasons_for(runtime, *_make(*a, **kw)),
-            execution_transform=lambda *a, _make=make_call, **kw: _invoke(fwd, _make(*a, **kw))[0],
+            execution_transform=lambda *a, _make=make_call, **kw: _invoke(fwd, _make(*a, **kw)._replace(need_stats=False))[0],
             grad_transform=lambda *a, _make=make_call, **kw: grad_transform(_make(*a, **kw)),
         )
     return ex

@@ -56,7 +56,8 @@ class FallbackRuntime(Runtime):
         if is_forward(key):
             o, lse = reference.attention_forward(q, k, v, _scores(key, pack))
             pack[Uid.O].copy_(o)
-            pack[Uid.STATS].copy_(lse)
+            if Uid.STATS in pack:
+                pack[Uid.STATS].copy_(lse)
             if key.dropout_p:
                 handoff.mark_fallback_seed(pack[Uid.SEED])
             return

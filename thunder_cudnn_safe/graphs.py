@@ -149,7 +149,7 @@ def _dropout(graph: Any, key: ForwardKey | BackwardKey) -> tuple | None:
 
 
 def build_forward_graph(key: ForwardKey, handle: Any = None, *, implementation: Any = None, device_property: Any = None) -> Any:
-    """A validated forward graph (O and softmax stats as outputs) declaring exactly ``key``.
+    """A validated forward graph (O, and the softmax stats unless ``key.stats`` is None) declaring exactly ``key``.
 
     ``implementation`` ("composite", "unified", or None for the frontend's choice) pins
     the cuDNN SDPA implementation; the forward is the only SDPA op that has this choice
@@ -171,14 +171,15 @@ def build_forward_graph(key: ForwardKey, handle: Any = None, *, implementation: 
         q=q,
         k=k,
         v=v,
-        generate_stats=True,
+        generate_stats=key.stats is not None,
         attn_scale=float(key.scale),
         name="cudnn_safe_sdpa_fwd",
         **_masking(g, key),
         **extra,
     )
     _mark_output(o, Uid.O, key.o)
-    _mark_output(stats, Uid.STATS, key.stats)
+    if key.stats is not None:  # an inference forward writes no stats (nothing reads them)
+        _mark_output(stats, Uid.STATS, key.stats)
     g.validate()
     return g
 
