@@ -32,7 +32,11 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ._env import env_value
 from .masks import capturing, converted_masks
+
+#: ``0`` turns recognizing mask patterns off (every mask then runs as a bias); also :func:`set_mask_patterns`.
+MASK_PATTERNS_ENV = "THUNDER_CUDNN_SAFE_MASK_PATTERNS"
 
 
 class MaskPattern(NamedTuple):
@@ -51,7 +55,15 @@ class MaskPattern(NamedTuple):
 
 
 _NOT_A_PATTERN = "bias"
-_enabled = True
+
+
+def _flag(raw: str) -> bool:
+    if raw.strip() not in ("0", "1"):
+        raise ValueError(raw)
+    return raw.strip() == "1"
+
+
+_enabled = env_value(MASK_PATTERNS_ENV, True, _flag, "0 or 1")
 _counts: collections.Counter = collections.Counter()
 _lock = threading.Lock()
 
