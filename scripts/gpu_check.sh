@@ -153,6 +153,15 @@ try:
                 default_executors=[ex.name for ex in thunder.get_default_executors()])
 except Exception:
     info["package_error"] = traceback.format_exc(limit=3)
+try:  # the real device's descriptor, to replace the hand-written one in thunder_cudnn_safe.aot.DEVICES
+    import os, torch, cudnn
+    if torch.cuda.is_available():
+        props = cudnn.create_device_properties(0).serialize()
+        props = bytes(props).decode() if isinstance(props, (bytes, list)) else str(props)
+        open(os.path.join(os.path.dirname(sys.argv[1]), "device_properties.json"), "w").write(props + "\n")
+        info["device_properties"] = "device_properties.json"
+except Exception as exc:
+    info["device_properties_error"] = f"{type(exc).__name__}: {exc}"
 for name in ("pytest", "hypothesis", "pytest_benchmark", "pytest_timeout", "matplotlib", "numpy"):
     try:
         mod = __import__(name)

@@ -116,10 +116,14 @@ DROPOUT_DBIAS_BLACKWELL = Rule(
     arch_major=10,
 )
 _SQ_VECTORS = (
-    "a backward with an attn_mask when the key length is 1 has no engine: its bias (..., L, 1) is a third "
-    "'sq broadcasted vector' and these code paths take 2",
-    "the compile sweep (tests/test_cudnn_compile.py), cuDNN 9.19: 'Only 2 sq broadcasted vectors are supported on "
-    "SM80' (its SM80 and SM120 code paths; an sm120 descriptor confirms it); sm90/sm100 build it",
+    (
+        "a backward with an attn_mask when the key length is 1 has no engine: its bias (..., L, 1) is a third "
+        "'sq broadcasted vector' and these code paths take 2"
+    ),
+    (
+        "the compile sweep (tests/test_cudnn_compile.py), cuDNN 9.19: 'Only 2 sq broadcasted vectors are supported on "
+        "SM80' (its SM80 and SM120 code paths; an sm120 descriptor confirms it); sm90/sm100 build it"
+    ),
 )
 BIAS_KEY_LENGTH_1_AMPERE = Rule("BIAS_KEY_LENGTH_1_AMPERE", *_SQ_VECTORS, arch_major=8)
 BIAS_KEY_LENGTH_1_SM120 = Rule("BIAS_KEY_LENGTH_1_SM120", *_SQ_VECTORS, arch_major=12)

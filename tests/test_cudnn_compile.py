@@ -1,0 +1,201 @@
+"""The compile sweep: cuDNN plans and NVRTC compiles every graph we claim, for A100, H100 and B200, on a CPU.
+
+On top of the lowering sweep (tests/test_cudnn_lowering.py, whose calls and recorded keys this
+reuses): each distinct graph key the dispatcher builds for a call goes through cuDNN's heuristics
+(A, then FALLBACK), support check and plan build for a hand-written device descriptor
+(:data:`thunder_cudnn_safe.aot.DEVICES`), forwards down the runtime's implementation ladder
+(:func:`thunder_cudnn_safe.runtime.build_with_ladder`). The runtime-compiled engines need a
+``libcuda.so.1``: a stand-in built here from compile_support/standin_libcuda.c, loaded only by
+aot's child process. Asserted per arch: every call ``explain()`` claims gets a plan for its
+forward and every backward. A call without one is declined by a rule (cudnn_rules, source: this
+sweep) or listed in :data:`KNOWN_GAPS` as a strict xfail.
+
+CI compiles :data:`compile_support.SUBSET`; ``THUNDER_CUDNN_SAFE_COMPILE_SWEEP=all`` compiles
+every call of the lowering sweep. What a pass proves: cuDNN (this version) has an engine for the
+graph on that GPU and its kernel compiles. Not that the kernel runs or computes the right numbers.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes.util
+import json
+from pathlib import Path
+
+import compile_support
+import pytest
+import torch
+from test_cudnn_lowering import CALLS, Call, _explain, _tensors, keys_of
+
+import thunder_cudnn_safe as tcs
+from thunder_cudnn_safe import aot, cudnn_rules, emulation, lowering
+from thunder_cudnn_safe.keys import ForwardKey
+
+_PROBLEM = lowering.lowering_problem()
+pytestmark = pytest.mark.skipif(_PROBLEM is not None, reason=f"cannot plan graphs here: {_PROBLEM}")
+ARCHS = tuple(compile_support.ARCH_DEVICES)
+SWEPT = compile_support.selected(CALLS)
+
+#: Claimed calls cuDNN builds no plan for, per arch: case id -> (archs, reason); each a strict xfail.
+KNOWN_GAPS: dict[str, tuple[tuple[int, ...], str]] = {
+    # Empty: the two sm100 gaps the first sweep found became rules (cudnn_rules.DETERMINISTIC_BIAS_BACKWARD_BLACKWELL,
+    # DROPOUT_DBIAS_BLACKWELL).
+}
+
+
+@pytest.fixture(scope="module")
+def standin(tmp_path_factory) -> str:
+    if compile_support.compiler() is None:
+        pytest.skip("no C compiler (cc or gcc) on PATH: cannot build the stand-in libcuda.so.1 the compile sweep needs")
+    return compile_support.build_standin(tmp_path_factory.mktemp("standin-libcuda"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _restore_target():
+    before = emulation.emulated_target()
+    yield
+    tcs.set_emulated_target(before.arch, backend_version=before.backend_version)
+
+
+@pytest.fixture(scope="module")
+def sweep(standin) -> dict:
+    """{sm: {key: CompileResult}} for every key of every swept call, one child process for all archs."""
+    return compile_support.compile_calls(SWEPT, keys_of, standin)[1]
+
+
+_CLAIMED: dict = {}
+
+
+def claimed(call: Call, sm: int) -> list[str]:
+    """explain()'s reasons for ``call`` on ``sm`` (memoized), empty when claimed."""
+    if (call.id, sm) not in _CLAIMED:
+        _CLAIMED[(call.id, sm)] = _explain(call, sm)
+    return _CLAIMED[(call.id, sm)]
+
+
+def _params():
+    for call in SWEPT:
+        for sm in ARCHS:
+            gap = KNOWN_GAPS.get(call.id)
+            marks = [pytest.mark.xfail(strict=True, reason=gap[1])] if gap and sm in gap[0] else []
+            yield pytest.param(call, sm, id=f"{call.id}-sm{sm}", marks=marks)
+
+
+@pytest.mark.parametrize("call,sm", list(_params()))
+def test_claimed_calls_compile(call: Call, sm: int, sweep) -> None:
+    reasons = claimed(call, sm)
+    failed = [(type(key).__name__, sweep[sm][key].reason) for key in keys_of(call) if not sweep[sm][key].ok]
+    if not reasons:
+        assert not failed, f"explain() claims {call.id} on sm{sm} but cuDNN builds no plan: {failed}"
+    assert all(r.strip() for r in reasons)
+
+
+@pytest.mark.parametrize("sm", ARCHS)
+def test_compile_sweep_counts(sm: int, sweep, figure) -> None:
+    """Per arch: claimed calls, plans built, engines used, calls built only by the composite retry."""
+    results = sweep[sm]
+    claimed_calls = [call for call in SWEPT if not claimed(call, sm)]
+    keys = {key for call in claimed_calls for key in keys_of(call)}
+    engines = collections.Counter(f"{type(k).__name__[:-3].lower()} eng{results[k].engine}" for k in keys if results[k].ok)
+    retried = sorted({call.id for call in claimed_calls for k in keys_of(call) if results[k].composite_retry})
+    built = sum(results[k].ok for k in keys)
+    assert built == len(keys) and all(results[k].kernels for k in keys)
+    figure(
+        f"compile sweep sm{sm} ({compile_support.ARCH_DEVICES[sm]}, cuDNN {lowering.backend_version()}): "
+        f"{len(claimed_calls)}/{len(SWEPT)} calls claimed, {built}/{len(keys)} distinct graphs built "
+        f"({sum(results[k].seconds for k in keys):.0f} s); engines "
+        + ", ".join(f"{name} x{n}" for name, n in sorted(engines.items()))
+        + f"; composite retry: {', '.join(retried) or 'none'}"
+    )
+
+
+#: Calls a rule from this sweep declines: (arch, the rules explain() names, what cuDNN says there).
+RULE_EVIDENCE = {
+    "deterministic-mask-nograd": (100, [cudnn_rules.DETERMINISTIC_BIAS_BACKWARD_BLACKWELL], "COMPILATION_FAILED"),
+    "dropout-mask-grad": (100, [cudnn_rules.DROPOUT_DBIAS_BLACKWELL], "No valid engine configs"),
+    "keylen1-mask-2x2x16x1-additive": (80, [cudnn_rules.BIAS_KEY_LENGTH_1_AMPERE], "No valid engine configs"),
+    "keylen1-mask-grad": (100, [cudnn_rules.DBIAS_KEY_LENGTH_1_BLACKWELL], "No valid engine configs"),
+}
+
+
+@pytest.mark.parametrize("call_id", list(RULE_EVIDENCE))
+def test_the_rules_this_sweep_added_decline_what_does_not_build(call_id: str, sweep) -> None:
+    """Each rule declines exactly what cuDNN cannot build there, while H100 builds it: when a newer cuDNN
+    builds it, this fails and the rule's bounds (max_backend) must change."""
+    sm, rules, cause = RULE_EVIDENCE[call_id]
+    call = next(c for c in SWEPT if c.id == call_id)
+    assert [r.rule for r in claimed(call, sm)] == [rule.name for rule in rules], claimed(call, sm)
+    refused = [sweep[sm][key].reason for key in keys_of(call) if not sweep[sm][key].ok]
+    assert refused and all(cause in reason for reason in refused), refused
+    assert claimed(call, 90) == [] and all(sweep[90][key].ok for key in keys_of(call))
+
+
+def test_the_key_length_1_rule_holds_on_sm120_too() -> None:
+    """cuDNN's message names its SM80 and SM120 code paths (the lowering sweep cannot see it: validation passes)."""
+    call = next(c for c in CALLS if c.id == "keylen1-mask-2x2x16x1-additive")
+    assert [r.rule for r in claimed(call, 120)] == [cudnn_rules.BIAS_KEY_LENGTH_1_SM120.name]
+    assert claimed(next(c for c in CALLS if c.id == "deterministic-mask-nograd"), 120) == []
+
+
+def test_the_stand_in_never_enters_this_process(standin, sweep) -> None:
+    maps = Path("/proc/self/maps")
+    assert maps.exists() and standin not in maps.read_text()
+
+
+@pytest.mark.skipif(ctypes.util.find_library("cuda") is not None, reason="a driver library is installed here")
+def test_without_a_driver_the_compile_says_so() -> None:
+    key = next(k for k in keys_of(CALLS[0]) if isinstance(k, ForwardKey))
+    with pytest.raises(RuntimeError, match="cannot load libcuda.so.1"):
+        aot.compile_in_subprocess([key], "H100")
+
+
+def test_describe_target_from_a_cpu(standin) -> None:
+    """What runs on an H100 for a causal bf16 call with CPU tensors; a head dim B200 cannot train is declined."""
+    q, k, v, _ = _tensors(Call("h100", dtype=torch.bfloat16))
+    report = aot.describe_target(q, k, v, is_causal=True, target="sm90", extra_ld_path=standin)
+    assert report.device == "H100" and report.reasons == []
+    assert report.forward.ok and report.backward.ok, report
+    assert any("sm90" in name for name in report.forward.kernels + report.backward.kernels), report
+    assert report.forward.workspace is not None and report.backward.engine is not None
+    big = [t.detach().new_zeros(2, 2, 16, 256) for t in (q, k, v)]
+    declined = aot.describe_target(*big, target="B200")
+    assert declined.forward is None and any("exceeds 128" in r for r in declined.reasons), declined
+
+
+def test_targets_and_descriptors() -> None:
+    assert [aot.resolve_target(t) for t in ("h100", "sm90", (9, 0), "10.0", 80, "H200")] == ["H100", "H100", "H100", "B200", "A100", "H200"]
+    with pytest.raises(ValueError, match="unknown target"):
+        aot.resolve_target("sm75")
+    import cudnn
+
+    for device in aot.DEVICES.values():
+        assert set(device) <= set(aot.SOURCES), set(device) - set(aot.SOURCES)
+        assert json.loads(cudnn.create_device_properties(json.dumps(device)).serialize())["deviceName"] == device["deviceName"]
+
+
+def test_mask_pattern_graphs_compile(standin):
+    """Masks recognized as patterns (issue 21) run as cuDNN's band and padding mask: their graphs get a
+    plan on every GPU, forward and backward, with dropout, GQA and deterministic."""
+    from thunder_cudnn_safe.cache import GraphCache
+    from thunder_cudnn_safe.dispatch import Dispatcher
+    from thunder_cudnn_safe.keys import BackwardKey
+
+    i, j = torch.arange(16)[:, None], torch.arange(16)[None, :]
+    pad = (j < torch.tensor([11, 16])[:, None])[:, None, None, :]
+    masks = {"window": (j <= i) & (i - j < 5), "causal+padding": (j <= i) & pad, "decode": pad[..., :1, :].expand(2, 1, 1, 16).contiguous()}
+    for sm in ARCHS:
+        disp = Dispatcher(emulation.EmulatedRuntime(arch=(sm // 10, sm % 10), backend_version=91900), GraphCache())
+        for name, mask in masks.items():
+            lq = mask.shape[-2]
+            for dropout, gqa, det in ((0.1, True, False), (0.0, True, True)):
+                q = torch.randn(2, 4, lq, 64, dtype=torch.bfloat16)
+                k, v = (torch.randn(2, 2 if gqa else 4, 16, 64, dtype=torch.bfloat16) for _ in range(2))
+                out, stats, *rng = disp.forward(q, k, v, mask, dropout, False, deterministic=det, enable_gqa=gqa)
+                disp.backward(torch.randn_like(out), q, k, v, mask, dropout, False, out, stats, *(rng or (None, None)), deterministic=det)
+        keys = disp.cache.keys()
+        assert keys and all(key.bias is None for key in keys)
+        device = compile_support.ARCH_DEVICES[sm]
+        results = aot.compile_in_subprocess(keys, device, extra_ld_path=standin)[device]
+        failed = [(type(key).__name__, key.padded, key.left, key.dropout_p, key.deterministic if isinstance(key, BackwardKey) else None, r.reason)
+                  for key, r in zip(keys, results) if not r.ok]
+        assert not failed, (sm, failed)
