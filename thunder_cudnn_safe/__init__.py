@@ -3,11 +3,8 @@
     import thunder, thunder_cudnn_safe
     jm = thunder.jit(model, executors=[thunder_cudnn_safe.cudnn_safe_ex, *thunder.get_default_executors()])
 
-Every tensor's layout declared to cuDNN is read off the tensor bound to it, so cuDNN
-never reads memory through strides the tensor does not have. See README.md.
-
-Importing this package first runs the compat steps in :mod:`thunder_cudnn_safe._compat`
-(torch >= 2.13, a frontend without libcudnn) and then imports thunder.
+Every layout declared to cuDNN is read off the tensor bound to it (README.md). Importing this
+package runs the compat steps of :mod:`thunder_cudnn_safe._compat`, then imports thunder.
 """
 
 from ._compat import FRONTEND, prepare_and_import_thunder
@@ -25,6 +22,7 @@ from .install import drop_broken_builtin_cudnn_executor, install, installed, uni
 from .layout import LayoutPolicy  # noqa: E402
 from .masks import MaskCacheInfo, mask_cache_info, set_mask_cache_size  # noqa: E402
 from .patterns import mask_pattern_info, reset_mask_pattern_info, set_mask_patterns  # noqa: E402
+from .plan_cache import PlanCacheInfo, plan_cache_info, set_plan_cache_dir  # noqa: E402
 from .telemetry import CopyStats, copy_stats, reset_copy_stats  # noqa: E402
 
 drop_broken_builtin_cudnn_executor()
@@ -33,34 +31,9 @@ drop_broken_builtin_cudnn_executor()
 gqa.register()
 
 __all__ = [
-    "FRONTEND",
-    "CacheInfo",
-    "CallReport",
-    "CachedGraph",
-    "CopyStats",
-    "EmulationError",
-    "GraphBuildError",
-    "LayoutPolicy",
-    "MaskCacheInfo",
-    "RepeatKVToGQA",
-    "__version__",
-    "cache_info",
-    "cached_graphs",
-    "clear_cache",
-    "copy_stats",
-    "cudnn_safe_ex",
-    "describe",
-    "emulated_ex",
-    "explain",
-    "install",
-    "installed",
-    "mask_cache_info",
-    "mask_pattern_info",
-    "reset_copy_stats",
-    "reset_mask_pattern_info",
-    "set_cache_size",
-    "set_emulated_target",
-    "set_mask_cache_size",
-    "set_mask_patterns",
-    "uninstall",
+    "FRONTEND", "CacheInfo", "CallReport", "CachedGraph", "CopyStats", "EmulationError", "GraphBuildError",
+    "LayoutPolicy", "MaskCacheInfo", "PlanCacheInfo", "RepeatKVToGQA", "__version__", "cache_info", "cached_graphs",
+    "clear_cache", "copy_stats", "cudnn_safe_ex", "describe", "emulated_ex", "explain", "install", "installed",
+    "mask_cache_info", "mask_pattern_info", "plan_cache_info", "reset_copy_stats", "reset_mask_pattern_info", "set_cache_size",
+    "set_emulated_target", "set_mask_cache_size", "set_mask_patterns", "set_plan_cache_dir", "uninstall",
 ]

@@ -1,26 +1,10 @@
-"""Environment compatibility steps that must run before the first ``import thunder``.
+"""Environment compatibility steps that must run before the first ``import thunder`` (0.2.6).
 
-Two things in the wild break ``import thunder`` (lightning-thunder 0.2.6) before any of
-our code could run, so this module fixes them up front and records what it did:
-
-* torch >= 2.13 removed the named-tensor methods (``Tensor.align_as``, ``align_to``,
-  ``has_names``, ``refine_names``, ``rename``). thunder's op tables name them as
-  attributes at import time. We add stub functions whose ``__name__`` equals the
-  attribute name (thunder derives op names from ``__name__``); calling one raises the
-  same kind of error torch would for a removed API.
-* nvidia-cudnn-frontend imports without libcudnn, but thunder's own cuDNN executor calls
-  ``cudnn.backend_version()`` at module import, which then raises
-  ``RuntimeError: Unable to find symbol cudnnGetVersion`` and takes ``import thunder``
-  down with it. When we detect that state we hide the frontend from thunder for the
-  duration of its import only (thunder then treats cuDNN as absent, which is the truth),
-  and restore it for our own CPU-side graph building.
-
-Neither step helps if thunder was imported before this package: import
-``thunder_cudnn_safe`` first on such machines (see README, "Guarantees and limits").
-
-:func:`builtin_cudnn_sdpa_problem` says whether thunder's built-in ``"cudnn"`` executor can
-work with the installed frontend at all; :mod:`thunder_cudnn_safe.install` takes it out of
-thunder's defaults when it cannot.
+* torch >= 2.13 removed the named-tensor methods that thunder's op tables name at import: we add
+  stubs whose ``__name__`` is the attribute's (thunder derives op names from it) and which raise.
+* without libcudnn, thunder's own cuDNN executor raises at import from ``cudnn.backend_version()``:
+  the frontend is hidden from thunder during its import only (cuDNN is absent, the truth) and
+  kept for our own CPU-side graph building.
 """
 
 from __future__ import annotations
@@ -83,19 +67,17 @@ def _probe_frontend() -> FrontendStatus:
         problem = f"the installed cudnn module (version {version}) has no pygraph"
         return FrontendStatus(None, version, None, problem, problem)
     try:
-        backend = int(cudnn.backend_version())
-        backend_problem = None
+        return FrontendStatus(cudnn, version, int(cudnn.backend_version()), None, None)
     except Exception as exc:
-        backend = None
-        backend_problem = f"libcudnn is not loadable ({type(exc).__name__}: {exc})"
-    return FrontendStatus(cudnn, version, backend, None, backend_problem)
+        return FrontendStatus(cudnn, version, None, None, f"libcudnn is not loadable ({type(exc).__name__}: {exc})")
 
 
 FRONTEND: FrontendStatus = _probe_frontend()
 
 
-def _import_thunder_guarded() -> ModuleType:
-    """Import thunder, hiding a frontend whose libcudnn is missing from thunder's own cuDNN module."""
+def prepare_and_import_thunder() -> ModuleType:
+    """Run every compat step, then import thunder (or return the already imported module)."""
+    ensure_named_tensor_stubs()
     if "thunder" in sys.modules:
         return sys.modules["thunder"]
     hide = FRONTEND.module is not None and FRONTEND.backend_version is None
@@ -110,12 +92,6 @@ def _import_thunder_guarded() -> ModuleType:
                 sys.modules["cudnn"] = saved
             else:
                 sys.modules.pop("cudnn", None)
-
-
-def prepare_and_import_thunder() -> ModuleType:
-    """Run every compat step, then import thunder (or return the already imported module)."""
-    ensure_named_tensor_stubs()
-    return _import_thunder_guarded()
 
 
 def builtin_cudnn_sdpa_problem() -> str | None:

@@ -1,8 +1,5 @@
-"""Environment variables: one parser for every knob the package reads at import.
-
-A typo in an environment variable must never make the package (and with it a training
-script) unimportable, so every invalid value warns through the package logger and keeps
-the default.
+"""Environment variables: one parser for every knob the package reads at import. A typo must never make
+the package (and a training script) unimportable: an invalid value warns and keeps the default.
 """
 
 from __future__ import annotations
@@ -24,14 +21,13 @@ DP_WORKSPACE_LIMIT_ENV = "THUNDER_CUDNN_SAFE_DP_WORKSPACE_LIMIT"
 EMULATED_ARCH_ENV = "THUNDER_CUDNN_SAFE_EMULATED_ARCH"
 #: Which cuDNN version the emulated runtime pretends to be (e.g. ``91900``).
 EMULATED_BACKEND_ENV = "THUNDER_CUDNN_SAFE_EMULATED_BACKEND"
+#: Folder of the persistent plan cache (:mod:`thunder_cudnn_safe.plan_cache`; unset: off).
+PLAN_CACHE_DIR_ENV = "THUNDER_CUDNN_SAFE_PLAN_CACHE_DIR"
 
 
 def env_value(name: str, default: T, parse: Callable[[str], T], expected: str) -> T:
-    """``parse(os.environ[name])``, or ``default`` when unset, empty or invalid (invalid warns).
-
-    ``parse`` raises ``ValueError`` for an invalid value; ``expected`` says what a valid one
-    looks like, for the warning.
-    """
+    """``parse(os.environ[name])``, or ``default`` when unset, empty or invalid (``parse`` raises ValueError;
+    the warning says a valid value is ``expected``)."""
     raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
         return default

@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from . import _compat, graphs
+from . import _compat, graphs, plan_cache
 from ._env import parse_arch
 from .errors import GraphBuildError
 from .keys import Target
@@ -93,6 +93,8 @@ class CompileResult(NamedTuple):
     composite_retry: bool
     reason: str | None
     seconds: float
+    #: Restored from the plan cache (:mod:`~thunder_cudnn_safe.plan_cache`) instead of built.
+    loaded: bool = False
 
     @property
     def ok(self) -> bool:
@@ -116,15 +118,22 @@ def compile_key(key: Any, device: str) -> CompileResult:
     support check, plans; forwards down its implementation ladder), in this process."""
     cudnn = graphs.cudnn_module()
     props, start = cudnn.create_device_properties(json.dumps(DEVICES[device])), time.perf_counter()
+    descriptor, loaded = "aot " + props.serialize(), []  # its own entries: BuiltGraph.implementation is the rung here
 
     def build_one(key: Any, implementation: str | None) -> BuiltGraph:
         g = None
         try:
             with frontend_refusal_filter.active():
+                hit = plan_cache.load(key, implementation, descriptor, lambda: cudnn.pygraph(device_property=props))
+                if hit is not None:
+                    loaded.append(key)
+                    return BuiltGraph(hit[0], key=key, **hit[1])
                 build = graphs.build_forward_graph if is_forward(key) else graphs.build_backward_graph
                 g = build(key, implementation=implementation, device_property=props)
                 g.build([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-                return BuiltGraph(g, int(g.get_workspace_size()), key, implementation, plan_name(g))
+                built = BuiltGraph(g, int(g.get_workspace_size()), key, implementation, plan_name(g))
+                plan_cache.store(key, implementation, descriptor, built)
+                return built
         except Exception as exc:
             raise GraphBuildError(f"{type(exc).__name__}: {exc}", is_definitive_refusal(exc, g)) from exc
 
@@ -135,7 +144,7 @@ def compile_key(key: Any, device: str) -> CompileResult:
     engine = {} if getattr(b.graph, "selected_engine", None) else _backend_engine(bytes(b.graph.serialize(as_bytes=True)))
     kernels = tuple(k.get("kernelName", "?") for k in engine.get("payload", {}).get("kernels", ()))
     return CompileResult(device, engine.get("engineId"), engine.get("knobChoices", {}), kernels, b.workspace_size, b.plan,
-                         b.implementation == "composite", None, time.perf_counter() - start)
+                         b.implementation == "composite", None, time.perf_counter() - start, bool(loaded))
 
 
 def compile_in_subprocess(keys: list, devices: Any, *, extra_ld_path: Any = None, timeout: float | None = None) -> dict:

@@ -1,16 +1,9 @@
 """A call becomes one value, a plan, then :class:`Bound`: the graph key and its ``{uid: tensor}`` pack.
 
-This is the one place to read to check the project's rule, *declared layout == bound layout*:
-
-* :func:`plan_forward` / :func:`plan_backward` decide, from the signatures of the call's
-  arguments alone (:class:`~thunder_cudnn_safe.layout.ArgSig`: shape, strides, dtype, base
-  alignment), how each uid's tensor is made (the argument itself, a free view of it, or a
-  fresh buffer: a counted copy, a mask conversion, an output) and the layout it will have.
-  The key is read off those layouts. A plan depends on signatures only, so the dispatcher
-  memoizes it: the layouts a training step repeats take no decision again.
-* :func:`bind` carries a plan out on the call's tensors. Each bound tensor gets exactly the
-  recorded layout (``as_strided`` to the recorded view, ``empty_strided`` with the recorded
-  layout), so what the key declares is what cuDNN reads, by construction.
+The one place to check the rule *declared layout == bound layout*. :func:`plan_forward` /
+:func:`plan_backward` decide from the arguments' signatures alone how each uid's tensor is made
+(the argument, a view of it, or a fresh buffer) and its layout, and read the key off those layouts
+(the dispatcher memoizes plans). :func:`bind` gives each bound tensor exactly the recorded layout.
 """
 
 from __future__ import annotations
@@ -33,8 +26,7 @@ from .telemetry import CopyReason, copy_counter
 
 
 def torch_deterministic() -> bool:
-    """Whether ``torch.use_deterministic_algorithms(True)`` is on (not warn-only): then cuDNN's
-    deterministic backward runs, as PyTorch's own kernels switch (read when the call runs)."""
+    """Whether ``torch.use_deterministic_algorithms(True)`` is on (not warn-only): cuDNN's deterministic backward then runs."""
     return torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled()
 
 
@@ -81,9 +73,8 @@ class BackwardCall(NamedTuple):
 
 
 class Step(NamedTuple):
-    """How one tensor of the pack is made: a value (``src``, an index into the call, then earlier
-    steps), viewed (``view``: shape, strides, extra storage offset), then copied into or allocated
-    as a fresh buffer (``fill``). Its layout is ``fill``, else ``view``, else the value's own."""
+    """How one tensor of the pack is made: a value (``src``: an index into the call, then earlier steps),
+    viewed (``view``: shape, strides, extra offset), then copied into or allocated as ``fill``."""
 
     uid: Uid | None
     src: int | None
@@ -161,8 +152,7 @@ class _Planner:
         return self.sigs[uid]
 
     def masking(self, src: int, a: Any, q_dtype: torch.dtype, lq: int, s: int, needs_grad: bool) -> tuple[int | None, bool]:
-        """The call's mask as a bias (see :meth:`mask`) or as a recognized pattern's seq-len tensors:
-        the band's left bound and whether it pads."""
+        """The mask as a bias (:meth:`mask`) or a pattern's seq-len tensors; returns the band's left bound and whether it pads."""
         if isinstance(a, MaskPattern):
             if a.kv_lens is not None:
                 lens = TensorSig(RNG_SIG.shape, RNG_SIG.stride, torch.int32)
@@ -174,12 +164,9 @@ class _Planner:
         return None, False
 
     def mask(self, src: int, a: ArgSig, q_dtype: torch.dtype, lq: int, s: int, needs_grad: bool) -> TensorSig:
-        """The additive bias bound for ``attn_mask``: (1|B, 1|H, L, S) in the query dtype.
-
-        Leading dims are added as free views; batch/head dims broadcast with stride 0 are declared
-        of size 1 (cuDNN broadcasts them) unless the mask needs a per-element gradient. A boolean
-        mask, another dtype or a mask broadcast over positions is converted once per distinct mask.
-        """
+        """The additive bias for ``attn_mask``: (1|B, 1|H, L, S) in the query dtype. Batch/head dims broadcast
+        with stride 0 are declared of size 1 unless the mask needs a per-element gradient; a boolean mask,
+        another dtype or one broadcast over positions is converted (once per distinct mask)."""
         shape, strides = [1] * (4 - len(a.shape)) + list(a.shape), [0] * (4 - len(a.shape)) + list(a.stride)
         for d in (0, 1):
             if not needs_grad and shape[d] > 1 and strides[d] == 0:
@@ -200,7 +187,6 @@ class _Planner:
 
 
 def plan_forward(call: ForwardCall, target: Target) -> Plan:
-    """The forward's plan, from ``signature(call)``."""
     p = _Planner(call, LayoutPolicy.parse(call.layout))
     q = p.operand(Uid.Q, 0, "query", call.query)
     k, v = call.key, call.value
@@ -228,9 +214,8 @@ def plan_forward(call: ForwardCall, target: Target) -> Plan:
 
 
 def plan_backward(call: BackwardCall, target: Target) -> Plan:
-    """The backward's plan, from ``signature(call)``."""
     p = _Planner(call, LayoutPolicy.parse(call.layout))
-    q, k, v = (p.operand(uid, i, name, a) for uid, i, name, a in ((Uid.Q, 1, "query", call.query), (Uid.K, 2, "key", call.key), (Uid.V, 3, "value", call.value)))
+    q, k, v = (p.operand(uid, i, name, call[i]) for uid, i, name in ((Uid.Q, 1, "query"), (Uid.K, 2, "key"), (Uid.V, 3, "value")))
     o = p.operand(Uid.O, 7, "out", call.out)
     _stats(p, call.stats)
     _grad_out(p, call.grad_out, o, target)
@@ -262,9 +247,7 @@ def _causal(call: ForwardCall | BackwardCall) -> bool:
 
 
 def _stats(p: _Planner, a: ArgSig) -> None:
-    """Softmax stats, packed BHSD float32 and declared exactly packed (size-1 dims too:
-    :data:`~thunder_cudnn_safe.cudnn_rules.STATS_PACKED_ONLY`). What the forward allocated
-    qualifies; only foreign stats are copied."""
+    """Softmax stats declared exactly packed float32 (:data:`cudnn_rules.STATS_PACKED_ONLY`); foreign stats are copied."""
     packed = packed_strides(a.shape)
     if a.dtype != torch.float32 or not is_contiguous(a.shape, a.stride) or not a.aligned:
         fill = TensorSig(tuple(a.shape), packed, torch.float32)
@@ -275,13 +258,8 @@ def _stats(p: _Planner, a: ArgSig) -> None:
 
 
 def _grad_out(p: _Planner, a: ArgSig, o: TensorSig, target: Target) -> None:
-    """dO as bound: its own layout where cuDNN reads it, else one copy with exactly O's strides.
-
-    cuDNN before 9.5.1 assumed dO has O's strides (:data:`~thunder_cudnn_safe.cudnn_rules.DO_OWN_STRIDES`);
-    binding another layout there reads wrong elements, the upstream bug in another form. A copy
-    that is needed anyway (an expanded grad_out) goes into O's strides, as PyTorch and cuDNN's own
-    torch op do.
-    """
+    """dO in its own layout where cuDNN reads it, else one copy in exactly O's strides: cuDNN < 9.5.1
+    assumed dO has O's strides (:data:`~thunder_cudnn_safe.cudnn_rules.DO_OWN_STRIDES`)."""
     reason = copy_reason(a, p.policy)
     if reason is None and (
         p.policy is LayoutPolicy.CONTIGUOUS or cudnn_rules.DO_OWN_STRIDES.holds(target)
@@ -293,8 +271,7 @@ def _grad_out(p: _Planner, a: ArgSig, o: TensorSig, target: Target) -> None:
 
 
 def _cat_grad_qkv(p: _Planner, q: TensorSig, k: TensorSig, v: TensorSig) -> int:
-    """dq, dk, dv as head slices of one (B, Hq+Hk+Hv, S, D) buffer laid out BSHD; the slices'
-    real strides are what the graph declares."""
+    """dq, dk, dv as head slices of one (B, Hq+Hk+Hv, S, D) buffer laid out BSHD."""
     b, _, s, d = q.shape
     shape = (b, q.shape[1] + k.shape[1] + v.shape[1], s, d)
     strides = dense_strides(shape, (0, 2, 1, 3), q.dtype)
@@ -308,13 +285,8 @@ def _cat_grad_qkv(p: _Planner, q: TensorSig, k: TensorSig, v: TensorSig) -> int:
 
 
 def companion_backward_key(call: ForwardCall, fkey: ForwardKey, mask_grad: bool) -> BackwardKey:
-    """The key of the backward a forward call will run, for dO in O's layout, without binding anything.
-
-    A forward with dropout must not run in cuDNN unless cuDNN will also run its backward (only
-    cuDNN reproduces its Philox mask). ``call`` is the forward's signature; the backward gets its
-    options (deterministic, fused dQKV), O and stats as the forward declares them, and dO in O's
-    layout, the one layout the backward can always fall back to (:func:`with_grad_out_like_o`).
-    """
+    """The key of the backward a forward call (its signature) will run, for dO in O's layout (the layout
+    a refused backward retries with): a dropout forward runs in cuDNN only if this builds."""
     o, stats, rng = (ArgSig(*s) for s in (fkey.o, fkey.stats, RNG_SIG))
     bcall = BackwardCall(
         o, call.query, call.key, call.value, call.attn_mask, call.dropout_p, call.is_causal, o, stats, rng, rng,
@@ -357,8 +329,7 @@ def _fill(step: Step, src: torch.Tensor | None, device: torch.device) -> torch.T
 
 
 def _copy_into(buf: torch.Tensor, src: torch.Tensor, name: str, reason: CopyReason) -> None:
-    """One counted copy; a boolean mask becomes 0 / -inf in one pass (``~mask`` would allocate a
-    temporary the size of the scores)."""
+    """One counted copy; a boolean mask becomes 0 / -inf in one pass (no temporary the size of the scores)."""
     if src.dtype == torch.bool:
         zero = torch.zeros((), dtype=buf.dtype, device=buf.device)
         torch.where(src.expand(buf.shape), zero, torch.full_like(zero, float("-inf")), out=buf)
@@ -368,8 +339,7 @@ def _copy_into(buf: torch.Tensor, src: torch.Tensor, name: str, reason: CopyReas
 
 
 def with_grad_out_like_o(bound: Bound) -> Bound:
-    """``bound`` with dO copied once into O's exact strides: the layout a refused dropout backward
-    retries with (the forward checked it builds: :func:`companion_backward_key`)."""
+    """``bound`` with dO copied into O's exact strides (a refused dropout backward retries with it)."""
     o, d_o = bound.pack[Uid.O], bound.pack[Uid.DO]
     copy = torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device=o.device)
     _copy_into(copy, d_o, "grad_out", CopyReason.DO_REFUSED)

@@ -1,13 +1,8 @@
 """The process-wide cache of built graphs, with counters and a memory of refusals.
 
-* A hit is one lookup: no cuDNN call, no pygraph.
-* A miss builds outside the cache lock, under a per-key lock: concurrent misses on one key
-  build once while other keys build in parallel.
-* A refused build is remembered, so a graph cuDNN refuses is not rebuilt every step. A
-  transient failure (``GraphBuildError.definitive`` false: out of memory, a CUDA error) is
-  retried on later calls and remembered after :data:`TRANSIENT_BUILD_ATTEMPTS` failures.
-* Bounded (``THUNDER_CUDNN_SAFE_CACHE_SIZE``, default 1024, or :func:`set_cache_size`);
-  evicted graphs are released once callers drop them.
+A hit is one lookup. A miss builds under a per-key lock (one build per key, other keys in
+parallel). A refusal is remembered; a transient failure (``GraphBuildError.definitive`` false)
+is retried, and remembered after :data:`TRANSIENT_BUILD_ATTEMPTS` failures.
 """
 
 from __future__ import annotations
@@ -129,7 +124,6 @@ class GraphCache:
         raise GraphBuildError(error.reason) from exc
 
     def record_fallback(self) -> None:
-        """Count a call answered by the torch fallback."""
         self._count("fallbacks")
 
     def info(self) -> CacheInfo:
@@ -172,8 +166,7 @@ def cache_info() -> CacheInfo:
 
 
 def clear_cache() -> None:
-    """Drop every cached graph, remembered refusal and converted mask; zero the counters; show
-    fallback warnings again."""
+    """Drop every cached graph, remembered refusal and converted mask; zero the counters; warn about fallbacks again."""
     graph_cache.clear()
     converted_masks.clear()
     forget_warnings("fallback")

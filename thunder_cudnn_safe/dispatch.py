@@ -1,16 +1,9 @@
 """The per-call loop shared by both executors: plan -> bind -> cache -> runtime -> fallback if refused.
 
-:class:`Dispatcher` turns a call value into a :class:`~thunder_cudnn_safe.binding.Bound`
-(through its memoized plan), fetches or builds the key's graph through the graph cache and
-executes it on its runtime. If the runtime refuses to build or execute, the same value runs
-on the torch fallback, with a warning once per distinct key, counted in
-``cache_info().fallbacks``.
-
-Dropout: only the runtime that drew a dropout mask can reproduce it. So a dropout forward
-runs in cuDNN only if cuDNN builds the backward that will follow (:meth:`Dispatcher._backward_builds`);
-the backward of a forward that fell back falls back too; and the backward of a cuDNN forward,
-if refused for dO's own layout, retries once with dO copied into O's layout (the graph the
-forward checked).
+Dropout: only the runtime that drew a dropout mask can reproduce it. So a dropout forward runs in
+cuDNN only if cuDNN builds its backward (:meth:`Dispatcher._backward_builds`); the backward of a
+forward that fell back falls back too; a cuDNN backward refused for dO's own layout retries once
+with dO in O's layout (the graph the forward checked).
 """
 
 from __future__ import annotations
@@ -50,7 +43,6 @@ class Dispatcher:
             self.plans.put(memo, plan)
         return plan
 
-    # -- the operators (thunder calls them with the call's fields) ----------------------------
     def forward(self, *args, **kwargs) -> tuple[torch.Tensor, ...]:
         """O and stats (none when ``need_stats`` is False), then the dropout seed and offset."""
         call = ForwardCall(*args, **kwargs)
@@ -81,17 +73,13 @@ class Dispatcher:
         return bound.outputs
 
     def mask_gradient(self, *args, **kwargs) -> torch.Tensor:
-        """The gradient of a mask computed inside the traced function (see executor.grad_transform).
-
-        Thunder keeps this call only when the mask's gradient is used. It runs the one backward
-        graph with dBias and keeps dQ, dK, dV for the backward call right after it (:mod:`handoff`).
-        """
+        """The gradient of a mask computed inside the traced function (thunder keeps this call only when
+        it is used): one backward with dBias, keeping dQ, dK, dV for the next backward call (:mod:`handoff`)."""
         call = BackwardCall(*args, **kwargs)._replace(mask_grad=True)
         grads = self.backward(*call)
         handoff.keep_gradients(call, grads[:-1])
         return grads[-1]
 
-    # -- running a bound call ------------------------------------------------------------------
     def try_runtime(self, bound: Bound, warn: bool = True) -> bool:
         """Execute ``bound`` on the runtime; False (after a warning once per key, if ``warn``) if it refused."""
         try:
@@ -126,13 +114,10 @@ class Dispatcher:
         return self.run_fallback(bound)  # raises for a cuDNN dropout forward: its mask cannot be reproduced
 
     def _backward_builds(self, call: ForwardCall, masked: ForwardCall, bound: Bound) -> bool:
-        """Whether the runtime builds the backward of a dropout forward (dO in O's layout).
+        """Whether the runtime builds the backward of a dropout forward (dO in O's layout), asked of the cache.
 
-        It checks the backward that will run: with the forward's deterministic and fused-dQKV
-        options, and for a float mask both with and without dBias (whether the mask's gradient
-        is used is only known after thunder's dead-code elimination; with it, the mask runs as a
-        bias even where the forward ran it as a pattern). Asked of the graph cache each time: a
-        refusal is remembered there, a transient failure retried there.
+        A float mask checks both with and without dBias: whether its gradient is used is known only
+        after dead-code elimination (with it, the mask runs as a bias even where the forward ran a pattern).
         """
         float_mask = call.attn_mask is not None and call.attn_mask.dtype != torch.bool
         for mask_grad in (False, True) if float_mask else (False,):
@@ -167,8 +152,7 @@ def with_mask_pattern(call: ForwardCall | BackwardCall) -> ForwardCall | Backwar
 
 
 def _check_dp_workspace(key: BackwardKey) -> None:
-    """A dBias backward of a computed mask (not declined at trace time: its proxy does not say it
-    needs a gradient) may need more dP workspace than the budget: refuse it like cuDNN would."""
+    """Refuse, like cuDNN, a dBias backward of a computed mask (not declined at trace time) over the dP workspace budget."""
     b, h, s_q, _ = key.q.shape
     need = cudnn_rules.dp_workspace_bytes(b, h, s_q, key.k.shape[2])
     if cudnn_rules.needs_dp_workspace(key.target, key.d_bias is not None, key.deterministic) and need > support.DP_WORKSPACE_LIMIT:
@@ -176,12 +160,10 @@ def _check_dp_workspace(key: BackwardKey) -> None:
 
 
 def _zero_fully_masked_rows(bias: torch.Tensor, out: torch.Tensor, stats: torch.Tensor | None) -> None:
-    """Eager torch's answer for a query row whose every key is masked with -inf: zeros, no gradient.
+    """Eager's "safe softmax" for a query row whose every key is masked with -inf: zeros, no gradient.
 
-    torch (since 2.5) uses a "safe softmax" there; a flash kernel computes exp(-inf - -inf) =
-    NaN, which would also poison dV of the whole batch element. The row is set to 0 and its
-    stats to +inf, so the backward recomputes P = exp(-inf - inf) = 0 for it: zero dQ and no
-    contribution to dK/dV, as in eager. One reduction over the mask, no host synchronization.
+    A flash kernel gives NaN there (poisoning dV of the whole batch element). The row is set to 0
+    and its stats to +inf, so the backward recomputes P = 0 for it. No host synchronization.
     """
     dead = torch.isneginf(bias).all(dim=-1, keepdim=True)
     out.masked_fill_(dead, 0.0)

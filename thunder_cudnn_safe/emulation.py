@@ -1,16 +1,9 @@
 """A CPU runtime that reads and writes memory the way cuDNN does, so CI can prove the stride logic.
 
-It runs the *real* frontend graph (built and validated on CPU) with the variant pack the cuDNN
-runtime would get. It reads each tensor's declared dims, strides and dtype from the graph's own
-tensor objects (never from our key, never from the torch tensor), views the bound storage through
-them from the data pointer as cuDNN does (refusing, with :class:`EmulationError`, views outside
-the storage, dtype mismatches and misaligned bases), computes in float32
-(:mod:`~thunder_cudnn_safe.reference`) and writes through the declared output views. A
-declared/bound mismatch gives the same wrong numbers here as on a GPU.
-
-:data:`default_runtime` serves ``emulated_ex`` under the support rules of a chosen GPU: sm90 with
-cuDNN 9.19 by default (:func:`set_emulated_target`, ``THUNDER_CUDNN_SAFE_EMULATED_ARCH`` /
-``_BACKEND``).
+It runs the real frontend graph on the variant pack cuDNN would get, viewing each bound storage
+through the dims, strides and dtype the *graph's own tensors* declare (never our key, never the
+torch tensor), so a declared/bound mismatch gives the same wrong numbers here as on a GPU.
+:data:`default_runtime` poses as sm90 with cuDNN 9.19 unless told otherwise (:func:`set_emulated_target`).
 """
 
 from __future__ import annotations
@@ -29,16 +22,6 @@ from .runtime import BuiltGraph, Runtime, build_with_ladder, frontend_refusal_fi
 
 DEFAULT_ARCH = (9, 0)
 DEFAULT_BACKEND = 91900
-
-
-def _env_arch() -> tuple[int, int]:
-    """The emulated architecture from the environment (an invalid value warns and keeps sm90)."""
-    return env_value(EMULATED_ARCH_ENV, DEFAULT_ARCH, parse_arch, "an architecture like '9.0' or 'sm90'")
-
-
-def _env_backend() -> int:
-    """The emulated cuDNN version from the environment (an invalid value warns and keeps the default)."""
-    return env_value(EMULATED_BACKEND_ENV, DEFAULT_BACKEND, int, "an integer like 91900")
 
 
 def _torch_dtype_of(cudnn_dtype: Any) -> torch.dtype:
@@ -71,21 +54,14 @@ def declared_view(bound: torch.Tensor, declared: Any, role: str) -> torch.Tensor
     return torch.as_strided(bound, dims, strides, bound.storage_offset())
 
 
-_KNOWN_PARAMS = {
-    "attn_scale", "generate_stats", "is_inference", "use_causal_mask", "use_deterministic_algorithm",
-    "_dropout_n", "dropout_0", "diagonal_alignment", "diagonal_band_right_bound", "diagonal_band_left_bound",
-    "use_padding_mask",
-    # which cuDNN SDPA implementation runs the forward: same numbers, nothing to emulate
-    "implementation",
+_KNOWN_PARAMS = {  # "implementation" (which SDPA implementation runs the forward) changes no number
+    "attn_scale", "generate_stats", "is_inference", "use_causal_mask", "use_deterministic_algorithm", "_dropout_n",
+    "dropout_0", "diagonal_alignment", "diagonal_band_right_bound", "diagonal_band_left_bound", "use_padding_mask", "implementation",
 }
 
 
 def _band(node: Any) -> tuple[int | None, int | None]:
-    """(right, left) bounds of the node's diagonal band (see :class:`~thunder_cudnn_safe.reference.Scores`).
-
-    Top-left alignment only (the deprecated ``use_causal_mask`` is right bound 0): the executors
-    never declare a bottom-right band, so one is refused rather than emulated.
-    """
+    """(right, left) bounds of the node's diagonal band; top-left only (the executors never declare bottom-right)."""
     params = node.params
     right, left = params.get("diagonal_band_right_bound"), params.get("diagonal_band_left_bound")
     if params.get("use_causal_mask"):
@@ -103,9 +79,7 @@ class _Bindings:
     def __init__(self, node: Any, pack: dict[int, torch.Tensor]) -> None:
         self.node = node
         # Like the frontend, skip None keys (thunder 0.2.6 binds {Seed: None, Offset: None} without dropout).
-        self.pack = {
-            int(k.get_uid()) if hasattr(k, "get_uid") else int(k): v for k, v in pack.items() if k is not None
-        }
+        self.pack = {int(k.get_uid()) if hasattr(k, "get_uid") else int(k): v for k, v in pack.items() if k is not None}
 
     def _bound(self, port: str, t: Any) -> torch.Tensor:
         uid = int(t.get_uid())
@@ -150,8 +124,7 @@ def _dropout(b: _Bindings, shape: tuple[int, ...]) -> tuple[float, torch.Tensor 
     p = float(b.node.params.get("dropout_0") or 0.0)
     if not p:
         return 0.0, None
-    seed = int(b.read("dropout_1").reshape(-1)[0])
-    offset = int(b.read("dropout_2").reshape(-1)[0])
+    seed, offset = (int(b.read(port).reshape(-1)[0]) for port in ("dropout_1", "dropout_2"))
     return p, reference.dropout_keep_mask(seed, offset, shape, p, torch.device("cpu"))
 
 
@@ -199,9 +172,8 @@ def emulate(graph: Any, pack: dict) -> None:
         # Grouped heads: per-query-head dK/dV partials are declared in the I/O dtype, then added
         # (cudnn_frontend CompositeSDPABackwardNode: dK_fullhead / dV_fullhead, reduction ADD).
         dq, dk, dv, ds = reference.attention_backward(q, k, v, o, d_o, stats, how, partials=io_q.dtype)
-        b.write("dQ", dq)
-        b.write("dK", dk)
-        b.write("dV", dv)
+        for port, value in (("dQ", dq), ("dK", dk), ("dV", dv)):
+            b.write(port, value)
         d_bias = node.outputs.get("dBias")
         if d_bias is not None:
             b.write("dBias", reference.reduce_to_shape(ds, tuple(int(x) for x in d_bias.get_dim())))
@@ -216,8 +188,11 @@ class EmulatedRuntime(Runtime):
     device_type = "cpu"
 
     def __init__(self, arch: tuple[int, int] | None = None, backend_version: int | None = None) -> None:
-        self.arch = arch if arch is not None else _env_arch()
-        self.backend_version = int(backend_version) if backend_version is not None else _env_backend()
+        if arch is None:
+            arch = env_value(EMULATED_ARCH_ENV, DEFAULT_ARCH, parse_arch, "an architecture like '9.0' or 'sm90'")
+        if backend_version is None:
+            backend_version = env_value(EMULATED_BACKEND_ENV, DEFAULT_BACKEND, int, "an integer like 91900")
+        self.arch, self.backend_version = arch, int(backend_version)
         self._target: Target | None = None
 
     def environment_problem(self) -> str | None:
@@ -230,18 +205,14 @@ class EmulatedRuntime(Runtime):
     def target(self, device: torch.device) -> Target:
         target = self._target
         if target is None or (target.arch, target.backend_version) != (self.arch, self.backend_version):
-            target = self._target = Target(
-                self.name, -1, tuple(self.arch), self.backend_version, str(_compat.FRONTEND.frontend_version)
-            )
+            target = self._target = Target(self.name, -1, tuple(self.arch), self.backend_version, str(_compat.FRONTEND.frontend_version))
         return target
 
     def build(self, key: ForwardKey | BackwardKey) -> BuiltGraph:
-        if (
-            isinstance(key, BackwardKey)
-            and cudnn_rules.STATS_PACKED_ONLY.holds(key.target)
-            and tuple(key.stats.stride) != packed_strides(key.stats.shape)
+        # The real frontend's rule (sdpa_support_surface.h): refused before planning.
+        if isinstance(key, BackwardKey) and cudnn_rules.STATS_PACKED_ONLY.holds(key.target) and (
+            tuple(key.stats.stride) != packed_strides(key.stats.shape)
         ):
-            # The real frontend's rule (sdpa_support_surface.h): refused before planning.
             raise GraphBuildError(
                 f"cuDNN {key.target.backend_version} < 9.26: a non-ragged Stats input of sdpa_backward must be a "
                 f"packed BHSD tensor, got strides {tuple(key.stats.stride)}"
@@ -249,7 +220,6 @@ class EmulatedRuntime(Runtime):
         return build_with_ladder(key, self._build_one)
 
     def _build_one(self, key: ForwardKey | BackwardKey, implementation: str | None) -> BuiltGraph:
-        """The frontend graph (built and validated by the pure-Python frontend); the plan is "emulated"."""
         cudnn = graphs.cudnn_module()
         build = graphs.build_forward_graph if isinstance(key, ForwardKey) else graphs.build_backward_graph
         try:
@@ -265,29 +235,24 @@ class EmulatedRuntime(Runtime):
 
 #: The runtime behind ``emulated_ex`` (its target is what :func:`set_emulated_target` changes).
 default_runtime = EmulatedRuntime()
-_runtime = default_runtime
 
 
 def set_emulated_target(arch: tuple[int, int] | str | None = None, backend_version: int | None = None) -> None:
-    """Change which GPU and cuDNN version the emulated executor pretends to be (rules and keys).
+    """Change which GPU (``(9, 0)``, ``"9.0"``, ``"sm90"``) and cuDNN version (``91900``) the emulated executor poses as."""
+    def is_int(x: object) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool)
 
-    ``arch`` is ``(major, minor)`` or a string like ``"9.0"`` / ``"sm90"``; ``backend_version``
-    is cuDNN's integer version (``91900`` for 9.19.0).
-    """
-    if arch is not None:
-        if isinstance(arch, str):
-            arch = parse_arch(arch)
-        elif not (
-            isinstance(arch, tuple | list) and len(arch) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in arch)
-        ):
-            raise ValueError(f"arch must be (major, minor) integers or a string like '9.0', got {arch!r}")
-    if backend_version is not None and (not isinstance(backend_version, int) or isinstance(backend_version, bool) or backend_version <= 0):
+    if isinstance(arch, str):
+        arch = parse_arch(arch)
+    elif arch is not None and not (isinstance(arch, tuple | list) and len(arch) == 2 and all(map(is_int, arch))):
+        raise ValueError(f"arch must be (major, minor) integers or a string like '9.0', got {arch!r}")
+    if backend_version is not None and not (is_int(backend_version) and backend_version > 0):
         raise ValueError(f"backend_version must be a positive integer like 91900, got {backend_version!r}")
     if arch is not None:
-        _runtime.arch = tuple(arch)
+        default_runtime.arch = tuple(arch)
     if backend_version is not None:
-        _runtime.backend_version = backend_version
+        default_runtime.backend_version = backend_version
 
 
 def emulated_target() -> Target:
-    return _runtime.target(torch.device("cpu"))
+    return default_runtime.target(torch.device("cpu"))

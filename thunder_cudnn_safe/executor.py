@@ -1,16 +1,9 @@
 """Thunder registration: the only module that registers anything with thunder's executors.
 
-:func:`make_executor` wires one :class:`~thunder_cudnn_safe.runtime.Runtime` into a thunder
-``OperatorExecutor`` claiming ``ltorch.scaled_dot_product_attention`` and
-:data:`~thunder_cudnn_safe.gqa.sdpa_gqa`: the same code serves ``cudnn_safe_ex`` (real cuDNN)
-and ``emulated_ex`` (the CPU emulation) up to the final execute. Each operator's signature is
-its call value's (:class:`~thunder_cudnn_safe.binding.ForwardCall` /
-:class:`~thunder_cudnn_safe.binding.BackwardCall`): an option added there reaches the trace,
-the meta functions and the dispatcher without another edit.
-
-Compile options (``thunder.jit(..., cudnn_safe_layout="contiguous")``): ``cudnn_safe_layout``
-("preserve" or "contiguous"), ``cudnn_safe_deterministic``, ``cudnn_safe_bwd_may_cat_grad_qkv``
-(or thunder's ``cudnn_sdpa_bwd_may_cat_grad_qkv``).
+:func:`make_executor` wires one runtime into an ``OperatorExecutor`` claiming thunder's SDPA and
+:data:`~thunder_cudnn_safe.gqa.sdpa_gqa` (``cudnn_safe_ex``: real cuDNN, ``emulated_ex``: the CPU
+emulation). Each operator's signature is its call value's (:class:`~thunder_cudnn_safe.binding.ForwardCall`,
+``BackwardCall``), so an option added there reaches the trace, the metas and the dispatcher unedited.
 """
 
 from __future__ import annotations
@@ -89,7 +82,6 @@ def reasons_for(runtime: Runtime, *args, **kwargs) -> list[Decline]:
     return not_supported_reasons(call, target, runtime.device_type, problem)
 
 
-# -- meta functions: the operators' signatures are the call values' -----------------------------
 def _fwd_meta(*args, **kwargs):
     c = ForwardCall(*args, **kwargs)
     b, h, lq, _ = c.query.shape
@@ -98,7 +90,7 @@ def _fwd_meta(*args, **kwargs):
         outputs += (TensorProxy(shape=(b, h, lq, 1), dtype=dtypes.float32, device=c.query.device, requires_grad=False),)
     if c.dropout_p:
         rng = TensorProxy(shape=(1, 1, 1, 1), dtype=dtypes.int64, device=c.query.device, requires_grad=False)
-        outputs = outputs + (rng, TensorProxy(like=rng))
+        outputs += (rng, TensorProxy(like=rng))
     return outputs
 
 
@@ -128,8 +120,7 @@ _bwd_meta.__signature__ = _bwd_mask_meta.__signature__ = _operator_signature(Bac
 
 
 def _invoke(op, call: ForwardCall | BackwardCall):
-    """Call ``op`` with torch's SDPA arguments positional and ``scale`` onwards by keyword, so
-    traces read ``cudnn_safe_sdpa_bwd(..., scale=None, layout='preserve', cat_grad_qkv=True, ...)``."""
+    """Call ``op`` with torch's SDPA arguments positional and ``scale`` onwards by keyword (traces name the options)."""
     n = call._fields.index("scale")
     return op(*call[:n], **dict(zip(call._fields[n:], call[n:])))
 
@@ -150,19 +141,16 @@ def make_executor(name: str, runtime: Runtime) -> OperatorExecutor:
         seed, offset = (results[2], results[3]) if call.dropout_p else (None, None)
         mask = call.attn_mask
         float_mask = mask is not None and torch_dtype(mask.dtype) is not torch.bool
-        # A leaf mask says whether it requires grad; a mask computed inside the function (b + 0,
-        # a learned bias gathered and permuted) reports requires_grad=False on its proxy even when
-        # its gradient is needed. Such masks get their gradient from a separate operator that
-        # thunder's dead-code elimination drops when unused: never lost, never computed in vain.
+        # A mask computed inside the function reports requires_grad=False on its proxy even when its
+        # gradient is needed: it gets a separate operator that dead-code elimination drops when unused.
         mask_grad = float_mask and bool(getattr(mask, "requires_grad", False))
         bcall = BackwardCall(
             get_grad(out), call.query, call.key, call.value, mask, call.dropout_p, call.is_causal, out, stats, seed,
             offset, call.scale, call.layout, call.deterministic, call.cat_grad_qkv, mask_grad,
         )
         if float_mask and not mask_grad:
-            # Before the backward on purpose: when the mask's gradient is used, this call computes
-            # dQ, dK, dV and dBias in one cuDNN backward and the backward below returns its dQ, dK,
-            # dV (dispatch.Dispatcher.mask_gradient); unused, thunder drops it.
+            # Before the backward on purpose: used, it runs the one backward with dBias and the
+            # backward below returns its dQ, dK, dV (:mod:`handoff`); unused, thunder drops it.
             put_grad(mask, _invoke(bwd_mask, bcall))
         grads = _invoke(bwd, bcall)
         if mask_grad:
@@ -190,14 +178,11 @@ emulated_ex: OperatorExecutor = make_executor("cudnn_safe_emulated", emulation.d
 
 
 def explain(query: Any, key: Any, value: Any, *args: Any, executor: OperatorExecutor | str | None = None, **kwargs: Any) -> list[Decline]:
-    """Human-readable reasons why ``executor`` (default: ``cudnn_safe_ex``) would not claim this call.
+    """Why ``executor`` (default: ``cudnn_safe_ex``) would not claim this call; empty if it would.
 
-    Takes torch's SDPA arguments (``attn_mask``, ``dropout_p``, ``is_causal``, ``scale``) and the
-    options of :class:`~thunder_cudnn_safe.binding.ForwardCall` (``deterministic`` as the
-    ``cudnn_safe_deterministic`` compile option, ``enable_gqa`` as torch's). An empty list means
-    it would. Works on real tensors of any device and on thunder proxies; the checkers use the same
-    function. Each reason is a :class:`~thunder_cudnn_safe.support.Decline`: a ``str`` with
-    ``.code`` and ``.rule`` (the :mod:`~thunder_cudnn_safe.cudnn_rules` entry behind it).
+    Takes torch's SDPA arguments and :class:`~thunder_cudnn_safe.binding.ForwardCall`'s options, on
+    tensors or thunder proxies (the checkers use the same function). Each reason is a
+    :class:`~thunder_cudnn_safe.support.Decline`: a ``str`` with ``.code`` and ``.rule``.
     """
     call = ForwardCall(query, key, value, *args, **kwargs)
     for field in ("query", "key", "value", "attn_mask"):
@@ -212,26 +197,17 @@ def explain(query: Any, key: Any, value: Any, *args: Any, executor: OperatorExec
 class CallReport(NamedTuple):
     """What :func:`describe` knows about one call."""
 
-    #: Why the executor would not claim it (``explain()``); empty when it would.
     reasons: list[Decline]
-    #: The call's forward graph in the cache (implementation, plan, workspace), or None if not built yet.
     forward: CachedGraph | None
-    #: Its backward graph for dO in O's layout (the one a dropout forward checks), or None if not built yet.
     backward: CachedGraph | None
-    #: The mask's recognized pattern (:mod:`~thunder_cudnn_safe.patterns`: "causal", "causal+padding", ...),
-    #: "bias" when it runs as an additive bias, None without a mask.
+    #: The mask's recognized pattern ("causal", "causal+padding", ...), "bias", or None without a mask.
     mask_pattern: str | None = None
 
 
 def describe(query: Any, key: Any, value: Any, *args: Any, executor: OperatorExecutor | str | None = None, **kwargs: Any) -> CallReport:
-    """:func:`explain` plus, for a claimed call on real tensors, which cuDNN SDPA implementation and
-    execution plan its cached graphs use (None where a graph is not built yet).
-
-    The call's keys are planned exactly as the executor plans them, from the tensors' layouts
-    alone: nothing is copied, built, run or drawn from a random generator (a mask's pattern is
-    recognized, or read from the mask cache, as a call would). The backward reported is the one
-    for dO in O's layout (:func:`~thunder_cudnn_safe.cached_graphs` lists the others).
-    """
+    """:func:`explain` plus, for a claimed call on real tensors, its cached forward graph and backward
+    graph for dO in O's layout (None where not built yet). The keys are planned as the executor plans
+    them; nothing is copied, built, run or drawn."""
     call = ForwardCall(query, key, value, *args, **kwargs)
     reasons = explain(*call, executor=executor)
     if reasons or not isinstance(query, torch.Tensor):
@@ -257,7 +233,6 @@ def _pattern_name(masked: ForwardCall) -> str:
 
 
 def _resolve_executor(executor: OperatorExecutor | str | None) -> OperatorExecutor:
-    """Our executor given as an object or by name."""
     if executor is None:
         return cudnn_safe_ex
     ours = {ex.name: ex for ex in (cudnn_safe_ex, emulated_ex)}

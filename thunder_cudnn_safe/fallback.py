@@ -1,15 +1,9 @@
-"""The torch fallback, a runtime like the others: float32 math from a key and its pack.
+"""The torch fallback, a runtime like the others: float32 math from a key and its pack, for calls a
+runtime refused (training must neither die for that nor get a wrong number).
 
-A runtime may still refuse at run time (no engine for a layout, a workspace that cannot be
-allocated). Training must neither die for that nor get a wrong number: the dispatcher hands
-the same :class:`~thunder_cudnn_safe.binding.Bound` call to :data:`FALLBACK`, which computes
-it with :mod:`~thunder_cudnn_safe.reference` on the tensors' device and writes the outputs
-cuDNN would have written (everything it needs is in the key and the pack).
-
-Dropout: it draws its keep-mask from (seed, offset) as the emulated runtime does, so a
-forward and backward that both fall back agree. The backward of a *cuDNN* forward with
-dropout cannot know which elements cuDNN dropped: it raises rather than return gradients
-for another mask (the dispatcher makes that unreachable where it can, see dispatch.py).
+It draws dropout's keep-mask from (seed, offset) as the emulation does, so a forward and backward
+that both fall back agree; the backward of a *cuDNN* dropout forward raises rather than return
+gradients for another mask (the dispatcher avoids that where it can).
 """
 
 from __future__ import annotations
@@ -69,9 +63,8 @@ class FallbackRuntime(Runtime):
             )
         o, d_o, stats = _f32(pack, Uid.O), _f32(pack, Uid.DO), _f32(pack, Uid.STATS)
         gq, gk, gv, ds = reference.attention_backward(q, k, v, o, d_o, stats, _scores(key, pack))
-        pack[Uid.DQ].copy_(gq)
-        pack[Uid.DK].copy_(gk)
-        pack[Uid.DV].copy_(gv)
+        for uid, grad in ((Uid.DQ, gq), (Uid.DK, gk), (Uid.DV, gv)):
+            pack[uid].copy_(grad)
         d_bias = pack.get(Uid.DBIAS)
         if d_bias is not None:
             d_bias.copy_(reference.reduce_to_shape(ds, tuple(d_bias.shape)))

@@ -1,17 +1,10 @@
 """Grouped-query attention for thunder: ``enable_gqa``, and a transform that sees through repeat_kv.
 
-thunder 0.2.6's translation of ``F.scaled_dot_product_attention`` has no ``enable_gqa``: under
-``thunder.jit`` such a call (True *or* False) raises ``TypeError``, and the ThunderFX splitter
-moves it out of thunder's region. transformers 5 passes ``enable_gqa=True`` without a mask,
-diffusers ``enable_gqa=False`` always. :func:`register` installs :func:`torch_sdpa` (eager's
-signature) instead: without grouped heads it is thunder's own translation, so traces and claims
-do not change; with them it is :data:`sdpa_gqa`, a symbol taking K/V with their own H_kv heads,
-which an executor may claim natively and which otherwise decomposes into torch's definition
-(K/V ``repeat_interleave``'d over dim -3, then thunder's SDPA).
-
-:class:`RepeatKVToGQA` rewrites SDPA on K/V repeated over head groups (transformers' repeat_kv,
-LitGPT's ``repeat_interleave``, ``expand`` + ``reshape``) into :data:`sdpa_gqa` on the un-repeated
-K/V before autodiff, so neither forward nor backward materialize the repeat.
+thunder 0.2.6's SDPA translation has no ``enable_gqa`` (``thunder.jit`` raises ``TypeError``, the
+ThunderFX splitter moves the call out), yet transformers 5 and diffusers pass it. :func:`register`
+installs :func:`torch_sdpa`: thunder's own translation without grouped heads, :data:`sdpa_gqa`
+(K/V keep their H_kv heads; decomposes into torch's repeat_interleave + SDPA) with them.
+:class:`RepeatKVToGQA` rewrites SDPA on repeated K/V into :data:`sdpa_gqa` before autodiff.
 """
 
 from __future__ import annotations
@@ -41,18 +34,6 @@ from thunder.core.symbol import BoundSymbol  # noqa: E402
 from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, tracectx  # noqa: E402
 from thunder.core.transform_common import Transform  # noqa: E402
 from thunder.transforms.autocast import autocast_impls, maybe_downcast_to  # noqa: E402
-
-__all__ = [
-    "GQA_SYMBOL_ID",
-    "GQAArgs",
-    "RepeatKVToGQA",
-    "gqa_arguments",
-    "register",
-    "registered",
-    "sdpa_gqa",
-    "torch_sdpa",
-    "unregister",
-]
 
 GQA_SYMBOL_ID = "cudnn_safe.sdpa_gqa"
 
@@ -84,10 +65,6 @@ def gqa_arguments(
     return GQAArgs(query, key, value, attn_mask, dropout_p, is_causal, scale, bool(enable_gqa))
 
 
-def _heads(t: Any) -> int:
-    return t.shape[-3]
-
-
 def _check_gqa_shapes(query: Any, key: Any, value: Any) -> tuple[int, int]:
     """Eager's checks for ``enable_gqa=True``; returns the repeat counts for key and value."""
     for name, t in (("query", query), ("key", key), ("value", value)):
@@ -97,7 +74,7 @@ def _check_gqa_shapes(query: Any, key: Any, value: Any) -> tuple[int, int]:
             "(heads are dim -3)",
             IndexError,
         )
-    hq, hk, hv = _heads(query), _heads(key), _heads(value)
+    hq, hk, hv = query.shape[-3], key.shape[-3], value.shape[-3]
     utils.check(
         hk > 0 and hv > 0 and hq % hk == 0 and hq % hv == 0,
         lambda: f"{_EAGER_HEADS_MESSAGE}query (query has {hq} heads, key {hk}, value {hv})",
@@ -107,19 +84,12 @@ def _check_gqa_shapes(query: Any, key: Any, value: Any) -> tuple[int, int]:
 
 
 @ltorch.torchsymbol(id=GQA_SYMBOL_ID, tags=(OpTags.DONT_AUTO_RECOMPUTE_IN_BACKWARD,))
-def sdpa_gqa(
-    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=True
-):
-    """SDPA with K/V holding H_kv heads, H_kv dividing H_q (torch's ``enable_gqa=True``). The body,
-    used where no executor claims it, is torch's definition, so numerics match eager."""
+def sdpa_gqa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=True):
+    """SDPA with K/V holding H_kv heads, H_kv dividing H_q; the body (unclaimed) is torch's definition."""
     # The ThunderFX splitter hands constants over as static proxies (an IntegerProxy of bool type).
     utils.check(bool(enable_gqa), lambda: f"{GQA_SYMBOL_ID} needs enable_gqa=True, got {enable_gqa!r}")
     for name, t in (("query", query), ("key", key), ("value", value)):
-        utils.check(
-            dtypes.is_float_dtype(t.dtype),
-            lambda: f"{name}.dtype={t.dtype} is expected to be a floating type",
-            ValueError,
-        )
+        utils.check(dtypes.is_float_dtype(t.dtype), lambda: f"{name}.dtype={t.dtype} is expected to be a floating type", ValueError)
     rep_k, rep_v = _check_gqa_shapes(query, key, value)
     if rep_k != 1:
         key = ltorch.repeat_interleave(key, rep_k, -3)
@@ -128,9 +98,7 @@ def sdpa_gqa(
     return ltorch.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale)
 
 
-def torch_sdpa(
-    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False
-):
+def torch_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
     """thunder's translation of ``F.scaled_dot_product_attention`` once registered (eager's signature)."""
     if enable_gqa:
         rep_k, rep_v = _check_gqa_shapes(query, key, value)
@@ -146,10 +114,8 @@ def _autocast_sdpa_gqa(*args, dtype, **kwargs):
     return sdpa_gqa(*a._replace(query=q, key=k, value=v))
 
 
-# -- registration with thunder --------------------------------------------------------------
-# thunder reads the torch -> thunder mapping in two places: thunder.torch's map (the ThunderFX
-# splitter, thunder.examine) and jit_ext's lookaside map, which thunder.jit's interpreter uses and
-# which jit_ext copied from the first map at import. Both must change, and both must come back.
+# thunder reads the torch -> thunder mapping in two places: thunder.torch's map (ThunderFX, examine) and
+# jit_ext's lookaside map (thunder.jit; copied from the first at import). Both must change and come back.
 _saved: dict[str, Any] | None = None
 
 
@@ -191,11 +157,9 @@ def unregister() -> None:
 
 
 def registered() -> bool:
-    """Whether :func:`register` is in effect."""
     return _saved is not None
 
 
-# -- seeing through repeat_kv -----------------------------------------------------------------
 # The repeats people write all lower to two thunder prims, broadcast_in_dim and reshape:
 #   transformers' repeat_kv  x[:, :, None, :, :].expand(b, h, n, s, d).reshape(b, h * n, s, d)
 #   LitGPT                   x.repeat_interleave(n, dim=1)   (thunder: unsqueeze, expand, reshape)
@@ -260,8 +224,7 @@ def _apply_reshape(dims: _Dims, out_shape) -> _Dims | None:
 
 
 def _leaf_prims(bsym: BoundSymbol) -> list[BoundSymbol]:
-    """The primitives ``bsym`` lowers to that produce tensors (metadata queries such as
-    ``prims.shape``, which getitem records, cannot change a value and are left out)."""
+    """The primitives ``bsym`` lowers to that produce tensors (metadata queries such as ``prims.shape`` are left out)."""
     if not bsym.subsymbols:
         has_tensor_out = any(isinstance(o, TensorProxy) for o in bsym.flat_proxy_outs)
         return [bsym] if has_tensor_out else []
@@ -326,10 +289,7 @@ def _head_repeat(base: TensorProxy, dims: _Dims, result: TensorProxy) -> int | N
 
 
 def find_head_repeat(t: TensorProxy, producers) -> tuple[TensorProxy, int] | None:
-    """``(X, n)`` when ``t`` is X repeated over head groups (X's head h read by heads h*n .. h*n+n-1).
-
-    The farthest such X wins, so stacked repeats all disappear.
-    """
+    """``(X, n)`` when ``t`` is X repeated over head groups; the farthest such X wins (stacked repeats all go)."""
     chain = _view_chain(t, producers)
     for i, (base, _) in enumerate(chain):
         leaves = [leaf for _, ls in chain[i:] for leaf in ls]
@@ -345,17 +305,9 @@ def find_head_repeat(t: TensorProxy, producers) -> tuple[TensorProxy, int] | Non
 class RepeatKVToGQA(Transform):
     """Rewrite SDPA on K/V repeated over head groups into :data:`sdpa_gqa` on the un-repeated K/V.
 
-    Pass it to ``thunder.jit(fn, transforms=[RepeatKVToGQA()])`` or ``thunderfx(fn,
-    transforms=[RepeatKVToGQA()])`` (``ThunderCompiler(transforms=...)``). It runs on the
-    computation trace before autodiff (``transform_traces_pre_prologue``), so the backward is built
-    from the rewritten call and never sees the repeat. Only the SDPA's operands change: the repeat
-    stays in the trace for every other consumer and is dropped by dead-code elimination when there
-    is none.
-
-    Rewritten where key and value are both repeats of tensors with H_kv heads by the same factor
-    n > 1 (repeat_interleave order) and the query has H_kv * n heads. Where no executor claims
-    :data:`sdpa_gqa`, its decomposition is that same repeat followed by the same SDPA, so numerics do
-    not change.
+    Runs before autodiff (``transform_traces_pre_prologue``), so the backward never sees the repeat;
+    only the SDPA's operands change (dead-code elimination drops an unused repeat). Rewritten where
+    key and value repeat H_kv heads by the same n > 1 (repeat_interleave order) into the query's heads.
     """
 
     def __init__(self) -> None:
@@ -399,10 +351,7 @@ class RepeatKVToGQA(Transform):
             # Keep the original output proxy so every consumer (and the return) is untouched.
             gqa_bsym = gqa_bsym.from_bsym_swap_proxies({variableify(out): bsym.output}, skip_inputs=True)
             new_bsyms.append(
-                gqa_bsym.from_bsym(
-                    header=bsym.header, source_filename=bsym.source_filename,
-                    source_positions=bsym.source_positions,
-                )
+                gqa_bsym.from_bsym(header=bsym.header, source_filename=bsym.source_filename, source_positions=bsym.source_positions)
             )
             self.rewritten += 1
         if not self.rewritten:
@@ -412,7 +361,5 @@ class RepeatKVToGQA(Transform):
         return prologue_trace, new_trace, epilogue_trace
 
 
-def _sdpa_arguments(
-    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None
-) -> GQAArgs:
+def _sdpa_arguments(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None) -> GQAArgs:
     return GQAArgs(query, key, value, attn_mask, dropout_p, is_causal, scale, False)

@@ -1,21 +1,14 @@
 """What one operator call leaves for a later one: the only state that crosses operator calls.
 
-Thunder runs our operators as independent calls; two facts must still travel between them.
-
-1. **dQ, dK, dV computed with a mask's gradient.** When a float mask's gradient is used, the
-   grad transform places the mask-gradient operator right before the backward operator with
-   the very same arguments. The mask-gradient call runs the one cuDNN backward that computes
-   dQ, dK, dV and dBias together and :func:`keep_gradients` them; the backward call then
-   :func:`take_gradients` instead of running a second backward. A kept result is matched to
-   the backward's :class:`~thunder_cudnn_safe.binding.BackwardCall` by value: every tensor by
-   object identity (weak references: a freed tensor whose address is reused never matches)
-   and ``_version``, every other field by equality. It is kept per thread, for the next
-   backward call only, and dropped when its grad_out is freed (a backward thunder removed,
-   because only the mask needed a gradient, keeps nothing alive).
-2. **Which dropout forwards fell back.** Only the runtime that drew a dropout mask can
-   reproduce it: a forward answered by the torch fallback marks its seed tensor
-   (:func:`mark_fallback_seed`), and the backward that receives that seed must fall back too
-   (:func:`fell_back`). Seeds are tracked by object, weakly.
+1. **dQ, dK, dV computed with a mask's gradient.** The grad transform places the mask-gradient
+   operator right before the backward operator, with the same arguments. It runs the one cuDNN
+   backward computing dQ, dK, dV and dBias and :func:`keep_gradients`; the backward call then
+   :func:`take_gradients` instead of running a second backward. The match is by value: every
+   tensor by identity (weakly: a reused address never matches) and ``_version``, other fields
+   by equality. Kept per thread, for the next backward call only, dropped when grad_out is freed.
+2. **Which dropout forwards fell back.** Only the runtime that drew a dropout mask can reproduce
+   it: a fallback forward marks its seed (:func:`mark_fallback_seed`, weakly), and the backward
+   receiving that seed falls back too (:func:`fell_back`).
 """
 
 from __future__ import annotations

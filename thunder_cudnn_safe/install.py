@@ -1,15 +1,9 @@
 """Thunder's default executors: make plain ``thunder.jit(model)`` use ours (and undo it).
 
-Two things change thunder's defaults, both through :func:`_take_out_builtin`:
-
-* at import, :func:`drop_broken_builtin_cudnn_executor`: thunder 0.2.6 puts its built-in
-  ``"cudnn"`` executor first in the defaults wherever libcudnn loads, but that executor
-  calls ``pygraph.scaled_dot_product_flash_attention``, which nvidia-cudnn-frontend >= 1.27
-  no longer has, and its checker re-raises the AttributeError: any SDPA call on a GPU that
-  reaches it fails. It is removed for good when the installed frontend lacks that method.
-* :func:`install` puts ``cudnn_safe_ex`` first and takes the built-in ``"cudnn"`` executor
-  out, so the two never compete for SDPA; :func:`uninstall` removes ours and puts the
-  built-in one back where it was. Both are idempotent.
+At import, :func:`drop_broken_builtin_cudnn_executor` removes thunder's built-in ``"cudnn"``
+executor where it cannot work (README, "Guarantees and limits"). :func:`install` puts
+``cudnn_safe_ex`` first and takes the built-in one out, so the two never compete for SDPA;
+:func:`uninstall` puts it back where it was. Both are idempotent.
 """
 
 from __future__ import annotations
@@ -22,10 +16,6 @@ from .executor import cudnn_safe_ex, emulated_ex
 BUILTIN_NAME = "cudnn"
 #: (index, executor) of the built-in executor :func:`install` took out, for :func:`uninstall`.
 _removed_builtin: tuple[int, Executor] | None = None
-
-
-def _ours() -> tuple[Executor, ...]:
-    return (cudnn_safe_ex, emulated_ex)
 
 
 def _take_out_builtin() -> tuple[int, Executor] | None:
@@ -53,7 +43,7 @@ def install(emulated: bool = False) -> list[Executor]:
     removed = _take_out_builtin()
     if removed is not None and _removed_builtin is None:
         _removed_builtin = removed
-    rest = [ex for ex in get_default_executors() if ex not in _ours()]
+    rest = [ex for ex in get_default_executors() if ex not in (cudnn_safe_ex, emulated_ex)]
     front = [cudnn_safe_ex] + ([emulated_ex] if emulated else [])
     return set_default_executors(front + rest)
 
@@ -61,7 +51,7 @@ def install(emulated: bool = False) -> list[Executor]:
 def uninstall() -> list[Executor]:
     """Remove our executors from the defaults and restore thunder's built-in cuDNN executor."""
     global _removed_builtin
-    current = [ex for ex in get_default_executors() if ex not in _ours()]
+    current = [ex for ex in get_default_executors() if ex not in (cudnn_safe_ex, emulated_ex)]
     if _removed_builtin is not None:
         index, builtin = _removed_builtin
         if builtin not in current:

@@ -1,11 +1,6 @@
-"""Immutable, hashable descriptions of one forward or one backward cuDNN graph.
-
-A key holds the shape, strides and dtype of *every tensor bound* to the graph, read off
-the very tensors the variant pack will carry, plus every flag that changes the graph
-and the identity of the device and library versions. :mod:`thunder_cudnn_safe.graphs`
-builds a graph from a key and nothing else, so two calls share a graph exactly when
-they would declare the same layouts. Keys are plain tuples: building one on a cache hit
-makes no cuDNN call.
+"""Hashable descriptions of one forward or backward cuDNN graph: the layout of every bound tensor,
+every flag that changes the graph, the device and library versions. :mod:`~thunder_cudnn_safe.graphs`
+builds a graph from a key alone, so two calls share a graph exactly when they declare the same layouts.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """Pure layout rules on shapes and strides: can cuDNN read a tensor as it is, and how to lay out the rest.
 
-cuDNN's SDPA kernels (TMA based on Hopper) read a tensor from its base pointer through the
-declared strides (:data:`~thunder_cudnn_safe.cudnn_rules.LAYOUT`): innermost stride 1, a
-16-byte aligned base, other strides multiples of 16 bytes, no zero, negative or overlapping
-strides on dimensions of size > 1, element offsets below 2**31. A tensor that breaks one is
-copied into a buffer from :func:`strides_like` (its own dimension order, innermost extent
-padded). ``clone()`` would keep a non-unit last stride and ``contiguous()`` a misaligned
-base, so neither is enough. Everything here works on :class:`ArgSig` values, so a call's
-layout decisions are a pure function of its arguments' signatures (:mod:`binding`).
+A tensor breaking :data:`~thunder_cudnn_safe.cudnn_rules.LAYOUT` is copied into a buffer from
+:func:`strides_like` (its own dimension order, innermost extent padded): ``clone()`` would keep a
+non-unit last stride and ``contiguous()`` a misaligned base. Everything works on :class:`ArgSig`
+values, so layout decisions are a pure function of the arguments' signatures.
 """
 
 from __future__ import annotations
@@ -23,11 +19,9 @@ from .telemetry import CopyReason
 
 
 class LayoutPolicy(str, enum.Enum):
-    """The ``cudnn_safe_layout`` compile option."""
+    """The ``cudnn_safe_layout`` compile option (README, Knobs)."""
 
-    #: Declare and bind each tensor's own strides; copy only what cuDNN cannot take.
     PRESERVE = "preserve"
-    #: Copy every operand and grad_out to a contiguous tensor first (the simplest fix).
     CONTIGUOUS = "contiguous"
 
     @classmethod
@@ -55,12 +49,10 @@ def arg_sig(t: torch.Tensor) -> ArgSig:
 
 
 def canonical_strides(shape: Sequence[int], strides: Sequence[int]) -> tuple[int, ...]:
-    """Strides with every size-1 dimension's stride set to the tensor's extent (declared outermost).
+    """Strides with every size-1 dimension's stride set to the tensor's extent, so equivalent layouts share a graph.
 
-    A size-1 dimension is never stepped over, so its stride does not change which bytes are
-    read; one canonical value lets equivalent layouts share one key and one graph. A size-1
-    *last* dimension keeps stride 1: cuDNN requires the innermost stride of every operand to
-    be 1 whatever its size (a mask of key length 1 was refused with the extent there).
+    A size-1 *last* dimension keeps stride 1: cuDNN requires an innermost stride of 1 whatever its
+    size (a mask of key length 1 was refused with the extent there).
     """
     outer = max([1] + [n * s for n, s in zip(shape, strides) if n != 1])
     last = len(shape) - 1
@@ -68,11 +60,7 @@ def canonical_strides(shape: Sequence[int], strides: Sequence[int]) -> tuple[int
 
 
 def packed_strides(shape: Sequence[int]) -> tuple[int, ...]:
-    """Row-major strides, size-1 dims included (torch's contiguous strides).
-
-    The backward's stats must be exactly these before cuDNN 9.26
-    (:data:`~thunder_cudnn_safe.cudnn_rules.STATS_PACKED_ONLY`).
-    """
+    """Row-major strides, size-1 dims included (torch's contiguous strides)."""
     strides, acc = [], 1
     for n in reversed(tuple(shape)):
         strides.append(acc)
@@ -132,11 +120,8 @@ def stride_order(strides: Sequence[int]) -> list[int]:
 
 
 def dense_strides(shape: Sequence[int], order: Sequence[int], dtype: torch.dtype) -> tuple[int, ...]:
-    """Strides of a fresh tensor of ``shape`` laid out in ``order`` (outermost first).
-
-    The innermost extent larger than 1 is padded so every other stride is a 16-byte
-    multiple (the padding is never read); size-1 dims carry canonical strides.
-    """
+    """Strides of a fresh tensor of ``shape`` laid out in ``order`` (outermost first), the innermost
+    extent > 1 padded so every other stride is a 16-byte multiple."""
     multiple = max(1, ALIGNMENT_BYTES // dtype.itemsize)
     alloc = [shape[i] for i in order]
     inner = max((pos for pos, n in enumerate(alloc) if n > 1), default=None)
@@ -149,22 +134,14 @@ def dense_strides(shape: Sequence[int], order: Sequence[int], dtype: torch.dtype
     return canonical_strides(shape, strides)
 
 
-def strides_like(shape: Sequence[int], like: ArgSig, policy: LayoutPolicy, dtype: torch.dtype | None = None) -> tuple[int, ...]:
-    """Strides of a fresh buffer of ``shape`` laid out like ``like`` (PRESERVE) or row-major.
-
-    Outputs in their input's dimension order make ``out.transpose(1, 2).reshape(...)`` after
-    attention a free view, and give gradients their input's layout.
-    """
-    dtype = like.dtype if dtype is None else dtype
+def strides_like(shape: Sequence[int], like: ArgSig, policy: LayoutPolicy) -> tuple[int, ...]:
+    """Strides of a fresh buffer of ``shape`` in ``like``'s dimension order (PRESERVE) or row-major."""
     if policy is LayoutPolicy.CONTIGUOUS:
-        return dense_strides(shape, range(len(shape)), dtype)
-    return dense_strides(shape, stride_order(canonical_strides(like.shape, like.stride)), dtype)
+        return dense_strides(shape, range(len(shape)), like.dtype)
+    return dense_strides(shape, stride_order(canonical_strides(like.shape, like.stride)), like.dtype)
 
 
 def same_size_except_heads(*tensors) -> bool:
     """Whether tensors (or proxies) could be head slices of one (B, H1+H2+..., S, D) buffer (fused dQKV)."""
-    first = tensors[0]
-    return all(
-        t.shape[0] == first.shape[0] and tuple(t.shape[2:]) == tuple(first.shape[2:]) and t.dtype == first.dtype
-        for t in tensors
-    )
+    f = tensors[0]
+    return all(t.shape[0] == f.shape[0] and tuple(t.shape[2:]) == tuple(f.shape[2:]) and t.dtype == f.dtype for t in tensors)

@@ -1,25 +1,11 @@
 """cuDNN's own verdict on a graph we built, without a GPU and without a handle.
 
-The emulated runtime proves that what a graph declares is what we bind; it cannot say
-whether cuDNN accepts the graph. libcudnn can, on a machine without a GPU: the
-frontend lowers its Python graph (``cudnn.pygraph``) to the C++ graph
-(``cudnn._pybind_module.backend_graph``), whose ``validate()`` runs the frontend's C++
-support checks (head dims, dropout shapes, masks, per-arch rules, it picks the SDPA
-implementation) and whose ``build_operation_graph()`` has libcudnn finalize every
-backend operation descriptor. Both only need the SM version, which the C++ graph takes
-as its ``sm_version`` keyword; no handle, no device.
-
-What this does *not* show: that an engine exists for the graph on that GPU and
-computes the right numbers (heuristics and plan building need a handle), nor anything
-about execution.
-
-How it is done relies on nvidia-cudnn-frontend 1.32's pure-Python pygraph internals
-(``_pygraph.py``): ``pygraph._cpp_graph_kwargs`` (forwarded to the C++ graph at
-lowering), ``pygraph._backend_handle_for_lowering(cpp_kwargs)`` (the hook that
-supplies a handle; returning None lowers without one, as the frontend's own deviceless
-``device_property`` path does) and ``pygraph._lower_to_cpp()``. Those move between
-versions, so :func:`lowering_problem` checks for them and every entry point raises
-:class:`LoweringUnavailable` with the reason where they are missing.
+The frontend lowers its Python graph to the C++ graph, whose ``validate()`` runs the frontend's
+C++ support checks (and picks the SDPA implementation) and whose ``build_operation_graph()`` has
+libcudnn finalize every descriptor; both need only the SM version (``sm_version``). Whether an
+engine exists and computes the right numbers needs a GPU. This relies on frontend 1.32's pygraph
+internals (``_cpp_graph_kwargs``, ``_backend_handle_for_lowering``: returning None lowers without a
+handle, ``_lower_to_cpp``); :func:`lowering_problem` says when they are missing.
 """
 
 from __future__ import annotations
@@ -42,16 +28,11 @@ class LoweringUnavailable(RuntimeError):
 class Lowering(NamedTuple):
     """cuDNN's verdict on one graph for one SM version."""
 
-    #: The C++ validate() and build_operation_graph() both accepted the graph.
     ok: bool
-    #: Why not (the exception type and message), None when ``ok``.
     reason: str | None
-    #: Where it was refused: "pygraph" (the Python frontend's own checks), "validate",
-    #: "build_operation_graph"; None when ``ok``.
+    #: Where it was refused: "pygraph" (the Python frontend's own checks), "validate", "build_operation_graph".
     stage: str | None
-    #: The SDPA implementation the C++ validate() resolved ("UNIFIED", "COMPOSITE"),
-    #: "backward" for an sdpa_backward node (it has no implementation choice), None if refused
-    #: before validate() finished.
+    #: What validate() resolved: "UNIFIED", "COMPOSITE", "backward" (no choice there); None if refused before.
     implementation: str | None
     sm_version: int
 
@@ -94,10 +75,8 @@ def _require() -> Any:
 def implementation_of(graph: Any) -> str | None:
     """What serves a built graph: "python:<engine>", "UNIFIED", "COMPOSITE", "backward", or None.
 
-    Frontend 1.32 may serve a graph with one of its own Python kernels (FROST, e.g.
-    ``sdpa_fwd_prefill_sm100``) instead of the backend, also after the composite retry: then
-    ``graph.selected_engine`` names it and the lowered description below would be wrong.
-    Otherwise the C++ graph's JSON dump (``repr`` of a lowered pygraph) records the implementation.
+    Frontend 1.32 may serve a graph with one of its own Python kernels (``graph.selected_engine``);
+    otherwise the C++ graph's JSON dump (``repr``) records the implementation.
     """
     engine = getattr(graph, "selected_engine", None)
     if engine is not None:
@@ -119,13 +98,10 @@ def _reason(exc: BaseException) -> str:
 
 
 def lower(graph: Any, sm_version: int) -> Lowering:
-    """Lower a built pygraph to the C++ graph for ``sm_version`` (80, 90, 100, 120, ...) and have libcudnn check it.
+    """Lower a built pygraph for ``sm_version`` (80, 90, 100, 120, ...) and have libcudnn check it.
 
-    Runs the C++ ``validate()`` and ``build_operation_graph()``. Never touches a GPU or a
-    handle. The pygraph is frozen afterwards (the frontend freezes a graph when it is
-    lowered), so lower a graph built for this purpose, not one that will run.
-    Raises :class:`LoweringUnavailable` where this frontend cannot be lowered this way;
-    a refusal by cuDNN is returned, not raised.
+    The pygraph is frozen afterwards: lower one built for this purpose. A refusal is returned;
+    :class:`LoweringUnavailable` is raised where this frontend cannot be lowered this way.
     """
     cudnn = _require()
     if not isinstance(graph, cudnn.pygraph):
@@ -137,10 +113,7 @@ def lower(graph: Any, sm_version: int) -> Lowering:
     graph._cpp_graph_kwargs = {**graph._cpp_graph_kwargs, "sm_version": sm}
     graph._backend_handle_for_lowering = lambda cpp_kwargs: None
     try:
-        cpp = graph._lower_to_cpp()
-    except Exception as exc:  # the lowering itself rejected an attribute
-        return Lowering(False, _reason(exc), "validate", None, sm)
-    try:
+        cpp = graph._lower_to_cpp()  # the lowering itself may reject an attribute
         cpp.validate()
     except Exception as exc:
         return Lowering(False, _reason(exc), "validate", None, sm)
@@ -153,11 +126,7 @@ def lower(graph: Any, sm_version: int) -> Lowering:
 
 
 def lower_key(key: ForwardKey | BackwardKey, sm_version: int, implementation: Any = None) -> Lowering:
-    """Build the graph for ``key`` exactly as the runtimes do (:mod:`graphs`) and lower it.
-
-    A refusal by the Python frontend's own checks while building is reported with stage
-    "pygraph". ``implementation`` is passed to :func:`graphs.build_forward_graph`.
-    """
+    """Build the graph for ``key`` exactly as the runtimes do (:mod:`graphs`) and lower it."""
     cudnn = _require()
     graphs.attention_implementation(implementation)  # a bad name is our caller's error, not a refusal
     try:

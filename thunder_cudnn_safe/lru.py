@@ -1,8 +1,5 @@
-"""The one bounded cache of the package: a locked least-recently-used map.
-
-Every cache here must stay bounded in a long training run (new layouts, masks, keys keep
-coming) and safe under threads: built graphs and refusals (:mod:`cache`), call plans
-(:mod:`dispatch`), converted masks (:mod:`masks`), warn-once keys (:mod:`telemetry`).
+"""The one bounded cache of the package: a locked least-recently-used map, so that every cache (graphs,
+refusals, plans, converted masks, warn-once keys) stays bounded in a long training run and safe under threads.
 """
 
 from __future__ import annotations

@@ -1,25 +1,11 @@
 """Masks converted to cuDNN's additive bias once per distinct mask, not once per call.
 
-cuDNN takes a mask as an additive bias of the query dtype. A boolean mask, a float32 mask
-with half-precision queries or a mask broadcast over positions needs a conversion, a fresh
-tensor. Models pass the *same* mask to every layer and the backward gets it again:
-converting per call costs about 16 GiB of writes per step at an 8B-class shape (32 layers,
-B=8, S=4096, bf16). :class:`ConvertedMasks` remembers a conversion by the mask's identity
-and state:
-
-* keyed by the mask's *storage* object (the backward's saved mask is another tensor object
-  over the same storage), data pointer, layout, dtype and ``_version`` (an in-place write
-  converts again), plus how it is converted;
-* weak: an entry goes when its mask's storage is freed, so a bias never outlives its mask;
-* bounded (least recently used first);
-* never used or filled while the current CUDA stream is capturing a graph: a conversion
-  found in the cache would not be recorded, and every replay would read the mask of the
-  warm-up step (thunder's CUDAGraphTransform copies new inputs into static buffers, which
-  the version counter sees, but the captured graph never asks again). Inference tensors (no
-  version counter) are converted on every call too.
-
-A write that bypasses the version counter (``.data``, numpy, DLPack) is invisible: turn the
-cache off (:func:`set_mask_cache_size` ``(0)``) for masks changed that way.
+Models pass the same mask to every layer and the backward gets it again: converting per call
+costs about 16 GiB of writes per step at an 8B-class shape. A conversion is keyed by the mask's
+*storage* object (the backward's saved mask is another tensor over it), data pointer, layout,
+dtype and ``_version`` (an in-place write converts again); entries are weak (a bias never
+outlives its mask's storage). Never used during CUDA-graph capture: a cached conversion would not
+be recorded, and every replay would read the warm-up step's mask.
 """
 
 from __future__ import annotations
@@ -46,7 +32,7 @@ class MaskCacheInfo(NamedTuple):
 
 
 def capturing(t: torch.Tensor) -> bool:
-    """Whether ``t``'s device stream is capturing a CUDA graph: no host-side decision may be reused."""
+    """Whether ``t``'s stream is capturing a CUDA graph: no host-side decision may be reused."""
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 

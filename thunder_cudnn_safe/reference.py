@@ -1,19 +1,8 @@
-"""Attention math in float32 with cuDNN's conventions, in plain torch.
+"""Attention math in float32 with cuDNN's conventions, for the emulated runtime and the torch fallback.
 
-Used by the emulated runtime (which feeds it tensors read through the *declared*
-layouts) and by the torch fallback (when cuDNN refuses a graph at run time). Written as
-explicit formulas so that the backward consumes the forward's O and softmax stats the
-way cuDNN does: a wrongly read O or stats shows up as wrong gradients.
-
-Conventions (cuDNN's):
-* ``stats`` is the natural-log log-sum-exp of the scaled, masked scores per query row,
-  shape (B, H, L, 1), float32.
-* masking (:class:`Scores`): an additive bias, the top-left diagonal band (causal: query i
-  sees keys j <= i, as torch's ``is_causal``; a sliding window also i - j < w), key padding.
-* dropout keeps an element with probability 1 - p and scales kept ones by 1 / (1 - p);
-  which elements are kept is a deterministic function of (seed, offset).
-* K and V may have fewer heads than Q when the head count divides (MQA / GQA); their
-  gradients are summed over the query heads of each group.
+Explicit formulas, so the backward consumes the forward's O and softmax stats (the natural-log
+log-sum-exp of the scaled, masked scores, (B, H, L, 1) float32) as cuDNN does: a wrongly read O or
+stats shows up as wrong gradients. K/V may have fewer heads than Q (MQA / GQA).
 """
 
 from __future__ import annotations
@@ -31,10 +20,7 @@ def dropout_keep_mask(seed: int, offset: int, shape: tuple[int, ...], p: float, 
 
 
 def _expand_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
-    h = t.shape[1]
-    if h == heads:
-        return t
-    return t.repeat_interleave(heads // h, dim=1)
+    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
 
 
 def _reduce_heads(t: torch.Tensor, heads: int, partials: torch.dtype | None = None) -> torch.Tensor:

@@ -1,13 +1,7 @@
-"""Runtimes turn a key into a runnable graph (``build(key)``, once per key: the dispatcher caches it)
-and run it on a variant pack (``execute(built, pack)``, per call). Everything before is shared:
+"""Runtimes: ``build(key)`` once per key (the dispatcher caches it), ``execute(built, pack)`` per call.
 
-* :class:`CudnnRuntime` (here): execution plans and real cuDNN kernels;
-* :class:`~thunder_cudnn_safe.emulation.EmulatedRuntime`: the same result on CPU, reading memory
-  through the declared layouts;
-* :class:`~thunder_cudnn_safe.fallback.FallbackRuntime`: torch float32 math for refused calls;
-* the benchmarks' no-op runtime (benchmarks/harness.py).
-
-No runtime imports thunder.
+:class:`CudnnRuntime` (here) runs real cuDNN; :mod:`~thunder_cudnn_safe.emulation` and
+:mod:`~thunder_cudnn_safe.fallback` implement the same protocol. No runtime imports thunder.
 """
 
 from __future__ import annotations
@@ -20,15 +14,14 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import _compat, graphs
+from . import _compat, graphs, plan_cache
 from .errors import ExecuteError, GraphBuildError
 from .keys import BackwardKey, ForwardKey, Target
 from .lowering import implementation_of
 
 
 class BuiltGraph(NamedTuple):
-    """A graph ready to execute, its workspace bytes, its key; the SDPA implementation it lowered to
-    ("UNIFIED", "COMPOSITE", None where unknown) and its execution plan, for :func:`~thunder_cudnn_safe.cached_graphs`."""
+    """A graph ready to execute, its workspace bytes, its key, the SDPA implementation and plan it got."""
 
     graph: Any
     workspace_size: int
@@ -60,10 +53,7 @@ class _FrontendRefusalFilter(logging.Filter):
     ours, on the building thread only: the dispatcher already warns once per refused key."""
 
     MESSAGES = frozenset(
-        {
-            "backend could not build this graph, treating as a decline: %s",
-            "backend could not lower this graph, treating as a decline: %s",
-        }
+        {"backend could not build this graph, treating as a decline: %s", "backend could not lower this graph, treating as a decline: %s"}
     )
 
     def __init__(self) -> None:
@@ -92,11 +82,9 @@ logging.getLogger("cudnn.pygraph").addFilter(frontend_refusal_filter)
 def is_definitive_refusal(exc: BaseException, graph: Any = None) -> bool:
     """Whether a build failure is cuDNN's judgment of the graph (remember it) rather than transient.
 
-    ``cudnnGraphNotSupportedError`` is a refusal, except that frontend 1.32's ``graph.build()``
-    also wraps a CUDA error or out-of-memory raised while lowering into that type; it keeps
-    the original in ``graph._backend_declined`` (an internal, absent on other versions). An
-    ill-formed graph (ValueError, TypeError, NotImplementedError) is refused for good too;
-    anything else (RuntimeError, torch.OutOfMemoryError, MemoryError) is transient.
+    Frontend 1.32's ``graph.build()`` also wraps a CUDA error or out-of-memory into
+    ``cudnnGraphNotSupportedError``, keeping the original in ``graph._backend_declined``. An
+    ill-formed graph (ValueError, TypeError, NotImplementedError) is refused for good too.
     """
     cudnn = graphs.cudnn_module()
     if isinstance(exc, cudnn.cudnnGraphNotSupportedError):
@@ -166,23 +154,16 @@ class CudnnRuntime(Runtime):
         target = self._targets.get(index)
         if target is None:
             with self._targets_lock:
-                target = Target(
-                    self.name,
-                    index,
-                    tuple(torch.cuda.get_device_capability(index)),
-                    int(_compat.FRONTEND.backend_version),
-                    str(_compat.FRONTEND.frontend_version),
-                )
-                self._targets[index] = target
+                arch = tuple(torch.cuda.get_device_capability(index))
+                f = _compat.FRONTEND
+                target = self._targets[index] = Target(self.name, index, arch, int(f.backend_version), str(f.frontend_version))
         return target
 
     def handle(self, device_index: int) -> Any:
         """This thread's handle for the device (handles are not thread-safe), bound to torch's
         current stream (or kernels race with the surrounding torch ops)."""
         cudnn = graphs.cudnn_module()
-        handles = getattr(self._local, "handles", None)
-        if handles is None:
-            handles = self._local.handles = {}
+        handles = self._local.__dict__.setdefault("handles", {})
         handle = handles.get(device_index)
         if handle is None:
             with torch.cuda.device(device_index):
@@ -191,8 +172,6 @@ class CudnnRuntime(Runtime):
         return handle
 
     def build(self, key: ForwardKey | BackwardKey) -> BuiltGraph:
-        """Validate, plan (heuristics A, then FALLBACK), check support and build plans; a refusal of
-        the graph itself is definitive (remembered), anything else transient (retried later)."""
         return build_with_ladder(key, self._build_one)
 
     def _build_one(self, key: ForwardKey | BackwardKey, implementation: str | None) -> BuiltGraph:
@@ -202,22 +181,25 @@ class CudnnRuntime(Runtime):
         try:
             handle = self.handle(index)
             with torch.cuda.device(index), frontend_refusal_filter.active():
+                device = lambda: plan_cache.device_descriptor(index)  # computed only with a plan cache
+                hit = plan_cache.load(key, implementation, device, lambda: cudnn.pygraph(handle=handle), handle)
+                if hit is not None:
+                    return BuiltGraph(hit[0], key=key, **hit[1])
                 build = graphs.build_forward_graph if is_forward(key) else graphs.build_backward_graph
                 g = build(key, handle, implementation=implementation)
                 g.build([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
                 workspace = int(g.get_workspace_size())
         except Exception as exc:  # noqa: BLE001 - every build failure gets a safe answer
-            raise GraphBuildError(
-                f"cuDNN could not build this graph: {type(exc).__name__}: {exc}", is_definitive_refusal(exc, g)
-            ) from exc
-        return BuiltGraph(g, workspace, key, implementation_of(g) if is_forward(key) else None, plan_name(g))
+            raise GraphBuildError(f"cuDNN could not build this graph: {type(exc).__name__}: {exc}", is_definitive_refusal(exc, g)) from exc
+        built = BuiltGraph(g, workspace, key, implementation_of(g) if is_forward(key) else None, plan_name(g))
+        plan_cache.store(key, implementation, device, built)
+        return built
 
     def execute(self, built: BuiltGraph, pack: dict[int, torch.Tensor]) -> None:
         index = built.key.target.device_index
-        device = torch.device("cuda", index)
         handle = self.handle(index)
         try:
-            workspace = torch.empty(built.workspace_size, dtype=torch.uint8, device=device)
+            workspace = torch.empty(built.workspace_size, dtype=torch.uint8, device=torch.device("cuda", index))
         except torch.OutOfMemoryError as exc:
             raise ExecuteError(f"cannot allocate a {built.workspace_size}-byte cuDNN workspace: {exc}") from exc
         # cuDNN also needs the current device set, not only the handle's device.
@@ -226,9 +208,8 @@ class CudnnRuntime(Runtime):
 
 
 def execute_graph(built: BuiltGraph, pack: dict[int, torch.Tensor], workspace: torch.Tensor, handle: Any) -> None:
-    """``built.graph.execute``: a not-supported refusal becomes ExecuteError (the call falls back);
-    any other failure (an illegal address) may have left the device in an unknown state, so it
-    propagates, naming the key so the failing layout can be reproduced."""
+    """A not-supported refusal becomes ExecuteError (the call falls back); any other failure (an illegal
+    address) may have left the device in an unknown state, so it propagates, naming the key."""
     cudnn = graphs.cudnn_module()
     try:
         built.graph.execute(pack, workspace, handle=handle)

@@ -1,12 +1,6 @@
-"""What the package tells its user: the logger, warn-once messages and copy counters.
-
-* One logger, ``thunder_cudnn_safe``.
-* :func:`warn_once` shows a message once per distinct key (a refused graph, a copy a
-  user could avoid), so a training loop does not flood the log; the memory of what was
-  shown is bounded.
-* :class:`CopyReason` names every reason layout normalization copies a tensor, and the
-  copy counter behind :func:`copy_stats` counts copies and bytes per (operand, reason).
-  The benchmarks read bytes copied from here: counted by the package, never estimated.
+"""What the package tells its user: the ``thunder_cudnn_safe`` logger, warn-once messages (so a training
+loop does not flood the log) and copy counters per (operand, :class:`CopyReason`), which the
+benchmarks read: bytes copied are counted by the package, never estimated.
 """
 
 from __future__ import annotations
@@ -23,6 +17,7 @@ logger = logging.getLogger("thunder_cudnn_safe")
 
 #: Warn-once keys remembered (least recently used forgotten first: a repeat warning is harmless).
 WARN_ONCE_LIMIT = 4096
+
 
 class CopyReason(str, enum.Enum):
     """Why layout normalization copied a tensor before binding it to cuDNN."""
@@ -47,11 +42,8 @@ class CopyReason(str, enum.Enum):
 
     @property
     def avoidable(self) -> bool:
-        """Whether a user could avoid this copy by passing another layout (worth a warning).
-
-        Copies the user asked for (policy "contiguous") or that ordinary code makes
-        unavoidable (an expanded tensor, a boolean or broadcast mask) are counted silently.
-        """
+        """Whether a user could avoid this copy by passing another layout (worth a warning); copies asked
+        for (policy "contiguous") or made unavoidable by ordinary code are counted silently."""
         return self not in _UNAVOIDABLE
 
 
@@ -63,11 +55,8 @@ _warned = LRU(WARN_ONCE_LIMIT)
 
 
 def warn_once(key: tuple[str, Hashable], msg: str, *args: object) -> bool:
-    """Log ``msg % args`` as a warning the first time ``key`` is seen; True if it was logged.
-
-    ``key[0]`` is the warning's category (``"copy"``, ``"fallback"``), which
-    :func:`forget_warnings` can forget on its own.
-    """
+    """Log ``msg % args`` as a warning the first time ``key`` is seen; True if logged. ``key[0]`` is the
+    category (``"copy"``, ``"fallback"``) :func:`forget_warnings` can forget on its own."""
     if key in _warned:
         return False
     _warned.put(key, True)
@@ -92,8 +81,7 @@ class CopyStats(NamedTuple):
 class _CopyCounter:
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._copies = 0
-        self._bytes = 0
+        self._copies = self._bytes = 0
         self._by_reason: dict[tuple[str, CopyReason], list[int]] = {}
 
     def record(self, operand: str, reason: CopyReason, nbytes: int, signature: tuple) -> None:
@@ -107,11 +95,8 @@ class _CopyCounter:
         if reason.avoidable:
             warn_once(
                 ("copy", operand, reason, signature),
-                "cudnn_safe copies %s (shape, strides, dtype = %s) before cuDNN: %s. "
-                "This warning is shown once per distinct layout.",
-                operand,
-                signature,
-                reason.value,
+                "cudnn_safe copies %s (shape, strides, dtype = %s) before cuDNN: %s. This warning is shown once per distinct layout.",
+                operand, signature, reason.value,
             )
 
     def snapshot(self) -> CopyStats:
@@ -120,8 +105,7 @@ class _CopyCounter:
 
     def reset(self) -> None:
         with self._lock:
-            self._copies = 0
-            self._bytes = 0
+            self._copies = self._bytes = 0
             self._by_reason.clear()
         forget_warnings("copy")
 

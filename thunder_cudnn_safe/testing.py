@@ -1,27 +1,16 @@
 """The layout zoo and the accuracy rule, for this package's tests, benchmarks and users.
 
-* :data:`QKV_LAYOUTS` / :data:`GRAD_OUT_LAYOUTS` make real tensors in every layout the
-  design notes list (contiguous BHSD, BSHD viewed as BHSD, SBHD, one interleaved QKV
-  buffer, a broadcast K/V head, size-1 dims with odd strides, a non-unit last-dim stride,
-  a misaligned base; grad_out contiguous, transposed, zero-stride, expanded). Each
-  returns leaf tensors with exactly that layout, so a test through ``thunder.jit`` hands
-  the executor those strides.
-* :func:`assert_close_to_reference` is the accuracy rule: a low-precision candidate
-  passes when its error to a float64 reference is at most twice eager PyTorch's own
-  error in the same precision, plus a small floor (the method of the project's design
-  notes, from FlashAttention's author: compare (fast bf16 - ref fp64) with
-  (eager bf16 - ref fp64)).
-
-Running calls through thunder and injecting runtime failures are test seams: ``tests/checks.py``.
+:data:`QKV_LAYOUTS` / :data:`GRAD_OUT_LAYOUTS` make leaf tensors with exactly each layout of the zoo.
+:func:`assert_close_to_reference` passes a low-precision candidate whose error to a float64 reference
+is at most twice eager PyTorch's own in the same precision, plus a small floor (the method of FlashAttention's author).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
-
-Shape = tuple[int, int, int, int, int, int]  # B, H, L, S, D_qk, D_v
 
 
 def _leaf(t: torch.Tensor) -> torch.Tensor:
@@ -84,10 +73,7 @@ def make_misaligned(b, h, lq, s, d, dv, dtype, device="cpu"):
     """Base pointer one element past a 16-byte boundary (odd storage offset)."""
 
     def one(*shape):
-        n = 1
-        for x in shape:
-            n *= x
-        return _leaf(_randn(n + 1, dtype=dtype, device=device)[1:].view(*shape))
+        return _leaf(_randn(math.prod(shape) + 1, dtype=dtype, device=device)[1:].view(*shape))
 
     return one(b, h, lq, d), one(b, h, s, d), one(b, h, s, dv)
 
@@ -156,11 +142,9 @@ def flash_backward_floor(
 ) -> float:
     """Extra error allowed for dQ (other=K) or dK (other=Q) of a flash-attention backward.
 
-    cuDNN (like FlashAttention) computes ``delta = rowsum(dO * O)`` from the low-precision
-    O it wrote, where eager differentiates its float32 softmax. When dS = P * (dP - delta)
-    cancels (a constant grad_out makes it cancel exactly), O's rounding becomes the whole
-    gradient: about eps * scale * |dO| * |O| * sqrt(D_v) * |other|, growing like sqrt(rows)
-    over the rows summed. This floor is that estimate, times 4.
+    cuDNN computes ``delta = rowsum(dO * O)`` from its low-precision O; where dS = P * (dP - delta)
+    cancels (a constant grad_out), O's rounding is the whole gradient: about
+    eps * scale * |dO| * |O| * sqrt(D_v) * |other| * sqrt(rows). This floor is 4x that estimate.
     """
     eps = _FLOOR.get(dtype, 1e-6)
     mag = lambda t: t.detach().abs().max().item() if t.numel() else 0.0  # noqa: E731
@@ -168,12 +152,7 @@ def flash_backward_floor(
 
 
 def assert_close_to_reference(
-    candidate: torch.Tensor,
-    eager: torch.Tensor,
-    reference: torch.Tensor,
-    what: str,
-    factor: float = 2.0,
-    floor: float = 0.0,
+    candidate: torch.Tensor, eager: torch.Tensor, reference: torch.Tensor, what: str, factor: float = 2.0, floor: float = 0.0
 ) -> float:
     """Assert the accuracy rule for one tensor; returns the candidate's max error."""
     assert candidate.shape == reference.shape, f"{what}: shape {tuple(candidate.shape)} != {tuple(reference.shape)}"

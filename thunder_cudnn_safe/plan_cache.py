@@ -1,0 +1,207 @@
+"""Opt-in persistent plan cache: serialized cuDNN plans on disk, so a new process loads instead of building.
+
+Building a plan costs a heuristics query and an NVRTC compile (0.3-4 s); deserializing its blob costs
+milliseconds. Off unless ``THUNDER_CUDNN_SAFE_PLAN_CACHE_DIR`` or :func:`set_plan_cache_dir` names a folder.
+An entry's file name hashes everything the plan depends on (graph key without its target, ladder rung,
+cuDNN backend and frontend versions, device descriptor, package version, graphs.py source), and its header
+repeats that hash and a sha256 of the payload: cuDNN does not notice a corrupted kernel in a blob.
+A file that fails any check, or that cuDNN cannot restore, is removed with one warning and rebuilt:
+never a wrong plan, never a crash. Writers rename a temp file into place, so concurrent processes
+storing one entry leave one whole file. Least recently used entries (mtime, touched on load) go first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import os
+import struct
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from . import _compat, graphs
+from ._env import PLAN_CACHE_DIR_ENV
+from ._version import __version__
+from .telemetry import logger, warn_once
+
+MAGIC, FORMAT = b"TCSPLAN\0", 1
+_HEADER = struct.Struct("<8sI32s32sQ")  # magic, format, sha256(ident), sha256(payload), payload length
+_META = struct.Struct("<I")  # length of the JSON meta (BuiltGraph's workspace_size, implementation, plan) before the blob
+
+
+class PlanCacheInfo(NamedTuple):
+    directory: str | None
+    entries: int
+    bytes: int
+    loads: int
+    stores: int
+    rejected: int
+    misses: int
+    evicted: int
+
+
+class PlanCache:
+    """Entries (plain bytes) in ``directory``, at most ``max_entries`` files and ``max_bytes`` bytes."""
+
+    def __init__(self, directory: str | os.PathLike, max_entries: int = 2048, max_bytes: int = 1 << 30) -> None:
+        self.directory, self.max_entries, self.max_bytes = Path(directory), max_entries, max_bytes
+        self.counts = dict.fromkeys(("loads", "stores", "rejected", "misses", "evicted"), 0)
+
+    def path(self, ident: str) -> Path:
+        return self.directory / f"{hashlib.sha256(ident.encode()).hexdigest()}.plan"
+
+    def reject(self, ident: str, reason: str) -> None:
+        """Remove a bad entry (its rebuild replaces it) and warn once per file."""
+        path = self.path(ident)
+        self.counts["rejected"] += 1
+        with contextlib.suppress(OSError):
+            path.unlink(missing_ok=True)
+        warn_once(("plan_cache", str(path)), "plan cache: entry %s %s; rebuilding it", path, reason)
+
+    def get(self, ident: str) -> bytes | None:
+        """The payload stored for ``ident``, or None (missing, or rejected: removed and warned)."""
+        path = self.path(ident)
+        try:
+            data = path.read_bytes()
+        except OSError:
+            self.counts["misses"] += 1
+            return None
+        if len(data) < _HEADER.size:
+            return self.reject(ident, "is truncated")
+        magic, fmt, ident_hash, payload_hash, n = _HEADER.unpack_from(data)
+        payload = data[_HEADER.size :]
+        for bad, problem in ((magic != MAGIC, "is not a plan file"), (fmt != FORMAT, f"has format {fmt}, not {FORMAT}"),
+                             (ident_hash != hashlib.sha256(ident.encode()).digest(), "belongs to another key"),
+                             (len(payload) != n, "is truncated"), (hashlib.sha256(payload).digest() != payload_hash, "fails its checksum")):
+            if bad:
+                return self.reject(ident, problem)
+        self.counts["loads"] += 1
+        with contextlib.suppress(OSError):
+            os.utime(path)  # least recently used goes first
+        return payload
+
+    def put(self, ident: str, payload: bytes) -> None:
+        """Write atomically (temp file in the same folder, then rename), then evict down to the bounds."""
+        header = _HEADER.pack(MAGIC, FORMAT, hashlib.sha256(ident.encode()).digest(), hashlib.sha256(payload).digest(), len(payload))
+        tmp = None
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-")
+            with os.fdopen(fd, "wb") as f:
+                f.write(header + payload)
+            os.replace(tmp, self.path(ident))
+        except OSError as exc:
+            with contextlib.suppress(OSError, TypeError):
+                os.unlink(tmp)  # a full disk leaves no partial temp file
+            warn_once(("plan_cache", "store", str(self.directory)), "plan cache: cannot write to %s (%s); plans are not stored", self.directory, exc)
+            return
+        self.counts["stores"] += 1
+        self.evict()
+
+    def scan(self) -> list[tuple[float, int, Path]]:
+        """``(mtime, size, path)`` of every entry, oldest first (one removed meanwhile is skipped)."""
+        found = []
+        for p in self.directory.glob("*.plan"):
+            with contextlib.suppress(OSError):
+                found.append((p.stat().st_mtime, p.stat().st_size, p))
+        return sorted(found)
+
+    def evict(self) -> None:
+        entries = self.scan()
+        total = sum(size for _, size, _ in entries)
+        for _, size, p in entries[: max(0, len(entries) - 1)]:  # never the newest
+            if len(entries) <= self.max_entries and total <= self.max_bytes:
+                break
+            p.unlink(missing_ok=True)
+            entries, total = entries[1:], total - size
+            self.counts["evicted"] += 1
+
+
+_UNSET: Any = object()
+_active: PlanCache | None = _UNSET
+
+
+def set_plan_cache_dir(path: str | os.PathLike | None, *, max_entries: int = 2048, max_bytes: int = 1 << 30) -> None:
+    """Store and load plans in ``path`` (None: no plan cache). Overrides ``THUNDER_CUDNN_SAFE_PLAN_CACHE_DIR``."""
+    global _active
+    _active = None if path is None else PlanCache(path, max_entries, max_bytes)
+
+
+def active() -> PlanCache | None:
+    """The plan cache in use: :func:`set_plan_cache_dir`'s, else the environment's (read on first use), else None."""
+    if _active is _UNSET:
+        set_plan_cache_dir(os.environ.get(PLAN_CACHE_DIR_ENV, "").strip() or None)
+    return _active
+
+
+def plan_cache_info() -> PlanCacheInfo:
+    cache = active()
+    if cache is None:
+        return PlanCacheInfo(None, 0, 0, 0, 0, 0, 0, 0)
+    entries = cache.scan()
+    return PlanCacheInfo(str(cache.directory), len(entries), sum(e[1] for e in entries), **cache.counts)
+
+
+@functools.cache
+def _graphs_source() -> str:
+    return hashlib.sha256(Path(graphs.__file__).read_bytes()).hexdigest()  # a changed graph builder invalidates
+
+
+def _ident(key: Any, rung: str | None, device: str) -> str:
+    key = key._replace(target=None) if "target" in getattr(key, "_fields", ()) else key  # device and versions: below
+    f = _compat.FRONTEND
+    return repr((key, rung, device, f.backend_version, f.frontend_version, __version__, _graphs_source()))
+
+
+def load(key: Any, rung: str | None, device: str | Callable[[], str], new_graph: Callable[[], Any], *handle: Any) -> tuple[Any, dict] | None:
+    """``(graph, meta)`` for ``BuiltGraph(graph, key=key, **meta)``: the stored plan of ``key`` built at ladder rung ``rung``
+    for ``device`` (a descriptor, or a function giving one) deserialized into ``new_graph()`` (with ``handle``); else None."""
+    cache = active()
+    try:
+        ident = cache and _ident(key, rung, device() if callable(device) else device)
+        payload = cache and cache.get(ident)
+    except Exception as exc:  # noqa: BLE001 - the cache must never turn a build into a failure
+        warn_once(("plan_cache", "load"), "plan cache: cannot read entries (%s: %s); building", type(exc).__name__, exc)
+        return None
+    if payload is None:
+        return None
+    try:
+        (n,) = _META.unpack_from(payload)
+        meta = json.loads(payload[_META.size : _META.size + n])
+        graph = new_graph()
+        graph.deserialize(*handle, payload[_META.size + n :])
+        if int(graph.get_workspace_size()) != meta["workspace_size"]:
+            raise ValueError(f"workspace {graph.get_workspace_size()} != {meta['workspace_size']}")
+    except Exception as exc:  # noqa: BLE001 - another cuDNN or GPU, a bad blob: rebuild
+        return cache.reject(ident, f"cannot be restored ({type(exc).__name__}: {str(exc)[:200]})")
+    return graph, meta
+
+
+def store(key: Any, rung: str | None, device: str | Callable[[], str], built: Any) -> None:
+    """Save ``built`` (a BuiltGraph) for :func:`load`. Plans served by the frontend's Python engines are not stored."""
+    cache = active()
+    if cache is None or getattr(built.graph, "selected_engine", None) is not None:
+        return
+    try:
+        blob = bytes(built.graph.serialize(as_bytes=True))
+        meta = json.dumps({"workspace_size": built.workspace_size, "implementation": built.implementation, "plan": built.plan}).encode()
+        cache.put(_ident(key, rung, device() if callable(device) else device), _META.pack(len(meta)) + meta + blob)
+    except Exception as exc:  # noqa: BLE001 - a plan that cannot be stored is simply not cached
+        logger.debug("plan cache: not storing the plan for %s: %s: %s", key, type(exc).__name__, exc)
+
+
+@functools.cache
+def device_descriptor(index: int) -> str:
+    """A real GPU's descriptor: cuDNN's device properties, else (older backends) torch's name, capability, SMs, memory."""
+    try:
+        return str(graphs.cudnn_module().create_device_properties(index).serialize())
+    except Exception:  # noqa: BLE001 - older backends have no device properties
+        import torch
+
+        p = torch.cuda.get_device_properties(index)
+        return repr((p.name, p.major, p.minor, p.total_memory, p.multi_processor_count, torch.version.cuda))
+
