@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 import torch
 
 from . import cudnn_rules
+from .cudnn_rules import ALIGNMENT_BYTES
 from .graphs import Uid
 from .keys import RNG_SIG, BackwardKey, ForwardKey, Target, TensorSig
 from .layout import (
@@ -95,6 +96,21 @@ class Plan(NamedTuple):
     steps: tuple[Step, ...]
     #: indices of the values the operator returns
     outputs: tuple[int, ...]
+    #: ``steps`` as :func:`bind` runs them: (uid, src) for a tensor bound as it is, (uid, None, sig) for
+    #: a fresh buffer, (uid, None, None, step) for the rest (the per-call loop does the least work)
+    ops: tuple = ()
+
+
+def _plan(key: ForwardKey | BackwardKey, steps: list[Step], outputs: tuple[int, ...]) -> Plan:
+    ops = []
+    for s in steps:
+        if s.src is not None and s.view is None and s.fill is None and s.field is None:
+            ops.append((s.uid, s.src))
+        elif s.src is None and s.view is None and not s.draw:
+            ops.append((s.uid, None, s.fill))
+        else:
+            ops.append((s.uid, None, None, s))
+    return Plan(key, tuple(steps), tuple(outputs), tuple(ops))
 
 
 class Bound(NamedTuple):
@@ -103,6 +119,27 @@ class Bound(NamedTuple):
     key: ForwardKey | BackwardKey
     pack: dict[Uid, torch.Tensor]
     outputs: tuple[torch.Tensor, ...]
+
+
+def _arg_key(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.shape, x.stride(), x.dtype, x.data_ptr() % ALIGNMENT_BYTES == 0
+    return _pattern_sig(x)
+
+
+def memo_key(call: ForwardCall | BackwardCall) -> tuple:
+    """What :func:`signature` depends on, made on every call: tensor fields by layout, options as they are."""
+    if type(call) is ForwardCall:
+        q, k, v, mask = call[:4]
+        return (q.shape, q.stride(), q.dtype, k.shape, k.stride(), k.dtype, v.shape, v.stride(), v.dtype,
+                (q.data_ptr() | k.data_ptr() | v.data_ptr()) % ALIGNMENT_BYTES == 0 or tuple(map(_arg_key, call[:3])),
+                None if mask is None else _arg_key(mask), call[4:])
+    g, q, k, v, mask, p, causal, o, stats, seed, offset = call[:11]
+    ptrs = g.data_ptr() | q.data_ptr() | k.data_ptr() | v.data_ptr() | o.data_ptr() | stats.data_ptr()
+    return (BackwardCall, g.shape, g.stride(), g.dtype, q.shape, q.stride(), q.dtype, k.shape, k.stride(), k.dtype,
+            v.shape, v.stride(), v.dtype, o.shape, o.stride(), o.dtype, stats.shape, stats.stride(), stats.dtype,
+            ptrs % ALIGNMENT_BYTES == 0 or tuple(map(_arg_key, (g, q, k, v, o, stats))),
+            None if mask is None else _arg_key(mask), p, causal, _arg_key(seed), _arg_key(offset), call[11:])
 
 
 def signature(call: ForwardCall | BackwardCall) -> ForwardCall | BackwardCall:
@@ -210,7 +247,7 @@ def plan_forward(call: ForwardCall, target: Target) -> Plan:
         q, k, v, s[Uid.O], s.get(Uid.STATS), s.get(Uid.BIAS), s.get(Uid.SEED), s.get(Uid.OFFSET),
         _causal(call), float(call.dropout_p), default_scale(d, call.scale), p.policy.value, target, left, padded,
     )
-    return Plan(key, tuple(p.steps), tuple(outputs))
+    return _plan(key, p.steps, tuple(outputs))
 
 
 def plan_backward(call: BackwardCall, target: Target) -> Plan:
@@ -239,7 +276,7 @@ def plan_backward(call: BackwardCall, target: Target) -> Plan:
         s[Uid.DQ], s[Uid.DK], s[Uid.DV], _causal(call), float(call.dropout_p),
         default_scale(q.shape[3], call.scale), p.policy.value, bool(call.deterministic), target, left, padded,
     )
-    return Plan(key, tuple(p.steps), outputs)
+    return _plan(key, p.steps, outputs)
 
 
 def _causal(call: ForwardCall | BackwardCall) -> bool:
@@ -296,26 +333,38 @@ def companion_backward_key(call: ForwardCall, fkey: ForwardKey, mask_grad: bool)
 
 
 def bind(plan: Plan, call: ForwardCall | BackwardCall) -> Bound:
-    """Carry ``plan`` out on ``call``'s tensors: every bound tensor has the layout the key declares."""
+    """Carry ``plan`` out on ``call``'s tensors: every bound tensor has the layout the key declares.
+
+    Runs on every call (the plan is memoized): steps are unpacked as tuples, not read by attribute.
+    """
     values: list = list(call)
     pack: dict[Uid, torch.Tensor] = {}
     device = call.query.device
-    for step in plan.steps:
-        t = None if step.src is None else values[step.src]
-        if step.field is not None:
-            t = getattr(t, step.field)
-        if step.view is not None:
-            t = t.as_strided(step.view[0], step.view[1], t.storage_offset() + step.view[2])
-        if step.fill is not None:
-            if step.shared:
-                source = t
-                t = converted_masks.get(values[step.src], (step.view, step.fill), lambda: _fill(step, source, device))
-            else:
-                t = _fill(step, t, device)
+    for op in plan.ops:
+        if op[1] is not None:
+            t = values[op[1]]
+        elif op[2] is not None:
+            t = torch.empty_strided(op[2].shape, op[2].stride, dtype=op[2].dtype, device=device)
+        else:
+            t = _step(op[3], values, device)
         values.append(t)
-        if step.uid is not None:
-            pack[step.uid] = t
-    return Bound(plan.key, pack, tuple(values[i] for i in plan.outputs))
+        if op[0] is not None:
+            pack[op[0]] = t
+    return Bound(plan.key, pack, tuple([values[i] for i in plan.outputs]))
+
+
+def _step(step: Step, values: list, device: torch.device) -> torch.Tensor:
+    """A step that views, copies, converts a mask or draws random numbers."""
+    t = None if step.src is None else values[step.src]
+    if step.field is not None:
+        t = getattr(t, step.field)
+    if step.view is not None:
+        t = t.as_strided(step.view[0], step.view[1], t.storage_offset() + step.view[2])
+    if step.fill is None:
+        return t
+    if step.shared:
+        return converted_masks.get(values[step.src], (step.view, step.fill), lambda: _fill(step, t, device))
+    return _fill(step, t, device)
 
 
 def _fill(step: Step, src: torch.Tensor | None, device: torch.device) -> torch.Tensor:

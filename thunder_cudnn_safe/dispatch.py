@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from . import cudnn_rules, fallback, handoff, support
-from .binding import BackwardCall, Bound, ForwardCall, Plan, bind, companion_backward_key, plan_backward, plan_forward, signature, torch_deterministic, with_grad_out_like_o
+from .binding import BackwardCall, Bound, ForwardCall, Plan, bind, companion_backward_key, memo_key, plan_backward, plan_forward, signature, torch_deterministic, with_grad_out_like_o
 from .cache import GraphCache, graph_cache
 from .errors import ExecuteError, GraphBuildError
 from .graphs import Uid
@@ -36,17 +36,19 @@ class Dispatcher:
 
     def plan(self, call: ForwardCall | BackwardCall) -> Plan:
         """``call``'s plan, memoized by its signature (the layouts a training step repeats are decided once)."""
-        memo = (signature(call), self.runtime.target(call.query.device))
-        plan = self.plans.get(memo)
+        target = self.runtime.target(call.query.device)
+        memo = (memo_key(call), target)
+        plan = self.plans.peek(memo)
         if plan is None:
-            plan = (plan_forward if isinstance(call, ForwardCall) else plan_backward)(*memo)
+            plan = (plan_forward if isinstance(call, ForwardCall) else plan_backward)(signature(call), target)
             self.plans.put(memo, plan)
         return plan
 
     def forward(self, *args, **kwargs) -> tuple[torch.Tensor, ...]:
         """O and stats (none when ``need_stats`` is False), then the dropout seed and offset."""
         call = ForwardCall(*args, **kwargs)
-        call = call._replace(deterministic=call.deterministic or torch_deterministic())
+        if not call.deterministic and torch_deterministic():
+            call = call._replace(deterministic=True)
         masked = with_mask_pattern(call)
         bound = bind(self.plan(masked), masked)
         if call.dropout_p and call.need_stats and not self._backward_builds(call, masked, bound):
@@ -60,7 +62,8 @@ class Dispatcher:
     def backward(self, *args, **kwargs) -> tuple[torch.Tensor, ...]:
         """(dq, dk, dv), or (grad_qkv,) when fused, then the mask's gradient when ``mask_grad``."""
         call = BackwardCall(*args, **kwargs)
-        call = call._replace(deterministic=call.deterministic or torch_deterministic())
+        if not call.deterministic and torch_deterministic():
+            call = call._replace(deterministic=True)
         kept = handoff.take_gradients(call) if call.attn_mask is not None else None
         if kept is not None:
             return kept

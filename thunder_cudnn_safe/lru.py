@@ -27,6 +27,10 @@ class LRU:
                 self._data.move_to_end(key)
             return value
 
+    def peek(self, key: Hashable, default: Any = None) -> Any:
+        """``get`` without marking the entry used: no lock (one dict read), for the per-call plan memo."""
+        return self._data.get(key, default)
+
     def put(self, key: Hashable, value: Any) -> None:
         with self._lock:
             self._data[key] = value
