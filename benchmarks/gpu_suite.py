@@ -44,7 +44,8 @@ QUICK_SEQLENS = (1024, 8192)
 TOKENS = 16384  # B * S
 HIDDEN = 2048  # H * D
 DEFAULT_EXECUTORS = ("cudnn_safe", "sdpaex", "eager", "thunder_cudnn")
-ALL_EXECUTORS = ("cudnn_safe", "cudnn_safe[contiguous]", "sdpaex", "eager", "thunder_cudnn")
+ALL_EXECUTORS = ("cudnn_safe", "cudnn_safe[contiguous]", "cudnn_safe[mask]", "cudnn_safe[mask-bias]", "sdpaex", "eager",
+                 "thunder_cudnn")
 
 METHOD = (
     "CUDA events around forward, backward and forward+backward of one SDPA call (training: q/k/v require grad), "
@@ -94,6 +95,20 @@ def _attention_fn(causal: bool) -> Callable:
     return sdpa
 
 
+def _masked_fn(causal: bool, bias: bool) -> Callable:
+    """SDPA with the mask a model materializes (issue 21): causal configs a boolean causal mask, the others
+    key padding (the last S/8 keys masked), made per call as HF does per step. ``bias``: the same mask as
+    an additive -1e4 bias, which is no pattern (runs as a bias read by cuDNN): pattern vs bias speed."""
+    def sdpa(q, k, v):
+        lq, s = q.shape[-2], k.shape[-2]
+        keep = torch.ones(lq, s, dtype=torch.bool, device=q.device)
+        keep = keep.tril() if causal else keep & (torch.arange(s, device=q.device) < s - s // 8)
+        mask = torch.zeros(lq, s, dtype=q.dtype, device=q.device).masked_fill(~keep, -1e4) if bias else keep
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    return sdpa
+
+
 _ATTN = re.compile(r"sdpa|scaled_dot_product|attention", re.IGNORECASE)
 
 
@@ -131,6 +146,9 @@ def make_callables(names, device: torch.device) -> dict[str, dict[str, Any]]:
             entry["expect"] = safe.name
             entry["build"] = lambda causal, layout=layout: thunder.jit(
                 _attention_fn(causal), executors=[safe], cudnn_safe_layout=layout)
+        elif name in ("cudnn_safe[mask]", "cudnn_safe[mask-bias]"):
+            entry["expect"] = safe.name
+            entry["build"] = lambda causal, bias=name.endswith("-bias]"): thunder.jit(_masked_fn(causal, bias), executors=[safe])
         elif name == "sdpaex":
             ex = getattr(thunder, "sdpa_executor", None)
             entry["expect"] = getattr(ex, "name", None)
@@ -260,9 +278,10 @@ def run(
         bufs = make_buffers(cfg, n_buffers, device_t)
         # eager reference for a sanity check of every executor's output and dq (first buffer)
         q0, k0, v0, g0 = bufs[0]
-        ref_out = F.scaled_dot_product_attention(q0, k0, v0, is_causal=cfg.causal)
-        ref_dq = torch.autograd.grad(ref_out, q0, g0)[0]
-        ref_out = ref_out.detach()
+        refs = {}
+        for masked in (False, True):  # the masked variants' reference: eager with the same boolean mask
+            ref_out = (_masked_fn(cfg.causal, False) if masked else _attention_fn(cfg.causal))(q0, k0, v0)
+            refs[masked] = (ref_out.detach(), torch.autograd.grad(ref_out, q0, g0)[0])
         for name, entry in table.items():
             row: dict[str, Any] = {"config": asdict(cfg), "executor": name}
             errs = repeated_error.get(name, [])
@@ -281,6 +300,7 @@ def run(
                     dq = torch.autograd.grad(out, q0, g0)[0]
                     clock.settle()
                     first_s = time.perf_counter() - t_first
+                    ref_out, ref_dq = refs[name.startswith("cudnn_safe[mask")]
                     row["max_abs_diff_vs_eager"] = {"out": _max_diff(out, ref_out), "dq": _max_diff(dq, ref_dq)}
                     del out, dq
                     if entry["expect"] is not None:
@@ -299,7 +319,7 @@ def run(
                     row["error"] = _error_text(exc)
                     repeated_error.setdefault(name, []).append(row["error"])
             rows.append(row)
-        del bufs, q0, k0, v0, g0, ref_out, ref_dq
+        del bufs, q0, k0, v0, g0, refs
         if device_t.type == "cuda":
             torch.cuda.empty_cache()
         done = [r for r in rows if r.get("config") == asdict(cfg) and "fwd_ms" in r]
