@@ -151,17 +151,17 @@ def test_quadratic_workspace_is_declined_over_the_budget(monkeypatch):
     assert reasons_for(blackwell, q, k, v, deterministic=True) == [], "sm100's deterministic engine has no dP workspace"
 
 
-def test_dropout_with_a_computed_mask_over_the_budget_falls_back_whole(fresh_cache, monkeypatch):
-    """A computed mask's gradient is only known after tracing: the dropout forward's pre-check treats
-    its dBias backward over the budget as refused, so forward and backward agree on the fallback."""
+def test_dropout_with_an_unneeded_mask_gradient_ignores_the_budget(fresh_cache, monkeypatch):
+    """A mask whose gradient nobody needs (an input mask, HF's finfo.min float masks) must not send a
+    dropout call to the fallback because its dBias variant would exceed the dP budget: the budget is
+    applied at trace time, where the need for dBias is known (a review found the whole call falling back)."""
     from thunder_cudnn_safe import support
 
     monkeypatch.setattr(support, "DP_WORKSPACE_LIMIT", 0)
     disp = tcs.emulated_ex.dispatcher
     q, k, v = (T(2, 2, 8, 64) for _ in range(3))
-    mask = T(2, 2, 8, 8)
-    disp.forward(q, k, v, mask, 0.25, False)
-    assert tcs.cache_info().fallbacks == 1
+    disp.forward(q, k, v, T(2, 2, 8, 8), 0.25, False)
+    assert tcs.cache_info().fallbacks == 0
 
 
 # -- 6 ------------------------------------------------------------------------------------

@@ -220,3 +220,28 @@ def test_a_mask_written_in_place_is_recognized_again(fresh_cache):
         ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask)
         assert (out.double() - ref).abs().max() < 2e-2, lens
     assert tcs.cache_info().builds == 1 and all(gr.key.padded and gr.key.bias is None for gr in tcs.cached_graphs())
+
+
+def test_padded_keys_get_zero_gradients_even_if_cudnn_leaves_them_unwritten(fresh_cache, monkeypatch):
+    """cuDNN's padding mask does not write dK/dV rows of keys past seq_len_kv (the emulation does the
+    same); eager gives exactly 0 there, so those buffers are allocated zeroed (a review's finding)."""
+    real_empty = torch.empty_strided
+    monkeypatch.setattr(torch, "empty_strided", lambda *a, **kw: real_empty(*a, **kw).fill_(float("nan")))
+    for cat in (False, True):
+        mask = prefix([5, 8], 8, 8)
+        inputs, out, grads = _run_cat(mask, cat)
+        _, ref = _eager(inputs, mask)
+        for a, r in zip(grads, ref):
+            assert torch.isfinite(a).all() and (a.double() - r).abs().max() < 3e-2
+
+
+def _run_cat(mask, cat):
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 2, 8, 64, generator=g).bfloat16() for _ in range(3))
+    disp = tcs.emulated_ex.dispatcher
+    out, stats = disp.forward(q, k, v, mask, 0.0, False, cat_grad_qkv=cat)
+    d_o = torch.randn(out.shape, generator=g).bfloat16()
+    grads = disp.backward(d_o, q, k, v, mask, 0.0, False, out, stats, None, None, cat_grad_qkv=cat)
+    if cat:
+        grads = grads[0].split([2, 2, 2], dim=1)
+    return (q, k, v, d_o), out, grads

@@ -89,6 +89,8 @@ class Step(NamedTuple):
     draw: bool = False
     #: the value is a :class:`~thunder_cudnn_safe.patterns.MaskPattern`: bind this field of it
     field: str | None = None
+    #: a zeroed buffer: cuDNN's padding mask leaves dK/dV rows of keys past seq_len_kv unwritten (eager: 0)
+    zero: bool = False
 
 
 class Plan(NamedTuple):
@@ -106,7 +108,7 @@ def _plan(key: ForwardKey | BackwardKey, steps: list[Step], outputs: tuple[int, 
     for s in steps:
         if s.src is not None and s.view is None and s.fill is None and s.field is None:
             ops.append((s.uid, s.src))
-        elif s.src is None and s.view is None and not s.draw:
+        elif s.src is None and s.view is None and not s.draw and not s.zero:
             ops.append((s.uid, None, s.fill))
         else:
             ops.append((s.uid, None, None, s))
@@ -170,10 +172,10 @@ class _Planner:
             self.sigs[step.uid] = sig
         return len(self.call) + len(self.steps) - 1
 
-    def new(self, uid: Uid | None, shape: tuple, strides: tuple, dtype: torch.dtype, draw: bool = False) -> int:
+    def new(self, uid: Uid | None, shape: tuple, strides: tuple, dtype: torch.dtype, draw: bool = False, zero: bool = False) -> int:
         """A fresh output buffer."""
         sig = TensorSig(tuple(shape), tuple(strides), dtype)
-        return self.add(Step(uid, None, fill=sig, draw=draw), sig)
+        return self.add(Step(uid, None, fill=sig, draw=draw, zero=zero), sig)
 
     def operand(self, uid: Uid, src: int, name: str, a: ArgSig, view: tuple | None = None) -> TensorSig:
         """An input as is (canonical size-1 strides), or a counted copy in its own order if cuDNN cannot read it."""
@@ -265,10 +267,11 @@ def plan_backward(call: BackwardCall, target: Target) -> Plan:
             a = call[i]
             p.add(Step(uid, i), TensorSig(tuple(a.shape), tuple(a.stride), a.dtype))
     if call.cat_grad_qkv and same_size_except_heads(q, k, v):
-        outputs = (_cat_grad_qkv(p, q, k, v),)
+        outputs = (_cat_grad_qkv(p, q, k, v, padded),)
     else:
         outputs = tuple(
-            p.new(uid, t.shape, strides_like(t.shape, t, p.policy), t.dtype) for uid, t in ((Uid.DQ, q), (Uid.DK, k), (Uid.DV, v))
+            p.new(uid, t.shape, strides_like(t.shape, t, p.policy), t.dtype, zero=padded and uid != Uid.DQ)
+            for uid, t in ((Uid.DQ, q), (Uid.DK, k), (Uid.DV, v))
         )
     s = p.sigs
     key = BackwardKey(
@@ -307,12 +310,12 @@ def _grad_out(p: _Planner, a: ArgSig, o: TensorSig, target: Target) -> None:
     p.add(Step(Uid.DO, 0, None, o, CopyReason.DO_LIKE_O if reason is None else reason, "grad_out"), o)
 
 
-def _cat_grad_qkv(p: _Planner, q: TensorSig, k: TensorSig, v: TensorSig) -> int:
+def _cat_grad_qkv(p: _Planner, q: TensorSig, k: TensorSig, v: TensorSig, zero: bool) -> int:
     """dq, dk, dv as head slices of one (B, Hq+Hk+Hv, S, D) buffer laid out BSHD."""
     b, _, s, d = q.shape
     shape = (b, q.shape[1] + k.shape[1] + v.shape[1], s, d)
     strides = dense_strides(shape, (0, 2, 1, 3), q.dtype)
-    buf = p.new(None, shape, strides, q.dtype)
+    buf = p.new(None, shape, strides, q.dtype, zero=zero)
     start = 0
     for uid, t in ((Uid.DQ, q), (Uid.DK, k), (Uid.DV, v)):
         view = (tuple(t.shape), canonical_strides(t.shape, strides), start * strides[1])
@@ -374,6 +377,8 @@ def _fill(step: Step, src: torch.Tensor | None, device: torch.device) -> torch.T
     buf = torch.empty_strided(f.shape, f.stride, dtype=f.dtype, device=device)
     if src is not None:
         _copy_into(buf, src, step.name, step.reason)
+    elif step.zero:
+        buf.zero_()
     return buf
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from . import cudnn_rules, fallback, handoff, support
+from . import fallback, handoff
 from .binding import BackwardCall, Bound, ForwardCall, Plan, bind, companion_backward_key, memo_key, plan_backward, plan_forward, signature, torch_deterministic, with_grad_out_like_o
 from .cache import GraphCache, graph_cache
 from .errors import ExecuteError, GraphBuildError
@@ -126,7 +126,6 @@ class Dispatcher:
         for mask_grad in (False, True) if float_mask else (False,):
             companion = companion_backward_key(signature(call if mask_grad else masked), bound.key, mask_grad)
             try:
-                _check_dp_workspace(companion)
                 self.cache.get_or_build(companion, self.runtime.build)
             except GraphBuildError as exc:
                 warn_once(
@@ -152,14 +151,6 @@ def with_mask_pattern(call: ForwardCall | BackwardCall) -> ForwardCall | Backwar
     if pattern.left is None and pattern.kv_lens is None:
         return call._replace(attn_mask=None, is_causal=pattern.right == 0)
     return call._replace(attn_mask=pattern)
-
-
-def _check_dp_workspace(key: BackwardKey) -> None:
-    """Refuse, like cuDNN, a dBias backward of a computed mask (not declined at trace time) over the dP workspace budget."""
-    b, h, s_q, _ = key.q.shape
-    need = cudnn_rules.dp_workspace_bytes(b, h, s_q, key.k.shape[2])
-    if cudnn_rules.needs_dp_workspace(key.target, key.d_bias is not None, key.deterministic) and need > support.DP_WORKSPACE_LIMIT:
-        raise GraphBuildError(f"the backward needs {need} bytes of dP workspace, over the budget of {support.DP_WORKSPACE_LIMIT}", True)
 
 
 def _zero_fully_masked_rows(bias: torch.Tensor, out: torch.Tensor, stats: torch.Tensor | None) -> None:

@@ -95,6 +95,11 @@ class _Bindings:
             return None
         return declared_view(self._bound(port, t), t, port)
 
+    def read_output(self, port: str) -> torch.Tensor:
+        """What an output's memory holds now, through its declared view."""
+        t = self.node.outputs[port]
+        return declared_view(self._bound(port, t), t, port)
+
     def write(self, port: str, value: torch.Tensor) -> None:
         t = self.node.outputs.get(port)
         if t is None or t.get_is_virtual():
@@ -172,6 +177,9 @@ def emulate(graph: Any, pack: dict) -> None:
         # Grouped heads: per-query-head dK/dV partials are declared in the I/O dtype, then added
         # (cudnn_frontend CompositeSDPABackwardNode: dK_fullhead / dV_fullhead, reduction ADD).
         dq, dk, dv, ds = reference.attention_backward(q, k, v, o, d_o, stats, how, partials=io_q.dtype)
+        if how.kv_lens is not None:  # like cuDNN's padding mask: dK/dV rows of keys past seq_len_kv are not written
+            valid = (torch.arange(k.shape[2]).view(1, 1, -1, 1) < how.kv_lens.view(-1, 1, 1, 1).cpu()).expand_as(dk)
+            dk, dv = (torch.where(valid, g, _f32(b.read_output(port))) for g, port in ((dk, "dK"), (dv, "dV")))
         for port, value in (("dQ", dq), ("dK", dk), ("dV", dv)):
             b.write(port, value)
         d_bias = node.outputs.get("dBias")

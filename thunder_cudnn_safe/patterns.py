@@ -103,7 +103,7 @@ def _recognize(mask: torch.Tensor, batch: int, lq: int, s: int) -> MaskPattern |
 def recognize(mask: torch.Tensor, batch: int, lq: int, s: int) -> MaskPattern | None:
     """The exact pattern of ``mask`` (broadcastable to (batch, H, lq, s)), or None; one host sync.
 
-    Temporaries are one byte per mask element (the per-row first and last kept key by argmax).
+    Temporaries are a few bytes per mask element (the per-row first and last kept key by argmax).
     """
     if mask.dim() < 2 or tuple(mask.shape[-2:]) != (lq, s) or lq == 0 or s == 0:
         return None
