@@ -192,9 +192,8 @@ def describe_target(query: Any, key: Any, value: Any, *args: Any, target: Any = 
     Takes :func:`~thunder_cudnn_safe.describe`'s arguments (tensors may be on the CPU), checks the call
     against ``target``'s rules, plans its keys as ``describe`` does (nothing is copied or run) and
     compiles them with :func:`compile_in_subprocess`."""
-    from .binding import ForwardCall, companion_backward_key, plan_forward, signature
-    from .dispatch import with_mask_pattern
-    from .layout import LayoutPolicy
+    from .binding import ForwardCall
+    from .dispatch import planned_keys
     from .support import not_supported_reasons
 
     device = resolve_target(target)
@@ -203,12 +202,8 @@ def describe_target(query: Any, key: Any, value: Any, *args: Any, target: Any = 
     reasons = not_supported_reasons(call, target_of(device), query.device.type)
     if reasons:
         return TargetReport(device, reasons, None, None)
-    mask_grad = call.attn_mask is not None and call.attn_mask.is_floating_point() and call.attn_mask.requires_grad
-    call = call._replace(layout=LayoutPolicy.parse(call.layout).value, dropout_p=float(call.dropout_p))
-    call = signature(call if mask_grad else with_mask_pattern(call))  # a mask that is a pattern runs as one
-    fkey = plan_forward(call, target_of(device)).key
-    keys = [fkey, companion_backward_key(call, fkey, mask_grad=mask_grad)]
-    return TargetReport(device, reasons, *compile_in_subprocess(keys, device, extra_ld_path=extra_ld_path)[device])
+    _, fkey, bkey = planned_keys(call, target_of(device))
+    return TargetReport(device, reasons, *compile_in_subprocess([fkey, bkey], device, extra_ld_path=extra_ld_path)[device])
 
 
 def _main() -> None:

@@ -15,7 +15,8 @@ from .binding import BackwardCall, Bound, ForwardCall, Plan, bind, companion_bac
 from .cache import GraphCache, graph_cache
 from .errors import ExecuteError, GraphBuildError
 from .graphs import Uid
-from .keys import BackwardKey
+from .keys import BackwardKey, ForwardKey, Target
+from .layout import LayoutPolicy
 from .lru import LRU
 from .patterns import MaskPattern, pattern_of
 from .reference import reduce_to_shape
@@ -137,6 +138,18 @@ class Dispatcher:
                 )
                 return False
         return True
+
+
+def planned_keys(call: ForwardCall, target: Target) -> tuple[ForwardCall, ForwardKey, BackwardKey]:
+    """The call as it runs (a pattern mask swapped in) and the keys of its forward and of its backward
+    for dO in O's layout, planned from layouts alone (nothing bound, built or drawn): for
+    ``describe()`` and ``aot.describe_target()``."""
+    mask = call.attn_mask
+    mask_grad = mask is not None and mask.dtype is not torch.bool and bool(mask.requires_grad)
+    call = call._replace(layout=LayoutPolicy.parse(call.layout).value, dropout_p=float(call.dropout_p))
+    masked = call if mask_grad else with_mask_pattern(call)
+    fkey = plan_forward(signature(masked), target).key
+    return masked, fkey, companion_backward_key(signature(masked), fkey, mask_grad=mask_grad)
 
 
 def with_mask_pattern(call: ForwardCall | BackwardCall) -> ForwardCall | BackwardCall:

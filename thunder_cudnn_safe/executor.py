@@ -28,9 +28,9 @@ from thunder.extend import OperatorExecutor, register_executor  # noqa: E402
 from ._version import __version__  # noqa: E402
 from . import emulation, gqa  # noqa: E402
 from .patterns import MaskPattern  # noqa: E402
-from .binding import BackwardCall, ForwardCall, companion_backward_key, plan_forward, signature, torch_deterministic  # noqa: E402
+from .binding import BackwardCall, ForwardCall, torch_deterministic  # noqa: E402
 from .cache import CachedGraph  # noqa: E402
-from .dispatch import Dispatcher, with_mask_pattern  # noqa: E402
+from .dispatch import Dispatcher, planned_keys  # noqa: E402
 from .layout import LayoutPolicy, same_size_except_heads  # noqa: E402
 from .runtime import CudnnRuntime, Runtime  # noqa: E402
 from .support import Decline, not_supported_reasons, torch_dtype  # noqa: E402
@@ -213,14 +213,9 @@ def describe(query: Any, key: Any, value: Any, *args: Any, executor: OperatorExe
     if reasons or not isinstance(query, torch.Tensor):
         return CallReport(reasons, None, None)
     ex = _resolve_executor(executor)
-    mask = call.attn_mask
-    mask_grad = mask is not None and mask.dtype is not torch.bool and mask.requires_grad
-    call = call._replace(layout=LayoutPolicy.parse(call.layout).value, dropout_p=float(call.dropout_p))
-    masked = call if mask_grad else with_mask_pattern(call)
-    fkey = plan_forward(signature(masked), ex.runtime.target(query.device)).key
-    bkey = companion_backward_key(signature(masked), fkey, mask_grad=mask_grad)
+    masked, fkey, bkey = planned_keys(call, ex.runtime.target(query.device))
     graphs = {g.key: g for g in ex.dispatcher.cache.graphs()}
-    pattern = None if mask is None else _pattern_name(masked)
+    pattern = None if call.attn_mask is None else _pattern_name(masked)
     return CallReport(reasons, graphs.get(fkey), graphs.get(bkey), pattern)
 
 
