@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from thunder_cudnn_safe import graphs
-from thunder_cudnn_safe.binding import BackwardCall, ForwardCall, bind, plan_forward, signature
+from thunder_cudnn_safe.binding import BackwardCall, ForwardCall, bind, memo_key, plan_forward, signature
 
 from . import harness
 
@@ -127,20 +127,21 @@ def _components(disp, q, k, v, g, out, stats, iters: int) -> list[dict[str, Any]
     disp.runtime.record = None
     fcall = ForwardCall(q, k, v)
     bcall = BackwardCall(g, q, k, v, None, 0.0, False, out, stats, None, None)
-    fsig = (signature(fcall), target)
+    fmemo = memo_key(fcall, target)
+    plan = disp.plans.peek(fmemo) or plan_forward(signature(fcall), target)
     steps = [
         ("runtime.target(device)", lambda: disp.runtime.target(device)),
-        ("forward call signature (3 tensors' shape, strides, dtype, alignment; flags)", lambda: signature(fcall)),
-        ("backward call signature (6 tensors)", lambda: signature(bcall)),
-        ("plan memo lookup (forward signature)", lambda: disp.plans.get(fsig)),
-        ("bind(plan, call) (views and 2 allocations)", lambda: bind(disp.plans.get(fsig), fcall)),
+        ("forward memo key (3 tensors' shape, strides, dtype, alignment; options)", lambda: memo_key(fcall, target)),
+        ("backward memo key (6 tensors)", lambda: memo_key(bcall, target)),
+        ("plan memo lookup (forward)", lambda: disp.plans.peek(fmemo)),
+        ("bind(plan, call) (the plan's compiled function: 2 allocations)", lambda: bind(plan, fcall)),
         ("torch.empty_strided(out's shape, strides) (allocation)", lambda: torch.empty_strided(out.shape, out.stride(), dtype=out.dtype)),
         ("torch.empty_strided(stats.shape, stats.stride(), dtype=float32)", lambda: torch.empty_strided(stats.shape, stats.stride(), dtype=torch.float32)),
         ("3x torch.empty_strided (dq, dk, dv)", lambda: tuple(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype) for t in (q, k, v))),
         ("cache.get_or_build, forward hit (lock, hash + compare the key, move_to_end)", lambda: disp.cache.get_or_build(fkey, disp.runtime.build)),
         ("cache.get_or_build, backward hit", lambda: disp.cache.get_or_build(bkey, disp.runtime.build)),
         ("hash(ForwardKey)", lambda: hash(fkey)),
-        ("for reference, a miss only: plan_forward(signature)", lambda: plan_forward(*fsig)),
+        ("for reference, a miss only: plan_forward(signature) (plans and compiles)", lambda: plan_forward(signature(fcall), target)),
     ]
     rows = []
     for name, fn in steps:

@@ -363,7 +363,7 @@ def test_s1_backward_is_refused_while_its_forward_lowers() -> None:
     call = Call("s1-dropout", shape=(2, 2, 1, 1, 64, 64), dropout=0.1)
     # The dispatcher no longer builds this forward (it checks the backward first), so bind it directly.
     q, k, v, _ = _tensors(call)
-    forward_key = tcs.emulated_ex.dispatcher.plan(ForwardCall(q, k, v, None, 0.1)).key
+    forward_key = tcs.emulated_ex.dispatcher.bind(ForwardCall(q, k, v, None, 0.1)).key
     for sm in ARCHS:
         forward, backward = lowering.lower_key(forward_key, sm), lowering.lower_key(_key(call, BackwardKey), sm)
         assert forward.ok, forward

@@ -70,20 +70,26 @@ def test_cuda_graph_replay_reads_each_steps_mask(fresh_cache):
 
 
 # -- 2 ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("variant", ["deterministic", "d_bias"])
+@pytest.mark.parametrize("variant", ["deterministic", "torch-deterministic-mode", "d_bias"])
 def test_dropout_forward_prechecks_the_backward_that_will_run(variant, fresh_cache):
     """cuDNN refuses only the deterministic (or the dBias) backward. The forward used to pre-check the
-    plain backward, ran its dropout in cuDNN, and the real backward then raised: now both fall back."""
+    plain backward, ran its dropout in cuDNN, and the real backward then raised: now both fall back.
+    Also when the deterministic backward comes from ``torch.use_deterministic_algorithms(True)``."""
     disp = tcs.emulated_ex.dispatcher
     q, k, v = (T(2, 2, 8, 64) for _ in range(3))
     mask = T(2, 2, 8, 8) if variant == "d_bias" else None
     deterministic = variant == "deterministic"
-    refused = (lambda key: key.deterministic) if deterministic else (lambda key: key.d_bias is not None)
+    refused = (lambda key: key.deterministic) if variant != "d_bias" else (lambda key: key.d_bias is not None)
     hook = lambda key: "refused variant" if isinstance(key, BackwardKey) and refused(key) else None  # noqa: E731
-    with checks.inject_failures(build=hook):
-        out, stats, seed, offset = disp.forward(q, k, v, mask, 0.25, False, deterministic=deterministic)
-        g = torch.randn_like(out)
-        grads = disp.backward(g, q, k, v, mask, 0.25, False, out, stats, seed, offset, deterministic=deterministic, mask_grad=mask is not None)
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(variant == "torch-deterministic-mode")
+    try:
+        with checks.inject_failures(build=hook):
+            out, stats, seed, offset = disp.forward(q, k, v, mask, 0.25, False, deterministic=deterministic)
+            g = torch.randn_like(out)
+            grads = disp.backward(g, q, k, v, mask, 0.25, False, out, stats, seed, offset, deterministic=deterministic, mask_grad=mask is not None)
+    finally:
+        torch.use_deterministic_algorithms(was)
     assert tcs.cache_info().fallbacks == 2, "forward and backward both on the fallback"
     assert all(torch.isfinite(t).all() for t in grads)
 

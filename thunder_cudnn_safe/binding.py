@@ -9,6 +9,7 @@ The one place to check the rule *declared layout == bound layout*. :func:`plan_f
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -93,28 +94,6 @@ class Step(NamedTuple):
     zero: bool = False
 
 
-class Plan(NamedTuple):
-    key: ForwardKey | BackwardKey
-    steps: tuple[Step, ...]
-    #: indices of the values the operator returns
-    outputs: tuple[int, ...]
-    #: ``steps`` as :func:`bind` runs them: (uid, src) for a tensor bound as it is, (uid, None, sig) for
-    #: a fresh buffer, (uid, None, None, step) for the rest (the per-call loop does the least work)
-    ops: tuple = ()
-
-
-def _plan(key: ForwardKey | BackwardKey, steps: list[Step], outputs: tuple[int, ...]) -> Plan:
-    ops = []
-    for s in steps:
-        if s.src is not None and s.view is None and s.fill is None and s.field is None:
-            ops.append((s.uid, s.src))
-        elif s.src is None and s.view is None and not s.draw and not s.zero:
-            ops.append((s.uid, None, s.fill))
-        else:
-            ops.append((s.uid, None, None, s))
-    return Plan(key, tuple(steps), tuple(outputs), tuple(ops))
-
-
 class Bound(NamedTuple):
     """A call ready for any runtime: the graph key, the tensors bound to its uids, the operator's outputs."""
 
@@ -123,22 +102,66 @@ class Bound(NamedTuple):
     outputs: tuple[torch.Tensor, ...]
 
 
+class Plan(NamedTuple):
+    key: ForwardKey | BackwardKey
+    steps: tuple[Step, ...]
+    #: indices of the values the operator returns
+    outputs: tuple[int, ...]
+    #: ``steps`` as one function ``(call, device) -> Bound`` (:func:`_compile`)
+    run: Callable[[tuple, torch.device], Bound]
+
+
+def _plan(key: ForwardKey | BackwardKey, steps: list[Step], outputs: tuple[int, ...], n_args: int) -> Plan:
+    return Plan(key, tuple(steps), tuple(outputs), _compile(key, steps, outputs, n_args))
+
+
+def _compile(key: ForwardKey | BackwardKey, steps: list[Step], outputs: tuple[int, ...], n_args: int) -> Callable:
+    """``steps`` as the source of one straight-line function, compiled once per plan.
+
+    :func:`bind` runs on every call, a graph-cache hit included, and an interpreted loop over the
+    steps cost as much as the allocations it makes. Value ``v<i>`` is the call's field i, then step
+    i - n_args's tensor; a tensor bound as it is gets no line, a fresh buffer is one
+    ``empty_strided`` with its shape and strides as constants, every other step calls :func:`_step`.
+    """
+    env: dict[str, Any] = {"empty_strided": torch.empty_strided, "run_step": _step, "new": tuple.__new__, "Bound": Bound, "key": key}
+    names = [f"v{i}" for i in range(n_args)]
+    lines = ["def bind(call, device):", f"    {', '.join(names)}, = call"]
+    pack = []
+    for i, s in enumerate(steps, start=n_args):
+        env[f"s{i}"], env[f"u{i}"] = s, s.uid
+        if s.src is not None and s.view is None and s.fill is None and s.field is None:
+            names.append(names[s.src])
+        else:
+            names.append(f"v{i}")
+            if s.src is None and not s.draw and not s.zero:
+                env[f"d{i}"] = s.fill.dtype
+                expr = f"empty_strided({tuple(s.fill.shape)!r}, {tuple(s.fill.stride)!r}, dtype=d{i}, device=device)"
+            else:
+                expr = f"run_step(s{i}, {'None' if s.src is None else names[s.src]}, device)"
+            lines.append(f"    v{i} = {expr}")
+        if s.uid is not None:
+            pack.append(f"u{i}: {names[i]}")
+    lines.append(f"    return new(Bound, (key, {{{', '.join(pack)}}}, ({''.join(names[i] + ', ' for i in outputs)})))")
+    exec(compile("\n".join(lines), "<thunder_cudnn_safe plan>", "exec"), env)
+    return env["bind"]
+
+
 def _arg_key(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
         return x.shape, x.stride(), x.dtype, x.data_ptr() % ALIGNMENT_BYTES == 0
     return _pattern_sig(x)
 
 
-def memo_key(call: ForwardCall | BackwardCall) -> tuple:
+def memo_key(call: ForwardCall | BackwardCall, target: Target) -> tuple:
     """What :func:`signature` depends on, made on every call: tensor fields by layout, options as they are."""
     if type(call) is ForwardCall:
         q, k, v, mask = call[:4]
-        return (q.shape, q.stride(), q.dtype, k.shape, k.stride(), k.dtype, v.shape, v.stride(), v.dtype,
+        return (target, q.shape, q.stride(), q.dtype, k.shape, k.stride(), k.dtype, v.shape, v.stride(), v.dtype,
                 (q.data_ptr() | k.data_ptr() | v.data_ptr()) % ALIGNMENT_BYTES == 0 or tuple(map(_arg_key, call[:3])),
                 None if mask is None else _arg_key(mask), call[4:])
     g, q, k, v, mask, p, causal, o, stats, seed, offset = call[:11]
     ptrs = g.data_ptr() | q.data_ptr() | k.data_ptr() | v.data_ptr() | o.data_ptr() | stats.data_ptr()
-    return (BackwardCall, g.shape, g.stride(), g.dtype, q.shape, q.stride(), q.dtype, k.shape, k.stride(), k.dtype,
+    return (target, BackwardCall, g.shape, g.stride(), g.dtype, q.shape, q.stride(), q.dtype, k.shape, k.stride(), k.dtype,
             v.shape, v.stride(), v.dtype, o.shape, o.stride(), o.dtype, stats.shape, stats.stride(), stats.dtype,
             ptrs % ALIGNMENT_BYTES == 0 or tuple(map(_arg_key, (g, q, k, v, o, stats))),
             None if mask is None else _arg_key(mask), p, causal, _arg_key(seed), _arg_key(offset), call[11:])
@@ -249,7 +272,7 @@ def plan_forward(call: ForwardCall, target: Target) -> Plan:
         q, k, v, s[Uid.O], s.get(Uid.STATS), s.get(Uid.BIAS), s.get(Uid.SEED), s.get(Uid.OFFSET),
         _causal(call), float(call.dropout_p), default_scale(d, call.scale), p.policy.value, target, left, padded,
     )
-    return _plan(key, p.steps, tuple(outputs))
+    return _plan(key, p.steps, tuple(outputs), len(call))
 
 
 def plan_backward(call: BackwardCall, target: Target) -> Plan:
@@ -279,7 +302,7 @@ def plan_backward(call: BackwardCall, target: Target) -> Plan:
         s[Uid.DQ], s[Uid.DK], s[Uid.DV], _causal(call), float(call.dropout_p),
         default_scale(q.shape[3], call.scale), p.policy.value, bool(call.deterministic), target, left, padded,
     )
-    return _plan(key, p.steps, outputs)
+    return _plan(key, p.steps, outputs, len(call))
 
 
 def _causal(call: ForwardCall | BackwardCall) -> bool:
@@ -336,29 +359,13 @@ def companion_backward_key(call: ForwardCall, fkey: ForwardKey, mask_grad: bool)
 
 
 def bind(plan: Plan, call: ForwardCall | BackwardCall) -> Bound:
-    """Carry ``plan`` out on ``call``'s tensors: every bound tensor has the layout the key declares.
-
-    Runs on every call (the plan is memoized): steps are unpacked as tuples, not read by attribute.
-    """
-    values: list = list(call)
-    pack: dict[Uid, torch.Tensor] = {}
-    device = call.query.device
-    for op in plan.ops:
-        if op[1] is not None:
-            t = values[op[1]]
-        elif op[2] is not None:
-            t = torch.empty_strided(op[2].shape, op[2].stride, dtype=op[2].dtype, device=device)
-        else:
-            t = _step(op[3], values, device)
-        values.append(t)
-        if op[0] is not None:
-            pack[op[0]] = t
-    return Bound(plan.key, pack, tuple([values[i] for i in plan.outputs]))
+    """Carry ``plan`` out on ``call``'s tensors: every bound tensor has the layout the key declares."""
+    return plan.run(call, call.query.device)
 
 
-def _step(step: Step, values: list, device: torch.device) -> torch.Tensor:
-    """A step that views, copies, converts a mask or draws random numbers."""
-    t = None if step.src is None else values[step.src]
+def _step(step: Step, src: Any, device: torch.device) -> torch.Tensor:
+    """A step that views, copies, converts a mask or draws random numbers; ``src``: the value it reads."""
+    t = src
     if step.field is not None:
         t = getattr(t, step.field)
     if step.view is not None:
@@ -366,7 +373,7 @@ def _step(step: Step, values: list, device: torch.device) -> torch.Tensor:
     if step.fill is None:
         return t
     if step.shared:
-        return converted_masks.get(values[step.src], (step.view, step.fill), lambda: _fill(step, t, device))
+        return converted_masks.get(src, (step.view, step.fill), lambda: _fill(step, t, device))
     return _fill(step, t, device)
 
 

@@ -63,18 +63,22 @@ class GraphCache:
         self._zero()
 
     def _zero(self) -> None:
-        self.hits = self.misses = self.builds = self.build_failures = self.negative_hits = self.fallbacks = 0
+        self.misses = self.builds = self.build_failures = self.negative_hits = self.fallbacks = 0
         self.build_seconds = 0.0
 
     def _count(self, name: str, n: float = 1) -> None:
         with self._lock:
             setattr(self, name, getattr(self, name) + n)
 
+    @property
+    def hits(self) -> int:
+        return self._graphs.hits
+
     def _known(self, key: Hashable, count: bool) -> Any:
-        """The built graph for ``key`` if cached; raises GraphBuildError if refused; else None."""
-        entry = self._graphs.get(key)
+        """The built graph for ``key`` if cached (a counted hit takes one lock: the LRU's); raises
+        GraphBuildError if refused; else None."""
+        entry = self._graphs.get(key) if count else self._graphs.peek(key)
         if entry is not None:
-            count and self._count("hits")
             return entry
         reason = self._refused.get(key)
         if reason is not None:
@@ -84,8 +88,14 @@ class GraphCache:
 
     def get_or_build(self, key: Hashable, build: Callable[[Hashable], Any]) -> Any:
         """The built graph for ``key``, built once on a miss. Raises GraphBuildError."""
-        entry = self._known(key, count=True)
+        entry = self._graphs.get(key)  # a hit: one lookup under one lock
         if entry is not None:
+            return entry
+        return self._refused_or_build(key, build)
+
+    def _refused_or_build(self, key: Hashable, build: Callable[[Hashable], Any]) -> Any:
+        entry = self._known(key, count=True)
+        if entry is not None:  # built by another thread since the first lookup
             return entry
         with self._lock:
             self.misses += 1

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from . import fallback, handoff
-from .binding import BackwardCall, Bound, ForwardCall, Plan, bind, companion_backward_key, memo_key, plan_backward, plan_forward, signature, torch_deterministic, with_grad_out_like_o
+from .binding import BackwardCall, Bound, ForwardCall, companion_backward_key, memo_key, plan_backward, plan_forward, signature, torch_deterministic, with_grad_out_like_o
 from .cache import GraphCache, graph_cache
 from .errors import ExecuteError, GraphBuildError
 from .graphs import Uid
@@ -35,28 +35,27 @@ class Dispatcher:
         self.cache = cache
         self.plans = LRU(PLAN_MEMO_SIZE)
 
-    def plan(self, call: ForwardCall | BackwardCall) -> Plan:
-        """``call``'s plan, memoized by its signature (the layouts a training step repeats are decided once)."""
-        target = self.runtime.target(call.query.device)
-        memo = (memo_key(call), target)
+    def bind(self, call: ForwardCall | BackwardCall) -> Bound:
+        """``call`` bound by its plan, memoized by its signature (the layouts a training step repeats are
+        planned once; a cache hit costs the memo key, one dict read and the plan's own function)."""
+        device = call.query.device
+        memo = memo_key(call, self.runtime.target(device))
         plan = self.plans.peek(memo)
         if plan is None:
-            plan = (plan_forward if isinstance(call, ForwardCall) else plan_backward)(signature(call), target)
+            plan = (plan_forward if isinstance(call, ForwardCall) else plan_backward)(signature(call), memo[0])
             self.plans.put(memo, plan)
-        return plan
+        return plan.run(call, device)
 
     def forward(self, *args, **kwargs) -> tuple[torch.Tensor, ...]:
         """O and stats (none when ``need_stats`` is False), then the dropout seed and offset."""
         call = ForwardCall(*args, **kwargs)
-        if not call.deterministic and torch_deterministic():
-            call = call._replace(deterministic=True)
-        masked = with_mask_pattern(call)
-        bound = bind(self.plan(masked), masked)
+        masked = call if call.attn_mask is None else with_mask_pattern(call)
+        bound = self.bind(masked)
         if call.dropout_p and call.need_stats and not self._backward_builds(call, masked, bound):
             self.run_fallback(bound)
         else:
             self.run(bound)
-        if Uid.BIAS in bound.pack:
+        if masked.attn_mask is not None and Uid.BIAS in bound.pack:
             _zero_fully_masked_rows(bound.pack[Uid.BIAS], bound.outputs[0], bound.pack.get(Uid.STATS))
         return bound.outputs
 
@@ -70,7 +69,7 @@ class Dispatcher:
             return kept
         if not call.mask_grad:
             call = with_mask_pattern(call)
-        bound = bind(self.plan(call), call)
+        bound = self.bind(call)
         self.run(bound)
         if call.mask_grad:
             return bound.outputs + (_mask_gradient(bound.pack[Uid.DBIAS], call.attn_mask),)
@@ -124,8 +123,10 @@ class Dispatcher:
         after dead-code elimination (with it, the mask runs as a bias even where the forward ran a pattern).
         """
         float_mask = call.attn_mask is not None and call.attn_mask.dtype != torch.bool
+        deterministic = call.deterministic or torch_deterministic()  # as the backward will decide
         for mask_grad in (False, True) if float_mask else (False,):
-            companion = companion_backward_key(signature(call if mask_grad else masked), bound.key, mask_grad)
+            bcall = signature(call if mask_grad else masked)._replace(deterministic=deterministic)
+            companion = companion_backward_key(bcall, bound.key, mask_grad)
             try:
                 self.cache.get_or_build(companion, self.runtime.build)
             except GraphBuildError as exc:

@@ -19,12 +19,15 @@ class LRU:
         self.maxsize = maxsize
         #: entries dropped to respect the bound (not by pop/clear)
         self.evictions = 0
+        #: ``get`` calls that found their key (counted under the same lock: a hit takes one lock)
+        self.hits = 0
 
     def get(self, key: Hashable, default: Any = None) -> Any:
         with self._lock:
             value = self._data.get(key, default)
             if value is not default:
                 self._data.move_to_end(key)
+                self.hits += 1
             return value
 
     def peek(self, key: Hashable, default: Any = None) -> Any:
@@ -55,7 +58,7 @@ class LRU:
     def clear(self) -> None:
         with self._lock:
             self._data.clear()
-            self.evictions = 0
+            self.evictions = self.hits = 0
 
     def items(self) -> list[tuple[Hashable, Any]]:
         """A snapshot, least recently used first."""
