@@ -199,3 +199,38 @@ def test_mask_pattern_graphs_compile(standin):
         failed = [(type(key).__name__, key.padded, key.left, key.dropout_p, key.deterministic if isinstance(key, BackwardKey) else None, r.reason)
                   for key, r in zip(keys, results) if not r.ok]
         assert not failed, (sm, failed)
+
+
+def _decode_keys(device: str, dynamic: str) -> list:
+    """The forward keys of decode steps (one query) over new key lengths and a new batch size."""
+    from thunder_cudnn_safe import binding
+
+    was = binding._dynamic_shapes
+    tcs.set_dynamic_shapes(dynamic)
+    try:
+        keys = []
+        for b, s in ((1, 64), (1, 96), (1, 160), (1, 300), (4, 96)):
+            q, k, v = torch.randn(b, 8, 1, 128, dtype=torch.bfloat16), *(torch.randn(b, 8, s, 128, dtype=torch.bfloat16) for _ in range(2))
+            call = binding.ForwardCall(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, need_stats=False)
+            keys.append(binding.plan_forward(binding.signature(call), aot.target_of(device)).key)
+        return keys
+    finally:
+        tcs.set_dynamic_shapes(was)
+
+
+def test_new_lengths_reuse_one_compiled_kernel(standin):
+    """Issue 22: as dynamic-shape graphs, the decode forwards of new lengths and batch sizes mostly get
+    their plans from a kernel compiled before (milliseconds each, on every arch; cuDNN compiles a
+    second kernel past some length: scripts/dynamic_lengths.py counts 2 for 64 lengths); as static
+    graphs every one pays its own NVRTC compile (H100 shown)."""
+    devices = list(compile_support.ARCH_DEVICES.values())
+    dynamic = aot.compile_in_subprocess(_decode_keys("H100", "inference"), devices, extra_ld_path=standin)
+    static = aot.compile_in_subprocess(_decode_keys("H100", "off"), "H100", extra_ld_path=standin)["H100"]
+    assert all(r.ok and not r.loaded for r in static), static
+    for device, results in dynamic.items():
+        assert all(r.ok and not r.loaded for r in results), (device, results)
+        first, later = results[0].seconds, [r.seconds for r in results[1:]]
+        reused = [t for t in later if t < first / 5]  # no new compile: the kernel cache served them
+        assert len(reused) >= len(later) - 1, (device, first, later)
+    fastest_compile = min(r.seconds for r in static[1:])
+    assert sum(r.seconds < fastest_compile / 5 for r in dynamic["H100"][1:]) >= 3, (static, dynamic["H100"])

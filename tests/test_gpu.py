@@ -375,3 +375,32 @@ def test_graph_builds_stay_constant_across_steps():
     assert builds == [builds[0]] * len(builds), builds
     assert info.hits >= 2 * (len(builds) - 1), info
     assert info.build_failures == 0 and info.fallbacks == 0, info
+
+
+# -- dynamic shapes (issue 22) ------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["inference", "off"])
+def test_decode_over_new_lengths_with_dynamic_shape_graphs(mode):
+    """Decode forwards (no_grad) over 12 key lengths and 2 batch sizes: right numbers as dynamic-shape
+    graphs sharing one kernel cache and as static graphs; the build seconds go into the figure."""
+    from thunder_cudnn_safe import binding
+
+    was = binding._dynamic_shapes
+    tcs.set_dynamic_shapes(mode)
+    tcs.clear_cache()
+    try:
+        jf = thunder.jit(sdpa, executors=executors_ours())
+        q = torch.randn(1, 1, 8, 128, device=DEVICE, dtype=BF16).transpose(1, 2)
+        with torch.no_grad():
+            for b, s in [(1, 64 + 48 * i) for i in range(12)] + [(3, 200), (3, 700)]:
+                k, v = (torch.randn(b, s, 8, 128, device=DEVICE, dtype=BF16).transpose(1, 2) for _ in range(2))
+                qb = q.expand(b, -1, -1, -1)
+                out = jf(qb, k, v)
+                ref = sdpa(qb.double(), k.double(), v.double())
+                assert_close_to_reference(out, sdpa(qb.float(), k.float(), v.float()).to(BF16), ref, f"decode S={s} B={b}")
+        info = tcs.cache_info()
+        keys = [g.key for g in tcs.cached_graphs()]
+        assert info.fallbacks == 0 and len(keys) == 14, (info, keys)
+        assert all(key.dynamic is (mode == "inference") for key in keys)
+        print(f"dynamic shapes {mode}: {info.builds} plans built in {info.build_seconds:.2f} s")
+    finally:
+        tcs.set_dynamic_shapes(was)

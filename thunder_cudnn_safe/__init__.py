@@ -12,6 +12,7 @@ from ._compat import FRONTEND, prepare_and_import_thunder
 prepare_and_import_thunder()
 
 from ._version import __version__  # noqa: E402
+from .binding import set_dynamic_shapes  # noqa: E402
 from .cache import CacheInfo, CachedGraph, cache_info, cached_graphs, clear_cache, set_cache_size  # noqa: E402
 from .emulation import set_emulated_target  # noqa: E402
 from .errors import EmulationError, GraphBuildError  # noqa: E402
@@ -35,5 +36,5 @@ __all__ = [
     "LayoutPolicy", "MaskCacheInfo", "PlanCacheInfo", "RepeatKVToGQA", "__version__", "cache_info", "cached_graphs",
     "clear_cache", "copy_stats", "cudnn_safe_ex", "describe", "emulated_ex", "explain", "install", "installed",
     "mask_cache_info", "mask_pattern_info", "plan_cache_info", "reset_copy_stats", "reset_mask_pattern_info", "set_cache_size",
-    "set_emulated_target", "set_mask_cache_size", "set_mask_patterns", "set_plan_cache_dir", "uninstall",
+    "set_dynamic_shapes", "set_emulated_target", "set_mask_cache_size", "set_mask_patterns", "set_plan_cache_dir", "uninstall",
 ]

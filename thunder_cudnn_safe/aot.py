@@ -130,7 +130,7 @@ def compile_key(key: Any, device: str) -> CompileResult:
                     return BuiltGraph(hit[0], key=key, **hit[1])
                 build = graphs.build_forward_graph if is_forward(key) else graphs.build_backward_graph
                 g = build(key, implementation=implementation, device_property=props)
-                g.build([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+                graphs.build_plans(g, key)
                 built = BuiltGraph(g, int(g.get_workspace_size()), key, implementation, plan_name(g))
                 plan_cache.store(key, implementation, descriptor, built)
                 return built

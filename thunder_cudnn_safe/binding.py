@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 import torch
 
 from . import cudnn_rules
+from ._env import DYNAMIC_SHAPES_ENV, env_value
 from .cudnn_rules import ALIGNMENT_BYTES
 from .graphs import Uid
 from .keys import RNG_SIG, BackwardKey, ForwardKey, Target, TensorSig
@@ -25,6 +26,27 @@ from .layout import (
 from .masks import converted_masks
 from .patterns import MaskPattern
 from .telemetry import CopyReason, copy_counter
+
+
+DYNAMIC_SHAPE_MODES = ("off", "inference", "forward")
+
+
+def _mode(raw: str) -> str:
+    if raw.strip().lower() not in DYNAMIC_SHAPE_MODES:
+        raise ValueError(raw)
+    return raw.strip().lower()
+
+
+_dynamic_shapes = env_value(DYNAMIC_SHAPES_ENV, "inference", _mode, " or ".join(DYNAMIC_SHAPE_MODES))
+
+
+def set_dynamic_shapes(mode: str) -> None:
+    """Which forwards build dynamic-shape graphs, whose compiled kernel serves every later length and
+    batch size (cuDNN's kernel cache): "inference" (default: forwards with no backward, as in
+    generation, where the key length changes every token), "forward" (training forwards too, not
+    with dropout) or "off". Graphs built before keep their kind; the backward is never dynamic."""
+    global _dynamic_shapes
+    _dynamic_shapes = _mode(str(mode))
 
 
 def torch_deterministic() -> bool:
@@ -156,7 +178,7 @@ def memo_key(call: ForwardCall | BackwardCall, target: Target) -> tuple:
     """What :func:`signature` depends on, made on every call: tensor fields by layout, options as they are."""
     if type(call) is ForwardCall:
         q, k, v, mask = call[:4]
-        return (target, q.shape, q.stride(), q.dtype, k.shape, k.stride(), k.dtype, v.shape, v.stride(), v.dtype,
+        return (target, _dynamic_shapes, q.shape, q.stride(), q.dtype, k.shape, k.stride(), k.dtype, v.shape, v.stride(), v.dtype,
                 (q.data_ptr() | k.data_ptr() | v.data_ptr()) % ALIGNMENT_BYTES == 0 or tuple(map(_arg_key, call[:3])),
                 None if mask is None else _arg_key(mask), call[4:])
     g, q, k, v, mask, p, causal, o, stats, seed, offset = call[:11]
@@ -268,9 +290,11 @@ def plan_forward(call: ForwardCall, target: Target) -> Plan:
     if call.dropout_p:
         outputs += [p.new(uid, RNG_SIG.shape, RNG_SIG.stride, RNG_SIG.dtype, draw=True) for uid in (Uid.SEED, Uid.OFFSET)]
     s = p.sigs
+    dynamic = _dynamic_shapes == "forward" and not call.dropout_p or _dynamic_shapes != "off" and not call.need_stats
     key = ForwardKey(
         q, k, v, s[Uid.O], s.get(Uid.STATS), s.get(Uid.BIAS), s.get(Uid.SEED), s.get(Uid.OFFSET),
         _causal(call), float(call.dropout_p), default_scale(d, call.scale), p.policy.value, target, left, padded,
+        dynamic and cudnn_rules.DYNAMIC_SHAPE_FORWARD.holds(target),
     )
     return _plan(key, p.steps, tuple(outputs), len(call))
 

@@ -17,9 +17,12 @@ when combined with the preferred masking args").
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
 import json
+import threading
+from collections.abc import Hashable
 from typing import Any
 
 import torch
@@ -96,9 +99,32 @@ def _mark_output(t: Any, uid: Uid, s: TensorSig) -> None:
     t.set_name(uid.name)
 
 
-def _new_graph(io_dtype: torch.dtype, handle: Any, device_property: Any = None) -> Any:
+_kernel_caches: dict[Hashable, tuple[Any, threading.Lock]] = {}
+_kernel_caches_lock = threading.Lock()
+
+
+def kernel_cache(scope: Hashable) -> tuple[Any, threading.Lock]:
+    """The process's cuDNN kernel cache for ``scope`` (a key's target: one device and library version)
+    and the lock its plan builds hold: the frontend does not promise a kernel cache is thread-safe."""
+    with _kernel_caches_lock:
+        if scope not in _kernel_caches:
+            _kernel_caches[scope] = (cudnn_module().create_kernel_cache(), threading.Lock())
+        return _kernel_caches[scope]
+
+
+def build_plans(graph: Any, key: ForwardKey | BackwardKey) -> None:
+    """cuDNN's plans for a validated graph (heuristics A, then FALLBACK); a dynamic-shape graph
+    under its kernel cache's lock."""
+    cudnn = cudnn_module()
+    with kernel_cache(key.target)[1] if getattr(key, "dynamic", False) else contextlib.nullcontext():
+        graph.build([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+
+
+def _new_graph(io_dtype: torch.dtype, handle: Any, device_property: Any = None, key: Any = None) -> Any:
     cudnn = cudnn_module()
     kwargs = {} if handle is None else {"handle": handle}
+    if getattr(key, "dynamic", False):
+        kwargs.update(is_dynamic_shape_enabled=True, kernel_cache=kernel_cache(key.target)[0])
     if device_property is not None:  # deviceless planning (aot.py): no handle, the descriptor's GPU and SM
         sm = json.loads(device_property.serialize())["deviceVer"] // 10
         kwargs.update(device_property=device_property, sm_version=sm)
@@ -156,7 +182,7 @@ def build_forward_graph(key: ForwardKey, handle: Any = None, *, implementation: 
     (``sdpa_backward`` has no such argument in any frontend). ``device_property``
     (``cudnn.create_device_properties``) plans for that GPU without one (:mod:`aot`).
     """
-    g = _new_graph(key.q.dtype, handle, device_property)
+    g = _new_graph(key.q.dtype, handle, device_property, key)
     q, k, v = _declare(g, Uid.Q, key.q), _declare(g, Uid.K, key.k), _declare(g, Uid.V, key.v)
     extra = {}
     if key.bias is not None:

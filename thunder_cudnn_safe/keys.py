@@ -56,6 +56,9 @@ class ForwardKey(NamedTuple):
     #: sliding window) and cuDNN's padding mask (lengths bound per call, not part of the key)
     left: int | None = None
     padded: bool = False
+    #: built with dynamic shapes and the target's kernel cache (:func:`~thunder_cudnn_safe.graphs.kernel_cache`):
+    #: a new length or batch size reuses a compiled kernel; the layouts declared are still this key's
+    dynamic: bool = False
 
 
 class BackwardKey(NamedTuple):

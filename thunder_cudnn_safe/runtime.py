@@ -37,11 +37,14 @@ FORWARD_IMPLEMENTATIONS: tuple[str | None, ...] = (None, "composite")
 
 
 def build_with_ladder(key: Any, build_one: Callable[[Any, str | None], BuiltGraph]) -> BuiltGraph:
-    """``build_one(key, implementation)`` down :data:`FORWARD_IMPLEMENTATIONS` (a backward has no choice)."""
-    ladder = FORWARD_IMPLEMENTATIONS if isinstance(key, ForwardKey) else (None,)
-    for i, implementation in enumerate(ladder):
+    """``build_one(key, implementation)`` down :data:`FORWARD_IMPLEMENTATIONS` (a backward has no choice),
+    then, for a dynamic-shape forward, the same as a static graph."""
+    ladder = [(key, impl) for impl in (FORWARD_IMPLEMENTATIONS if isinstance(key, ForwardKey) else (None,))]
+    if getattr(key, "dynamic", False):  # refused as dynamic: the same layouts as a static graph
+        ladder += [(key._replace(dynamic=False), impl) for _, impl in ladder]
+    for i, (rung, implementation) in enumerate(ladder):
         try:
-            return build_one(key, implementation)
+            return build_one(rung, implementation)
         except GraphBuildError as exc:
             if not exc.definitive or i == len(ladder) - 1:
                 raise
@@ -187,7 +190,7 @@ class CudnnRuntime(Runtime):
                     return BuiltGraph(hit[0], key=key, **hit[1])
                 build = graphs.build_forward_graph if is_forward(key) else graphs.build_backward_graph
                 g = build(key, handle, implementation=implementation)
-                g.build([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+                graphs.build_plans(g, key)
                 workspace = int(g.get_workspace_size())
         except Exception as exc:  # noqa: BLE001 - every build failure gets a safe answer
             raise GraphBuildError(f"cuDNN could not build this graph: {type(exc).__name__}: {exc}", is_definitive_refusal(exc, g)) from exc

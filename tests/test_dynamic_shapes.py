@@ -1,0 +1,135 @@
+"""Lengths without rebuilds (issue 22): forwards built as cuDNN dynamic-shape graphs with a kernel cache.
+
+A dynamic-shape graph still declares exactly the layouts of its key (one key, one graph per
+shape: declared == bound holds as for every graph, tests/test_graph_declarations.py); what it
+changes is the plan build: the kernel compiled for the first shape is reused for every later
+length and batch size. Which forwards are dynamic is a knob (``set_dynamic_shapes``); the
+backward never is. The compile-side proof (one kernel for many lengths) is in
+tests/test_cudnn_compile.py.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import thunder_cudnn_safe as tcs
+from thunder_cudnn_safe import binding, emulation, graphs
+from thunder_cudnn_safe.cache import GraphCache
+from thunder_cudnn_safe.dispatch import Dispatcher
+from thunder_cudnn_safe.errors import GraphBuildError
+from thunder_cudnn_safe.keys import BackwardKey, ForwardKey
+from thunder_cudnn_safe.runtime import BuiltGraph, build_with_ladder
+from thunder_cudnn_safe.testing import QKV_LAYOUTS
+
+from test_graph_declarations import RecordingRuntime, declaration_mismatches
+
+
+@pytest.fixture
+def mode():
+    was = binding._dynamic_shapes
+    yield tcs.set_dynamic_shapes
+    tcs.set_dynamic_shapes(was)
+
+
+def _decode(disp, lengths, batch=1, need_stats=False, dropout=0.0):
+    """One query over ``lengths`` keys each: the forwards of a decode loop with a growing cache."""
+    q = torch.randn(batch, 4, 1, 64, dtype=torch.bfloat16)
+    outs = []
+    for s in lengths:
+        k, v = (torch.randn(batch, 4, s, 64, dtype=torch.bfloat16) for _ in range(2))
+        outs.append((disp.forward(q, k, v, None, dropout, False, need_stats=need_stats), q, k, v))
+    return outs
+
+
+def _forward_keys(disp):
+    return [key for key in disp.cache.keys() if isinstance(key, ForwardKey)]
+
+
+def test_inference_forwards_are_dynamic_by_default(mode):
+    mode("inference")
+    disp = Dispatcher(emulation.EmulatedRuntime(), GraphCache())
+    for (out, *_), (q, k, v) in ((r[0], r[1:]) for r in _decode(disp, (16, 24, 40))):
+        ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float())
+        assert (out.float() - ref).abs().max() < 2e-2
+    keys = _forward_keys(disp)
+    assert len(keys) == 3 and all(key.dynamic for key in keys)
+    # A training forward (stats for a backward) stays static, and so does its backward.
+    q, k, v = (torch.randn(1, 4, 16, 64, dtype=torch.bfloat16) for _ in range(3))
+    out, stats = disp.forward(q, k, v)
+    disp.backward(torch.randn_like(out), q, k, v, None, 0.0, False, out, stats, None, None)
+    assert [key.dynamic for key in _forward_keys(disp)] == [True] * 3 + [False]
+    assert not any(getattr(key, "dynamic", False) for key in disp.cache.keys() if isinstance(key, BackwardKey))
+
+
+@pytest.mark.parametrize("setting, training, dropout, dynamic", [
+    ("off", False, 0.0, False),
+    ("inference", True, 0.0, False),
+    ("forward", True, 0.0, True),
+    ("forward", True, 0.1, False),  # its backward regenerates the dropout mask: the forward stays as it was
+    ("forward", False, 0.1, True),
+])
+def test_the_knob_decides_per_call_and_the_plan_memo_follows_it(mode, setting, training, dropout, dynamic):
+    disp = Dispatcher(emulation.EmulatedRuntime(), GraphCache())
+    mode("off")
+    _decode(disp, (16,), need_stats=training, dropout=dropout)
+    mode(setting)
+    _decode(disp, (16,), need_stats=training, dropout=dropout)  # same call: planned again for the new setting
+    assert [key.dynamic for key in _forward_keys(disp)][-1] is dynamic
+
+
+def test_invalid_mode_is_refused_and_env_typo_keeps_the_default():
+    with pytest.raises(ValueError):
+        tcs.set_dynamic_shapes("always")
+    code = "import thunder_cudnn_safe.binding as b; print(b._dynamic_shapes)"
+    for raw, want in (("forward", "forward"), (" OFF ", "off"), ("sometimes", "inference")):
+        env = {**os.environ, "THUNDER_CUDNN_SAFE_DYNAMIC_SHAPES": raw}
+        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert proc.stdout.strip().splitlines()[-1] == want, proc.stderr
+        assert ("THUNDER_CUDNN_SAFE_DYNAMIC_SHAPES must be" in proc.stderr) is (want == "inference")
+
+
+def test_before_cudnn_9_18_1_no_forward_is_dynamic(mode):
+    mode("forward")
+    disp = Dispatcher(emulation.EmulatedRuntime(backend_version=91800), GraphCache())
+    _decode(disp, (16,))
+    assert _forward_keys(disp) and not any(key.dynamic for key in _forward_keys(disp))
+
+
+@pytest.mark.parametrize("layout", list(QKV_LAYOUTS))
+def test_dynamic_graphs_declare_what_is_bound(mode, layout):
+    """Every dynamic graph is a real frontend graph built with dynamic shapes and a kernel cache,
+    and declares exactly the bound tensors, for every length and batch size."""
+    mode("inference")
+    runtime = RecordingRuntime()
+    disp = Dispatcher(runtime, GraphCache())
+    for b, lq, s in ((1, 1, 16), (1, 1, 40), (3, 1, 40), (2, 8, 24)):
+        q, k, v = (t.detach() for t in QKV_LAYOUTS[layout](b, 4, max(lq, s), s, 64, 64, torch.float16))
+        q = q[:, :, :lq]
+        disp.forward(q, k, v, None, 0.0, lq > 1, need_stats=False)
+    assert len(runtime.calls) == 4
+    for graph, pack in runtime.calls:
+        assert graph._cpp_graph_kwargs.get("is_dynamic_shape_enabled") is True
+        assert graph._cpp_graph_kwargs.get("kernel_cache") is graphs.kernel_cache(disp.runtime.target(q.device))[0]
+        assert declaration_mismatches(graph, pack) == []
+
+
+def test_a_refused_dynamic_graph_is_built_static_not_sent_to_the_fallback():
+    key = binding.plan_forward(binding.signature(binding.ForwardCall(*(torch.randn(1, 2, 8, 64) for _ in range(3)), need_stats=False)),
+                               emulation.emulated_target()).key
+    assert key.dynamic
+    tried = []
+
+    def build_one(k, implementation):
+        tried.append((k.dynamic, implementation))
+        if k.dynamic:
+            raise GraphBuildError("no dynamic-shape engine here")
+        return BuiltGraph(None, 0, k, implementation)
+
+    built = build_with_ladder(key, build_one)
+    assert tried == [(True, None), (True, "composite"), (False, None)]
+    assert built.key == key._replace(dynamic=False)
