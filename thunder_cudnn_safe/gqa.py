@@ -45,24 +45,22 @@ _TORCH_SDPA = torch.nn.functional.scaled_dot_product_attention
 
 
 class GQAArgs(NamedTuple):
-    """The arguments of one :data:`sdpa_gqa` call, normalized (positional or keyword alike)."""
+    """The arguments of one :data:`sdpa_gqa` call (K/V keep their H_kv heads)."""
 
     query: Any
     key: Any
     value: Any
-    attn_mask: Any
-    dropout_p: Any
-    is_causal: Any
-    scale: Any
-    enable_gqa: bool
+    attn_mask: Any = None
+    dropout_p: Any = 0.0
+    is_causal: Any = False
+    scale: Any = None
+    enable_gqa: bool = True
 
 
-def gqa_arguments(
-    query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: Any = 0.0, is_causal: Any = False,
-    scale: Any = None, enable_gqa: bool = True,
-) -> GQAArgs:
-    """The arguments of a :data:`sdpa_gqa` call, positional or keyword alike (K/V keep their H_kv heads)."""
-    return GQAArgs(query, key, value, attn_mask, dropout_p, is_causal, scale, bool(enable_gqa))
+def gqa_arguments(*args: Any, **kwargs: Any) -> GQAArgs:
+    """The arguments of a :data:`sdpa_gqa` call, positional or keyword alike."""
+    a = GQAArgs(*args, **kwargs)
+    return a._replace(enable_gqa=bool(a.enable_gqa))
 
 
 def _check_gqa_shapes(query: Any, key: Any, value: Any) -> tuple[int, int]:

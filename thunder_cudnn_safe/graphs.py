@@ -1,18 +1,10 @@
 """Build a cuDNN frontend graph from a key, and from nothing else.
 
-Every tensor is declared with the dims, strides and dtype recorded in the key, which
-:mod:`thunder_cudnn_safe.keys` read off the tensor bound to the same uid. Uids are
-fixed (:class:`Uid`), so the variant pack is a plain ``{uid: tensor}`` dict and the
-emulated runtime can find each tensor's declaration in the graph by uid.
-
-Only API present in every frontend version we support is used: ``pygraph.sdpa`` /
-``sdpa_backward`` (the ``scaled_dot_product_flash_attention*`` aliases are gone from
-1.27 on), a python-float ``attn_scale``, ``dropout=(p, seed, offset)``.
-
-Causal masking uses the frontend's diagonal band, top-left aligned with right bound 0
-(``diagonal_alignment=TOP_LEFT, diagonal_band_right_bound=0``): torch's ``is_causal``.
-``use_causal_mask`` is deprecated in the frontend ("can cause undetermined behavior
-when combined with the preferred masking args").
+Every tensor is declared with the dims, strides and dtype in the key, read off the tensor bound to
+the same fixed uid (:class:`Uid`): the variant pack is a plain ``{uid: tensor}`` dict. Only API of
+every supported frontend is used: ``pygraph.sdpa`` / ``sdpa_backward`` (the
+``scaled_dot_product_flash_attention*`` aliases are gone from 1.27), a python-float ``attn_scale``.
+Causal is the diagonal band (top-left, right bound 0): ``use_causal_mask`` is deprecated.
 """
 
 from __future__ import annotations
@@ -88,15 +80,12 @@ def torch_dtype_of(cudnn_data_type: Any) -> torch.dtype | None:
 
 
 def _declare(graph: Any, uid: Uid, s: TensorSig) -> Any:
-    return graph.tensor(
-        name=uid.name, dim=list(s.shape), stride=list(s.stride), data_type=cudnn_dtype(s.dtype), uid=int(uid)
-    )
+    return graph.tensor(name=uid.name, dim=list(s.shape), stride=list(s.stride), data_type=cudnn_dtype(s.dtype), uid=int(uid))
 
 
 def _mark_output(t: Any, uid: Uid, s: TensorSig) -> None:
     t.set_output(True).set_dim(list(s.shape)).set_stride(list(s.stride)).set_data_type(cudnn_dtype(s.dtype))
-    t.set_uid(int(uid))
-    t.set_name(uid.name)
+    t.set_uid(int(uid)).set_name(uid.name)
 
 
 _kernel_caches: dict[Hashable, tuple[Any, threading.Lock]] = {}
@@ -128,12 +117,8 @@ def _new_graph(io_dtype: torch.dtype, handle: Any, device_property: Any = None, 
     if device_property is not None:  # deviceless planning (aot.py): no handle, the descriptor's GPU and SM
         sm = json.loads(device_property.serialize())["deviceVer"] // 10
         kwargs.update(device_property=device_property, sm_version=sm)
-    return cudnn.pygraph(
-        io_data_type=cudnn_dtype(io_dtype),
-        intermediate_data_type=cudnn.data_type.FLOAT,
-        compute_data_type=cudnn.data_type.FLOAT,
-        **kwargs,
-    )
+    return cudnn.pygraph(io_data_type=cudnn_dtype(io_dtype), intermediate_data_type=cudnn.data_type.FLOAT,
+                         compute_data_type=cudnn.data_type.FLOAT, **kwargs)
 
 
 def _masking(graph: Any, key: ForwardKey | BackwardKey) -> dict[str, Any]:
@@ -193,16 +178,8 @@ def build_forward_graph(key: ForwardKey, handle: Any = None, *, implementation: 
     impl = attention_implementation(implementation)
     if impl is not None:
         extra["implementation"] = impl
-    o, stats = g.sdpa(
-        q=q,
-        k=k,
-        v=v,
-        generate_stats=key.stats is not None,
-        attn_scale=float(key.scale),
-        name="cudnn_safe_sdpa_fwd",
-        **_masking(g, key),
-        **extra,
-    )
+    o, stats = g.sdpa(q=q, k=k, v=v, generate_stats=key.stats is not None, attn_scale=float(key.scale),
+                      name="cudnn_safe_sdpa_fwd", **_masking(g, key), **extra)
     _mark_output(o, Uid.O, key.o)
     if key.stats is not None:  # an inference forward writes no stats (nothing reads them)
         _mark_output(stats, Uid.STATS, key.stats)
@@ -227,25 +204,14 @@ def build_backward_graph(key: BackwardKey, handle: Any = None, *, implementation
     if key.bias is not None:
         extra["bias"] = _declare(g, Uid.BIAS, key.bias)
     if key.d_bias is not None:
-        d_bias = _declare(g, Uid.DBIAS, key.d_bias)
-        extra["dBias"] = d_bias
+        extra["dBias"] = _declare(g, Uid.DBIAS, key.d_bias)
     dropout = _dropout(g, key)
     if dropout is not None:
         extra["dropout"] = dropout
     if key.deterministic:
         extra["use_deterministic_algorithm"] = True
-    dq, dk, dv = g.sdpa_backward(
-        q=q,
-        k=k,
-        v=v,
-        o=o,
-        dO=d_o,
-        stats=stats,
-        attn_scale=float(key.scale),
-        name="cudnn_safe_sdpa_bwd",
-        **_masking(g, key),
-        **extra,
-    )
+    dq, dk, dv = g.sdpa_backward(q=q, k=k, v=v, o=o, dO=d_o, stats=stats, attn_scale=float(key.scale),
+                                 name="cudnn_safe_sdpa_bwd", **_masking(g, key), **extra)
     _mark_output(dq, Uid.DQ, key.dq)
     _mark_output(dk, Uid.DK, key.dk)
     _mark_output(dv, Uid.DV, key.dv)

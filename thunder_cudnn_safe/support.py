@@ -1,16 +1,9 @@
-"""Why a call is or is not claimed, as human-readable reasons.
+"""Why a call is or is not claimed: :func:`not_supported_reasons`, for real tensors and thunder proxies alike.
 
-One function, :func:`not_supported_reasons`, answers for real tensors and for thunder
-proxies alike: the executors' checkers claim a call exactly when it returns no reason,
-and :func:`thunder_cudnn_safe.explain` returns its list. Anything declined here runs on
-another executor (sdpaex, or thunder's torch decomposition), so every rule errs towards
-declining: a decline costs speed, a wrong claim could crash inside cuDNN.
-
-The architecture and version rules come from :mod:`thunder_cudnn_safe.cudnn_rules` (each
-decline names the rule behind it); the rest follows cuDNN's documented support surface for
-fused flash attention, forward and backward together: fp16/bf16 only, rank-4 BHSD, masks
-as an additive bias of the query dtype (booleans and other float dtypes are converted),
-dropout in [0, 1). Every reason is a :class:`Decline`: a ``str`` with a :class:`DeclineCode`.
+The checkers claim a call exactly when it returns no reason; ``explain()`` returns its list. A declined
+call runs on another executor, so every rule errs towards declining: a decline costs speed, a wrong
+claim could crash inside cuDNN. Arch and version rules come from :mod:`cudnn_rules`, each
+:class:`Decline` (a ``str`` with a :class:`DeclineCode`) names the rule behind it.
 """
 
 from __future__ import annotations
