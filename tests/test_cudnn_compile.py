@@ -227,8 +227,9 @@ def test_new_lengths_reuse_one_compiled_kernel(standin):
     dynamic = aot.compile_in_subprocess(_decode_keys("H100", "inference"), devices, extra_ld_path=standin)
     static = aot.compile_in_subprocess(_decode_keys("H100", "off"), "H100", extra_ld_path=standin)["H100"]
     assert all(r.ok and not r.loaded for r in static), static
+    assert not any(r.dynamic for r in static)
     for device, results in dynamic.items():
-        assert all(r.ok and not r.loaded for r in results), (device, results)
+        assert all(r.ok and r.dynamic and not r.loaded for r in results), (device, results)
         first, later = results[0].seconds, [r.seconds for r in results[1:]]
         reused = [t for t in later if t < first / 5]  # no new compile: the kernel cache served them
         assert len(reused) >= len(later) - 1, (device, first, later)

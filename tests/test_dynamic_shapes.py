@@ -70,8 +70,8 @@ def test_inference_forwards_are_dynamic_by_default(mode):
     ("off", False, 0.0, False),
     ("inference", True, 0.0, False),
     ("forward", True, 0.0, True),
-    ("forward", True, 0.1, False),  # its backward regenerates the dropout mask: the forward stays as it was
-    ("forward", False, 0.1, True),
+    ("forward", True, 0.1, False),  # never with dropout: not in the compile sweep
+    ("inference", False, 0.1, False),
 ])
 def test_the_knob_decides_per_call_and_the_plan_memo_follows_it(mode, setting, training, dropout, dynamic):
     disp = Dispatcher(emulation.EmulatedRuntime(), GraphCache())
@@ -114,13 +114,18 @@ def test_dynamic_graphs_declare_what_is_bound(mode, layout):
     assert len(runtime.calls) == 4
     for graph, pack in runtime.calls:
         assert graph._cpp_graph_kwargs.get("is_dynamic_shape_enabled") is True
-        assert graph._cpp_graph_kwargs.get("kernel_cache") is graphs.kernel_cache(disp.runtime.target(q.device))[0]
+        assert graph._cpp_graph_kwargs.get("kernel_cache") is graphs.kernel_cache(disp.runtime.target(q.device))
         assert declaration_mismatches(graph, pack) == []
 
 
+def _decode_key(s: int):
+    call = binding.ForwardCall(torch.randn(1, 2, 1, 64), *(torch.randn(1, 2, s, 64) for _ in range(2)), need_stats=False)
+    return binding.plan_forward(binding.signature(call), emulation.emulated_target()._replace(device_index=7)).key
+
+
 def test_a_refused_dynamic_graph_is_built_static_not_sent_to_the_fallback():
-    key = binding.plan_forward(binding.signature(binding.ForwardCall(*(torch.randn(1, 2, 8, 64) for _ in range(3)), need_stats=False)),
-                               emulation.emulated_target()).key
+    """A refusal is remembered for the topology: later lengths go straight to the static graph."""
+    key = _decode_key(8)
     assert key.dynamic
     tried = []
 
@@ -133,3 +138,22 @@ def test_a_refused_dynamic_graph_is_built_static_not_sent_to_the_fallback():
     built = build_with_ladder(key, build_one)
     assert tried == [(True, None), (True, "composite"), (False, None)]
     assert built.key == key._replace(dynamic=False)
+    tried.clear()
+    assert build_with_ladder(_decode_key(24), build_one).key == _decode_key(24)._replace(dynamic=False)
+    assert tried == [(False, None)]
+
+
+def test_cached_graphs_report_the_kind_built(fresh_cache, monkeypatch):
+    """A dynamic key cuDNN refused is reported as the static graph it was built as."""
+    runtime = emulation.default_runtime
+    real = runtime._build_one
+
+    def build_one(key, implementation):
+        if key.dynamic:
+            raise GraphBuildError("no dynamic engine")
+        return real(key, implementation)
+
+    monkeypatch.setattr(runtime, "_build_one", build_one)
+    _decode(tcs.emulated_ex.dispatcher, (16, 40), batch=2)
+    graphs_ = tcs.cached_graphs()
+    assert len(graphs_) == 2 and not any(g.key.dynamic for g in graphs_) and tcs.cache_info().fallbacks == 0

@@ -81,7 +81,7 @@ def test_dropout_forward_prechecks_the_backward_that_will_run(variant, fresh_cac
     deterministic = variant == "deterministic"
     refused = (lambda key: key.deterministic) if variant != "d_bias" else (lambda key: key.d_bias is not None)
     hook = lambda key: "refused variant" if isinstance(key, BackwardKey) and refused(key) else None  # noqa: E731
-    was = torch.are_deterministic_algorithms_enabled()
+    was, was_warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     torch.use_deterministic_algorithms(variant == "torch-deterministic-mode")
     try:
         with checks.inject_failures(build=hook):
@@ -89,7 +89,7 @@ def test_dropout_forward_prechecks_the_backward_that_will_run(variant, fresh_cac
             g = torch.randn_like(out)
             grads = disp.backward(g, q, k, v, mask, 0.25, False, out, stats, seed, offset, deterministic=deterministic, mask_grad=mask is not None)
     finally:
-        torch.use_deterministic_algorithms(was)
+        torch.use_deterministic_algorithms(was, warn_only=was_warn)
     assert tcs.cache_info().fallbacks == 2, "forward and backward both on the fallback"
     assert all(torch.isfinite(t).all() for t in grads)
 

@@ -95,6 +95,8 @@ class CompileResult(NamedTuple):
     seconds: float
     #: Restored from the plan cache (:mod:`~thunder_cudnn_safe.plan_cache`) instead of built.
     loaded: bool = False
+    #: Built as a dynamic-shape graph (a refused one is built static: :func:`~thunder_cudnn_safe.runtime.build_with_ladder`).
+    dynamic: bool = False
 
     @property
     def ok(self) -> bool:
@@ -144,7 +146,7 @@ def compile_key(key: Any, device: str) -> CompileResult:
     engine = {} if getattr(b.graph, "selected_engine", None) else _backend_engine(bytes(b.graph.serialize(as_bytes=True)))
     kernels = tuple(k.get("kernelName", "?") for k in engine.get("payload", {}).get("kernels", ()))
     return CompileResult(device, engine.get("engineId"), engine.get("knobChoices", {}), kernels, b.workspace_size, b.plan,
-                         b.implementation == "composite", None, time.perf_counter() - start, bool(loaded))
+                         b.implementation == "composite", None, time.perf_counter() - start, bool(loaded), bool(getattr(b.key, "dynamic", False)))
 
 
 def compile_in_subprocess(keys: list, devices: Any, *, extra_ld_path: Any = None, timeout: float | None = None) -> dict:

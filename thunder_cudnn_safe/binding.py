@@ -43,8 +43,8 @@ _dynamic_shapes = env_value(DYNAMIC_SHAPES_ENV, "inference", _mode, " or ".join(
 def set_dynamic_shapes(mode: str) -> None:
     """Which forwards build dynamic-shape graphs, whose compiled kernel serves every later length and
     batch size (cuDNN's kernel cache): "inference" (default: forwards with no backward, as in
-    generation, where the key length changes every token), "forward" (training forwards too, not
-    with dropout) or "off". Graphs built before keep their kind; the backward is never dynamic."""
+    generation, where the key length changes every token), "forward" (training forwards too) or
+    "off". Never with dropout (not in the compile sweep); the backward is never dynamic."""
     global _dynamic_shapes
     _dynamic_shapes = _mode(str(mode))
 
@@ -270,7 +270,7 @@ class _Planner:
         return self.operand(Uid.BIAS, src, "attn_mask", viewed, view)
 
 
-def plan_forward(call: ForwardCall, target: Target) -> Plan:
+def plan_forward(call: ForwardCall, target: Target, dynamic_shapes: str | None = None) -> Plan:
     p = _Planner(call, LayoutPolicy.parse(call.layout))
     q = p.operand(Uid.Q, 0, "query", call.query)
     k, v = call.key, call.value
@@ -290,7 +290,8 @@ def plan_forward(call: ForwardCall, target: Target) -> Plan:
     if call.dropout_p:
         outputs += [p.new(uid, RNG_SIG.shape, RNG_SIG.stride, RNG_SIG.dtype, draw=True) for uid in (Uid.SEED, Uid.OFFSET)]
     s = p.sigs
-    dynamic = _dynamic_shapes == "forward" and not call.dropout_p or _dynamic_shapes != "off" and not call.need_stats
+    mode = _dynamic_shapes if dynamic_shapes is None else dynamic_shapes  # the memo key's, read once per call
+    dynamic = not call.dropout_p and (mode == "forward" or mode == "inference" and not call.need_stats)
     key = ForwardKey(
         q, k, v, s[Uid.O], s.get(Uid.STATS), s.get(Uid.BIAS), s.get(Uid.SEED), s.get(Uid.OFFSET),
         _causal(call), float(call.dropout_p), default_scale(d, call.scale), p.policy.value, target, left, padded,

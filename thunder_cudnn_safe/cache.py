@@ -40,7 +40,8 @@ class CacheInfo(NamedTuple):
 
 
 class CachedGraph(NamedTuple):
-    """What the cache holds for one key: which implementation and plan cuDNN built, its workspace."""
+    """What the cache holds for one key: the key it was built as (a refused dynamic-shape forward: the
+    static one), which implementation and plan cuDNN built, its workspace."""
 
     key: Any
     implementation: str | None
@@ -162,7 +163,7 @@ class GraphCache:
     def graphs(self) -> list[CachedGraph]:
         """Every cached graph, least recently used first, with its implementation and plan."""
         return [
-            CachedGraph(key, getattr(b, "implementation", None), getattr(b, "plan", None), int(getattr(b, "workspace_size", 0)))
+            CachedGraph(getattr(b, "key", None) or key, getattr(b, "implementation", None), getattr(b, "plan", None), int(getattr(b, "workspace_size", 0)))
             for key, b in self._graphs.items()
         ]
 

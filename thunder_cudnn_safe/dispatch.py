@@ -42,7 +42,8 @@ class Dispatcher:
         memo = memo_key(call, self.runtime.target(device))
         plan = self.plans.peek(memo)
         if plan is None:
-            plan = (plan_forward if isinstance(call, ForwardCall) else plan_backward)(signature(call), memo[0])
+            sig = signature(call)
+            plan = plan_forward(sig, memo[0], memo[1]) if isinstance(call, ForwardCall) else plan_backward(sig, memo[0])
             self.plans.put(memo, plan)
         return plan.run(call, device)
 

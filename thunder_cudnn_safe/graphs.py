@@ -88,24 +88,25 @@ def _mark_output(t: Any, uid: Uid, s: TensorSig) -> None:
     t.set_uid(int(uid)).set_name(uid.name)
 
 
-_kernel_caches: dict[Hashable, tuple[Any, threading.Lock]] = {}
-_kernel_caches_lock = threading.Lock()
+_kernel_caches: dict[Hashable, Any] = {}
+#: Held while a kernel cache is created or a dynamic-shape graph plans: the frontend does not promise
+#: a kernel cache is thread-safe (such builds take milliseconds once its kernel is compiled).
+_dynamic_lock = threading.RLock()
 
 
-def kernel_cache(scope: Hashable) -> tuple[Any, threading.Lock]:
-    """The process's cuDNN kernel cache for ``scope`` (a key's target: one device and library version)
-    and the lock its plan builds hold: the frontend does not promise a kernel cache is thread-safe."""
-    with _kernel_caches_lock:
+def kernel_cache(target: Hashable, device_property: Any = None) -> Any:
+    """The process's cuDNN kernel cache for one device (a key's target; with a deviceless descriptor, that too)."""
+    scope = (target, None if device_property is None else device_property.serialize())
+    with _dynamic_lock:
         if scope not in _kernel_caches:
-            _kernel_caches[scope] = (cudnn_module().create_kernel_cache(), threading.Lock())
+            _kernel_caches[scope] = cudnn_module().create_kernel_cache()
         return _kernel_caches[scope]
 
 
 def build_plans(graph: Any, key: ForwardKey | BackwardKey) -> None:
-    """cuDNN's plans for a validated graph (heuristics A, then FALLBACK); a dynamic-shape graph
-    under its kernel cache's lock."""
+    """cuDNN's plans for a validated graph (heuristics A, then FALLBACK); a dynamic-shape graph under the lock."""
     cudnn = cudnn_module()
-    with kernel_cache(key.target)[1] if getattr(key, "dynamic", False) else contextlib.nullcontext():
+    with _dynamic_lock if getattr(key, "dynamic", False) else contextlib.nullcontext():
         graph.build([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
 
 
@@ -113,7 +114,7 @@ def _new_graph(io_dtype: torch.dtype, handle: Any, device_property: Any = None, 
     cudnn = cudnn_module()
     kwargs = {} if handle is None else {"handle": handle}
     if getattr(key, "dynamic", False):
-        kwargs.update(is_dynamic_shape_enabled=True, kernel_cache=kernel_cache(key.target)[0])
+        kwargs.update(is_dynamic_shape_enabled=True, kernel_cache=kernel_cache(key.target, device_property))
     if device_property is not None:  # deviceless planning (aot.py): no handle, the descriptor's GPU and SM
         sm = json.loads(device_property.serialize())["deviceVer"] // 10
         kwargs.update(device_property=device_property, sm_version=sm)

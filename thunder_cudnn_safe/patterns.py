@@ -1,27 +1,14 @@
 """Masks that are patterns run as cuDNN's own masking: no bias read, fully masked tiles skipped.
 
-Under ThunderFX, Hugging Face models materialize every mask (causal, sliding window, key
-padding, all-True) because dynamo cannot look at it; cuDNN then reads a B*S^2 bias per layer,
-forward and backward, and cannot skip masked tiles. The executor holds the mask's data at run
-time, so it checks, exactly and over the whole tensor, whether the mask is
-
-* all kept (all-True, or all 0 for a float mask): no mask;
-* causal as torch's ``is_causal`` (top-left, also for L != S): the diagonal band, right bound 0;
-* causal with a sliding window of W keys (keep j <= i and i - j < W), L <= S: left bound W;
-* key padding (batch element b keeps keys j < n_b for every head and query, 1 <= n_b):
-  cuDNN's padding mask with ``seq_len_kv`` = n (B,1,1,1) int32 and ``seq_len_q`` = L;
-* causal (with or without a window) combined with key padding.
-
-A float mask may mask with -inf or anything <= its dtype's lowest finite value (HF's
-``finfo.min``): both give exactly 0 probability. Anything else, a row with no kept key, a
-mask that needs its gradient, left padding, or a near-pattern differing in one element stays
-an additive bias. The verdict costs one host synchronization per distinct mask and state: it
-is kept in the converted-mask cache (:mod:`masks`: same identity and version rules), so every
-layer and the backward reuse it. No verdict is made or reused while a CUDA stream captures
-(a decision made before capture would be replayed on new mask contents), nor when the mask
-cache is off or the mask is an inference tensor (no version counter): those stay biases.
-The pattern and whether it pads are part of the graph key; the lengths are bound per call, so
-two steps with different padding lengths share one graph.
+Under ThunderFX, HF models materialize every mask (causal, sliding window, key padding, all-True).
+The executor holds the mask's data at run time, so it checks exactly, over the whole tensor, for:
+all kept (no mask); torch's causal (the diagonal band, right bound 0); causal with a window of W
+keys (left bound W); key padding (batch element b keeps keys j < n_b: cuDNN's padding mask with
+``seq_len_kv`` bound per call); causal with padding. A float mask masks with -inf or anything <= its
+dtype's lowest finite value. Anything else stays an additive bias. The verdict costs one host sync
+per distinct mask and state, kept in the converted-mask cache (same identity and version rules);
+none is made or reused under CUDA-graph capture, with the mask cache off, or for an inference
+tensor (no version counter). The pattern is in the graph key; the lengths are bound per call.
 """
 
 from __future__ import annotations

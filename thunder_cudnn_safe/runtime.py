@@ -16,8 +16,9 @@ import torch
 
 from . import _compat, graphs, plan_cache
 from .errors import ExecuteError, GraphBuildError
-from .keys import BackwardKey, ForwardKey, Target
+from .keys import BackwardKey, ForwardKey, Target, TensorSig
 from .lowering import implementation_of
+from .lru import LRU
 
 
 class BuiltGraph(NamedTuple):
@@ -36,13 +37,23 @@ class BuiltGraph(NamedTuple):
 FORWARD_IMPLEMENTATIONS: tuple[str | None, ...] = (None, "composite")
 
 
+#: Dynamic-shape forwards cuDNN refused, by topology (the key without sizes and strides): later
+#: shapes of the same topology go straight to a static graph instead of through the refusal again.
+_static_only = LRU(1024)
+
+
 def build_with_ladder(key: Any, build_one: Callable[[Any, str | None], BuiltGraph]) -> BuiltGraph:
-    """``build_one(key, implementation)`` down :data:`FORWARD_IMPLEMENTATIONS` (a backward has no choice),
-    then, for a dynamic-shape forward, the same as a static graph."""
-    ladder = [(key, impl) for impl in (FORWARD_IMPLEMENTATIONS if isinstance(key, ForwardKey) else (None,))]
-    if getattr(key, "dynamic", False):  # refused as dynamic: the same layouts as a static graph
-        ladder += [(key._replace(dynamic=False), impl) for _, impl in ladder]
+    """``build_one(key, implementation)`` down :data:`FORWARD_IMPLEMENTATIONS` (a backward has no choice);
+    a dynamic-shape forward cuDNN refuses is built as the static graph of the same layouts."""
+    implementations = FORWARD_IMPLEMENTATIONS if isinstance(key, ForwardKey) else (None,)
+    topology = None
+    if getattr(key, "dynamic", False):
+        topology = tuple((f.dtype, f.shape[-1]) if isinstance(f, TensorSig) else f for f in key)
+    rungs = [key] if topology is None else [key, key._replace(dynamic=False)][topology in _static_only :]
+    ladder = [(rung, impl) for rung in rungs for impl in implementations]
     for i, (rung, implementation) in enumerate(ladder):
+        if topology is not None and not rung.dynamic:
+            _static_only.put(topology, True)  # reached only once the dynamic graph was refused
         try:
             return build_one(rung, implementation)
         except GraphBuildError as exc:
