@@ -18,12 +18,12 @@ mask patterns recognized (``mask_pattern_info()``).
 What decode costs today, pinned here:
 
 * DynamicCache: the key length grows by one each token, so every token builds a new forward graph
-  (one graph serves all layers). Expected until graphs survive new lengths (issue 22); checked to
-  be at most one per token. From the second decode step dynamo recompiles with dynamic shapes and
+  (one graph serves all layers): a dynamic-shape graph whose plan reuses a compiled kernel; checked
+  to be at most one per token. From the second decode step dynamo recompiles with dynamic shapes and
   splits the region between repeat_kv and SDPA, so RepeatKVToGQA no longer applies (strict xfail).
 * StaticCache: the (B,1,1,max_len) prefix mask of every decode step is a "padding" pattern; one
-  forward graph serves every decode step while the cache has a free slot. The step that fills the
-  last slot has an all-True mask ("all kept"), which builds a second, unpadded graph (strict xfail).
+  forward graph serves every decode step, also the one that fills the last slot (an all-True mask,
+  which an inference forward runs as padding keeping every key).
   And thunder's alias updates for the cache's in-place ``index_copy_`` hide transformers' repeat_kv
   from ``RepeatKVToGQA``, so the repeat is materialized in static decode (strict xfail).
 """
@@ -146,7 +146,10 @@ def test_hf_generate_dynamic_cache(dynamic_case, figure):
     assert all(s.builds <= 1 for s in steps), [s.builds for s in steps]
     summary = summarize(steps)
     assert summary["patterns"].keys() <= {"causal", "all_kept"}, summary["patterns"]
-    assert summary["decode_graph_forms"] == ["none"], summary  # the all-True decode mask is no mask at all
+    # the all-True decode mask of an inference forward runs as padding keeping every key (one graph form with
+    # a static cache's decode steps); each new key length is a dynamic-shape graph reusing a compiled kernel
+    assert summary["decode_graph_forms"] == ["padding"], summary
+    assert all(k.dynamic for s in steps for k in s.new_keys), [k for s in steps for k in s.new_keys]
     heads = [(k.k.shape[2], k.k.shape[1]) for s in steps for k in s.new_keys]
     _figure(figure, f"HF Llama DynamicCache (ThunderFX, bf16, {DYNAMIC_LAYERS} layer, RepeatKVToGQA)", summary,
             _logit_figures(case["eager"][0].logits, case["got"][0].logits) + f"; (key length, K heads) per graph {heads}")
@@ -207,15 +210,12 @@ def test_hf_generate_static_cache(static_case, figure):
         _figure(figure, what, summarize(steps), extra)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="generate() sizes the static cache to the last token exactly: the step filling the last slot has "
-    "an all-True mask, recognized as 'all kept' (no mask), whose key (padded=False) differs from the padded "
-    "decode graph's, so a second forward graph is built for that one step",
-)
 def test_hf_static_decode_one_graph_including_the_cache_filling_step(static_case):
+    """generate() sizes the static cache to the last token exactly: the step filling the last slot has an
+    all-True mask ("all kept"), which an inference forward runs as padding keeping every key: the decode
+    steps' graph, no second one."""
     _, default = static_case["steps"]
-    assert default[-1].patterns.keys() <= {"padding"}, default[-1].patterns
+    assert default[-1].patterns.keys() <= {"padding", "all_kept"}, default[-1].patterns
     assert default[-1].builds == 0, [pattern_of_key(k) for k in default[-1].new_keys]
 
 

@@ -46,8 +46,31 @@ def test_causal_is_recognized_also_for_l_ne_s(lq, s):
 
 
 def test_all_kept_and_all_zero_are_no_mask():
-    assert recognize(torch.ones(2, 1, 8, 8, dtype=torch.bool), 2, 8, 8) == patterns.MaskPattern(None, None)
-    assert recognize(torch.zeros(8, 8, dtype=torch.float16), 2, 8, 8) == patterns.MaskPattern(None, None)
+    for mask in (torch.ones(2, 1, 8, 12, dtype=torch.bool), torch.zeros(8, 12, dtype=torch.float16)):
+        p = recognize(mask, 2, 8, 12)
+        assert p[:4] == (None, None, None, None) and p.name == "all_kept"
+        # the lengths keeping every key, for an inference forward that runs it as padding
+        assert p.full[0].tolist() == [[[[8]]]] * 2 and p.full[1].tolist() == [[[[12]]]] * 2
+
+
+def test_an_inference_forward_runs_an_all_kept_mask_as_padding_a_training_forward_as_none(fresh_cache):
+    """A static KV cache's last decode slot has an all-True mask: as padding (inference) it shares the
+    decode steps' graph; a training forward runs it as no mask (no zeroed dK/dV, the plain graph)."""
+    from thunder_cudnn_safe.keys import ForwardKey
+
+    disp = tcs.emulated_ex.dispatcher
+    q = torch.randn(2, 4, 1, 64, dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 4, 16, 64, dtype=torch.bfloat16) for _ in range(2))
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
+    for lens in ([9, 16], [16, 16]):  # a decode step with free slots, then the one filling the last slot
+        mask = (torch.arange(16) < torch.tensor(lens)[:, None])[:, None, None, :]
+        out, = disp.forward(q, k, v, mask, 0.0, False, need_stats=False)
+        assert (out.float() - F.scaled_dot_product_attention(q.float(), k.float(), v.float(), mask)).abs().max() < 2e-2
+    assert len(tcs.cached_graphs()) == 1 and tcs.cached_graphs()[0].key.padded
+    out, _ = disp.forward(q, k, v, torch.ones(2, 1, 1, 16, dtype=torch.bool), 0.0, False)
+    assert (out.float() - ref).abs().max() < 2e-2
+    training = [g.key for g in tcs.cached_graphs() if isinstance(g.key, ForwardKey) and g.key.stats is not None]
+    assert len(training) == 1 and not training[0].padded and training[0].bias is None
 
 
 def test_sliding_window_is_the_band_left_bound():

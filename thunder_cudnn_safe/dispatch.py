@@ -163,6 +163,10 @@ def with_mask_pattern(call: ForwardCall | BackwardCall) -> ForwardCall | Backwar
     pattern = pattern_of(mask, call.query.shape[0], call.query.shape[2], call.key.shape[2])
     if pattern is None:
         return call
+    if pattern.full is not None and type(call) is ForwardCall and not call.need_stats:
+        # An inference forward runs an all-kept mask as padding that keeps every key: the graph of the
+        # decode steps around it (a static KV cache's last slot), not one more.
+        return call._replace(attn_mask=pattern._replace(q_lens=pattern.full[0], kv_lens=pattern.full[1], full=None))
     if pattern.left is None and pattern.kv_lens is None:
         return call._replace(attn_mask=None, is_causal=pattern.right == 0)
     return call._replace(attn_mask=pattern)

@@ -34,6 +34,8 @@ class MaskPattern(NamedTuple):
     left: int | None
     q_lens: Any = None
     kv_lens: Any = None
+    #: of an all-kept mask: (q_lens, kv_lens) keeping every key, to run it as padding (:func:`~thunder_cudnn_safe.dispatch.with_mask_pattern`)
+    full: Any = None
 
     @property
     def name(self) -> str:
@@ -128,7 +130,7 @@ def recognize(mask: torch.Tensor, batch: int, lq: int, s: int) -> MaskPattern | 
     lens = n.reshape(-1, 1, 1, 1).expand(batch, 1, 1, 1).to(torch.int32).contiguous()
     q_lens = torch.full((batch, 1, 1, 1), lq, dtype=torch.int32, device=m.device)
     if full and left is None:
-        return MaskPattern(None, None)
+        return MaskPattern(None, None, full=(q_lens, lens))
     if causal:
         return MaskPattern(0, left)
     if causal_padded:
