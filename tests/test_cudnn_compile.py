@@ -157,6 +157,8 @@ def test_describe_target_from_a_cpu(standin) -> None:
     assert report.forward.ok and report.backward.ok, report
     assert any("sm90" in name for name in report.forward.kernels + report.backward.kernels), report
     assert report.forward.workspace is not None and report.backward.engine is not None
+    inference = aot.describe_target(q, k, v, is_causal=True, need_stats=False, target="sm90", extra_ld_path=standin)
+    assert inference.forward.ok and inference.forward.dynamic and inference.backward is None, inference
     big = [t.detach().new_zeros(2, 2, 16, 256) for t in (q, k, v)]
     declined = aot.describe_target(*big, target="B200")
     assert declined.forward is None and any("exceeds 128" in r for r in declined.reasons), declined

@@ -157,3 +157,15 @@ def test_cached_graphs_report_the_kind_built(fresh_cache, monkeypatch):
     _decode(tcs.emulated_ex.dispatcher, (16, 40), batch=2)
     graphs_ = tcs.cached_graphs()
     assert len(graphs_) == 2 and not any(g.key.dynamic for g in graphs_) and tcs.cache_info().fallbacks == 0
+
+
+def test_describe_an_inference_forward(fresh_cache):
+    """describe(need_stats=False) planned a backward from the missing stats and raised TypeError; now it
+    reports the forward an inference call runs (dynamic, an all-kept mask as padding) and no backward."""
+    q, k = torch.randn(3, 2, 4, 32, dtype=torch.bfloat16), torch.randn(3, 2, 16, 32, dtype=torch.bfloat16)
+    mask = torch.zeros(4, 16, dtype=torch.bfloat16)
+    tcs.emulated_ex.dispatcher.forward(q, k, k, mask, 0.0, False, need_stats=False)
+    report = tcs.describe(q, k, k, mask, executor="cudnn_safe_emulated", need_stats=False)
+    assert report.reasons == [] and report.mask_pattern == "padding" and report.backward is None
+    assert report.forward is not None and report.forward.key.dynamic and report.forward.key.padded
+    assert tcs.describe(q, k, k, mask, executor="cudnn_safe_emulated").mask_pattern == "all_kept"

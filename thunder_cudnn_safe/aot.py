@@ -204,8 +204,9 @@ def describe_target(query: Any, key: Any, value: Any, *args: Any, target: Any = 
     reasons = not_supported_reasons(call, target_of(device), query.device.type)
     if reasons:
         return TargetReport(device, reasons, None, None)
-    _, fkey, bkey = planned_keys(call, target_of(device))
-    return TargetReport(device, reasons, *compile_in_subprocess([fkey, bkey], device, extra_ld_path=extra_ld_path)[device])
+    _, fkey, bkey = planned_keys(call, target_of(device))  # bkey None: an inference forward, no backward
+    results = compile_in_subprocess([k for k in (fkey, bkey) if k is not None], device, extra_ld_path=extra_ld_path)[device]
+    return TargetReport(device, reasons, results[0], results[1] if bkey is not None else None)
 
 
 def _main() -> None:

@@ -195,7 +195,7 @@ def signature(call: ForwardCall | BackwardCall) -> ForwardCall | BackwardCall:
 
 
 def _pattern_sig(x: Any) -> Any:
-    if isinstance(x, MaskPattern) and x.kv_lens is not None:
+    if isinstance(x, MaskPattern) and (x.kv_lens is not None or x.full is not None):
         return x._replace(q_lens=True, kv_lens=True, full=None)  # the lengths are bound per call, not planned
     return x
 

@@ -150,22 +150,20 @@ def planned_keys(call: ForwardCall, target: Target) -> tuple[ForwardCall, Forwar
     mask_grad = mask is not None and mask.dtype is not torch.bool and bool(mask.requires_grad)
     call = call._replace(layout=LayoutPolicy.parse(call.layout).value, dropout_p=float(call.dropout_p))
     masked = call if mask_grad else with_mask_pattern(call)
-    fkey = plan_forward(signature(masked), target).key
-    return masked, fkey, companion_backward_key(signature(masked), fkey, mask_grad=mask_grad)
+    fkey = plan_forward(signature(masked), target).key  # an inference forward has no backward:
+    return masked, fkey, companion_backward_key(signature(masked), fkey, mask_grad) if call.need_stats else None
 
 
 def with_mask_pattern(call: ForwardCall | BackwardCall) -> ForwardCall | BackwardCall:
-    """``call`` with a mask recognized as a pattern (:mod:`patterns`) replaced by it: by nothing
-    when it keeps every key, by ``is_causal`` when it is torch's causal mask."""
+    """``call`` with a mask recognized as a pattern (:mod:`patterns`) replaced by it: by nothing when it
+    keeps every key (an inference forward: by padding keeping every key), by ``is_causal`` when causal."""
     mask = call.attn_mask
     if mask is None or isinstance(mask, MaskPattern) or call.is_causal:
         return call
     pattern = pattern_of(mask, call.query.shape[0], call.query.shape[2], call.key.shape[2])
     if pattern is None:
         return call
-    if pattern.full is not None and type(call) is ForwardCall and not call.need_stats:
-        # An inference forward runs an all-kept mask as padding that keeps every key: the graph of the
-        # decode steps around it (a static KV cache's last slot), not one more.
+    if pattern.full is not None and type(call) is ForwardCall and not call.need_stats:  # the decode steps' graph
         return call._replace(attn_mask=pattern._replace(q_lens=pattern.full[0], kv_lens=pattern.full[1], full=None))
     if pattern.left is None and pattern.kv_lens is None:
         return call._replace(attn_mask=None, is_causal=pattern.right == 0)

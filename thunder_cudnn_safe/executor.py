@@ -216,7 +216,8 @@ def describe(query: Any, key: Any, value: Any, *args: Any, executor: OperatorExe
     masked, fkey, bkey = planned_keys(call, ex.runtime.target(query.device))
     graphs = {g.key: g for g in ex.dispatcher.cache.graphs()}
     pattern = None if call.attn_mask is None else _pattern_name(masked)
-    return CallReport(reasons, graphs.get(fkey), graphs.get(bkey), pattern)
+    # a dynamic-shape forward cuDNN refused is cached as the static graph it was built as
+    return CallReport(reasons, graphs.get(fkey) or graphs.get(fkey._replace(dynamic=False)), graphs.get(bkey), pattern)
 
 
 def _pattern_name(masked: ForwardCall) -> str:
