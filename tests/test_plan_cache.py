@@ -15,6 +15,7 @@ import logging
 import multiprocessing
 import os
 import subprocess
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -91,6 +92,18 @@ def test_concurrent_writers_leave_one_whole_entry(tmp_path) -> None:
     payload = cache.get("shared")
     assert payload is not None and len(set(payload)) == 1 and len(payload) == 20000 + 1000 * 39
     assert [p.name for p in tmp_path.iterdir()] == [cache.path("shared").name]
+
+
+def test_a_killed_writers_temp_file_is_removed_a_live_ones_is_not(tmp_path) -> None:
+    """A writer killed between mkstemp and rename leaves a .tmp-* file: the next store removes it once
+    it is older than STALE_TEMP_S; a temp file a live writer is still writing stays."""
+    cache = PlanCache(tmp_path)
+    dead, live = tmp_path / ".tmp-dead", tmp_path / ".tmp-live"
+    dead.write_bytes(b"partial")
+    live.write_bytes(b"partial")
+    os.utime(dead, (time.time() - 2 * plan_cache.STALE_TEMP_S,) * 2)
+    cache.put("e", b"x" * 10)
+    assert not dead.exists() and live.exists() and cache.get("e") == b"x" * 10
 
 
 def test_eviction_is_bounded_least_recently_used_first(tmp_path) -> None:

@@ -89,8 +89,7 @@ def _mark_output(t: Any, uid: Uid, s: TensorSig) -> None:
 
 
 _kernel_caches: dict[Hashable, Any] = {}
-#: Held while a kernel cache is created or a dynamic-shape graph plans: the frontend does not promise
-#: a kernel cache is thread-safe (such builds take milliseconds once its kernel is compiled).
+#: Held while a kernel cache is made or a dynamic graph plans: the frontend does not promise it is thread-safe.
 _dynamic_lock = threading.RLock()
 
 

@@ -1,13 +1,9 @@
-"""Opt-in persistent plan cache: serialized cuDNN plans on disk, so a new process loads instead of building.
+"""Opt-in persistent plan cache: serialized cuDNN plans on disk (milliseconds to load, 0.3-4 s to build).
 
-Building a plan costs a heuristics query and an NVRTC compile (0.3-4 s); deserializing its blob costs
-milliseconds. Off unless ``THUNDER_CUDNN_SAFE_PLAN_CACHE_DIR`` or :func:`set_plan_cache_dir` names a folder.
-An entry's file name hashes everything the plan depends on (graph key without its target, ladder rung,
-cuDNN backend and frontend versions, device descriptor, package version, graphs.py source), and its header
-repeats that hash and a sha256 of the payload: cuDNN does not notice a corrupted kernel in a blob.
-A file that fails any check, or that cuDNN cannot restore, is removed with one warning and rebuilt:
-never a wrong plan, never a crash. Writers rename a temp file into place, so concurrent processes
-storing one entry leave one whole file. Least recently used entries (mtime, touched on load) go first.
+Off unless ``THUNDER_CUDNN_SAFE_PLAN_CACHE_DIR`` or :func:`set_plan_cache_dir` names a folder. An entry's name hashes all the plan depends on; its header repeats that hash and a sha256 of the payload
+(cuDNN does not notice a corrupted kernel in a blob). A file that fails a check, or that cuDNN cannot
+restore, is removed with one warning and rebuilt. Writers rename a temp file into place (concurrent
+writers leave one whole file); least recently used entries (mtime, touched on load) go first.
 """
 
 from __future__ import annotations
@@ -19,6 +15,7 @@ import json
 import os
 import struct
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -30,6 +27,7 @@ from .telemetry import logger, warn_once
 
 MAGIC, FORMAT = b"TCSPLAN\0", 1
 _HEADER = struct.Struct("<8sI32s32sQ")  # magic, format, sha256(ident), sha256(payload), payload length
+STALE_TEMP_S = 3600  #: age after which a temp file is a dead writer's, removed on the next store
 _META = struct.Struct("<I")  # length of the JSON meta (BuiltGraph's workspace_size, implementation, plan) before the blob
 
 
@@ -111,6 +109,10 @@ class PlanCache:
         return sorted(found)
 
     def evict(self) -> None:
+        for tmp in self.directory.glob(".tmp-*"):  # left by a writer killed mid-write (a live one takes seconds)
+            with contextlib.suppress(OSError):
+                if tmp.stat().st_mtime < time.time() - STALE_TEMP_S:
+                    tmp.unlink()
         entries = self.scan()
         total = sum(size for _, size, _ in entries)
         for _, size, p in entries[: max(0, len(entries) - 1)]:  # never the newest
