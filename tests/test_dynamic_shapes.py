@@ -154,9 +154,12 @@ def test_cached_graphs_report_the_kind_built(fresh_cache, monkeypatch):
         return real(key, implementation)
 
     monkeypatch.setattr(runtime, "_build_one", build_one)
-    _decode(tcs.emulated_ex.dispatcher, (16, 40), batch=2)
+    (_, q, k, v), _ = _decode(tcs.emulated_ex.dispatcher, (16, 40), batch=2)
     graphs_ = tcs.cached_graphs()
     assert len(graphs_) == 2 and not any(g.key.dynamic for g in graphs_) and tcs.cache_info().fallbacks == 0
+    # describe() finds it by the key the call asks for (dynamic), and reports the graph built (static)
+    report = tcs.describe(q, k, v, executor="cudnn_safe_emulated", need_stats=False)
+    assert report.forward is not None and not report.forward.key.dynamic and report.forward.key.k.shape[2] == 16
 
 
 def test_describe_an_inference_forward(fresh_cache):

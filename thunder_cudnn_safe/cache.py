@@ -162,10 +162,16 @@ class GraphCache:
 
     def graphs(self) -> list[CachedGraph]:
         """Every cached graph, least recently used first, with its implementation and plan."""
-        return [
-            CachedGraph(getattr(b, "key", None) or key, getattr(b, "implementation", None), getattr(b, "plan", None), int(getattr(b, "workspace_size", 0)))
-            for key, b in self._graphs.items()
-        ]
+        return [_cached(key, b) for key, b in self._graphs.items()]
+
+    def graph(self, key: Hashable) -> CachedGraph | None:
+        """The graph cached for ``key`` as asked (a hit not counted), or None."""
+        b = self._graphs.peek(key)
+        return None if b is None else _cached(key, b)
+
+
+def _cached(key: Hashable, b: Any) -> CachedGraph:
+    return CachedGraph(getattr(b, "key", None) or key, getattr(b, "implementation", None), getattr(b, "plan", None), int(getattr(b, "workspace_size", 0)))
 
 
 graph_cache = GraphCache()

@@ -42,7 +42,7 @@ class Dispatcher:
         memo = memo_key(call, self.runtime.target(device))
         plan = self.plans.peek(memo)
         if plan is None:
-            sig = signature(call)
+            sig = signature(call)  # a forward memo is (target, dynamic-shape mode, ...): the plan uses that mode
             plan = plan_forward(sig, memo[0], memo[1]) if isinstance(call, ForwardCall) else plan_backward(sig, memo[0])
             self.plans.put(memo, plan)
         return plan.run(call, device)

@@ -214,10 +214,9 @@ def describe(query: Any, key: Any, value: Any, *args: Any, executor: OperatorExe
         return CallReport(reasons, None, None)
     ex = _resolve_executor(executor)
     masked, fkey, bkey = planned_keys(call, ex.runtime.target(query.device))
-    graphs = {g.key: g for g in ex.dispatcher.cache.graphs()}
     pattern = None if call.attn_mask is None else _pattern_name(masked)
-    # a dynamic-shape forward cuDNN refused is cached as the static graph it was built as
-    return CallReport(reasons, graphs.get(fkey) or graphs.get(fkey._replace(dynamic=False)), graphs.get(bkey), pattern)
+    cache = ex.dispatcher.cache
+    return CallReport(reasons, cache.graph(fkey), None if bkey is None else cache.graph(bkey), pattern)
 
 
 def _pattern_name(masked: ForwardCall) -> str:

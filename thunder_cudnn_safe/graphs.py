@@ -136,10 +136,8 @@ def _masking(graph: Any, key: ForwardKey | BackwardKey) -> dict[str, Any]:
 
 
 def attention_implementation(implementation: Any) -> Any:
-    """The frontend's ``attention_implementation`` for "auto" / "composite" / "unified" (or the enum itself).
-
-    None means the frontend's own choice (AUTO): the argument is then not passed at all.
-    """
+    """The frontend's ``attention_implementation`` for "auto" / "composite" / "unified" (or the enum itself);
+    None (the frontend's own choice) for None: the argument is then not passed at all."""
     if implementation is None:
         return None
     enum_type = cudnn_module().attention_implementation
@@ -162,11 +160,8 @@ def _dropout(graph: Any, key: ForwardKey | BackwardKey) -> tuple | None:
 def build_forward_graph(key: ForwardKey, handle: Any = None, *, implementation: Any = None, device_property: Any = None) -> Any:
     """A validated forward graph (O, and the softmax stats unless ``key.stats`` is None) declaring exactly ``key``.
 
-    ``implementation`` ("composite", "unified", or None for the frontend's choice) pins
-    the cuDNN SDPA implementation; the forward is the only SDPA op that has this choice
-    (``sdpa_backward`` has no such argument in any frontend). ``device_property``
-    (``cudnn.create_device_properties``) plans for that GPU without one (:mod:`aot`).
-    """
+    ``implementation`` ("composite", "unified", None: the frontend's choice) pins the SDPA implementation
+    (only the forward has one); ``device_property`` plans for that GPU without one (:mod:`aot`)."""
     g = _new_graph(key.q.dtype, handle, device_property, key)
     q, k, v = _declare(g, Uid.Q, key.q), _declare(g, Uid.K, key.k), _declare(g, Uid.V, key.v)
     extra = {}
@@ -190,10 +185,8 @@ def build_forward_graph(key: ForwardKey, handle: Any = None, *, implementation: 
 def build_backward_graph(key: BackwardKey, handle: Any = None, *, implementation: Any = None, device_property: Any = None) -> Any:
     """A validated backward graph (dQ, dK, dV and optionally dBias) declaring exactly ``key``.
 
-    ``implementation`` is accepted for symmetry with :func:`build_forward_graph`: the
-    frontend's ``sdpa_backward`` has no implementation choice (its lowered node is the
-    composite one), so only None, "auto" and "composite" are valid and change nothing.
-    """
+    ``sdpa_backward`` has no implementation choice (its lowered node is composite): ``implementation``
+    may only be None, "auto" or "composite", for symmetry with :func:`build_forward_graph`."""
     impl = attention_implementation(implementation)
     if impl is not None and impl.name not in ("AUTO", "COMPOSITE"):
         raise ValueError(f"sdpa_backward has no {impl.name} implementation; pass None, 'auto' or 'composite'")

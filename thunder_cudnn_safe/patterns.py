@@ -1,9 +1,9 @@
 """Masks that are patterns run as cuDNN's own masking: no bias read, fully masked tiles skipped.
 
 Under ThunderFX, HF models materialize every mask (causal, sliding window, key padding, all-True).
-The executor holds the mask's data at run time, so it checks exactly, over the whole tensor, for:
-all kept (no mask; padding keeping every key in an inference forward); torch's causal (the diagonal band, right bound 0); causal with a window of W
-keys (left bound W); key padding (batch element b keeps keys j < n_b: cuDNN's padding mask with
+The executor holds the mask's data at run time, so it checks exactly, over the whole tensor, for: all
+kept (no mask; in an inference forward, padding keeping every key); torch's causal (the diagonal band,
+right bound 0); causal with a window of W keys (left bound W); key padding (batch element b keeps keys j < n_b: cuDNN's padding mask with
 ``seq_len_kv`` bound per call); causal with padding. A float mask masks with -inf or anything <= its
 dtype's lowest finite value. Anything else stays an additive bias. The verdict costs one host sync
 per distinct mask and state, kept in the converted-mask cache (same identity and version rules);

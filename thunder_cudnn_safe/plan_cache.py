@@ -1,9 +1,10 @@
 """Opt-in persistent plan cache: serialized cuDNN plans on disk (milliseconds to load, 0.3-4 s to build).
 
-Off unless ``THUNDER_CUDNN_SAFE_PLAN_CACHE_DIR`` or :func:`set_plan_cache_dir` names a folder. An entry's name hashes all the plan depends on; its header repeats that hash and a sha256 of the payload
-(cuDNN does not notice a corrupted kernel in a blob). A file that fails a check, or that cuDNN cannot
-restore, is removed with one warning and rebuilt. Writers rename a temp file into place (concurrent
-writers leave one whole file); least recently used entries (mtime, touched on load) go first.
+Off unless ``THUNDER_CUDNN_SAFE_PLAN_CACHE_DIR`` or :func:`set_plan_cache_dir` names a folder. An entry's
+name hashes all the plan depends on; its header repeats that hash and a sha256 of the payload (cuDNN
+does not notice a corrupted kernel in a blob). A file that fails a check, or that cuDNN cannot restore,
+is removed with one warning and rebuilt. Writers rename a temp file into place (concurrent writers
+leave one whole file); least recently used entries (mtime, touched on load) go first.
 """
 
 from __future__ import annotations
