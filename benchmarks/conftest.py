@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import thunder_cudnn_safe  # noqa: F401  (compat steps before thunder is imported)
+import thunder_cudnn_safe
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -121,7 +121,8 @@ def measure_combo(
         harness.sync(device)
         t0 = time.perf_counter()
         res = harness.forward_backward(
-            dispatcher, q, k, v, g, layout, after_forward=lambda: snaps.append(harness.copy_stats()))
+            dispatcher, q, k, v, g, layout, after_forward=lambda: snaps.append(harness.copy_stats())
+        )
         harness.sync(device)
         cold_s = time.perf_counter() - t0
         build_s = dispatcher.cache.info().build_seconds - info0.build_seconds
@@ -196,7 +197,9 @@ def run(
     dispatchers = {v.name: harness.make_dispatcher(device_t, v.backend_version) for v in chosen}
     for d in dispatchers.values():  # first graph builds import the frontend's engine modules: not in any sample
         tq, tk, tv = harness.make_qkv("contiguous", 1, 1, 16, 64, torch.float16, device)
-        harness.forward_backward(d, tq, tk, tv, harness.make_grad("contiguous", (1, 1, 16, 64), torch.float16, device), "preserve")
+        harness.forward_backward(
+            d, tq, tk, tv, harness.make_grad("contiguous", (1, 1, 16, 64), torch.float16, device), "preserve"
+        )
     harness.reset_copy_stats()
     targets = {v.name: dispatchers[v.name].runtime.target(device_t)._asdict() for v in chosen}
     results = []
@@ -217,18 +220,33 @@ def run(
                     aim = _aim_applies(q, k, v, g)
                     for var in chosen:
                         m = measure_combo(
-                            dispatchers[var.name], q, k, v, g, var.layout,
-                            device=device_t, budget_s=budget, min_reps=min_reps, max_reps=max_reps,
+                            dispatchers[var.name],
+                            q,
+                            k,
+                            v,
+                            g,
+                            var.layout,
+                            device=device_t,
+                            budget_s=budget,
+                            min_reps=min_reps,
+                            max_reps=max_reps,
                         )
-                        results.append({
-                            "size": size.name, **{f: getattr(size, f) for f in ("b", "h", "s", "d", "dtype")},
-                            "qkv_layout": ql, "grad_layout": gl, "variant": var.name, "layout": var.layout,
-                            "backend_version": targets[var.name]["backend_version"],
-                            "tensor_bytes": t_bytes, "aim_zero_copy": aim,
-                            "zoo_zero_copy": ql in testing.ZERO_COPY_QKV_LAYOUTS
-                            and gl in getattr(testing, "ZERO_COPY_GRAD_LAYOUTS", ("contiguous", "transposed")),
-                            **{k: _sig4(x) for k, x in m.items()},
-                        })
+                        results.append(
+                            {
+                                "size": size.name,
+                                **{f: getattr(size, f) for f in ("b", "h", "s", "d", "dtype")},
+                                "qkv_layout": ql,
+                                "grad_layout": gl,
+                                "variant": var.name,
+                                "layout": var.layout,
+                                "backend_version": targets[var.name]["backend_version"],
+                                "tensor_bytes": t_bytes,
+                                "aim_zero_copy": aim,
+                                "zoo_zero_copy": ql in testing.ZERO_COPY_QKV_LAYOUTS
+                                and gl in getattr(testing, "ZERO_COPY_GRAD_LAYOUTS", ("contiguous", "transposed")),
+                                **{k: _sig4(x) for k, x in m.items()},
+                            }
+                        )
                     tensors.setdefault(size.name, {})[f"grad_out {gl}"] = harness.describe(g)
                     del g
                 del q, k, v
@@ -258,8 +276,12 @@ def _by_design(r: dict) -> bool:
     backward must return per-head dK/dV, so it binds K and V materialized.
     """
     fwd_only = set(getattr(testing, "FORWARD_ZERO_COPY_QKV_LAYOUTS", ())) - set(testing.ZERO_COPY_QKV_LAYOUTS)
-    return (r["qkv_layout"] in fwd_only and r["bytes_fwd"] == 0 and not r["fwd_operands"]
-            and set(r["bwd_operands"]) <= {"key", "value"})
+    return (
+        r["qkv_layout"] in fwd_only
+        and r["bytes_fwd"] == 0
+        and not r["fwd_operands"]
+        and set(r["bwd_operands"]) <= {"key", "value"}
+    )
 
 
 def aim_check(results: list[dict]) -> dict[str, Any]:
@@ -271,10 +293,17 @@ def aim_check(results: list[dict]) -> dict[str, Any]:
             entry = {"fwd": sorted(r["fwd_operands"]), "bwd": sorted(r["bwd_operands"]), "reasons": r["reasons"]}
             (by_design if _by_design(r) else misses).setdefault(key, entry)
     by_design = {k: m for k, m in by_design.items() if k not in misses}  # a miss at any size is a miss
-    covered = {f"{r['qkv_layout']} x {r['grad_layout']}" for r in results if r["variant"] == "preserve" and r["aim_zero_copy"]}
+    covered = {
+        f"{r['qkv_layout']} x {r['grad_layout']}" for r in results if r["variant"] == "preserve" and r["aim_zero_copy"]
+    }
     mismatches = sum(1 for r in results if not r.get("copy_stats_matches_copy_", True))
-    return {"covered": len(covered), "met": len(covered) - len(misses) - len(by_design), "misses": misses,
-            "by_design": by_design, "copy_stats_vs_copy__mismatches": mismatches}
+    return {
+        "covered": len(covered),
+        "met": len(covered) - len(misses) - len(by_design),
+        "misses": misses,
+        "by_design": by_design,
+        "copy_stats_vs_copy__mismatches": mismatches,
+    }
 
 
 # -- report ------------------------------------------------------------------------------------
@@ -319,8 +348,13 @@ def summary_markdown(suite: dict[str, Any], size: str | None = None) -> str:
     size = size or representative_size(suite)
     idx = _index(results)
     variants = [v["name"] for v in suite["variants"]]
-    head = "| q/k/v layout | grad_out layout | aim: 0 B | " + " | ".join(f"{v}: fwd+bwd" for v in variants) + " | " + \
-        " | ".join(f"{v}: what is copied" for v in variants) + " |"
+    head = (
+        "| q/k/v layout | grad_out layout | aim: 0 B | "
+        + " | ".join(f"{v}: fwd+bwd" for v in variants)
+        + " | "
+        + " | ".join(f"{v}: what is copied" for v in variants)
+        + " |"
+    )
     lines = [head, "|" + "---|" * (3 + 2 * len(variants))]
     for ql in suite["qkv_layouts"]:
         for gl in suite["grad_layouts"]:
@@ -330,7 +364,13 @@ def summary_markdown(suite: dict[str, Any], size: str | None = None) -> str:
             t = rs[0]["tensor_bytes"]
             aim = "yes" if rs[0]["aim_zero_copy"] else "n/a"
             if rs[0]["aim_zero_copy"] and variants[0] == "preserve":
-                aim = "met" if rs[0]["bytes_total"] == 0 else "fwd met; bwd K/V by design" if _by_design(rs[0]) else "**MISSED**"
+                aim = (
+                    "met"
+                    if rs[0]["bytes_total"] == 0
+                    else "fwd met; bwd K/V by design"
+                    if _by_design(rs[0])
+                    else "**MISSED**"
+                )
             cells = [_units(r["bytes_total"], t) if r else "" for r in rs]
             what = [_ops(r["fwd_operands"], r["bwd_operands"], t) if r else "" for r in rs]
             lines.append(f"| {ql} | {gl} | {aim} | " + " | ".join(cells) + " | " + " | ".join(what) + " |")
@@ -343,7 +383,9 @@ def size_table_markdown(suite: dict[str, Any], sizes: list[str] | None = None) -
     idx = _index(results)
     variants = [v["name"] for v in suite["variants"]]
     sizes = sizes or list(suite["sizes"])
-    head = "| size | q/k/v | grad_out | " + " | ".join(f"{v} MiB | {v} copy ms | {v} dispatch ms" for v in variants) + " |"
+    head = (
+        "| size | q/k/v | grad_out | " + " | ".join(f"{v} MiB | {v} copy ms | {v} dispatch ms" for v in variants) + " |"
+    )
     lines = [head, "|" + "---|" * (3 + 3 * len(variants))]
     for s in sizes:
         for ql in suite["qkv_layouts"]:
@@ -366,8 +408,11 @@ def totals_markdown(suite: dict[str, Any]) -> str:
     results = suite["results"]
     variants = [v["name"] for v in suite["variants"]]
     lines = [
-        "| size | " + " | ".join(f"{v}: zoo total MiB / copy ms" for v in variants)
-        + " | " + " | ".join(f"{v}: bshd x transposed MiB / copy ms" for v in variants) + " |",
+        "| size | "
+        + " | ".join(f"{v}: zoo total MiB / copy ms" for v in variants)
+        + " | "
+        + " | ".join(f"{v}: bshd x transposed MiB / copy ms" for v in variants)
+        + " |",
         "|" + "---|" * (1 + 2 * len(variants)),
     ]
     idx = _index(results)
@@ -400,12 +445,20 @@ def plot(suite: dict[str, Any], path, size: str | None = None) -> str | None:
     variants = [v["name"] for v in suite["variants"]]
     qls, gls = suite["qkv_layouts"], suite["grad_layouts"]
     fig, axes = plt.subplots(2, len(variants), figsize=(4.2 * len(variants) + 1.5, 8.5), squeeze=False)
-    for row, (metric, title, fmt) in enumerate((
-        ("bytes_total", "MiB copied per fwd+bwd", lambda x: f"{x / 2**20:.0f}" if x else "0"),
-        ("copy_ms", "copy time per fwd+bwd (ms)", lambda x: f"{x:.3g}" if x >= 0.005 else "0"),
-    )):
-        data = np.array([[idx[(size, ql, gl, v)][metric] if (size, ql, gl, v) in idx else np.nan for gl in gls]
-                         for v in variants for ql in qls], dtype=float).reshape(len(variants), len(qls), len(gls))
+    for row, (metric, title, fmt) in enumerate(
+        (
+            ("bytes_total", "MiB copied per fwd+bwd", lambda x: f"{x / 2**20:.0f}" if x else "0"),
+            ("copy_ms", "copy time per fwd+bwd (ms)", lambda x: f"{x:.3g}" if x >= 0.005 else "0"),
+        )
+    ):
+        data = np.array(
+            [
+                [idx[(size, ql, gl, v)][metric] if (size, ql, gl, v) in idx else np.nan for gl in gls]
+                for v in variants
+                for ql in qls
+            ],
+            dtype=float,
+        ).reshape(len(variants), len(qls), len(gls))
         vmax = np.nanmax(data) or 1.0
         for col, v in enumerate(variants):
             ax = axes[row][col]
@@ -417,8 +470,15 @@ def plot(suite: dict[str, Any], path, size: str | None = None) -> str | None:
                 for j in range(len(gls)):
                     val = data[col, i, j]
                     if not np.isnan(val):
-                        ax.text(j, i, fmt(val), ha="center", va="center", fontsize=7,
-                                color="white" if val > 0.6 * vmax else "black")
+                        ax.text(
+                            j,
+                            i,
+                            fmt(val),
+                            ha="center",
+                            va="center",
+                            fontsize=7,
+                            color="white" if val > 0.6 * vmax else "black",
+                        )
     info = suite["sizes"][size]
     fig.suptitle(
         f"Layout-normalization copies, {size} (B={info['b']} H={info['h']} S={info['s']} D={info['d']} {info['dtype']}), "
@@ -439,13 +499,19 @@ def markdown(suite: dict[str, Any]) -> str:
         f"Method: {suite['method']}",
         "",
         f"Device: {suite['device']}; targets: "
-        + ", ".join(f"{k} = cuDNN {t['backend_version']} sm{t['arch'][0]}{t['arch'][1]}" for k, t in suite["targets"].items())
+        + ", ".join(
+            f"{k} = cuDNN {t['backend_version']} sm{t['arch'][0]}{t['arch'][1]}" for k, t in suite["targets"].items()
+        )
         + f"; suite time {suite['seconds']:.0f} s.",
         "",
         f"Aim (zero bytes under 'preserve' for every combination whose tensors all have a contiguous last dim and an "
         f"aligned base): met for {aim['met']} of {aim['covered']} combinations"
-        + (f"; {len(aim.get('by_design', {}))} more copy only K and V in the backward, by design (head-broadcast K/V: "
-           "zero-copy forward, per-head dK/dV need K/V materialized)" if aim.get("by_design") else "")
+        + (
+            f"; {len(aim.get('by_design', {}))} more copy only K and V in the backward, by design (head-broadcast K/V: "
+            "zero-copy forward, per-head dK/dV need K/V materialized)"
+            if aim.get("by_design")
+            else ""
+        )
         + f"; missed for {len(aim['misses'])}. copy_stats() bytes differed from the "
         f"bytes Tensor.copy_ wrote in {aim['copy_stats_vs_copy__mismatches']} of {len(suite['results'])} measurements.",
     ]
@@ -453,7 +519,9 @@ def markdown(suite: dict[str, Any]) -> str:
         parts.append("")
         parts.append("Missed:")
         for key, m in aim["misses"].items():
-            parts.append(f"- {key}: fwd copies {m['fwd'] or 'nothing'}, bwd copies {m['bwd'] or 'nothing'} ({'; '.join(f'{k}: {v}' for k, v in m['reasons'].items())})")
+            parts.append(
+                f"- {key}: fwd copies {m['fwd'] or 'nothing'}, bwd copies {m['bwd'] or 'nothing'} ({'; '.join(f'{k}: {v}' for k, v in m['reasons'].items())})"
+            )
     if aim.get("by_design"):
         parts += ["", "By design (backward copies K and V only): " + ", ".join(aim["by_design"]) + "."]
     parts += [

@@ -43,7 +43,10 @@ def _nvidia_driver() -> str | None:
     try:
         out = subprocess.run(
             ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=10, check=True,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
         ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
@@ -103,14 +106,22 @@ def environment_markdown(env: dict[str, Any]) -> str:
         ("torch", env["torch"]),
         ("lightning-thunder", env["thunder"]),
         ("nvidia-cudnn-frontend", env["cudnn_frontend"]),
-        ("cuDNN backend (FRONTEND.backend_version)", env["cudnn_backend"] if env["cudnn_backend"] is not None
-         else f"none: {env['cudnn_backend_problem']}"),
+        (
+            "cuDNN backend (FRONTEND.backend_version)",
+            env["cudnn_backend"] if env["cudnn_backend"] is not None else f"none: {env['cudnn_backend_problem']}",
+        ),
         ("device", env["device"]),
     ]
     if cuda:
         rows += [
-            ("GPU capability / SMs / memory", f"sm{cuda['capability']} / {cuda['sm_count']} / {cuda['memory_gib']} GiB"),
-            ("CUDA (torch) / cuDNN (torch) / driver", f"{cuda['torch_cuda']} / {cuda['torch_cudnn']} / {cuda['driver']}"),
+            (
+                "GPU capability / SMs / memory",
+                f"sm{cuda['capability']} / {cuda['sm_count']} / {cuda['memory_gib']} GiB",
+            ),
+            (
+                "CUDA (torch) / cuDNN (torch) / driver",
+                f"{cuda['torch_cuda']} / {cuda['torch_cudnn']} / {cuda['driver']}",
+            ),
         ]
     rows += [
         ("CPU model", f"{env['cpu_model']} ({env['cpu_count']} CPUs, torch threads {env['torch_threads']})"),

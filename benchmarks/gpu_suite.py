@@ -30,8 +30,9 @@ import re
 import statistics
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -44,8 +45,15 @@ QUICK_SEQLENS = (1024, 8192)
 TOKENS = 16384  # B * S
 HIDDEN = 2048  # H * D
 DEFAULT_EXECUTORS = ("cudnn_safe", "sdpaex", "eager", "thunder_cudnn")
-ALL_EXECUTORS = ("cudnn_safe", "cudnn_safe[contiguous]", "cudnn_safe[mask]", "cudnn_safe[mask-bias]", "sdpaex", "eager",
-                 "thunder_cudnn")
+ALL_EXECUTORS = (
+    "cudnn_safe",
+    "cudnn_safe[contiguous]",
+    "cudnn_safe[mask]",
+    "cudnn_safe[mask-bias]",
+    "sdpaex",
+    "eager",
+    "thunder_cudnn",
+)
 
 METHOD = (
     "CUDA events around forward, backward and forward+backward of one SDPA call (training: q/k/v require grad), "
@@ -75,8 +83,14 @@ class Config:
         return f / 2 if self.causal else f
 
 
-def configs(seqlens=SEQLENS, dtypes=("bfloat16", "float16"), head_dims=(128, 64), causals=(False, True),
-            tokens=TOKENS, hidden=HIDDEN) -> list[Config]:
+def configs(
+    seqlens=SEQLENS,
+    dtypes=("bfloat16", "float16"),
+    head_dims=(128, 64),
+    causals=(False, True),
+    tokens=TOKENS,
+    hidden=HIDDEN,
+) -> list[Config]:
     """Every combination, in the order given (a time budget cuts from the end: put what matters first)."""
     out = []
     for dtype in dtypes:
@@ -99,6 +113,7 @@ def _masked_fn(causal: bool, bias: bool) -> Callable:
     """SDPA with the mask a model materializes (issue 21): causal configs a boolean causal mask, the others
     key padding (the last S/8 keys masked), made per call as HF does per step. ``bias``: the same mask as
     an additive -1e4 bias, which is no pattern (runs as a bias read by cuDNN): pattern vs bias speed."""
+
     def sdpa(q, k, v):
         lq, s = q.shape[-2], k.shape[-2]
         keep = torch.ones(lq, s, dtype=torch.bool, device=q.device)
@@ -145,10 +160,13 @@ def make_callables(names, device: torch.device) -> dict[str, dict[str, Any]]:
             layout = "contiguous" if name.endswith("[contiguous]") else "preserve"
             entry["expect"] = safe.name
             entry["build"] = lambda causal, layout=layout: thunder.jit(
-                _attention_fn(causal), executors=[safe], cudnn_safe_layout=layout)
+                _attention_fn(causal), executors=[safe], cudnn_safe_layout=layout
+            )
         elif name in ("cudnn_safe[mask]", "cudnn_safe[mask-bias]"):
             entry["expect"] = safe.name
-            entry["build"] = lambda causal, bias=name.endswith("-bias]"): thunder.jit(_masked_fn(causal, bias), executors=[safe])
+            entry["build"] = lambda causal, bias=name.endswith("-bias]"): thunder.jit(
+                _masked_fn(causal, bias), executors=[safe]
+            )
         elif name == "sdpaex":
             ex = getattr(thunder, "sdpa_executor", None)
             entry["expect"] = getattr(ex, "name", None)
@@ -189,7 +207,9 @@ class _Clock:
         return a.elapsed_time(b) if self.cuda else (b - a) * 1e3
 
 
-def make_buffers(cfg: Config, n: int, device: torch.device, layout: str = "bshd_transposed", grad_layout: str = "transposed"):
+def make_buffers(
+    cfg: Config, n: int, device: torch.device, layout: str = "bshd_transposed", grad_layout: str = "transposed"
+):
     bufs = []
     for _ in range(n):
         q, k, v = testing.QKV_LAYOUTS[layout](cfg.b, cfg.h, cfg.s, cfg.s, cfg.d, cfg.d, cfg.torch_dtype, str(device))
@@ -221,7 +241,12 @@ def time_callable(fn, bufs, clock: _Clock, *, warmup: int, reps: int) -> dict[st
     fwd = [clock.ms(a, b) for a, b, _, _ in marks]
     bwd = [clock.ms(c, d) for _, _, c, d in marks]
     both = [clock.ms(a, d) for a, _, _, d in marks]
-    return {"fwd_ms": statistics.median(fwd), "bwd_ms": statistics.median(bwd), "fwd_bwd_ms": statistics.median(both), "reps": reps}
+    return {
+        "fwd_ms": statistics.median(fwd),
+        "bwd_ms": statistics.median(bwd),
+        "fwd_bwd_ms": statistics.median(both),
+        "reps": reps,
+    }
 
 
 def _max_diff(a: torch.Tensor | None, b: torch.Tensor | None) -> float | None:
@@ -342,17 +367,26 @@ def markdown(suite: dict[str, Any]) -> str:
     if "skipped" in suite:
         return f"## Speed on GPU\n\nSkipped: {suite['skipped']}."
     execs = suite["executors"]
-    parts = ["## Speed on GPU", "", f"Method: {suite['method']}", "",
-             f"Device {suite['device']}, {suite['reps']} timed repetitions after {suite['warmup']} warm-up, "
-             f"{suite['n_buffers']} input buffers; suite time {suite['seconds']:.0f} s.", ""]
+    parts = [
+        "## Speed on GPU",
+        "",
+        f"Method: {suite['method']}",
+        "",
+        f"Device {suite['device']}, {suite['reps']} timed repetitions after {suite['warmup']} warm-up, "
+        f"{suite['n_buffers']} input buffers; suite time {suite['seconds']:.0f} s.",
+        "",
+    ]
     by_cfg: dict[tuple, dict[str, dict]] = {}
     for r in suite["results"]:
         c = r["config"]
         key = (c["dtype"], c["d"], c["causal"], c["s"], c["b"], c["h"])
         by_cfg.setdefault(key, {})[r.get("executor", "-")] = r
     ref = "sdpaex" if "sdpaex" in execs else execs[0]
-    head = "| dtype | D | causal | S | B x H | " + " | ".join(f"{e} fwd / bwd ms (TFLOP/s fwd+bwd)" for e in execs) \
+    head = (
+        "| dtype | D | causal | S | B x H | "
+        + " | ".join(f"{e} fwd / bwd ms (TFLOP/s fwd+bwd)" for e in execs)
         + f" | cudnn_safe vs {ref} (fwd+bwd time ratio) |"
+    )
     lines = [head, "|" + "---|" * (6 + len(execs))]
     errors: dict[str, set] = {}
     for key, rs in by_cfg.items():
@@ -390,13 +424,19 @@ def plot(suite: dict[str, Any], path) -> str | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups = sorted({(r["config"]["dtype"], r["config"]["d"], r["config"]["causal"]) for r in suite["results"] if "config" in r})
+    groups = sorted(
+        {(r["config"]["dtype"], r["config"]["d"], r["config"]["causal"]) for r in suite["results"] if "config" in r}
+    )
     fig, axes = plt.subplots(1, len(groups), figsize=(3.6 * len(groups), 3.4), squeeze=False, sharey=True)
     for ax, (dtype, d, causal) in zip(axes[0], groups):
         for e in suite["executors"]:
-            pts = sorted((r["config"]["s"], r["fwd_bwd_tflops"]) for r in suite["results"]
-                         if r.get("executor") == e and "fwd_bwd_tflops" in r
-                         and (r["config"]["dtype"], r["config"]["d"], r["config"]["causal"]) == (dtype, d, causal))
+            pts = sorted(
+                (r["config"]["s"], r["fwd_bwd_tflops"])
+                for r in suite["results"]
+                if r.get("executor") == e
+                and "fwd_bwd_tflops" in r
+                and (r["config"]["dtype"], r["config"]["d"], r["config"]["causal"]) == (dtype, d, causal)
+            )
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=e)
         ax.set_xscale("log", base=2)

@@ -117,9 +117,15 @@ def measure(case: Case, transform: bool) -> dict[str, Any]:
     saved_not_inputs = sum(_nbytes(t) for t in saved if t.name not in inputs)
     dkv = sum(_nbytes(t) for t in bcall.output[1:3])
     return {
-        **asdict(case), "transform": transform, "copy_stats_bytes": copied, "repeat_bytes": repeat,
-        "saved_bytes": saved_bytes, "saved_bytes_not_inputs": saved_not_inputs, "dkv_bytes": dkv,
-        "kv_heads_at_op": int(call.args[1].shape[1]), "saved": [f"{t.name}{list(t.shape)}" for t in saved],
+        **asdict(case),
+        "transform": transform,
+        "copy_stats_bytes": copied,
+        "repeat_bytes": repeat,
+        "saved_bytes": saved_bytes,
+        "saved_bytes_not_inputs": saved_not_inputs,
+        "dkv_bytes": dkv,
+        "kv_heads_at_op": int(call.args[1].shape[1]),
+        "saved": [f"{t.name}{list(t.shape)}" for t in saved],
     }
 
 
@@ -134,9 +140,12 @@ def formulas(case: Case) -> dict[str, int]:
     tkv = case.b * case.hkv * case.s * case.d * e
     stats = case.b * case.hq * case.s * 4
     return {
-        "repeat_without": 2 * tq, "repeat_with": 0,
-        "saved_without": 4 * tq + stats, "saved_with": 2 * tq + 2 * tkv + stats,
-        "dkv_without": 2 * tq, "dkv_with": 2 * tkv,
+        "repeat_without": 2 * tq,
+        "repeat_with": 0,
+        "saved_without": 4 * tq + stats,
+        "saved_with": 2 * tq + 2 * tkv + stats,
+        "dkv_without": 2 * tq,
+        "dkv_with": 2 * tkv,
     }
 
 
@@ -152,8 +161,10 @@ def run(*, quick: bool = False, log=print) -> dict[str, Any]:
                 row[f"{what}_bytes"] == predicted[f"{what}_{tag}"] for what in ("repeat", "saved", "dkv")
             )
             rows.append(row)
-            log(f"gqa: {case.label()} transform={transform}: repeat {row['repeat_bytes']} B, saved "
-                f"{row['saved_bytes']} B, dK/dV {row['dkv_bytes']} B, copy_stats {row['copy_stats_bytes']} B")
+            log(
+                f"gqa: {case.label()} transform={transform}: repeat {row['repeat_bytes']} B, saved "
+                f"{row['saved_bytes']} B, dK/dV {row['dkv_bytes']} B, copy_stats {row['copy_stats_bytes']} B"
+            )
     return {"method": METHOD, "formulas": formulas.__doc__, "seconds": time.perf_counter() - started, "cases": rows}
 
 
@@ -162,10 +173,15 @@ def _mib(n: int) -> str:
 
 
 def markdown(suite: dict[str, Any]) -> str:
-    parts = ["## GQA memory (repeat_kv vs RepeatKVToGQA)", "", f"Method: {suite['method']}", "",
-             "| shape | RepeatKVToGQA | K/V heads at our op | copy_stats | K/V repeat materialized | saved for backward "
-             "(of which not inputs) | dK/dV written | = formula |",
-             "|---|---|---|---|---|---|---|---|"]
+    parts = [
+        "## GQA memory (repeat_kv vs RepeatKVToGQA)",
+        "",
+        f"Method: {suite['method']}",
+        "",
+        "| shape | RepeatKVToGQA | K/V heads at our op | copy_stats | K/V repeat materialized | saved for backward "
+        "(of which not inputs) | dK/dV written | = formula |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in suite["cases"]:
         case = Case(r["b"], r["s"], r["hq"], r["hkv"], r["d"], r["dtype"])
         parts.append(
@@ -173,8 +189,11 @@ def markdown(suite: dict[str, Any]) -> str:
             f"| {_mib(r['repeat_bytes'])} | {_mib(r['saved_bytes'])} ({_mib(r['saved_bytes_not_inputs'])}) "
             f"| {_mib(r['dkv_bytes'])} | {'yes' if r['matches_formula'] else '**no**'} |"
         )
-    parts += ["", "Formulas (e = element size, T_q = B*H_q*S*D*e, T_kv = B*H_kv*S*D*e): "
-              + " ".join(line.strip() for line in suite["formulas"].split("\n")[2:] if line.strip())]
+    parts += [
+        "",
+        "Formulas (e = element size, T_q = B*H_q*S*D*e, T_kv = B*H_kv*S*D*e): "
+        + " ".join(line.strip() for line in suite["formulas"].split("\n")[2:] if line.strip()),
+    ]
     return "\n".join(parts)
 
 

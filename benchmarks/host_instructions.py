@@ -53,8 +53,20 @@ def count(checkout: Path, calls: int, work: Path) -> tuple[float, float]:
     """(forward, backward) instructions per call for the package in ``checkout``."""
     out = work / f"cg.{checkout.name}"
     env = {**os.environ, "PYTHONPATH": str(checkout)}
-    subprocess.run(["valgrind", "--tool=callgrind", "--dump-before=os_getppid", f"--callgrind-out-file={out}",
-                    sys.executable, "-c", CHILD.format(calls=calls)], env=env, check=True, capture_output=True)
+    subprocess.run(
+        [
+            "valgrind",
+            "--tool=callgrind",
+            "--dump-before=os_getppid",
+            f"--callgrind-out-file={out}",
+            sys.executable,
+            "-c",
+            CHILD.format(calls=calls),
+        ],
+        env=env,
+        check=True,
+        capture_output=True,
+    )
 
     def total(part: int) -> int:
         text = Path(f"{out}.{part}").read_text(errors="replace")

@@ -67,12 +67,21 @@ def builtin_forward_graph(q, k, v, is_causal: bool = False):
     scalar = tuple([1] * len(q.shape))
     scale = graph.tensor(name="Attn_scale", dim=scalar, stride=scalar, data_type=f32, is_pass_by_value=True)
     o, stats = graph.sdpa(
-        name="scaled_dot_product_flash_attention", q=Q, k=K, v=V, is_inference=False, bias=None,
-        use_causal_mask=is_causal, attn_scale=scale, dropout=None,
+        name="scaled_dot_product_flash_attention",
+        q=Q,
+        k=K,
+        v=V,
+        is_inference=False,
+        bias=None,
+        use_causal_mask=is_causal,
+        attn_scale=scale,
+        dropout=None,
     )
     b, h, s_q, _ = q.shape
     d_v = v.shape[3]
-    o.set_output(True).set_data_type(dt(v.dtype)).set_dim((b, h, s_q, d_v)).set_stride((h * s_q * d_v, s_q * d_v, d_v, 1))
+    o.set_output(True).set_data_type(dt(v.dtype)).set_dim((b, h, s_q, d_v)).set_stride(
+        (h * s_q * d_v, s_q * d_v, d_v, 1)
+    )
     stats.set_output(True).set_data_type(dt(torch.float32))
     graph.validate()
     return graph
@@ -95,8 +104,17 @@ def builtin_backward_graph(q, k, v, is_causal: bool = False):
     scalar = tuple([1] * len(q.shape))
     scale = graph.tensor(name="Attn_scale", dim=scalar, stride=scalar, data_type=f32, is_pass_by_value=True)
     dQ, dK, dV = graph.sdpa_backward(
-        q=Q, k=K, v=V, o=O, dO=dO, stats=stats, attn_scale=scale, bias=None, dBias=None,
-        use_causal_mask=is_causal, dropout=None,
+        q=Q,
+        k=K,
+        v=V,
+        o=O,
+        dO=dO,
+        stats=stats,
+        attn_scale=scale,
+        bias=None,
+        dBias=None,
+        use_causal_mask=is_causal,
+        dropout=None,
     )
     dQ.set_output(True).set_dim(q.shape).set_stride(q.stride()).set_data_type(dt(q.dtype))
     dK.set_output(True).set_dim(k.shape).set_stride(k.stride()).set_data_type(dt(k.dtype))
@@ -135,13 +153,28 @@ def _components(disp, q, k, v, g, out, stats, iters: int) -> list[dict[str, Any]
         ("backward memo key (6 tensors)", lambda: memo_key(bcall, target)),
         ("plan memo lookup (forward)", lambda: disp.plans.peek(fmemo)),
         ("bind(plan, call) (the plan's compiled function: 2 allocations)", lambda: bind(plan, fcall)),
-        ("torch.empty_strided(out's shape, strides) (allocation)", lambda: torch.empty_strided(out.shape, out.stride(), dtype=out.dtype)),
-        ("torch.empty_strided(stats.shape, stats.stride(), dtype=float32)", lambda: torch.empty_strided(stats.shape, stats.stride(), dtype=torch.float32)),
-        ("3x torch.empty_strided (dq, dk, dv)", lambda: tuple(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype) for t in (q, k, v))),
-        ("cache.get_or_build, forward hit (lock, hash + compare the key, move_to_end)", lambda: disp.cache.get_or_build(fkey, disp.runtime.build)),
+        (
+            "torch.empty_strided(out's shape, strides) (allocation)",
+            lambda: torch.empty_strided(out.shape, out.stride(), dtype=out.dtype),
+        ),
+        (
+            "torch.empty_strided(stats.shape, stats.stride(), dtype=float32)",
+            lambda: torch.empty_strided(stats.shape, stats.stride(), dtype=torch.float32),
+        ),
+        (
+            "3x torch.empty_strided (dq, dk, dv)",
+            lambda: tuple(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype) for t in (q, k, v)),
+        ),
+        (
+            "cache.get_or_build, forward hit (lock, hash + compare the key, move_to_end)",
+            lambda: disp.cache.get_or_build(fkey, disp.runtime.build),
+        ),
         ("cache.get_or_build, backward hit", lambda: disp.cache.get_or_build(bkey, disp.runtime.build)),
         ("hash(ForwardKey)", lambda: hash(fkey)),
-        ("for reference, a miss only: plan_forward(signature) (plans and compiles)", lambda: plan_forward(signature(fcall), target)),
+        (
+            "for reference, a miss only: plan_forward(signature) (plans and compiles)",
+            lambda: plan_forward(signature(fcall), target),
+        ),
     ]
     rows = []
     for name, fn in steps:
@@ -194,9 +227,13 @@ def run(*, quick: bool = False, iters: int | None = None, log=print) -> dict[str
             "ours_bwd": lambda: disp.backward(g, q, k, v, None, 0.0, False, out, stats, None, None, layout="preserve"),
             "builtin_fwd_pygraph": lambda: builtin_forward_graph(q, k, v),
             "builtin_bwd_pygraph": lambda: builtin_backward_graph(q, k, v),
-            "floor_fwd_alloc": lambda: (torch.empty_strided(out.shape, out.stride(), dtype=out.dtype),
-                                        torch.empty_strided(stats.shape, stats.stride(), dtype=torch.float32)),
-            "floor_bwd_alloc": lambda: tuple(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype) for t in (q, k, v)),
+            "floor_fwd_alloc": lambda: (
+                torch.empty_strided(out.shape, out.stride(), dtype=out.dtype),
+                torch.empty_strided(stats.shape, stats.stride(), dtype=torch.float32),
+            ),
+            "floor_bwd_alloc": lambda: tuple(
+                torch.empty_strided(t.shape, t.stride(), dtype=t.dtype) for t in (q, k, v)
+            ),
         }
         timings = {name: {"median_us": [], "p25_us": [], "p75_us": []} for name in fns}
         # Interleave the measurements in rounds so drifting machine load hits all of them alike.
@@ -230,8 +267,10 @@ def run(*, quick: bool = False, iters: int | None = None, log=print) -> dict[str
             "fwd_meets_target": ours_f <= TARGET_FWD_US,
             "cache": info._asdict(),
         }
-        log(f"host: {label}: ours fwd {ours_f:.1f} us, bwd {ours_b:.1f} us; built-in pygraph fwd {bi_f:.1f} us, "
-            f"bwd {bi_b:.1f} us; ratio {bi_f / ours_f:.1f}x / {bi_b / ours_b:.1f}x")
+        log(
+            f"host: {label}: ours fwd {ours_f:.1f} us, bwd {ours_b:.1f} us; built-in pygraph fwd {bi_f:.1f} us, "
+            f"bwd {bi_b:.1f} us; ratio {bi_f / ours_f:.1f}x / {bi_b / ours_b:.1f}x"
+        )
         if label.startswith("bshd"):
             results[label]["building_blocks"] = _components(disp, q, k, v, g, out, stats, iters=max(500, iters // 4))
             results[label]["fwd_profile"] = _profile(fns["ours_fwd"], calls=max(500, iters // 4))
@@ -242,8 +281,10 @@ def run(*, quick: bool = False, iters: int | None = None, log=print) -> dict[str
 # -- report ------------------------------------------------------------------------------------
 def markdown(suite: dict[str, Any]) -> str:
     parts = ["## Host overhead per call (graph-cache hit, execute excluded)", "", f"Method: {suite['method']}", ""]
-    head = ("| case | ours fwd us | ours bwd us | built-in pygraph fwd us | built-in pygraph bwd us | ratio fwd | ratio bwd "
-            "| alloc floor fwd / bwd us | steady-state path fwd / bwd | fwd <= 10 us |")
+    head = (
+        "| case | ours fwd us | ours bwd us | built-in pygraph fwd us | built-in pygraph bwd us | ratio fwd | ratio bwd "
+        "| alloc floor fwd / bwd us | steady-state path fwd / bwd | fwd <= 10 us |"
+    )
     lines = [head, "|" + "---|" * 10]
     for label, r in suite["cases"].items():
         t = r["timings"]
@@ -258,23 +299,41 @@ def markdown(suite: dict[str, Any]) -> str:
         )
     parts += lines
     parts.append("")
-    parts.append("Ratio = built-in pygraph time / ours (above 1: ours is cheaper per call). Interquartile ranges "
-                 "(p25-p75 of the batch medians) are in results.json.")
+    parts.append(
+        "Ratio = built-in pygraph time / ours (above 1: ours is cheaper per call). Interquartile ranges "
+        "(p25-p75 of the batch medians) are in results.json."
+    )
     for label, r in suite["cases"].items():
         if "building_blocks" not in r:
             continue
-        parts += ["", f"### Where the time goes ({label})", "",
-                  "Unit prices of the building blocks of a steady-state dispatch, each timed alone with the call's own tensors "
-                  "(which ones a cache-hit call runs, and how often, is in the cProfile tables below):", "",
-                  "| building block | us |", "|---|---|"]
+        parts += [
+            "",
+            f"### Where the time goes ({label})",
+            "",
+            "Unit prices of the building blocks of a steady-state dispatch, each timed alone with the call's own tensors "
+            "(which ones a cache-hit call runs, and how often, is in the cProfile tables below):",
+            "",
+            "| building block | us |",
+            "|---|---|",
+        ]
         for row in r["building_blocks"]:
-            parts.append(f"| {row['step']} | {row['median_us']:.2f} |" if "median_us" in row
-                         else f"| {row['step']} | {row['error']} |")
+            parts.append(
+                f"| {row['step']} | {row['median_us']:.2f} |"
+                if "median_us" in row
+                else f"| {row['step']} | {row['error']} |"
+            )
         for which in ("fwd_profile", "bwd_profile"):
-            parts += ["", f"cProfile, {which.split('_')[0]} dispatch, top own time:", "",
-                      "| function | calls per dispatch | share of own time |", "|---|---|---|"]
+            parts += [
+                "",
+                f"cProfile, {which.split('_')[0]} dispatch, top own time:",
+                "",
+                "| function | calls per dispatch | share of own time |",
+                "|---|---|---|",
+            ]
             for row in r[which]:
-                parts.append(f"| `{row['function']}` | {row['ncalls_per_call']:.0f} | {row['tottime_share'] * 100:.0f}% |")
+                parts.append(
+                    f"| `{row['function']}` | {row['ncalls_per_call']:.0f} | {row['tottime_share'] * 100:.0f}% |"
+                )
     return "\n".join(parts)
 
 
@@ -286,8 +345,12 @@ def plot(suite: dict[str, Any], path) -> str | None:
 
     cases = suite["cases"]
     names = [
-        ("ours_fwd", "ours fwd"), ("floor_fwd_alloc", "alloc floor fwd"), ("builtin_fwd_pygraph", "built-in pygraph fwd"),
-        ("ours_bwd", "ours bwd"), ("floor_bwd_alloc", "alloc floor bwd"), ("builtin_bwd_pygraph", "built-in pygraph bwd"),
+        ("ours_fwd", "ours fwd"),
+        ("floor_fwd_alloc", "alloc floor fwd"),
+        ("builtin_fwd_pygraph", "built-in pygraph fwd"),
+        ("ours_bwd", "ours bwd"),
+        ("floor_bwd_alloc", "alloc floor bwd"),
+        ("builtin_bwd_pygraph", "built-in pygraph bwd"),
     ]
     colors = ["#1f77b4", "#bbbbbb", "#d62728"] * 2
     fig, axes = plt.subplots(1, len(cases), figsize=(6.5 * len(cases), 4.2), squeeze=False)

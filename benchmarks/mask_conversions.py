@@ -28,8 +28,15 @@ def measure(layers: int, batch: int, seq: int, dtype: torch.dtype = torch.bfloat
 
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=seq, use_cache=False, attn_implementation="sdpa",
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=seq,
+        use_cache=False,
+        attn_implementation="sdpa",
     )
     model = transformers.LlamaModel(cfg).to(dtype)
     torch._dynamo.reset()
@@ -65,7 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=256)
     args = p.parse_args(argv)
-    print("| layers | B | S | conversions / step | bytes converted / step | cache hits / step | bytes held after the step |")
+    print(
+        "| layers | B | S | conversions / step | bytes converted / step | cache hits / step | bytes held after the step |"
+    )
     print("|---|---|---|---|---|---|---|")
     for layers in args.layers:
         r = measure(layers, args.batch, args.seq)

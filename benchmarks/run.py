@@ -21,24 +21,40 @@ SCHEMA = "thunder_cudnn_safe.benchmarks/1"
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n\n")[0])
-    p.add_argument("--suite", choices=("copy", "host", "gqa", "gpu", "all"), default="all",
-                   help="'all' = copy + host + gqa, plus gpu when CUDA is available (recorded as skipped otherwise)")
+    p.add_argument(
+        "--suite",
+        choices=("copy", "host", "gqa", "gpu", "all"),
+        default="all",
+        help="'all' = copy + host + gqa, plus gpu when CUDA is available (recorded as skipped otherwise)",
+    )
     p.add_argument("--out", required=True, type=Path, help="output directory (created)")
     p.add_argument("--quick", action="store_true", help="trimmed sizes and repetitions (CPU: ~1 minute)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch.set_num_threads for the run (default 1: CPU numbers stay stable on a shared machine; "
-                        "0 keeps torch's default)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch.set_num_threads for the run (default 1: CPU numbers stay stable on a shared machine; "
+        "0 keeps torch's default)",
+    )
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     g = p.add_argument_group("copy suite")
-    g.add_argument("--copy-device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="where the copy suite's tensors live (auto: cuda when available)")
+    g.add_argument(
+        "--copy-device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="where the copy suite's tensors live (auto: cuda when available)",
+    )
     g.add_argument("--sizes", nargs="+", default=None, help="copy sizes by name (default: all, or the quick subset)")
     g.add_argument("--copy-budget", type=float, default=None, help="seconds of timed repetitions per combination")
     g = p.add_argument_group("host suite")
     g.add_argument("--host-iters", type=int, default=None, help="timed calls per measurement")
     g = p.add_argument_group("gpu suite")
-    g.add_argument("--gpu-executors", nargs="+", default=None,
-                   help="from: cudnn_safe cudnn_safe[contiguous] sdpaex eager thunder_cudnn")
+    g.add_argument(
+        "--gpu-executors",
+        nargs="+",
+        default=None,
+        help="from: cudnn_safe cudnn_safe[contiguous] sdpaex eager thunder_cudnn",
+    )
     g.add_argument("--gpu-seqlens", nargs="+", type=int, default=None)
     g.add_argument("--gpu-dtypes", nargs="+", default=None, help="bfloat16 float16")
     g.add_argument("--gpu-head-dims", nargs="+", type=int, default=None)
@@ -64,8 +80,13 @@ def main(argv: list[str] | None = None) -> int:
     suites = ("copy", "host", "gqa", "gpu") if args.suite == "all" else (args.suite,)
     environment = env.environment()
     environment["loadavg_start"] = list(os.getloadavg())
-    result: dict[str, Any] = {"schema": SCHEMA, "command": " ".join(["python -m benchmarks.run", *(argv or sys.argv[1:])]),
-                              "quick": args.quick, "environment": environment, "suites": {}}
+    result: dict[str, Any] = {
+        "schema": SCHEMA,
+        "command": " ".join(["python -m benchmarks.run", *(argv or sys.argv[1:])]),
+        "quick": args.quick,
+        "environment": environment,
+        "suites": {},
+    }
     started = time.perf_counter()
     for name in suites:
         _log(f"== suite {name}")
@@ -76,7 +97,9 @@ def main(argv: list[str] | None = None) -> int:
             if dev == "cuda" and not torch.cuda.is_available():
                 result["suites"]["copy"] = {"skipped": "CUDA is not available"}
                 continue
-            result["suites"]["copy"] = copy_suite.run(args.sizes, quick=args.quick, device=dev, budget_s=args.copy_budget, log=_log)
+            result["suites"]["copy"] = copy_suite.run(
+                args.sizes, quick=args.quick, device=dev, budget_s=args.copy_budget, log=_log
+            )
         elif name == "host":
             result["suites"]["host"] = host_suite.run(quick=args.quick, iters=args.host_iters, log=_log)
         elif name == "gqa":
@@ -133,8 +156,11 @@ def write(result: dict[str, Any], out: Path, plots: bool = True) -> list[Path]:
     images: dict[str, str] = {}
     suites = result["suites"]
     if plots:
-        for name, mod, fname in (("copy", copy_suite, "copy_overhead.png"), ("host", host_suite, "host_overhead.png"),
-                                 ("gpu", gpu_suite, "gpu_speed.png")):
+        for name, mod, fname in (
+            ("copy", copy_suite, "copy_overhead.png"),
+            ("host", host_suite, "host_overhead.png"),
+            ("gpu", gpu_suite, "gpu_speed.png"),
+        ):
             s = suites.get(name)
             if s and "skipped" not in s:
                 if mod.plot(s, out / fname):
@@ -142,8 +168,13 @@ def write(result: dict[str, Any], out: Path, plots: bool = True) -> list[Path]:
                     paths.append(out / fname)
     with open(out / "results.json", "w", encoding="utf-8") as f:
         f.write(dumps(result) + "\n")
-    md = ["# thunder_cudnn_safe benchmark results", "", f"Command: `{result['command']}`" + (" (quick)" if result["quick"] else ""), "",
-          env.environment_markdown(result["environment"])]
+    md = [
+        "# thunder_cudnn_safe benchmark results",
+        "",
+        f"Command: `{result['command']}`" + (" (quick)" if result["quick"] else ""),
+        "",
+        env.environment_markdown(result["environment"]),
+    ]
     la = result["environment"].get("loadavg_start")
     if la:
         end = result["environment"].get("loadavg_end")

@@ -10,20 +10,20 @@ import pytest
 import torch
 
 import thunder_cudnn_safe
-from thunder_cudnn_safe import testing
-
 from benchmarks import harness
+from thunder_cudnn_safe import testing
 
 B, H, S, D, DTYPE = 2, 8, 256, 96, torch.float16  # the diffusers case, small enough for quick rounds
 ROUNDS = 15
-
 
 
 def _measure(dispatcher, q, k, v, g, layout):
     """(bytes_fwd, bytes_total, operands) of one cold call, and the bytes Tensor.copy_ wrote in one more call."""
     snaps = []
     thunder_cudnn_safe.reset_copy_stats()
-    harness.forward_backward(dispatcher, q, k, v, g, layout, after_forward=lambda: snaps.append(thunder_cudnn_safe.copy_stats()))
+    harness.forward_backward(
+        dispatcher, q, k, v, g, layout, after_forward=lambda: snaps.append(thunder_cudnn_safe.copy_stats())
+    )
     total = thunder_cudnn_safe.copy_stats()
     with harness.timed_copies() as timer:
         thunder_cudnn_safe.reset_copy_stats()
@@ -43,8 +43,13 @@ def _run(benchmark, qkv_layout, grad_layout, layout):
     t = q.numel() * q.element_size()
     benchmark.group = f"copy fwd+bwd {layout}"
     benchmark.extra_info.update(
-        bytes_fwd=fwd, bytes_bwd=total - fwd, bytes_total=total, tensors_copied=total / t, operands=operands,
-        shape=[B, H, S, D], dtype=str(DTYPE),
+        bytes_fwd=fwd,
+        bytes_bwd=total - fwd,
+        bytes_total=total,
+        tensors_copied=total / t,
+        operands=operands,
+        shape=[B, H, S, D],
+        dtype=str(DTYPE),
     )
     benchmark.pedantic(harness.forward_backward, args=(disp, q, k, v, g, layout), rounds=ROUNDS, warmup_rounds=2)
     return fwd, total, t, operands
@@ -96,7 +101,12 @@ def test_copy_grad_out_zoo(benchmark, grad_layout, layout):
 
 @pytest.mark.parametrize(
     "qkv_layout,grad_layout",
-    [("bshd_transposed", "transposed"), ("kv_broadcast_head", "contiguous"), ("misaligned", "expanded"), ("packed_qkv", "zero_stride")],
+    [
+        ("bshd_transposed", "transposed"),
+        ("kv_broadcast_head", "contiguous"),
+        ("misaligned", "expanded"),
+        ("packed_qkv", "zero_stride"),
+    ],
 )
 @pytest.mark.parametrize("layout", ["preserve", "contiguous"])
 def test_harness_bytes_match_thunder_jit(benchmark, qkv_layout, grad_layout, layout):
@@ -107,8 +117,11 @@ def test_harness_bytes_match_thunder_jit(benchmark, qkv_layout, grad_layout, lay
     b, h, s, d = 2, 4, 32, 64
     q, k, v = testing.QKV_LAYOUTS[qkv_layout](b, h, s, s, d, d, torch.bfloat16)
     g = harness.make_grad(grad_layout, (q.shape[0], q.shape[1], q.shape[2], v.shape[3]), torch.bfloat16)
-    jf = thunder.jit(lambda a, b_, c: F.scaled_dot_product_attention(a, b_, c), executors=[thunder_cudnn_safe.emulated_ex],
-                     cudnn_safe_layout=layout)
+    jf = thunder.jit(
+        lambda a, b_, c: F.scaled_dot_product_attention(a, b_, c),
+        executors=[thunder_cudnn_safe.emulated_ex],
+        cudnn_safe_layout=layout,
+    )
     jf(q, k, v).backward(g)  # compile
 
     def jit_fwd_bwd():

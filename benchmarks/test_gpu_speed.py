@@ -6,16 +6,27 @@ import pytest
 import torch
 
 import thunder_cudnn_safe
-
 from benchmarks import gpu_suite, harness
+
 
 def test_gpu_suite_dry_run_on_cpu(benchmark):
     """The GPU suite's code end to end on CPU (emulated executor stands in for cudnn_safe, perf_counter for events)."""
     suite = benchmark.pedantic(
         gpu_suite.run,
-        kwargs=dict(device="cpu", seqlens=(32,), dtypes=("bfloat16",), head_dims=(64,), causals=(False, True),
-                    tokens=64, hidden=128, reps=2, warmup=1, log=lambda *_: None),
-        rounds=1, iterations=1,
+        kwargs=dict(
+            device="cpu",
+            seqlens=(32,),
+            dtypes=("bfloat16",),
+            head_dims=(64,),
+            causals=(False, True),
+            tokens=64,
+            hidden=128,
+            reps=2,
+            warmup=1,
+            log=lambda *_: None,
+        ),
+        rounds=1,
+        iterations=1,
     )
     rows = suite["results"]
     assert {r["executor"] for r in rows} == set(gpu_suite.DEFAULT_EXECUTORS)
@@ -33,9 +44,18 @@ def test_gpu_suite_dry_run_on_cpu(benchmark):
 def test_gpu_speed_smoke(benchmark, executor):
     suite = benchmark.pedantic(
         gpu_suite.run,
-        kwargs=dict(executors=(executor,), seqlens=(1024,), dtypes=("bfloat16",), head_dims=(128,), causals=(False,),
-                    reps=5, warmup=2, log=lambda *_: None),
-        rounds=1, iterations=1,
+        kwargs=dict(
+            executors=(executor,),
+            seqlens=(1024,),
+            dtypes=("bfloat16",),
+            head_dims=(128,),
+            causals=(False,),
+            reps=5,
+            warmup=2,
+            log=lambda *_: None,
+        ),
+        rounds=1,
+        iterations=1,
     )
     (row,) = suite["results"]
     benchmark.extra_info.update({k: v for k, v in row.items() if k != "config"})

@@ -6,14 +6,26 @@ import pytest
 import torch
 
 import thunder_cudnn_safe
-from thunder_cudnn_safe import testing
-
 from benchmarks import harness, host_suite
+from thunder_cudnn_safe import testing
 
 B, H, S, D, DTYPE = 2, 8, 64, 96, torch.float16
 
-_UIDS = {"q": 1, "k": 2, "v": 3, "o": 4, "stats": 5, "bias": 6, "seed": 7, "offset": 8, "d_o": 9, "dq": 10, "dk": 11,
-         "dv": 12, "d_bias": 13}  # thunder_cudnn_safe.graphs.Uid
+_UIDS = {
+    "q": 1,
+    "k": 2,
+    "v": 3,
+    "o": 4,
+    "stats": 5,
+    "bias": 6,
+    "seed": 7,
+    "offset": 8,
+    "d_o": 9,
+    "dq": 10,
+    "dk": 11,
+    "dv": 12,
+    "d_bias": 13,
+}  # thunder_cudnn_safe.graphs.Uid
 
 
 def _declared(key) -> dict:
@@ -54,7 +66,9 @@ def test_host_ours_backward(benchmark, case):
     c = case
 
     def bwd():
-        return c["disp"].backward(c["g"], c["q"], c["k"], c["v"], None, 0.0, False, c["out"], c["stats"], None, None, layout="preserve")
+        return c["disp"].backward(
+            c["g"], c["q"], c["k"], c["v"], None, 0.0, False, c["out"], c["stats"], None, None, layout="preserve"
+        )
 
     _hit_only(c["disp"], bwd)
     benchmark.group = "host bwd (us per call)"
@@ -88,7 +102,7 @@ def test_steady_state_binds_what_the_first_call_binds(benchmark, qkv_layout, lay
         for i in range(2):
             thunder_cudnn_safe.reset_copy_stats()
             harness.forward_backward(disp, q, k, v, g, layout)
-            assert disp.runtime.record[2 * (i + 1): 2 * (i + 2)] == first, (grad_layout, i)
+            assert disp.runtime.record[2 * (i + 1) : 2 * (i + 2)] == first, (grad_layout, i)
             assert thunder_cudnn_safe.copy_stats().bytes_copied == first_bytes, (grad_layout, i)
         for key, pack in first:  # declared == bound on the first call as well
             assert all(pack[int(uid)] == tuple(s) for uid, s in _declared(key).items()), grad_layout

@@ -46,9 +46,12 @@ def decode_keys(device: str, mode: str, lengths: int) -> list:
 def summary(results: list) -> dict:
     seconds = [r.seconds for r in results]
     return {
-        "plans built": sum(r.ok for r in results), "refused": sum(not r.ok for r in results),
-        "kernels compiled": sum(s > COMPILED_S for s in seconds), "seconds": round(sum(seconds), 2),
-        "first plan s": round(seconds[0], 3), "median later plan s": round(statistics.median(seconds[1:]), 4),
+        "plans built": sum(r.ok for r in results),
+        "refused": sum(not r.ok for r in results),
+        "kernels compiled": sum(s > COMPILED_S for s in seconds),
+        "seconds": round(sum(seconds), 2),
+        "first plan s": round(seconds[0], 3),
+        "median later plan s": round(statistics.median(seconds[1:]), 4),
     }
 
 

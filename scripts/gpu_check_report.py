@@ -47,7 +47,10 @@ def _driver() -> str:
     try:
         out = subprocess.run(
             ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=20, check=False,
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=False,
         )
         return out.stdout.strip().splitlines()[0] if out.stdout.strip() else "?"
     except Exception:
@@ -101,9 +104,13 @@ def _probe_lines(probe: dict | None) -> list[str]:
         for name, r in runs.items():
             if r.get("outcome") == "ran":
                 errs = ", ".join(f"{k} {v:.3g}" for k, v in r.get("max_abs_error_vs_float64", {}).items())
-                lines.append(f"- {name}: ran (claimed by built-in: {r.get('claimed_by_builtin')}); max abs error vs float64: {errs}")
+                lines.append(
+                    f"- {name}: ran (claimed by built-in: {r.get('claimed_by_builtin')}); max abs error vs float64: {errs}"
+                )
             else:
-                lines.append(f"- {name}: {r.get('type')}: {r.get('message', '')[:200]} at {(r.get('where') or ['?'])[-1]}")
+                lines.append(
+                    f"- {name}: {r.get('type')}: {r.get('message', '')[:200]} at {(r.get('where') or ['?'])[-1]}"
+                )
     else:
         lines.append(f"- runs: {runs}")
     if "thunder_import" in probe:
@@ -180,12 +187,15 @@ def pack(out: Path, work: Path) -> list[str]:
     probe = work / "builtin_cudnn_probe.json"
     if probe.exists() and not (out / probe.name).exists():
         shutil.copy(probe, out / probe.name)
-    files = sorted((p for p in out.rglob("*") if p.is_file() or p.is_symlink()), key=lambda p: _rank(str(p.relative_to(out))))
+    files = sorted(
+        (p for p in out.rglob("*") if p.is_file() or p.is_symlink()), key=lambda p: _rank(str(p.relative_to(out)))
+    )
     keep, rest, total = [], [], 0
     for p in files:
         rel = p.relative_to(out)
         ok = (
-            p.is_file() and not p.is_symlink()
+            p.is_file()
+            and not p.is_symlink()
             and len(rel.parts) - 1 <= MAX_DEPTH
             and all(NAME_OK.match(part) for part in rel.parts)
             and p.stat().st_size <= MAX_FILE
@@ -221,7 +231,9 @@ def pack(out: Path, work: Path) -> list[str]:
             d.rmdir()
         except OSError:
             pass
-    notes.insert(0, f"packed {len(packed)} file(s) into rest.tar.gz: " + ", ".join(str(p.relative_to(out)) for p in packed))
+    notes.insert(
+        0, f"packed {len(packed)} file(s) into rest.tar.gz: " + ", ".join(str(p.relative_to(out)) for p in packed)
+    )
     return notes
 
 

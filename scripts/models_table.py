@@ -18,8 +18,12 @@ import json
 import sys
 
 _COLUMNS = (("thunderfx", "float16"), ("thunderfx", "bfloat16"), ("jit", "float16"), ("jit", "bfloat16"))
-_TITLES = {("thunderfx", "float16"): "ThunderFX fp16", ("thunderfx", "bfloat16"): "ThunderFX bf16",
-           ("jit", "float16"): "thunder.jit fp16", ("jit", "bfloat16"): "thunder.jit bf16"}
+_TITLES = {
+    ("thunderfx", "float16"): "ThunderFX fp16",
+    ("thunderfx", "bfloat16"): "ThunderFX bf16",
+    ("jit", "float16"): "thunder.jit fp16",
+    ("jit", "bfloat16"): "thunder.jit bf16",
+}
 
 
 def _bytes(n: int | None) -> str:
@@ -42,8 +46,10 @@ def _status(rec: dict | None) -> str:
         if rec.get("error"):
             return f"thunder limitation (fails without this executor too): `{rec['error'][:45]}`"
         over = rec.get("over_bound", {})
-        return (f"thunder limitation: {len(over)} grads over the bound (worst {max(over.values()):.2f}), "
-                f"also over it without this executor")
+        return (
+            f"thunder limitation: {len(over)} grads over the bound (worst {max(over.values()):.2f}), "
+            f"also over it without this executor"
+        )
     return "**FAIL**"
 
 
@@ -70,15 +76,30 @@ def table(records: list[dict]) -> str:
     for rec in records:
         by_model.setdefault(rec["model"], {})[(rec["frontend"], rec["dtype"])] = rec
     present = [c for c in _COLUMNS if any(c in runs for runs in by_model.values())]
-    head = ["model", "what it exercises", "SDPA claimed / total", "copies per step (bytes): why",
-            "mask conversions / step", "backward graph executions / step", "graphs built", "fallbacks"]
+    head = [
+        "model",
+        "what it exercises",
+        "SDPA claimed / total",
+        "copies per step (bytes): why",
+        "mask conversions / step",
+        "backward graph executions / step",
+        "graphs built",
+        "fallbacks",
+    ]
     head += [_TITLES[c] for c in present]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for model, runs in by_model.items():
         main = runs.get(("thunderfx", "bfloat16")) or next(iter(runs.values()))
-        row = [model, main.get("note", ""), _claimed(main), _copies(main),
-               str(main.get("mask_conversions_per_step", "-")), str(main.get("backward_executions_per_step", "-")),
-               str(main.get("builds", "-")), str(main.get("fallbacks", "-"))]
+        row = [
+            model,
+            main.get("note", ""),
+            _claimed(main),
+            _copies(main),
+            str(main.get("mask_conversions_per_step", "-")),
+            str(main.get("backward_executions_per_step", "-")),
+            str(main.get("builds", "-")),
+            str(main.get("fallbacks", "-")),
+        ]
         row += [_status(runs.get(c)) for c in present]
         lines.append("| " + " | ".join(cell.replace("|", "/") for cell in row) + " |")
     return "\n".join(lines) + "\n"

@@ -24,9 +24,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-import thunder_cudnn_safe  # noqa: E402,F401  (compat steps, then thunder)
-import thunder  # noqa: E402
-from upstream_patch_support import apply_patch, installed_thunder_file, load_private, stub_gpu_calls  # noqa: E402
+import thunder
+from upstream_patch_support import apply_patch, installed_thunder_file, load_private, stub_gpu_calls
+
+import thunder_cudnn_safe  # noqa: F401  (compat steps, then thunder)
 
 B, H, L, D = 2, 8, 64, 96
 
@@ -38,7 +39,9 @@ def _bshd_as_bhsd(dtype):
 def _errors(mod, dtype, with_mask):
     torch.manual_seed(0)
     q, k, v, g = (_bshd_as_bhsd(dtype) for _ in range(4))
-    mask = (torch.randn(L, H, L, dtype=torch.float64) * 2).to(dtype).permute(1, 0, 2).unsqueeze(0) if with_mask else None
+    mask = (
+        (torch.randn(L, H, L, dtype=torch.float64) * 2).to(dtype).permute(1, 0, 2).unsqueeze(0) if with_mask else None
+    )
     leaves64 = [t.double().requires_grad_() for t in (q, k, v)]
     ref = F.scaled_dot_product_attention(*leaves64, attn_mask=None if mask is None else mask.double())
     ref_grads = torch.autograd.grad(ref, leaves64, g.double())
@@ -48,7 +51,9 @@ def _errors(mod, dtype, with_mask):
         grads = torch.autograd.grad(out, leaves, g)
     else:
         out, stats, seed, offset = mod._cudnn_sdpa_fwd_impl(q, k, v, mask, 0.0, False, scale=None)
-        grads = mod._cudnn_sdpa_bwd_impl(g, q, k, v, mask, 0.0, False, out, stats, seed, offset, scale=None, cat_grad_qkv=False)[:3]
+        grads = mod._cudnn_sdpa_bwd_impl(
+            g, q, k, v, mask, 0.0, False, out, stats, seed, offset, scale=None, cat_grad_qkv=False
+        )[:3]
     return [(a.double() - b).abs().max().item() for a, b in zip((out, *grads), (ref, *ref_grads))]
 
 
@@ -60,7 +65,9 @@ def main() -> None:
         with pytest.MonkeyPatch.context() as mp:
             stub_gpu_calls(mp, [old, new])
             print(f"lightning-thunder {thunder.__version__}, torch {torch.__version__}\n")
-            print("| case | dtype | unpatched out / dq / dk / dv | patched out / dq / dk / dv | eager torch out / dq / dk / dv |")
+            print(
+                "| case | dtype | unpatched out / dq / dk / dv | patched out / dq / dk / dv | eager torch out / dq / dk / dv |"
+            )
             print("|---|---|---|---|---|")
             for case, with_mask in (("transposed grad_out", False), ("strided mask", True)):
                 for dtype in (torch.float16, torch.bfloat16):

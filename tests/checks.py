@@ -25,7 +25,9 @@ def jit_with_ours(fn, executor=None, **options):
 
 
 def sdpa_fn(q, k, v, mask=None, dropout_p=0.0, is_causal=False, scale=None):
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale
+    )
 
 
 def jit_sdpa(executor=None, **options):
@@ -70,12 +72,20 @@ def run_and_check(jf, q, k, v, grad_out, mask=None, is_causal=False, scale=None,
         ref_mask = mask.detach().double().requires_grad_(mask.requires_grad) if mask.dtype != torch.bool else mask
     ref = sdpa_fn(*ref_leaves, ref_mask, 0.0, is_causal, scale)
     low_leaves = [t.detach().requires_grad_(t.requires_grad) for t in (q, k, v)]
-    low_mask = None if mask is None else (mask.detach().requires_grad_(mask.requires_grad) if mask.dtype != torch.bool else mask)
+    low_mask = (
+        None
+        if mask is None
+        else (mask.detach().requires_grad_(mask.requires_grad) if mask.dtype != torch.bool else mask)
+    )
     eager = sdpa_fn(*low_leaves, low_mask, 0.0, is_causal, scale)
     assert_close_to_reference(out, eager, ref, "output")
     if check_grads:
-        ref_in = [t for t in ref_leaves if t.requires_grad] + ([ref_mask] if mask is not None and mask.requires_grad else [])
-        low_in = [t for t in low_leaves if t.requires_grad] + ([low_mask] if mask is not None and mask.requires_grad else [])
+        ref_in = [t for t in ref_leaves if t.requires_grad] + (
+            [ref_mask] if mask is not None and mask.requires_grad else []
+        )
+        low_in = [t for t in low_leaves if t.requires_grad] + (
+            [low_mask] if mask is not None and mask.requires_grad else []
+        )
         ref_grads = torch.autograd.grad(ref, ref_in, grad_out.double())
         eager_grads = torch.autograd.grad(eager, low_in, grad_out)
         for name, g, e, r in zip(("dq", "dk", "dv", "dmask"), grads, eager_grads, ref_grads):
@@ -100,7 +110,9 @@ def check_against_eager(jf, inputs, grad, reference_fn, leaves):
 
 
 @contextlib.contextmanager
-def inject_failures(build: Callable[[Any], Any] | None = None, execute: Callable[[Any], Any] | None = None, runtime: Any = None) -> Iterator[None]:
+def inject_failures(
+    build: Callable[[Any], Any] | None = None, execute: Callable[[Any], Any] | None = None, runtime: Any = None
+) -> Iterator[None]:
     """Make ``runtime`` (default: the emulated executor's) refuse builds or executions of some keys.
 
     A hook returns a reason to refuse a key (None or "" to let it through), as

@@ -5,7 +5,6 @@ import torch
 
 import thunder_cudnn_safe as tcs
 
-
 _FIGURES: list[str] = []
 
 

@@ -60,12 +60,18 @@ class StepRecorder:
         (i0, b0, p0, k0), c0 = _state(), time.process_time()
         out = self.fn(*args, **kwargs)
         (i1, b1, p1, k1), c1 = _state(), time.process_time()
-        self.steps.append(Step(
-            q_len=self.q_len(args, kwargs), builds=i1.builds - i0.builds,
-            sdpa_calls=(i1.hits + i1.misses) - (i0.hits + i0.misses), fallbacks=i1.fallbacks - i0.fallbacks,
-            bytes_copied=b1 - b0, new_keys=[k for k in k1 - k0 if isinstance(k, ForwardKey)], patterns=p1 - p0,
-            cpu_s=c1 - c0,
-        ))
+        self.steps.append(
+            Step(
+                q_len=self.q_len(args, kwargs),
+                builds=i1.builds - i0.builds,
+                sdpa_calls=(i1.hits + i1.misses) - (i0.hits + i0.misses),
+                fallbacks=i1.fallbacks - i0.fallbacks,
+                bytes_copied=b1 - b0,
+                new_keys=[k for k in k1 - k0 if isinstance(k, ForwardKey)],
+                patterns=p1 - p0,
+                cpu_s=c1 - c0,
+            )
+        )
         return out
 
 
@@ -136,8 +142,14 @@ def tiny_llama(dtype: torch.dtype, layers: int = 2):
     import transformers
 
     cfg = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-        num_attention_heads=H_Q, num_key_value_heads=H_KV, max_position_embeddings=64, attn_implementation="sdpa",
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=H_Q,
+        num_key_value_heads=H_KV,
+        max_position_embeddings=64,
+        attn_implementation="sdpa",
     )
     return transformers.LlamaForCausalLM(cfg).to(dtype).eval()
 

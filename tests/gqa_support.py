@@ -34,9 +34,7 @@ def _size1_odd_strides_gqa(b, h, hkv, lq, s, d, dtype, device):
     return one(h, lq), one(hkv, s), one(hkv, s)
 
 
-def gqa_layout(
-    name: str, b: int, h: int, hkv: int, lq: int, s: int, d: int, dtype: torch.dtype, device: str = "cpu"
-):
+def gqa_layout(name: str, b: int, h: int, hkv: int, lq: int, s: int, d: int, dtype: torch.dtype, device: str = "cpu"):
     """q with ``h`` heads and k/v with ``hkv`` heads, all three in ``QKV_LAYOUTS[name]``'s layout.
 
     Layouts whose factory ties q, k and v together (the packed buffer, the size-1 dims) get a
@@ -58,7 +56,9 @@ REPEAT_NAMES = ("repeat_interleave", "expand", "repeat")
 
 
 def gqa_fn(q, k, v, mask=None, dropout_p=0.0, is_causal=False):
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, enable_gqa=True)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, enable_gqa=True
+    )
 
 
 def jit_gqa(executor, **options):

@@ -3,11 +3,10 @@
 import pytest
 import thunder
 import torch
+from checks import jit_sdpa, run_and_check
 
 import thunder_cudnn_safe as tcs
 from thunder_cudnn_safe.testing import GRAD_OUT_LAYOUTS, QKV_LAYOUTS, ZERO_COPY_GRAD_LAYOUTS, ZERO_COPY_QKV_LAYOUTS
-
-from checks import jit_sdpa, run_and_check
 
 DTYPES = [torch.float16, torch.bfloat16]
 
@@ -56,7 +55,16 @@ def test_custom_scale(scale, fresh_cache):
     run_and_check(jit_sdpa(), q, k, v, torch.randn(2, 2, 16, 64, dtype=torch.float16), scale=scale)
 
 
-MASK_SHAPES = [(24, 40), (1, 24, 40), (4, 24, 40), (2, 1, 24, 40), (1, 4, 24, 40), (2, 4, 24, 40), (2, 1, 1, 40), (1, 1, 24, 1)]
+MASK_SHAPES = [
+    (24, 40),
+    (1, 24, 40),
+    (4, 24, 40),
+    (2, 1, 24, 40),
+    (1, 4, 24, 40),
+    (2, 4, 24, 40),
+    (2, 1, 1, 40),
+    (1, 1, 24, 1),
+]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -108,7 +108,9 @@ def test_distinct_strides_distinct_graphs_and_no_rebuild_on_hit(monkeypatch):
     disp = Dispatcher(EmulatedRuntime(), tcs.cache.GraphCache(16))
     builds = []
     real = graphs.build_forward_graph
-    monkeypatch.setattr(graphs, "build_forward_graph", lambda key, handle=None, **kw: builds.append(key) or real(key, handle, **kw))
+    monkeypatch.setattr(
+        graphs, "build_forward_graph", lambda key, handle=None, **kw: builds.append(key) or real(key, handle, **kw)
+    )
     contiguous = [torch.randn(2, 4, 16, 64, dtype=torch.float16) for _ in range(3)]
     bshd = [torch.randn(2, 16, 4, 64, dtype=torch.float16).transpose(1, 2) for _ in range(3)]
     for _ in range(3):
@@ -180,5 +182,15 @@ def test_steady_state_backward_path_keeps_declared_equal_to_bound():
         assert torch.equal(a, b)
     for key, pack in packs:
         if hasattr(key, "d_o"):
-            for uid, s in ((1, key.q), (2, key.k), (3, key.v), (4, key.o), (9, key.d_o), (5, key.stats), (10, key.dq), (11, key.dk), (12, key.dv)):
+            for uid, s in (
+                (1, key.q),
+                (2, key.k),
+                (3, key.v),
+                (4, key.o),
+                (9, key.d_o),
+                (5, key.stats),
+                (10, key.dq),
+                (11, key.dk),
+                (12, key.dv),
+            ):
                 assert (pack[uid].shape, pack[uid].stride(), pack[uid].dtype) == tuple(s)

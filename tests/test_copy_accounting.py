@@ -9,9 +9,9 @@ import logging
 
 import torch
 import torch.nn.functional as F
+from checks import check_against_eager, jit_with_ours
 
 import thunder_cudnn_safe as tcs
-from checks import check_against_eager, jit_with_ours
 
 
 def test_key_broadcast_over_heads_but_value_not(fresh_cache):
@@ -38,7 +38,9 @@ def test_ordinary_copies_are_counted_but_not_warned(caplog, fresh_cache):
     mask = torch.rand(8, 8) > 0.2
     mask[:, 0] = True
     with caplog.at_level(logging.WARNING, logger="thunder_cudnn_safe"):
-        jit_with_ours(lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m))(q, k, v, mask).sum().backward()
+        jit_with_ours(lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m))(
+            q, k, v, mask
+        ).sum().backward()
     assert not [r for r in caplog.records if r.name == "thunder_cudnn_safe"]
     operands = {op for op, _ in tcs.copy_stats().by_reason}
     assert operands == {"attn_mask", "grad_out"}

@@ -96,7 +96,9 @@ def test_compile_sweep_counts(sm: int, sweep, figure) -> None:
     results = sweep[sm]
     claimed_calls = [call for call in SWEPT if not claimed(call, sm)]
     keys = {key for call in claimed_calls for key in keys_of(call)}
-    engines = collections.Counter(f"{type(k).__name__[:-3].lower()} eng{results[k].engine}" for k in keys if results[k].ok)
+    engines = collections.Counter(
+        f"{type(k).__name__[:-3].lower()} eng{results[k].engine}" for k in keys if results[k].ok
+    )
     retried = sorted({call.id for call in claimed_calls for k in keys_of(call) if results[k].composite_retry})
     built = sum(results[k].ok for k in keys)
     assert built == len(keys) and all(results[k].kernels for k in keys)
@@ -165,14 +167,24 @@ def test_describe_target_from_a_cpu(standin) -> None:
 
 
 def test_targets_and_descriptors() -> None:
-    assert [aot.resolve_target(t) for t in ("h100", "sm90", (9, 0), "10.0", 80, "H200")] == ["H100", "H100", "H100", "B200", "A100", "H200"]
+    assert [aot.resolve_target(t) for t in ("h100", "sm90", (9, 0), "10.0", 80, "H200")] == [
+        "H100",
+        "H100",
+        "H100",
+        "B200",
+        "A100",
+        "H200",
+    ]
     with pytest.raises(ValueError, match="unknown target"):
         aot.resolve_target("sm75")
     import cudnn
 
     for device in aot.DEVICES.values():
         assert set(device) <= set(aot.SOURCES), set(device) - set(aot.SOURCES)
-        assert json.loads(cudnn.create_device_properties(json.dumps(device)).serialize())["deviceName"] == device["deviceName"]
+        assert (
+            json.loads(cudnn.create_device_properties(json.dumps(device)).serialize())["deviceName"]
+            == device["deviceName"]
+        )
 
 
 def test_mask_pattern_graphs_compile(standin):
@@ -184,7 +196,11 @@ def test_mask_pattern_graphs_compile(standin):
 
     i, j = torch.arange(16)[:, None], torch.arange(16)[None, :]
     pad = (j < torch.tensor([11, 16])[:, None])[:, None, None, :]
-    masks = {"window": (j <= i) & (i - j < 5), "causal+padding": (j <= i) & pad, "decode": pad[..., :1, :].expand(2, 1, 1, 16).contiguous()}
+    masks = {
+        "window": (j <= i) & (i - j < 5),
+        "causal+padding": (j <= i) & pad,
+        "decode": pad[..., :1, :].expand(2, 1, 1, 16).contiguous(),
+    }
     for sm in ARCHS:
         disp = Dispatcher(emulation.EmulatedRuntime(arch=(sm // 10, sm % 10), backend_version=91900), GraphCache())
         for name, mask in masks.items():
@@ -193,13 +209,35 @@ def test_mask_pattern_graphs_compile(standin):
                 q = torch.randn(2, 4, lq, 64, dtype=torch.bfloat16)
                 k, v = (torch.randn(2, 2 if gqa else 4, 16, 64, dtype=torch.bfloat16) for _ in range(2))
                 out, stats, *rng = disp.forward(q, k, v, mask, dropout, False, deterministic=det, enable_gqa=gqa)
-                disp.backward(torch.randn_like(out), q, k, v, mask, dropout, False, out, stats, *(rng or (None, None)), deterministic=det)
+                disp.backward(
+                    torch.randn_like(out),
+                    q,
+                    k,
+                    v,
+                    mask,
+                    dropout,
+                    False,
+                    out,
+                    stats,
+                    *(rng or (None, None)),
+                    deterministic=det,
+                )
         keys = disp.cache.keys()
         assert keys and all(key.bias is None for key in keys)
         device = compile_support.ARCH_DEVICES[sm]
         results = aot.compile_in_subprocess(keys, device, extra_ld_path=standin)[device]
-        failed = [(type(key).__name__, key.padded, key.left, key.dropout_p, key.deterministic if isinstance(key, BackwardKey) else None, r.reason)
-                  for key, r in zip(keys, results) if not r.ok]
+        failed = [
+            (
+                type(key).__name__,
+                key.padded,
+                key.left,
+                key.dropout_p,
+                key.deterministic if isinstance(key, BackwardKey) else None,
+                r.reason,
+            )
+            for key, r in zip(keys, results)
+            if not r.ok
+        ]
         assert not failed, (sm, failed)
 
 
@@ -212,7 +250,10 @@ def _decode_keys(device: str, dynamic: str) -> list:
     try:
         keys = []
         for b, s in ((1, 64), (1, 96), (1, 160), (1, 300), (4, 96)):
-            q, k, v = torch.randn(b, 8, 1, 128, dtype=torch.bfloat16), *(torch.randn(b, 8, s, 128, dtype=torch.bfloat16) for _ in range(2))
+            q, k, v = (
+                torch.randn(b, 8, 1, 128, dtype=torch.bfloat16),
+                *(torch.randn(b, 8, s, 128, dtype=torch.bfloat16) for _ in range(2)),
+            )
             call = binding.ForwardCall(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, need_stats=False)
             keys.append(binding.plan_forward(binding.signature(call), aot.target_of(device)).key)
         return keys

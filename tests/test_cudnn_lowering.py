@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
-from unittest import mock
 from typing import Any, NamedTuple
+from unittest import mock
 
 import pytest
 import torch
@@ -69,20 +69,53 @@ def _calls() -> list[Call]:
             for dtype in (torch.float16, torch.bfloat16):
                 for causal in (False, True):
                     dt = "bf16" if dtype is torch.bfloat16 else "fp16"
-                    calls.append(Call(f"zoo-{layout}-{grad}-{dt}-{'causal' if causal else 'full'}", layout, grad, dtype, causal=causal))
+                    calls.append(
+                        Call(
+                            f"zoo-{layout}-{grad}-{dt}-{'causal' if causal else 'full'}",
+                            layout,
+                            grad,
+                            dtype,
+                            causal=causal,
+                        )
+                    )
     for layout in QKV_LAYOUTS:
         calls.append(Call(f"policy-contiguous-{layout}", layout, "transposed", policy="contiguous"))
     b, h, lq, s = 2, 2, 16, 16
-    mask_shapes = [(b, h, lq, s), (1, h, lq, s), (b, 1, lq, s), (1, 1, lq, s), (lq, s), (h, lq, s), (b, 1, 1, s), (1, 1, 1, s), (1, 1, lq, 1)]
+    mask_shapes = [
+        (b, h, lq, s),
+        (1, h, lq, s),
+        (b, 1, lq, s),
+        (1, 1, lq, s),
+        (lq, s),
+        (h, lq, s),
+        (b, 1, 1, s),
+        (1, 1, 1, s),
+        (1, 1, lq, 1),
+    ]
     for shape in mask_shapes:
         sid = "x".join(map(str, shape))
         calls.append(Call(f"mask-{sid}-bool", mask=shape, mask_bool=True))
         calls.append(Call(f"mask-{sid}-additive", mask=shape))
         calls.append(Call(f"mask-{sid}-additive-grad", mask=shape, mask_grad=True))
-    calls.append(Call("mask-bshd-additive-grad-bf16", layout="bshd_transposed", dtype=torch.bfloat16, mask=(b, h, lq, s), mask_grad=True))
+    calls.append(
+        Call(
+            "mask-bshd-additive-grad-bf16",
+            layout="bshd_transposed",
+            dtype=torch.bfloat16,
+            mask=(b, h, lq, s),
+            mask_grad=True,
+        )
+    )
     for lq_, s_ in ((16, 16), (16, 24), (1, 16), (16, 1), (1, 1)):
         for causal in (False, True):
-            calls.append(Call(f"dropout-L{lq_}-S{s_}{'-causal' if causal else ''}", shape=(2, 2, lq_, s_, 64, 64), dropout=0.1, causal=causal))
+            calls.append(
+                Call(
+                    f"dropout-L{lq_}-S{s_}{'-causal' if causal else ''}",
+                    shape=(2, 2, lq_, s_, 64, 64),
+                    dropout=0.1,
+                    causal=causal,
+                )
+            )
     calls.append(Call("dropout-mask", dropout=0.1, mask=(b, 1, 1, s), mask_bool=True))
     calls.append(Call("dropout-bshd-transposed-grad", layout="bshd_transposed", grad="transposed", dropout=0.1))
     for causal in (False, True):
@@ -96,7 +129,9 @@ def _calls() -> list[Call]:
         calls.append(Call(f"dropout-headdim-{d_qk}-{d_v}", shape=(2, 2, 16, 16, d_qk, d_v), dropout=0.1))
     for layout in ("packed_qkv", "contiguous", "bshd_transposed"):
         calls.append(Call(f"fused-dqkv-{layout}", layout=layout, cat_grad_qkv=True))
-    calls.append(Call("fused-dqkv-causal-bf16", layout="packed_qkv", dtype=torch.bfloat16, cat_grad_qkv=True, causal=True))
+    calls.append(
+        Call("fused-dqkv-causal-bf16", layout="packed_qkv", dtype=torch.bfloat16, cat_grad_qkv=True, causal=True)
+    )
     for d_qk, d_v in ((64, 64), (96, 96), (128, 128), (256, 256), (192, 128)):
         for dtype in (torch.float16, torch.bfloat16):
             dt = "bf16" if dtype is torch.bfloat16 else "fp16"
@@ -104,7 +139,9 @@ def _calls() -> list[Call]:
         calls.append(Call(f"headdim-{d_qk}-{d_v}-causal", shape=(2, 2, 16, 16, d_qk, d_v), causal=True))
     for lq_, s_ in ((16, 24), (24, 16), (8, 64), (1, 16), (16, 1), (1, 1)):
         for causal in (False, True):
-            calls.append(Call(f"LneS-L{lq_}-S{s_}{'-causal' if causal else ''}", shape=(2, 2, lq_, s_, 64, 64), causal=causal))
+            calls.append(
+                Call(f"LneS-L{lq_}-S{s_}{'-causal' if causal else ''}", shape=(2, 2, lq_, s_, 64, 64), causal=causal)
+            )
     # Key length 1 (issue 20, item 3): a size-1 last dim must keep stride 1 (cuDNN requires it of the bias).
     for shape in ((b, h, lq, 1), (b, 1, lq, 1), (1, 1, lq, 1)):
         sid = "x".join(map(str, shape))
@@ -112,9 +149,15 @@ def _calls() -> list[Call]:
         calls.append(Call(f"keylen1-mask-{sid}-bool", shape=(2, 2, 16, 1, 64, 64), mask=shape, mask_bool=True))
     calls.append(Call("keylen1-mask-grad", shape=(2, 2, 16, 1, 64, 64), mask=(b, h, lq, 1), mask_grad=True))
     calls.append(Call("keylen1-bshd-dropout", layout="bshd_transposed", shape=(2, 2, 16, 1, 64, 64), dropout=0.1))
-    calls.append(Call("LneS-bshd-mask", layout="bshd_transposed", shape=(2, 2, 16, 24, 64, 64), mask=(2, 1, 1, 24), mask_bool=True))
+    calls.append(
+        Call(
+            "LneS-bshd-mask", layout="bshd_transposed", shape=(2, 2, 16, 24, 64, 64), mask=(2, 1, 1, 24), mask_bool=True
+        )
+    )
     for causal in (False, True):
-        calls.append(Call(f"kv-one-head{'-causal' if causal else ''}", shape=(2, 4, 16, 16, 64, 64), kv_heads=1, causal=causal))
+        calls.append(
+            Call(f"kv-one-head{'-causal' if causal else ''}", shape=(2, 4, 16, 16, 64, 64), kv_heads=1, causal=causal)
+        )
     calls.append(Call("kv-one-head-LneS-dropout", shape=(2, 4, 16, 24, 64, 64), kv_heads=1, dropout=0.1))
     calls.append(Call("kv-broadcast-head-dropout", layout="kv_broadcast_head", dropout=0.1))
     return calls
@@ -166,8 +209,9 @@ def _recording(dispatcher) -> Any:
         seen.append(key)
         return build(key)
 
-    with mock.patch.object(runtime, "build", recording_build), mock.patch.object(
-        runtime, "execute", lambda built, pack: None
+    with (
+        mock.patch.object(runtime, "build", recording_build),
+        mock.patch.object(runtime, "execute", lambda built, pack: None),
     ):
         yield seen
 
@@ -188,8 +232,21 @@ def keys_of(call: Call) -> list:
         seed, offset = (res[2], res[3]) if call.dropout else (None, None)
         grad_out = GRAD_OUT_LAYOUTS[call.grad](tuple(out.shape), call.dtype)
         dispatcher.backward(
-            grad_out, q, k, v, mask, call.dropout, call.causal, out, stats, seed, offset,
-            layout=call.policy, deterministic=call.deterministic, cat_grad_qkv=call.cat_grad_qkv, mask_grad=call.mask_grad,
+            grad_out,
+            q,
+            k,
+            v,
+            mask,
+            call.dropout,
+            call.causal,
+            out,
+            stats,
+            seed,
+            offset,
+            layout=call.policy,
+            deterministic=call.deterministic,
+            cat_grad_qkv=call.cat_grad_qkv,
+            mask_grad=call.mask_grad,
         )
         cached = graph_cache.keys()
     assert set(cached) <= set(seen), "the cache holds a key the runtime was never asked to build"
@@ -223,7 +280,9 @@ def _explain(call: Call, sm: int) -> list[str]:
 
     tcs.set_emulated_target(ARCHS[sm], backend_version=cudnn.backend_version())
     q, k, v, mask = _tensors(call)
-    return tcs.explain(q, k, v, mask, call.dropout, call.causal, executor="cudnn_safe_emulated", deterministic=call.deterministic)
+    return tcs.explain(
+        q, k, v, mask, call.dropout, call.causal, executor="cudnn_safe_emulated", deterministic=call.deterministic
+    )
 
 
 def _verdict(call: Call, sm: int) -> tuple[list[str], list[tuple[Any, lowering.Lowering]]]:

@@ -12,19 +12,19 @@
 
 Each test failed before its fix (found by an independent adversarial review).
 """
+
 import gc
 
 import pytest
 import torch
 import torch.nn.functional as F
+from checks import inject_failures, jit_sdpa, jit_with_ours
 
 import thunder_cudnn_safe as tcs
 from thunder_cudnn_safe import handoff
-from checks import inject_failures
 from thunder_cudnn_safe.errors import GraphBuildError
 from thunder_cudnn_safe.keys import BackwardKey
 from thunder_cudnn_safe.testing import assert_close_to_reference
-from checks import jit_sdpa, jit_with_ours
 
 DISPATCH = tcs.emulated_ex.dispatcher
 
@@ -86,7 +86,9 @@ def test_dropout_verdict_is_per_backward_graph_not_per_forward_key():
     tcs.clear_cache()
     q = torch.randn(1, 4, 16, 16, dtype=torch.float16, requires_grad=True)
     k1, v1 = (torch.randn(1, 1, 16, 16, dtype=torch.float16, requires_grad=True) for _ in range(2))
-    k4, v4 = (torch.randn(1, 1, 16, 16, dtype=torch.float16).expand(1, 4, 16, 16).detach().requires_grad_() for _ in range(2))
+    k4, v4 = (
+        torch.randn(1, 1, 16, 16, dtype=torch.float16).expand(1, 4, 16, 16).detach().requires_grad_() for _ in range(2)
+    )
     jf = jit_sdpa()
     # cuDNN builds the one-head backward, refuses the per-head one (materialized broadcast K/V)
     with inject_failures(build=lambda key: "refused" if isinstance(key, BackwardKey) and key.k.shape[1] == 4 else None):
@@ -106,8 +108,10 @@ def test_cat_grad_qkv_with_used_mask_gradient_runs_one_backward():
         x = torch.randn(1, 16, 3, 2, 16, dtype=torch.float16)
         q, k, v = (x[:, :, i].transpose(1, 2).detach().requires_grad_() for i in range(3))
         b = torch.randn(1, 2, 16, 16, dtype=torch.float16, requires_grad=True)
-        jf = jit_with_ours(lambda q, k, v, b: F.scaled_dot_product_attention(q, k, v, attn_mask=b * 1.0),
-                           cudnn_safe_bwd_may_cat_grad_qkv=True)
+        jf = jit_with_ours(
+            lambda q, k, v, b: F.scaled_dot_product_attention(q, k, v, attn_mask=b * 1.0),
+            cudnn_safe_bwd_may_cat_grad_qkv=True,
+        )
         out = jf(q, k, v, b)
         torch.autograd.grad(out, (q, k, v, b), torch.randn_like(out))
     finally:
@@ -228,7 +232,12 @@ def test_mask_cache_weakref_callback_inside_its_own_lock_does_not_deadlock():
             return None
 
         def local(frame, event, arg):
-            if event == "line" and armed[0] and cm._lru._lock.locked() and "self._data[key] = value" in lines[frame.f_lineno - 1]:
+            if (
+                event == "line"
+                and armed[0]
+                and cm._lru._lock.locked()
+                and "self._data[key] = value" in lines[frame.f_lineno - 1]
+            ):
                 armed[0] = False
                 gc.disable()
                 holder.clear()  # the cycle holding the cached mask becomes garbage

@@ -67,8 +67,11 @@ def two_ranks(request, tmp_path_factory):
     run = launch(device, [*TRAINING[device], "dropout"], tmp_path_factory.mktemp(f"two_ranks_{device}"))
     run.device = device
     r0 = run.results[0] or {}
-    print(f"\ntwo-rank launch on {device}: {run.seconds:.1f}s wall; rank 0: {r0.get('cpu_seconds_total')}s CPU; per scenario "
-          "(wall/CPU): " + ", ".join(f"{n} {s.get('seconds')}/{s.get('cpu_seconds')}s" for n, s in (r0.get("scenarios") or {}).items()))
+    print(
+        f"\ntwo-rank launch on {device}: {run.seconds:.1f}s wall; rank 0: {r0.get('cpu_seconds_total')}s CPU; per scenario "
+        "(wall/CPU): "
+        + ", ".join(f"{n} {s.get('seconds')}/{s.get('cpu_seconds')}s" for n, s in (r0.get("scenarios") or {}).items())
+    )
     if any(rc != 0 for rc in run.returncodes):
         pytest.fail(f"a rank failed\n{run.report()}")
     return run
@@ -109,7 +112,9 @@ def reference(two_ranks):
 
 def _check_claimed(res: dict, rank: int, what: str) -> None:
     claims = res["claims"]
-    assert claims["fwd"] == LAYERS and claims["bwd"] == LAYERS, f"rank {rank} {what}: our SDPA did not run for every layer: {claims}"
+    assert claims["fwd"] == LAYERS and claims["bwd"] == LAYERS, (
+        f"rank {rank} {what}: our SDPA did not run for every layer: {claims}"
+    )
     assert claims["other_sdpa"] == 0, f"rank {rank} {what}: SDPA left to another executor: {claims}"
     assert res["cache"]["fallbacks"] == 0, f"rank {rank} {what}: a graph was refused and the torch fallback answered"
 
@@ -125,7 +130,9 @@ def test_step_matches_single_process(two_ranks, reference, scenario):
         _check_claimed(res, rank, scenario)
         out_e, out_r = (shard(reference[which]["out"], rank) for which in ("eager", "ref"))
         assert_close_to_reference(res["out"], out_e, out_r, f"rank {rank} {scenario}: output")
-        assert_close_to_reference(res["loss"], eager["halves"][rank], ref["halves"][rank], f"rank {rank} {scenario}: loss")
+        assert_close_to_reference(
+            res["loss"], eager["halves"][rank], ref["halves"][rank], f"rank {rank} {scenario}: loss"
+        )
         assert_close_to_reference(res["loss_avg"], eager["loss"], ref["loss"], f"rank {rank} {scenario}: mean loss")
         assert set(res["grads"]) == set(ref["grads"]), f"rank {rank} {scenario}: parameters {sorted(res['grads'])}"
         for name, g in res["grads"].items():
@@ -137,7 +144,9 @@ def test_step_matches_single_process(two_ranks, reference, scenario):
     if scenario not in SHARDED_GRADS:
         # after the gradient all-reduce every rank holds the very same gradients
         for name in ranks[0]["grads"]:
-            assert torch.equal(ranks[0]["grads"][name], ranks[1]["grads"][name]), f"{scenario}: ranks disagree on grad {name}"
+            assert torch.equal(ranks[0]["grads"][name], ranks[1]["grads"][name]), (
+                f"{scenario}: ranks disagree on grad {name}"
+            )
 
 
 def test_graph_cache_is_per_process(two_ranks):
@@ -178,6 +187,8 @@ def test_dropout_follows_each_ranks_generator(two_ranks):
         for rank, res in enumerate(ranks):
             torch.manual_seed(DROPOUT_SEED + rank)
             single = jf(q, k, v).detach().cpu()
-            assert torch.equal(single, res["rank_seed"]), f"rank {rank}'s mask is not the one its generator state gives in one process"
+            assert torch.equal(single, res["rank_seed"]), (
+                f"rank {rank}'s mask is not the one its generator state gives in one process"
+            )
         torch.manual_seed(DROPOUT_SEED)
         assert torch.equal(jf(q, k, v).detach().cpu(), r0["same_seed"])

@@ -16,6 +16,7 @@ import sys
 
 import pytest
 import torch
+from test_graph_declarations import RecordingRuntime, declaration_mismatches
 
 import thunder_cudnn_safe as tcs
 from thunder_cudnn_safe import binding, emulation, graphs
@@ -25,8 +26,6 @@ from thunder_cudnn_safe.errors import GraphBuildError
 from thunder_cudnn_safe.keys import BackwardKey, ForwardKey
 from thunder_cudnn_safe.runtime import BuiltGraph, build_with_ladder
 from thunder_cudnn_safe.testing import QKV_LAYOUTS
-
-from test_graph_declarations import RecordingRuntime, declaration_mismatches
 
 
 @pytest.fixture
@@ -66,13 +65,16 @@ def test_inference_forwards_are_dynamic_by_default(mode):
     assert not any(getattr(key, "dynamic", False) for key in disp.cache.keys() if isinstance(key, BackwardKey))
 
 
-@pytest.mark.parametrize("setting, training, dropout, dynamic", [
-    ("off", False, 0.0, False),
-    ("inference", True, 0.0, False),
-    ("forward", True, 0.0, True),
-    ("forward", True, 0.1, False),  # never with dropout: not in the compile sweep
-    ("inference", False, 0.1, False),
-])
+@pytest.mark.parametrize(
+    "setting, training, dropout, dynamic",
+    [
+        ("off", False, 0.0, False),
+        ("inference", True, 0.0, False),
+        ("forward", True, 0.0, True),
+        ("forward", True, 0.1, False),  # never with dropout: not in the compile sweep
+        ("inference", False, 0.1, False),
+    ],
+)
 def test_the_knob_decides_per_call_and_the_plan_memo_follows_it(mode, setting, training, dropout, dynamic):
     disp = Dispatcher(emulation.EmulatedRuntime(), GraphCache())
     mode("off")
@@ -119,7 +121,9 @@ def test_dynamic_graphs_declare_what_is_bound(mode, layout):
 
 
 def _decode_key(s: int):
-    call = binding.ForwardCall(torch.randn(1, 2, 1, 64), *(torch.randn(1, 2, s, 64) for _ in range(2)), need_stats=False)
+    call = binding.ForwardCall(
+        torch.randn(1, 2, 1, 64), *(torch.randn(1, 2, s, 64) for _ in range(2)), need_stats=False
+    )
     return binding.plan_forward(binding.signature(call), emulation.emulated_target()._replace(device_index=7)).key
 
 

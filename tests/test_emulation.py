@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from checks import jit_sdpa
 
 import thunder_cudnn_safe as tcs
 from thunder_cudnn_safe import graphs, reference
@@ -12,13 +13,13 @@ from thunder_cudnn_safe.graphs import Uid
 from thunder_cudnn_safe.keys import ForwardKey, Target, TensorSig, sig
 from thunder_cudnn_safe.testing import assert_close_to_reference
 
-from checks import jit_sdpa
-
 TARGET = Target("emulated", -1, (9, 0), 91900, "test")
 
 
 def fwd_key(q, k, v, o, stats):
-    return ForwardKey(sig(q), sig(k), sig(v), sig(o), sig(stats), None, None, None, False, 0.0, 0.125, "preserve", TARGET)
+    return ForwardKey(
+        sig(q), sig(k), sig(v), sig(o), sig(stats), None, None, None, False, 0.0, 0.125, "preserve", TARGET
+    )
 
 
 def tensors(dtype=torch.float16):

@@ -81,8 +81,20 @@ def torch213_venv(tmp_path_factory):
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
     steps = [
         pip + ["torch==2.13.0"],
-        pip + ["--no-deps", "lightning-thunder==0.2.6", "nvidia-cudnn-frontend==1.32.0", "looseversion",
-               "lightning-utilities", "optree", "dill", "opt_einsum", "typing_extensions", "numpy", "packaging"],
+        pip
+        + [
+            "--no-deps",
+            "lightning-thunder==0.2.6",
+            "nvidia-cudnn-frontend==1.32.0",
+            "looseversion",
+            "lightning-utilities",
+            "optree",
+            "dill",
+            "opt_einsum",
+            "typing_extensions",
+            "numpy",
+            "packaging",
+        ],
     ]
     for cmd in steps:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)

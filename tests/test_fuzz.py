@@ -55,7 +55,7 @@ def cases(draw):
     mask = None
     if not causal and draw(st.booleans()):
         mshape = tuple(draw(st.sampled_from([1, n])) for n in (b, h, lq, s))
-        mshape = mshape[draw(st.integers(0, 2)):]
+        mshape = mshape[draw(st.integers(0, 2)) :]
         if draw(st.booleans()):
             mask = draw(laid_out(mshape, torch.float32)) > -0.8
             if draw(st.booleans()):

@@ -69,8 +69,18 @@ def _q_len(args, kwargs) -> int:
 
 
 def _figure(figure, case: str, summary: dict, extra: str = "") -> None:
-    keys = ("tokens", "sdpa_calls", "builds_prefill", "builds_decode", "graphs_per_decode_token",
-            "bytes_per_decode_token", "fallbacks", "bias_graphs", "patterns", "decode_graph_forms")
+    keys = (
+        "tokens",
+        "sdpa_calls",
+        "builds_prefill",
+        "builds_decode",
+        "graphs_per_decode_token",
+        "bytes_per_decode_token",
+        "fallbacks",
+        "bias_graphs",
+        "patterns",
+        "decode_graph_forms",
+    )
     figure(f"decode {case}: " + ", ".join(f"{k}={summary[k]}" for k in keys) + (f"; {extra}" if extra else ""))
 
 
@@ -91,8 +101,13 @@ def _hf_generate(runs: list[dict], layers: int) -> dict:
     torch.manual_seed(SEED)
     model = tiny_llama(DTYPE, layers)
     ids = torch.randint(0, 128, (BATCH, PROMPT))
-    common = {"do_sample": False, "pad_token_id": 0, "disable_compile": True, "return_dict_in_generate": True,
-              "output_logits": True}
+    common = {
+        "do_sample": False,
+        "pad_token_id": 0,
+        "disable_compile": True,
+        "return_dict_in_generate": True,
+        "output_logits": True,
+    }
     eager = [model.generate(ids, **common, **kw) for kw in runs]
 
     torch._dynamo.reset()
@@ -109,8 +124,15 @@ def _hf_generate(runs: list[dict], layers: int) -> dict:
     jfns = [jf for info in backend.subgraph_infos for jf in info.thunder_compiled_fns]
     reasons = [str(r.info) for info in backend.subgraph_infos for r in info.split_reasons]
     torch._dynamo.reset()
-    return {"eager": eager, "got": got, "steps": steps, "jfns": jfns, "reasons": reasons, "rewrite": rewrite,
-            "graphs": tcs.cached_graphs()}
+    return {
+        "eager": eager,
+        "got": got,
+        "steps": steps,
+        "jfns": jfns,
+        "reasons": reasons,
+        "rewrite": rewrite,
+        "graphs": tcs.cached_graphs(),
+    }
 
 
 def _check_generation(case: dict, i: int, layers: int) -> None:
@@ -151,8 +173,12 @@ def test_hf_generate_dynamic_cache(dynamic_case, figure):
     assert summary["decode_graph_forms"] == ["padding"], summary
     assert all(k.dynamic for s in steps for k in s.new_keys), [k for s in steps for k in s.new_keys]
     heads = [(k.k.shape[2], k.k.shape[1]) for s in steps for k in s.new_keys]
-    _figure(figure, f"HF Llama DynamicCache (ThunderFX, bf16, {DYNAMIC_LAYERS} layer, RepeatKVToGQA)", summary,
-            _logit_figures(case["eager"][0].logits, case["got"][0].logits) + f"; (key length, K heads) per graph {heads}")
+    _figure(
+        figure,
+        f"HF Llama DynamicCache (ThunderFX, bf16, {DYNAMIC_LAYERS} layer, RepeatKVToGQA)",
+        summary,
+        _logit_figures(case["eager"][0].logits, case["got"][0].logits) + f"; (key length, K heads) per graph {heads}",
+    )
 
 
 @pytest.mark.xfail(
@@ -178,10 +204,13 @@ def static_case():
     ``headroom``: one token fewer, so the cache never fills; ``default``: cache_implementation="static"
     as generate() sizes it, so the last decode step fills the last slot."""
     static = {"cache_implementation": "static"}
-    case = _hf_generate([
-        {**static, "max_new_tokens": STATIC_TOKENS - 1, "max_cache_len": CACHE_LEN},  # headroom
-        {**static, "max_new_tokens": STATIC_TOKENS},  # default
-    ], STATIC_LAYERS)
+    case = _hf_generate(
+        [
+            {**static, "max_new_tokens": STATIC_TOKENS - 1, "max_cache_len": CACHE_LEN},  # headroom
+            {**static, "max_new_tokens": STATIC_TOKENS},  # default
+        ],
+        STATIC_LAYERS,
+    )
     yield case
     reset_counters()
 
@@ -280,8 +309,12 @@ def test_litgpt_kv_cache_decode(mode, fresh_cache, figure):
     else:  # views k_cache[:, :, :end] of a growing length: one graph per token, no mask at all
         assert all(s.builds <= 1 for s in steps) and summary["patterns"] == {}, summary
         assert any(g.key.k.shape[2] < LIT_MAX_LEN for g in graphs)
-    _figure(figure, f"LitGPT-style KV cache, {mode} (thunder.jit, {str(LIT_DTYPE)[6:]}, RepeatKVToGQA)", summary,
-            _logit_figures(eager_logits, logits))
+    _figure(
+        figure,
+        f"LitGPT-style KV cache, {mode} (thunder.jit, {str(LIT_DTYPE)[6:]}, RepeatKVToGQA)",
+        summary,
+        _logit_figures(eager_logits, logits),
+    )
 
 
 # -- GQA decode through RepeatKVToGQA: one query over 256 keys -----------------------------------
@@ -295,7 +328,9 @@ def _hf_repeat_kv(k, n):
 
 
 @pytest.mark.parametrize(
-    "repeat,padded", [(_repeat_interleave, False), (_hf_repeat_kv, True)], ids=["repeat_interleave", "repeat_kv-padding"]
+    "repeat,padded",
+    [(_repeat_interleave, False), (_hf_repeat_kv, True)],
+    ids=["repeat_interleave", "repeat_kv-padding"],
 )
 def test_gqa_decode_one_query_over_long_keys(repeat, padded, fresh_cache, figure):
     b, s, d = 2, 256, 64
@@ -325,6 +360,8 @@ def test_gqa_decode_one_query_over_long_keys(repeat, padded, fresh_cache, figure
     assert g.key.k.shape == (b, H_KV, s, d) and g.key.bias is None
     assert pattern_of_key(g.key) == ("padding" if padded else "none")
     assert tcs.mask_pattern_info() == ({"padding": 1} if padded else {})
-    figure(f"decode GQA L=1 over {s} keys ({rewrite.__class__.__name__}, {'padding mask' if padded else 'no mask'}): "
-           f"claimed 1/1, K/V heads {H_KV}, builds 1, bytes copied 0, fallbacks 0, graph {pattern_of_key(g.key)}, "
-           f"max error {err:.3g}")
+    figure(
+        f"decode GQA L=1 over {s} keys ({rewrite.__class__.__name__}, {'padding mask' if padded else 'no mask'}): "
+        f"claimed 1/1, K/V heads {H_KV}, builds 1, bytes copied 0, fallbacks 0, graph {pattern_of_key(g.key)}, "
+        f"max error {err:.3g}"
+    )

@@ -33,12 +33,12 @@ import copy
 import os
 
 import pytest
+import thunder
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import thunder_cudnn_safe as tcs  # first: runs the compat steps before thunder is imported
-import thunder
 from thunder_cudnn_safe.cache import graph_cache
 from thunder_cudnn_safe.keys import BackwardKey
 from thunder_cudnn_safe.testing import GRAD_OUT_LAYOUTS, QKV_LAYOUTS, assert_close_to_reference
@@ -171,22 +171,22 @@ def test_environment_reports_real_cudnn():
 # -- the layout zoo ----------------------------------------------------------------------
 #  qkv layout          grad_out layout  dtype causal  d    L    S
 ZOO = [
-    ("contiguous",        "contiguous",  F16,  False,  64, 128, 128),
-    ("bshd_transposed",   "transposed",  BF16, True,   64,  96, 160),
-    ("sbhd",              "zero_stride", F16,  True,  128, 128, 128),
-    ("packed_qkv",        "expanded",    BF16, False, 128, 128, 128),
-    ("kv_broadcast_head", "contiguous",  F16,  False,  64,  96, 160),
-    ("size1_odd_strides", "transposed",  BF16, True,   64, 128, 128),
-    ("lastdim_strided",   "zero_stride", F16,  True,  128,  96, 160),
-    ("misaligned",        "expanded",    BF16, False, 128, 128, 128),
-    ("contiguous",        "zero_stride", BF16, True,  128,  96, 160),
-    ("bshd_transposed",   "expanded",    F16,  False, 128, 128, 128),
-    ("sbhd",              "contiguous",  BF16, False,  64,  96, 160),
-    ("packed_qkv",        "transposed",  F16,  True,   64, 128, 128),
-    ("kv_broadcast_head", "zero_stride", BF16, True,  128, 128, 128),
-    ("size1_odd_strides", "expanded",    F16,  False, 128,  96, 160),
-    ("lastdim_strided",   "contiguous",  BF16, False,  64, 128, 128),
-    ("misaligned",        "transposed",  F16,  True,   64,  96, 160),
+    ("contiguous", "contiguous", F16, False, 64, 128, 128),
+    ("bshd_transposed", "transposed", BF16, True, 64, 96, 160),
+    ("sbhd", "zero_stride", F16, True, 128, 128, 128),
+    ("packed_qkv", "expanded", BF16, False, 128, 128, 128),
+    ("kv_broadcast_head", "contiguous", F16, False, 64, 96, 160),
+    ("size1_odd_strides", "transposed", BF16, True, 64, 128, 128),
+    ("lastdim_strided", "zero_stride", F16, True, 128, 96, 160),
+    ("misaligned", "expanded", BF16, False, 128, 128, 128),
+    ("contiguous", "zero_stride", BF16, True, 128, 96, 160),
+    ("bshd_transposed", "expanded", F16, False, 128, 128, 128),
+    ("sbhd", "contiguous", BF16, False, 64, 96, 160),
+    ("packed_qkv", "transposed", F16, True, 64, 128, 128),
+    ("kv_broadcast_head", "zero_stride", BF16, True, 128, 128, 128),
+    ("size1_odd_strides", "expanded", F16, False, 128, 96, 160),
+    ("lastdim_strided", "contiguous", BF16, False, 64, 128, 128),
+    ("misaligned", "transposed", F16, True, 64, 96, 160),
 ]
 
 
@@ -201,7 +201,9 @@ def test_zoo_table_covers_every_layout():
     assert {c[1] for c in ZOO} == set(GRAD_OUT_LAYOUTS)
     for qkv in QKV_LAYOUTS:
         assert {c[2] for c in ZOO if c[0] == qkv} == {F16, BF16}, qkv
-    assert {(c[3], c[4], c[5] == c[6]) for c in ZOO} >= {(c, d, eq) for c in (True, False) for d in (64, 128) for eq in (True, False)}
+    assert {(c[3], c[4], c[5] == c[6]) for c in ZOO} >= {
+        (c, d, eq) for c in (True, False) for d in (64, 128) for eq in (True, False)
+    }
 
 
 @pytest.mark.parametrize("case", ZOO, ids=_zoo_id)
@@ -396,7 +398,9 @@ def test_decode_over_new_lengths_with_dynamic_shape_graphs(mode):
                 qb = q.expand(b, -1, -1, -1)
                 out = jf(qb, k, v)
                 ref = sdpa(qb.double(), k.double(), v.double())
-                assert_close_to_reference(out, sdpa(qb.float(), k.float(), v.float()).to(BF16), ref, f"decode S={s} B={b}")
+                assert_close_to_reference(
+                    out, sdpa(qb.float(), k.float(), v.float()).to(BF16), ref, f"decode S={s} B={b}"
+                )
         info = tcs.cache_info()
         keys = [g.key for g in tcs.cached_graphs()]
         assert info.fallbacks == 0 and len(keys) == 14, (info, keys)

@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import types
 
+import checks
 import pytest
 import torch
-
-import checks
 import torch.nn.functional as F
 
 import thunder_cudnn_safe as tcs
@@ -62,7 +61,9 @@ def test_cuda_graph_replay_reads_each_steps_mask(fresh_cache):
 
     q, k, v = (torch.randn(2, 4, 64, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     fn = lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m)  # noqa: E731
-    jf = thunder.jit(fn, executors=[tcs.cudnn_safe_ex, *thunder.get_default_executors()], transforms=[CUDAGraphTransform()])
+    jf = thunder.jit(
+        fn, executors=[tcs.cudnn_safe_ex, *thunder.get_default_executors()], transforms=[CUDAGraphTransform()]
+    )
     for n in (64, 40, 17, 64, 5):
         mask = (torch.arange(64, device="cuda") < n).expand(2, 1, 64, 64)
         ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask)
@@ -87,7 +88,21 @@ def test_dropout_forward_prechecks_the_backward_that_will_run(variant, fresh_cac
         with checks.inject_failures(build=hook):
             out, stats, seed, offset = disp.forward(q, k, v, mask, 0.25, False, deterministic=deterministic)
             g = torch.randn_like(out)
-            grads = disp.backward(g, q, k, v, mask, 0.25, False, out, stats, seed, offset, deterministic=deterministic, mask_grad=mask is not None)
+            grads = disp.backward(
+                g,
+                q,
+                k,
+                v,
+                mask,
+                0.25,
+                False,
+                out,
+                stats,
+                seed,
+                offset,
+                deterministic=deterministic,
+                mask_grad=mask is not None,
+            )
     finally:
         torch.use_deterministic_algorithms(was, warn_only=was_warn)
     assert tcs.cache_info().fallbacks == 2, "forward and backward both on the fallback"
@@ -109,7 +124,9 @@ def test_key_length_1_mask_is_claimed_and_exact(fresh_cache):
     out, _ = tcs.emulated_ex.dispatcher.forward(q, k, v, mask)
     fwd = [g.key for g in tcs.cached_graphs() if not isinstance(g.key, BackwardKey)]
     assert fwd and fwd[-1].bias.stride[-1] == 1
-    assert (out.float() - F.scaled_dot_product_attention(q.float(), k.float(), v.float(), mask.float())).abs().max() < 1e-2
+    assert (
+        out.float() - F.scaled_dot_product_attention(q.float(), k.float(), v.float(), mask.float())
+    ).abs().max() < 1e-2
     assert tcs.cache_info().fallbacks == 0
 
 
@@ -143,7 +160,10 @@ def test_quadratic_workspace_is_declined_over_the_budget(monkeypatch):
 
     assert cudnn_rules.dp_workspace_bytes(8, 32, 4096, 4096) == 8 * 32 * 4096 * 4096 * 2  # 8.6 GB, the issue's figure
     assert cudnn_rules.dp_workspace_bytes(1, 1, 65, 1) == 128 * 64 * 2
-    hopper, blackwell = EmulatedRuntime(arch=(9, 0), backend_version=91900), EmulatedRuntime(arch=(10, 0), backend_version=91900)
+    hopper, blackwell = (
+        EmulatedRuntime(arch=(9, 0), backend_version=91900),
+        EmulatedRuntime(arch=(10, 0), backend_version=91900),
+    )
     q, k, v = (torch.empty(2, 4, 512, 64, dtype=torch.float16) for _ in range(3))
     mask = torch.empty(2, 4, 512, 512, dtype=torch.float16, requires_grad=True)
     need = cudnn_rules.dp_workspace_bytes(2, 4, 512, 512)
@@ -218,8 +238,14 @@ def test_emulated_gqa_backward_rounds_partials(fresh_cache, monkeypatch):
     """The emulated runtime passes the I/O dtype for the partials (what cuDNN's graph declares)."""
     seen = []
     real = emulation.reference.attention_backward
-    monkeypatch.setattr(emulation.reference, "attention_backward", lambda *a, **kw: seen.append(kw.get("partials")) or real(*a, **kw))
-    q, k, v = T(2, 4, 8, 64, dtype=torch.bfloat16), T(2, 2, 8, 64, dtype=torch.bfloat16), T(2, 2, 8, 64, dtype=torch.bfloat16)
+    monkeypatch.setattr(
+        emulation.reference, "attention_backward", lambda *a, **kw: seen.append(kw.get("partials")) or real(*a, **kw)
+    )
+    q, k, v = (
+        T(2, 4, 8, 64, dtype=torch.bfloat16),
+        T(2, 2, 8, 64, dtype=torch.bfloat16),
+        T(2, 2, 8, 64, dtype=torch.bfloat16),
+    )
     disp = tcs.emulated_ex.dispatcher
     out, stats = disp.forward(q, k, v, enable_gqa=True)
     disp.backward(torch.randn_like(out), q, k, v, None, 0.0, False, out, stats, None, None)

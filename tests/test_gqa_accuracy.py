@@ -17,10 +17,12 @@ two cores.
 
 from __future__ import annotations
 
+import gqa_support
 import pytest
 import thunder
 import torch
 import torch.nn.functional as F
+from gqa_support import gqa_layout
 from thunder.core.pytree import tree_flatten
 
 import thunder_cudnn_safe as tcs
@@ -29,9 +31,6 @@ from thunder_cudnn_safe.cache import GraphCache
 from thunder_cudnn_safe.dispatch import Dispatcher
 from thunder_cudnn_safe.emulation import EmulatedRuntime
 from thunder_cudnn_safe.testing import GRAD_OUT_LAYOUTS, QKV_LAYOUTS, assert_close_to_reference
-
-import gqa_support
-from gqa_support import gqa_layout
 
 DTYPES = (torch.float16, torch.bfloat16)
 #: (H_q, H_kv): group sizes 2, 4 and 8, and a single K/V head (MQA).
@@ -79,7 +78,10 @@ def test_gqa_layout_zoo(layout, ratio, grad_layout, dtype, fresh_cache):
     assert (q.shape[1], k.shape[1], v.shape[1]) == (h, hkv, hkv)
     g = GRAD_OUT_LAYOUTS[grad_layout]((q.shape[0], h, lq, d), dtype)
     run_gqa_and_check(q, k, v, g)
-    if layout in ("contiguous", "bshd_transposed", "sbhd", "packed_qkv") and grad_layout in ("contiguous", "transposed"):
+    if layout in ("contiguous", "bshd_transposed", "sbhd", "packed_qkv") and grad_layout in (
+        "contiguous",
+        "transposed",
+    ):
         # K/V with H_kv heads are bound as they are: nothing copied, forward or backward
         assert tcs.copy_stats().bytes_copied == 0, tcs.copy_stats()
 
@@ -93,9 +95,16 @@ def test_gqa_grad_out_layouts(grad_layout, dtype, fresh_cache):
 
 # -- masks, causal, L != S --------------------------------------------------------------------
 MASK_CASES = [
-    ("boolean", (16, 24)), ("boolean", (2, 1, 16, 24)), ("boolean", (1, 8, 16, 24)), ("boolean", (2, 1, 1, 24)),
-    ("additive", (16, 24)), ("additive", (2, 8, 16, 24)), ("additive", (1, 8, 16, 24)), ("additive", (2, 1, 1, 24)),
-    ("additive_grad", (2, 8, 16, 24)), ("additive_grad", (1, 1, 16, 24)),
+    ("boolean", (16, 24)),
+    ("boolean", (2, 1, 16, 24)),
+    ("boolean", (1, 8, 16, 24)),
+    ("boolean", (2, 1, 1, 24)),
+    ("additive", (16, 24)),
+    ("additive", (2, 8, 16, 24)),
+    ("additive", (1, 8, 16, 24)),
+    ("additive", (2, 1, 1, 24)),
+    ("additive_grad", (2, 8, 16, 24)),
+    ("additive_grad", (1, 1, 16, 24)),
 ]
 
 
@@ -121,8 +130,12 @@ def test_gqa_causal_and_unequal_lengths(lq, s, ratio, dtype, fresh_cache):
 
 
 @pytest.mark.parametrize(
-    "option", [{"cudnn_safe_layout": "contiguous"}, {"cudnn_safe_bwd_may_cat_grad_qkv": True},
-               {"cudnn_safe_deterministic": True}],
+    "option",
+    [
+        {"cudnn_safe_layout": "contiguous"},
+        {"cudnn_safe_bwd_may_cat_grad_qkv": True},
+        {"cudnn_safe_deterministic": True},
+    ],
     ids=lambda o: next(iter(o)),
 )
 @pytest.mark.parametrize("layout", ["packed_qkv", "bshd_transposed"])

@@ -15,15 +15,14 @@ from __future__ import annotations
 
 import os
 
+import gqa_support
 import pytest
+import thunder
 import torch
+from gqa_support import gqa_layout
 
 import thunder_cudnn_safe as tcs  # first: runs the compat steps before thunder is imported
-import thunder
 from thunder_cudnn_safe.testing import GRAD_OUT_LAYOUTS
-
-import gqa_support
-from gqa_support import gqa_layout
 
 EMULATE = os.environ.get("THUNDER_CUDNN_SAFE_GPU_TESTS_EMULATE") == "1"
 pytestmark = [
@@ -41,6 +40,7 @@ def fresh():
     yield
     tcs.clear_cache()
 
+
 # (layout, H_q, H_kv, L, S, D, grad_out layout, dtype, mask, causal)
 CASES = [
     ("contiguous", 8, 4, 128, 128, 64, "contiguous", F16, None, True),
@@ -54,8 +54,11 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("layout,h,hkv,lq,s,d,grad_layout,dtype,mask,causal", CASES,
-                         ids=[f"{c[0]}-{c[1]}x{c[2]}-{str(c[7])[6:]}" for c in CASES])
+@pytest.mark.parametrize(
+    "layout,h,hkv,lq,s,d,grad_layout,dtype,mask,causal",
+    CASES,
+    ids=[f"{c[0]}-{c[1]}x{c[2]}-{str(c[7])[6:]}" for c in CASES],
+)
 def test_gqa_on_cudnn(layout, h, hkv, lq, s, d, grad_layout, dtype, mask, causal, fresh):
     q, k, v = gqa_layout(layout, 2, h, hkv, lq, s, d, dtype, DEVICE)
     m = None
@@ -74,8 +77,14 @@ def test_tiny_llama_thunderfx_repeat_kv_rewritten_on_cudnn(fresh):
 
     torch._dynamo.reset()
     config = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
-        num_key_value_heads=2, head_dim=32, max_position_embeddings=128,
+        vocab_size=128,
+        hidden_size=256,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=128,
     )
     config._attn_implementation = "sdpa"
     model = transformers.LlamaForCausalLM(config).to(device=DEVICE, dtype=BF16)
@@ -84,7 +93,9 @@ def test_tiny_llama_thunderfx_repeat_kv_rewritten_on_cudnn(fresh):
     logits = torch.compile(model, backend=backend)(ids, use_cache=False).logits
     logits.float().square().mean().backward()
     jfns = [jf for info in backend.subgraph_infos for jf in info.thunder_compiled_fns]
-    fwd = [b for jf in jfns for b in thunder.last_traces(jf)[-1].bound_symbols if b.sym.name == f"{EXECUTOR.name}_sdpa_fwd"]
+    fwd = [
+        b for jf in jfns for b in thunder.last_traces(jf)[-1].bound_symbols if b.sym.name == f"{EXECUTOR.name}_sdpa_fwd"
+    ]
     assert len(fwd) == 2 and all(b.args[1].shape[1] == 2 for b in fwd), "K/V did not reach cuDNN with H_kv heads"
     expected = model(ids, use_cache=False).logits
     torch.testing.assert_close(logits, expected, atol=5e-2, rtol=5e-2)

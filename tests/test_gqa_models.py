@@ -47,8 +47,14 @@ def tiny_causal_lm(name: str, dtype: torch.dtype, layers: int = 1) -> torch.nn.M
     """A tiny GQA causal LM (H_q = 4, H_kv = 2, head_dim 16) with SDPA attention, random weights."""
     config_cls, model_cls = MODELS[name]
     config = config_cls(
-        vocab_size=64, hidden_size=H_Q * HEAD_DIM, intermediate_size=64, num_hidden_layers=layers,
-        num_attention_heads=H_Q, num_key_value_heads=H_KV, head_dim=HEAD_DIM, max_position_embeddings=64,
+        vocab_size=64,
+        hidden_size=H_Q * HEAD_DIM,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=H_Q,
+        num_key_value_heads=H_KV,
+        head_dim=HEAD_DIM,
+        max_position_embeddings=64,
     )
     config._attn_implementation = "sdpa"
     return model_cls(config).to(dtype)
@@ -147,7 +153,9 @@ def test_hf_attention_enable_gqa_under_jit(name, dtype, fresh_cache):
 
 @pytest.mark.slow  # 12 s of tracing before thunder stops
 @pytest.mark.xfail(
-    thunder.__version__ == "0.2.6", strict=True, raises=AssertionError,
+    thunder.__version__ == "0.2.6",
+    strict=True,
+    raises=AssertionError,
     reason="thunder 0.2.6's interpreter cannot trace a transformers 5 model: process_recorded_modifications "
     "(thunder/core/jit_ext.py) asserts on transformers' module-global _active_collector "
     "(transformers/utils/output_capturing.py, set by the output-capturing decorator)",
@@ -220,15 +228,25 @@ def test_flux_transformer_thunderfx(fresh_cache):
     torch._dynamo.reset()
     dtype = torch.bfloat16
     model = diffusers.FluxTransformer2DModel(
-        patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(4, 4, 8),
+        patch_size=1,
+        in_channels=4,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        pooled_projection_dim=32,
+        axes_dims_rope=(4, 4, 8),
     ).to(dtype)
     eager, ref = _copies(model)
     b, pixels, tokens = 1, 16, 8
     inputs = dict(
-        hidden_states=torch.randn(b, pixels, 4, dtype=dtype), encoder_hidden_states=torch.randn(b, tokens, 32, dtype=dtype),
-        pooled_projections=torch.randn(b, 32, dtype=dtype), timestep=torch.tensor([0.5], dtype=dtype),
-        img_ids=torch.randn(pixels, 3), txt_ids=torch.zeros(tokens, 3),
+        hidden_states=torch.randn(b, pixels, 4, dtype=dtype),
+        encoder_hidden_states=torch.randn(b, tokens, 32, dtype=dtype),
+        pooled_projections=torch.randn(b, 32, dtype=dtype),
+        timestep=torch.tensor([0.5], dtype=dtype),
+        img_ids=torch.randn(pixels, 3),
+        txt_ids=torch.zeros(tokens, 3),
     )
     backend = ThunderCompiler(executors=EXECUTORS)
     compiled = torch.compile(model, backend=backend)

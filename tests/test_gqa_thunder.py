@@ -16,20 +16,26 @@ from __future__ import annotations
 import re
 
 import pytest
+import thunder
+import thunder.torch as ltorch
 import torch
 import torch.nn.functional as F
-
-import thunder
-import thunder_cudnn_safe.gqa as gqa
-import thunder.torch as ltorch
 from thunder.core.transforms import get_grad, put_grads
 from thunder.dynamo import ThunderCompiler
 from thunder.extend import OperatorExecutor, deregister_executor, register_executor
 
+import thunder_cudnn_safe.gqa as gqa
+
 SDPA_ID = ltorch.scaled_dot_product_attention.id
 REPEAT_IDS = {
-    ltorch.repeat_interleave.id, ltorch.expand.id, ltorch.reshape.id, ltorch.getitem.id, ltorch.unsqueeze.id,
-    ltorch.flatten.id, ltorch.view.id, ltorch.repeat.id,
+    ltorch.repeat_interleave.id,
+    ltorch.expand.id,
+    ltorch.reshape.id,
+    ltorch.getitem.id,
+    ltorch.unsqueeze.id,
+    ltorch.flatten.id,
+    ltorch.view.id,
+    ltorch.repeat.id,
 }
 
 
@@ -164,7 +170,9 @@ def test_unregister_restores_thunders_translation():
     gqa.unregister()
     try:
         assert not gqa.registered()
-        assert ltorch._torch_to_thunder_function_map[F.scaled_dot_product_attention] is ltorch.scaled_dot_product_attention
+        assert (
+            ltorch._torch_to_thunder_function_map[F.scaled_dot_product_attention] is ltorch.scaled_dot_product_attention
+        )
         with pytest.raises(TypeError, match="enable_gqa"):
             thunder.jit(fn)(q, k, v)
         gqa.unregister()  # idempotent
@@ -271,8 +279,8 @@ def _applied(jfn):
 
 
 @pytest.mark.parametrize(
-    "fn,hkv", [(_hf, 2), (_litgpt, 2), (_unsqueeze_flatten, 1), (_unsqueeze_flatten, 2), (_mqa_expand, 1),
-               (_with_mask, 2)],
+    "fn,hkv",
+    [(_hf, 2), (_litgpt, 2), (_unsqueeze_flatten, 1), (_unsqueeze_flatten, 2), (_mqa_expand, 1), (_with_mask, 2)],
 )
 def test_transform_removes_the_repeat(fn, hkv):
     q, k, v = _inputs(hq=4, hkv=hkv)
@@ -395,13 +403,12 @@ def native_gqa_ex():
 @pytest.mark.parametrize("fn", [_hf, _litgpt, "enable_gqa"])
 def test_native_claim_leaves_no_repeat_forward_or_backward(native_gqa_ex, fn):
     if fn == "enable_gqa":
+
         def fn(q, k, v):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
     q, k, v = _inputs(hq=8, hkv=2)
-    jfn = thunder.jit(
-        fn, executors=[native_gqa_ex, *thunder.get_default_executors()], transforms=[gqa.RepeatKVToGQA()]
-    )
+    jfn = thunder.jit(fn, executors=[native_gqa_ex, *thunder.get_default_executors()], transforms=[gqa.RepeatKVToGQA()])
     _check_against_eager(fn, jfn, q, k, v)
     fw = thunder.last_traces(jfn)[-1]
     bw = thunder.last_backward_traces(jfn)[-1]
@@ -423,8 +430,13 @@ def test_native_claim_leaves_no_repeat_forward_or_backward(native_gqa_ex, fn):
 def _tiny_llama():
     transformers = pytest.importorskip("transformers", minversion="5")
     config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=32,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
     )
     config._attn_implementation = "sdpa"
     return transformers.LlamaForCausalLM(config).eval()

@@ -7,16 +7,15 @@ declares dO like O (thunder 0.2.6's approach) is caught.
 
 import pytest
 import torch
+from gqa_support import gqa_layout
 
 from thunder_cudnn_safe import graphs
+from thunder_cudnn_safe.cache import GraphCache
 from thunder_cudnn_safe.dispatch import Dispatcher
 from thunder_cudnn_safe.emulation import EmulatedRuntime, _torch_dtype_of
 from thunder_cudnn_safe.graphs import Uid
 from thunder_cudnn_safe.keys import TensorSig
-from thunder_cudnn_safe.cache import GraphCache
 from thunder_cudnn_safe.testing import GRAD_OUT_LAYOUTS, QKV_LAYOUTS
-
-from gqa_support import gqa_layout
 
 
 class RecordingRuntime(EmulatedRuntime):

@@ -11,7 +11,14 @@ from thunder_cudnn_safe import emulation
 from thunder_cudnn_safe.binding import ForwardCall, bind, plan_forward, signature
 from thunder_cudnn_safe.graphs import Uid
 from thunder_cudnn_safe.keys import sig
-from thunder_cudnn_safe.layout import LayoutPolicy, arg_sig, canonical_strides, layout_problem, stride_order, strides_like
+from thunder_cudnn_safe.layout import (
+    LayoutPolicy,
+    arg_sig,
+    canonical_strides,
+    layout_problem,
+    stride_order,
+    strides_like,
+)
 
 
 def prepare_operand(t, name, policy):
@@ -22,6 +29,7 @@ def prepare_operand(t, name, policy):
 
 def empty_like_order(shape, like, policy):
     return torch.empty_strided(shape, strides_like(shape, arg_sig(like), policy), dtype=like.dtype)
+
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -82,8 +90,11 @@ def test_copy_keeps_dimension_order(t):
 )
 def test_size1_strides_do_not_change_the_key(shape, order, odd):
     shape[-1] = 8
-    base = torch.empty(shape, dtype=torch.float16).permute(*order, 3).contiguous().permute(
-        *[list(order).index(i) for i in range(3)], 3
+    base = (
+        torch.empty(shape, dtype=torch.float16)
+        .permute(*order, 3)
+        .contiguous()
+        .permute(*[list(order).index(i) for i in range(3)], 3)
     )
     weird = list(base.stride())
     for d, n in enumerate(shape):

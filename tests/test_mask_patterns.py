@@ -64,7 +64,7 @@ def test_an_inference_forward_runs_an_all_kept_mask_as_padding_a_training_forwar
     ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
     for lens in ([9, 16], [16, 16]):  # a decode step with free slots, then the one filling the last slot
         mask = (torch.arange(16) < torch.tensor(lens)[:, None])[:, None, None, :]
-        out, = disp.forward(q, k, v, mask, 0.0, False, need_stats=False)
+        (out,) = disp.forward(q, k, v, mask, 0.0, False, need_stats=False)
         assert (out.float() - F.scaled_dot_product_attention(q.float(), k.float(), v.float(), mask)).abs().max() < 2e-2
     assert len(tcs.cached_graphs()) == 1 and tcs.cached_graphs()[0].key.padded
     out, _ = disp.forward(q, k, v, torch.ones(2, 1, 1, 16, dtype=torch.bool), 0.0, False)
@@ -84,7 +84,9 @@ def test_sliding_window_is_the_band_left_bound():
 def test_key_padding_prefix(lq):
     p = recognize(prefix([5, 8, 1], lq, 8), 3, lq, 8)
     assert p.right is None and p.left is None
-    assert p.kv_lens.shape == (3, 1, 1, 1) and p.kv_lens.dtype == torch.int32 and p.kv_lens.flatten().tolist() == [5, 8, 1]
+    assert (
+        p.kv_lens.shape == (3, 1, 1, 1) and p.kv_lens.dtype == torch.int32 and p.kv_lens.flatten().tolist() == [5, 8, 1]
+    )
     assert p.q_lens.flatten().tolist() == [lq] * 3
 
 
@@ -95,7 +97,9 @@ def test_causal_with_padding_and_finfo_min_floats():
         assert p.right == 0 and p.left is None and p.kv_lens.flatten().tolist() == [8, 3], mask.dtype
 
 
-@pytest.mark.parametrize("case", ["one_element", "left_padding", "empty_row", "random", "finite_low", "per_head_lengths"])
+@pytest.mark.parametrize(
+    "case", ["one_element", "left_padding", "empty_row", "random", "finite_low", "per_head_lengths"]
+)
 def test_near_patterns_stay_biases(case):
     if case == "one_element":
         m = causal(8, 8).clone()
@@ -200,7 +204,11 @@ def test_no_verdict_under_capture_nor_when_off(fresh_cache, monkeypatch):
 
 def test_describe_reports_the_pattern(fresh_cache):
     q, k, v = (torch.randn(2, 2, 8, 64).bfloat16() for _ in range(3))
-    for mask, name in ((prefix([5, 8], 8, 8), "padding"), (window(8, 8, 3), "causal+window"), (torch.rand(8, 8) > 0.5, "bias")):
+    for mask, name in (
+        (prefix([5, 8], 8, 8), "padding"),
+        (window(8, 8, 3), "causal+window"),
+        (torch.rand(8, 8) > 0.5, "bias"),
+    ):
         assert tcs.describe(q, k, v, mask, executor="cudnn_safe_emulated").mask_pattern == name
     assert tcs.describe(q, k, v, executor="cudnn_safe_emulated").mask_pattern is None
 
@@ -211,17 +219,26 @@ def test_pattern_keys_lower_in_cudnn():
 
     if lowering.lowering_problem():
         pytest.skip(lowering.lowering_problem())
-    from thunder_cudnn_safe.emulation import EmulatedRuntime
-    from thunder_cudnn_safe.dispatch import Dispatcher
     from thunder_cudnn_safe.cache import GraphCache
+    from thunder_cudnn_safe.dispatch import Dispatcher
+    from thunder_cudnn_safe.emulation import EmulatedRuntime
 
-    for mask, lq in ((window(8, 8, 3), 8), (prefix([5, 8], 8, 8), 8), (causal(8, 8)[None, None] & prefix([8, 3], 8, 8), 8), (prefix([5, 2], 1, 8), 1)):
+    for mask, lq in (
+        (window(8, 8, 3), 8),
+        (prefix([5, 8], 8, 8), 8),
+        (causal(8, 8)[None, None] & prefix([8, 3], 8, 8), 8),
+        (prefix([5, 2], 1, 8), 1),
+    ):
         for arch in (80, 90, 100, 120):
             disp = Dispatcher(EmulatedRuntime(arch=(arch // 10, arch % 10), backend_version=91900), GraphCache())
             q = torch.randn(2, 4, lq, 64).half()
             k, v = torch.randn(2, 2, 8, 64).half(), torch.randn(2, 2, 8, 64).half()
-            out, stats, seed, offset = disp.forward(q, k, v, mask, 0.1, False, enable_gqa=True, deterministic=arch == 90)
-            disp.backward(torch.randn_like(out), q, k, v, mask, 0.1, False, out, stats, seed, offset, deterministic=arch == 90)
+            out, stats, seed, offset = disp.forward(
+                q, k, v, mask, 0.1, False, enable_gqa=True, deterministic=arch == 90
+            )
+            disp.backward(
+                torch.randn_like(out), q, k, v, mask, 0.1, False, out, stats, seed, offset, deterministic=arch == 90
+            )
             for key in disp.cache.keys():
                 assert isinstance(key, tuple) and key.bias is None
                 ladder = (None, "composite") if not isinstance(key, BackwardKey) else (None,)  # the runtime's ladder

@@ -8,11 +8,10 @@ import pytest
 import thunder
 import torch
 import torch.nn.functional as F
+from checks import check_against_eager, jit_with_ours
 
 import thunder_cudnn_safe as tcs
-
 from thunder_cudnn_safe.testing import assert_close_to_reference
-from checks import check_against_eager, jit_with_ours
 
 
 @pytest.fixture(autouse=True)
@@ -66,11 +65,17 @@ def test_fully_masked_rows_give_zeros_like_eager(kind, dtype, fresh_cache):
     allowed = torch.ones(2, 1, 8, 8, dtype=torch.bool)
     allowed[0, 0, 3, :] = False
     mask = allowed if kind == "bool" else torch.zeros(2, 1, 8, 8, dtype=dtype).masked_fill(~allowed, float("-inf"))
+
     def f(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask if kind == "bool" else mask.to(q.dtype))
 
-    out, grads = check_against_eager(jit_with_ours(lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m)),
-                       (q, k, v, mask), torch.randn(2, 2, 8, 16, dtype=dtype), f, [q, k, v])
+    out, grads = check_against_eager(
+        jit_with_ours(lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m)),
+        (q, k, v, mask),
+        torch.randn(2, 2, 8, 16, dtype=dtype),
+        f,
+        [q, k, v],
+    )
     assert torch.equal(out[0, :, 3], torch.zeros_like(out[0, :, 3]))
     assert all(torch.isfinite(g).all() for g in grads)
 
@@ -92,7 +97,9 @@ def _count_backward_executions(runtime):
 
     counts = []
     real = runtime.execute
-    runtime.execute = lambda built, pack: (counts.append(1) if isinstance(built.key, BackwardKey) else None) or real(built, pack)
+    runtime.execute = lambda built, pack: (
+        (counts.append(1) if isinstance(built.key, BackwardKey) else None) or real(built, pack)
+    )
     return counts
 
 
@@ -128,6 +135,7 @@ def test_one_boolean_mask_is_converted_once_per_step(fresh_cache):
     converted to a bias on every forward and every backward (2 x layers conversions per step)."""
     layers = 4
     q = torch.randn(2, 2, 16, 32, dtype=torch.float16, requires_grad=True)
+
     def near_causal():  # not a pattern (issue 21): one element off causal, so it runs as a bias
         m = torch.ones(2, 1, 16, 16, dtype=torch.bool).tril()
         m[..., 3, 5] = True

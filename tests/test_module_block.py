@@ -91,7 +91,11 @@ def test_block_thunderfx(dtype, fresh_cache):
     model, x, grad = _make(dtype)
     compiled = thunderfx(model, executors=[tcs.emulated_ex, *thunder.get_default_executors()])
     _check(compiled, model, x, grad)
-    traces = [str(t) for fn in compiled._backend.subgraph_infos for t in [thunder.last_traces(c)[-1] for c in fn.thunder_compiled_fns]]
+    traces = [
+        str(t)
+        for fn in compiled._backend.subgraph_infos
+        for t in [thunder.last_traces(c)[-1] for c in fn.thunder_compiled_fns]
+    ]
     assert any("cudnn_safe_emulated_sdpa_fwd" in t for t in traces), "ThunderFX did not route sdpa to the executor"
     assert tcs.cache_info().builds >= 2
 

@@ -5,6 +5,7 @@ import logging
 import pytest
 import thunder
 import torch
+from checks import jit_sdpa, run_and_check
 
 import thunder_cudnn_safe as tcs
 from thunder_cudnn_safe import graphs
@@ -13,8 +14,6 @@ from thunder_cudnn_safe.dispatch import Dispatcher
 from thunder_cudnn_safe.emulation import EmulatedRuntime
 from thunder_cudnn_safe.keys import BackwardKey
 from thunder_cudnn_safe.testing import QKV_LAYOUTS
-
-from checks import jit_sdpa, run_and_check
 
 
 @pytest.mark.parametrize("option", ["cudnn_safe_bwd_may_cat_grad_qkv", "cudnn_sdpa_bwd_may_cat_grad_qkv"])
@@ -29,7 +28,9 @@ def test_fused_dqkv_buffer_is_shared_and_declared_with_slice_strides():
     disp = Dispatcher(EmulatedRuntime(), GraphCache(8))
     q, k, v = (torch.randn(2, 4, 16, 64, dtype=torch.float16) for _ in range(3))
     out, stats = disp.forward(q, k, v)
-    (grad_qkv,) = disp.backward(torch.randn_like(out), q, k, v, None, 0.0, False, out, stats, None, None, cat_grad_qkv=True)
+    (grad_qkv,) = disp.backward(
+        torch.randn_like(out), q, k, v, None, 0.0, False, out, stats, None, None, cat_grad_qkv=True
+    )
     assert grad_qkv.shape == (2, 12, 16, 64)
     dq, dk, dv = grad_qkv.split([4, 4, 4], dim=1)
     ref = disp.backward(torch.zeros_like(out), q, k, v, None, 0.0, False, out, stats, None, None)  # noqa: F841

@@ -47,13 +47,16 @@ def test_roundtrip_and_counters(tmp_path) -> None:
     assert cache.counts == {"loads": 1, "stores": 1, "rejected": 0, "misses": 1, "evicted": 0}
 
 
-@pytest.mark.parametrize("damage, reason", [
-    (lambda d: d.__setitem__(-7, d[-7] ^ 1), "fails its checksum"),  # one flipped bit in the payload
-    (lambda d: d.__delitem__(slice(-100, None)), "is truncated"),
-    (lambda d: d.__delitem__(slice(20, None)), "is truncated"),  # inside the header
-    (lambda d: d.__setitem__(slice(0, 8), b"NOTAPLAN"), "is not a plan file"),
-    (lambda d: d.__setitem__(slice(8, 12), (99).to_bytes(4, "little")), "has format 99"),
-])
+@pytest.mark.parametrize(
+    "damage, reason",
+    [
+        (lambda d: d.__setitem__(-7, d[-7] ^ 1), "fails its checksum"),  # one flipped bit in the payload
+        (lambda d: d.__delitem__(slice(-100, None)), "is truncated"),
+        (lambda d: d.__delitem__(slice(20, None)), "is truncated"),  # inside the header
+        (lambda d: d.__setitem__(slice(0, 8), b"NOTAPLAN"), "is not a plan file"),
+        (lambda d: d.__setitem__(slice(8, 12), (99).to_bytes(4, "little")), "has format 99"),
+    ],
+)
 def test_a_bad_entry_is_rejected_removed_and_warned_once(tmp_path, warnings_seen, damage, reason) -> None:
     cache = PlanCache(tmp_path)
     cache.put("k", os.urandom(5000))
@@ -160,7 +163,9 @@ def test_load_and_store_of_graphs(tmp_path, monkeypatch, warnings_seen) -> None:
     plan_cache.store(key, "composite", "gpu", BuiltGraph(_Graph(b"blob"), 64, key, "COMPOSITE", "eng0"))
     assert plan_cache.plan_cache_info()[:3] == (str(tmp_path), 1, next(tmp_path.iterdir()).stat().st_size)
     graph, meta = plan_cache.load(key, "composite", lambda: "gpu", _Graph)
-    assert graph.blob == b"blob" and BuiltGraph(graph, key=key, **meta) == BuiltGraph(graph, 64, key, "COMPOSITE", "eng0")
+    assert graph.blob == b"blob" and BuiltGraph(graph, key=key, **meta) == BuiltGraph(
+        graph, 64, key, "COMPOSITE", "eng0"
+    )
     assert plan_cache.load(key, None, "gpu", _Graph) is None  # another rung, device or key: another entry
     assert plan_cache.load(key, "composite", "other gpu", _Graph) is None
     assert plan_cache.load(key, "composite", "gpu", lambda: _Graph(workspace=65)) is None  # restored differently
@@ -185,14 +190,34 @@ def test_the_gpu_runtime_loads_before_building_and_stores_after(tmp_path, monkey
     from thunder_cudnn_safe.keys import ForwardKey, Target, sig
 
     builds, handles = [], []
-    fake = SimpleNamespace(heur_mode=SimpleNamespace(A=0, FALLBACK=1), pygraph=lambda handle: handles.append(handle) or _Graph())
+    fake = SimpleNamespace(
+        heur_mode=SimpleNamespace(A=0, FALLBACK=1), pygraph=lambda handle: handles.append(handle) or _Graph()
+    )
     monkeypatch.setattr(graphs, "cudnn_module", lambda: fake)
-    monkeypatch.setattr(graphs, "build_forward_graph", lambda key, handle, implementation: builds.append(implementation) or _Graph(b"plan"))
+    monkeypatch.setattr(
+        graphs,
+        "build_forward_graph",
+        lambda key, handle, implementation: builds.append(implementation) or _Graph(b"plan"),
+    )
     monkeypatch.setattr(runtime.torch.cuda, "device", lambda index: contextlib.nullcontext())
     monkeypatch.setattr(plan_cache, "device_descriptor", lambda index: f"gpu {index}")
     monkeypatch.setattr(plan_cache, "_active", plan_cache.PlanCache(tmp_path))
     q, st = torch.empty(1, 2, 8, 64, dtype=torch.float16), torch.empty(1, 2, 8, 1)
-    key = ForwardKey(sig(q), sig(q), sig(q), sig(q), sig(st), None, None, None, False, 0.0, 0.125, "preserve", Target("cudnn", 0, (9, 0), 91900, "1.32.0"))
+    key = ForwardKey(
+        sig(q),
+        sig(q),
+        sig(q),
+        sig(q),
+        sig(st),
+        None,
+        None,
+        None,
+        False,
+        0.0,
+        0.125,
+        "preserve",
+        Target("cudnn", 0, (9, 0), 91900, "1.32.0"),
+    )
     rts = [runtime.CudnnRuntime(), runtime.CudnnRuntime()]  # as two processes
     for rt in rts:
         rt.handle = lambda index: "handle"
@@ -258,8 +283,10 @@ def test_a_second_process_starts_warm(tmp_path, monkeypatch, figure) -> None:
     assert [[getattr(r, f) for f in same] for r in warm] == [[getattr(r, f) for f in same] for r in cold]
     cold_s, warm_s = sum(r.seconds for r in cold), sum(r.seconds for r in warm)
     assert warm_s < cold_s / 5, (cold_s, warm_s)
-    figure(f"plan cache, {len(keys)} graphs of a first step on H100 (deviceless): cold {cold_s:.2f} s, warm {warm_s:.3f} s "
-           f"({cold_s / warm_s:.0f}x), {sum(p.stat().st_size for p in entries) // 1024} KiB on disk")
+    figure(
+        f"plan cache, {len(keys)} graphs of a first step on H100 (deviceless): cold {cold_s:.2f} s, warm {warm_s:.3f} s "
+        f"({cold_s / warm_s:.0f}x), {sum(p.stat().st_size for p in entries) // 1024} KiB on disk"
+    )
 
     # A flipped bit in one entry (caught by its checksum), and an intact header around a blob cuDNN cannot
     # deserialize (as from another cuDNN): each is warned about once, rebuilt and replaced.
@@ -273,8 +300,12 @@ def test_a_second_process_starts_warm(tmp_path, monkeypatch, figure) -> None:
     third, log = _compile(keys, standin, monkeypatch)
     assert all(r.ok for r in third) and sum(not r.loaded for r in third) == 2, third
     warned = [line for line in log.splitlines() if "plan cache" in line]
-    assert len(warned) == 2 and any("checksum" in w for w in warned) and any("cannot be restored" in w for w in warned), log
+    assert (
+        len(warned) == 2 and any("checksum" in w for w in warned) and any("cannot be restored" in w for w in warned)
+    ), log
     for entry in (bad, refused):  # replaced by whole entries again
         data = entry.read_bytes()
         assert data not in damaged and hashlib.sha256(data[_HEADER.size :]).digest() == data[44:76]
-    assert json.loads(data[_HEADER.size + 4 : _HEADER.size + 4 + int.from_bytes(data[_HEADER.size : _HEADER.size + 4], "little")])
+    assert json.loads(
+        data[_HEADER.size + 4 : _HEADER.size + 4 + int.from_bytes(data[_HEADER.size : _HEADER.size + 4], "little")]
+    )

@@ -8,22 +8,20 @@ import logging
 import threading
 import weakref
 
+import checks
 import pytest
 import thunder
 import torch
-
-import checks
 import torch.nn.functional as F
+from checks import jit_sdpa, run_and_check, sdpa_fn
 
 import thunder_cudnn_safe as tcs
-from thunder_cudnn_safe.telemetry import CopyReason
 from thunder_cudnn_safe.cache import GraphCache
 from thunder_cudnn_safe.dispatch import Dispatcher
 from thunder_cudnn_safe.emulation import EmulatedRuntime
 from thunder_cudnn_safe.keys import BackwardKey, ForwardKey
+from thunder_cudnn_safe.telemetry import CopyReason
 from thunder_cudnn_safe.testing import QKV_LAYOUTS, assert_close_to_reference
-
-from checks import jit_sdpa, run_and_check, sdpa_fn
 
 
 def T(*shape, dtype=torch.float16):
@@ -51,7 +49,11 @@ BAD_INPUTS = {
     "fp32": (lambda: (T(2, 4, 16, 64, dtype=torch.float32),) * 3, "declined", "float16 or bfloat16"),
     "fp64": (lambda: (T(2, 4, 16, 64, dtype=torch.float64),) * 3, "declined", "float16 or bfloat16"),
     "int64": (lambda: (torch.randint(0, 5, (2, 4, 16, 64)),) * 3, "error", "float16 or bfloat16"),
-    "mixed_dtypes": (lambda: (T(2, 4, 16, 64), T(2, 4, 16, 64, dtype=torch.bfloat16), T(2, 4, 16, 64)), "error", "dtypes differ"),
+    "mixed_dtypes": (
+        lambda: (T(2, 4, 16, 64), T(2, 4, 16, 64, dtype=torch.bfloat16), T(2, 4, 16, 64)),
+        "error",
+        "dtypes differ",
+    ),
     "rank3": (lambda: (T(4, 16, 64),) * 3, "declined", "rank-4"),
     "rank5": (lambda: (T(2, 2, 4, 16, 64),) * 3, "declined", "rank-4"),
     "head_dim_7": (lambda: (T(2, 4, 16, 7),) * 3, "declined", "not a multiple of 8"),
@@ -62,23 +64,55 @@ BAD_INPUTS = {
     "empty_queries": (lambda: (T(2, 4, 0, 64), T(2, 4, 16, 64), T(2, 4, 16, 64)), "declined", "empty input"),
     "nan_in_query": (lambda: (_nan_at_row0(T(2, 4, 16, 64)), T(2, 4, 16, 64), T(2, 4, 16, 64)), "claimed", None),
     "inf_in_key": (lambda: (T(2, 4, 16, 64), _inf_in_key(T(2, 4, 16, 64)), T(2, 4, 16, 64)), "claimed", None),
-    "mask_wrong_shape": (lambda: (T(2, 4, 16, 64), T(2, 4, 16, 64), T(2, 4, 16, 64), T(3, 16, 16)), "error", "does not broadcast"),
-    "mask_int32": (lambda: (T(2, 4, 16, 64), T(2, 4, 16, 64), T(2, 4, 16, 64), torch.ones(16, 16, dtype=torch.int32)), "error", "neither bool nor floating"),
-    "mask_fp32_with_fp16": (lambda: (T(2, 4, 16, 64), T(2, 4, 16, 64), T(2, 4, 16, 64), T(16, 16, dtype=torch.float32)), "thunder_error", None),
-    "dropout_negative": (lambda: (T(2, 4, 16, 64), T(2, 4, 16, 64), T(2, 4, 16, 64), None, -0.5), "error", "outside [0, 1)"),
-    "dropout_above_1": (lambda: (T(2, 4, 16, 64), T(2, 4, 16, 64), T(2, 4, 16, 64), None, 1.5), "error", "outside [0, 1)"),
+    "mask_wrong_shape": (
+        lambda: (T(2, 4, 16, 64), T(2, 4, 16, 64), T(2, 4, 16, 64), T(3, 16, 16)),
+        "error",
+        "does not broadcast",
+    ),
+    "mask_int32": (
+        lambda: (T(2, 4, 16, 64), T(2, 4, 16, 64), T(2, 4, 16, 64), torch.ones(16, 16, dtype=torch.int32)),
+        "error",
+        "neither bool nor floating",
+    ),
+    "mask_fp32_with_fp16": (
+        lambda: (T(2, 4, 16, 64), T(2, 4, 16, 64), T(2, 4, 16, 64), T(16, 16, dtype=torch.float32)),
+        "thunder_error",
+        None,
+    ),
+    "dropout_negative": (
+        lambda: (T(2, 4, 16, 64), T(2, 4, 16, 64), T(2, 4, 16, 64), None, -0.5),
+        "error",
+        "outside [0, 1)",
+    ),
+    "dropout_above_1": (
+        lambda: (T(2, 4, 16, 64), T(2, 4, 16, 64), T(2, 4, 16, 64), None, 1.5),
+        "error",
+        "outside [0, 1)",
+    ),
     "dropout_1": (lambda: (T(2, 4, 16, 64), T(2, 4, 16, 64), T(2, 4, 16, 64), None, 1.0), "declined", "outside [0, 1)"),
     "overlapping_strides": (
-        lambda: (torch.randn(4096, dtype=torch.float16).as_strided((2, 4, 16, 64), (64, 0, 64, 1)), T(2, 4, 16, 64), T(2, 4, 16, 64)),
+        lambda: (
+            torch.randn(4096, dtype=torch.float16).as_strided((2, 4, 16, 64), (64, 0, 64, 1)),
+            T(2, 4, 16, 64),
+            T(2, 4, 16, 64),
+        ),
         "claimed",
         None,
     ),
     "aliasing_rows": (
-        lambda: (torch.randn(4096, dtype=torch.float16).as_strided((2, 4, 16, 64), (1024, 256, 8, 1)), T(2, 4, 16, 64), T(2, 4, 16, 64)),
+        lambda: (
+            torch.randn(4096, dtype=torch.float16).as_strided((2, 4, 16, 64), (1024, 256, 8, 1)),
+            T(2, 4, 16, 64),
+            T(2, 4, 16, 64),
+        ),
         "claimed",
         None,
     ),
-    "misaligned_base": (lambda: (torch.randn(8193, dtype=torch.float16)[1:].view(2, 4, 16, 64), T(2, 4, 16, 64), T(2, 4, 16, 64)), "claimed", None),
+    "misaligned_base": (
+        lambda: (torch.randn(8193, dtype=torch.float16)[1:].view(2, 4, 16, 64), T(2, 4, 16, 64), T(2, 4, 16, 64)),
+        "claimed",
+        None,
+    ),
 }
 
 
@@ -248,8 +282,10 @@ def test_cache_stays_bounded_under_10000_distinct_keys_and_releases_graphs(figur
     assert n == 10000 and info.builds == 10000, f"{info.builds} builds for {n} distinct keys"
     assert max_size == bound, f"max cache size reached {max_size} (bound {bound})"
     assert live <= bound, f"{live} graphs still alive after churn (bound {bound})"
-    figure(f"cache churn: {n} distinct keys, {info.builds} builds, max cache size {max_size} (bound {bound}), "
-           f"{info.evictions} evictions, {live} graphs alive afterwards")
+    figure(
+        f"cache churn: {n} distinct keys, {info.builds} builds, max cache size {max_size} (bound {bound}), "
+        f"{info.evictions} evictions, {live} graphs alive afterwards"
+    )
 
 
 def test_eight_threads_forward_backward_one_build_per_key(figure):
@@ -300,8 +336,10 @@ def test_eight_threads_forward_backward_one_build_per_key(figure):
     assert not errors, errors
     assert set(builds.values()) == {1}, f"builds per key: {sorted(builds.values())}"
     assert len(builds) == 2 * (1 + 4), f"{len(builds)} keys (1 shared + 4 distinct shapes, fwd and bwd)"
-    figure(f"threads: 8 threads x 5 fwd+bwd steps, {len(builds)} keys, builds per key {sorted(set(builds.values()))}, "
-           f"0 errors, every output and gradient within the accuracy rule")
+    figure(
+        f"threads: 8 threads x 5 fwd+bwd steps, {len(builds)} keys, builds per key {sorted(set(builds.values()))}, "
+        f"0 errors, every output and gradient within the accuracy rule"
+    )
 
 
 def test_cudnn_handles_are_per_thread_and_device():
@@ -331,8 +369,21 @@ def test_cudnn_runtime_turns_any_build_refusal_into_graph_build_error():
 
     q = torch.empty(1, 2, 8, 64, dtype=torch.float16)
     st = torch.empty(1, 2, 8, 1)
-    key = ForwardKey(sig(q), sig(q), sig(q), sig(q), sig(st), None, None, None, False, 0.0, 0.125, "preserve",
-                     Target("cudnn", 0, (9, 0), 91900, "1.32.0"))
+    key = ForwardKey(
+        sig(q),
+        sig(q),
+        sig(q),
+        sig(q),
+        sig(st),
+        None,
+        None,
+        None,
+        False,
+        0.0,
+        0.125,
+        "preserve",
+        Target("cudnn", 0, (9, 0), 91900, "1.32.0"),
+    )
     with pytest.raises(GraphBuildError, match="cuDNN could not build this graph"):
         CudnnRuntime().build(key)
 
@@ -342,8 +393,10 @@ def test_backward_of_a_fallen_back_dropout_forward_never_reaches_cudnn(fresh_cac
     disp = tcs.emulated_ex.dispatcher
     executed = []
     q, k, v = (T(1, 2, 8, 64) for _ in range(3))
-    with checks.inject_failures(build=lambda key: "refused" if isinstance(key, ForwardKey) else None,
-                                   execute=lambda key: executed.append(type(key).__name__)):
+    with checks.inject_failures(
+        build=lambda key: "refused" if isinstance(key, ForwardKey) else None,
+        execute=lambda key: executed.append(type(key).__name__),
+    ):
         out, stats, seed, offset = disp.forward(q, k, v, None, 0.3, False)
         g = torch.randn_like(out)
         dq, dk, dv = disp.backward(g, q, k, v, None, 0.3, False, out, stats, seed, offset)

@@ -10,10 +10,9 @@
 
 from __future__ import annotations
 
+import checks
 import pytest
 import torch
-
-import checks
 
 import thunder_cudnn_safe as tcs
 from thunder_cudnn_safe.binding import rng_tensors
@@ -32,7 +31,9 @@ def T(*shape, dtype=torch.float16):
 
 
 def _dropout_reference_grads(q, k, v, g, seed, offset, p):
-    keep = dropout_keep_mask(int(seed.item()), int(offset.item()), (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), p, q.device)
+    keep = dropout_keep_mask(
+        int(seed.item()), int(offset.item()), (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), p, q.device
+    )
     ref = [t.double().requires_grad_() for t in (q, k, v)]
     o = (torch.softmax(ref[0] @ ref[1].transpose(-1, -2) / q.shape[-1] ** 0.5, -1) * keep / (1 - p)) @ ref[2]
     return o, torch.autograd.grad(o, ref, g.double())
@@ -223,8 +224,15 @@ def test_frontend_refusal_warning_is_not_repeated(caplog):
             log.warning("something else: %s", "kept")
         log.warning("backend could not build this graph, treating as a decline: %s", "outside our builds")
     frontend = [r.getMessage() for r in caplog.records if r.name == "cudnn.pygraph"]
-    assert frontend == ["something else: kept", "backend could not build this graph, treating as a decline: outside our builds"]
-    assert any("no engine" in r.getMessage() and r.levelno == logging.DEBUG for r in caplog.records if r.name == "thunder_cudnn_safe")
+    assert frontend == [
+        "something else: kept",
+        "backend could not build this graph, treating as a decline: outside our builds",
+    ]
+    assert any(
+        "no engine" in r.getMessage() and r.levelno == logging.DEBUG
+        for r in caplog.records
+        if r.name == "thunder_cudnn_safe"
+    )
 
 
 def test_definitive_refusal_classification():

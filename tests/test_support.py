@@ -3,14 +3,13 @@
 import pytest
 import thunder
 import torch
+from checks import jit_sdpa
 from thunder.core.proxies import TensorProxy
 from thunder.core.trace import detached_trace
 
 import thunder_cudnn_safe as tcs
 from thunder_cudnn_safe.emulation import EmulatedRuntime
 from thunder_cudnn_safe.executor import reasons_for
-
-from checks import jit_sdpa
 
 
 def qkv(b=2, h=4, lq=16, s=16, d=64, dv=None, dtype=torch.float16, device="cpu"):
@@ -64,7 +63,10 @@ def test_arch_rules_follow_the_emulated_target():
     blackwell = EmulatedRuntime(arch=(10, 0), backend_version=91900)
     assert any("exceeds 128" in r for r in reasons_for(blackwell, q, k, v))
     assert reasons_for(blackwell, *qkv(d=192, dv=128)) == []
-    assert any("exceeds 128" in r for r in reasons_for(EmulatedRuntime(arch=(10, 0), backend_version=91000), *qkv(d=192, dv=128)))
+    assert any(
+        "exceeds 128" in r
+        for r in reasons_for(EmulatedRuntime(arch=(10, 0), backend_version=91000), *qkv(d=192, dv=128))
+    )
     volta = EmulatedRuntime(arch=(7, 0))
     assert any("needs Ampere" in r for r in reasons_for(volta, *qkv()))
     assert any("needs Hopper" in r for r in reasons_for(ampere, *qkv(d=64, dv=128)))
@@ -76,7 +78,10 @@ def test_mask_dropout_scale_and_causal_reasons():
     assert any("torch rejects it" in r for r in emu(q, k, v, torch.zeros(16, 16, dtype=torch.bfloat16)))
     assert emu(q, k, v, torch.zeros(16, 16, dtype=torch.float32)) == []
     assert any("does not broadcast" in r for r in emu(q, k, v, torch.zeros(3, 16, 16, dtype=torch.float16)))
-    assert any("together with an explicit attn_mask" in r for r in emu(q, k, v, torch.zeros(16, 16, dtype=torch.float16), is_causal=True))
+    assert any(
+        "together with an explicit attn_mask" in r
+        for r in emu(q, k, v, torch.zeros(16, 16, dtype=torch.float16), is_causal=True)
+    )
     assert any("outside [0, 1)" in r for r in emu(q, k, v, dropout_p=1.5))
     assert any("outside [0, 1)" in r for r in emu(q, k, v, dropout_p=-0.1))
     assert any("finite" in r for r in emu(q, k, v, scale=float("inf")))

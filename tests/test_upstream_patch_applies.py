@@ -14,7 +14,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from upstream_patch_support import (
     PatchDoesNotApply,
     apply_patch,

@@ -16,19 +16,18 @@ as cuDNN does. Each fix must hold with the patch and each bug must show without 
 from __future__ import annotations
 
 import pytest
+import thunder.extend
 import torch
 import torch.nn.functional as F
-
-import thunder_cudnn_safe  # noqa: F401  (compat steps, then thunder)
-import thunder.extend
 from thunder.core import devices, dtypes
 from thunder.core.proxies import TensorProxy
 from thunder.core.trace import detached_trace
+from upstream_patch_support import apply_patch, installed_thunder_file, load_private, stub_gpu_calls
 
+import thunder_cudnn_safe  # noqa: F401  (compat steps, then thunder)
 from thunder_cudnn_safe import reference
 from thunder_cudnn_safe.emulation import EmulationError, _torch_dtype_of
 from thunder_cudnn_safe.testing import assert_close_to_reference
-from upstream_patch_support import apply_patch, installed_thunder_file, load_private, stub_gpu_calls
 
 cudnn = pytest.importorskip("cudnn")
 
@@ -61,6 +60,7 @@ def test_loading_the_modules_leaves_thunders_registry_alone(mods):
 def stubbed(mods, monkeypatch):
     """GPU-only calls stubbed for both modules; ``graph.execute`` runs on the emulated cuDNN."""
     return stub_gpu_calls(monkeypatch, mods)
+
 
 def _declaration_mismatches(graph, pack):
     """Each bound uid whose declared (dims, strides, dtype) differ from the bound tensor's."""
@@ -109,7 +109,9 @@ def _diffusers_inputs(dtype):
 
 def _run(mod, q, k, v, g, mask=None, dropout_p=0.0):
     out, stats, seed, offset = mod._cudnn_sdpa_fwd_impl(q, k, v, mask, dropout_p, False, scale=None)
-    grads = mod._cudnn_sdpa_bwd_impl(g, q, k, v, mask, dropout_p, False, out, stats, seed, offset, scale=None, cat_grad_qkv=False)
+    grads = mod._cudnn_sdpa_bwd_impl(
+        g, q, k, v, mask, dropout_p, False, out, stats, seed, offset, scale=None, cat_grad_qkv=False
+    )
     return out, grads, (seed, offset)
 
 
@@ -149,7 +151,9 @@ def _fails_rule(out, grads, refs) -> list[str]:
     """Names of the tensors that violate the accuracy rule."""
     (ref_out, ref_grads), (eager_out, eager_grads) = refs
     failed = []
-    for name, got, eager, ref in zip(("output", "dq", "dk", "dv", "dmask"), (out, *grads), (eager_out, *eager_grads), (ref_out, *ref_grads)):
+    for name, got, eager, ref in zip(
+        ("output", "dq", "dk", "dv", "dmask"), (out, *grads), (eager_out, *eager_grads), (ref_out, *ref_grads)
+    ):
         try:
             assert_close_to_reference(got, eager, ref, name)
         except AssertionError:
@@ -167,10 +171,24 @@ def test_patched_backward_graph_declares_dO_with_grad_out_strides(mods, stubbed)
     row = old._compute_row_major_strides(q.shape)
     assert row == BHSD_STRIDES
 
-    built_old = old._make_cudnn_sdpa_backward_graph(q, k, v, None, 0.0, False, q.stride(), k.stride(), v.stride(), q.stride(), k.stride(), v.stride())
+    built_old = old._make_cudnn_sdpa_backward_graph(
+        q, k, v, None, 0.0, False, q.stride(), k.stride(), v.stride(), q.stride(), k.stride(), v.stride()
+    )
     built_new = new._make_cudnn_sdpa_backward_graph(
-        q, k, v, None, 0.0, False, q.stride(), k.stride(), v.stride(), q.stride(), k.stride(), v.stride(),
-        out_stride=out.stride(), grad_out_stride=g.stride(),
+        q,
+        k,
+        v,
+        None,
+        0.0,
+        False,
+        q.stride(),
+        k.stride(),
+        v.stride(),
+        q.stride(),
+        k.stride(),
+        v.stride(),
+        out_stride=out.stride(),
+        grad_out_stride=g.stride(),
     )
     # the tuple is (Q, K, V, O, dO, Stats, Seed, Offset, Attn_scale, Bias, dQ, dK, dV, dBias, graph)
     d_o_old, d_o_new = built_old[4], built_new[4]
@@ -181,8 +199,20 @@ def test_patched_backward_graph_declares_dO_with_grad_out_strides(mods, stubbed)
     # a different grad_out layout is a different graph (the cache key covers strides)
     g_contig = g.contiguous()
     again = new._make_cudnn_sdpa_backward_graph(
-        q, k, v, None, 0.0, False, q.stride(), k.stride(), v.stride(), q.stride(), k.stride(), v.stride(),
-        out_stride=out.stride(), grad_out_stride=g_contig.stride(),
+        q,
+        k,
+        v,
+        None,
+        0.0,
+        False,
+        q.stride(),
+        k.stride(),
+        v.stride(),
+        q.stride(),
+        k.stride(),
+        v.stride(),
+        out_stride=out.stride(),
+        grad_out_stride=g_contig.stride(),
     )
     assert tuple(again[4].get_stride()) == BHSD_STRIDES and again[14] is not built_new[14]
     assert len(new._cudnnex_cache) == 2
@@ -214,7 +244,9 @@ def test_checker_builds_graphs_from_proxies(mods, stubbed):
     """At trace time, TensorProxies have no strides: both checkers still build (row-major) graphs."""
     cuda = devices.Device("cuda:0")
     with detached_trace():
-        q, k, v = (TensorProxy(shape=(B, H, L, D), dtype=dtypes.float16, device=cuda, requires_grad=True) for _ in range(3))
+        q, k, v = (
+            TensorProxy(shape=(B, H, L, D), dtype=dtypes.float16, device=cuda, requires_grad=True) for _ in range(3)
+        )
         mask = TensorProxy(shape=(1, H, L, L), dtype=dtypes.bool8, device=cuda, requires_grad=False)
         for mod in mods:
             assert mod._cudnn_sdpa_checker(q, k, v, None, 0.0, False) is True
@@ -270,7 +302,9 @@ def test_forward_uses_sdpa_with_generate_stats(mods, stubbed):
     q, k, v, g = _diffusers_inputs(torch.float16)
     _run(new, q, k, v, g)
     fwd, bwd = (graph.nodes[0] for graph, _ in stubbed.calls)
-    assert fwd.node_type.name == "SDPA" and fwd.params.get("generate_stats") is True and "is_inference" not in fwd.params
+    assert (
+        fwd.node_type.name == "SDPA" and fwd.params.get("generate_stats") is True and "is_inference" not in fwd.params
+    )
     assert bwd.node_type.name == "SDPA_BWD"
 
 
@@ -331,7 +365,9 @@ def test_out_with_non_contiguous_layout(mods, stubbed):
     for name, mod in (("new", new), ("old", old)):
         out, stats, seed, offset = mod._cudnn_sdpa_fwd_impl(q, k, v, None, 0.0, False)
         out_bshd = torch.empty(B, L, H, D, dtype=out.dtype).transpose(1, 2).copy_(out)
-        grads = mod._cudnn_sdpa_bwd_impl(g, q, k, v, None, 0.0, False, out_bshd, stats, seed, offset, cat_grad_qkv=False)
+        grads = mod._cudnn_sdpa_bwd_impl(
+            g, q, k, v, None, 0.0, False, out_bshd, stats, seed, offset, cat_grad_qkv=False
+        )
         results[name] = (out, grads)
     _check(*results["new"], refs)
     assert _fails_rule(*results["old"], refs) == ["dq", "dk"]  # delta = rowsum(dO * O) read through the wrong strides
@@ -384,7 +420,9 @@ def test_dropout_with_transposed_grad_out(mods, stubbed):
     assert seed.dtype == offset.dtype == torch.int64
     graph, pack = stubbed.calls[0]
     assert {str(t.get_data_type()) for t in pack if t.get_name() in ("Seed", "Offset")} == {"data_type.INT64"}
-    keep = reference.dropout_keep_mask(int(seed.reshape(-1)[0]), int(offset.reshape(-1)[0]), (B, H, L, L), p, torch.device("cpu"))
+    keep = reference.dropout_keep_mask(
+        int(seed.reshape(-1)[0]), int(offset.reshape(-1)[0]), (B, H, L, L), p, torch.device("cpu")
+    )
     assert 0.7 < keep.float().mean().item() < 0.9
     _check(out, grads, _references(q, k, v, g, keep=keep, p=p))
     # unpatched: declared INT64, allocated int32 (cuDNN would read 8 bytes from a 4-byte tensor)
@@ -397,7 +435,9 @@ def test_forward_meta_types_seed_and_offset_as_allocated(mods):
     old, new = mods
     cuda = devices.Device("cuda:0")
     with detached_trace():
-        q, k, v = (TensorProxy(shape=(B, H, L, D), dtype=dtypes.float16, device=cuda, requires_grad=True) for _ in range(3))
+        q, k, v = (
+            TensorProxy(shape=(B, H, L, D), dtype=dtypes.float16, device=cuda, requires_grad=True) for _ in range(3)
+        )
         *_, seed_new, offset_new = new._cudnn_sdpa_forward_meta(q, k, v, None, 0.1, False)
         *_, seed_old, offset_old = old._cudnn_sdpa_forward_meta(q, k, v, None, 0.1, False)
     assert seed_new.dtype == offset_new.dtype == dtypes.int64

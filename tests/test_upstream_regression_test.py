@@ -16,10 +16,10 @@ import sys
 
 import pytest
 import torch
+from upstream_patch_support import UPSTREAM, apply_patch, installed_thunder_file, load_private, stub_gpu_calls
 
 import thunder_cudnn_safe  # noqa: F401  (compat steps, then thunder)
 from thunder_cudnn_safe.emulation import EmulationError
-from upstream_patch_support import UPSTREAM, apply_patch, installed_thunder_file, load_private, stub_gpu_calls
 
 cudnn = pytest.importorskip("cudnn")
 
@@ -45,7 +45,9 @@ def upstream_tests_on_cpu(applied, tmp_path_factory):
     suites = {}
     for side, src in (("a", applied.original), ("b", applied.patched)):
         mod_path = work / f"cudnn_sdpa_{side}.py"
-        mod_path.write_text(_retargeted(src.read_text(), [('query.device.type != "cuda"', 'query.device.type != "cpu"')]))
+        mod_path.write_text(
+            _retargeted(src.read_text(), [('query.device.type != "cuda"', 'query.device.type != "cpu"')])
+        )
         mod = load_private(f"_upstream_cudnn_sdpa_{side}_cpu", mod_path)
         sys.modules[mod.__name__] = mod
         test_path = work / f"upstream_strides_{side}.py"
@@ -138,7 +140,9 @@ def test_upstream_regression_test_on_gpu(applied, tmp_path):
 
     def run(patched: str):
         code = _GPU_RUNNER.format(tests=os.path.dirname(__file__), patched=patched, test=str(UPSTREAM_TEST))
-        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+        return subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300
+        )
 
     with_patch = run(str(applied.patched))
     assert with_patch.returncode == 0, with_patch.stdout[-6000:] + with_patch.stderr[-3000:]

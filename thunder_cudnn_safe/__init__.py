@@ -11,12 +11,12 @@ from ._compat import FRONTEND, prepare_and_import_thunder
 
 prepare_and_import_thunder()
 
+from . import gqa  # noqa: E402
 from ._version import __version__  # noqa: E402
 from .binding import set_dynamic_shapes  # noqa: E402
-from .cache import CacheInfo, CachedGraph, cache_info, cached_graphs, clear_cache, set_cache_size  # noqa: E402
+from .cache import CachedGraph, CacheInfo, cache_info, cached_graphs, clear_cache, set_cache_size  # noqa: E402
 from .emulation import set_emulated_target  # noqa: E402
 from .errors import EmulationError, GraphBuildError  # noqa: E402
-from . import gqa  # noqa: E402
 from .executor import CallReport, cudnn_safe_ex, describe, emulated_ex, explain  # noqa: E402
 from .gqa import RepeatKVToGQA  # noqa: E402
 from .install import drop_broken_builtin_cudnn_executor, install, installed, uninstall  # noqa: E402
@@ -32,9 +32,38 @@ drop_broken_builtin_cudnn_executor()
 gqa.register()
 
 __all__ = [
-    "FRONTEND", "CacheInfo", "CallReport", "CachedGraph", "CopyStats", "EmulationError", "GraphBuildError",
-    "LayoutPolicy", "MaskCacheInfo", "PlanCacheInfo", "RepeatKVToGQA", "__version__", "cache_info", "cached_graphs",
-    "clear_cache", "copy_stats", "cudnn_safe_ex", "describe", "emulated_ex", "explain", "install", "installed",
-    "mask_cache_info", "mask_pattern_info", "plan_cache_info", "reset_copy_stats", "reset_mask_pattern_info", "set_cache_size",
-    "set_dynamic_shapes", "set_emulated_target", "set_mask_cache_size", "set_mask_patterns", "set_plan_cache_dir", "uninstall",
+    "FRONTEND",
+    "CacheInfo",
+    "CallReport",
+    "CachedGraph",
+    "CopyStats",
+    "EmulationError",
+    "GraphBuildError",
+    "LayoutPolicy",
+    "MaskCacheInfo",
+    "PlanCacheInfo",
+    "RepeatKVToGQA",
+    "__version__",
+    "cache_info",
+    "cached_graphs",
+    "clear_cache",
+    "copy_stats",
+    "cudnn_safe_ex",
+    "describe",
+    "emulated_ex",
+    "explain",
+    "install",
+    "installed",
+    "mask_cache_info",
+    "mask_pattern_info",
+    "plan_cache_info",
+    "reset_copy_stats",
+    "reset_mask_pattern_info",
+    "set_cache_size",
+    "set_dynamic_shapes",
+    "set_emulated_target",
+    "set_mask_cache_size",
+    "set_mask_patterns",
+    "set_plan_cache_dir",
+    "uninstall",
 ]

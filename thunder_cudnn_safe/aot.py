@@ -27,16 +27,43 @@ from . import _compat, graphs, plan_cache
 from ._env import parse_arch
 from .errors import GraphBuildError
 from .keys import Target
-from .runtime import BuiltGraph, build_with_ladder, frontend_refusal_filter, is_definitive_refusal, is_forward, plan_name
+from .runtime import (
+    BuiltGraph,
+    build_with_ladder,
+    frontend_refusal_filter,
+    is_definitive_refusal,
+    is_forward,
+    plan_name,
+)
 
 _CC = "CUDA C++ Programming Guide, 'Technical Specifications per Compute Capability' (8.0, 9.0, 10.0)"
 _COMMON = dict(  # shared by compute capabilities 8.0, 9.0, 10.0 (_CC); the last three are placeholders
-    maxGridSize=[2**31 - 1, 65535, 65535], maxBlockSize=[1024, 1024, 64], maxThreadsPerBlock=1024, warpSize=32,
-    regsPerBlock=65536, maxRegistersPerSM=65536, maxSharedMemoryPerBlock=48 * 1024, reservedSharedMemoryPerBlock=1024,
-    maxThreadsPerSM=2048, maxCtasPerSM=32, supportCoopLaunch=1, isTccDriver=0, cudaDeviceId=0, driverVer=13000,
+    maxGridSize=[2**31 - 1, 65535, 65535],
+    maxBlockSize=[1024, 1024, 64],
+    maxThreadsPerBlock=1024,
+    warpSize=32,
+    regsPerBlock=65536,
+    maxRegistersPerSM=65536,
+    maxSharedMemoryPerBlock=48 * 1024,
+    reservedSharedMemoryPerBlock=1024,
+    maxThreadsPerSM=2048,
+    maxCtasPerSM=32,
+    supportCoopLaunch=1,
+    isTccDriver=0,
+    cudaDeviceId=0,
+    driverVer=13000,
 )
-_FIELDS = ("deviceVer", "maxSharedMemoryPerBlockOptin", "multiProcessorCount", "l2CacheSize", "totalGlobalMem",
-           "smClockRateKHz", "memClockRateKHz", "pciDeviceId", "deviceName")
+_FIELDS = (
+    "deviceVer",
+    "maxSharedMemoryPerBlockOptin",
+    "multiProcessorCount",
+    "l2CacheSize",
+    "totalGlobalMem",
+    "smClockRateKHz",
+    "memClockRateKHz",
+    "pciDeviceId",
+    "deviceName",
+)
 #: Descriptors from public specifications (:data:`SOURCES`); scripts/gpu_check.sh saves a real
 #: device's (``create_device_properties(0).serialize()``) to replace them.
 DEVICES: dict[str, dict[str, Any]] = {
@@ -49,8 +76,11 @@ DEVICES: dict[str, dict[str, Any]] = {
     }.items()
 }
 SOURCES: dict[str, str] = {
-    **dict.fromkeys(_COMMON, _CC), "isTccDriver": "Linux has no TCC mode", "cudaDeviceId": "device 0",
-    "driverVer": "the CUDA 13.0 driver API", "deviceVer": "compute capability: 8.0 A100, 9.0 H100/H200, 10.0 B200",
+    **dict.fromkeys(_COMMON, _CC),
+    "isTccDriver": "Linux has no TCC mode",
+    "cudaDeviceId": "device 0",
+    "driverVer": "the CUDA 13.0 driver API",
+    "deviceVer": "compute capability: 8.0 A100, 9.0 H100/H200, 10.0 B200",
     "maxSharedMemoryPerBlockOptin": _CC + ": 163 KB (8.0), 227 KB (9.0, 10.0)",
     "multiProcessorCount": "A100, H100 whitepapers: 108, 132 (H200: the same GH100 part); B200: 148, as public CUDA device queries report (not in the datasheet)",
     "l2CacheSize": "A100, H100 whitepapers: 40, 50 MB (H200 as H100); B200: 126 MB, public microbenchmarks (approximate)",
@@ -77,7 +107,9 @@ def resolve_target(target: Any) -> str:
 def target_of(device: str) -> Target:
     """The key :class:`~thunder_cudnn_safe.keys.Target` of ``device`` with this cuDNN."""
     sm = DEVICES[device]["deviceVer"] // 10
-    return Target("cudnn", 0, divmod(sm, 10), int(_compat.FRONTEND.backend_version), str(_compat.FRONTEND.frontend_version))
+    return Target(
+        "cudnn", 0, divmod(sm, 10), int(_compat.FRONTEND.backend_version), str(_compat.FRONTEND.frontend_version)
+    )
 
 
 class CompileResult(NamedTuple):
@@ -143,10 +175,23 @@ def compile_key(key: Any, device: str) -> CompileResult:
         b = build_with_ladder(key, build_one)
     except GraphBuildError as exc:
         return CompileResult(device, None, {}, (), None, None, False, exc.reason, time.perf_counter() - start)
-    engine = {} if getattr(b.graph, "selected_engine", None) else _backend_engine(bytes(b.graph.serialize(as_bytes=True)))
+    engine = (
+        {} if getattr(b.graph, "selected_engine", None) else _backend_engine(bytes(b.graph.serialize(as_bytes=True)))
+    )
     kernels = tuple(k.get("kernelName", "?") for k in engine.get("payload", {}).get("kernels", ()))
-    return CompileResult(device, engine.get("engineId"), engine.get("knobChoices", {}), kernels, b.workspace_size, b.plan,
-                         b.implementation == "composite", None, time.perf_counter() - start, bool(loaded), bool(getattr(b.key, "dynamic", False)))
+    return CompileResult(
+        device,
+        engine.get("engineId"),
+        engine.get("knobChoices", {}),
+        kernels,
+        b.workspace_size,
+        b.plan,
+        b.implementation == "composite",
+        None,
+        time.perf_counter() - start,
+        bool(loaded),
+        bool(getattr(b.key, "dynamic", False)),
+    )
 
 
 def compile_in_subprocess(keys: list, devices: Any, *, extra_ld_path: Any = None, timeout: float | None = None) -> dict:
@@ -165,10 +210,18 @@ def compile_in_subprocess(keys: list, devices: Any, *, extra_ld_path: Any = None
     env = {**os.environ, "LD_LIBRARY_PATH": os.pathsep.join(ld_path)}
 
     def child(device: str) -> list[CompileResult]:  # one process per device, run side by side
-        proc = subprocess.run([sys.executable, "-m", __name__], check=False, input=pickle.dumps((list(keys), [device])),
-                              capture_output=True, env=env, timeout=timeout)
+        proc = subprocess.run(
+            [sys.executable, "-m", __name__],
+            check=False,
+            input=pickle.dumps((list(keys), [device])),
+            capture_output=True,
+            env=env,
+            timeout=timeout,
+        )
         if proc.returncode:
-            raise RuntimeError(f"the compile process failed ({proc.returncode}): {proc.stderr.decode(errors='replace')[-3000:]}")
+            raise RuntimeError(
+                f"the compile process failed ({proc.returncode}): {proc.stderr.decode(errors='replace')[-3000:]}"
+            )
         problem, results = pickle.loads(proc.stdout)
         if problem:
             raise RuntimeError(problem)
@@ -188,7 +241,9 @@ class TargetReport(NamedTuple):
     backward: CompileResult | None
 
 
-def describe_target(query: Any, key: Any, value: Any, *args: Any, target: Any = "H100", extra_ld_path: Any = None, **kwargs: Any) -> TargetReport:
+def describe_target(
+    query: Any, key: Any, value: Any, *args: Any, target: Any = "H100", extra_ld_path: Any = None, **kwargs: Any
+) -> TargetReport:
     """What would run for this SDPA call on ``target`` ("H100", "sm100", ...), asked from any machine.
 
     Takes :func:`~thunder_cudnn_safe.describe`'s arguments (tensors may be on the CPU), checks the call
@@ -205,7 +260,9 @@ def describe_target(query: Any, key: Any, value: Any, *args: Any, target: Any = 
     if reasons:
         return TargetReport(device, reasons, None, None)
     _, fkey, bkey = planned_keys(call, target_of(device))  # bkey None: an inference forward, no backward
-    results = compile_in_subprocess([k for k in (fkey, bkey) if k is not None], device, extra_ld_path=extra_ld_path)[device]
+    results = compile_in_subprocess([k for k in (fkey, bkey) if k is not None], device, extra_ld_path=extra_ld_path)[
+        device
+    ]
     return TargetReport(device, reasons, results[0], results[1] if bkey is not None else None)
 
 
@@ -216,9 +273,11 @@ def _main() -> None:
     try:
         ctypes.CDLL("libcuda.so.1")
     except OSError as exc:
-        problem = (f"cannot load libcuda.so.1 ({exc}): cuDNN's runtime-compiled SDPA engines load the NVIDIA driver "
-                   "library before NVRTC compiles their kernels and refuse every graph without it. Run where a driver is "
-                   "installed, or pass extra_ld_path= a folder holding a libcuda.so.1 (the tests build a stand-in).")
+        problem = (
+            f"cannot load libcuda.so.1 ({exc}): cuDNN's runtime-compiled SDPA engines load the NVIDIA driver "
+            "library before NVRTC compiles their kernels and refuse every graph without it. Run where a driver is "
+            "installed, or pass extra_ld_path= a folder holding a libcuda.so.1 (the tests build a stand-in)."
+        )
         return pickle.dump((problem, {}), out)
     pickle.dump((None, {d: [compile_key(k, d) for k in keys] for d in devices}), out)
 

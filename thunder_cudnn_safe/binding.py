@@ -20,13 +20,20 @@ from .cudnn_rules import ALIGNMENT_BYTES
 from .graphs import Uid
 from .keys import RNG_SIG, BackwardKey, ForwardKey, Target, TensorSig
 from .layout import (
-    ArgSig, LayoutPolicy, arg_sig, canonical_strides, copy_reason, dense_strides, is_contiguous, packed_strides,
-    same_size_except_heads, strides_like,
+    ArgSig,
+    LayoutPolicy,
+    arg_sig,
+    canonical_strides,
+    copy_reason,
+    dense_strides,
+    is_contiguous,
+    packed_strides,
+    same_size_except_heads,
+    strides_like,
 )
 from .masks import converted_masks
 from .patterns import MaskPattern
 from .telemetry import CopyReason, copy_counter
-
 
 DYNAMIC_SHAPE_MODES = ("off", "inference", "forward")
 
@@ -145,7 +152,13 @@ def _compile(key: ForwardKey | BackwardKey, steps: list[Step], outputs: tuple[in
     i - n_args's tensor; a tensor bound as it is gets no line, a fresh buffer is one
     ``empty_strided`` with its shape and strides as constants, every other step calls :func:`_step`.
     """
-    env: dict[str, Any] = {"empty_strided": torch.empty_strided, "run_step": _step, "new": tuple.__new__, "Bound": Bound, "key": key}
+    env: dict[str, Any] = {
+        "empty_strided": torch.empty_strided,
+        "run_step": _step,
+        "new": tuple.__new__,
+        "Bound": Bound,
+        "key": key,
+    }
     names = [f"v{i}" for i in range(n_args)]
     lines = ["def bind(call, device):", f"    {', '.join(names)}, = call"]
     pack = []
@@ -178,15 +191,53 @@ def memo_key(call: ForwardCall | BackwardCall, target: Target) -> tuple:
     """What :func:`signature` depends on, made on every call: tensor fields by layout, options as they are."""
     if type(call) is ForwardCall:
         q, k, v, mask = call[:4]
-        return (target, _dynamic_shapes, q.shape, q.stride(), q.dtype, k.shape, k.stride(), k.dtype, v.shape, v.stride(), v.dtype,
-                (q.data_ptr() | k.data_ptr() | v.data_ptr()) % ALIGNMENT_BYTES == 0 or tuple(map(_arg_key, call[:3])),
-                None if mask is None else _arg_key(mask), call[4:])
+        return (
+            target,
+            _dynamic_shapes,
+            q.shape,
+            q.stride(),
+            q.dtype,
+            k.shape,
+            k.stride(),
+            k.dtype,
+            v.shape,
+            v.stride(),
+            v.dtype,
+            (q.data_ptr() | k.data_ptr() | v.data_ptr()) % ALIGNMENT_BYTES == 0 or tuple(map(_arg_key, call[:3])),
+            None if mask is None else _arg_key(mask),
+            call[4:],
+        )
     g, q, k, v, mask, p, causal, o, stats, seed, offset = call[:11]
     ptrs = g.data_ptr() | q.data_ptr() | k.data_ptr() | v.data_ptr() | o.data_ptr() | stats.data_ptr()
-    return (target, BackwardCall, g.shape, g.stride(), g.dtype, q.shape, q.stride(), q.dtype, k.shape, k.stride(), k.dtype,
-            v.shape, v.stride(), v.dtype, o.shape, o.stride(), o.dtype, stats.shape, stats.stride(), stats.dtype,
-            ptrs % ALIGNMENT_BYTES == 0 or tuple(map(_arg_key, (g, q, k, v, o, stats))),
-            None if mask is None else _arg_key(mask), p, causal, _arg_key(seed), _arg_key(offset), call[11:])
+    return (
+        target,
+        BackwardCall,
+        g.shape,
+        g.stride(),
+        g.dtype,
+        q.shape,
+        q.stride(),
+        q.dtype,
+        k.shape,
+        k.stride(),
+        k.dtype,
+        v.shape,
+        v.stride(),
+        v.dtype,
+        o.shape,
+        o.stride(),
+        o.dtype,
+        stats.shape,
+        stats.stride(),
+        stats.dtype,
+        ptrs % ALIGNMENT_BYTES == 0 or tuple(map(_arg_key, (g, q, k, v, o, stats))),
+        None if mask is None else _arg_key(mask),
+        p,
+        causal,
+        _arg_key(seed),
+        _arg_key(offset),
+        call[11:],
+    )
 
 
 def signature(call: ForwardCall | BackwardCall) -> ForwardCall | BackwardCall:
@@ -217,7 +268,9 @@ class _Planner:
             self.sigs[step.uid] = sig
         return len(self.call) + len(self.steps) - 1
 
-    def new(self, uid: Uid | None, shape: tuple, strides: tuple, dtype: torch.dtype, draw: bool = False, zero: bool = False) -> int:
+    def new(
+        self, uid: Uid | None, shape: tuple, strides: tuple, dtype: torch.dtype, draw: bool = False, zero: bool = False
+    ) -> int:
         """A fresh output buffer."""
         sig = TensorSig(tuple(shape), tuple(strides), dtype)
         return self.add(Step(uid, None, fill=sig, draw=draw, zero=zero), sig)
@@ -235,7 +288,9 @@ class _Planner:
         self.add(Step(uid, src, view), TensorSig(tuple(a.shape), canon, a.dtype))
         return self.sigs[uid]
 
-    def masking(self, src: int, a: Any, q_dtype: torch.dtype, lq: int, s: int, needs_grad: bool) -> tuple[int | None, bool]:
+    def masking(
+        self, src: int, a: Any, q_dtype: torch.dtype, lq: int, s: int, needs_grad: bool
+    ) -> tuple[int | None, bool]:
         """The mask as a bias (:meth:`mask`) or a pattern's seq-len tensors; returns the band's left bound and whether it pads."""
         if isinstance(a, MaskPattern):
             if a.kv_lens is not None:
@@ -261,8 +316,11 @@ class _Planner:
         full = (shape[0], shape[1], lq, s)
         if a.dtype == torch.bool or shape != full or a.dtype != q_dtype:
             reason = (
-                CopyReason.BOOL_MASK if a.dtype == torch.bool
-                else CopyReason.MASK_DTYPE if a.dtype != q_dtype else CopyReason.MASK_BROADCAST
+                CopyReason.BOOL_MASK
+                if a.dtype == torch.bool
+                else CopyReason.MASK_DTYPE
+                if a.dtype != q_dtype
+                else CopyReason.MASK_BROADCAST
             )
             fill = TensorSig(full, dense_strides(full, range(4), q_dtype), q_dtype)
             self.add(Step(Uid.BIAS, src, view, fill, reason, "attn_mask", shared=not needs_grad), fill)
@@ -288,13 +346,28 @@ def plan_forward(call: ForwardCall, target: Target, dynamic_shapes: str | None =
     if call.need_stats:
         outputs.append(p.new(Uid.STATS, (b, h, lq, 1), packed_strides((b, h, lq, 1)), torch.float32))
     if call.dropout_p:
-        outputs += [p.new(uid, RNG_SIG.shape, RNG_SIG.stride, RNG_SIG.dtype, draw=True) for uid in (Uid.SEED, Uid.OFFSET)]
+        outputs += [
+            p.new(uid, RNG_SIG.shape, RNG_SIG.stride, RNG_SIG.dtype, draw=True) for uid in (Uid.SEED, Uid.OFFSET)
+        ]
     s = p.sigs
     mode = _dynamic_shapes if dynamic_shapes is None else dynamic_shapes  # the memo key's, read once per call
     dynamic = not call.dropout_p and (mode == "forward" or mode == "inference" and not call.need_stats)
     key = ForwardKey(
-        q, k, v, s[Uid.O], s.get(Uid.STATS), s.get(Uid.BIAS), s.get(Uid.SEED), s.get(Uid.OFFSET),
-        _causal(call), float(call.dropout_p), default_scale(d, call.scale), p.policy.value, target, left, padded,
+        q,
+        k,
+        v,
+        s[Uid.O],
+        s.get(Uid.STATS),
+        s.get(Uid.BIAS),
+        s.get(Uid.SEED),
+        s.get(Uid.OFFSET),
+        _causal(call),
+        float(call.dropout_p),
+        default_scale(d, call.scale),
+        p.policy.value,
+        target,
+        left,
+        padded,
         dynamic and cudnn_rules.DYNAMIC_SHAPE_FORWARD.holds(target),
     )
     return _plan(key, p.steps, tuple(outputs), len(call))
@@ -302,7 +375,10 @@ def plan_forward(call: ForwardCall, target: Target, dynamic_shapes: str | None =
 
 def plan_backward(call: BackwardCall, target: Target) -> Plan:
     p = _Planner(call, LayoutPolicy.parse(call.layout))
-    q, k, v = (p.operand(uid, i, name, call[i]) for uid, i, name in ((Uid.Q, 1, "query"), (Uid.K, 2, "key"), (Uid.V, 3, "value")))
+    q, k, v = (
+        p.operand(uid, i, name, call[i])
+        for uid, i, name in ((Uid.Q, 1, "query"), (Uid.K, 2, "key"), (Uid.V, 3, "value"))
+    )
     o = p.operand(Uid.O, 7, "out", call.out)
     _stats(p, call.stats)
     _grad_out(p, call.grad_out, o, target)
@@ -323,9 +399,27 @@ def plan_backward(call: BackwardCall, target: Target) -> Plan:
         )
     s = p.sigs
     key = BackwardKey(
-        q, k, v, o, s[Uid.DO], s[Uid.STATS], s.get(Uid.BIAS), s.get(Uid.DBIAS), s.get(Uid.SEED), s.get(Uid.OFFSET),
-        s[Uid.DQ], s[Uid.DK], s[Uid.DV], _causal(call), float(call.dropout_p),
-        default_scale(q.shape[3], call.scale), p.policy.value, bool(call.deterministic), target, left, padded,
+        q,
+        k,
+        v,
+        o,
+        s[Uid.DO],
+        s[Uid.STATS],
+        s.get(Uid.BIAS),
+        s.get(Uid.DBIAS),
+        s.get(Uid.SEED),
+        s.get(Uid.OFFSET),
+        s[Uid.DQ],
+        s[Uid.DK],
+        s[Uid.DV],
+        _causal(call),
+        float(call.dropout_p),
+        default_scale(q.shape[3], call.scale),
+        p.policy.value,
+        bool(call.deterministic),
+        target,
+        left,
+        padded,
     )
     return _plan(key, p.steps, outputs, len(call))
 
@@ -350,7 +444,8 @@ def _grad_out(p: _Planner, a: ArgSig, o: TensorSig, target: Target) -> None:
     assumed dO has O's strides (:data:`~thunder_cudnn_safe.cudnn_rules.DO_OWN_STRIDES`)."""
     reason = copy_reason(a, p.policy)
     if reason is None and (
-        p.policy is LayoutPolicy.CONTIGUOUS or cudnn_rules.DO_OWN_STRIDES.holds(target)
+        p.policy is LayoutPolicy.CONTIGUOUS
+        or cudnn_rules.DO_OWN_STRIDES.holds(target)
         or canonical_strides(a.shape, a.stride) == o.stride
     ):
         p.operand(Uid.DO, 0, "grad_out", a)
@@ -377,8 +472,22 @@ def companion_backward_key(call: ForwardCall, fkey: ForwardKey, mask_grad: bool)
     a refused backward retries with): a dropout forward runs in cuDNN only if this builds."""
     o, stats, rng = (ArgSig(*s) for s in (fkey.o, fkey.stats, RNG_SIG))
     bcall = BackwardCall(
-        o, call.query, call.key, call.value, call.attn_mask, call.dropout_p, call.is_causal, o, stats, rng, rng,
-        call.scale, call.layout, call.deterministic, call.cat_grad_qkv, mask_grad,
+        o,
+        call.query,
+        call.key,
+        call.value,
+        call.attn_mask,
+        call.dropout_p,
+        call.is_causal,
+        o,
+        stats,
+        rng,
+        rng,
+        call.scale,
+        call.layout,
+        call.deterministic,
+        call.cat_grad_qkv,
+        mask_grad,
     )
     return plan_backward(bcall, fkey.target).key
 
@@ -421,7 +530,9 @@ def _copy_into(buf: torch.Tensor, src: torch.Tensor, name: str, reason: CopyReas
         torch.where(src.expand(buf.shape), zero, torch.full_like(zero, float("-inf")), out=buf)
     else:
         buf.copy_(src.expand(buf.shape))
-    copy_counter.record(name, reason, buf.numel() * buf.element_size(), (tuple(src.shape), src.stride(), str(src.dtype)))
+    copy_counter.record(
+        name, reason, buf.numel() * buf.element_size(), (tuple(src.shape), src.stride(), str(src.dtype))
+    )
 
 
 def with_grad_out_like_o(bound: Bound) -> Bound:

@@ -140,8 +140,16 @@ class GraphCache:
     def info(self) -> CacheInfo:
         with self._lock:
             return CacheInfo(
-                self.hits, self.misses, self.builds, self._graphs.evictions, len(self._graphs), self._graphs.maxsize,
-                self.build_seconds, self.build_failures, self.negative_hits, self.fallbacks,
+                self.hits,
+                self.misses,
+                self.builds,
+                self._graphs.evictions,
+                len(self._graphs),
+                self._graphs.maxsize,
+                self.build_seconds,
+                self.build_failures,
+                self.negative_hits,
+                self.fallbacks,
             )
 
     def clear(self) -> None:
@@ -171,7 +179,12 @@ class GraphCache:
 
 
 def _cached(key: Hashable, b: Any) -> CachedGraph:
-    return CachedGraph(getattr(b, "key", None) or key, getattr(b, "implementation", None), getattr(b, "plan", None), int(getattr(b, "workspace_size", 0)))
+    return CachedGraph(
+        getattr(b, "key", None) or key,
+        getattr(b, "implementation", None),
+        getattr(b, "plan", None),
+        int(getattr(b, "workspace_size", 0)),
+    )
 
 
 graph_cache = GraphCache()

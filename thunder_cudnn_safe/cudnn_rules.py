@@ -167,7 +167,6 @@ LAYOUT = Rule(
 )
 
 
-
 def head_dim_limit(target: Target) -> int:
     """Largest head dim cuDNN supports for forward *and* backward on ``target``."""
     return 256 if HEAD_DIM_256_TRAINING_HOPPER.holds(target) else 128

@@ -11,7 +11,18 @@ from __future__ import annotations
 import torch
 
 from . import fallback, handoff
-from .binding import BackwardCall, Bound, ForwardCall, companion_backward_key, memo_key, plan_backward, plan_forward, signature, torch_deterministic, with_grad_out_like_o
+from .binding import (
+    BackwardCall,
+    Bound,
+    ForwardCall,
+    companion_backward_key,
+    memo_key,
+    plan_backward,
+    plan_forward,
+    signature,
+    torch_deterministic,
+    with_grad_out_like_o,
+)
 from .cache import GraphCache, graph_cache
 from .errors import ExecuteError, GraphBuildError
 from .graphs import Uid
@@ -95,7 +106,8 @@ class Dispatcher:
                     ("fallback", self.runtime.name, bound.key),
                     "cudnn_safe: %s refused an attention graph (%s); the call ran on the torch fallback (a refused "
                     "build is remembered, so later calls with this layout do too). Shown once per distinct graph.",
-                    self.runtime.name, exc,
+                    self.runtime.name,
+                    exc,
                 )
             return False
 
@@ -111,7 +123,9 @@ class Dispatcher:
             if handoff.fell_back(bound.pack[Uid.SEED]):
                 return self.run_fallback(bound)
             can_retry = key.d_o != key.o
-            if self.try_runtime(bound, warn=not can_retry) or (can_retry and self.try_runtime(with_grad_out_like_o(bound))):
+            if self.try_runtime(bound, warn=not can_retry) or (
+                can_retry and self.try_runtime(with_grad_out_like_o(bound))
+            ):
                 return None
         elif self.try_runtime(bound):
             return None
@@ -136,7 +150,8 @@ class Dispatcher:
                     "cudnn_safe: %s refuses the backward graph of an attention call with dropout (%s), and only "
                     "cuDNN could reproduce its dropout mask: the forward runs on the torch fallback too. Shown once "
                     "per distinct graph.",
-                    self.runtime.name, exc,
+                    self.runtime.name,
+                    exc,
                 )
                 return False
         return True

@@ -37,7 +37,9 @@ def declared_view(bound: torch.Tensor, declared: Any, role: str) -> torch.Tensor
     strides = [int(x) for x in declared.get_stride()]
     dtype = _torch_dtype_of(declared.get_data_type())
     if bound.dtype != dtype:
-        raise EmulationError(f"{role} (uid {declared.get_uid()}) is declared {dtype} but the bound tensor is {bound.dtype}")
+        raise EmulationError(
+            f"{role} (uid {declared.get_uid()}) is declared {dtype} but the bound tensor is {bound.dtype}"
+        )
     if bound.device.type != "cpu":
         raise EmulationError(f"{role}: the emulated runtime reads CPU memory, got a tensor on {bound.device}")
     if bound.data_ptr() % ALIGNMENT_BYTES:
@@ -55,8 +57,18 @@ def declared_view(bound: torch.Tensor, declared: Any, role: str) -> torch.Tensor
 
 
 _KNOWN_PARAMS = {  # "implementation" (which SDPA implementation runs the forward) changes no number
-    "attn_scale", "generate_stats", "is_inference", "use_causal_mask", "use_deterministic_algorithm", "_dropout_n",
-    "dropout_0", "diagonal_alignment", "diagonal_band_right_bound", "diagonal_band_left_bound", "use_padding_mask", "implementation",
+    "attn_scale",
+    "generate_stats",
+    "is_inference",
+    "use_causal_mask",
+    "use_deterministic_algorithm",
+    "_dropout_n",
+    "dropout_0",
+    "diagonal_alignment",
+    "diagonal_band_right_bound",
+    "diagonal_band_left_bound",
+    "use_padding_mask",
+    "implementation",
 }
 
 
@@ -106,7 +118,9 @@ class _Bindings:
             return
         view = declared_view(self._bound(port, t), t, port)
         if tuple(view.shape) != tuple(value.shape):
-            raise EmulationError(f"{port}: declared dims {list(view.shape)} but the result has shape {list(value.shape)}")
+            raise EmulationError(
+                f"{port}: declared dims {list(view.shape)} but the result has shape {list(value.shape)}"
+            )
         view.copy_(value)
 
 
@@ -149,7 +163,9 @@ def _padding(b: _Bindings, q: torch.Tensor) -> torch.Tensor | None:
         return None
     lens_q = b.read("seq_len_q").reshape(-1)
     if lens_q.numel() != q.shape[0] or bool((lens_q != q.shape[2]).any()):
-        raise EmulationError(f"the emulated runtime implements padding with seq_len_q = L = {q.shape[2]} only, got {lens_q.tolist()}")
+        raise EmulationError(
+            f"the emulated runtime implements padding with seq_len_q = L = {q.shape[2]} only, got {lens_q.tolist()}"
+        )
     return b.read("seq_len_kv").reshape(-1).to(torch.int64)
 
 
@@ -213,13 +229,17 @@ class EmulatedRuntime(Runtime):
     def target(self, device: torch.device) -> Target:
         target = self._target
         if target is None or (target.arch, target.backend_version) != (self.arch, self.backend_version):
-            target = self._target = Target(self.name, -1, tuple(self.arch), self.backend_version, str(_compat.FRONTEND.frontend_version))
+            target = self._target = Target(
+                self.name, -1, tuple(self.arch), self.backend_version, str(_compat.FRONTEND.frontend_version)
+            )
         return target
 
     def build(self, key: ForwardKey | BackwardKey) -> BuiltGraph:
         # The real frontend's rule (sdpa_support_surface.h): refused before planning.
-        if isinstance(key, BackwardKey) and cudnn_rules.STATS_PACKED_ONLY.holds(key.target) and (
-            tuple(key.stats.stride) != packed_strides(key.stats.shape)
+        if (
+            isinstance(key, BackwardKey)
+            and cudnn_rules.STATS_PACKED_ONLY.holds(key.target)
+            and (tuple(key.stats.stride) != packed_strides(key.stats.shape))
         ):
             raise GraphBuildError(
                 f"cuDNN {key.target.backend_version} < 9.26: a non-ragged Stats input of sdpa_backward must be a "
@@ -247,6 +267,7 @@ default_runtime = EmulatedRuntime()
 
 def set_emulated_target(arch: tuple[int, int] | str | None = None, backend_version: int | None = None) -> None:
     """Change which GPU (``(9, 0)``, ``"9.0"``, ``"sm90"``) and cuDNN version (``91900``) the emulated executor poses as."""
+
     def is_int(x: object) -> bool:
         return isinstance(x, int) and not isinstance(x, bool)
 

@@ -25,13 +25,13 @@ from thunder.core.proxies import TensorProxy  # noqa: E402
 from thunder.core.transforms import get_grad, put_grad, put_grads  # noqa: E402
 from thunder.extend import OperatorExecutor, register_executor  # noqa: E402
 
-from ._version import __version__  # noqa: E402
 from . import emulation, gqa  # noqa: E402
-from .patterns import MaskPattern  # noqa: E402
+from ._version import __version__  # noqa: E402
 from .binding import BackwardCall, ForwardCall, torch_deterministic  # noqa: E402
 from .cache import CachedGraph  # noqa: E402
 from .dispatch import Dispatcher, planned_keys  # noqa: E402
 from .layout import LayoutPolicy, same_size_except_heads  # noqa: E402
+from .patterns import MaskPattern  # noqa: E402
 from .runtime import CudnnRuntime, Runtime  # noqa: E402
 from .support import Decline, not_supported_reasons, torch_dtype  # noqa: E402
 
@@ -55,14 +55,24 @@ def _bool_option(*names: str) -> bool:
     return False
 
 
-def _call(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False) -> ForwardCall:
+def _call(
+    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False
+) -> ForwardCall:
     """A thunder SDPA call (torch's signature) with this trace's compile options: the forward call value."""
     layout = LayoutPolicy.parse(get_compile_option("cudnn_safe_layout", _DOCS["cudnn_safe_layout"])).value
     cat = _bool_option("cudnn_safe_bwd_may_cat_grad_qkv", "cudnn_sdpa_bwd_may_cat_grad_qkv")
     return ForwardCall(
-        query, key, value, attn_mask, dropout_p, is_causal, scale, layout,
+        query,
+        key,
+        value,
+        attn_mask,
+        dropout_p,
+        is_causal,
+        scale,
+        layout,
         _bool_option("cudnn_safe_deterministic") or torch_deterministic(),
-        cat and same_size_except_heads(query, key, value), bool(enable_gqa),
+        cat and same_size_except_heads(query, key, value),
+        bool(enable_gqa),
     )
 
 
@@ -78,7 +88,9 @@ def reasons_for(runtime: Runtime, *args, **kwargs) -> list[Decline]:
     device = call.query.device
     target = None
     if problem is None and getattr(device, "type", None) == runtime.device_type:
-        target = runtime.target(torch.device(device.type, device.index) if device.index is not None else torch.device(device.type))
+        target = runtime.target(
+            torch.device(device.type, device.index) if device.index is not None else torch.device(device.type)
+        )
     return not_supported_reasons(call, target, runtime.device_type, problem)
 
 
@@ -130,7 +142,9 @@ def make_executor(name: str, runtime: Runtime) -> OperatorExecutor:
     ex = OperatorExecutor(name, version=__version__)
     register_executor(ex)
     ex.runtime, ex.dispatcher = runtime, Dispatcher(runtime)
-    fwd = ex.register_operator(f"{name}_sdpa_fwd", meta=_fwd_meta, fn=ex.dispatcher.forward, tags=(OpTags.DONT_AUTO_RECOMPUTE_IN_BACKWARD,))
+    fwd = ex.register_operator(
+        f"{name}_sdpa_fwd", meta=_fwd_meta, fn=ex.dispatcher.forward, tags=(OpTags.DONT_AUTO_RECOMPUTE_IN_BACKWARD,)
+    )
     bwd = ex.register_operator(f"{name}_sdpa_bwd", meta=_bwd_meta, fn=ex.dispatcher.backward)
     bwd_mask = ex.register_operator(f"{name}_sdpa_bwd_mask", meta=_bwd_mask_meta, fn=ex.dispatcher.mask_gradient)
     ex.sdpa_fwd, ex.sdpa_bwd = fwd, bwd
@@ -145,8 +159,22 @@ def make_executor(name: str, runtime: Runtime) -> OperatorExecutor:
         # gradient is needed: it gets a separate operator that dead-code elimination drops when unused.
         mask_grad = float_mask and bool(getattr(mask, "requires_grad", False))
         bcall = BackwardCall(
-            get_grad(out), call.query, call.key, call.value, mask, call.dropout_p, call.is_causal, out, stats, seed,
-            offset, call.scale, call.layout, call.deterministic, call.cat_grad_qkv, mask_grad,
+            get_grad(out),
+            call.query,
+            call.key,
+            call.value,
+            mask,
+            call.dropout_p,
+            call.is_causal,
+            out,
+            stats,
+            seed,
+            offset,
+            call.scale,
+            call.layout,
+            call.deterministic,
+            call.cat_grad_qkv,
+            mask_grad,
         )
         if float_mask and not mask_grad:
             # Before the backward on purpose: used, it runs the one backward with dBias and the
@@ -165,7 +193,9 @@ def make_executor(name: str, runtime: Runtime) -> OperatorExecutor:
         ex.register_implementation(
             symbol,
             checker=lambda *a, _make=make_call, **kw: not reasons_for(runtime, *_make(*a, **kw)),
-            execution_transform=lambda *a, _make=make_call, **kw: _invoke(fwd, _make(*a, **kw)._replace(need_stats=False))[0],
+            execution_transform=lambda *a, _make=make_call, **kw: _invoke(
+                fwd, _make(*a, **kw)._replace(need_stats=False)
+            )[0],
             grad_transform=lambda *a, _make=make_call, **kw: grad_transform(_make(*a, **kw)),
         )
     return ex
@@ -177,7 +207,9 @@ cudnn_safe_ex: OperatorExecutor = make_executor("cudnn_safe", CudnnRuntime())
 emulated_ex: OperatorExecutor = make_executor("cudnn_safe_emulated", emulation.default_runtime)
 
 
-def explain(query: Any, key: Any, value: Any, *args: Any, executor: OperatorExecutor | str | None = None, **kwargs: Any) -> list[Decline]:
+def explain(
+    query: Any, key: Any, value: Any, *args: Any, executor: OperatorExecutor | str | None = None, **kwargs: Any
+) -> list[Decline]:
     """Why ``executor`` (default: ``cudnn_safe_ex``) would not claim this call; empty if it would.
 
     Takes torch's SDPA arguments and :class:`~thunder_cudnn_safe.binding.ForwardCall`'s options, on
@@ -190,8 +222,13 @@ def explain(query: Any, key: Any, value: Any, *args: Any, executor: OperatorExec
         if t is None and field == "attn_mask":
             continue
         if not all(hasattr(t, attr) for attr in ("shape", "dtype", "device")) or not hasattr(t.device, "type"):
-            raise TypeError(f"explain(): {field} must be a torch tensor or a thunder TensorProxy, got {type(t).__name__}")
-    return reasons_for(_resolve_executor(executor).runtime, *call._replace(deterministic=bool(call.deterministic), enable_gqa=bool(call.enable_gqa)))
+            raise TypeError(
+                f"explain(): {field} must be a torch tensor or a thunder TensorProxy, got {type(t).__name__}"
+            )
+    return reasons_for(
+        _resolve_executor(executor).runtime,
+        *call._replace(deterministic=bool(call.deterministic), enable_gqa=bool(call.enable_gqa)),
+    )
 
 
 class CallReport(NamedTuple):
@@ -204,7 +241,9 @@ class CallReport(NamedTuple):
     mask_pattern: str | None = None
 
 
-def describe(query: Any, key: Any, value: Any, *args: Any, executor: OperatorExecutor | str | None = None, **kwargs: Any) -> CallReport:
+def describe(
+    query: Any, key: Any, value: Any, *args: Any, executor: OperatorExecutor | str | None = None, **kwargs: Any
+) -> CallReport:
     """:func:`explain` plus, for a claimed call on real tensors, its cached forward graph and backward
     graph for dO in O's layout (None where not built yet). The keys are planned as the executor plans
     them; nothing is copied, built, run or drawn."""

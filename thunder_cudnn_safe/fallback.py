@@ -22,9 +22,13 @@ def _scores(key: ForwardKey | BackwardKey, pack: dict) -> reference.Scores:
     keep = None
     if key.dropout_p:
         seed, offset = (int(pack[uid].reshape(-1)[0]) for uid in (Uid.SEED, Uid.OFFSET))
-        keep = reference.dropout_keep_mask(seed, offset, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), key.dropout_p, q.device)
+        keep = reference.dropout_keep_mask(
+            seed, offset, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), key.dropout_p, q.device
+        )
     lens = pack[Uid.SEQ_LEN_KV].reshape(-1).long() if key.padded else None
-    return reference.Scores(key.scale, _f32(pack, Uid.BIAS), 0 if key.causal else None, key.left, lens, key.dropout_p, keep)
+    return reference.Scores(
+        key.scale, _f32(pack, Uid.BIAS), 0 if key.causal else None, key.left, lens, key.dropout_p, keep
+    )
 
 
 def _f32(pack: dict, uid: Uid) -> torch.Tensor | None:
@@ -72,4 +76,3 @@ class FallbackRuntime(Runtime):
 
 #: The one fallback runtime every dispatcher uses.
 FALLBACK = FallbackRuntime()
-

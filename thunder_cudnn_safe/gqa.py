@@ -19,6 +19,7 @@ from ._compat import prepare_and_import_thunder
 prepare_and_import_thunder()
 
 import thunder.core.dtypes as dtypes  # noqa: E402
+import thunder.core.prims as prims  # noqa: E402
 import thunder.core.utils as utils  # noqa: E402
 import thunder.torch as ltorch  # noqa: E402
 from thunder.core.jit_ext import (  # noqa: E402
@@ -27,7 +28,6 @@ from thunder.core.jit_ext import (  # noqa: E402
     interpreter_needs_wrap,
     record_source_loc_in_symbol_header,
 )
-import thunder.core.prims as prims  # noqa: E402
 from thunder.core.prims import OpTags  # noqa: E402
 from thunder.core.proxies import TensorProxy, variableify  # noqa: E402
 from thunder.core.symbol import BoundSymbol  # noqa: E402
@@ -68,8 +68,10 @@ def _check_gqa_shapes(query: Any, key: Any, value: Any) -> tuple[int, int]:
     for name, t in (("query", query), ("key", key), ("value", value)):
         utils.check(
             t.ndim >= 3,
-            lambda: f"scaled_dot_product_attention(enable_gqa=True): {name} has {t.ndim} dims, needs >= 3 "
-            "(heads are dim -3)",
+            lambda: (
+                f"scaled_dot_product_attention(enable_gqa=True): {name} has {t.ndim} dims, needs >= 3 "
+                "(heads are dim -3)"
+            ),
             IndexError,
         )
     hq, hk, hv = query.shape[-3], key.shape[-3], value.shape[-3]
@@ -87,7 +89,11 @@ def sdpa_gqa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, 
     # The ThunderFX splitter hands constants over as static proxies (an IntegerProxy of bool type).
     utils.check(bool(enable_gqa), lambda: f"{GQA_SYMBOL_ID} needs enable_gqa=True, got {enable_gqa!r}")
     for name, t in (("query", query), ("key", key), ("value", value)):
-        utils.check(dtypes.is_float_dtype(t.dtype), lambda: f"{name}.dtype={t.dtype} is expected to be a floating type", ValueError)
+        utils.check(
+            dtypes.is_float_dtype(t.dtype),
+            lambda: f"{name}.dtype={t.dtype} is expected to be a floating type",
+            ValueError,
+        )
     rep_k, rep_v = _check_gqa_shapes(query, key, value)
     if rep_k != 1:
         key = ltorch.repeat_interleave(key, rep_k, -3)
@@ -349,7 +355,9 @@ class RepeatKVToGQA(Transform):
             # Keep the original output proxy so every consumer (and the return) is untouched.
             gqa_bsym = gqa_bsym.from_bsym_swap_proxies({variableify(out): bsym.output}, skip_inputs=True)
             new_bsyms.append(
-                gqa_bsym.from_bsym(header=bsym.header, source_filename=bsym.source_filename, source_positions=bsym.source_positions)
+                gqa_bsym.from_bsym(
+                    header=bsym.header, source_filename=bsym.source_filename, source_positions=bsym.source_positions
+                )
             )
             self.rewritten += 1
         if not self.rewritten:

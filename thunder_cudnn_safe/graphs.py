@@ -80,7 +80,9 @@ def torch_dtype_of(cudnn_data_type: Any) -> torch.dtype | None:
 
 
 def _declare(graph: Any, uid: Uid, s: TensorSig) -> Any:
-    return graph.tensor(name=uid.name, dim=list(s.shape), stride=list(s.stride), data_type=cudnn_dtype(s.dtype), uid=int(uid))
+    return graph.tensor(
+        name=uid.name, dim=list(s.shape), stride=list(s.stride), data_type=cudnn_dtype(s.dtype), uid=int(uid)
+    )
 
 
 def _mark_output(t: Any, uid: Uid, s: TensorSig) -> None:
@@ -117,8 +119,12 @@ def _new_graph(io_dtype: torch.dtype, handle: Any, device_property: Any = None, 
     if device_property is not None:  # deviceless planning (aot.py): no handle, the descriptor's GPU and SM
         sm = json.loads(device_property.serialize())["deviceVer"] // 10
         kwargs.update(device_property=device_property, sm_version=sm)
-    return cudnn.pygraph(io_data_type=cudnn_dtype(io_dtype), intermediate_data_type=cudnn.data_type.FLOAT,
-                         compute_data_type=cudnn.data_type.FLOAT, **kwargs)
+    return cudnn.pygraph(
+        io_data_type=cudnn_dtype(io_dtype),
+        intermediate_data_type=cudnn.data_type.FLOAT,
+        compute_data_type=cudnn.data_type.FLOAT,
+        **kwargs,
+    )
 
 
 def _masking(graph: Any, key: ForwardKey | BackwardKey) -> dict[str, Any]:
@@ -128,10 +134,16 @@ def _masking(graph: Any, key: ForwardKey | BackwardKey) -> dict[str, Any]:
     if key.causal:
         band = {"diagonal_alignment": cudnn_module().diagonal_alignment.TOP_LEFT, "diagonal_band_right_bound": 0}
     if key.left is not None:
-        band.update(diagonal_alignment=cudnn_module().diagonal_alignment.TOP_LEFT, diagonal_band_left_bound=int(key.left))
+        band.update(
+            diagonal_alignment=cudnn_module().diagonal_alignment.TOP_LEFT, diagonal_band_left_bound=int(key.left)
+        )
     if key.padded:
         lens = TensorSig((key.q.shape[0], 1, 1, 1), (1, 1, 1, 1), torch.int32)
-        band.update(use_padding_mask=True, seq_len_q=_declare(graph, Uid.SEQ_LEN_Q, lens), seq_len_kv=_declare(graph, Uid.SEQ_LEN_KV, lens))
+        band.update(
+            use_padding_mask=True,
+            seq_len_q=_declare(graph, Uid.SEQ_LEN_Q, lens),
+            seq_len_kv=_declare(graph, Uid.SEQ_LEN_KV, lens),
+        )
     return band
 
 
@@ -157,7 +169,9 @@ def _dropout(graph: Any, key: ForwardKey | BackwardKey) -> tuple | None:
     return (key.dropout_p, _declare(graph, Uid.SEED, key.seed), _declare(graph, Uid.OFFSET, key.offset))
 
 
-def build_forward_graph(key: ForwardKey, handle: Any = None, *, implementation: Any = None, device_property: Any = None) -> Any:
+def build_forward_graph(
+    key: ForwardKey, handle: Any = None, *, implementation: Any = None, device_property: Any = None
+) -> Any:
     """A validated forward graph (O, and the softmax stats unless ``key.stats`` is None) declaring exactly ``key``.
 
     ``implementation`` ("composite", "unified", None: the frontend's choice) pins the SDPA implementation
@@ -173,8 +187,16 @@ def build_forward_graph(key: ForwardKey, handle: Any = None, *, implementation: 
     impl = attention_implementation(implementation)
     if impl is not None:
         extra["implementation"] = impl
-    o, stats = g.sdpa(q=q, k=k, v=v, generate_stats=key.stats is not None, attn_scale=float(key.scale),
-                      name="cudnn_safe_sdpa_fwd", **_masking(g, key), **extra)
+    o, stats = g.sdpa(
+        q=q,
+        k=k,
+        v=v,
+        generate_stats=key.stats is not None,
+        attn_scale=float(key.scale),
+        name="cudnn_safe_sdpa_fwd",
+        **_masking(g, key),
+        **extra,
+    )
     _mark_output(o, Uid.O, key.o)
     if key.stats is not None:  # an inference forward writes no stats (nothing reads them)
         _mark_output(stats, Uid.STATS, key.stats)
@@ -182,7 +204,9 @@ def build_forward_graph(key: ForwardKey, handle: Any = None, *, implementation: 
     return g
 
 
-def build_backward_graph(key: BackwardKey, handle: Any = None, *, implementation: Any = None, device_property: Any = None) -> Any:
+def build_backward_graph(
+    key: BackwardKey, handle: Any = None, *, implementation: Any = None, device_property: Any = None
+) -> Any:
     """A validated backward graph (dQ, dK, dV and optionally dBias) declaring exactly ``key``.
 
     ``sdpa_backward`` has no implementation choice (its lowered node is composite): ``implementation``
@@ -203,8 +227,18 @@ def build_backward_graph(key: BackwardKey, handle: Any = None, *, implementation
         extra["dropout"] = dropout
     if key.deterministic:
         extra["use_deterministic_algorithm"] = True
-    dq, dk, dv = g.sdpa_backward(q=q, k=k, v=v, o=o, dO=d_o, stats=stats, attn_scale=float(key.scale),
-                                 name="cudnn_safe_sdpa_bwd", **_masking(g, key), **extra)
+    dq, dk, dv = g.sdpa_backward(
+        q=q,
+        k=k,
+        v=v,
+        o=o,
+        dO=d_o,
+        stats=stats,
+        attn_scale=float(key.scale),
+        name="cudnn_safe_sdpa_bwd",
+        **_masking(g, key),
+        **extra,
+    )
     _mark_output(dq, Uid.DQ, key.dq)
     _mark_output(dk, Uid.DK, key.dk)
     _mark_output(dv, Uid.DV, key.dv)

@@ -21,7 +21,7 @@ import torch
 from .binding import BackwardCall
 
 _local = threading.local()
-_fallback_seeds: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+_fallback_seeds: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 
 
 class _Kept:

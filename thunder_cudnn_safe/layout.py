@@ -25,7 +25,7 @@ class LayoutPolicy(str, enum.Enum):
     CONTIGUOUS = "contiguous"
 
     @classmethod
-    def parse(cls, value: object) -> "LayoutPolicy":
+    def parse(cls, value: object) -> LayoutPolicy:
         if value is None:
             return cls.PRESERVE
         try:
@@ -144,4 +144,6 @@ def strides_like(shape: Sequence[int], like: ArgSig, policy: LayoutPolicy) -> tu
 def same_size_except_heads(*tensors) -> bool:
     """Whether tensors (or proxies) could be head slices of one (B, H1+H2+..., S, D) buffer (fused dQKV)."""
     f = tensors[0]
-    return all(t.shape[0] == f.shape[0] and tuple(t.shape[2:]) == tuple(f.shape[2:]) and t.dtype == f.dtype for t in tensors)
+    return all(
+        t.shape[0] == f.shape[0] and tuple(t.shape[2:]) == tuple(f.shape[2:]) and t.dtype == f.dtype for t in tensors
+    )

@@ -68,7 +68,9 @@ class ConvertedMasks:
 
     def info(self) -> MaskCacheInfo:
         entries = [bias for _, (ref, bias) in self._lru.items() if ref() is not None and isinstance(bias, torch.Tensor)]
-        return MaskCacheInfo(self.hits, self.conversions, len(entries), sum(b.numel() * b.element_size() for b in entries))
+        return MaskCacheInfo(
+            self.hits, self.conversions, len(entries), sum(b.numel() * b.element_size() for b in entries)
+        )
 
     def resize(self, maxsize: int) -> None:
         if not isinstance(maxsize, int) or isinstance(maxsize, bool) or maxsize < 0:
@@ -86,7 +88,9 @@ def _non_negative_int(raw: str) -> int:
     return int(raw)
 
 
-converted_masks = ConvertedMasks(env_value(MASK_CACHE_SIZE_ENV, MASK_CACHE_SIZE, _non_negative_int, "a non-negative integer"))
+converted_masks = ConvertedMasks(
+    env_value(MASK_CACHE_SIZE_ENV, MASK_CACHE_SIZE, _non_negative_int, "a non-negative integer")
+)
 
 
 def set_mask_cache_size(maxsize: int) -> None:

@@ -39,7 +39,15 @@ class MaskPattern(NamedTuple):
 
     @property
     def name(self) -> str:
-        parts = [p for p, on in (("causal", self.right == 0), ("window", self.left is not None), ("padding", self.kv_lens is not None)) if on]
+        parts = [
+            p
+            for p, on in (
+                ("causal", self.right == 0),
+                ("window", self.left is not None),
+                ("padding", self.kv_lens is not None),
+            )
+            if on
+        ]
         return "+".join(parts) or "all_kept"
 
 
@@ -108,17 +116,21 @@ def recognize(mask: torch.Tensor, batch: int, lq: int, s: int) -> MaskPattern | 
     n = hi.amax(dim=(1, 2), keepdim=True) + 1  # kept keys per batch element, if it pads
     row = torch.arange(lq, device=m.device)
     window = (row - lo + 1).amax()
-    checks = torch.stack([
-        valid,
-        ((hi - lo + 1 == count) & (count > 0)).all(),  # every row one non-empty run of keys
-        (hi == s - 1).all(),
-        (hi == row.clamp(max=s - 1)).all(),
-        (hi == n - 1).all(),
-        (hi == torch.minimum(row, n - 1)).all(),
-        (lo == 0).all(),
-        (lo == (row - window + 1).clamp(min=0)).all(),
-    ]).to(torch.int64)
-    valid, runs, full, causal, padded, causal_padded, no_left, windowed, window = torch.cat([checks, window.view(1)]).tolist()
+    checks = torch.stack(
+        [
+            valid,
+            ((hi - lo + 1 == count) & (count > 0)).all(),  # every row one non-empty run of keys
+            (hi == s - 1).all(),
+            (hi == row.clamp(max=s - 1)).all(),
+            (hi == n - 1).all(),
+            (hi == torch.minimum(row, n - 1)).all(),
+            (lo == 0).all(),
+            (lo == (row - window + 1).clamp(min=0)).all(),
+        ]
+    ).to(torch.int64)
+    valid, runs, full, causal, padded, causal_padded, no_left, windowed, window = torch.cat(
+        [checks, window.view(1)]
+    ).tolist()
     if not (valid and runs):
         return None
     if no_left:

@@ -29,7 +29,9 @@ from .telemetry import logger, warn_once
 MAGIC, FORMAT = b"TCSPLAN\0", 1
 _HEADER = struct.Struct("<8sI32s32sQ")  # magic, format, sha256(ident), sha256(payload), payload length
 STALE_TEMP_S = 3600  #: age after which a temp file is a dead writer's, removed on the next store
-_META = struct.Struct("<I")  # length of the JSON meta (BuiltGraph's workspace_size, implementation, plan) before the blob
+_META = struct.Struct(
+    "<I"
+)  # length of the JSON meta (BuiltGraph's workspace_size, implementation, plan) before the blob
 
 
 class PlanCacheInfo(NamedTuple):
@@ -73,9 +75,13 @@ class PlanCache:
             return self.reject(ident, "is truncated")
         magic, fmt, ident_hash, payload_hash, n = _HEADER.unpack_from(data)
         payload = data[_HEADER.size :]
-        for bad, problem in ((magic != MAGIC, "is not a plan file"), (fmt != FORMAT, f"has format {fmt}, not {FORMAT}"),
-                             (ident_hash != hashlib.sha256(ident.encode()).digest(), "belongs to another key"),
-                             (len(payload) != n, "is truncated"), (hashlib.sha256(payload).digest() != payload_hash, "fails its checksum")):
+        for bad, problem in (
+            (magic != MAGIC, "is not a plan file"),
+            (fmt != FORMAT, f"has format {fmt}, not {FORMAT}"),
+            (ident_hash != hashlib.sha256(ident.encode()).digest(), "belongs to another key"),
+            (len(payload) != n, "is truncated"),
+            (hashlib.sha256(payload).digest() != payload_hash, "fails its checksum"),
+        ):
             if bad:
                 return self.reject(ident, problem)
         self.counts["loads"] += 1
@@ -85,7 +91,9 @@ class PlanCache:
 
     def put(self, ident: str, payload: bytes) -> None:
         """Write atomically (temp file in the same folder, then rename), then evict down to the bounds."""
-        header = _HEADER.pack(MAGIC, FORMAT, hashlib.sha256(ident.encode()).digest(), hashlib.sha256(payload).digest(), len(payload))
+        header = _HEADER.pack(
+            MAGIC, FORMAT, hashlib.sha256(ident.encode()).digest(), hashlib.sha256(payload).digest(), len(payload)
+        )
         tmp = None
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -96,7 +104,12 @@ class PlanCache:
         except OSError as exc:
             with contextlib.suppress(OSError, TypeError):
                 os.unlink(tmp)  # a full disk leaves no partial temp file
-            warn_once(("plan_cache", "store", str(self.directory)), "plan cache: cannot write to %s (%s); plans are not stored", self.directory, exc)
+            warn_once(
+                ("plan_cache", "store", str(self.directory)),
+                "plan cache: cannot write to %s (%s); plans are not stored",
+                self.directory,
+                exc,
+            )
             return
         self.counts["stores"] += 1
         self.evict()
@@ -160,14 +173,16 @@ def _ident(key: Any, rung: str | None, device: str) -> str:
     return repr((key, rung, device, f.backend_version, f.frontend_version, __version__, _graphs_source()))
 
 
-def load(key: Any, rung: str | None, device: str | Callable[[], str], new_graph: Callable[[], Any], *handle: Any) -> tuple[Any, dict] | None:
+def load(
+    key: Any, rung: str | None, device: str | Callable[[], str], new_graph: Callable[[], Any], *handle: Any
+) -> tuple[Any, dict] | None:
     """``(graph, meta)`` for ``BuiltGraph(graph, key=key, **meta)``: the stored plan of ``key`` built at ladder rung ``rung``
     for ``device`` (a descriptor, or a function giving one) deserialized into ``new_graph()`` (with ``handle``); else None."""
     cache = active()
     try:
         ident = cache and _ident(key, rung, device() if callable(device) else device)
         payload = cache and cache.get(ident)
-    except Exception as exc:  # noqa: BLE001 - the cache must never turn a build into a failure
+    except Exception as exc:
         warn_once(("plan_cache", "load"), "plan cache: cannot read entries (%s: %s); building", type(exc).__name__, exc)
         return None
     if payload is None:
@@ -179,7 +194,7 @@ def load(key: Any, rung: str | None, device: str | Callable[[], str], new_graph:
         graph.deserialize(*handle, payload[_META.size + n :])
         if int(graph.get_workspace_size()) != meta["workspace_size"]:
             raise ValueError(f"workspace {graph.get_workspace_size()} != {meta['workspace_size']}")
-    except Exception as exc:  # noqa: BLE001 - another cuDNN or GPU, a bad blob: rebuild
+    except Exception as exc:
         return cache.reject(ident, f"cannot be restored ({type(exc).__name__}: {str(exc)[:200]})")
     return graph, meta
 
@@ -191,9 +206,11 @@ def store(key: Any, rung: str | None, device: str | Callable[[], str], built: An
         return
     try:
         blob = bytes(built.graph.serialize(as_bytes=True))
-        meta = json.dumps({"workspace_size": built.workspace_size, "implementation": built.implementation, "plan": built.plan}).encode()
+        meta = json.dumps(
+            {"workspace_size": built.workspace_size, "implementation": built.implementation, "plan": built.plan}
+        ).encode()
         cache.put(_ident(key, rung, device() if callable(device) else device), _META.pack(len(meta)) + meta + blob)
-    except Exception as exc:  # noqa: BLE001 - a plan that cannot be stored is simply not cached
+    except Exception as exc:
         logger.debug("plan cache: not storing the plan for %s: %s: %s", key, type(exc).__name__, exc)
 
 
@@ -202,9 +219,8 @@ def device_descriptor(index: int) -> str:
     """A real GPU's descriptor: cuDNN's device properties, else (older backends) torch's name, capability, SMs, memory."""
     try:
         return str(graphs.cudnn_module().create_device_properties(index).serialize())
-    except Exception:  # noqa: BLE001 - older backends have no device properties
+    except Exception:
         import torch
 
         p = torch.cuda.get_device_properties(index)
         return repr((p.name, p.major, p.minor, p.total_memory, p.multi_processor_count, torch.version.cuda))
-

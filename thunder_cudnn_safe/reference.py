@@ -70,7 +70,9 @@ def _scores(q: torch.Tensor, k: torch.Tensor, how: Scores) -> torch.Tensor:
     return s.masked_fill(masked, float("-inf"))
 
 
-def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, how: Scores) -> tuple[torch.Tensor, torch.Tensor]:
+def attention_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, how: Scores
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(O, stats) in float32 from float32 (B,H,L,D) inputs."""
     s = _scores(q, k, how)
     # As cuDNN's forward: unnormalized exp(s - rowmax), divided by the row sum at the end,
@@ -88,7 +90,13 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, how: Sc
 
 
 def attention_backward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, d_o: torch.Tensor, stats: torch.Tensor, how: Scores,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    d_o: torch.Tensor,
+    stats: torch.Tensor,
+    how: Scores,
     partials: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dQ, dK, dV, dS) in float32; dS is the gradient of the (biased) scores, i.e. dBias before reduction.

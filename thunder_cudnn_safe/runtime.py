@@ -67,7 +67,10 @@ class _FrontendRefusalFilter(logging.Filter):
     ours, on the building thread only: the dispatcher already warns once per refused key."""
 
     MESSAGES = frozenset(
-        {"backend could not build this graph, treating as a decline: %s", "backend could not lower this graph, treating as a decline: %s"}
+        {
+            "backend could not build this graph, treating as a decline: %s",
+            "backend could not lower this graph, treating as a decline: %s",
+        }
     )
 
     def __init__(self) -> None:
@@ -112,7 +115,7 @@ def plan_name(graph: Any) -> str | None:
     try:
         index = int(getattr(graph, "_plan_index", 0) or 0)
         return str(graph.get_plan_name_at_index(index))
-    except Exception:  # noqa: BLE001 - introspection only; other frontend versions differ
+    except Exception:
         return None
 
 
@@ -170,7 +173,9 @@ class CudnnRuntime(Runtime):
             with self._targets_lock:
                 arch = tuple(torch.cuda.get_device_capability(index))
                 f = _compat.FRONTEND
-                target = self._targets[index] = Target(self.name, index, arch, int(f.backend_version), str(f.frontend_version))
+                target = self._targets[index] = Target(
+                    self.name, index, arch, int(f.backend_version), str(f.frontend_version)
+                )
         return target
 
     def handle(self, device_index: int) -> Any:
@@ -203,8 +208,10 @@ class CudnnRuntime(Runtime):
                 g = build(key, handle, implementation=implementation)
                 graphs.build_plans(g, key)
                 workspace = int(g.get_workspace_size())
-        except Exception as exc:  # noqa: BLE001 - every build failure gets a safe answer
-            raise GraphBuildError(f"cuDNN could not build this graph: {type(exc).__name__}: {exc}", is_definitive_refusal(exc, g)) from exc
+        except Exception as exc:
+            raise GraphBuildError(
+                f"cuDNN could not build this graph: {type(exc).__name__}: {exc}", is_definitive_refusal(exc, g)
+            ) from exc
         built = BuiltGraph(g, workspace, key, implementation_of(g) if is_forward(key) else None, plan_name(g))
         plan_cache.store(key, implementation, device, built)
         return built
@@ -230,4 +237,6 @@ def execute_graph(built: BuiltGraph, pack: dict[int, torch.Tensor], workspace: t
     except (cudnn.cudnnGraphNotSupportedError, NotImplementedError) as exc:
         raise ExecuteError(f"cuDNN refused to execute the graph: {type(exc).__name__}: {exc}") from exc
     except Exception as exc:
-        raise RuntimeError(f"cudnn_safe: cuDNN failed to execute the graph for key {built.key}: {type(exc).__name__}: {exc}") from exc
+        raise RuntimeError(
+            f"cudnn_safe: cuDNN failed to execute the graph for key {built.key}: {type(exc).__name__}: {exc}"
+        ) from exc

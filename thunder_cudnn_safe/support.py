@@ -60,7 +60,7 @@ class Decline(str):
     code: DeclineCode
     rule: str | None
 
-    def __new__(cls, code: DeclineCode, text: str, rule: cudnn_rules.Rule | None = None) -> "Decline":
+    def __new__(cls, code: DeclineCode, text: str, rule: cudnn_rules.Rule | None = None) -> Decline:
         self = super().__new__(cls, text)
         self.code = code
         self.rule = None if rule is None else rule.name
@@ -104,7 +104,9 @@ def _head_dim_reasons(d_qk: int, d_v: int, target: Target) -> list[Decline]:
     reasons = []
     for name, d in (("query/key", d_qk), ("value", d_v)):
         if d % 8:
-            reasons.append(Decline(DeclineCode.HEAD_DIM, f"{name} head dim {d} is not a multiple of 8", cudnn_rules.HEAD_DIM_128))
+            reasons.append(
+                Decline(DeclineCode.HEAD_DIM, f"{name} head dim {d} is not a multiple of 8", cudnn_rules.HEAD_DIM_128)
+            )
     if (d_qk, d_v) == (192, 128) and cudnn_rules.mla_192_128(target):
         return reasons  # DeepSeek-style MLA heads
     limit = cudnn_rules.head_dim_limit(target)
@@ -112,29 +114,59 @@ def _head_dim_reasons(d_qk: int, d_v: int, target: Target) -> list[Decline]:
     arch = f"sm{target.arch[0]}{target.arch[1]} with cuDNN {target.backend_version}"
     for name, d in (("query/key", d_qk), ("value", d_v)):
         if d > limit:
-            reasons.append(Decline(DeclineCode.HEAD_DIM, f"{name} head dim {d} exceeds {limit}, the limit for training on {arch}", rule))
+            reasons.append(
+                Decline(
+                    DeclineCode.HEAD_DIM, f"{name} head dim {d} exceeds {limit}, the limit for training on {arch}", rule
+                )
+            )
     if d_qk != d_v and not reasons:
         if not cudnn_rules.UNEQUAL_HEAD_DIMS.holds(target):
-            reasons.append(Decline(DeclineCode.HEAD_DIM, f"d_qk={d_qk} != d_v={d_v} needs Hopper (sm90) or newer", cudnn_rules.UNEQUAL_HEAD_DIMS))
+            reasons.append(
+                Decline(
+                    DeclineCode.HEAD_DIM,
+                    f"d_qk={d_qk} != d_v={d_v} needs Hopper (sm90) or newer",
+                    cudnn_rules.UNEQUAL_HEAD_DIMS,
+                )
+            )
         elif max(d_qk, d_v) > 128:
             reasons.append(
-                Decline(DeclineCode.HEAD_DIM, f"d_qk={d_qk} != d_v={d_v}: above 128 only d_qk=192, d_v=128 is supported", cudnn_rules.MLA_192_128_HOPPER)
+                Decline(
+                    DeclineCode.HEAD_DIM,
+                    f"d_qk={d_qk} != d_v={d_v}: above 128 only d_qk=192, d_v=128 is supported",
+                    cudnn_rules.MLA_192_128_HOPPER,
+                )
             )
     return reasons
 
 
-def _mask_reasons(attn_mask: Any, q_dtype: torch.dtype | None, full: tuple[int, int, int, int], is_causal: bool) -> list[Decline]:
+def _mask_reasons(
+    attn_mask: Any, q_dtype: torch.dtype | None, full: tuple[int, int, int, int], is_causal: bool
+) -> list[Decline]:
     M = DeclineCode.MASK
     reasons = []
     if is_causal:
-        reasons.append(Decline(DeclineCode.CAUSAL, "is_causal=True together with an explicit attn_mask (torch rejects this combination)"))
+        reasons.append(
+            Decline(
+                DeclineCode.CAUSAL,
+                "is_causal=True together with an explicit attn_mask (torch rejects this combination)",
+            )
+        )
     m_dtype = torch_dtype(attn_mask.dtype)
     if m_dtype is not torch.bool and not (m_dtype is not None and m_dtype.is_floating_point):
         reasons.append(Decline(M, f"attn_mask dtype {m_dtype} is neither bool nor floating point"))
     elif m_dtype not in (torch.bool, torch.float32, q_dtype):
-        reasons.append(Decline(M, f"attn_mask dtype {m_dtype} is neither bool, float32 nor the query dtype {q_dtype} (torch rejects it)"))
+        reasons.append(
+            Decline(
+                M,
+                f"attn_mask dtype {m_dtype} is neither bool, float32 nor the query dtype {q_dtype} (torch rejects it)",
+            )
+        )
     elif m_dtype is not torch.bool and m_dtype != q_dtype and getattr(attn_mask, "requires_grad", False):
-        reasons.append(Decline(M, f"attn_mask of dtype {m_dtype} requires grad but cuDNN computes dBias in the query dtype {q_dtype}"))
+        reasons.append(
+            Decline(
+                M, f"attn_mask of dtype {m_dtype} requires grad but cuDNN computes dBias in the query dtype {q_dtype}"
+            )
+        )
     shape = tuple(attn_mask.shape)
     if not 2 <= len(shape) <= 4:
         reasons.append(Decline(M, f"attn_mask has rank {len(shape)}; ranks 2 to 4 are supported"))
@@ -147,17 +179,27 @@ def _mask_reasons(attn_mask: Any, q_dtype: torch.dtype | None, full: tuple[int, 
         if m_dtype is torch.bool:
             reasons.append(Decline(M, "a boolean attn_mask cannot require grad"))
         elif len(shape) >= 2 and (shape[-2], shape[-1]) != full[2:]:
-            reasons.append(Decline(
-                M,
-                "attn_mask requires grad and broadcasts over query or key positions: its gradient would be "
-                "summed from low-precision per-element dBias values, less accurate than eager",
-            ))
+            reasons.append(
+                Decline(
+                    M,
+                    "attn_mask requires grad and broadcasts over query or key positions: its gradient would be "
+                    "summed from low-precision per-element dBias values, less accurate than eager",
+                )
+            )
     if math.prod(full) >= INT32_ELEMENT_LIMIT:
-        reasons.append(Decline(DeclineCode.INT32, "the broadcast attention mask has more than 2**31 elements (int32 offsets)", cudnn_rules.LAYOUT))
+        reasons.append(
+            Decline(
+                DeclineCode.INT32,
+                "the broadcast attention mask has more than 2**31 elements (int32 offsets)",
+                cudnn_rules.LAYOUT,
+            )
+        )
     return reasons
 
 
-def not_supported_reasons(call: Any, target: Target | None, device_type: str, environment_problem: str | None = None) -> list[Decline]:
+def not_supported_reasons(
+    call: Any, target: Target | None, device_type: str, environment_problem: str | None = None
+) -> list[Decline]:
     """Every reason the executor for ``device_type`` on ``target`` would not claim ``call``.
 
     ``call`` is a :class:`~thunder_cudnn_safe.binding.ForwardCall` of tensors or proxies; its
@@ -176,16 +218,28 @@ def not_supported_reasons(call: Any, target: Target | None, device_type: str, en
         tensors.append(("attn_mask", attn_mask))
     for name, t in tensors:
         if t.device.type != device_type:
-            reasons.append(Decline(DeclineCode.DEVICE, f"{name} is on {t.device}, this executor runs on {device_type} tensors"))
+            reasons.append(
+                Decline(DeclineCode.DEVICE, f"{name} is on {t.device}, this executor runs on {device_type} tensors")
+            )
     if len({(t.device.type, t.device.index) for _, t in tensors}) > 1:
         reasons.append(Decline(DeclineCode.DEVICE, "query, key, value (and attn_mask) are not all on the same device"))
     ranks = [len(t.shape) for _, t in tensors[:3]]
     if any(r != 4 for r in ranks):
-        reasons.append(Decline(DeclineCode.RANK, f"query/key/value ranks are {ranks}; cuDNN SDPA takes rank-4 (batch, heads, seq, dim) tensors"))
+        reasons.append(
+            Decline(
+                DeclineCode.RANK,
+                f"query/key/value ranks are {ranks}; cuDNN SDPA takes rank-4 (batch, heads, seq, dim) tensors",
+            )
+        )
         return reasons
     dts = [torch_dtype(t.dtype) for _, t in tensors[:3]]
     if any(d not in SUPPORTED_DTYPES for d in dts):
-        reasons.append(Decline(DeclineCode.DTYPE, f"dtypes {[str(d) for d in dts]}: cuDNN flash attention takes float16 or bfloat16 only"))
+        reasons.append(
+            Decline(
+                DeclineCode.DTYPE,
+                f"dtypes {[str(d) for d in dts]}: cuDNN flash attention takes float16 or bfloat16 only",
+            )
+        )
     elif len(set(dts)) > 1:
         reasons.append(Decline(DeclineCode.DTYPE, f"query/key/value dtypes differ: {[str(d) for d in dts]}"))
     (b, h, lq, d_qk), (bk, hk, s, dk), (bv, hv, sv, d_v) = (tuple(int(x) for x in t.shape) for _, t in tensors[:3])
@@ -197,42 +251,80 @@ def not_supported_reasons(call: Any, target: Target | None, device_type: str, en
         reasons.append(Decline(DeclineCode.SHAPE, f"key length {s} != value length {sv}"))
     if enable_gqa:
         if hk != hv or hk == 0 or h % hk:
-            reasons.append(Decline(
-                DeclineCode.SHAPE, f"enable_gqa: key/value heads ({hk}, {hv}) must be equal and divide the query heads ({h})",
-                cudnn_rules.GROUPED_KV_HEADS,
-            ))
+            reasons.append(
+                Decline(
+                    DeclineCode.SHAPE,
+                    f"enable_gqa: key/value heads ({hk}, {hv}) must be equal and divide the query heads ({h})",
+                    cudnn_rules.GROUPED_KV_HEADS,
+                )
+            )
         elif target is not None and not cudnn_rules.GROUPED_KV_HEADS.holds(target):
-            reasons.append(Decline(DeclineCode.ARCH, "grouped K/V heads need cuDNN flash attention (sm80+)", cudnn_rules.GROUPED_KV_HEADS))
+            reasons.append(
+                Decline(
+                    DeclineCode.ARCH,
+                    "grouped K/V heads need cuDNN flash attention (sm80+)",
+                    cudnn_rules.GROUPED_KV_HEADS,
+                )
+            )
     elif hk != hv or hk not in (1, h):
-        reasons.append(Decline(DeclineCode.SHAPE, f"key/value heads ({hk}, {hv}) must both equal the query heads ({h}) or be 1 (broadcast)"))
+        reasons.append(
+            Decline(
+                DeclineCode.SHAPE,
+                f"key/value heads ({hk}, {hv}) must both equal the query heads ({h}) or be 1 (broadcast)",
+            )
+        )
     if 0 in (b, h, lq, s, d_qk, d_v):
-        reasons.append(Decline(DeclineCode.EMPTY, f"empty input (batch {b}, heads {h}, query length {lq}, key length {s}): nothing for cuDNN to do"))
-    for name, shape in (("query", (b, h, lq, d_qk)), ("key", (b, hk, s, dk)), ("value", (bv, hv, sv, d_v)), ("output", (b, h, lq, d_v))):
+        reasons.append(
+            Decline(
+                DeclineCode.EMPTY,
+                f"empty input (batch {b}, heads {h}, query length {lq}, key length {s}): nothing for cuDNN to do",
+            )
+        )
+    for name, shape in (
+        ("query", (b, h, lq, d_qk)),
+        ("key", (b, hk, s, dk)),
+        ("value", (bv, hv, sv, d_v)),
+        ("output", (b, h, lq, d_v)),
+    ):
         if math.prod(shape) >= INT32_ELEMENT_LIMIT:
-            reasons.append(Decline(DeclineCode.INT32, f"{name} has {math.prod(shape)} elements; element offsets would overflow int32", cudnn_rules.LAYOUT))
+            reasons.append(
+                Decline(
+                    DeclineCode.INT32,
+                    f"{name} has {math.prod(shape)} elements; element offsets would overflow int32",
+                    cudnn_rules.LAYOUT,
+                )
+            )
     if target is not None:
         if not cudnn_rules.FLASH_ATTENTION.holds(target):
             reasons.append(
-                Decline(DeclineCode.ARCH, f"sm{target.arch[0]}{target.arch[1]}: cuDNN fused flash attention needs Ampere (sm80) or newer", cudnn_rules.FLASH_ATTENTION)
+                Decline(
+                    DeclineCode.ARCH,
+                    f"sm{target.arch[0]}{target.arch[1]}: cuDNN fused flash attention needs Ampere (sm80) or newer",
+                    cudnn_rules.FLASH_ATTENTION,
+                )
             )
         reasons.extend(_head_dim_reasons(d_qk, d_v, target))
         if lq == 1 and s == 1 and cudnn_rules.BACKWARD_SEQ_1.holds(target):
-            reasons.append(Decline(
-                DeclineCode.SHAPE,
-                "query and key length are both 1: cuDNN's backward refuses s_q = s_kv = 1 (with dropout, the "
-                "forward's mask could then not be reproduced)",
-                cudnn_rules.BACKWARD_SEQ_1,
-            ))
+            reasons.append(
+                Decline(
+                    DeclineCode.SHAPE,
+                    "query and key length are both 1: cuDNN's backward refuses s_q = s_kv = 1 (with dropout, the "
+                    "forward's mask could then not be reproduced)",
+                    cudnn_rules.BACKWARD_SEQ_1,
+                )
+            )
         p_value = _value(dropout_p)
         mask_grad = attn_mask is not None and bool(getattr(attn_mask, "requires_grad", False))
         dropout = isinstance(p_value, (int, float)) and not isinstance(p_value, bool) and p_value > 0
         if deterministic and (dropout or mask_grad) and cudnn_rules.DETERMINISTIC_BACKWARD_BLACKWELL.holds(target):
-            reasons.append(Decline(
-                DeclineCode.ARCH,
-                f"cudnn_safe_deterministic with {'dropout' if dropout else 'a mask gradient'}: cuDNN's deterministic "
-                f"backward refuses dBias and dropout on sm{target.arch[0]}{target.arch[1]}",
-                cudnn_rules.DETERMINISTIC_BACKWARD_BLACKWELL,
-            ))
+            reasons.append(
+                Decline(
+                    DeclineCode.ARCH,
+                    f"cudnn_safe_deterministic with {'dropout' if dropout else 'a mask gradient'}: cuDNN's deterministic "
+                    f"backward refuses dBias and dropout on sm{target.arch[0]}{target.arch[1]}",
+                    cudnn_rules.DETERMINISTIC_BACKWARD_BLACKWELL,
+                )
+            )
         bias, key_length_1 = attn_mask is not None, s == 1
         for rule, applies in (  # what the compile sweep found cuDNN builds no plan for (tests/test_cudnn_compile.py)
             (cudnn_rules.DETERMINISTIC_BIAS_BACKWARD_BLACKWELL, deterministic and bias and not (dropout or mask_grad)),
@@ -242,23 +334,33 @@ def not_supported_reasons(call: Any, target: Target | None, device_type: str, en
             (cudnn_rules.DBIAS_KEY_LENGTH_1_BLACKWELL, mask_grad and key_length_1),
         ):
             if applies and rule.holds(target):
-                reasons.append(Decline(DeclineCode.ARCH, f"sm{target.arch[0]}{target.arch[1]}, cuDNN {target.backend_version}: {rule.text}", rule))
+                reasons.append(
+                    Decline(
+                        DeclineCode.ARCH,
+                        f"sm{target.arch[0]}{target.arch[1]}, cuDNN {target.backend_version}: {rule.text}",
+                        rule,
+                    )
+                )
         need = cudnn_rules.dp_workspace_bytes(b, h, lq, s)
         if cudnn_rules.needs_dp_workspace(target, mask_grad, deterministic) and need > DP_WORKSPACE_LIMIT:
-            reasons.append(Decline(
-                DeclineCode.WORKSPACE,
-                f"{'the mask gradient (dBias)' if mask_grad else 'cudnn_safe_deterministic'} needs {need / 2**30:.1f} GiB "
-                f"of cuDNN dP workspace, over the {DP_WORKSPACE_LIMIT / 2**30:.1f} GiB budget ({DP_WORKSPACE_LIMIT_ENV})",
-                cudnn_rules.DP_WORKSPACE,
-            ))
+            reasons.append(
+                Decline(
+                    DeclineCode.WORKSPACE,
+                    f"{'the mask gradient (dBias)' if mask_grad else 'cudnn_safe_deterministic'} needs {need / 2**30:.1f} GiB "
+                    f"of cuDNN dP workspace, over the {DP_WORKSPACE_LIMIT / 2**30:.1f} GiB budget ({DP_WORKSPACE_LIMIT_ENV})",
+                    cudnn_rules.DP_WORKSPACE,
+                )
+            )
     if attn_mask is not None:
         reasons.extend(_mask_reasons(attn_mask, dts[0], (b, h, lq, s), bool(_value(is_causal))))
     if _is_symbolic(dropout_p):
-        reasons.append(Decline(
-            DeclineCode.DROPOUT,
-            "dropout_p is symbolic (cache='symbolic values'): whether dropout runs, and so the operator's "
-            "outputs, must be known at trace time",
-        ))
+        reasons.append(
+            Decline(
+                DeclineCode.DROPOUT,
+                "dropout_p is symbolic (cache='symbolic values'): whether dropout runs, and so the operator's "
+                "outputs, must be known at trace time",
+            )
+        )
     p = _value(dropout_p)
     if not isinstance(p, (int, float)) or isinstance(p, bool):
         reasons.append(Decline(DeclineCode.DROPOUT, f"dropout_p {p!r} is not a number known at trace time"))

@@ -48,7 +48,13 @@ class CopyReason(str, enum.Enum):
 
 
 _UNAVOIDABLE = frozenset(
-    {CopyReason.BROADCAST, CopyReason.POLICY_CONTIGUOUS, CopyReason.BOOL_MASK, CopyReason.MASK_DTYPE, CopyReason.MASK_BROADCAST}
+    {
+        CopyReason.BROADCAST,
+        CopyReason.POLICY_CONTIGUOUS,
+        CopyReason.BOOL_MASK,
+        CopyReason.MASK_DTYPE,
+        CopyReason.MASK_BROADCAST,
+    }
 )
 
 _warned = LRU(WARN_ONCE_LIMIT)
@@ -96,7 +102,9 @@ class _CopyCounter:
             warn_once(
                 ("copy", operand, reason, signature),
                 "cudnn_safe copies %s (shape, strides, dtype = %s) before cuDNN: %s. This warning is shown once per distinct layout.",
-                operand, signature, reason.value,
+                operand,
+                signature,
+                reason.value,
             )
 
     def snapshot(self) -> CopyStats:

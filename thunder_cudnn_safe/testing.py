@@ -23,7 +23,9 @@ def _randn(*shape, dtype, device, gen=None):
 
 
 def make_contiguous(b, h, lq, s, d, dv, dtype, device="cpu"):
-    return tuple(_leaf(_randn(*shp, dtype=dtype, device=device)) for shp in ((b, h, lq, d), (b, h, s, d), (b, h, s, dv)))
+    return tuple(
+        _leaf(_randn(*shp, dtype=dtype, device=device)) for shp in ((b, h, lq, d), (b, h, s, d), (b, h, s, dv))
+    )
 
 
 def make_bshd(b, h, lq, s, d, dv, dtype, device="cpu"):
@@ -152,12 +154,19 @@ def flash_backward_floor(
 
 
 def assert_close_to_reference(
-    candidate: torch.Tensor, eager: torch.Tensor, reference: torch.Tensor, what: str, factor: float = 2.0, floor: float = 0.0
+    candidate: torch.Tensor,
+    eager: torch.Tensor,
+    reference: torch.Tensor,
+    what: str,
+    factor: float = 2.0,
+    floor: float = 0.0,
 ) -> float:
     """Assert the accuracy rule for one tensor; returns the candidate's max error."""
     assert candidate.shape == reference.shape, f"{what}: shape {tuple(candidate.shape)} != {tuple(reference.shape)}"
     ref = reference.double()
     err = (candidate.double() - ref).abs().max().item() if ref.numel() else 0.0
     bound = error_bound(eager, reference, factor, floor)
-    assert err <= bound, f"{what}: error {err:.3g} to the float64 reference exceeds {bound:.3g} (eager {eager.dtype} x{factor} + floor)"
+    assert err <= bound, (
+        f"{what}: error {err:.3g} to the float64 reference exceeds {bound:.3g} (eager {eager.dtype} x{factor} + floor)"
+    )
     return err

@@ -12,15 +12,14 @@ the tensors bound to them (and the meta function's proxies) must be int64 too.
 from functools import partial
 
 import pytest
+import thunder
 import torch
 import torch.nn.functional as F
-
-import thunder
 from thunder.tests.framework import requiresCUDA
 
 cudnn = pytest.importorskip("cudnn")
-from thunder.executors.cudnnex import cudnn_ex  # noqa: E402
 from thunder.executors.cudnn_sdpa import _cudnn_sdpa_fwd_impl  # noqa: E402
+from thunder.executors.cudnnex import cudnn_ex  # noqa: E402
 
 # The layout of the seed issue: (2, 8, 64, 96) viewed from (2, 64, 768) storage.
 B, H, L, D = 2, 8, 64, 96
@@ -42,7 +41,9 @@ def _assert_close_to_reference(actual, eager, reference, what):
     err = (actual.double() - ref).abs().max().item()
     eager_err = (eager.double() - ref).abs().max().item()
     bound = 2 * eager_err + _FLOOR[actual.dtype] * max(1.0, ref.abs().max().item())
-    assert err <= bound, f"{what}: max error {err:.4g} vs float64, eager {actual.dtype} has {eager_err:.4g} (bound {bound:.4g})"
+    assert err <= bound, (
+        f"{what}: max error {err:.4g} vs float64, eager {actual.dtype} has {eager_err:.4g} (bound {bound:.4g})"
+    )
 
 
 def _bshd_as_bhsd(dtype, requires_grad=True, low=-1.0, high=1.0):

@@ -63,7 +63,11 @@ def build_standin(folder: Path) -> str:
     cc = compiler()
     if cc is None:
         raise FileNotFoundError("no C compiler (cc or gcc) on PATH to build the stand-in libcuda.so.1")
-    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(Path(folder) / "libcuda.so.1"), str(SOURCE)], check=True, capture_output=True)
+    subprocess.run(
+        [cc, "-shared", "-fPIC", "-O1", "-o", str(Path(folder) / "libcuda.so.1"), str(SOURCE)],
+        check=True,
+        capture_output=True,
+    )
     return str(folder)
 
 

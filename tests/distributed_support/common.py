@@ -34,7 +34,9 @@ class Block(torch.nn.Module):
         b, s, c = x.shape
         q, k, v = self.qkv(x).view(b, s, 3, self.heads, c // self.heads).unbind(2)
         p = self.dropout_p if self.training else 0.0
-        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p=p, is_causal=True)
+        a = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p=p, is_causal=True
+        )
         x = x + self.proj(a.transpose(1, 2).reshape(b, s, c))
         return x + self.fc2(F.gelu(self.fc1(x)))
 
@@ -84,7 +86,10 @@ def dropout_inputs(dtype: torch.dtype, device: str = "cpu") -> tuple[torch.Tenso
     """Q, K, V (B, H, S, D) in BSHD storage, the same on every rank, for the dropout runs."""
     gen = torch.Generator().manual_seed(DATA_SEED + 1)
     shape = (2, SEQ, HEADS, DIM // HEADS)
-    return tuple(torch.randn(shape, generator=gen).to(device=device, dtype=dtype).transpose(1, 2).requires_grad_() for _ in range(3))
+    return tuple(
+        torch.randn(shape, generator=gen).to(device=device, dtype=dtype).transpose(1, 2).requires_grad_()
+        for _ in range(3)
+    )
 
 
 def sdpa_dropout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

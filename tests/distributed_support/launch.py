@@ -59,7 +59,9 @@ class Run:
         return out
 
 
-def launch(device: str, scenarios: list[str], out_dir: Path, world_size: int = 2, timeout: float = 300.0, grace: float = 10.0) -> Run:
+def launch(
+    device: str, scenarios: list[str], out_dir: Path, world_size: int = 2, timeout: float = 300.0, grace: float = 10.0
+) -> Run:
     port = free_port()
     env = dict(os.environ)
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world_size), PYTHONUNBUFFERED="1")
@@ -72,8 +74,18 @@ def launch(device: str, scenarios: list[str], out_dir: Path, world_size: int = 2
     for rank in range(world_size):
         log = open(out_dir / f"rank{rank}.log", "w+")  # noqa: SIM115 (closed after the ranks exit)
         logs.append(log)
-        cmd = [sys.executable, str(WORKER), "--device", device, "--out", str(out_dir), "--scenarios", ",".join(scenarios),
-               "--timeout", str(max(30.0, timeout / 2))]
+        cmd = [
+            sys.executable,
+            str(WORKER),
+            "--device",
+            device,
+            "--out",
+            str(out_dir),
+            "--scenarios",
+            ",".join(scenarios),
+            "--timeout",
+            str(max(30.0, timeout / 2)),
+        ]
         rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
         procs.append(subprocess.Popen(cmd, env=rank_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
     timed_out, problems, first_failure = False, [], None

@@ -18,6 +18,7 @@ import os
 import sys
 
 import pytest
+
 sys.path.insert(0, os.path.dirname(__file__))
 
 _RECORDS: list[dict] = []

@@ -28,12 +28,11 @@ import thunder
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+from zoo import ModelCase
 
 import thunder_cudnn_safe as tcs
 from thunder_cudnn_safe.telemetry import CopyReason
 from thunder_cudnn_safe.testing import error_bound
-
-from zoo import ModelCase
 
 OUR_FWD = "cudnn_safe_emulated_sdpa_fwd"
 OUR_BWD = "cudnn_safe_emulated_sdpa_bwd"
@@ -229,8 +228,13 @@ def run_case(case: ModelCase, dtype: torch.dtype, frontend: str, compare_default
     eager = _grads(eager_model, inputs, case.output, grad.to(dtype))
 
     record: dict[str, Any] = {
-        "model": case.name, "dtype": str(dtype).replace("torch.", ""), "frontend": frontend, "note": case.note,
-        "sdpa_total": counter.calls, "sdpa_enable_gqa": counter.gqa, "decline_reasons": dict(counter.reasons),
+        "model": case.name,
+        "dtype": str(dtype).replace("torch.", ""),
+        "frontend": frontend,
+        "note": case.note,
+        "sdpa_total": counter.calls,
+        "sdpa_enable_gqa": counter.gqa,
+        "decline_reasons": dict(counter.reasons),
     }
     names = ["output"] + [n for n, p in base.named_parameters() if p.requires_grad]
 
@@ -241,17 +245,33 @@ def run_case(case: ModelCase, dtype: torch.dtype, frontend: str, compare_default
         return {names[0] if k == "output" else names[k + 1]: v for k, v in r.items()}
 
     def measure(executors, ours):
-        return _compile_and_measure(frontend, copy.deepcopy(base).to(dtype), inputs, case.output, grad.to(dtype),
-                                    executors, ours=ours)
+        return _compile_and_measure(
+            frontend, copy.deepcopy(base).to(dtype), inputs, case.output, grad.to(dtype), executors, ours=ours
+        )
 
     ours = measure([tcs.emulated_ex, *thunder.get_default_executors()], True)
     r_ours = judged(ours)
     needs_default = compare_default or r_ours is None or max(r_ours.values()) > 1.0
     default = measure(list(thunder.get_default_executors()), False) if needs_default else {"skipped": True}
     r_default = None if "skipped" in default else judged(default)
-    for key in ("copies_per_step", "bytes_per_step", "copies_by_reason", "mask_conversions_per_step",
-                "mask_conversion_bytes_per_step", "graph_executions_per_step", "backward_executions_per_step",
-                "builds", "builds_in_step", "fallbacks", "bias_graphs", "mask_patterns", "compile_step_s", "step_s", "split_reasons", "error"):
+    for key in (
+        "copies_per_step",
+        "bytes_per_step",
+        "copies_by_reason",
+        "mask_conversions_per_step",
+        "mask_conversion_bytes_per_step",
+        "graph_executions_per_step",
+        "backward_executions_per_step",
+        "builds",
+        "builds_in_step",
+        "fallbacks",
+        "bias_graphs",
+        "mask_patterns",
+        "compile_step_s",
+        "step_s",
+        "split_reasons",
+        "error",
+    ):
         if key in ours:
             record[key] = ours[key]
     record["default_compared"] = "skipped" not in default

@@ -6,7 +6,6 @@ import os
 
 import pytest
 import torch
-
 from zoo import CASES
 
 
@@ -30,8 +29,9 @@ def selected_params() -> list:
             continue
         for dtype in CASES[name].dtypes:
             short = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
-            params.append(pytest.param(name, dtype, "thunderfx", id=f"{name}-{short}-thunderfx",
-                                       marks=pytest.mark.models_full))
+            params.append(
+                pytest.param(name, dtype, "thunderfx", id=f"{name}-{short}-thunderfx", marks=pytest.mark.models_full)
+            )
         params.append(pytest.param(name, torch.bfloat16, "jit", id=f"{name}-bf16-jit", marks=pytest.mark.models_full))
     return params
 

@@ -7,7 +7,6 @@ import json
 
 import pytest
 import torch
-
 from harness import run_case
 from zoo import CASES
 

@@ -13,9 +13,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from selection import compare_always, selected_params
 from harness import run_case
+from selection import compare_always, selected_params
 from zoo import CASES
 
 pytest.importorskip("transformers")

@@ -60,9 +60,16 @@ def _llm(cls_name: str, **extra):
         cfg_cls = getattr(transformers, f"{cls_name}Config")
         model_cls = getattr(transformers, f"{cls_name}Model")
         cfg = cfg_cls(
-            vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-            use_cache=False, attn_implementation="sdpa", **extra,
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            use_cache=False,
+            attn_implementation="sdpa",
+            **extra,
         )
         return model_cls(cfg)
 
@@ -83,8 +90,16 @@ def _gpt2():
     from transformers import GPT2Config, GPT2Model
 
     cfg = GPT2Config(
-        vocab_size=128, n_positions=64, n_embd=64, n_layer=2, n_head=4, use_cache=False,
-        attn_implementation="sdpa", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        vocab_size=128,
+        n_positions=64,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        use_cache=False,
+        attn_implementation="sdpa",
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
     )
     return GPT2Model(cfg)
 
@@ -94,8 +109,16 @@ def _gpt2_head_dim_12():
     from transformers import GPT2Config, GPT2Model
 
     cfg = GPT2Config(
-        vocab_size=128, n_positions=64, n_embd=48, n_layer=2, n_head=4, use_cache=False,
-        attn_implementation="sdpa", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        vocab_size=128,
+        n_positions=64,
+        n_embd=48,
+        n_layer=2,
+        n_head=4,
+        use_cache=False,
+        attn_implementation="sdpa",
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
     )
     return GPT2Model(cfg)
 
@@ -104,8 +127,14 @@ def _bert():
     from transformers import BertConfig, BertModel
 
     cfg = BertConfig(
-        vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-        max_position_embeddings=64, attn_implementation="sdpa", hidden_dropout_prob=0.0,
+        vocab_size=128,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=64,
+        attn_implementation="sdpa",
+        hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0,
     )
     return BertModel(cfg, add_pooling_layer=False)
@@ -121,9 +150,18 @@ def _t5():
     from transformers import T5Config, T5Model
 
     cfg = T5Config(
-        vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4,
-        relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=0.0,
-        use_cache=False, attn_implementation="sdpa",
+        vocab_size=128,
+        d_model=64,
+        d_kv=16,
+        d_ff=128,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=16,
+        dropout_rate=0.0,
+        use_cache=False,
+        attn_implementation="sdpa",
     )
     return T5Model(cfg)
 
@@ -136,8 +174,15 @@ def _vit():
     from transformers import ViTConfig, ViTModel
 
     cfg = ViTConfig(
-        image_size=32, patch_size=8, num_channels=3, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=128, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        image_size=32,
+        patch_size=8,
+        num_channels=3,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
         attn_implementation="sdpa",
     )
     return ViTModel(cfg, add_pooling_layer=False)
@@ -151,10 +196,23 @@ def _whisper():
     from transformers import WhisperConfig, WhisperModel
 
     cfg = WhisperConfig(
-        vocab_size=128, num_mel_bins=16, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-        decoder_attention_heads=4, d_model=64, encoder_ffn_dim=128, decoder_ffn_dim=128,
-        max_source_positions=16, max_target_positions=32, dropout=0.0, attention_dropout=0.0,
-        use_cache=False, attn_implementation="sdpa", pad_token_id=0, decoder_start_token_id=1,
+        vocab_size=128,
+        num_mel_bins=16,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        d_model=64,
+        encoder_ffn_dim=128,
+        decoder_ffn_dim=128,
+        max_source_positions=16,
+        max_target_positions=32,
+        dropout=0.0,
+        attention_dropout=0.0,
+        use_cache=False,
+        attn_implementation="sdpa",
+        pad_token_id=0,
+        decoder_start_token_id=1,
     )
     return WhisperModel(cfg)
 
@@ -166,10 +224,24 @@ def _whisper_inputs(dtype, gen):
 def _clip():
     from transformers import CLIPConfig, CLIPModel
 
-    text = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                max_position_embeddings=32, projection_dim=32)
-    vision = dict(image_size=32, patch_size=8, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, projection_dim=32)
+    text = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=32,
+        projection_dim=32,
+    )
+    vision = dict(
+        image_size=32,
+        patch_size=8,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        projection_dim=32,
+    )
     cfg = CLIPConfig(text_config=text, vision_config=vision, projection_dim=32, attn_implementation="sdpa")
     return CLIPModel(cfg)
 
@@ -189,9 +261,16 @@ def _unet():
     from diffusers import UNet2DConditionModel
 
     return UNet2DConditionModel(
-        sample_size=16, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
-        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
-        cross_attention_dim=32, attention_head_dim=8, norm_num_groups=32,
+        sample_size=16,
+        in_channels=4,
+        out_channels=4,
+        layers_per_block=1,
+        block_out_channels=(32, 64),
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        cross_attention_dim=32,
+        attention_head_dim=8,
+        norm_num_groups=32,
     )
 
 
@@ -211,8 +290,16 @@ def _sd3():
     from diffusers import SD3Transformer2DModel
 
     return SD3Transformer2DModel(
-        sample_size=16, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=4,
-        joint_attention_dim=32, caption_projection_dim=64, pooled_projection_dim=32, out_channels=4,
+        sample_size=16,
+        patch_size=2,
+        in_channels=4,
+        num_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=4,
+        joint_attention_dim=32,
+        caption_projection_dim=64,
+        pooled_projection_dim=32,
+        out_channels=4,
         pos_embed_max_size=16,
     )
 
@@ -230,9 +317,15 @@ def _vae():
     from diffusers import AutoencoderKL
 
     return AutoencoderKL(
-        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
-        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"), block_out_channels=(32, 64), latent_channels=4,
-        norm_num_groups=32, layers_per_block=1, sample_size=32,
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+        block_out_channels=(32, 64),
+        latent_channels=4,
+        norm_num_groups=32,
+        layers_per_block=1,
+        sample_size=32,
     )
 
 
@@ -254,8 +347,9 @@ def _nanogpt_inputs(dtype, gen):
 def _llama2():
     from thunder.tests.llama2_model import ModelArgs, Transformer
 
-    return Transformer(ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=32,
-                                 max_seq_len=32))
+    return Transformer(
+        ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=32, max_seq_len=32)
+    )
 
 
 def _llama2_inputs(dtype, gen):
@@ -266,21 +360,43 @@ def _logits(o):
     return o[0] if isinstance(o, tuple) else o
 
 
-CASES: dict[str, ModelCase] = {c.name: c for c in [
-    ModelCase("llama", _llm("Llama"), _llm_inputs, _hidden, quick=True, note="causal, GQA 4/2 heads, boolean causal mask"),
-    ModelCase("llama_right_padding", _llm("Llama"), _llm_right_padded_inputs, _hidden, note="causal + right padding"),
-    ModelCase("mistral", _llm("Mistral", sliding_window=8), _llm_inputs, _hidden, note="GQA, sliding window 8"),
-    ModelCase("qwen2", _llm("Qwen2"), _llm_inputs, _hidden, note="GQA, qkv bias"),
-    ModelCase("gpt2", _gpt2, _llm_inputs, _hidden, note="causal, fused c_attn"),
-    ModelCase("gpt2_head_dim_12", _gpt2_head_dim_12, _llm_inputs, _hidden, note="head dim 12: declined, runs on thunder's torch path"),
-    ModelCase("bert", _bert, _bert_inputs, _hidden, quick=True, note="padding mask"),
-    ModelCase("t5", _t5, _t5_inputs, _hidden, quick=True, note="relative position bias with a gradient, cross-attention"),
-    ModelCase("vit", _vit, _image, _hidden, note="bidirectional, 17 tokens"),
-    ModelCase("whisper", _whisper, _whisper_inputs, _hidden, note="encoder-decoder, cross-attention"),
-    ModelCase("clip", _clip, _clip_inputs, _clip_output, note="text (causal + padding) and vision towers"),
-    ModelCase("unet2d_condition", _unet, _unet_inputs, _sample, quick=True, note="diffusers UNet, self and cross-attention, head dim 8"),
-    ModelCase("sd3_transformer", _sd3, _sd3_inputs, _sample, note="diffusers SD3 joint attention"),
-    ModelCase("autoencoder_kl", _vae, _vae_inputs, _sample, note="diffusers VAE, one head of dim 64"),
-    ModelCase("nanogpt", _nanogpt, _nanogpt_inputs, _logits, note="thunder.tests.nanogpt_model, is_causal"),
-    ModelCase("llama2", _llama2, _llama2_inputs, _logits, note="thunder.tests.llama2_model, GQA by repeat_kv"),
-]}
+CASES: dict[str, ModelCase] = {
+    c.name: c
+    for c in [
+        ModelCase(
+            "llama", _llm("Llama"), _llm_inputs, _hidden, quick=True, note="causal, GQA 4/2 heads, boolean causal mask"
+        ),
+        ModelCase(
+            "llama_right_padding", _llm("Llama"), _llm_right_padded_inputs, _hidden, note="causal + right padding"
+        ),
+        ModelCase("mistral", _llm("Mistral", sliding_window=8), _llm_inputs, _hidden, note="GQA, sliding window 8"),
+        ModelCase("qwen2", _llm("Qwen2"), _llm_inputs, _hidden, note="GQA, qkv bias"),
+        ModelCase("gpt2", _gpt2, _llm_inputs, _hidden, note="causal, fused c_attn"),
+        ModelCase(
+            "gpt2_head_dim_12",
+            _gpt2_head_dim_12,
+            _llm_inputs,
+            _hidden,
+            note="head dim 12: declined, runs on thunder's torch path",
+        ),
+        ModelCase("bert", _bert, _bert_inputs, _hidden, quick=True, note="padding mask"),
+        ModelCase(
+            "t5", _t5, _t5_inputs, _hidden, quick=True, note="relative position bias with a gradient, cross-attention"
+        ),
+        ModelCase("vit", _vit, _image, _hidden, note="bidirectional, 17 tokens"),
+        ModelCase("whisper", _whisper, _whisper_inputs, _hidden, note="encoder-decoder, cross-attention"),
+        ModelCase("clip", _clip, _clip_inputs, _clip_output, note="text (causal + padding) and vision towers"),
+        ModelCase(
+            "unet2d_condition",
+            _unet,
+            _unet_inputs,
+            _sample,
+            quick=True,
+            note="diffusers UNet, self and cross-attention, head dim 8",
+        ),
+        ModelCase("sd3_transformer", _sd3, _sd3_inputs, _sample, note="diffusers SD3 joint attention"),
+        ModelCase("autoencoder_kl", _vae, _vae_inputs, _sample, note="diffusers VAE, one head of dim 64"),
+        ModelCase("nanogpt", _nanogpt, _nanogpt_inputs, _logits, note="thunder.tests.nanogpt_model, is_causal"),
+        ModelCase("llama2", _llama2, _llama2_inputs, _logits, note="thunder.tests.llama2_model, GQA by repeat_kv"),
+    ]
+}
