@@ -481,7 +481,8 @@ def plot(suite: dict[str, Any], path, size: str | None = None) -> str | None:
                         )
     info = suite["sizes"][size]
     fig.suptitle(
-        f"Layout-normalization copies, {size} (B={info['b']} H={info['h']} S={info['s']} D={info['d']} {info['dtype']}), "
+        f"Layout-normalization copies, {size} (B={info['b']} H={info['h']} S={info['s']} "
+        f"D={info['d']} {info['dtype']}), "
         f"device {suite['device']}; bytes from thunder_cudnn_safe.copy_stats()",
         fontsize=10,
     )
@@ -520,7 +521,8 @@ def markdown(suite: dict[str, Any]) -> str:
         parts.append("Missed:")
         for key, m in aim["misses"].items():
             parts.append(
-                f"- {key}: fwd copies {m['fwd'] or 'nothing'}, bwd copies {m['bwd'] or 'nothing'} ({'; '.join(f'{k}: {v}' for k, v in m['reasons'].items())})"
+                f"- {key}: fwd copies {m['fwd'] or 'nothing'}, bwd copies {m['bwd'] or 'nothing'} "
+                f"({'; '.join(f'{k}: {v}' for k, v in m['reasons'].items())})"
             )
     if aim.get("by_design"):
         parts += ["", "By design (backward copies K and V only): " + ", ".join(aim["by_design"]) + "."]

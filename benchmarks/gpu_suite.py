@@ -164,9 +164,8 @@ def make_callables(names, device: torch.device) -> dict[str, dict[str, Any]]:
             )
         elif name in ("cudnn_safe[mask]", "cudnn_safe[mask-bias]"):
             entry["expect"] = safe.name
-            entry["build"] = lambda causal, bias=name.endswith("-bias]"): thunder.jit(
-                _masked_fn(causal, bias), executors=[safe]
-            )
+            with_bias = name.endswith("-bias]")
+            entry["build"] = lambda causal, bias=with_bias: thunder.jit(_masked_fn(causal, bias), executors=[safe])
         elif name == "sdpaex":
             ex = getattr(thunder, "sdpa_executor", None)
             entry["expect"] = getattr(ex, "name", None)

@@ -185,7 +185,8 @@ def markdown(suite: dict[str, Any]) -> str:
     for r in suite["cases"]:
         case = Case(r["b"], r["s"], r["hq"], r["hkv"], r["d"], r["dtype"])
         parts.append(
-            f"| {case.label()} | {'on' if r['transform'] else 'off'} | {r['kv_heads_at_op']} | {_mib(r['copy_stats_bytes'])} "
+            f"| {case.label()} | {'on' if r['transform'] else 'off'} | {r['kv_heads_at_op']} | "
+            f"{_mib(r['copy_stats_bytes'])} "
             f"| {_mib(r['repeat_bytes'])} | {_mib(r['saved_bytes'])} ({_mib(r['saved_bytes_not_inputs'])}) "
             f"| {_mib(r['dkv_bytes'])} | {'yes' if r['matches_formula'] else '**no**'} |"
         )

@@ -197,7 +197,7 @@ def _profile(fn, calls: int, top: int = 14) -> list[dict[str, Any]]:
     st = pstats.Stats(prof)
     total = sum(v[2] for v in st.stats.values())
     rows = []
-    for (file, line, func), (cc, nc, tt, ct, _) in sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:top]:
+    for (file, line, func), (_cc, nc, tt, _ct, _) in sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:top]:
         where = f"{file.split('site-packages/')[-1].split('/work/main/')[-1]}:{line}({func})" if file != "~" else func
         rows.append({"function": where, "ncalls_per_call": nc / calls, "tottime_share": tt / total if total else 0.0})
     return rows
@@ -282,7 +282,8 @@ def run(*, quick: bool = False, iters: int | None = None, log=print) -> dict[str
 def markdown(suite: dict[str, Any]) -> str:
     parts = ["## Host overhead per call (graph-cache hit, execute excluded)", "", f"Method: {suite['method']}", ""]
     head = (
-        "| case | ours fwd us | ours bwd us | built-in pygraph fwd us | built-in pygraph bwd us | ratio fwd | ratio bwd "
+        "| case | ours fwd us | ours bwd us | built-in pygraph fwd us | built-in pygraph bwd us | "
+        "ratio fwd | ratio bwd "
         "| alloc floor fwd / bwd us | steady-state path fwd / bwd | fwd <= 10 us |"
     )
     lines = [head, "|" + "---|" * 10]
@@ -310,7 +311,8 @@ def markdown(suite: dict[str, Any]) -> str:
             "",
             f"### Where the time goes ({label})",
             "",
-            "Unit prices of the building blocks of a steady-state dispatch, each timed alone with the call's own tensors "
+            "Unit prices of the building blocks of a steady-state dispatch, each timed alone with "
+            "the call's own tensors "
             "(which ones a cache-hit call runs, and how often, is in the cProfile tables below):",
             "",
             "| building block | us |",

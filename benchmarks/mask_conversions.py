@@ -73,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq", type=int, default=256)
     args = p.parse_args(argv)
     print(
-        "| layers | B | S | conversions / step | bytes converted / step | cache hits / step | bytes held after the step |"
+        "| layers | B | S | conversions / step | bytes converted / step | cache hits / step | bytes "
+        "held after the step |"
     )
     print("|---|---|---|---|---|---|---|")
     for layers in args.layers:

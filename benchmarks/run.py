@@ -162,10 +162,9 @@ def write(result: dict[str, Any], out: Path, plots: bool = True) -> list[Path]:
             ("gpu", gpu_suite, "gpu_speed.png"),
         ):
             s = suites.get(name)
-            if s and "skipped" not in s:
-                if mod.plot(s, out / fname):
-                    images[name] = fname
-                    paths.append(out / fname)
+            if s and "skipped" not in s and mod.plot(s, out / fname):
+                images[name] = fname
+                paths.append(out / fname)
     with open(out / "results.json", "w", encoding="utf-8") as f:
         f.write(dumps(result) + "\n")
     md = [

@@ -22,11 +22,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-import compile_support  # noqa: E402
-import torch  # noqa: E402
+import compile_support
+import torch
 
-import thunder_cudnn_safe as tcs  # noqa: E402
-from thunder_cudnn_safe import aot, binding  # noqa: E402
+import thunder_cudnn_safe as tcs
+from thunder_cudnn_safe import aot, binding
 
 COMPILED_S = 0.1
 

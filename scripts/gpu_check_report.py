@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -96,7 +97,8 @@ def _probe_lines(probe: dict | None) -> list[str]:
         return ["(no probe record)"]
     lines = [
         f"- frontend {probe.get('frontend')}, backend {probe.get('backend')}, "
-        f"pygraph.scaled_dot_product_flash_attention present: {probe.get('pygraph_has_scaled_dot_product_flash_attention')}; "
+        "pygraph.scaled_dot_product_flash_attention present: "
+        f"{probe.get('pygraph_has_scaled_dot_product_flash_attention')}; "
         f"built-in executor registered: {probe.get('builtin_registered')}; defaults: {probe.get('default_executors')}"
     ]
     runs = probe.get("runs")
@@ -105,7 +107,8 @@ def _probe_lines(probe: dict | None) -> list[str]:
             if r.get("outcome") == "ran":
                 errs = ", ".join(f"{k} {v:.3g}" for k, v in r.get("max_abs_error_vs_float64", {}).items())
                 lines.append(
-                    f"- {name}: ran (claimed by built-in: {r.get('claimed_by_builtin')}); max abs error vs float64: {errs}"
+                    f"- {name}: ran (claimed by built-in: {r.get('claimed_by_builtin')}); max abs "
+                    f"error vs float64: {errs}"
                 )
             else:
                 lines.append(
@@ -227,10 +230,8 @@ def pack(out: Path, work: Path) -> list[str]:
     for p in rest:
         p.unlink()
     for d in sorted((d for d in out.rglob("*") if d.is_dir()), key=lambda d: -len(d.parts)):
-        try:
+        with contextlib.suppress(OSError):
             d.rmdir()
-        except OSError:
-            pass
     notes.insert(
         0, f"packed {len(packed)} file(s) into rest.tar.gz: " + ", ".join(str(p.relative_to(out)) for p in packed)
     )

@@ -66,7 +66,8 @@ def main() -> None:
             stub_gpu_calls(mp, [old, new])
             print(f"lightning-thunder {thunder.__version__}, torch {torch.__version__}\n")
             print(
-                "| case | dtype | unpatched out / dq / dk / dv | patched out / dq / dk / dv | eager torch out / dq / dk / dv |"
+                "| case | dtype | unpatched out / dq / dk / dv | patched out / dq / dk / dv | eager "
+                "torch out / dq / dk / dv |"
             )
             print("|---|---|---|---|---|")
             for case, with_mask in (("transposed grad_out", False), ("strided mask", True)):

@@ -21,7 +21,11 @@ class Built:
 def test_hits_misses_builds():
     cache = GraphCache(4)
     built = []
-    make = lambda k: built.append(k) or Built()
+
+    def make(k):
+        built.append(k)
+        return Built()
+
     a = cache.get_or_build("a", make)
     assert cache.get_or_build("a", make) is a
     cache.get_or_build("b", make)

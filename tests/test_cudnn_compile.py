@@ -203,7 +203,7 @@ def test_mask_pattern_graphs_compile(standin):
     }
     for sm in ARCHS:
         disp = Dispatcher(emulation.EmulatedRuntime(arch=(sm // 10, sm % 10), backend_version=91900), GraphCache())
-        for name, mask in masks.items():
+        for mask in masks.values():
             lq = mask.shape[-2]
             for dropout, gqa, det in ((0.1, True, False), (0.0, True, True)):
                 q = torch.randn(2, 4, lq, 64, dtype=torch.bfloat16)

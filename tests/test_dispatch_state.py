@@ -14,6 +14,7 @@ Each test failed before its fix (found by an independent adversarial review).
 """
 
 import gc
+from pathlib import Path
 
 import pytest
 import torch
@@ -224,7 +225,7 @@ def test_mask_cache_weakref_callback_inside_its_own_lock_does_not_deadlock():
     holder["victim"].self = holder["victim"]
     holder["victim"].mask = torch.ones(2, 2, dtype=torch.bool)
     cm.get(holder["victim"].mask, ("victim",), conv)
-    lines = open(lru.__file__).read().splitlines()
+    lines = Path(lru.__file__).read_text().splitlines()
     armed = [True]
 
     def tracer(frame, event, arg):

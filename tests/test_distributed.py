@@ -13,7 +13,8 @@ bfloat16 on their half of a global batch, under:
 Checked here against a single-process eager run of the whole global batch, by the accuracy
 rule (:func:`thunder_cudnn_safe.testing.assert_close_to_reference`: error to float64 <= 2x
 eager bfloat16's own error + floor): each rank's output and loss on its half, the ranks' mean
-loss, and every parameter gradient after the step (thunder's fsdp: each rank's shard of it); that our SDPA forward and backward ran for both
+loss, and every parameter gradient after the step (thunder's fsdp: each rank's shard of it); that
+our SDPA forward and backward ran for both
 layers on every rank (final traces) with no fallback; that each rank built its own graphs
 (the graph cache is per process); and which dropout masks the ranks draw.
 
@@ -68,7 +69,8 @@ def two_ranks(request, tmp_path_factory):
     run.device = device
     r0 = run.results[0] or {}
     print(
-        f"\ntwo-rank launch on {device}: {run.seconds:.1f}s wall; rank 0: {r0.get('cpu_seconds_total')}s CPU; per scenario "
+        f"\ntwo-rank launch on {device}: {run.seconds:.1f}s wall; rank 0: "
+        f"{r0.get('cpu_seconds_total')}s CPU; per scenario "
         "(wall/CPU): "
         + ", ".join(f"{n} {s.get('seconds')}/{s.get('cpu_seconds')}s" for n, s in (r0.get("scenarios") or {}).items())
     )

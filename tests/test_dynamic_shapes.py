@@ -46,7 +46,7 @@ def _decode(disp, lengths, batch=1, need_stats=False, dropout=0.0):
 
 
 def _forward_keys(disp):
-    return [key for key in disp.cache.keys() if isinstance(key, ForwardKey)]
+    return [key for key in disp.cache if isinstance(key, ForwardKey)]
 
 
 def test_inference_forwards_are_dynamic_by_default(mode):
@@ -62,7 +62,7 @@ def test_inference_forwards_are_dynamic_by_default(mode):
     out, stats = disp.forward(q, k, v)
     disp.backward(torch.randn_like(out), q, k, v, None, 0.0, False, out, stats, None, None)
     assert [key.dynamic for key in _forward_keys(disp)] == [True] * 3 + [False]
-    assert not any(getattr(key, "dynamic", False) for key in disp.cache.keys() if isinstance(key, BackwardKey))
+    assert not any(getattr(key, "dynamic", False) for key in disp.cache if isinstance(key, BackwardKey))
 
 
 @pytest.mark.parametrize(

@@ -84,7 +84,10 @@ def test_refuses_missing_binding():
 
 def _diffusers_inputs(dtype=torch.float16):
     """The seed bug's shapes: q/k/v and grad_out (2, 8, 64, 96) with strides (49152, 96, 768, 1)."""
-    mk = lambda: torch.randn(2, 64, 768, dtype=dtype).view(2, 64, 8, 96).transpose(1, 2).detach().requires_grad_()
+
+    def mk():
+        return torch.randn(2, 64, 768, dtype=dtype).view(2, 64, 8, 96).transpose(1, 2).detach().requires_grad_()
+
     q, k, v = mk(), mk(), mk()
     g = torch.randn(2, 64, 768, dtype=dtype).view(2, 64, 8, 96).transpose(1, 2)
     assert g.stride() == (49152, 96, 768, 1)

@@ -284,7 +284,8 @@ def test_a_second_process_starts_warm(tmp_path, monkeypatch, figure) -> None:
     cold_s, warm_s = sum(r.seconds for r in cold), sum(r.seconds for r in warm)
     assert warm_s < cold_s / 5, (cold_s, warm_s)
     figure(
-        f"plan cache, {len(keys)} graphs of a first step on H100 (deviceless): cold {cold_s:.2f} s, warm {warm_s:.3f} s "
+        f"plan cache, {len(keys)} graphs of a first step on H100 (deviceless): cold {cold_s:.2f} s, "
+        f"warm {warm_s:.3f} s "
         f"({cold_s / warm_s:.0f}x), {sum(p.stat().st_size for p in entries) // 1024} KiB on disk"
     )
 

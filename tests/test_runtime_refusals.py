@@ -161,9 +161,11 @@ def test_execution_crash_propagates_naming_the_key_and_refusal_falls_back():
 def test_dispatcher_propagates_an_execution_crash(fresh_cache):
     disp = tcs.emulated_ex.dispatcher
     q, k, v = (T(1, 2, 8, 64) for _ in range(3))
-    with checks.inject_failures(execute=lambda key: RuntimeError("device-side assert")):
-        with pytest.raises(RuntimeError, match="device-side assert"):
-            disp.forward(q, k, v)
+    with (
+        checks.inject_failures(execute=lambda key: RuntimeError("device-side assert")),
+        pytest.raises(RuntimeError, match="device-side assert"),
+    ):
+        disp.forward(q, k, v)
     assert tcs.cache_info().fallbacks == 0
 
 

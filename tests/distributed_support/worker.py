@@ -6,7 +6,8 @@ started once per rank with ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_AD
 ``MASTER_PORT`` in the environment (as ``torchrun`` sets them). Each scenario trains one step
 of :class:`common.TinyModel` on this rank's half of the global batch with our executor first
 in the executor list, and records what the tests check: the output and loss, every parameter's
-gradient (gathered whole from FSDP2's DTensor shards; thunder's fsdp keeps its shard), the SDPA calls our executor claimed in the final traces, and this process's graph
+gradient (gathered whole from FSDP2's DTensor shards; thunder's fsdp keeps its shard), the SDPA
+calls our executor claimed in the final traces, and this process's graph
 cache counters. A scenario that raises is recorded with its traceback (the test reports it)
 and the others still run. The results go to ``DIR/rank<r>.pt``.
 """

@@ -28,13 +28,14 @@ def test_model(name, dtype, frontend, record_model, figure):
     rec = run_case(CASES[name], dtype, frontend, compare_default=compare_always())
     record_model(rec)
     figure(
-        f"model {name} {rec['dtype']} {frontend}: {rec['status']}, sdpa claimed {rec['sdpa_claimed']}/{rec['sdpa_total']}, "
+        f"model {name} {rec['dtype']} {frontend}: {rec['status']}, sdpa claimed "
+        f"{rec['sdpa_claimed']}/{rec['sdpa_total']}, "
         f"copies/step {rec.get('copies_per_step')} ({rec.get('bytes_per_step')} B), "
         f"mask conversions/step {rec.get('mask_conversions_per_step')}, "
         f"backward executions/step {rec.get('backward_executions_per_step')}, builds {rec.get('builds')}, "
         f"fallbacks {rec.get('fallbacks')}, worst ratio {rec.get('worst_ratio')}"
     )
-    assert rec["status"] != "FAIL", json.dumps({k: v for k, v in rec.items()}, indent=1, default=str)
+    assert rec["status"] != "FAIL", json.dumps(dict(rec.items()), indent=1, default=str)
     if rec["status"] == "pass":
         # whatever the executor declined has a reason from explain(), or was never offered (enable_gqa, splits)
         assert rec["fallbacks"] == 0, rec
