@@ -319,3 +319,39 @@ def test_varlen_keys_lower_in_cudnn(arch):
                 ladder = (None, "composite") if isinstance(key, ForwardKey) else (None,)
                 lows = [lowering.lower_key(key, arch, impl) for impl in ladder]
                 assert any(low.ok for low in lows), (arch, key, lows)
+
+
+def test_thunder_jit_sdpa_with_a_block_diagonal_mask(fresh_cache):
+    """A direct ``thunder.jit`` SDPA call with a packed mask (GQA, tokens-major views as HF has them)."""
+    import sys
+
+    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    from checks import check_against_eager, jit_with_ours
+
+    varlen_dispatch.reset_varlen_info()
+    mask = rows([[4, 3, 5, 4], [10, 6]], 16)
+    q, k, v = (t.detach().requires_grad_() for t in _qkv(2, 4, 2, 16, dtype=torch.float16))
+
+    def f(q, k, v, mask):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    jf = jit_with_ours(lambda q, k, v: f(q, k, v, mask))
+    grad = torch.randn(2, 4, 16, 64, dtype=torch.float16)
+    check_against_eager(jf, (q, k, v), grad, lambda q, k, v: f(q, k, v, mask), [q, k, v])
+    keys = [g.key for g in tcs.cached_graphs()]
+    assert keys and all(key.ragged is not None and key.bias is None for key in keys), keys
+    assert varlen_dispatch.varlen_info().get("backward") == 1
+
+
+def test_deterministic_backward_over_the_dp_workspace_budget_declines(monkeypatch):
+    """sm90's deterministic backward materializes dP (N x H x S x S x 2 bytes): over budget, the bias path runs."""
+    from thunder_cudnn_safe import support
+
+    monkeypatch.setattr(support, "DP_WORKSPACE_LIMIT", 1024)
+    varlen_dispatch.reset_varlen_info()
+    disp = _dispatcher()
+    mask = rows([[4, 3, 5], [6, 6]], 12)
+    q, k, v = _qkv(2, 2, 2, 12)
+    out, d_o, grads = _run(disp, mask, q, k, v, deterministic=True)
+    _assert_close(out, grads, *_eager(mask, q, k, v, d_o))
+    assert any("dP workspace" in r for r in varlen_dispatch.varlen_info()), varlen_dispatch.varlen_info()

@@ -136,6 +136,12 @@ def decline(call: Any, target: Target, forward: bool) -> str | None:
         return "the documents do not match the call's rows and tokens"
     if q.shape[1] % k.shape[1]:
         return "query heads are not a multiple of key heads"
+    if call.deterministic and cudnn_rules.needs_dp_workspace(target, False, True):
+        from . import support  # its budget is the one the bias path's claim checks
+
+        n, s = bucket(p.n_docs), bucket(p.max_len, MIN_S_BUCKET)
+        if cudnn_rules.dp_workspace_bytes(n, q.shape[1], s, s) > support.DP_WORKSPACE_LIMIT:
+            return f"{cudnn_rules.DP_WORKSPACE.name}: the deterministic backward's dP workspace is over budget"
     return None
 
 
