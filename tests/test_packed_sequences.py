@@ -355,3 +355,40 @@ def test_deterministic_backward_over_the_dp_workspace_budget_declines(monkeypatc
     out, d_o, grads = _run(disp, mask, q, k, v, deterministic=True)
     _assert_close(out, grads, *_eager(mask, q, k, v, d_o))
     assert any("dP workspace" in r for r in varlen_dispatch.varlen_info()), varlen_dispatch.varlen_info()
+
+
+def test_work_counts_match_brute_force():
+    """varlen_work counts exactly the kept (query, key) pairs of the mask, per head; bias_work the full square."""
+    for mask in (rows([[4, 3, 5], [6, 6]], 12), rows([[7, 5], [3, 9]], 12, window=3), rows([[4, 8]], 12, causal=False)):
+        p = recognize_documents(mask, mask.shape[0], 12, 12)
+        work = varlen.varlen_work(p, heads=3)
+        assert work.scores == 3 * int(mask.sum()), (p, work)
+        assert 0 < work.mask_bytes <= 2 * 8 * 4 + 4 * 9 * 4  # N = 4..8 documents: lengths and 4 offset tensors
+    assert varlen.bias_work(2, 3, 12) == varlen.Work(2 * 3 * 144, 2 * 144 * 2)
+
+
+def test_the_benchmark_counts_agree_with_the_formula():
+    from benchmarks.packed_sequences import measure
+
+    r = measure(256, 8, heads=2, layers=1)
+    assert r["bias_scores"] == 2 * 2 * 256 * 256 and r["varlen_scores"] == 2 * 2 * 8 * 32 * 33 // 2
+    assert r["bias_mask_bytes"] == 2 * 256 * 256 * 2 and r["today"] == "bias"
+
+
+def test_no_document_verdict_under_capture_nor_when_off(fresh_cache, monkeypatch):
+    """Like every pattern: no host sync (no verdict) while a CUDA stream captures, none when patterns are off."""
+    from thunder_cudnn_safe import masks, patterns
+
+    disp = tcs.emulated_ex.dispatcher
+    q, k, v = _qkv(2, 2, 2, 12)
+    mask = rows([[4, 3, 5], [6, 6]], 12)
+    monkeypatch.setattr(patterns, "capturing", lambda t: True)
+    monkeypatch.setattr(patterns, "recognize_documents", lambda *a: pytest.fail("a verdict under capture"))
+    _run(disp, mask, q, k, v)
+    monkeypatch.setattr(patterns, "capturing", masks.capturing)
+    tcs.set_mask_patterns(False)
+    try:
+        _run(disp, mask.clone(), q, k, v)
+    finally:
+        tcs.set_mask_patterns(True)
+    assert all(g.key.ragged is None and g.key.bias is not None for g in tcs.cached_graphs())

@@ -253,3 +253,35 @@ def bind_backward(call: Any, target: Target, dry: bool = False) -> Bound:
         RaggedSig(shape.offsets, p.rows * p.tokens, True),
     )
     return Bound(key, pack, outputs)
+
+
+class Work(NamedTuple):
+    """Per attention pass (forward, or backward: it recomputes the scores) of one layer."""
+
+    #: scores kept and computed (query-key pairs x query heads)
+    scores: int
+    #: mask bytes read: the bias, or the lengths and ragged offsets
+    mask_bytes: int
+
+
+def varlen_work(p: DocumentPattern, heads: int, ragged_tensors: int = 4) -> Work:
+    """What the variable-length graph of ``p`` computes and reads per pass: sum over documents of L(L+1)/2
+    (causal; L^2 not causal; a window of W: the band's pairs) scores per head, and the (N,1,1,1) int32 lengths
+    bound twice plus one (N+1,1,1,1) offset tensor per ragged tensor (Q, K, V, O). One host sync."""
+    lens = p.lens.to(torch.int64)
+    if not p.causal:
+        pairs = lens * lens
+    elif p.left is None:
+        pairs = lens * (lens + 1) // 2
+    else:
+        w = torch.clamp(lens, max=p.left)  # each query keeps min(i + 1, W) keys
+        pairs = w * (w + 1) // 2 + (lens - w) * p.left
+    n = bucket(p.n_docs)
+    offset_bytes = (n + 1) * (4 if p.rows * p.tokens < 2**31 else 8)
+    return Work(int(pairs.sum()) * heads, 2 * n * 4 + ragged_tensors * offset_bytes)
+
+
+def bias_work(rows: int, heads: int, tokens: int, bias_dtype: torch.dtype = torch.bfloat16) -> Work:
+    """What a bias graph computes and reads per pass for a (rows, 1, T, T) mask: every score of the T x T
+    square per head, and the (rows, 1, T, T) bias in the query dtype (broadcast over heads)."""
+    return Work(rows * heads * tokens * tokens, rows * tokens * tokens * bias_dtype.itemsize)
