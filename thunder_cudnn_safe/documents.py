@@ -37,6 +37,9 @@ class DocumentPattern(NamedTuple):
     tokens: int
     starts: Any
     lens: Any
+    #: device tensors derived from this pattern (lengths, offsets per token stride), made once per distinct
+    #: mask rather than once per layer (:mod:`~thunder_cudnn_safe.varlen`); never under capture (no pattern then)
+    derived: Any = None
 
     @property
     def name(self) -> str:
@@ -117,5 +120,5 @@ def recognize_documents(mask: torch.Tensor, batch: int, lq: int, s: int) -> Docu
     starts = torch.zeros(n_row_docs + 1, dtype=torch.int64, device=m.device).scatter_(0, index, tokens)
     lens = torch.zeros(n_row_docs + 1, dtype=torch.int64, device=m.device).scatter_(0, index, doc_len.reshape(-1))
     return DocumentPattern(
-        is_causal, left, int(n_row_docs), int(max_len), rows, lq, starts[:-1], lens[:-1].to(torch.int32)
+        is_causal, left, int(n_row_docs), int(max_len), rows, lq, starts[:-1], lens[:-1].to(torch.int32), {}
     )

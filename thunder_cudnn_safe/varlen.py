@@ -109,14 +109,31 @@ def _shape(p: DocumentPattern, tensors: tuple[torch.Tensor, ...]) -> _Shape:
     return _Shape(n, s, TensorSig((n + 1, 1, 1, 1), (1, 1, 1, 1), dtype))
 
 
+def _derived(p: DocumentPattern, what: tuple, make: Any) -> torch.Tensor:
+    """``make()``, kept with the pattern (one per distinct mask, shared by every layer); made fresh without."""
+    if p.derived is None:
+        return make()
+    if what not in p.derived:
+        p.derived[what] = make()
+    return p.derived[what]
+
+
 def _offsets(p: DocumentPattern, shape: _Shape, token_stride: int) -> torch.Tensor:
     """(N+1,1,1,1) element offsets of each document's first token; unused sequences point past the buffer."""
+    return _derived(p, ("offsets", shape, token_stride), lambda: _make_offsets(p, shape, token_stride))
+
+
+def _make_offsets(p: DocumentPattern, shape: _Shape, token_stride: int) -> torch.Tensor:
     out = torch.full((shape.n + 1,), p.rows * p.tokens * token_stride, dtype=torch.int64, device=p.starts.device)
     out[: p.n_docs] = p.starts * token_stride
     return out.to(shape.offsets.dtype).view(-1, 1, 1, 1)
 
 
 def _lens(p: DocumentPattern, shape: _Shape) -> torch.Tensor:
+    return _derived(p, ("lens", shape.n), lambda: _make_lens(p, shape))
+
+
+def _make_lens(p: DocumentPattern, shape: _Shape) -> torch.Tensor:
     out = torch.zeros((shape.n,), dtype=torch.int32, device=p.lens.device)
     out[: p.n_docs] = p.lens
     return out.view(-1, 1, 1, 1)
