@@ -41,7 +41,10 @@ def test_packed_training_step_runs_varlen_without_a_bias(name, figure):
     varlen_dispatch.reset_varlen_info()
     case = ModelCase(f"{name}_packed", build, _packed_inputs, _hidden, note="padding-free packing")
     rec = run_case(case, torch.bfloat16, "thunderfx", compare_default=False)
-    figure(f"packed {name}: {rec.get('mask_patterns')}, varlen {varlen_dispatch.varlen_info()}, {rec['status']}")
+    figure(
+        f"packed {name}: {rec.get('mask_patterns')}, varlen {varlen_dispatch.varlen_info()}, "
+        f"copies {rec.get('copies_by_reason')}"
+    )
     assert rec["status"] == "pass", json.dumps(rec, indent=1, default=str)
     assert rec["sdpa_claimed"] > 0 and rec["fallbacks"] == 0
     assert rec["bias_graphs"] == 0, rec
