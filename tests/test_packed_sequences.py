@@ -395,3 +395,14 @@ def test_no_document_verdict_under_capture_nor_when_off(fresh_cache, monkeypatch
     finally:
         tcs.set_mask_patterns(True)
     assert all(g.key.ragged is None and g.key.bias is not None for g in tcs.cached_graphs())
+
+
+def test_a_float_document_mask_that_requires_grad_stays_a_bias():
+    """Its gradient (dBias) is computed only by the bias graph: no document verdict, as for every pattern."""
+    disp = _dispatcher()
+    mask = additive(rows([[4, 3, 5], [6, 6]], 12), torch.bfloat16).requires_grad_()
+    q, k, v = _qkv(2, 2, 2, 12)
+    out, stats = disp.forward(q, k, v, mask)
+    d_o = torch.randn_like(out)
+    disp.backward(d_o, q, k, v, mask, 0.0, False, out, stats, None, None, mask_grad=True)
+    assert all(key.ragged is None and key.bias is not None for key in list(disp.cache.keys()))
