@@ -278,3 +278,37 @@ def test_new_lengths_reuse_one_compiled_kernel(standin):
         assert len(reused) >= len(later) - 1, (device, first, later)
     fastest_compile = min(r.seconds for r in static[1:])
     assert sum(r.seconds < fastest_compile / 5 for r in dynamic["H100"][1:]) >= 3, (static, dynamic["H100"])
+
+
+def test_varlen_graphs_compile(standin):
+    """Packed sequences (issue 30) as variable-length graphs get a plan and an NVRTC-compiled kernel: forward
+    and backward (causal GQA, sliding window, deterministic) on H100 and B200, the inference forward on A100
+    (sm80's training calls are declined by VARLEN_BACKWARD_ARCH and run as a bias)."""
+    from thunder_cudnn_safe.cache import GraphCache
+    from thunder_cudnn_safe.dispatch import Dispatcher
+
+    i, j = torch.arange(16)[:, None], torch.arange(16)[None, :]
+    doc = torch.repeat_interleave(torch.arange(3), torch.tensor([5, 3, 8]))
+    same = doc[:, None] == doc[None, :]
+    masks = {"causal": (same & (j <= i))[None, None], "window": (same & (j <= i) & (i - j < 4))[None, None]}
+    for sm in ARCHS:
+        disp = Dispatcher(emulation.EmulatedRuntime(arch=(sm // 10, sm % 10), backend_version=91900), GraphCache())
+        for name, mask in masks.items():
+            q = torch.randn(1, 16, 4, 64, dtype=torch.bfloat16).transpose(1, 2)
+            k, v = (torch.randn(1, 16, 2, 64, dtype=torch.bfloat16).transpose(1, 2) for _ in range(2))
+            if sm == 80:
+                disp.forward(q, k, v, mask, 0.0, False, enable_gqa=True, need_stats=False)
+                continue
+            det = name == "window"
+            out, stats = disp.forward(q, k, v, mask, 0.0, False, enable_gqa=True, deterministic=det)
+            d_o = torch.randn(1, 16, 4, 64, dtype=torch.bfloat16).transpose(1, 2)
+            disp.backward(d_o, q, k, v, mask, 0.0, False, out, stats, None, None, deterministic=det)
+        keys = disp.cache.keys()
+        assert keys and all(key.ragged is not None and key.bias is None for key in keys), keys
+        assert len(keys) == (2 if sm == 80 else 4)
+        device = compile_support.ARCH_DEVICES[sm]
+        results = aot.compile_in_subprocess(keys, device, extra_ld_path=standin)[device]
+        failed = [
+            (type(key).__name__, key.left, r.reason) for key, r in zip(keys, results) if not r.ok or not r.kernels
+        ]
+        assert not failed, (sm, failed)

@@ -60,6 +60,10 @@ class Call(NamedTuple):
     cat_grad_qkv: bool = False
     kv_heads: int | None = None  # K/V with this many (real, not expanded) heads
     policy: str = "preserve"  # the dispatcher's layout policy
+    #: packed sequences (issue 30): per-row document lengths of a block-diagonal mask, causal, window
+    documents: tuple[tuple[int, ...], ...] | None = None
+    doc_causal: bool = True
+    doc_window: int | None = None
 
 
 def _calls() -> list[Call]:
@@ -160,7 +164,42 @@ def _calls() -> list[Call]:
         )
     calls.append(Call("kv-one-head-LneS-dropout", shape=(2, 4, 16, 24, 64, 64), kv_heads=1, dropout=0.1))
     calls.append(Call("kv-broadcast-head-dropout", layout="kv_broadcast_head", dropout=0.1))
+    calls += _document_calls()
     return calls
+
+
+def _document_calls() -> list[Call]:
+    """Packed sequences (issue 30): variable-length graphs where the arch's rules allow them, else the bias."""
+    docs = ((5, 3, 8), (10, 6))
+    calls = []
+    for layout in ("bshd_transposed", "contiguous", "packed_qkv"):
+        for grad in ("contiguous", "transposed"):
+            calls.append(Call(f"documents-{layout}-{grad}", layout, grad, mask_bool=True, documents=docs))
+    calls.append(Call("documents-bf16", "bshd_transposed", "transposed", torch.bfloat16, documents=docs))
+    calls.append(Call("documents-not-causal", "bshd_transposed", documents=docs, doc_causal=False))
+    calls.append(Call("documents-window", "bshd_transposed", documents=docs, doc_window=4))
+    calls.append(Call("documents-gqa", shape=(2, 4, 16, 16, 64, 64), kv_heads=2, documents=docs))
+    calls.append(Call("documents-deterministic", "bshd_transposed", documents=docs, deterministic=True))
+    calls.append(Call("documents-fused-dqkv", "packed_qkv", documents=docs, cat_grad_qkv=True))
+    calls.append(Call("documents-headdim-128", "bshd_transposed", shape=(2, 2, 16, 16, 128, 128), documents=docs))
+    calls.append(Call("documents-float-mask", "bshd_transposed", documents=((4, 4, 4, 4), (16,)), mask_bool=False))
+    return calls
+
+
+def _document_mask(call: Call) -> torch.Tensor:
+    t = call.shape[2]
+    masks = []
+    for lens in call.documents:
+        doc = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+        i, j = torch.arange(t)[:, None], torch.arange(t)[None, :]
+        keep = doc[:, None] == doc[None, :]
+        if call.doc_causal:
+            keep &= j <= i
+        if call.doc_window is not None:
+            keep &= i - j < call.doc_window
+        masks.append(keep)
+    keep = torch.stack(masks)[:, None]
+    return keep if call.mask_bool else torch.zeros(keep.shape, dtype=call.dtype).masked_fill(~keep, float("-inf"))
 
 
 CALLS = _calls()
@@ -183,7 +222,9 @@ def _tensors(call: Call):
     else:
         q, k, v = (t.detach() for t in QKV_LAYOUTS[call.layout](b, h, lq, s, d, dv, call.dtype))
     mask = None
-    if call.mask is not None:
+    if call.documents is not None:
+        mask = _document_mask(call)
+    elif call.mask is not None:
         if call.mask_bool:
             mask = torch.rand(call.mask, generator=g) > 0.2
             mask[..., 0] = True  # no fully masked row: keep the case about layouts
@@ -221,13 +262,15 @@ _KEYS: dict[str, list] = {}
 
 def keys_of(call: Call) -> list:
     """Every graph key (target stripped: graphs do not depend on it) the dispatcher builds for ``call``."""
-    if call.id in _KEYS:
-        return _KEYS[call.id]
+    memo = call.id if call.documents is None else (call.id, emulation.emulated_target().arch)  # varlen is per arch
+    if memo in _KEYS:
+        return _KEYS[memo]
     dispatcher = tcs.emulated_ex.dispatcher
     q, k, v, mask = _tensors(call)
     tcs.clear_cache()
     with torch.no_grad(), _recording(dispatcher) as seen:
-        res = dispatcher.forward(q, k, v, mask, call.dropout, call.causal, layout=call.policy)
+        gqa = call.kv_heads not in (None, 1)
+        res = dispatcher.forward(q, k, v, mask, call.dropout, call.causal, layout=call.policy, enable_gqa=gqa)
         out, stats = res[0], res[1]
         seed, offset = (res[2], res[3]) if call.dropout else (None, None)
         grad_out = GRAD_OUT_LAYOUTS[call.grad](tuple(out.shape), call.dtype)
@@ -253,7 +296,7 @@ def keys_of(call: Call) -> list:
     # A dropout forward whose backward cuDNN refuses is never built (it runs on the fallback).
     assert seen and (any(isinstance(key, ForwardKey) for key in seen) or call.dropout), seen
     keys = list(dict.fromkeys(key._replace(target=None) for key in seen))
-    _KEYS[call.id] = keys
+    _KEYS[memo] = keys
     tcs.clear_cache()
     return keys
 
@@ -281,7 +324,15 @@ def _explain(call: Call, sm: int) -> list[str]:
     tcs.set_emulated_target(ARCHS[sm], backend_version=cudnn.backend_version())
     q, k, v, mask = _tensors(call)
     return tcs.explain(
-        q, k, v, mask, call.dropout, call.causal, executor="cudnn_safe_emulated", deterministic=call.deterministic
+        q,
+        k,
+        v,
+        mask,
+        call.dropout,
+        call.causal,
+        executor="cudnn_safe_emulated",
+        deterministic=call.deterministic,
+        enable_gqa=call.kv_heads not in (None, 1),
     )
 
 
@@ -339,6 +390,26 @@ def test_lowering_sweep_counts(sm: int, figure) -> None:
         f"({kinds['declined']} in declined calls, {kinds['known gap']} known gaps); forwards lower to "
         + ", ".join(f"{name} x{n}" for name, n in sorted(impl.items()))
     )
+
+
+@pytest.mark.parametrize("sm", list(ARCHS))
+def test_document_calls_are_varlen_where_the_rules_allow(sm: int) -> None:
+    """Packed sequences lower as variable-length graphs on sm90/sm100 (forward and backward); on sm80 and
+    sm120 a training call is declined by VARLEN_BACKWARD_ARCH and runs as a bias (which lowers too)."""
+    claimed = 0
+    for call in (c for c in CALLS if c.documents is not None):
+        reasons, verdicts = _verdict(call, sm)
+        if reasons:  # explain() declines it for the bias it sees (sm100: a deterministic backward with a mask)
+            assert call.deterministic and sm == 100, (call.id, reasons)
+            continue
+        claimed += 1
+        ragged = [key for key, v in verdicts if key.ragged is not None]
+        assert all(v.ok for _, v in verdicts), (call.id, [(k.ragged is not None, v.reason) for k, v in verdicts])
+        if sm in (90, 100):
+            assert len(ragged) == len(verdicts) == 2, (call.id, verdicts)
+        else:
+            assert not ragged and all(key.bias is not None for key, _ in verdicts), call.id
+    assert claimed >= 12
 
 
 # -- the lowering module and the graphs it lowers ----------------------------------------------

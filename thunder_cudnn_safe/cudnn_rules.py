@@ -196,3 +196,48 @@ def dp_workspace_bytes(batch: int, heads_q: int, s_q: int, s_kv: int) -> int:
 def needs_dp_workspace(target: Target, d_bias: bool, deterministic: bool) -> bool:
     """Whether a backward materializes dP on ``target``."""
     return d_bias or (deterministic and not DETERMINISTIC_BACKWARD_BLACKWELL.holds(target))
+
+
+# -- packed sequences (variable-length / ragged attention, :mod:`~thunder_cudnn_safe.varlen`) ----------
+VARLEN_BACKEND = Rule(
+    "VARLEN_BACKEND",
+    "packed sequences run as variable-length attention (padding mask + ragged offsets) from cuDNN 9.19.0: "
+    "the version whose graphs were validated, planned and NVRTC-compiled for sm80/sm90/sm100",
+    "shared/notes/packed-sequences.md (libcudnn 9.19.0, frontend 1.32); THD below sm90 needs >= 9.18.1, "
+    "ragged + GQA backward >= 9.6 (cudnn-frontend scaled_dot_product_flash_attention.h)",
+    min_arch=(8, 0),
+    min_backend=91900,
+)
+VARLEN_BACKWARD_ARCH = Rule(
+    "VARLEN_BACKWARD_ARCH",
+    "a variable-length backward reads ragged (tokens-major) stats, which sm80 and sm12x refuse ('Packed/ragged "
+    "LSE is not supported for bprop thd on SM8X and SM12X GPUs'; deterministic is refused there too): packed "
+    "sequences that need a backward run as variable-length attention on sm90 and sm100 only (sm80's dense-stats "
+    "backward ignores max_total_seq_len, its workspace grows with N*S: 3.2 GB for a Llama-8B step)",
+    "libcudnn 9.19 validate at sm80 (shared/notes/packed-sequences.md, fact 4)",
+    min_arch=(9, 0),
+)
+VARLEN_BACKWARD_SM12X = Rule(
+    "VARLEN_BACKWARD_SM12X",
+    "sm12x refuses a ragged-stats variable-length backward, like sm80",
+    "cudnn-frontend 1.32 rule string 'bprop thd on SM8X and SM12X GPUs'",
+    arch_major=12,
+)
+VARLEN_NO_DROPOUT = Rule(
+    "VARLEN_NO_DROPOUT",
+    "packed sequences with dropout run as a bias: the variable-length dropout mask's numbering per document "
+    "is not verified against the emulated reference",
+    "this package (no GPU measurement of ragged dropout)",
+    min_backend=10**9,
+)
+VARLEN_BATCH_STRIDE = Rule(
+    "VARLEN_BATCH_STRIDE",
+    "a ragged tensor's declared batch stride is never stepped but must be a multiple of 16 bytes (PyTorch's "
+    "INT_MAX is refused): the package declares S_bucket x token stride, S_bucket a power of two >= 16",
+    "libcudnn 9.19 validate, 'stride 2147483647 of dimension 0 ... not a multiple of the tensor's 16-byte alignment'",
+)
+
+
+def varlen_backward_holds(target: Target) -> bool:
+    """Whether a variable-length backward (ragged stats) is accepted on ``target``."""
+    return VARLEN_BACKWARD_ARCH.holds(target) and not VARLEN_BACKWARD_SM12X.holds(target)

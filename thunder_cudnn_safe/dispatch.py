@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from . import fallback, handoff
+from . import fallback, handoff, varlen_dispatch
 from .binding import (
     BackwardCall,
     Bound,
@@ -24,6 +24,7 @@ from .binding import (
     with_grad_out_like_o,
 )
 from .cache import GraphCache, graph_cache
+from .documents import DocumentPattern
 from .errors import ExecuteError, GraphBuildError
 from .graphs import Uid
 from .keys import BackwardKey, ForwardKey, Target
@@ -62,6 +63,11 @@ class Dispatcher:
         """O and stats (none when ``need_stats`` is False), then the dropout seed and offset."""
         call = ForwardCall(*args, **kwargs)
         masked = call if call.attn_mask is None else with_mask_pattern(call)
+        if isinstance(masked.attn_mask, DocumentPattern):  # packed sequences; declined or refused: the bias
+            outputs = varlen_dispatch.forward(self, masked)
+            if outputs is not None:
+                return outputs
+            masked = call
         bound = self.bind(masked)
         if call.dropout_p and call.need_stats and not self._backward_builds(call, masked, bound):
             self.run_fallback(bound)
@@ -80,7 +86,13 @@ class Dispatcher:
         if kept is not None:
             return kept
         if not call.mask_grad:
-            call = with_mask_pattern(call)
+            masked = with_mask_pattern(call)
+            if isinstance(masked.attn_mask, DocumentPattern):  # packed sequences; declined or refused: the bias
+                outputs = varlen_dispatch.backward(self, masked)
+                if outputs is not None:
+                    return outputs
+            else:
+                call = masked
         bound = self.bind(call)
         self.run(bound)
         if call.mask_grad:
@@ -165,6 +177,11 @@ def planned_keys(call: ForwardCall, target: Target) -> tuple[ForwardCall, Forwar
     mask_grad = mask is not None and mask.dtype is not torch.bool and bool(mask.requires_grad)
     call = call._replace(layout=LayoutPolicy.parse(call.layout).value, dropout_p=float(call.dropout_p))
     masked = call if mask_grad else with_mask_pattern(call)
+    if isinstance(masked.attn_mask, DocumentPattern):
+        planned = varlen_dispatch.planned_keys(masked, target)
+        if planned is not None:
+            return planned
+        masked = call
     fkey = plan_forward(signature(masked), target).key  # an inference forward has no backward:
     return masked, fkey, companion_backward_key(signature(masked), fkey, mask_grad) if call.need_stats else None
 
@@ -178,6 +195,8 @@ def with_mask_pattern(call: ForwardCall | BackwardCall) -> ForwardCall | Backwar
     pattern = pattern_of(mask, call.query.shape[0], call.query.shape[2], call.key.shape[2])
     if pattern is None:
         return call
+    if isinstance(pattern, DocumentPattern):
+        return call._replace(attn_mask=pattern)
     if pattern.full is not None and type(call) is ForwardCall and not call.need_stats:  # the decode steps' graph
         return call._replace(attn_mask=pattern._replace(q_lens=pattern.full[0], kv_lens=pattern.full[1], full=None))
     if pattern.left is None and pattern.kv_lens is None:

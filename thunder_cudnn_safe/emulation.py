@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from . import _compat, cudnn_rules, graphs, reference
+from . import _compat, cudnn_rules, emulation_ragged, graphs, reference
 from ._env import EMULATED_ARCH_ENV, EMULATED_BACKEND_ENV, env_value, parse_arch
 from .cudnn_rules import ALIGNMENT_BYTES
 from .errors import EmulationError, GraphBuildError
@@ -175,6 +175,9 @@ def emulate(graph: Any, pack: dict) -> None:
     if len(nodes) != 1:
         raise EmulationError(f"the emulated runtime runs single-node SDPA graphs, got {len(nodes)} nodes")
     node = nodes[0]
+    if emulation_ragged.is_ragged(node):  # packed sequences: read and write through the ragged offsets
+        b = _Bindings(node, pack)
+        return emulation_ragged.emulate_ragged(node, b, declared_view, _band(node), _scale(b), _KNOWN_PARAMS)
     _check_params(node)
     kind = getattr(node.node_type, "name", str(node.node_type))
     b = _Bindings(node, pack)
@@ -239,6 +242,7 @@ class EmulatedRuntime(Runtime):
         if (
             isinstance(key, BackwardKey)
             and cudnn_rules.STATS_PACKED_ONLY.holds(key.target)
+            and not (key.ragged is not None and key.ragged.stats)  # the rule is for non-ragged stats
             and (tuple(key.stats.stride) != packed_strides(key.stats.shape))
         ):
             raise GraphBuildError(

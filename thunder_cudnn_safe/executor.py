@@ -30,6 +30,7 @@ from ._version import __version__  # noqa: E402
 from .binding import BackwardCall, ForwardCall, torch_deterministic  # noqa: E402
 from .cache import CachedGraph  # noqa: E402
 from .dispatch import Dispatcher, planned_keys  # noqa: E402
+from .documents import DocumentPattern  # noqa: E402
 from .layout import LayoutPolicy, same_size_except_heads  # noqa: E402
 from .patterns import MaskPattern  # noqa: E402
 from .runtime import CudnnRuntime, Runtime  # noqa: E402
@@ -259,7 +260,7 @@ def describe(
 
 
 def _pattern_name(masked: ForwardCall) -> str:
-    if isinstance(masked.attn_mask, MaskPattern):
+    if isinstance(masked.attn_mask, MaskPattern | DocumentPattern):
         return masked.attn_mask.name
     if masked.attn_mask is None:
         return "causal" if masked.is_causal else "all_kept"

@@ -41,6 +41,16 @@ class Uid(enum.IntEnum):
     DBIAS = 13
     SEQ_LEN_Q = 14
     SEQ_LEN_KV = 15
+    #: ragged offsets of packed sequences (:mod:`~thunder_cudnn_safe.varlen`), one per ragged tensor
+    RAGGED_Q = 16
+    RAGGED_K = 17
+    RAGGED_V = 18
+    RAGGED_O = 19
+    RAGGED_STATS = 20
+    RAGGED_DO = 21
+    RAGGED_DQ = 22
+    RAGGED_DK = 23
+    RAGGED_DV = 24
 
 
 def cudnn_module() -> Any:
@@ -147,6 +157,17 @@ def _masking(graph: Any, key: ForwardKey | BackwardKey) -> dict[str, Any]:
     return band
 
 
+def _ragged(graph: Any, key: ForwardKey | BackwardKey, tensors: dict[Uid, Any]) -> None:
+    """Packed sequences: each tensor's ragged offset ((N+1,1,1,1) int element offsets, bound per call);
+    the stats get one only where the key declares them ragged (sm80's backward refuses ragged stats)."""
+    if key.ragged is None:
+        return
+    for uid, t in tensors.items():
+        if uid == Uid.STATS and not key.ragged.stats:
+            continue
+        t.set_ragged_offset(_declare(graph, Uid[f"RAGGED_{uid.name}"], key.ragged.offsets))
+
+
 def attention_implementation(implementation: Any) -> Any:
     """The frontend's ``attention_implementation`` for "auto" / "composite" / "unified" (or the enum itself);
     None (the frontend's own choice) for None: the argument is then not passed at all."""
@@ -200,6 +221,7 @@ def build_forward_graph(
     _mark_output(o, Uid.O, key.o)
     if key.stats is not None:  # an inference forward writes no stats (nothing reads them)
         _mark_output(stats, Uid.STATS, key.stats)
+    _ragged(g, key, {Uid.Q: q, Uid.K: k, Uid.V: v, Uid.O: o, **({Uid.STATS: stats} if key.stats is not None else {})})
     g.validate()
     return g
 
@@ -227,6 +249,8 @@ def build_backward_graph(
         extra["dropout"] = dropout
     if key.deterministic:
         extra["use_deterministic_algorithm"] = True
+    if key.ragged is not None:  # without it the backward workspace grows with N x S (notes, fact 6)
+        extra.update(max_total_seq_len_q=key.ragged.max_total, max_total_seq_len_kv=key.ragged.max_total)
     dq, dk, dv = g.sdpa_backward(
         q=q,
         k=k,
@@ -242,5 +266,10 @@ def build_backward_graph(
     _mark_output(dq, Uid.DQ, key.dq)
     _mark_output(dk, Uid.DK, key.dk)
     _mark_output(dv, Uid.DV, key.dv)
+    _ragged(
+        g,
+        key,
+        {Uid.Q: q, Uid.K: k, Uid.V: v, Uid.O: o, Uid.DO: d_o, Uid.STATS: stats, Uid.DQ: dq, Uid.DK: dk, Uid.DV: dv},
+    )
     g.validate()
     return g

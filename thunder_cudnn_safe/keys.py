@@ -5,7 +5,7 @@ builds a graph from a key alone, so two calls share a graph exactly when they de
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -59,6 +59,8 @@ class ForwardKey(NamedTuple):
     #: built with dynamic shapes and the target's kernel cache (:func:`~thunder_cudnn_safe.graphs.kernel_cache`):
     #: a new length or batch size reuses a compiled kernel; the layouts declared are still this key's
     dynamic: bool = False
+    #: packed sequences (:mod:`~thunder_cudnn_safe.varlen`): a :class:`~thunder_cudnn_safe.varlen.RaggedSig`, or None
+    ragged: Any = None
 
 
 class BackwardKey(NamedTuple):
@@ -83,3 +85,4 @@ class BackwardKey(NamedTuple):
     target: Target
     left: int | None = None
     padded: bool = False
+    ragged: Any = None

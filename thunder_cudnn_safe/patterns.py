@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ._env import env_value
+from .documents import DocumentPattern, recognize_documents
 from .masks import capturing, converted_masks
 
 #: ``0`` turns recognizing mask patterns off (every mask then runs as a bias); also :func:`set_mask_patterns`.
@@ -90,8 +91,10 @@ def pattern_of(mask: torch.Tensor, batch: int, lq: int, s: int) -> MaskPattern |
     return None if verdict == _NOT_A_PATTERN else verdict
 
 
-def _recognize(mask: torch.Tensor, batch: int, lq: int, s: int) -> MaskPattern | str:
+def _recognize(mask: torch.Tensor, batch: int, lq: int, s: int) -> MaskPattern | DocumentPattern | str:
     pattern = recognize(mask, batch, lq, s)
+    if pattern is None:  # packed sequences: block-diagonal document masks (one more sync, for non-patterns only)
+        pattern = recognize_documents(mask, batch, lq, s)
     with _lock:
         _counts[_NOT_A_PATTERN if pattern is None else pattern.name] += 1
     return _NOT_A_PATTERN if pattern is None else pattern

@@ -36,6 +36,7 @@ class CopyReason(str, enum.Enum):
     STATS_LAYOUT = "softmax stats must be packed BHSD float32"
     DO_LIKE_O = "cuDNN < 9.5.1 needs dO strides == O strides"
     DO_REFUSED = "cuDNN refused the backward graph for dO's own layout; dO copied into O's layout"
+    RAGGED_LAYOUT = "packed sequences: cuDNN's ragged offsets need tokens-major memory"
 
     def __str__(self) -> str:
         return self.value

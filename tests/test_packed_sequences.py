@@ -1,0 +1,408 @@
+"""Packed sequences (issue 30): block-diagonal document masks run as cuDNN variable-length attention.
+
+Checked three ways, as the other mask patterns are: recognition (exact, property-tested: random
+packings are recognized with their lengths, one perturbed element is not), the graph the dispatcher
+builds (ragged, padded, no bias; one graph for varying packings), and the numbers (forward and every
+gradient through the emulated runtime, which reads memory through the ragged offsets, against
+float64 eager with the mask as given).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import thunder_cudnn_safe as tcs
+from thunder_cudnn_safe import cudnn_rules, varlen, varlen_dispatch
+from thunder_cudnn_safe.cache import GraphCache
+from thunder_cudnn_safe.dispatch import Dispatcher
+from thunder_cudnn_safe.documents import recognize_documents
+from thunder_cudnn_safe.emulation import EmulatedRuntime
+from thunder_cudnn_safe.graphs import Uid
+from thunder_cudnn_safe.keys import BackwardKey, ForwardKey
+
+
+def packed(lens, tokens, causal=True, window=None):
+    """HF's packed-sequence mask for one row: documents of ``lens`` then tokens outside every document."""
+    doc = torch.full((tokens,), -1)
+    start = 0
+    for i, n in enumerate(lens):
+        doc[start : start + n] = i
+        start += n
+    i, j = torch.arange(tokens)[:, None], torch.arange(tokens)[None, :]
+    keep = (doc[:, None] == doc[None, :]) & (doc[:, None] >= 0)
+    if causal:
+        keep &= j <= i
+    if window is not None:
+        keep &= i - j < window
+    return keep
+
+
+def rows(lens_per_row, tokens, **kw):
+    return torch.stack([packed(lens, tokens, **kw) for lens in lens_per_row])[:, None]
+
+
+def additive(keep, dtype=torch.float32):
+    return torch.zeros(keep.shape, dtype=dtype).masked_fill(~keep, float("-inf"))
+
+
+# -- recognition ------------------------------------------------------------------------------
+@st.composite
+def packings(draw):
+    tokens = draw(st.integers(2, 24))
+    nrows = draw(st.integers(1, 3))
+    out = []
+    for _ in range(nrows):
+        lens, left = [], max(1, tokens - draw(st.integers(0, 3)))
+        while left > 0:
+            n = draw(st.integers(1, left))
+            lens.append(n)
+            left -= n
+        out.append(lens)
+    return tokens, out, draw(st.booleans()), draw(st.sampled_from([None, None, 2, 3, 5]))
+
+
+def _expected(lens_per_row, tokens, causal, window):
+    starts = [r * tokens + sum(lens[:i]) for r, lens in enumerate(lens_per_row) for i in range(len(lens))]
+    lens = [n for row in lens_per_row for n in row]
+    left = window if causal and window is not None and window < max(lens) else None
+    return starts, lens, left
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(packings())
+def test_random_packings_are_recognized_exactly(case):
+    tokens, lens_per_row, causal, window = case
+    window = window if causal else None
+    mask = rows(lens_per_row, tokens, causal=causal, window=window)
+    for m in (mask, additive(mask)):
+        p = recognize_documents(m, len(lens_per_row), tokens, tokens)
+        starts, lens, left = _expected(lens_per_row, tokens, causal, window)
+        assert p is not None
+        assert p.starts.tolist() == starts and p.lens.tolist() == lens and p.n_docs == len(lens)
+        assert p.max_len == max(lens) and p.left == left
+        # a one-token document or a window of 1 looks the same causal or not: either verdict is exact
+        assert p.causal == causal or max(lens) == 1 or (window == 1)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(packings(), st.data())
+def test_one_perturbed_element_is_not_documents(case, data):
+    tokens, lens_per_row, causal, window = case
+    window = window if causal else None
+    mask = rows(lens_per_row, tokens, causal=causal, window=window).clone()
+    r = data.draw(st.integers(0, len(lens_per_row) - 1))
+    i, j = data.draw(st.integers(0, tokens - 1)), data.draw(st.integers(0, tokens - 1))
+    mask[r, 0, i, j] = ~mask[r, 0, i, j]
+    p = recognize_documents(mask, len(lens_per_row), tokens, tokens)
+    if p is not None:  # the flip may have made another exact packing (a new document, a split): then it is exact
+        rebuilt = torch.zeros_like(mask)
+        for s, n in zip(p.starts.tolist(), p.lens.tolist(), strict=True):
+            row, a = divmod(s, tokens)
+            rebuilt[row, 0] |= _block(a, n, tokens, p.causal, p.left)
+        assert torch.equal(rebuilt, mask)
+
+
+def _block(a, n, tokens, causal, left):
+    i, j = torch.arange(tokens)[:, None], torch.arange(tokens)[None, :]
+    keep = (i >= a) & (i < a + n) & (j >= a) & (j < a + n)
+    if causal:
+        keep &= j <= i
+    if left is not None:
+        keep &= i - j < left
+    return keep
+
+
+@pytest.mark.parametrize("case", ["key_across_boundary", "hole", "not_square", "per_head", "random", "finite_low"])
+def test_near_documents_are_not_recognized(case):
+    m = rows([[4, 3, 5]], 12)
+    if case == "key_across_boundary":
+        m = m.clone()
+        m[0, 0, 5, 3] = True  # query of document 2 sees a key of document 1
+    elif case == "hole":
+        m = m.clone()
+        m[0, 0, 10, 8] = False  # a non-contiguous document
+    elif case == "not_square":
+        m = m[..., :8, :]
+    elif case == "per_head":
+        m = torch.cat([m, rows([[6, 6]], 12)], dim=1)
+    elif case == "random":
+        m = torch.rand(1, 1, 12, 12) > 0.5
+    else:
+        m = torch.zeros(m.shape).masked_fill(~m, -1e4)
+    assert recognize_documents(m, 1, m.shape[-2], m.shape[-1]) is None
+
+
+def test_patterns_route_documents_and_keep_todays_patterns():
+    """A single causal document per row is still today's causal pattern; packed rows are documents."""
+    from thunder_cudnn_safe import patterns
+
+    patterns.reset_mask_pattern_info()
+    assert patterns.pattern_of(rows([[12]], 12), 1, 12, 12).name == "causal"
+    assert patterns.pattern_of(rows([[4, 3, 5]], 12), 1, 12, 12).name == "documents+causal"
+    assert patterns.pattern_of(rows([[4, 8]], 12, causal=False), 1, 12, 12).name == "documents"
+    assert patterns.pattern_of(rows([[6, 6]], 12, window=3), 1, 12, 12).name == "documents+causal+window"
+
+
+# -- the graphs and the numbers -----------------------------------------------------------------
+def _qkv(b, h, hkv, t, d=64, dtype=torch.bfloat16, seed=1, head_major=False):
+    g = torch.Generator().manual_seed(seed)
+
+    def one(heads):
+        x = torch.randn(b, t, heads, d, generator=g).to(dtype)
+        return x.transpose(1, 2).contiguous() if head_major else x.transpose(1, 2)  # HF: BSHD viewed BHSD
+
+    return one(h), one(hkv), one(hkv)
+
+
+def _run(disp, mask, q, k, v, **kw):
+    out, stats = disp.forward(q, k, v, mask, 0.0, False, enable_gqa=q.shape[1] != k.shape[1], **kw)
+    d_o = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(out.dtype)
+    grads = disp.backward(d_o, q, k, v, mask, 0.0, False, out, stats, None, None, **kw)
+    return out, d_o, grads
+
+
+def _eager(mask, q, k, v, d_o):
+    qd, kd, vd = (t.double().requires_grad_() for t in (q, k, v))
+    m = mask if mask.dtype == torch.bool else mask.double()
+    out = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=m, enable_gqa=q.shape[1] != k.shape[1])
+    return out, torch.autograd.grad(out, (qd, kd, vd), d_o.double())
+
+
+def _assert_close(out, grads, ref_out, ref_grads):
+    assert torch.isfinite(out).all() and (out.double() - ref_out).abs().max() < 2e-2
+    for a, r in zip(grads, ref_grads, strict=True):
+        assert torch.isfinite(a).all() and (a.double() - r).abs().max() < 3e-2
+
+
+def _dispatcher(arch=(9, 0)):
+    return Dispatcher(EmulatedRuntime(arch=arch, backend_version=91900), GraphCache())
+
+
+MASKS = {
+    "causal": lambda: rows([[4, 3, 5], [2, 10]], 12),
+    "not_causal": lambda: rows([[4, 3, 5], [12]], 12, causal=False),
+    "window": lambda: rows([[7, 5], [3, 9]], 12, window=3),
+    "tail_outside_documents": lambda: rows([[4, 3], [2, 2, 2]], 12),
+    "broadcast_one_row": lambda: rows([[5, 7]], 12).expand(2, 1, 12, 12),
+    "float": lambda: additive(rows([[4, 3, 5], [6, 6]], 12), torch.bfloat16),
+}
+
+
+@pytest.mark.parametrize("gqa", [False, True])
+@pytest.mark.parametrize("name", list(MASKS))
+def test_documents_run_as_varlen_and_match_eager(name, gqa):
+    disp = _dispatcher()
+    mask = MASKS[name]()
+    q, k, v = _qkv(2, 4, 2 if gqa else 4, 12)
+    out, d_o, grads = _run(disp, mask, q, k, v)
+    keys = disp.cache.keys()
+    assert len(keys) == 2 and all(key.ragged is not None and key.bias is None and key.padded for key in keys)
+    _assert_close(out, grads, *_eager(mask, q, k, v, d_o))
+
+
+def test_tokens_outside_documents_are_zero():
+    """O and every gradient of a token outside all documents are exactly 0, as eager gives (cuDNN writes
+    nothing past a document: the buffers start zeroed)."""
+    disp = _dispatcher()
+    mask = rows([[4, 3], [2, 2, 2]], 12)
+    q, k, v = _qkv(2, 2, 2, 12)
+    out, d_o, grads = _run(disp, mask, q, k, v)
+    assert out[0, :, 7:].abs().max() == 0 and out[1, :, 6:].abs().max() == 0
+    for g in grads:
+        assert g[0, :, 7:].abs().max() == 0 and g[1, :, 6:].abs().max() == 0
+
+
+def test_head_major_inputs_are_copied_tokens_major_and_counted(fresh_cache):
+    disp = _dispatcher()
+    mask = rows([[4, 3, 5], [6, 6]], 12)
+    q, k, v = _qkv(2, 4, 4, 12, head_major=True)
+    tcs.reset_copy_stats()
+    out, d_o, grads = _run(disp, mask, q, k, v)
+    _assert_close(out, grads, *_eager(mask, q, k, v, d_o))
+    copies = tcs.copy_stats()
+    assert copies.copies >= 3 and any("tokens-major" in str(r) for r in copies.by_reason), copies
+
+
+def test_one_graph_serves_varying_packings():
+    """N and S are bucketed (powers of two): rows packed differently share the forward and backward graph."""
+    disp = _dispatcher()
+    q, k, v = _qkv(2, 2, 2, 16)
+    for lens in ([[4, 3, 9], [8, 4, 4]], [[1, 1, 14], [2, 2, 2, 10]], [[2, 2, 2, 10], [5, 11]]):  # N 5..8, S <= 16
+        mask = rows(lens, 16)
+        out, d_o, grads = _run(disp, mask, q, k, v)
+        _assert_close(out, grads, *_eager(mask, q, k, v, d_o))
+    assert disp.cache.info().builds == 2, disp.cache.keys()
+
+
+def test_a_wrong_ragged_offset_gives_wrong_numbers():
+    """The emulated runtime reads through the bound ragged offsets: shifting one by a token is seen."""
+    disp = _dispatcher()
+    mask = rows([[4, 3, 5], [6, 6]], 12)
+    q, k, v = _qkv(2, 2, 2, 12)
+    call = tcs.dispatch.with_mask_pattern(tcs.binding.ForwardCall(q, k, v, mask))
+    bound = varlen.bind_forward(call, disp.runtime.target(q.device))
+    built = disp.cache.get_or_build(bound.key, disp.runtime.build)
+    disp.runtime.execute(built, bound.pack)
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask)
+    assert (bound.outputs[0].double() - ref).abs().max() < 2e-2
+    bad = varlen.bind_forward(call, disp.runtime.target(q.device))
+    bad.pack[Uid.RAGGED_K] = bad.pack[Uid.RAGGED_K].clone()  # K's alone (Q, K, V, O share one tensor here)
+    bad.pack[Uid.RAGGED_K][1] += k.stride(2)  # document 1's keys one token late
+    disp.runtime.execute(built, bad.pack)
+    assert (bad.outputs[0].double() - ref).abs().max() > 0.1
+    assert (bad.outputs[0][1].double() - ref[1]).abs().max() < 2e-2, "row 1 (documents 3, 4) is untouched"
+    oob = varlen.bind_forward(call, disp.runtime.target(q.device))
+    oob.pack[Uid.RAGGED_V] = oob.pack[Uid.RAGGED_V].clone()
+    oob.pack[Uid.RAGGED_V][3] = 10**6  # far outside the storage: refused, not read
+    with pytest.raises(tcs.errors.EmulationError, match="outside"):
+        disp.runtime.execute(built, oob.pack)
+
+
+def test_dropout_and_sm80_training_decline_by_rule_and_stay_exact():
+    mask = rows([[4, 3, 5], [6, 6]], 12)
+    q, k, v = _qkv(2, 2, 2, 12)
+    varlen_dispatch.reset_varlen_info()
+    disp = _dispatcher((8, 0))
+    out, d_o, grads = _run(disp, mask, q, k, v)
+    _assert_close(out, grads, *_eager(mask, q, k, v, d_o))
+    assert all(key.ragged is None and key.bias is not None for key in list(disp.cache.keys()))
+    assert any(cudnn_rules.VARLEN_BACKWARD_ARCH.text in r for r in varlen_dispatch.varlen_info())
+    (inference,) = disp.forward(q, k, v, mask, 0.0, False, need_stats=False)  # sm80's forward is varlen
+    assert any(key.ragged is not None and key.stats is None for key in list(disp.cache.keys()))
+    assert (
+        inference.double() - F.scaled_dot_product_attention(*(t.double() for t in (q, k, v)), mask)
+    ).abs().max() < 2e-2
+    disp = _dispatcher()
+    out, stats, seed, offset = disp.forward(q, k, v, mask, 0.1, False)
+    assert all(key.ragged is None for key in list(disp.cache.keys()))
+    assert any(cudnn_rules.VARLEN_NO_DROPOUT.text in r for r in varlen_dispatch.varlen_info())
+
+
+def test_fused_grad_qkv_and_deterministic():
+    disp = _dispatcher()
+    mask = rows([[4, 3, 5], [6, 6]], 12)
+    q, k, v = _qkv(2, 2, 2, 12)
+    out, d_o, (grad_qkv,) = _run(disp, mask, q, k, v, cat_grad_qkv=True, deterministic=True)
+    _assert_close(out, grad_qkv.split(2, dim=1), *_eager(mask, q, k, v, d_o))
+    assert any(isinstance(key, BackwardKey) and key.deterministic and key.ragged for key in list(disp.cache.keys()))
+
+
+def test_describe_reports_documents(fresh_cache):
+    q, k, v = _qkv(2, 2, 2, 12)
+    report = tcs.describe(q, k, v, rows([[4, 3, 5], [6, 6]], 12), executor="cudnn_safe_emulated")
+    assert report.mask_pattern == "documents+causal"
+
+
+# -- cuDNN's verdict (libcudnn validate + build_operation_graph, no GPU) -------------------------
+def _keys(arch, mask, gqa, need_stats=True):
+    disp = _dispatcher(arch)
+    q, k, v = _qkv(2, 4, 2 if gqa else 4, mask.shape[-1], dtype=torch.float16)
+    if need_stats:
+        _run(disp, mask, q, k, v)
+    else:
+        disp.forward(q, k, v, mask, 0.0, False, enable_gqa=gqa, need_stats=False)
+    return [key for key in list(disp.cache.keys()) if key.ragged is not None]
+
+
+@pytest.mark.parametrize("arch", [80, 90, 100])
+def test_varlen_keys_lower_in_cudnn(arch):
+    from thunder_cudnn_safe import lowering
+
+    if lowering.lowering_problem():
+        pytest.skip(lowering.lowering_problem())
+    for mask in (rows([[4, 3, 5], [6, 6]], 12), rows([[8, 8]], 16, causal=False), rows([[10, 6]], 16, window=4)):
+        for gqa in (False, True):
+            keys = _keys((arch // 10, arch % 10), mask, gqa, need_stats=arch != 80)
+            assert keys and (arch == 80) == all(isinstance(key, ForwardKey) for key in keys)
+            for key in keys:
+                ladder = (None, "composite") if isinstance(key, ForwardKey) else (None,)
+                lows = [lowering.lower_key(key, arch, impl) for impl in ladder]
+                assert any(low.ok for low in lows), (arch, key, lows)
+
+
+def test_thunder_jit_sdpa_with_a_block_diagonal_mask(fresh_cache):
+    """A direct ``thunder.jit`` SDPA call with a packed mask (GQA, tokens-major views as HF has them)."""
+    import sys
+
+    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    from checks import check_against_eager, jit_with_ours
+
+    varlen_dispatch.reset_varlen_info()
+    mask = rows([[4, 3, 5, 4], [10, 6]], 16)
+    q, k, v = (t.detach().requires_grad_() for t in _qkv(2, 4, 2, 16, dtype=torch.float16))
+
+    def f(q, k, v, mask):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    jf = jit_with_ours(lambda q, k, v: f(q, k, v, mask))
+    grad = torch.randn(2, 4, 16, 64, dtype=torch.float16)
+    check_against_eager(jf, (q, k, v), grad, lambda q, k, v: f(q, k, v, mask), [q, k, v])
+    keys = [g.key for g in tcs.cached_graphs()]
+    assert keys and all(key.ragged is not None and key.bias is None for key in keys), keys
+    assert varlen_dispatch.varlen_info().get("backward") == 1
+
+
+def test_deterministic_backward_over_the_dp_workspace_budget_declines(monkeypatch):
+    """sm90's deterministic backward materializes dP (N x H x S x S x 2 bytes): over budget, the bias path runs."""
+    from thunder_cudnn_safe import support
+
+    monkeypatch.setattr(support, "DP_WORKSPACE_LIMIT", 1024)
+    varlen_dispatch.reset_varlen_info()
+    disp = _dispatcher()
+    mask = rows([[4, 3, 5], [6, 6]], 12)
+    q, k, v = _qkv(2, 2, 2, 12)
+    out, d_o, grads = _run(disp, mask, q, k, v, deterministic=True)
+    _assert_close(out, grads, *_eager(mask, q, k, v, d_o))
+    assert any("dP workspace" in r for r in varlen_dispatch.varlen_info()), varlen_dispatch.varlen_info()
+
+
+def test_work_counts_match_brute_force():
+    """varlen_work counts exactly the kept (query, key) pairs of the mask, per head; bias_work the full square."""
+    for mask in (rows([[4, 3, 5], [6, 6]], 12), rows([[7, 5], [3, 9]], 12, window=3), rows([[4, 8]], 12, causal=False)):
+        p = recognize_documents(mask, mask.shape[0], 12, 12)
+        work = varlen.varlen_work(p, heads=3)
+        assert work.scores == 3 * int(mask.sum()), (p, work)
+        assert 0 < work.mask_bytes <= 2 * 8 * 4 + 4 * 9 * 4  # N = 4..8 documents: lengths and 4 offset tensors
+    assert varlen.bias_work(2, 3, 12) == varlen.Work(2 * 3 * 144, 2 * 144 * 2)
+
+
+def test_the_benchmark_counts_agree_with_the_formula():
+    from benchmarks.packed_sequences import measure
+
+    r = measure(256, 8, heads=2, layers=1)
+    assert r["bias_scores"] == 2 * 2 * 256 * 256 and r["varlen_scores"] == 2 * 2 * 8 * 32 * 33 // 2
+    assert r["bias_mask_bytes"] == 2 * 256 * 256 * 2 and r["today"] == "bias"
+
+
+def test_no_document_verdict_under_capture_nor_when_off(fresh_cache, monkeypatch):
+    """Like every pattern: no host sync (no verdict) while a CUDA stream captures, none when patterns are off."""
+    from thunder_cudnn_safe import masks, patterns
+
+    disp = tcs.emulated_ex.dispatcher
+    q, k, v = _qkv(2, 2, 2, 12)
+    mask = rows([[4, 3, 5], [6, 6]], 12)
+    monkeypatch.setattr(patterns, "capturing", lambda t: True)
+    monkeypatch.setattr(patterns, "recognize_documents", lambda *a: pytest.fail("a verdict under capture"))
+    _run(disp, mask, q, k, v)
+    monkeypatch.setattr(patterns, "capturing", masks.capturing)
+    tcs.set_mask_patterns(False)
+    try:
+        _run(disp, mask.clone(), q, k, v)
+    finally:
+        tcs.set_mask_patterns(True)
+    assert all(g.key.ragged is None and g.key.bias is not None for g in tcs.cached_graphs())
+
+
+def test_a_float_document_mask_that_requires_grad_stays_a_bias():
+    """Its gradient (dBias) is computed only by the bias graph: no document verdict, as for every pattern."""
+    disp = _dispatcher()
+    mask = additive(rows([[4, 3, 5], [6, 6]], 12), torch.bfloat16).requires_grad_()
+    q, k, v = _qkv(2, 2, 2, 12)
+    out, stats = disp.forward(q, k, v, mask)
+    d_o = torch.randn_like(out)
+    disp.backward(d_o, q, k, v, mask, 0.0, False, out, stats, None, None, mask_grad=True)
+    assert all(key.ragged is None and key.bias is not None for key in list(disp.cache.keys()))
