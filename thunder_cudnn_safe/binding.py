@@ -57,7 +57,8 @@ def set_dynamic_shapes(mode: str) -> None:
 
 
 def torch_deterministic() -> bool:
-    """Whether ``torch.use_deterministic_algorithms(True)`` is on (not warn-only): cuDNN's deterministic backward then runs."""
+    """Whether ``torch.use_deterministic_algorithms(True)`` is on (not warn-only): cuDNN's deterministic
+    backward then runs."""
     return torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled()
 
 
@@ -291,7 +292,8 @@ class _Planner:
     def masking(
         self, src: int, a: Any, q_dtype: torch.dtype, lq: int, s: int, needs_grad: bool
     ) -> tuple[int | None, bool]:
-        """The mask as a bias (:meth:`mask`) or a pattern's seq-len tensors; returns the band's left bound and whether it pads."""
+        """The mask as a bias (:meth:`mask`) or a pattern's seq-len tensors; returns the band's left bound
+        and whether it pads."""
         if isinstance(a, MaskPattern):
             if a.kv_lens is not None:
                 lens = TensorSig(RNG_SIG.shape, RNG_SIG.stride, torch.int32)
@@ -429,7 +431,8 @@ def _causal(call: ForwardCall | BackwardCall) -> bool:
 
 
 def _stats(p: _Planner, a: ArgSig) -> None:
-    """Softmax stats declared exactly packed float32 (:data:`cudnn_rules.STATS_PACKED_ONLY`); foreign stats are copied."""
+    """Softmax stats declared exactly packed float32 (:data:`cudnn_rules.STATS_PACKED_ONLY`); foreign stats
+    are copied."""
     packed = packed_strides(a.shape)
     if a.dtype != torch.float32 or not is_contiguous(a.shape, a.stride) or not a.aligned:
         fill = TensorSig(tuple(a.shape), packed, torch.float32)

@@ -266,7 +266,8 @@ default_runtime = EmulatedRuntime()
 
 
 def set_emulated_target(arch: tuple[int, int] | str | None = None, backend_version: int | None = None) -> None:
-    """Change which GPU (``(9, 0)``, ``"9.0"``, ``"sm90"``) and cuDNN version (``91900``) the emulated executor poses as."""
+    """Change which GPU (``(9, 0)``, ``"9.0"``, ``"sm90"``) and cuDNN version (``91900``) the emulated
+    executor poses as."""
 
     def is_int(x: object) -> bool:
         return isinstance(x, int) and not isinstance(x, bool)

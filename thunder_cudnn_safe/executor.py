@@ -11,29 +11,24 @@ from __future__ import annotations
 import inspect
 from typing import Any, NamedTuple
 
+import thunder.core.dtypes as dtypes
+import thunder.torch as ltorch
 import torch
+from thunder.core.compile_data import get_compile_option
+from thunder.core.prims import OpTags
+from thunder.core.proxies import TensorProxy
+from thunder.core.transforms import get_grad, put_grad, put_grads
+from thunder.extend import OperatorExecutor, register_executor
 
-from ._compat import prepare_and_import_thunder
-
-prepare_and_import_thunder()
-
-import thunder.core.dtypes as dtypes  # noqa: E402
-import thunder.torch as ltorch  # noqa: E402
-from thunder.core.compile_data import get_compile_option  # noqa: E402
-from thunder.core.prims import OpTags  # noqa: E402
-from thunder.core.proxies import TensorProxy  # noqa: E402
-from thunder.core.transforms import get_grad, put_grad, put_grads  # noqa: E402
-from thunder.extend import OperatorExecutor, register_executor  # noqa: E402
-
-from . import emulation, gqa  # noqa: E402
-from ._version import __version__  # noqa: E402
-from .binding import BackwardCall, ForwardCall, torch_deterministic  # noqa: E402
-from .cache import CachedGraph  # noqa: E402
-from .dispatch import Dispatcher, planned_keys  # noqa: E402
-from .layout import LayoutPolicy, same_size_except_heads  # noqa: E402
-from .patterns import MaskPattern  # noqa: E402
-from .runtime import CudnnRuntime, Runtime  # noqa: E402
-from .support import Decline, not_supported_reasons, torch_dtype  # noqa: E402
+from . import emulation, gqa
+from ._version import __version__
+from .binding import BackwardCall, ForwardCall, torch_deterministic
+from .cache import CachedGraph
+from .dispatch import Dispatcher, planned_keys
+from .layout import LayoutPolicy, same_size_except_heads
+from .patterns import MaskPattern
+from .runtime import CudnnRuntime, Runtime
+from .support import Decline, not_supported_reasons, torch_dtype
 
 _DOCS = {
     "cudnn_safe_layout": "'preserve' declares and binds each tensor's own strides and copies only what cuDNN cannot "

@@ -159,7 +159,8 @@ def attention_implementation(implementation: Any) -> Any:
         return enum_type.__members__[str(implementation).upper()]
     except KeyError:
         raise ValueError(
-            f"implementation must be one of {sorted(m.lower() for m in enum_type.__members__)} or None, got {implementation!r}"
+            f"implementation must be one of {sorted(m.lower() for m in enum_type.__members__)} or None, "
+            f"got {implementation!r}"
         ) from None
 
 

@@ -3,12 +3,13 @@
 Under ThunderFX, HF models materialize every mask (causal, sliding window, key padding, all-True).
 The executor holds the mask's data at run time, so it checks exactly, over the whole tensor, for: all
 kept (no mask; in an inference forward, padding keeping every key); torch's causal (the diagonal band,
-right bound 0); causal with a window of W keys (left bound W); key padding (batch element b keeps keys j < n_b: cuDNN's padding mask with
-``seq_len_kv`` bound per call); causal with padding. A float mask masks with -inf or anything <= its
-dtype's lowest finite value. Anything else stays an additive bias. The verdict costs one host sync
-per distinct mask and state, kept in the converted-mask cache (same identity and version rules);
-none is made or reused under CUDA-graph capture, with the mask cache off, or for an inference
-tensor (no version counter). The pattern is in the graph key; the lengths are bound per call.
+right bound 0); causal with a window of W keys (left bound W); key padding (batch element b keeps
+keys j < n_b: cuDNN's padding mask with ``seq_len_kv`` bound per call); causal with padding. A float
+mask masks with -inf or anything <= its dtype's lowest finite value. Anything else stays an additive
+bias. The verdict costs one host sync per distinct mask and state, kept in the converted-mask cache
+(same identity and version rules); none is made or reused under CUDA-graph capture, with the mask
+cache off, or for an inference tensor (no version counter). The pattern is in the graph key; the
+lengths are bound per call.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ class MaskPattern(NamedTuple):
     left: int | None
     q_lens: Any = None
     kv_lens: Any = None
-    #: of an all-kept mask: (q_lens, kv_lens) keeping every key, to run it as padding (:func:`~thunder_cudnn_safe.dispatch.with_mask_pattern`)
+    #: of an all-kept mask: (q_lens, kv_lens) keeping every key, to run it as padding
+    #: (:func:`~thunder_cudnn_safe.dispatch.with_mask_pattern`)
     full: Any = None
 
     @property

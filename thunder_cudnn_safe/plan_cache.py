@@ -176,8 +176,9 @@ def _ident(key: Any, rung: str | None, device: str) -> str:
 def load(
     key: Any, rung: str | None, device: str | Callable[[], str], new_graph: Callable[[], Any], *handle: Any
 ) -> tuple[Any, dict] | None:
-    """``(graph, meta)`` for ``BuiltGraph(graph, key=key, **meta)``: the stored plan of ``key`` built at ladder rung ``rung``
-    for ``device`` (a descriptor, or a function giving one) deserialized into ``new_graph()`` (with ``handle``); else None."""
+    """``(graph, meta)`` for ``BuiltGraph(graph, key=key, **meta)``: the stored plan of ``key`` built at
+    ladder rung ``rung`` for ``device`` (a descriptor, or a function giving one) deserialized into
+    ``new_graph()`` (with ``handle``); else None."""
     cache = active()
     try:
         ident = cache and _ident(key, rung, device() if callable(device) else device)
@@ -216,7 +217,8 @@ def store(key: Any, rung: str | None, device: str | Callable[[], str], built: An
 
 @functools.cache
 def device_descriptor(index: int) -> str:
-    """A real GPU's descriptor: cuDNN's device properties, else (older backends) torch's name, capability, SMs, memory."""
+    """A real GPU's descriptor: cuDNN's device properties, else (older backends) torch's name, capability,
+    SMs, memory."""
     try:
         return str(graphs.cudnn_module().create_device_properties(index).serialize())
     except Exception:

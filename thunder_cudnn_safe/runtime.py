@@ -200,7 +200,10 @@ class CudnnRuntime(Runtime):
         try:
             handle = self.handle(index)
             with torch.cuda.device(index), frontend_refusal_filter.active():
-                device = lambda: plan_cache.device_descriptor(index)  # computed only with a plan cache
+
+                def device():  # computed only with a plan cache
+                    return plan_cache.device_descriptor(index)
+
                 hit = plan_cache.load(key, implementation, device, lambda: cudnn.pygraph(handle=handle), handle)
                 if hit is not None:
                     return BuiltGraph(hit[0], key=key, **hit[1])

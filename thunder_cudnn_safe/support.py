@@ -52,7 +52,8 @@ class DeclineCode(enum.Enum):
 
 
 class Decline(str):
-    """A human-readable reason (a ``str``, as :func:`~thunder_cudnn_safe.explain` returns) with its :class:`DeclineCode`.
+    """A human-readable reason (a ``str``, as :func:`~thunder_cudnn_safe.explain` returns) with its
+    :class:`DeclineCode`.
 
     ``rule`` names the :mod:`~thunder_cudnn_safe.cudnn_rules` entry behind it, if any.
     """
@@ -320,8 +321,8 @@ def not_supported_reasons(
             reasons.append(
                 Decline(
                     DeclineCode.ARCH,
-                    f"cudnn_safe_deterministic with {'dropout' if dropout else 'a mask gradient'}: cuDNN's deterministic "
-                    f"backward refuses dBias and dropout on sm{target.arch[0]}{target.arch[1]}",
+                    f"cudnn_safe_deterministic with {'dropout' if dropout else 'a mask gradient'}: "
+                    f"cuDNN's deterministic backward refuses dBias and dropout on sm{target.arch[0]}{target.arch[1]}",
                     cudnn_rules.DETERMINISTIC_BACKWARD_BLACKWELL,
                 )
             )
@@ -346,8 +347,9 @@ def not_supported_reasons(
             reasons.append(
                 Decline(
                     DeclineCode.WORKSPACE,
-                    f"{'the mask gradient (dBias)' if mask_grad else 'cudnn_safe_deterministic'} needs {need / 2**30:.1f} GiB "
-                    f"of cuDNN dP workspace, over the {DP_WORKSPACE_LIMIT / 2**30:.1f} GiB budget ({DP_WORKSPACE_LIMIT_ENV})",
+                    f"{'the mask gradient (dBias)' if mask_grad else 'cudnn_safe_deterministic'} needs "
+                    f"{need / 2**30:.1f} GiB of cuDNN dP workspace, over the {DP_WORKSPACE_LIMIT / 2**30:.1f} GiB "
+                    f"budget ({DP_WORKSPACE_LIMIT_ENV})",
                     cudnn_rules.DP_WORKSPACE,
                 )
             )
