@@ -30,7 +30,7 @@ from thunder_cudnn_safe.testing import QKV_LAYOUTS
 
 @pytest.fixture
 def mode():
-    was = binding._dynamic_shapes
+    was = tcs.config.dynamic_shapes
     yield tcs.set_dynamic_shapes
     tcs.set_dynamic_shapes(was)
 
@@ -87,7 +87,7 @@ def test_the_knob_decides_per_call_and_the_plan_memo_follows_it(mode, setting, t
 def test_invalid_mode_is_refused_and_env_typo_keeps_the_default():
     with pytest.raises(ValueError):
         tcs.set_dynamic_shapes("always")
-    code = "import thunder_cudnn_safe.binding as b; print(b._dynamic_shapes)"
+    code = "import thunder_cudnn_safe as tcs; print(tcs.config.dynamic_shapes)"
     for raw, want in (("forward", "forward"), (" OFF ", "off"), ("sometimes", "inference")):
         env = {**os.environ, "THUNDER_CUDNN_SAFE_DYNAMIC_SHAPES": raw}
         proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)

@@ -384,9 +384,8 @@ def test_graph_builds_stay_constant_across_steps():
 def test_decode_over_new_lengths_with_dynamic_shape_graphs(mode):
     """Decode forwards (no_grad) over 12 key lengths and 2 batch sizes: right numbers as dynamic-shape
     graphs sharing one kernel cache and as static graphs; the build seconds go into the figure."""
-    from thunder_cudnn_safe import binding
 
-    was = binding._dynamic_shapes
+    was = tcs.config.dynamic_shapes
     tcs.set_dynamic_shapes(mode)
     tcs.clear_cache()
     try:

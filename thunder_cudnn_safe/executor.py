@@ -20,7 +20,7 @@ from thunder.core.proxies import TensorProxy
 from thunder.core.transforms import get_grad, put_grad, put_grads
 from thunder.extend import OperatorExecutor, register_executor
 
-from . import emulation, gqa
+from . import config, emulation, gqa
 from ._version import __version__
 from .binding import BackwardCall, ForwardCall, torch_deterministic
 from .cache import CachedGraph
@@ -39,23 +39,26 @@ _DOCS = {
 }
 
 
-def _bool_option(*names: str) -> bool:
-    """The first of ``names`` set as a compile option (a bool), else False."""
+def _bool_option(default: bool, *names: str) -> bool:
+    """The first of ``names`` set as a compile option (a bool), else ``default`` (its config knob)."""
     for name in names:
         value = get_compile_option(name, _DOCS[name])
         if value is not None:
             if not isinstance(value, bool):
                 raise ValueError(f"compile option {names[0]} must be a bool, got {value!r}")
             return value
-    return False
+    return default
 
 
 def _call(
     query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False
 ) -> ForwardCall:
     """A thunder SDPA call (torch's signature) with this trace's compile options: the forward call value."""
-    layout = LayoutPolicy.parse(get_compile_option("cudnn_safe_layout", _DOCS["cudnn_safe_layout"])).value
-    cat = _bool_option("cudnn_safe_bwd_may_cat_grad_qkv", "cudnn_sdpa_bwd_may_cat_grad_qkv")
+    layout = get_compile_option("cudnn_safe_layout", _DOCS["cudnn_safe_layout"])
+    layout = LayoutPolicy.parse(config.layout if layout is None else layout).value
+    cat = _bool_option(
+        config.bwd_may_cat_grad_qkv, "cudnn_safe_bwd_may_cat_grad_qkv", "cudnn_sdpa_bwd_may_cat_grad_qkv"
+    )
     return ForwardCall(
         query,
         key,
@@ -65,7 +68,7 @@ def _call(
         is_causal,
         scale,
         layout,
-        _bool_option("cudnn_safe_deterministic") or torch_deterministic(),
+        _bool_option(config.deterministic, "cudnn_safe_deterministic") or torch_deterministic(),
         cat and same_size_except_heads(query, key, value),
         bool(enable_gqa),
     )

@@ -245,3 +245,9 @@ def build_backward_graph(
     _mark_output(dv, Uid.DV, key.dv)
     g.validate()
     return g
+
+
+def clear_kernel_caches() -> None:
+    """Forget the dynamic-shape kernel caches (graphs already built keep theirs; new ones get new ones)."""
+    with _dynamic_lock:
+        _kernel_caches.clear()

@@ -20,11 +20,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ._env import env_value
+from . import config
+from ._env import MASK_PATTERNS_ENV as MASK_PATTERNS_ENV  # its old home; the knob is config.mask_patterns
 from .masks import capturing, converted_masks
-
-#: ``0`` turns recognizing mask patterns off (every mask then runs as a bias); also :func:`set_mask_patterns`.
-MASK_PATTERNS_ENV = "THUNDER_CUDNN_SAFE_MASK_PATTERNS"
 
 
 class MaskPattern(NamedTuple):
@@ -56,21 +54,14 @@ class MaskPattern(NamedTuple):
 _NOT_A_PATTERN = "bias"
 
 
-def _flag(raw: str) -> bool:
-    if raw.strip() not in ("0", "1"):
-        raise ValueError(raw)
-    return raw.strip() == "1"
-
-
-_enabled = env_value(MASK_PATTERNS_ENV, True, _flag, "0 or 1")
 _counts: collections.Counter = collections.Counter()
 _lock = threading.Lock()
 
 
 def set_mask_patterns(enabled: bool) -> None:
-    """Turn recognizing mask patterns on (default) or off (every mask then runs as a bias)."""
-    global _enabled
-    _enabled = bool(enabled)
+    """Turn recognizing mask patterns on (default) or off (every mask then runs as a bias;
+    ``config.set(mask_patterns=...)``)."""
+    config.set(mask_patterns=bool(enabled))
 
 
 def mask_pattern_info() -> dict[str, int]:
@@ -86,7 +77,13 @@ def reset_mask_pattern_info() -> None:
 
 def pattern_of(mask: torch.Tensor, batch: int, lq: int, s: int) -> MaskPattern | None:
     """``mask``'s pattern for a (batch, H, lq, s) call, or None (a bias): cached per distinct mask."""
-    if not _enabled or capturing(mask) or mask.is_inference() or converted_masks.maxsize == 0 or mask.requires_grad:
+    if (
+        not config.mask_patterns
+        or capturing(mask)
+        or mask.is_inference()
+        or converted_masks.maxsize == 0
+        or mask.requires_grad
+    ):
         return None
     verdict = converted_masks.get(mask, ("pattern", batch, lq, s), lambda: _recognize(mask, batch, lq, s), count=False)
     return None if verdict == _NOT_A_PATTERN else verdict

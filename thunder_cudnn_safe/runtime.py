@@ -42,6 +42,11 @@ FORWARD_IMPLEMENTATIONS: tuple[str | None, ...] = (None, "composite")
 _static_only = LRU(1024)
 
 
+def forget_static_only() -> None:
+    """Forget which dynamic-shape topologies cuDNN refused: the next such forward tries dynamic again."""
+    _static_only.clear()
+
+
 def build_with_ladder(key: Any, build_one: Callable[[Any, str | None], BuiltGraph]) -> BuiltGraph:
     """``build_one(key, implementation)`` down :data:`FORWARD_IMPLEMENTATIONS` (a backward has no choice);
     a dynamic-shape forward cuDNN refuses is built as the static graph of the same layouts."""

@@ -14,22 +14,19 @@ from typing import Any
 
 import torch
 
-from . import cudnn_rules
-from ._env import DP_WORKSPACE_LIMIT_ENV, env_value
+from . import config, cudnn_rules
+from ._env import DP_WORKSPACE_LIMIT_ENV
 from .cudnn_rules import INT32_ELEMENT_LIMIT
 from .keys import Target
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def _bytes(raw: str) -> int:
-    if int(raw) < 0:
-        raise ValueError(raw)
-    return int(raw)
-
-
-#: Most dP workspace bytes a claimed backward may need (:data:`~thunder_cudnn_safe.cudnn_rules.DP_WORKSPACE`).
-DP_WORKSPACE_LIMIT = env_value(DP_WORKSPACE_LIMIT_ENV, cudnn_rules.DP_WORKSPACE_LIMIT, _bytes, "a number of bytes >= 0")
+def __getattr__(name: str) -> Any:
+    # The old name of the dP workspace budget: the knob is config.dp_workspace_limit (read at use time).
+    if name == "DP_WORKSPACE_LIMIT":
+        return config.dp_workspace_limit
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class DeclineCode(enum.Enum):
@@ -343,12 +340,13 @@ def not_supported_reasons(
                     )
                 )
         need = cudnn_rules.dp_workspace_bytes(b, h, lq, s)
-        if cudnn_rules.needs_dp_workspace(target, mask_grad, deterministic) and need > DP_WORKSPACE_LIMIT:
+        limit = config.dp_workspace_limit
+        if cudnn_rules.needs_dp_workspace(target, mask_grad, deterministic) and need > limit:
             reasons.append(
                 Decline(
                     DeclineCode.WORKSPACE,
                     f"{'the mask gradient (dBias)' if mask_grad else 'cudnn_safe_deterministic'} needs "
-                    f"{need / 2**30:.1f} GiB of cuDNN dP workspace, over the {DP_WORKSPACE_LIMIT / 2**30:.1f} GiB "
+                    f"{need / 2**30:.1f} GiB of cuDNN dP workspace, over the {limit / 2**30:.1f} GiB "
                     f"budget ({DP_WORKSPACE_LIMIT_ENV})",
                     cudnn_rules.DP_WORKSPACE,
                 )
