@@ -68,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"T = {args.tokens}, B = 1, H = {args.heads}, {args.layers} layers, per training step (forward + backward)")
     print()
     print(
-        "| documents | ran as before | bias: mask bytes | varlen: mask bytes | bias: scores | varlen: scores | scores saved |"
+        "| documents | ran as before | bias: mask bytes | varlen: mask bytes "
+        "| bias: scores | varlen: scores | scores saved |"
     )
     print("|---|---|---|---|---|---|---|")
     for docs in args.docs:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Turn the model suite's JSON records into README's "Models tested" markdown table.
+"""Turn the model suite's JSON records into the "Models tested" markdown table of docs/results.md.
 
     THUNDER_CUDNN_SAFE_MODELS=all THUNDER_CUDNN_SAFE_MODELS_JSON=models.json python -m pytest tests/models
     python scripts/models_table.py models.json > table.md

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import thunder_cudnn_safe as tcs
-from thunder_cudnn_safe import graphs
-from thunder_cudnn_safe.cache import CACHE_SIZE_ENV, GraphBuildError, GraphCache, _env_cache_size
+from thunder_cudnn_safe import config, graphs
+from thunder_cudnn_safe.cache import CACHE_SIZE_ENV, GraphBuildError, GraphCache
 from thunder_cudnn_safe.dispatch import Dispatcher
 from thunder_cudnn_safe.emulation import EmulatedRuntime
 
@@ -91,9 +91,11 @@ def test_concurrent_misses_build_once():
 
 def test_env_var_sets_the_bound(monkeypatch):
     monkeypatch.setenv(CACHE_SIZE_ENV, "7")
-    assert GraphCache().info().maxsize == 7
+    assert config.from_environment("cache_size") == 7
+    with config.patch(cache_size=7):
+        assert GraphCache().info().maxsize == 7  # a new cache takes the knob's bound
     monkeypatch.setenv(CACHE_SIZE_ENV, "zero")
-    assert _env_cache_size() == 1024  # a typo warns and keeps the default, never breaks the import
+    assert config.from_environment("cache_size") == 1024  # a typo warns and keeps the default, never breaks the import
 
 
 def test_public_cache_api(fresh_cache):

@@ -245,7 +245,7 @@ def _decode_keys(device: str, dynamic: str) -> list:
     """The forward keys of decode steps (one query) over new key lengths and a new batch size."""
     from thunder_cudnn_safe import binding
 
-    was = binding._dynamic_shapes
+    was = tcs.config.dynamic_shapes
     tcs.set_dynamic_shapes(dynamic)
     try:
         keys = []

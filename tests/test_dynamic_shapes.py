@@ -30,7 +30,7 @@ from thunder_cudnn_safe.testing import QKV_LAYOUTS
 
 @pytest.fixture
 def mode():
-    was = binding._dynamic_shapes
+    was = tcs.config.dynamic_shapes
     yield tcs.set_dynamic_shapes
     tcs.set_dynamic_shapes(was)
 
@@ -46,7 +46,7 @@ def _decode(disp, lengths, batch=1, need_stats=False, dropout=0.0):
 
 
 def _forward_keys(disp):
-    return [key for key in disp.cache if isinstance(key, ForwardKey)]
+    return [key for key in disp.cache.keys() if isinstance(key, ForwardKey)]
 
 
 def test_inference_forwards_are_dynamic_by_default(mode):
@@ -62,7 +62,7 @@ def test_inference_forwards_are_dynamic_by_default(mode):
     out, stats = disp.forward(q, k, v)
     disp.backward(torch.randn_like(out), q, k, v, None, 0.0, False, out, stats, None, None)
     assert [key.dynamic for key in _forward_keys(disp)] == [True] * 3 + [False]
-    assert not any(getattr(key, "dynamic", False) for key in disp.cache if isinstance(key, BackwardKey))
+    assert not any(getattr(key, "dynamic", False) for key in disp.cache.keys() if isinstance(key, BackwardKey))
 
 
 @pytest.mark.parametrize(
@@ -87,7 +87,7 @@ def test_the_knob_decides_per_call_and_the_plan_memo_follows_it(mode, setting, t
 def test_invalid_mode_is_refused_and_env_typo_keeps_the_default():
     with pytest.raises(ValueError):
         tcs.set_dynamic_shapes("always")
-    code = "import thunder_cudnn_safe.binding as b; print(b._dynamic_shapes)"
+    code = "import thunder_cudnn_safe as tcs; print(tcs.config.dynamic_shapes)"
     for raw, want in (("forward", "forward"), (" OFF ", "off"), ("sometimes", "inference")):
         env = {**os.environ, "THUNDER_CUDNN_SAFE_DYNAMIC_SHAPES": raw}
         proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)

@@ -270,7 +270,7 @@ def test_deterministic_backward_is_bitwise_repeatable():
     assert BWD_OP in traces(jf)[1]
     for name, a, b in zip(("dq", "dk", "dv"), first, second):
         assert torch.equal(a, b), f"{name} differs between two deterministic backward runs"
-    bwd_keys = [key for key in graph_cache if isinstance(key, BackwardKey)]
+    bwd_keys = [key for key in graph_cache.keys() if isinstance(key, BackwardKey)]
     assert bwd_keys and all(key.deterministic for key in bwd_keys), bwd_keys
     assert tcs.cache_info().fallbacks == 0
 
@@ -281,7 +281,7 @@ def test_fused_dqkv_gives_right_gradients():
     q, k, v = QKV_LAYOUTS["packed_qkv"](b, h, s, s, d, d, BF16, device=DEVICE)
     grad_out = GRAD_OUT_LAYOUTS["transposed"]((b, h, s, d), BF16, device=DEVICE)
     check_sdpa_case(q, k, v, grad_out, causal=True, cudnn_safe_bwd_may_cat_grad_qkv=True)
-    bwd_keys = [key for key in graph_cache if isinstance(key, BackwardKey)]
+    bwd_keys = [key for key in graph_cache.keys() if isinstance(key, BackwardKey)]
     assert bwd_keys, "no backward graph was built"
     # dq, dk, dv were slices of one (B, 3H, S, D) buffer laid out BSHD: the seq stride spans 3H heads
     for key in bwd_keys:
@@ -384,9 +384,8 @@ def test_graph_builds_stay_constant_across_steps():
 def test_decode_over_new_lengths_with_dynamic_shape_graphs(mode):
     """Decode forwards (no_grad) over 12 key lengths and 2 batch sizes: right numbers as dynamic-shape
     graphs sharing one kernel cache and as static graphs; the build seconds go into the figure."""
-    from thunder_cudnn_safe import binding
 
-    was = binding._dynamic_shapes
+    was = tcs.config.dynamic_shapes
     tcs.set_dynamic_shapes(mode)
     tcs.clear_cache()
     try:

@@ -154,7 +154,7 @@ def test_describe_finds_the_dbias_backward_of_a_mask_that_requires_grad(fresh_ca
 
 # -- 5 ------------------------------------------------------------------------------------
 def test_quadratic_workspace_is_declined_over_the_budget(monkeypatch):
-    from thunder_cudnn_safe import cudnn_rules, support
+    from thunder_cudnn_safe import cudnn_rules
     from thunder_cudnn_safe.emulation import EmulatedRuntime
     from thunder_cudnn_safe.executor import reasons_for
 
@@ -167,9 +167,9 @@ def test_quadratic_workspace_is_declined_over_the_budget(monkeypatch):
     q, k, v = (torch.empty(2, 4, 512, 64, dtype=torch.float16) for _ in range(3))
     mask = torch.empty(2, 4, 512, 512, dtype=torch.float16, requires_grad=True)
     need = cudnn_rules.dp_workspace_bytes(2, 4, 512, 512)
-    monkeypatch.setattr(support, "DP_WORKSPACE_LIMIT", need)
+    monkeypatch.setattr(tcs.config, "dp_workspace_limit", need)
     assert reasons_for(hopper, q, k, v, mask) == [] and reasons_for(hopper, q, k, v, deterministic=True) == []
-    monkeypatch.setattr(support, "DP_WORKSPACE_LIMIT", need - 1)
+    monkeypatch.setattr(tcs.config, "dp_workspace_limit", need - 1)
     for call in ((q, k, v, mask), (q, k, v, mask.detach())):
         reasons = reasons_for(hopper, *call)
         assert [r.rule for r in reasons] == (["DP_WORKSPACE"] if call[3].requires_grad else []), reasons
@@ -181,9 +181,8 @@ def test_dropout_with_an_unneeded_mask_gradient_ignores_the_budget(fresh_cache, 
     """A mask whose gradient nobody needs (an input mask, HF's finfo.min float masks) must not send a
     dropout call to the fallback because its dBias variant would exceed the dP budget: the budget is
     applied at trace time, where the need for dBias is known (a review found the whole call falling back)."""
-    from thunder_cudnn_safe import support
 
-    monkeypatch.setattr(support, "DP_WORKSPACE_LIMIT", 0)
+    monkeypatch.setattr(tcs.config, "dp_workspace_limit", 0)
     disp = tcs.emulated_ex.dispatcher
     q, k, v = (T(2, 2, 8, 64) for _ in range(3))
     disp.forward(q, k, v, T(2, 2, 8, 8), 0.25, False)

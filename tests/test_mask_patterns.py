@@ -239,7 +239,7 @@ def test_pattern_keys_lower_in_cudnn():
             disp.backward(
                 torch.randn_like(out), q, k, v, mask, 0.1, False, out, stats, seed, offset, deterministic=arch == 90
             )
-            for key in disp.cache:
+            for key in disp.cache.keys():
                 assert isinstance(key, tuple) and key.bias is None
                 ladder = (None, "composite") if not isinstance(key, BackwardKey) else (None,)  # the runtime's ladder
                 lows = [lowering.lower_key(key, arch, impl) for impl in ladder]

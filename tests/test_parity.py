@@ -34,7 +34,7 @@ def test_fused_dqkv_buffer_is_shared_and_declared_with_slice_strides():
     assert grad_qkv.shape == (2, 12, 16, 64)
     dq, dk, dv = grad_qkv.split([4, 4, 4], dim=1)
     ref = disp.backward(torch.zeros_like(out), q, k, v, None, 0.0, False, out, stats, None, None)  # noqa: F841
-    bkey = [key for key in disp.cache if isinstance(key, BackwardKey) and key.dq.stride != key.q.stride][0]
+    bkey = [key for key in disp.cache.keys() if isinstance(key, BackwardKey) and key.dq.stride != key.q.stride][0]
     assert bkey.dq.stride == dq.stride() == (16 * 12 * 64, 64, 12 * 64, 1)
     assert dk.data_ptr() == dq.data_ptr() + 4 * 64 * dq.element_size()
 
@@ -65,7 +65,7 @@ def test_deterministic_option_reaches_the_graph(fresh_cache, monkeypatch):
         jf = jit_sdpa(cudnn_safe_deterministic=det)
         run_and_check(jf, q, k, v, torch.randn(1, 2, 16, 64, dtype=torch.float16))
     assert seen == [(True, True), (False, False)]
-    assert sorted(key.deterministic for key in graph_cache if isinstance(key, BackwardKey)) == [False, True]
+    assert sorted(key.deterministic for key in graph_cache.keys() if isinstance(key, BackwardKey)) == [False, True]
 
 
 def test_deterministic_option_must_be_bool(fresh_cache):

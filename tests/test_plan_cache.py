@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 
-from thunder_cudnn_safe import aot, lowering, plan_cache
+from thunder_cudnn_safe import aot, config, lowering, plan_cache
 from thunder_cudnn_safe.plan_cache import _HEADER, MAGIC, PlanCache
 
 
@@ -158,8 +158,9 @@ def test_load_and_store_of_graphs(tmp_path, monkeypatch, warnings_seen) -> None:
     from thunder_cudnn_safe.runtime import BuiltGraph
 
     key = ("key", 1)
-    monkeypatch.setattr(plan_cache, "_active", plan_cache._UNSET)
-    monkeypatch.setenv("THUNDER_CUDNN_SAFE_PLAN_CACHE_DIR", str(tmp_path))  # read on first use
+    monkeypatch.setattr(plan_cache, "_active", None)
+    monkeypatch.setattr(plan_cache, "_active_dir", None)
+    monkeypatch.setattr(config, "plan_cache_dir", str(tmp_path))  # made on first use
     plan_cache.store(key, "composite", "gpu", BuiltGraph(_Graph(b"blob"), 64, key, "COMPOSITE", "eng0"))
     assert plan_cache.plan_cache_info()[:3] == (str(tmp_path), 1, next(tmp_path.iterdir()).stat().st_size)
     graph, meta = plan_cache.load(key, "composite", lambda: "gpu", _Graph)

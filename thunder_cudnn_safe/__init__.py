@@ -3,18 +3,31 @@
     import thunder, thunder_cudnn_safe
     jm = thunder.jit(model, executors=[thunder_cudnn_safe.cudnn_safe_ex, *thunder.get_default_executors()])
 
-Every layout declared to cuDNN is read off the tensor bound to it (README.md). Importing this
-package runs the compat steps of :mod:`thunder_cudnn_safe._compat`, then imports thunder.
+Every layout declared to cuDNN is read off the tensor bound to it (README.md).
+
+Importing this package changes thunder, in this order:
+
+1. the compat steps of :mod:`thunder_cudnn_safe._compat`, before thunder is imported: on torch >= 2.13,
+   placeholder ``torch.Tensor`` named-tensor methods (thunder's op tables name them); without libcudnn,
+   the cuDNN frontend is hidden from thunder's own import (its cuDNN executor would raise there);
+2. two executors are registered with thunder (``cudnn_safe_ex``, ``emulated_ex``), not made default
+   (:func:`install` does that);
+3. :func:`~thunder_cudnn_safe.install.drop_broken_builtin_cudnn_executor`: thunder's built-in ``"cudnn"``
+   executor leaves the default executors where this cuDNN frontend breaks it;
+4. :func:`thunder_cudnn_safe.gqa.register`: thunder's SDPA translation accepts ``enable_gqa`` (thunder
+   0.2.6 raises ``TypeError`` on it) and grouped heads trace as ``cudnn_safe.sdpa_gqa``;
+   ``gqa.unregister()`` undoes it.
 """
 
 from ._compat import FRONTEND, prepare_and_import_thunder
 
 prepare_and_import_thunder()
 
-from . import gqa  # noqa: E402
+from . import config, cudnn_rules, gqa  # noqa: E402
 from ._version import __version__  # noqa: E402
 from .binding import set_dynamic_shapes  # noqa: E402
-from .cache import CachedGraph, CacheInfo, cache_info, cached_graphs, clear_cache, set_cache_size  # noqa: E402
+from .cache import CachedGraph, CacheInfo, cache_info, cached_graphs, set_cache_size  # noqa: E402
+from .caches import clear_cache  # noqa: E402
 from .emulation import set_emulated_target  # noqa: E402
 from .errors import EmulationError, GraphBuildError  # noqa: E402
 from .executor import CallReport, cudnn_safe_ex, describe, emulated_ex, explain  # noqa: E402
@@ -24,7 +37,8 @@ from .layout import LayoutPolicy  # noqa: E402
 from .masks import MaskCacheInfo, mask_cache_info, set_mask_cache_size  # noqa: E402
 from .patterns import mask_pattern_info, reset_mask_pattern_info, set_mask_patterns  # noqa: E402
 from .plan_cache import PlanCacheInfo, plan_cache_info, set_plan_cache_dir  # noqa: E402
-from .telemetry import CopyStats, copy_stats, reset_copy_stats  # noqa: E402
+from .support import Decline, DeclineCode  # noqa: E402
+from .telemetry import CopyReason, CopyStats, copy_stats, reset_copy_stats  # noqa: E402
 
 drop_broken_builtin_cudnn_executor()
 # enable_gqa traces under thunder.jit and stays in thunder's region under ThunderFX (see gqa.py);
@@ -32,38 +46,48 @@ drop_broken_builtin_cudnn_executor()
 gqa.register()
 
 __all__ = [
-    "FRONTEND",
-    "CacheInfo",
-    "CallReport",
-    "CachedGraph",
-    "CopyStats",
-    "EmulationError",
-    "GraphBuildError",
-    "LayoutPolicy",
-    "MaskCacheInfo",
-    "PlanCacheInfo",
-    "RepeatKVToGQA",
-    "__version__",
-    "cache_info",
-    "cached_graphs",
-    "clear_cache",
-    "copy_stats",
+    # executors and their place in thunder's defaults
     "cudnn_safe_ex",
-    "describe",
     "emulated_ex",
-    "explain",
     "install",
     "installed",
-    "mask_cache_info",
-    "mask_pattern_info",
-    "plan_cache_info",
-    "reset_copy_stats",
-    "reset_mask_pattern_info",
+    "uninstall",
+    "RepeatKVToGQA",
+    # why a call is (not) claimed, and what it would run
+    "explain",
+    "describe",
+    "CallReport",
+    "Decline",
+    "DeclineCode",
+    "cudnn_rules",
+    # knobs (every one is in config; the set_* functions are its older spellings)
+    "config",
+    "LayoutPolicy",
     "set_cache_size",
-    "set_dynamic_shapes",
-    "set_emulated_target",
     "set_mask_cache_size",
     "set_mask_patterns",
+    "set_dynamic_shapes",
     "set_plan_cache_dir",
-    "uninstall",
+    "set_emulated_target",
+    # caches and telemetry
+    "clear_cache",
+    "cache_info",
+    "CacheInfo",
+    "cached_graphs",
+    "CachedGraph",
+    "mask_cache_info",
+    "MaskCacheInfo",
+    "mask_pattern_info",
+    "reset_mask_pattern_info",
+    "plan_cache_info",
+    "PlanCacheInfo",
+    "copy_stats",
+    "reset_copy_stats",
+    "CopyStats",
+    "CopyReason",
+    # errors and environment
+    "GraphBuildError",
+    "EmulationError",
+    "FRONTEND",
+    "__version__",
 ]

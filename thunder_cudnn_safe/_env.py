@@ -1,4 +1,5 @@
-"""Environment variables: one parser for every knob the package reads at import. A typo must never make
+"""Environment variables: one parser for every knob the package reads at import (the knobs
+themselves are in :mod:`thunder_cudnn_safe.config`). A typo must never make
 the package (and a training script) unimportable: an invalid value warns and keeps the default.
 """
 
@@ -21,10 +22,19 @@ DP_WORKSPACE_LIMIT_ENV = "THUNDER_CUDNN_SAFE_DP_WORKSPACE_LIMIT"
 EMULATED_ARCH_ENV = "THUNDER_CUDNN_SAFE_EMULATED_ARCH"
 #: Which cuDNN version the emulated runtime pretends to be (e.g. ``91900``).
 EMULATED_BACKEND_ENV = "THUNDER_CUDNN_SAFE_EMULATED_BACKEND"
-#: Which forwards build dynamic-shape graphs: ``off``, ``inference`` (default), ``forward`` (:mod:`~thunder_cudnn_safe.binding`).
+#: Which forwards build dynamic-shape graphs: ``off``, ``inference`` (default), ``forward``
+#: (:mod:`~thunder_cudnn_safe.binding`).
 DYNAMIC_SHAPES_ENV = "THUNDER_CUDNN_SAFE_DYNAMIC_SHAPES"
 #: Folder of the persistent plan cache (:mod:`thunder_cudnn_safe.plan_cache`; unset: off).
 PLAN_CACHE_DIR_ENV = "THUNDER_CUDNN_SAFE_PLAN_CACHE_DIR"
+#: ``0`` turns recognizing mask patterns off (every mask then runs as a bias; :mod:`~thunder_cudnn_safe.patterns`).
+MASK_PATTERNS_ENV = "THUNDER_CUDNN_SAFE_MASK_PATTERNS"
+#: Default of the ``cudnn_safe_layout`` compile option: ``preserve`` or ``contiguous``.
+LAYOUT_ENV = "THUNDER_CUDNN_SAFE_LAYOUT"
+#: Default of the ``cudnn_safe_deterministic`` compile option: ``0`` or ``1``.
+DETERMINISTIC_ENV = "THUNDER_CUDNN_SAFE_DETERMINISTIC"
+#: Default of the ``cudnn_safe_bwd_may_cat_grad_qkv`` compile option: ``0`` or ``1``.
+BWD_MAY_CAT_GRAD_QKV_ENV = "THUNDER_CUDNN_SAFE_BWD_MAY_CAT_GRAD_QKV"
 
 
 def env_value(name: str, default: T, parse: Callable[[str], T], expected: str) -> T:

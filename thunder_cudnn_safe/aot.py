@@ -37,22 +37,23 @@ from .runtime import (
 )
 
 _CC = "CUDA C++ Programming Guide, 'Technical Specifications per Compute Capability' (8.0, 9.0, 10.0)"
-_COMMON = dict(  # shared by compute capabilities 8.0, 9.0, 10.0 (_CC); the last three are placeholders
-    maxGridSize=[2**31 - 1, 65535, 65535],
-    maxBlockSize=[1024, 1024, 64],
-    maxThreadsPerBlock=1024,
-    warpSize=32,
-    regsPerBlock=65536,
-    maxRegistersPerSM=65536,
-    maxSharedMemoryPerBlock=48 * 1024,
-    reservedSharedMemoryPerBlock=1024,
-    maxThreadsPerSM=2048,
-    maxCtasPerSM=32,
-    supportCoopLaunch=1,
-    isTccDriver=0,
-    cudaDeviceId=0,
-    driverVer=13000,
-)
+# shared by compute capabilities 8.0, 9.0, 10.0 (_CC); the last three are placeholders
+_COMMON = {
+    "maxGridSize": [2**31 - 1, 65535, 65535],
+    "maxBlockSize": [1024, 1024, 64],
+    "maxThreadsPerBlock": 1024,
+    "warpSize": 32,
+    "regsPerBlock": 65536,
+    "maxRegistersPerSM": 65536,
+    "maxSharedMemoryPerBlock": 48 * 1024,
+    "reservedSharedMemoryPerBlock": 1024,
+    "maxThreadsPerSM": 2048,
+    "maxCtasPerSM": 32,
+    "supportCoopLaunch": 1,
+    "isTccDriver": 0,
+    "cudaDeviceId": 0,
+    "driverVer": 13000,
+}
 _FIELDS = (
     "deviceVer",
     "maxSharedMemoryPerBlockOptin",
@@ -82,8 +83,13 @@ SOURCES: dict[str, str] = {
     "driverVer": "the CUDA 13.0 driver API",
     "deviceVer": "compute capability: 8.0 A100, 9.0 H100/H200, 10.0 B200",
     "maxSharedMemoryPerBlockOptin": _CC + ": 163 KB (8.0), 227 KB (9.0, 10.0)",
-    "multiProcessorCount": "A100, H100 whitepapers: 108, 132 (H200: the same GH100 part); B200: 148, as public CUDA device queries report (not in the datasheet)",
-    "l2CacheSize": "A100, H100 whitepapers: 40, 50 MB (H200 as H100); B200: 126 MB, public microbenchmarks (approximate)",
+    "multiProcessorCount": (
+        "A100, H100 whitepapers: 108, 132 (H200: the same GH100 part); "
+        "B200: 148, as public CUDA device queries report (not in the datasheet)"
+    ),
+    "l2CacheSize": (
+        "A100, H100 whitepapers: 40, 50 MB (H200 as H100); B200: 126 MB, public microbenchmarks (approximate)"
+    ),
     "totalGlobalMem": "datasheets: A100 80GB, H100 SXM 80GB, H200 141GB, HGX B200 180GB (GB = 10**9)",
     "smClockRateKHz": "max boost: A100 whitepaper 1410 MHz, H100/H200 datasheets 1980 MHz; B200 approximate",
     "memClockRateKHz": "as CUDA's deviceQuery reports it: A100 1593, H100 2619 MHz; H200, B200 estimated",
@@ -127,7 +133,8 @@ class CompileResult(NamedTuple):
     seconds: float
     #: Restored from the plan cache (:mod:`~thunder_cudnn_safe.plan_cache`) instead of built.
     loaded: bool = False
-    #: Built as a dynamic-shape graph (a refused one is built static: :func:`~thunder_cudnn_safe.runtime.build_with_ladder`).
+    #: Built as a dynamic-shape graph (a refused one is built static:
+    #: :func:`~thunder_cudnn_safe.runtime.build_with_ladder`).
     dynamic: bool = False
 
     @property

@@ -14,8 +14,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import cudnn_rules
-from ._env import DYNAMIC_SHAPES_ENV, env_value
+from . import config, cudnn_rules
 from .cudnn_rules import ALIGNMENT_BYTES
 from .graphs import Uid
 from .keys import RNG_SIG, BackwardKey, ForwardKey, Target, TensorSig
@@ -35,29 +34,21 @@ from .masks import converted_masks
 from .patterns import MaskPattern
 from .telemetry import CopyReason, copy_counter
 
-DYNAMIC_SHAPE_MODES = ("off", "inference", "forward")
-
-
-def _mode(raw: str) -> str:
-    if raw.strip().lower() not in DYNAMIC_SHAPE_MODES:
-        raise ValueError(raw)
-    return raw.strip().lower()
-
-
-_dynamic_shapes = env_value(DYNAMIC_SHAPES_ENV, "inference", _mode, " or ".join(DYNAMIC_SHAPE_MODES))
+DYNAMIC_SHAPE_MODES = config.DYNAMIC_SHAPE_MODES
 
 
 def set_dynamic_shapes(mode: str) -> None:
     """Which forwards build dynamic-shape graphs, whose compiled kernel serves every later length and
     batch size (cuDNN's kernel cache): "inference" (default: forwards with no backward, as in
     generation, where the key length changes every token), "forward" (training forwards too) or
-    "off". Never with dropout (not in the compile sweep); the backward is never dynamic."""
-    global _dynamic_shapes
-    _dynamic_shapes = _mode(str(mode))
+    "off". Never with dropout (not in the compile sweep); the backward is never dynamic.
+    Same as ``config.set(dynamic_shapes=mode)``."""
+    config.set(dynamic_shapes=str(mode))
 
 
 def torch_deterministic() -> bool:
-    """Whether ``torch.use_deterministic_algorithms(True)`` is on (not warn-only): cuDNN's deterministic backward then runs."""
+    """Whether ``torch.use_deterministic_algorithms(True)`` is on (not warn-only): cuDNN's deterministic
+    backward then runs."""
     return torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled()
 
 
@@ -193,7 +184,7 @@ def memo_key(call: ForwardCall | BackwardCall, target: Target) -> tuple:
         q, k, v, mask = call[:4]
         return (
             target,
-            _dynamic_shapes,
+            config.dynamic_shapes,
             q.shape,
             q.stride(),
             q.dtype,
@@ -291,7 +282,8 @@ class _Planner:
     def masking(
         self, src: int, a: Any, q_dtype: torch.dtype, lq: int, s: int, needs_grad: bool
     ) -> tuple[int | None, bool]:
-        """The mask as a bias (:meth:`mask`) or a pattern's seq-len tensors; returns the band's left bound and whether it pads."""
+        """The mask as a bias (:meth:`mask`) or a pattern's seq-len tensors; returns the band's left bound
+        and whether it pads."""
         if isinstance(a, MaskPattern):
             if a.kv_lens is not None:
                 lens = TensorSig(RNG_SIG.shape, RNG_SIG.stride, torch.int32)
@@ -350,7 +342,7 @@ def plan_forward(call: ForwardCall, target: Target, dynamic_shapes: str | None =
             p.new(uid, RNG_SIG.shape, RNG_SIG.stride, RNG_SIG.dtype, draw=True) for uid in (Uid.SEED, Uid.OFFSET)
         ]
     s = p.sigs
-    mode = _dynamic_shapes if dynamic_shapes is None else dynamic_shapes  # the memo key's, read once per call
+    mode = config.dynamic_shapes if dynamic_shapes is None else dynamic_shapes  # the memo key's, read once per call
     dynamic = not call.dropout_p and (mode == "forward" or mode == "inference" and not call.need_stats)
     key = ForwardKey(
         q,
@@ -429,7 +421,8 @@ def _causal(call: ForwardCall | BackwardCall) -> bool:
 
 
 def _stats(p: _Planner, a: ArgSig) -> None:
-    """Softmax stats declared exactly packed float32 (:data:`cudnn_rules.STATS_PACKED_ONLY`); foreign stats are copied."""
+    """Softmax stats declared exactly packed float32 (:data:`cudnn_rules.STATS_PACKED_ONLY`); foreign stats
+    are copied."""
     packed = packed_strides(a.shape)
     if a.dtype != torch.float32 or not is_contiguous(a.shape, a.stride) or not a.aligned:
         fill = TensorSig(tuple(a.shape), packed, torch.float32)

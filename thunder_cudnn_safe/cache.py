@@ -12,13 +12,14 @@ import time
 from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
 
-from ._env import CACHE_SIZE_ENV, env_value, positive_int
+from . import config
+from ._env import CACHE_SIZE_ENV as CACHE_SIZE_ENV  # its old home; the knob is config.cache_size
 from .errors import GraphBuildError
 from .lru import LRU
 from .masks import converted_masks
 from .telemetry import forget_warnings
 
-DEFAULT_CACHE_SIZE = 1024
+DEFAULT_CACHE_SIZE = config.KNOBS["cache_size"].default
 #: Builds of one key that may fail transiently before the failure is remembered as a refusal.
 TRANSIENT_BUILD_ATTEMPTS = 3
 
@@ -49,13 +50,9 @@ class CachedGraph(NamedTuple):
     workspace_size: int
 
 
-def _env_cache_size() -> int:
-    return env_value(CACHE_SIZE_ENV, DEFAULT_CACHE_SIZE, positive_int, "a positive integer")
-
-
 class GraphCache:
     def __init__(self, maxsize: int | None = None) -> None:
-        maxsize = _env_cache_size() if maxsize is None else int(maxsize)
+        maxsize = config.cache_size if maxsize is None else int(maxsize)
         if maxsize < 1:
             raise ValueError("cache size must be >= 1")
         self._lock = threading.Lock()  # counters and per-key locks
@@ -188,6 +185,7 @@ def _cached(key: Hashable, b: Any) -> CachedGraph:
 
 
 graph_cache = GraphCache()
+config.on_change("cache_size", graph_cache.resize)
 
 
 def cache_info() -> CacheInfo:
@@ -196,7 +194,8 @@ def cache_info() -> CacheInfo:
 
 
 def clear_cache() -> None:
-    """Drop every cached graph, remembered refusal and converted mask; zero the counters; warn about fallbacks again."""
+    """Drop every cached graph, remembered refusal and converted mask; zero the counters; warn about fallbacks again.
+    The package's :func:`thunder_cudnn_safe.clear_cache` (:mod:`~thunder_cudnn_safe.caches`) clears more."""
     graph_cache.clear()
     converted_masks.clear()
     forget_warnings("fallback")
@@ -208,5 +207,5 @@ def cached_graphs() -> list[CachedGraph]:
 
 
 def set_cache_size(maxsize: int) -> None:
-    """Change the cache bound; evicts least recently used graphs beyond it."""
-    graph_cache.resize(maxsize)
+    """Change the cache bound; evicts least recently used graphs beyond it (``config.set(cache_size=...)``)."""
+    config.set(cache_size=maxsize)

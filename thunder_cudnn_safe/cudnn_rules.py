@@ -136,7 +136,8 @@ DBIAS_KEY_LENGTH_1_BLACKWELL = Rule(
 )
 DYNAMIC_SHAPE_FORWARD = Rule(
     "DYNAMIC_SHAPE_FORWARD",
-    "an SDPA forward (not the backward) builds as a dynamic-shape graph whose kernel a kernel cache reuses for new shapes",
+    "an SDPA forward (not the backward) builds as a dynamic-shape graph whose kernel a kernel cache reuses "
+    "for new shapes",
     "cudnn-frontend 1.18.0 release notes (cuDNN 9.18.1: dynamic shapes for SDPA fprop); the compile sweep: sm80, sm90, "
     "sm100 plan every variant (causal, bias, padding, stats) and compile once for 64 lengths",
     min_arch=(8, 0),

@@ -12,16 +12,15 @@ from typing import Any
 
 import torch
 
-from . import _compat, cudnn_rules, emulation_ragged, graphs, reference
-from ._env import EMULATED_ARCH_ENV, EMULATED_BACKEND_ENV, env_value, parse_arch
+from . import _compat, config, cudnn_rules, emulation_ragged, graphs, reference
 from .cudnn_rules import ALIGNMENT_BYTES
 from .errors import EmulationError, GraphBuildError
 from .keys import BackwardKey, ForwardKey, Target
 from .layout import packed_strides, span_elements
 from .runtime import BuiltGraph, Runtime, build_with_ladder, frontend_refusal_filter
 
-DEFAULT_ARCH = (9, 0)
-DEFAULT_BACKEND = 91900
+DEFAULT_ARCH = config.KNOBS["emulated_arch"].default
+DEFAULT_BACKEND = config.KNOBS["emulated_backend"].default
 
 
 def _torch_dtype_of(cudnn_dtype: Any) -> torch.dtype:
@@ -216,9 +215,9 @@ class EmulatedRuntime(Runtime):
 
     def __init__(self, arch: tuple[int, int] | None = None, backend_version: int | None = None) -> None:
         if arch is None:
-            arch = env_value(EMULATED_ARCH_ENV, DEFAULT_ARCH, parse_arch, "an architecture like '9.0' or 'sm90'")
+            arch = config.emulated_arch
         if backend_version is None:
-            backend_version = env_value(EMULATED_BACKEND_ENV, DEFAULT_BACKEND, int, "an integer like 91900")
+            backend_version = config.emulated_backend
         self.arch, self.backend_version = arch, int(backend_version)
         self._target: Target | None = None
 
@@ -267,24 +266,15 @@ class EmulatedRuntime(Runtime):
 
 #: The runtime behind ``emulated_ex`` (its target is what :func:`set_emulated_target` changes).
 default_runtime = EmulatedRuntime()
+config.on_change("emulated_arch", lambda arch: setattr(default_runtime, "arch", tuple(arch)))
+config.on_change("emulated_backend", lambda version: setattr(default_runtime, "backend_version", version))
 
 
 def set_emulated_target(arch: tuple[int, int] | str | None = None, backend_version: int | None = None) -> None:
-    """Change which GPU (``(9, 0)``, ``"9.0"``, ``"sm90"``) and cuDNN version (``91900``) the emulated executor poses as."""
-
-    def is_int(x: object) -> bool:
-        return isinstance(x, int) and not isinstance(x, bool)
-
-    if isinstance(arch, str):
-        arch = parse_arch(arch)
-    elif arch is not None and not (isinstance(arch, tuple | list) and len(arch) == 2 and all(map(is_int, arch))):
-        raise ValueError(f"arch must be (major, minor) integers or a string like '9.0', got {arch!r}")
-    if backend_version is not None and not (is_int(backend_version) and backend_version > 0):
-        raise ValueError(f"backend_version must be a positive integer like 91900, got {backend_version!r}")
-    if arch is not None:
-        default_runtime.arch = tuple(arch)
-    if backend_version is not None:
-        default_runtime.backend_version = backend_version
+    """Change which GPU (``(9, 0)``, ``"9.0"``, ``"sm90"``) and cuDNN version (``91900``) the emulated
+    executor poses as (``config.set(emulated_arch=..., emulated_backend=...)``)."""
+    changes = {"emulated_arch": arch, "emulated_backend": backend_version}
+    config.set(**{name: value for name, value in changes.items() if value is not None})
 
 
 def emulated_target() -> Target:

@@ -11,30 +11,25 @@ from __future__ import annotations
 import inspect
 from typing import Any, NamedTuple
 
+import thunder.core.dtypes as dtypes
+import thunder.torch as ltorch
 import torch
+from thunder.core.compile_data import get_compile_option
+from thunder.core.prims import OpTags
+from thunder.core.proxies import TensorProxy
+from thunder.core.transforms import get_grad, put_grad, put_grads
+from thunder.extend import OperatorExecutor, register_executor
 
-from ._compat import prepare_and_import_thunder
-
-prepare_and_import_thunder()
-
-import thunder.core.dtypes as dtypes  # noqa: E402
-import thunder.torch as ltorch  # noqa: E402
-from thunder.core.compile_data import get_compile_option  # noqa: E402
-from thunder.core.prims import OpTags  # noqa: E402
-from thunder.core.proxies import TensorProxy  # noqa: E402
-from thunder.core.transforms import get_grad, put_grad, put_grads  # noqa: E402
-from thunder.extend import OperatorExecutor, register_executor  # noqa: E402
-
-from . import emulation, gqa  # noqa: E402
-from ._version import __version__  # noqa: E402
-from .binding import BackwardCall, ForwardCall, torch_deterministic  # noqa: E402
-from .cache import CachedGraph  # noqa: E402
-from .dispatch import Dispatcher, planned_keys  # noqa: E402
-from .documents import DocumentPattern  # noqa: E402
-from .layout import LayoutPolicy, same_size_except_heads  # noqa: E402
-from .patterns import MaskPattern  # noqa: E402
-from .runtime import CudnnRuntime, Runtime  # noqa: E402
-from .support import Decline, not_supported_reasons, torch_dtype  # noqa: E402
+from . import config, emulation, gqa
+from ._version import __version__
+from .binding import BackwardCall, ForwardCall, torch_deterministic
+from .cache import CachedGraph
+from .dispatch import Dispatcher, planned_keys
+from .documents import DocumentPattern
+from .layout import LayoutPolicy, same_size_except_heads
+from .patterns import MaskPattern
+from .runtime import CudnnRuntime, Runtime
+from .support import Decline, not_supported_reasons, torch_dtype
 
 _DOCS = {
     "cudnn_safe_layout": "'preserve' declares and binds each tensor's own strides and copies only what cuDNN cannot "
@@ -45,23 +40,26 @@ _DOCS = {
 }
 
 
-def _bool_option(*names: str) -> bool:
-    """The first of ``names`` set as a compile option (a bool), else False."""
+def _bool_option(default: bool, *names: str) -> bool:
+    """The first of ``names`` set as a compile option (a bool), else ``default`` (its config knob)."""
     for name in names:
         value = get_compile_option(name, _DOCS[name])
         if value is not None:
             if not isinstance(value, bool):
                 raise ValueError(f"compile option {names[0]} must be a bool, got {value!r}")
             return value
-    return False
+    return default
 
 
 def _call(
     query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False
 ) -> ForwardCall:
     """A thunder SDPA call (torch's signature) with this trace's compile options: the forward call value."""
-    layout = LayoutPolicy.parse(get_compile_option("cudnn_safe_layout", _DOCS["cudnn_safe_layout"])).value
-    cat = _bool_option("cudnn_safe_bwd_may_cat_grad_qkv", "cudnn_sdpa_bwd_may_cat_grad_qkv")
+    layout = get_compile_option("cudnn_safe_layout", _DOCS["cudnn_safe_layout"])
+    layout = LayoutPolicy.parse(config.layout if layout is None else layout).value
+    cat = _bool_option(
+        config.bwd_may_cat_grad_qkv, "cudnn_safe_bwd_may_cat_grad_qkv", "cudnn_sdpa_bwd_may_cat_grad_qkv"
+    )
     return ForwardCall(
         query,
         key,
@@ -71,7 +69,7 @@ def _call(
         is_causal,
         scale,
         layout,
-        _bool_option("cudnn_safe_deterministic") or torch_deterministic(),
+        _bool_option(config.deterministic, "cudnn_safe_deterministic") or torch_deterministic(),
         cat and same_size_except_heads(query, key, value),
         bool(enable_gqa),
     )

@@ -12,28 +12,23 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import thunder.core.dtypes as dtypes
+import thunder.core.prims as prims
+import thunder.core.utils as utils
+import thunder.torch as ltorch
 import torch
-
-from ._compat import prepare_and_import_thunder
-
-prepare_and_import_thunder()
-
-import thunder.core.dtypes as dtypes  # noqa: E402
-import thunder.core.prims as prims  # noqa: E402
-import thunder.core.utils as utils  # noqa: E402
-import thunder.torch as ltorch  # noqa: E402
-from thunder.core.jit_ext import (  # noqa: E402
+from thunder.core.jit_ext import (
     _general_jit_lookaside_map,
     ensure_recursive_proxies,
     interpreter_needs_wrap,
     record_source_loc_in_symbol_header,
 )
-from thunder.core.prims import OpTags  # noqa: E402
-from thunder.core.proxies import TensorProxy, variableify  # noqa: E402
-from thunder.core.symbol import BoundSymbol  # noqa: E402
-from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, tracectx  # noqa: E402
-from thunder.core.transform_common import Transform  # noqa: E402
-from thunder.transforms.autocast import autocast_impls, maybe_downcast_to  # noqa: E402
+from thunder.core.prims import OpTags
+from thunder.core.proxies import TensorProxy, variableify
+from thunder.core.symbol import BoundSymbol
+from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, tracectx
+from thunder.core.transform_common import Transform
+from thunder.transforms.autocast import autocast_impls, maybe_downcast_to
 
 GQA_SYMBOL_ID = "cudnn_safe.sdpa_gqa"
 
@@ -68,7 +63,7 @@ def _check_gqa_shapes(query: Any, key: Any, value: Any) -> tuple[int, int]:
     for name, t in (("query", query), ("key", key), ("value", value)):
         utils.check(
             t.ndim >= 3,
-            lambda: (
+            lambda name=name, t=t: (
                 f"scaled_dot_product_attention(enable_gqa=True): {name} has {t.ndim} dims, needs >= 3 "
                 "(heads are dim -3)"
             ),
@@ -91,7 +86,7 @@ def sdpa_gqa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, 
     for name, t in (("query", query), ("key", key), ("value", value)):
         utils.check(
             dtypes.is_float_dtype(t.dtype),
-            lambda: f"{name}.dtype={t.dtype} is expected to be a floating type",
+            lambda name=name, t=t: f"{name}.dtype={t.dtype} is expected to be a floating type",
             ValueError,
         )
     rep_k, rep_v = _check_gqa_shapes(query, key, value)
@@ -228,7 +223,8 @@ def _apply_reshape(dims: _Dims, out_shape) -> _Dims | None:
 
 
 def _leaf_prims(bsym: BoundSymbol) -> list[BoundSymbol]:
-    """The primitives ``bsym`` lowers to that produce tensors (metadata queries such as ``prims.shape`` are left out)."""
+    """The primitives ``bsym`` lowers to that produce tensors (metadata queries such as ``prims.shape``
+    are left out)."""
     if not bsym.subsymbols:
         has_tensor_out = any(isinstance(o, TensorProxy) for o in bsym.flat_proxy_outs)
         return [bsym] if has_tensor_out else []

@@ -29,7 +29,7 @@ class Uid(enum.IntEnum):
     Q = 1
     K = 2
     V = 3
-    O = 4  # noqa: E741
+    O = 4
     STATS = 5
     BIAS = 6
     SEED = 7
@@ -180,7 +180,8 @@ def attention_implementation(implementation: Any) -> Any:
         return enum_type.__members__[str(implementation).upper()]
     except KeyError:
         raise ValueError(
-            f"implementation must be one of {sorted(m.lower() for m in enum_type.__members__)} or None, got {implementation!r}"
+            f"implementation must be one of {sorted(m.lower() for m in enum_type.__members__)} or None, "
+            f"got {implementation!r}"
         ) from None
 
 
@@ -273,3 +274,9 @@ def build_backward_graph(
     )
     g.validate()
     return g
+
+
+def clear_kernel_caches() -> None:
+    """Forget the dynamic-shape kernel caches (graphs already built keep theirs; new ones get new ones)."""
+    with _dynamic_lock:
+        _kernel_caches.clear()

@@ -52,7 +52,10 @@ def lowering_problem() -> str | None:
     if cudnn is None:
         return _compat.FRONTEND.frontend_problem or "nvidia-cudnn-frontend is not importable"
     if _frontend_version() < MIN_FRONTEND:
-        return f"nvidia-cudnn-frontend {cudnn.__version__} predates {MIN_FRONTEND[0]}.{MIN_FRONTEND[1]}, whose pygraph internals this module uses"
+        return (
+            f"nvidia-cudnn-frontend {cudnn.__version__} predates {MIN_FRONTEND[0]}.{MIN_FRONTEND[1]}, "
+            "whose pygraph internals this module uses"
+        )
     missing = [name for name in _REQUIRED_INTERNALS if not hasattr(cudnn.pygraph, name) and name != "_cpp_graph_kwargs"]
     if missing:
         return f"nvidia-cudnn-frontend {cudnn.__version__}'s pygraph lacks {missing}: its lowering internals moved"

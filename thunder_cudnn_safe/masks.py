@@ -16,11 +16,11 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ._env import MASK_CACHE_SIZE_ENV, env_value
+from . import config
 from .lru import LRU
 
 #: Converted biases and pattern verdicts remembered (a step uses one or a few masks); 0 turns the cache off.
-MASK_CACHE_SIZE = 16
+MASK_CACHE_SIZE = config.KNOBS["mask_cache_size"].default
 
 
 class MaskCacheInfo(NamedTuple):
@@ -82,20 +82,13 @@ class ConvertedMasks:
         self.hits = self.conversions = 0
 
 
-def _non_negative_int(raw: str) -> int:
-    if int(raw) < 0:
-        raise ValueError(raw)
-    return int(raw)
-
-
-converted_masks = ConvertedMasks(
-    env_value(MASK_CACHE_SIZE_ENV, MASK_CACHE_SIZE, _non_negative_int, "a non-negative integer")
-)
+converted_masks = ConvertedMasks(config.mask_cache_size)
+config.on_change("mask_cache_size", converted_masks.resize)
 
 
 def set_mask_cache_size(maxsize: int) -> None:
-    """How many converted masks to remember (0: convert on every call)."""
-    converted_masks.resize(maxsize)
+    """How many converted masks to remember (0: convert on every call; ``config.set(mask_cache_size=...)``)."""
+    config.set(mask_cache_size=maxsize)
 
 
 def mask_cache_info() -> MaskCacheInfo:

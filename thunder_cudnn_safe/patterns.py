@@ -3,12 +3,13 @@
 Under ThunderFX, HF models materialize every mask (causal, sliding window, key padding, all-True).
 The executor holds the mask's data at run time, so it checks exactly, over the whole tensor, for: all
 kept (no mask; in an inference forward, padding keeping every key); torch's causal (the diagonal band,
-right bound 0); causal with a window of W keys (left bound W); key padding (batch element b keeps keys j < n_b: cuDNN's padding mask with
-``seq_len_kv`` bound per call); causal with padding. A float mask masks with -inf or anything <= its
-dtype's lowest finite value. Anything else stays an additive bias. The verdict costs one host sync
-per distinct mask and state, kept in the converted-mask cache (same identity and version rules);
-none is made or reused under CUDA-graph capture, with the mask cache off, or for an inference
-tensor (no version counter). The pattern is in the graph key; the lengths are bound per call.
+right bound 0); causal with a window of W keys (left bound W); key padding (batch element b keeps
+keys j < n_b: cuDNN's padding mask with ``seq_len_kv`` bound per call); causal with padding. A float
+mask masks with -inf or anything <= its dtype's lowest finite value. Anything else stays an additive
+bias. The verdict costs one host sync per distinct mask and state, kept in the converted-mask cache
+(same identity and version rules); none is made or reused under CUDA-graph capture, with the mask
+cache off, or for an inference tensor (no version counter). The pattern is in the graph key; the
+lengths are bound per call.
 """
 
 from __future__ import annotations
@@ -19,12 +20,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ._env import env_value
+from . import config
+from ._env import MASK_PATTERNS_ENV as MASK_PATTERNS_ENV  # its old home; the knob is config.mask_patterns
 from .documents import DocumentPattern, recognize_documents
 from .masks import capturing, converted_masks
-
-#: ``0`` turns recognizing mask patterns off (every mask then runs as a bias); also :func:`set_mask_patterns`.
-MASK_PATTERNS_ENV = "THUNDER_CUDNN_SAFE_MASK_PATTERNS"
 
 
 class MaskPattern(NamedTuple):
@@ -35,7 +34,8 @@ class MaskPattern(NamedTuple):
     left: int | None
     q_lens: Any = None
     kv_lens: Any = None
-    #: of an all-kept mask: (q_lens, kv_lens) keeping every key, to run it as padding (:func:`~thunder_cudnn_safe.dispatch.with_mask_pattern`)
+    #: of an all-kept mask: (q_lens, kv_lens) keeping every key, to run it as padding
+    #: (:func:`~thunder_cudnn_safe.dispatch.with_mask_pattern`)
     full: Any = None
 
     @property
@@ -55,21 +55,14 @@ class MaskPattern(NamedTuple):
 _NOT_A_PATTERN = "bias"
 
 
-def _flag(raw: str) -> bool:
-    if raw.strip() not in ("0", "1"):
-        raise ValueError(raw)
-    return raw.strip() == "1"
-
-
-_enabled = env_value(MASK_PATTERNS_ENV, True, _flag, "0 or 1")
 _counts: collections.Counter = collections.Counter()
 _lock = threading.Lock()
 
 
 def set_mask_patterns(enabled: bool) -> None:
-    """Turn recognizing mask patterns on (default) or off (every mask then runs as a bias)."""
-    global _enabled
-    _enabled = bool(enabled)
+    """Turn recognizing mask patterns on (default) or off (every mask then runs as a bias;
+    ``config.set(mask_patterns=...)``)."""
+    config.set(mask_patterns=bool(enabled))
 
 
 def mask_pattern_info() -> dict[str, int]:
@@ -85,7 +78,13 @@ def reset_mask_pattern_info() -> None:
 
 def pattern_of(mask: torch.Tensor, batch: int, lq: int, s: int) -> MaskPattern | None:
     """``mask``'s pattern for a (batch, H, lq, s) call, or None (a bias): cached per distinct mask."""
-    if not _enabled or capturing(mask) or mask.is_inference() or converted_masks.maxsize == 0 or mask.requires_grad:
+    if (
+        not config.mask_patterns
+        or capturing(mask)
+        or mask.is_inference()
+        or converted_masks.maxsize == 0
+        or mask.requires_grad
+    ):
         return None
     verdict = converted_masks.get(mask, ("pattern", batch, lq, s), lambda: _recognize(mask, batch, lq, s), count=False)
     return None if verdict == _NOT_A_PATTERN else verdict

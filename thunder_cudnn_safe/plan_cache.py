@@ -21,8 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from . import _compat, graphs
-from ._env import PLAN_CACHE_DIR_ENV
+from . import _compat, config, graphs
 from ._version import __version__
 from .telemetry import logger, warn_once
 
@@ -137,20 +136,27 @@ class PlanCache:
             self.counts["evicted"] += 1
 
 
-_UNSET: Any = object()
-_active: PlanCache | None = _UNSET
+#: The plan cache in use and the ``config.plan_cache_dir`` it was made for.
+_active: PlanCache | None = None
+_active_dir: str | None = None
 
 
 def set_plan_cache_dir(path: str | os.PathLike | None, *, max_entries: int = 2048, max_bytes: int = 1 << 30) -> None:
-    """Store and load plans in ``path`` (None: no plan cache). Overrides ``THUNDER_CUDNN_SAFE_PLAN_CACHE_DIR``."""
-    global _active
-    _active = None if path is None else PlanCache(path, max_entries, max_bytes)
+    """Store and load plans in ``path`` (None: no plan cache), at most ``max_entries`` files and ``max_bytes``
+    bytes. Overrides ``THUNDER_CUDNN_SAFE_PLAN_CACHE_DIR``; ``config.set(plan_cache_dir=...)`` keeps the
+    default bounds."""
+    global _active, _active_dir
+    config.set(plan_cache_dir=path)
+    _active_dir = config.plan_cache_dir
+    _active = None if _active_dir is None else PlanCache(_active_dir, max_entries, max_bytes)
 
 
 def active() -> PlanCache | None:
-    """The plan cache in use: :func:`set_plan_cache_dir`'s, else the environment's (read on first use), else None."""
-    if _active is _UNSET:
-        set_plan_cache_dir(os.environ.get(PLAN_CACHE_DIR_ENV, "").strip() or None)
+    """The plan cache of ``config.plan_cache_dir`` (None: off), made on first use after each change."""
+    global _active, _active_dir
+    directory = config.plan_cache_dir
+    if directory != _active_dir:
+        _active, _active_dir = (None if directory is None else PlanCache(directory)), directory
     return _active
 
 
@@ -176,8 +182,9 @@ def _ident(key: Any, rung: str | None, device: str) -> str:
 def load(
     key: Any, rung: str | None, device: str | Callable[[], str], new_graph: Callable[[], Any], *handle: Any
 ) -> tuple[Any, dict] | None:
-    """``(graph, meta)`` for ``BuiltGraph(graph, key=key, **meta)``: the stored plan of ``key`` built at ladder rung ``rung``
-    for ``device`` (a descriptor, or a function giving one) deserialized into ``new_graph()`` (with ``handle``); else None."""
+    """``(graph, meta)`` for ``BuiltGraph(graph, key=key, **meta)``: the stored plan of ``key`` built at
+    ladder rung ``rung`` for ``device`` (a descriptor, or a function giving one) deserialized into
+    ``new_graph()`` (with ``handle``); else None."""
     cache = active()
     try:
         ident = cache and _ident(key, rung, device() if callable(device) else device)
@@ -216,7 +223,8 @@ def store(key: Any, rung: str | None, device: str | Callable[[], str], built: An
 
 @functools.cache
 def device_descriptor(index: int) -> str:
-    """A real GPU's descriptor: cuDNN's device properties, else (older backends) torch's name, capability, SMs, memory."""
+    """A real GPU's descriptor: cuDNN's device properties, else (older backends) torch's name, capability,
+    SMs, memory."""
     try:
         return str(graphs.cudnn_module().create_device_properties(index).serialize())
     except Exception:

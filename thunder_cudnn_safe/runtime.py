@@ -42,6 +42,11 @@ FORWARD_IMPLEMENTATIONS: tuple[str | None, ...] = (None, "composite")
 _static_only = LRU(1024)
 
 
+def forget_static_only() -> None:
+    """Forget which dynamic-shape topologies cuDNN refused: the next such forward tries dynamic again."""
+    _static_only.clear()
+
+
 def build_with_ladder(key: Any, build_one: Callable[[Any, str | None], BuiltGraph]) -> BuiltGraph:
     """``build_one(key, implementation)`` down :data:`FORWARD_IMPLEMENTATIONS` (a backward has no choice);
     a dynamic-shape forward cuDNN refuses is built as the static graph of the same layouts."""
@@ -200,7 +205,10 @@ class CudnnRuntime(Runtime):
         try:
             handle = self.handle(index)
             with torch.cuda.device(index), frontend_refusal_filter.active():
-                device = lambda: plan_cache.device_descriptor(index)  # computed only with a plan cache
+
+                def device():  # computed only with a plan cache
+                    return plan_cache.device_descriptor(index)
+
                 hit = plan_cache.load(key, implementation, device, lambda: cudnn.pygraph(handle=handle), handle)
                 if hit is not None:
                     return BuiltGraph(hit[0], key=key, **hit[1])

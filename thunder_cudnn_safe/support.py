@@ -14,22 +14,19 @@ from typing import Any
 
 import torch
 
-from . import cudnn_rules
-from ._env import DP_WORKSPACE_LIMIT_ENV, env_value
+from . import config, cudnn_rules
+from ._env import DP_WORKSPACE_LIMIT_ENV
 from .cudnn_rules import INT32_ELEMENT_LIMIT
 from .keys import Target
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def _bytes(raw: str) -> int:
-    if int(raw) < 0:
-        raise ValueError(raw)
-    return int(raw)
-
-
-#: Most dP workspace bytes a claimed backward may need (:data:`~thunder_cudnn_safe.cudnn_rules.DP_WORKSPACE`).
-DP_WORKSPACE_LIMIT = env_value(DP_WORKSPACE_LIMIT_ENV, cudnn_rules.DP_WORKSPACE_LIMIT, _bytes, "a number of bytes >= 0")
+def __getattr__(name: str) -> Any:
+    # The old name of the dP workspace budget: the knob is config.dp_workspace_limit (read at use time).
+    if name == "DP_WORKSPACE_LIMIT":
+        return config.dp_workspace_limit
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class DeclineCode(enum.Enum):
@@ -52,7 +49,8 @@ class DeclineCode(enum.Enum):
 
 
 class Decline(str):
-    """A human-readable reason (a ``str``, as :func:`~thunder_cudnn_safe.explain` returns) with its :class:`DeclineCode`.
+    """A human-readable reason (a ``str``, as :func:`~thunder_cudnn_safe.explain` returns) with its
+    :class:`DeclineCode`.
 
     ``rule`` names the :mod:`~thunder_cudnn_safe.cudnn_rules` entry behind it, if any.
     """
@@ -320,8 +318,8 @@ def not_supported_reasons(
             reasons.append(
                 Decline(
                     DeclineCode.ARCH,
-                    f"cudnn_safe_deterministic with {'dropout' if dropout else 'a mask gradient'}: cuDNN's deterministic "
-                    f"backward refuses dBias and dropout on sm{target.arch[0]}{target.arch[1]}",
+                    f"cudnn_safe_deterministic with {'dropout' if dropout else 'a mask gradient'}: "
+                    f"cuDNN's deterministic backward refuses dBias and dropout on sm{target.arch[0]}{target.arch[1]}",
                     cudnn_rules.DETERMINISTIC_BACKWARD_BLACKWELL,
                 )
             )
@@ -342,12 +340,14 @@ def not_supported_reasons(
                     )
                 )
         need = cudnn_rules.dp_workspace_bytes(b, h, lq, s)
-        if cudnn_rules.needs_dp_workspace(target, mask_grad, deterministic) and need > DP_WORKSPACE_LIMIT:
+        limit = config.dp_workspace_limit
+        if cudnn_rules.needs_dp_workspace(target, mask_grad, deterministic) and need > limit:
             reasons.append(
                 Decline(
                     DeclineCode.WORKSPACE,
-                    f"{'the mask gradient (dBias)' if mask_grad else 'cudnn_safe_deterministic'} needs {need / 2**30:.1f} GiB "
-                    f"of cuDNN dP workspace, over the {DP_WORKSPACE_LIMIT / 2**30:.1f} GiB budget ({DP_WORKSPACE_LIMIT_ENV})",
+                    f"{'the mask gradient (dBias)' if mask_grad else 'cudnn_safe_deterministic'} needs "
+                    f"{need / 2**30:.1f} GiB of cuDNN dP workspace, over the {limit / 2**30:.1f} GiB "
+                    f"budget ({DP_WORKSPACE_LIMIT_ENV})",
                     cudnn_rules.DP_WORKSPACE,
                 )
             )

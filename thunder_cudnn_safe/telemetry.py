@@ -102,7 +102,8 @@ class _CopyCounter:
         if reason.avoidable:
             warn_once(
                 ("copy", operand, reason, signature),
-                "cudnn_safe copies %s (shape, strides, dtype = %s) before cuDNN: %s. This warning is shown once per distinct layout.",
+                "cudnn_safe copies %s (shape, strides, dtype = %s) before cuDNN: %s. "
+                "This warning is shown once per distinct layout.",
                 operand,
                 signature,
                 reason.value,

@@ -1,0 +1,200 @@
+"""thunder_cudnn_safe.config: every knob has a default, an environment variable with a parser that
+warns on a typo, a setter and a scoped patch(); the older setters and module attributes still work;
+clear_cache() clears every cache and says which."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import thunder_cudnn_safe as tcs
+from thunder_cudnn_safe import binding, cache, config, emulation, graphs, masks, patterns, plan_cache, runtime, support
+
+# knob -> (a valid environment text, the value it parses to, an invalid text, a valid Python value, an invalid one)
+CASES = {
+    "cache_size": ("7", 7, "zero", 5, 0),
+    "mask_cache_size": ("0", 0, "-1", 3, -2),
+    "mask_patterns": ("0", False, "no", False, "yes"),
+    "dynamic_shapes": (" OFF ", "off", "sometimes", "forward", "always"),
+    "dp_workspace_limit": ("1024", 1024, "lots", 0, -1),
+    "plan_cache_dir": ("/tmp/plans", "/tmp/plans", None, "/tmp/other", 3),
+    "emulated_arch": ("sm100", (10, 0), "foo", "8.6", (9,)),
+    "emulated_backend": ("91000", 91000, "nine", 90500, 0),
+    "layout": ("contiguous", "contiguous", "rowmajor", "contiguous", "strided"),
+    "deterministic": ("1", True, "maybe", True, 1),
+    "bwd_may_cat_grad_qkv": ("1", True, "2", True, "true"),
+}
+
+
+def test_every_knob_is_covered_and_documented():
+    assert set(CASES) == set(config.KNOBS)
+    for knob in config.KNOBS.values():
+        assert knob.env.startswith("THUNDER_CUDNN_SAFE_") and knob.trades and knob.expected
+        assert config.values()[knob.name] == getattr(config, knob.name)
+    assert len({k.env for k in config.KNOBS.values()}) == len(config.KNOBS)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_environment_parse_and_invalid_value_warns(name, monkeypatch, caplog):
+    env_text, parsed, bad_text, _, _ = CASES[name]
+    knob = config.KNOBS[name]
+    monkeypatch.setenv(knob.env, env_text)
+    assert config.from_environment(name) == parsed
+    monkeypatch.delenv(knob.env)
+    assert config.from_environment(name) == knob.default
+    if bad_text is not None:
+        monkeypatch.setenv(knob.env, bad_text)
+        with caplog.at_level(logging.WARNING, logger="thunder_cudnn_safe"):
+            assert config.from_environment(name) == knob.default
+        assert any(knob.env in r.getMessage() and knob.expected in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_setter_validates_and_patch_restores(name):
+    _, _, _, good, bad = CASES[name]
+    before = getattr(config, name)
+    with pytest.raises((ValueError, TypeError), match=f"config.{name} must be"):
+        config.set(**{name: bad})
+    assert getattr(config, name) == before
+    with config.patch(**{name: good}):
+        assert getattr(config, name) == config.KNOBS[name].check(good) != before or good == before
+    assert getattr(config, name) == before
+    with pytest.raises(RuntimeError, match="boom"), config.patch(**{name: good}):
+        raise RuntimeError("boom")
+    assert getattr(config, name) == before
+    config.set(**{name: good})
+    try:
+        assert getattr(config, name) == config.KNOBS[name].check(good)
+    finally:
+        config.set(**{name: before})
+
+
+def test_unknown_knob_and_patch_as_decorator():
+    with pytest.raises(AttributeError, match="no knob"):
+        config.set(cache_sise=3)
+
+    @config.patch(mask_patterns=False)
+    def inside():
+        return config.mask_patterns
+
+    assert inside() is False and config.mask_patterns is True
+
+
+def test_knobs_reach_their_caches_and_runtimes():
+    with config.patch(cache_size=3, mask_cache_size=2, emulated_arch="sm100", emulated_backend=90500):
+        assert tcs.cache_info().maxsize == 3 and tcs.mask_cache_info().entries <= 2
+        assert masks.converted_masks.maxsize == 2
+        assert emulation.emulated_target().arch == (10, 0)
+        assert emulation.emulated_target().backend_version == 90500
+    assert tcs.cache_info().maxsize == config.cache_size and masks.converted_masks.maxsize == config.mask_cache_size
+    assert emulation.emulated_target().arch == config.emulated_arch
+
+
+def test_a_refused_value_keeps_the_old_one():
+    """A hook that raises (a cache refusing its bound) leaves the knob as it was."""
+    before = config.cache_size
+    config.on_change("cache_size", _refuse_seven)
+    try:
+        with pytest.raises(ValueError, match="seven"):
+            config.set(cache_size=7)
+        assert config.cache_size == before and tcs.cache_info().maxsize == before
+    finally:
+        config._hooks["cache_size"].remove(_refuse_seven)
+
+
+def _refuse_seven(value):
+    if value == 7:
+        raise ValueError("seven")
+
+
+def test_old_setters_and_attributes_still_work(tmp_path):
+    with config.patch():
+        tcs.set_cache_size(9)
+        assert config.cache_size == 9 and tcs.cache_info().maxsize == 9
+        tcs.set_mask_cache_size(4)
+        assert config.mask_cache_size == 4
+        tcs.set_mask_patterns(0)
+        assert config.mask_patterns is False
+        tcs.set_dynamic_shapes("forward")
+        assert config.dynamic_shapes == "forward"
+        tcs.set_emulated_target(arch="8.0", backend_version=90100)
+        assert (config.emulated_arch, config.emulated_backend) == ((8, 0), 90100)
+        tcs.set_plan_cache_dir(tmp_path, max_entries=3)
+        assert config.plan_cache_dir == str(tmp_path) and plan_cache.active().max_entries == 3
+        config.set(dp_workspace_limit=12)
+        assert support.DP_WORKSPACE_LIMIT == 12  # the old module attribute reads the knob
+    for name, value in (
+        ("cache_size", 1024),
+        ("mask_cache_size", 16),
+        ("mask_patterns", True),
+        ("dynamic_shapes", "inference"),
+        ("emulated_arch", (9, 0)),
+        ("emulated_backend", 91900),
+        ("plan_cache_dir", None),
+    ):
+        config.set(**{name: value})
+    assert plan_cache.active() is None
+    assert config.KNOBS["mask_patterns"].env == patterns.MASK_PATTERNS_ENV
+    assert config.KNOBS["cache_size"].env == cache.CACHE_SIZE_ENV
+    assert cache.DEFAULT_CACHE_SIZE == 1024 and masks.MASK_CACHE_SIZE == 16
+    assert binding.DYNAMIC_SHAPE_MODES == ("off", "inference", "forward")
+
+
+def test_mask_patterns_knob_is_read_at_use_time():
+    mask = torch.ones(1, 1, 4, 4, dtype=torch.bool).tril()
+    tcs.clear_cache()
+    assert patterns.pattern_of(mask, 1, 4, 4) is not None
+    with config.patch(mask_patterns=False):
+        tcs.clear_cache()
+        assert patterns.pattern_of(mask, 1, 4, 4) is None
+
+
+def test_compile_option_defaults_come_from_config():
+    from thunder_cudnn_safe import executor
+
+    q = torch.empty(1, 2, 4, 8, dtype=torch.float16)
+    assert executor._call(q, q, q).layout == "preserve"
+    with config.patch(layout="contiguous", deterministic=True, bwd_may_cat_grad_qkv=True):
+        call = executor._call(q, q, q)
+        assert (call.layout, call.deterministic, call.cat_grad_qkv) == ("contiguous", True, True)
+    call = executor._call(q, q, q)
+    assert (call.layout, call.deterministic, call.cat_grad_qkv) == ("preserve", False, False)
+
+
+def test_environment_reaches_the_package_at_import():
+    code = "import thunder_cudnn_safe as t; print(t.config.values())"
+    env = {**os.environ, "THUNDER_CUDNN_SAFE_LAYOUT": "contiguous", "THUNDER_CUDNN_SAFE_MASK_PATTERNS": "0"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert "'layout': 'contiguous'" in proc.stdout and "'mask_patterns': False" in proc.stdout
+
+
+def test_clear_cache_clears_every_cache_and_says_which(caplog):
+    disp = tcs.emulated_ex.dispatcher
+    q = torch.randn(1, 2, 8, 64, dtype=torch.float16)
+    mask = torch.ones(1, 1, 8, 8, dtype=torch.bool).tril()
+    disp.forward(q, q, q, mask, 0.0, False)
+    runtime._static_only.put(("topology",), True)
+    graphs._kernel_caches[("scope",)] = object()
+    tcs.telemetry.warn_once(("fallback", "x"), "a fallback")
+    assert len(tcs.cached_graphs()) and len(disp.plans) and len(masks.converted_masks._lru)
+    with caplog.at_level(logging.INFO, logger="thunder_cudnn_safe"):
+        names = tcs.clear_cache()
+    assert names == [name for name, _ in tcs.caches.CACHES] and len(names) == 6
+    assert "clear_cache cleared" in caplog.text
+    assert tcs.cached_graphs() == [] and tcs.cache_info().misses == 0
+    assert len(disp.plans) == 0 and len(masks.converted_masks._lru) == 0
+    assert ("topology",) not in runtime._static_only and graphs._kernel_caches == {}
+    assert ("fallback", "x") not in tcs.telemetry._warned
+
+
+def test_patch_without_knobs_restores_every_knob_set_inside():
+    before = {name: getattr(config, name) for name in config.KNOBS}
+    with config.patch():
+        config.set(dp_workspace_limit=12, mask_patterns=False)
+        assert config.dp_workspace_limit == 12
+    assert {name: getattr(config, name) for name in config.KNOBS} == before

@@ -1,0 +1,57 @@
+"""The public API is deliberate: every name README tells users to touch is importable from the
+package, and every name in ``__all__`` is documented in README."""
+
+from __future__ import annotations
+
+import importlib
+import re
+from pathlib import Path
+
+import thunder_cudnn_safe as tcs
+
+#: Names README quotes from cuDNN, libcudnn, thunder and torch (a keyword), not from this package.
+FOREIGN = {"build_operation_graph", "enable_gqa", "rowsum", "thunderfx", "validate"}
+README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+
+
+def _section(title: str) -> str:
+    start = README.index(f"\n## {title}\n")
+    end = README.find("\n## ", start + 1)
+    return README[start : end if end != -1 else None]
+
+
+def test_every_exported_name_is_documented_in_readme():
+    missing = [name for name in tcs.__all__ if f"`{name}" not in README]
+    assert missing == [], f"exported but not in README: {missing}"
+
+
+def test_every_exported_name_exists():
+    assert [name for name in tcs.__all__ if not hasattr(tcs, name)] == []
+    assert len(set(tcs.__all__)) == len(tcs.__all__)
+
+
+def test_every_readme_name_is_importable():
+    dotted = set(re.findall(r"\bthunder_cudnn_safe\.([A-Za-z_]\w*)", README))
+    api = {m.removesuffix("()") for m in re.findall(r"`([A-Za-z_]\w*(?:\(\))?)`", _section("Public API"))} - FOREIGN
+    calls = set(re.findall(r"`([a-z_]\w*)\(", README)) - FOREIGN  # `clear_cache()`, `set_cache_size(n)`, ...
+    missing = []
+    for name in sorted(dotted | api | calls):
+        try:
+            hasattr(tcs, name) or importlib.import_module(f"thunder_cudnn_safe.{name}")  # a name or a submodule
+        except ImportError:
+            missing.append(name)
+    assert missing == []
+    for name in ("DeclineCode", "CopyReason", "cudnn_rules", "config", "Decline"):
+        assert name in tcs.__all__
+
+
+def test_readme_names_every_knob_and_its_variable():
+    knobs = _section("Knobs")
+    for knob in tcs.config.KNOBS.values():
+        assert f"`{knob.name}`" in knobs and f"`{knob.env}`" in knobs, knob.name
+
+
+def test_readme_rules_are_entries_of_cudnn_rules():
+    """``cudnn_rules.X`` in README is a rule users can compare ``Decline.rule`` with."""
+    for name in set(re.findall(r"cudnn_rules\.([A-Z_0-9]+)\b", README)):
+        assert hasattr(tcs.cudnn_rules, name), name
