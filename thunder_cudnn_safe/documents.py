@@ -65,11 +65,14 @@ def recognize_documents(mask: torch.Tensor, batch: int, lq: int, s: int) -> Docu
         return None  # per-head masks are not documents
     m = m[:, 0]
     keep = _keep(m)
-    valid = torch.ones((), dtype=torch.bool, device=m.device)
-    if m.dtype != torch.bool:
-        valid = (keep | (m <= torch.finfo(m.dtype).min)).all()
     k8 = keep.view(torch.uint8) if keep.dtype == torch.bool else keep.to(torch.uint8)
     count = keep.sum(-1)  # (Bm, T)
+    valid = torch.ones((), dtype=torch.bool, device=m.device)
+    if m.dtype != torch.bool:
+        # a row masked with finite lowest values is not dead: eager averages V over it (its scores tie),
+        # while a token outside every document gets 0; only a row of -inf is outside (safe softmax: 0)
+        dead = torch.isneginf(m).all(-1) | (count > 0)
+        valid = (keep | (m <= torch.finfo(m.dtype).min)).all() & dead.all()
     lo, hi = k8.argmax(-1), s - 1 - k8.flip(-1).argmax(-1)
     row = torch.arange(lq, device=m.device).expand_as(lo)
     cov = count > 0

@@ -1,0 +1,31 @@
+"""Adversarial review of packed sequences (issue 30): each test reproduces a defect found and fixed.
+
+Numbers come from the emulated runtime (which reads and writes memory through the ragged offsets)
+against float64 eager with the mask as given.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from test_packed_sequences import _dispatcher, _qkv, rows
+
+from thunder_cudnn_safe.documents import recognize_documents
+from thunder_cudnn_safe.patterns import pattern_of
+
+
+def test_a_finite_lowest_masked_tail_is_not_outside_the_documents():
+    """A float mask whose tail rows are masked with finfo.min (not -inf) is not dead in eager: its scores
+    tie and eager averages V. The varlen path writes 0 there, so such a mask must stay a bias."""
+    keep = rows([[4, 3], [2, 2, 2]], 12)
+    mask = torch.zeros(keep.shape, dtype=torch.bfloat16).masked_fill(~keep, torch.finfo(torch.bfloat16).min)
+    assert recognize_documents(mask, 2, 12, 12) is None
+    assert pattern_of(mask.clone(), 2, 12, 12) is None
+    q, k, v = _qkv(2, 2, 2, 12)
+    disp = _dispatcher()
+    out, _ = disp.forward(q, k, v, mask, 0.0, False)
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask.double())
+    assert ref[0, :, 7:].abs().max() > 0.05  # eager: the mean of V, not 0
+    assert (out.double() - ref).abs().max() < 2e-2
+    # the same tail masked with -inf is dead (eager's safe softmax: 0) and stays documents
+    assert recognize_documents(mask.masked_fill(~keep, float("-inf")), 2, 12, 12) is not None
