@@ -29,3 +29,31 @@ def test_a_finite_lowest_masked_tail_is_not_outside_the_documents():
     assert (out.double() - ref).abs().max() < 2e-2
     # the same tail masked with -inf is dead (eager's safe softmax: 0) and stays documents
     assert recognize_documents(mask.masked_fill(~keep, float("-inf")), 2, 12, 12) is not None
+
+
+def test_recognition_takes_one_host_sync_for_every_mask(monkeypatch):
+    """Documents are checked in the same host sync as today's patterns (issue 30: no more syncs than they
+    take): a document mask, a causal mask and a bias each cost one device-to-host read, documents still
+    recognized only where no other pattern holds."""
+    from thunder_cudnn_safe import patterns
+
+    reads = []
+    for name in ("tolist", "item", "__bool__", "__int__", "__index__", "__float__"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *a, _original=original, _name=name, **kw):
+            reads.append(_name)
+            return _original(self, *a, **kw)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    causal = torch.ones(12, 12, dtype=torch.bool).tril()
+    cases = {
+        "documents+causal": rows([[4, 3, 5], [6, 6]], 12),
+        "causal": causal[None, None].expand(2, 1, 12, 12),
+        "bias": torch.rand(2, 1, 12, 12) > 0.5,
+    }
+    for want, mask in cases.items():
+        reads.clear()
+        verdict = patterns._recognize(mask.clone(), 2, 12, 12)
+        assert (verdict if isinstance(verdict, str) else verdict.name) == want
+        assert len(reads) == 1, (want, reads)

@@ -58,6 +58,14 @@ def recognize_documents(mask: torch.Tensor, batch: int, lq: int, s: int) -> Docu
 
     Only square masks (lq == s: a packed row attends to itself) whose head dim is 1 or broadcast.
     """
+    checked = document_checks(mask, batch, lq, s)
+    return None if checked is None else document_verdict(checked[0].tolist(), checked[1], batch, lq)
+
+
+def document_checks(mask: torch.Tensor, batch: int, lq: int, s: int) -> tuple[torch.Tensor, tuple] | None:
+    """The device half of :func:`recognize_documents`, no host sync: (the checks as a 1-D int64 tensor, the
+    state :func:`document_verdict` needs), or None where the shape alone rules documents out. The caller
+    synchronizes the checks, possibly with another recognizer's (:mod:`patterns`: one sync per mask)."""
     if mask.dim() < 2 or tuple(mask.shape[-2:]) != (lq, s) or lq != s or lq == 0:
         return None
     m = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
@@ -100,7 +108,13 @@ def recognize_documents(mask: torch.Tensor, batch: int, lq: int, s: int) -> Docu
     ).to(torch.int64)
     n_per_row = first.sum(-1)
     stats = torch.cat([checks, window.view(1), doc_len.amax().view(1), n_per_row.sum().view(1)])
-    valid, runs, prefix, causal, windowed, full, any_kept, window, max_len, n_row_docs = stats.tolist()
+    return stats, (first, doc_len, m.shape[0], m.device)
+
+
+def document_verdict(values: list[int], state: tuple, batch: int, lq: int) -> DocumentPattern | None:
+    """The host half of :func:`recognize_documents`: the pattern from the synchronized checks, or None."""
+    first, doc_len, mask_rows, device = state
+    valid, runs, prefix, causal, windowed, full, any_kept, window, max_len, n_row_docs = values
     if not (valid and runs and prefix and any_kept):
         return None
     if causal:
@@ -114,14 +128,14 @@ def recognize_documents(mask: torch.Tensor, batch: int, lq: int, s: int) -> Docu
     else:
         return None
     rows = batch
-    if m.shape[0] == 1 and batch > 1:
+    if mask_rows == 1 and batch > 1:
         first, doc_len = first.expand(batch, lq), doc_len.expand(batch, lq)
         n_row_docs *= batch
     flat = first.reshape(-1)
     index = torch.where(flat, flat.cumsum(0) - 1, torch.full_like(flat, n_row_docs, dtype=torch.int64))
-    tokens = torch.arange(rows * lq, device=m.device)
-    starts = torch.zeros(n_row_docs + 1, dtype=torch.int64, device=m.device).scatter_(0, index, tokens)
-    lens = torch.zeros(n_row_docs + 1, dtype=torch.int64, device=m.device).scatter_(0, index, doc_len.reshape(-1))
+    tokens = torch.arange(rows * lq, device=device)
+    starts = torch.zeros(n_row_docs + 1, dtype=torch.int64, device=device).scatter_(0, index, tokens)
+    lens = torch.zeros(n_row_docs + 1, dtype=torch.int64, device=device).scatter_(0, index, doc_len.reshape(-1))
     return DocumentPattern(
         is_causal, left, int(n_row_docs), int(max_len), rows, lq, starts[:-1], lens[:-1].to(torch.int32), {}
     )
