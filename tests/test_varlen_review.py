@@ -57,3 +57,28 @@ def test_recognition_takes_one_host_sync_for_every_mask(monkeypatch):
         verdict = patterns._recognize(mask.clone(), 2, 12, 12)
         assert (verdict if isinstance(verdict, str) else verdict.name) == want
         assert len(reads) == 1, (want, reads)
+
+
+def test_a_backward_past_the_dq_accumulator_is_refused_by_the_emulation():
+    """cuDNN sizes the backward's fp32 dQ accumulator for max_total_seq_len_q tokens of dQ's declared layout:
+    a graph whose max_total is smaller than the tokens its offsets reach would write out of bounds on a GPU.
+    The emulation used to ignore max_total (any value ran); it now refuses it, as the storage bound is."""
+    import pytest
+
+    from thunder_cudnn_safe import binding, dispatch, errors, varlen
+
+    disp = _dispatcher()
+    mask = rows([[4, 3, 5], [6, 6]], 12)
+    q, k, v = _qkv(2, 2, 2, 12)
+    call = dispatch.with_mask_pattern(binding.ForwardCall(q, k, v, mask))
+    target = disp.runtime.target(q.device)
+    fwd = varlen.bind_forward(call, target)
+    disp.runtime.execute(disp.cache.get_or_build(fwd.key, disp.runtime.build), fwd.pack)
+    out, stats = fwd.outputs
+    bcall = binding.BackwardCall(torch.ones_like(out), q, k, v, call.attn_mask, 0.0, False, out, stats, None, None)
+    good = varlen.bind_backward(bcall, target)
+    disp.runtime.execute(disp.cache.get_or_build(good.key, disp.runtime.build), good.pack)  # B*T = 24: fits
+    bad = varlen.bind_backward(bcall, target)
+    short = bad.key._replace(ragged=bad.key.ragged._replace(max_total=20))  # row 1's documents end at token 24
+    with pytest.raises(errors.EmulationError, match="accumulator"):
+        disp.runtime.execute(disp.cache.get_or_build(short, disp.runtime.build), bad.pack)
