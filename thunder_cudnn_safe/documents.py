@@ -11,7 +11,8 @@ are exactly the ones the documents imply (documents are contiguous; a row that s
 own position starts a document). Rows keeping no key must form a suffix of the row (tokens outside
 every document: eager gives them 0, as the varlen path does). Anything else is not a document mask.
 One host sync per distinct mask (the verdict, with N and the longest document); the per-document
-token starts and lengths stay on the device. Only called where :mod:`patterns` found no pattern, and
+token starts and lengths stay on the device. :mod:`patterns` syncs these checks with its own (one sync per
+mask) and takes documents only where it found no pattern,
 under the same cache and capture rules (no verdict under CUDA-graph capture).
 """
 
