@@ -386,7 +386,7 @@ def test_no_document_verdict_under_capture_nor_when_off(fresh_cache, monkeypatch
     q, k, v = _qkv(2, 2, 2, 12)
     mask = rows([[4, 3, 5], [6, 6]], 12)
     monkeypatch.setattr(patterns, "capturing", lambda t: True)
-    monkeypatch.setattr(patterns, "recognize_documents", lambda *a: pytest.fail("a verdict under capture"))
+    monkeypatch.setattr(patterns, "document_checks", lambda *a: pytest.fail("a verdict under capture"))
     _run(disp, mask, q, k, v)
     monkeypatch.setattr(patterns, "capturing", masks.capturing)
     tcs.set_mask_patterns(False)

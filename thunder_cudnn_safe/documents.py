@@ -11,7 +11,8 @@ are exactly the ones the documents imply (documents are contiguous; a row that s
 own position starts a document). Rows keeping no key must form a suffix of the row (tokens outside
 every document: eager gives them 0, as the varlen path does). Anything else is not a document mask.
 One host sync per distinct mask (the verdict, with N and the longest document); the per-document
-token starts and lengths stay on the device. Only called where :mod:`patterns` found no pattern, and
+token starts and lengths stay on the device. :mod:`patterns` syncs these checks with its own (one sync per
+mask) and takes documents only where it found no pattern,
 under the same cache and capture rules (no verdict under CUDA-graph capture).
 """
 
@@ -58,6 +59,14 @@ def recognize_documents(mask: torch.Tensor, batch: int, lq: int, s: int) -> Docu
 
     Only square masks (lq == s: a packed row attends to itself) whose head dim is 1 or broadcast.
     """
+    checked = document_checks(mask, batch, lq, s)
+    return None if checked is None else document_verdict(checked[0].tolist(), checked[1], batch, lq)
+
+
+def document_checks(mask: torch.Tensor, batch: int, lq: int, s: int) -> tuple[torch.Tensor, tuple] | None:
+    """The device half of :func:`recognize_documents`, no host sync: (the checks as a 1-D int64 tensor, the
+    state :func:`document_verdict` needs), or None where the shape alone rules documents out. The caller
+    synchronizes the checks, possibly with another recognizer's (:mod:`patterns`: one sync per mask)."""
     if mask.dim() < 2 or tuple(mask.shape[-2:]) != (lq, s) or lq != s or lq == 0:
         return None
     m = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
@@ -65,11 +74,14 @@ def recognize_documents(mask: torch.Tensor, batch: int, lq: int, s: int) -> Docu
         return None  # per-head masks are not documents
     m = m[:, 0]
     keep = _keep(m)
-    valid = torch.ones((), dtype=torch.bool, device=m.device)
-    if m.dtype != torch.bool:
-        valid = (keep | (m <= torch.finfo(m.dtype).min)).all()
     k8 = keep.view(torch.uint8) if keep.dtype == torch.bool else keep.to(torch.uint8)
     count = keep.sum(-1)  # (Bm, T)
+    valid = torch.ones((), dtype=torch.bool, device=m.device)
+    if m.dtype != torch.bool:
+        # a row masked with finite lowest values is not dead: eager averages V over it (its scores tie),
+        # while a token outside every document gets 0; only a row of -inf is outside (safe softmax: 0)
+        dead = torch.isneginf(m).all(-1) | (count > 0)
+        valid = (keep | (m <= torch.finfo(m.dtype).min)).all() & dead.all()
     lo, hi = k8.argmax(-1), s - 1 - k8.flip(-1).argmax(-1)
     row = torch.arange(lq, device=m.device).expand_as(lo)
     cov = count > 0
@@ -97,7 +109,13 @@ def recognize_documents(mask: torch.Tensor, batch: int, lq: int, s: int) -> Docu
     ).to(torch.int64)
     n_per_row = first.sum(-1)
     stats = torch.cat([checks, window.view(1), doc_len.amax().view(1), n_per_row.sum().view(1)])
-    valid, runs, prefix, causal, windowed, full, any_kept, window, max_len, n_row_docs = stats.tolist()
+    return stats, (first, doc_len, m.shape[0], m.device)
+
+
+def document_verdict(values: list[int], state: tuple, batch: int, lq: int) -> DocumentPattern | None:
+    """The host half of :func:`recognize_documents`: the pattern from the synchronized checks, or None."""
+    first, doc_len, mask_rows, device = state
+    valid, runs, prefix, causal, windowed, full, any_kept, window, max_len, n_row_docs = values
     if not (valid and runs and prefix and any_kept):
         return None
     if causal:
@@ -111,14 +129,14 @@ def recognize_documents(mask: torch.Tensor, batch: int, lq: int, s: int) -> Docu
     else:
         return None
     rows = batch
-    if m.shape[0] == 1 and batch > 1:
+    if mask_rows == 1 and batch > 1:
         first, doc_len = first.expand(batch, lq), doc_len.expand(batch, lq)
         n_row_docs *= batch
     flat = first.reshape(-1)
     index = torch.where(flat, flat.cumsum(0) - 1, torch.full_like(flat, n_row_docs, dtype=torch.int64))
-    tokens = torch.arange(rows * lq, device=m.device)
-    starts = torch.zeros(n_row_docs + 1, dtype=torch.int64, device=m.device).scatter_(0, index, tokens)
-    lens = torch.zeros(n_row_docs + 1, dtype=torch.int64, device=m.device).scatter_(0, index, doc_len.reshape(-1))
+    tokens = torch.arange(rows * lq, device=device)
+    starts = torch.zeros(n_row_docs + 1, dtype=torch.int64, device=device).scatter_(0, index, tokens)
+    lens = torch.zeros(n_row_docs + 1, dtype=torch.int64, device=device).scatter_(0, index, doc_len.reshape(-1))
     return DocumentPattern(
         is_causal, left, int(n_row_docs), int(max_len), rows, lq, starts[:-1], lens[:-1].to(torch.int32), {}
     )

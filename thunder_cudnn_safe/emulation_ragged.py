@@ -91,6 +91,24 @@ def emulate_ragged(node: Any, b: Any, declared_view: Any, band: tuple, scale: fl
         if t is not None:
             r.sequence(t, b._bound(port, t), port, n, length).copy_(value.squeeze(0))
 
+    def check_accumulator(n: int, length: int) -> None:
+        """cuDNN's fp32 dQ accumulator carries dQ's strides and offsets but is sized for max_total_seq_len_q
+        tokens of one declared layout (frontend 1.32, "sized THD dQ_accum"): a sequence reaching past it
+        would be written out of bounds on a GPU, so it is refused here."""
+        total, t = node.params.get("max_total_seq_len_q"), outs.get("dQ")
+        off = None if t is None else r._offsets(t, "dQ")
+        if total is None or off is None:
+            return
+        dims, strides = [int(x) for x in t.get_dim()], [int(x) for x in t.get_stride()]
+        tail = (dims[1], 1, dims[3]), (strides[1], strides[2], strides[3])
+        end = off[n] + (length - 1) * strides[2] + span_elements(*tail)
+        sized = (int(total) - 1) * strides[2] + span_elements(*tail)
+        if off[n] < 0 or end > sized:
+            raise EmulationError(
+                f"dQ: sequence {n} at ragged offset {off[n]} with {length} tokens reaches element {end}, past the "
+                f"dQ accumulator cuDNN sizes for max_total_seq_len_q = {total} tokens ({sized} elements)"
+            )
+
     for n, (lq, lk) in enumerate(zip(lens_q, lens_kv, strict=True)):
         if lq == 0:
             continue
@@ -100,6 +118,7 @@ def emulate_ragged(node: Any, b: Any, declared_view: Any, band: tuple, scale: fl
             write("O", n, lq, o)
             write("Stats", n, lq, stats)
         elif kind == "SDPA_BWD":
+            check_accumulator(n, lq)
             o, d_o, stats = read("o", n, lq), read("dO", n, lq), read("stats", n, lq)
             dq, dk, dv, _ = reference.attention_backward(q, k, v, o, d_o, stats, how, partials=io_dtype)
             for port, value, length in (("dQ", dq, lq), ("dK", dk, lk), ("dV", dv, lk)):

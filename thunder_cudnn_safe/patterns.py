@@ -22,7 +22,7 @@ import torch
 
 from . import config
 from ._env import MASK_PATTERNS_ENV as MASK_PATTERNS_ENV  # its old home; the knob is config.mask_patterns
-from .documents import DocumentPattern, recognize_documents
+from .documents import DocumentPattern, document_checks, document_verdict
 from .masks import capturing, converted_masks
 
 
@@ -91,16 +91,23 @@ def pattern_of(mask: torch.Tensor, batch: int, lq: int, s: int) -> MaskPattern |
 
 
 def _recognize(mask: torch.Tensor, batch: int, lq: int, s: int) -> MaskPattern | DocumentPattern | str:
-    pattern = recognize(mask, batch, lq, s)
-    if pattern is None:  # packed sequences: block-diagonal document masks (one more sync, for non-patterns only)
-        pattern = recognize_documents(mask, batch, lq, s)
+    docs = document_checks(mask, batch, lq, s)  # packed sequences: block-diagonal document masks
+    if docs is None:
+        pattern = recognize(mask, batch, lq, s)
+    else:  # both recognizers' checks in one host sync; documents only where no other pattern holds
+        pattern, values = recognize(mask, batch, lq, s, extra=docs[0])
+        if pattern is None:
+            pattern = document_verdict(values, docs[1], batch, lq)
     with _lock:
         _counts[_NOT_A_PATTERN if pattern is None else pattern.name] += 1
     return _NOT_A_PATTERN if pattern is None else pattern
 
 
-def recognize(mask: torch.Tensor, batch: int, lq: int, s: int) -> MaskPattern | None:
+def recognize(mask: torch.Tensor, batch: int, lq: int, s: int, extra: torch.Tensor | None = None) -> Any:
     """The exact pattern of ``mask`` (broadcastable to (batch, H, lq, s)), or None; one host sync.
+
+    ``extra`` (1-D int64 on the mask's device, for a mask of this shape) is synchronized in the same host
+    sync: (pattern, its values) is then returned.
 
     Temporaries are a few bytes per mask element (the per-row first and last kept key by argmax).
     """
@@ -130,9 +137,13 @@ def recognize(mask: torch.Tensor, batch: int, lq: int, s: int) -> MaskPattern | 
             (lo == (row - window + 1).clamp(min=0)).all(),
         ]
     ).to(torch.int64)
-    valid, runs, full, causal, padded, causal_padded, no_left, windowed, window = torch.cat(
-        [checks, window.view(1)]
-    ).tolist()
+    values = torch.cat([checks, window.view(1)] + ([] if extra is None else [extra])).tolist()
+    pattern = _pattern_from(values[:9], n, m, batch, lq, s)
+    return pattern if extra is None else (pattern, values[9:])
+
+
+def _pattern_from(values: list[int], n: torch.Tensor, m: torch.Tensor, batch: int, lq: int, s: int) -> Any:
+    valid, runs, full, causal, padded, causal_padded, no_left, windowed, window = values
     if not (valid and runs):
         return None
     if no_left:
