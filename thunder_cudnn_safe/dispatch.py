@@ -24,6 +24,7 @@ from .binding import (
     with_grad_out_like_o,
 )
 from .cache import GraphCache, graph_cache
+from .defect_routes import route
 from .errors import ExecuteError, GraphBuildError
 from .graphs import Uid
 from .keys import BackwardKey, ForwardKey, Target
@@ -61,7 +62,9 @@ class Dispatcher:
     def forward(self, *args, **kwargs) -> tuple[torch.Tensor, ...]:
         """O and stats (none when ``need_stats`` is False), then the dropout seed and offset."""
         call = ForwardCall(*args, **kwargs)
-        masked = call if call.attn_mask is None else with_mask_pattern(call)
+        masked = route(
+            call if call.attn_mask is None else with_mask_pattern(call), self.runtime.target(call.query.device)
+        )
         bound = self.bind(masked)
         if call.dropout_p and call.need_stats and not self._backward_builds(call, masked, bound):
             self.run_fallback(bound)
@@ -81,6 +84,7 @@ class Dispatcher:
             return kept
         if not call.mask_grad:
             call = with_mask_pattern(call)
+        call = route(call, self.runtime.target(call.query.device))  # a defect's workaround (defect_routes)
         bound = self.bind(call)
         self.run(bound)
         if call.mask_grad:
@@ -164,7 +168,7 @@ def planned_keys(call: ForwardCall, target: Target) -> tuple[ForwardCall, Forwar
     mask = call.attn_mask
     mask_grad = mask is not None and mask.dtype is not torch.bool and bool(mask.requires_grad)
     call = call._replace(layout=LayoutPolicy.parse(call.layout).value, dropout_p=float(call.dropout_p))
-    masked = call if mask_grad else with_mask_pattern(call)
+    masked = route(call if mask_grad else with_mask_pattern(call), target)
     fkey = plan_forward(signature(masked), target).key  # an inference forward has no backward:
     return masked, fkey, companion_backward_key(signature(masked), fkey, mask_grad) if call.need_stats else None
 

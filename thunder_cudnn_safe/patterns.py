@@ -133,6 +133,8 @@ def recognize(mask: torch.Tensor, batch: int, lq: int, s: int) -> MaskPattern | 
     ).tolist()
     if not (valid and runs):
         return None
+    if lq == 1:  # one query keeping key 0 only: padding, not a causal band (cudnn_rules.CAUSAL_DECODE_GQA)
+        causal = causal_padded = 0
     if no_left:
         left = None
     elif windowed and lq <= s:  # cuDNN 9.19 refuses a left bound with L > S
