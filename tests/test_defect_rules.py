@@ -223,3 +223,24 @@ def test_declined_training_call_runs_on_the_next_executor():
         out = jf(q.detach(), k.detach(), v.detach(), None, 0.0, False, None)
     assert "cudnn_safe_emulated" in checks.trace_text(jf)[0]
     assert torch.allclose(out, ref, atol=2e-3)
+
+
+def test_the_workaround_graphs_pass_the_lowering_sweep():
+    """The padded one-query graphs (forward with stats, backward) are in the lowering sweep's keys and
+    libcudnn's validate + build_operation_graph accept them at every arch (tests/test_cudnn_lowering.py)."""
+    from thunder_cudnn_safe import lowering
+
+    problem = lowering.lowering_problem()
+    if problem is not None:
+        pytest.skip(f"cannot lower graphs here: {problem}")
+    import test_cudnn_lowering as sweep
+
+    for call_id in ("decode-train-mqa", "decode-train-causal"):
+        call = next(c for c in sweep.CALLS if c.id == call_id)
+        keys = sweep.keys_of(call)
+        padded = [key for key in keys if key.padded and key.q.shape[2] == 1]
+        assert {type(key) for key in padded} == {ForwardKey, BackwardKey}, keys
+        for sm in sweep.ARCHS:
+            for key in padded:
+                assert sweep.lowered(key, sm).ok, (call_id, sm, sweep.lowered(key, sm))
+        assert sweep._explain(call, 90) == []
