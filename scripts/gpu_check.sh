@@ -17,7 +17,7 @@
 #   GPU_CHECK_DRY_RUN=1  rehearsal without a GPU: steps run, CUDA-only work is skipped
 #   GPU_CHECK_PYTHON     interpreter (default python3: on the GPU machine the one with torch)
 #   GPU_CHECK_SITE       where the wheels are installed (default /tmp/site)
-#   GPU_CHECK_SKIP       space-separated steps to skip: install env patch tests probe bench
+#   GPU_CHECK_SKIP       space-separated steps to skip: install defects env patch tests probe bench
 #                        (and tests-emulated, which only dry runs have)
 #   GPU_CHECK_PYTEST_ARGS  extra pytest arguments (e.g. "-k zoo")
 #   GPU_CHECK_BENCH_ARGS   extra `python3 -m benchmarks.run` arguments
@@ -116,6 +116,19 @@ install_wheels() {
 export -f install_wheels
 run_step install 120 60 install_wheels
 
+# -- 1b. the first check: regression tests for cuDNN's known silent defects -------------------
+# (tests/test_gpu_defects.py, docs/known-cudnn-defects.md): the public repros (NaN dQ at L=704, GQA
+# decode steps, rows of very negative scores); the `tests` step below skips this file.
+defect_tests() {
+  local extra=()
+  if "$PY" -c 'import pytest_timeout' 2>/dev/null; then extra+=(--timeout 120); fi
+  "$PY" -m pytest -m gpu tests/test_gpu_defects.py -q -rA -p no:cacheprovider "${extra[@]}" 2>&1 |
+    tee "$OUT/gpu-defects.log"
+  return "${PIPESTATUS[0]}"
+}
+export -f defect_tests
+run_step defects 120 330 defect_tests
+
 # -- 2. environment -------------------------------------------------------------------------
 env_info() {
   if command -v nvidia-smi >/dev/null 2>&1; then
@@ -204,6 +217,7 @@ gpu_tests() {
   # --continue-on-collection-errors: a test module that cannot be imported there (a
   # package the image lacks) must not stop the GPU tests of the other modules.
   "$PY" -m pytest -m gpu "${paths[@]}" -q -rA -p no:cacheprovider --durations=15 --continue-on-collection-errors \
+    --ignore=tests/test_gpu_defects.py \
     --junitxml="$OUT/gpu-tests.xml" "${extra[@]}" 2>&1 | tee "$OUT/gpu-tests.log"
   return "${PIPESTATUS[0]}"
 }

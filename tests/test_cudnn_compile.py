@@ -126,16 +126,20 @@ def test_the_rules_this_sweep_added_decline_what_does_not_build(call_id: str, sw
     builds it, this fails and the rule's bounds (max_backend) must change."""
     sm, rules, cause = RULE_EVIDENCE[call_id]
     call = next(c for c in SWEPT if c.id == call_id)
-    assert [r.rule for r in claimed(call, sm)] == [rule.name for rule in rules], claimed(call, sm)
+    # a training call with key length 1 is declined everywhere by BACKWARD_KEY_LENGTH_1 (a cuDNN known issue)
+    other = {cudnn_rules.BACKWARD_KEY_LENGTH_1.name}
+    assert [r.rule for r in claimed(call, sm) if r.rule not in other] == [rule.name for rule in rules], claimed(
+        call, sm
+    )
     refused = [sweep[sm][key].reason for key in keys_of(call) if not sweep[sm][key].ok]
     assert refused and all(cause in reason for reason in refused), refused
-    assert claimed(call, 90) == [] and all(sweep[90][key].ok for key in keys_of(call))
+    assert all(r.rule in other for r in claimed(call, 90)) and all(sweep[90][key].ok for key in keys_of(call))
 
 
 def test_the_key_length_1_rule_holds_on_sm120_too() -> None:
     """cuDNN's message names its SM80 and SM120 code paths (the lowering sweep cannot see it: validation passes)."""
     call = next(c for c in CALLS if c.id == "keylen1-mask-2x2x16x1-additive")
-    assert [r.rule for r in claimed(call, 120)] == [cudnn_rules.BIAS_KEY_LENGTH_1_SM120.name]
+    assert cudnn_rules.BIAS_KEY_LENGTH_1_SM120.name in [r.rule for r in claimed(call, 120)]
     assert claimed(next(c for c in CALLS if c.id == "deterministic-mask-nograd"), 120) == []
 
 

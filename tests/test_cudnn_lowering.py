@@ -116,21 +116,21 @@ def _calls() -> list[Call]:
                 Call(
                     f"dropout-L{lq_}-S{s_}{'-causal' if causal else ''}",
                     shape=(2, 2, lq_, s_, 64, 64),
-                    dropout=0.1,
+                    dropout=0.125,
                     causal=causal,
                 )
             )
-    calls.append(Call("dropout-mask", dropout=0.1, mask=(b, 1, 1, s), mask_bool=True))
-    calls.append(Call("dropout-bshd-transposed-grad", layout="bshd_transposed", grad="transposed", dropout=0.1))
+    calls.append(Call("dropout-mask", dropout=0.125, mask=(b, 1, 1, s), mask_bool=True))
+    calls.append(Call("dropout-bshd-transposed-grad", layout="bshd_transposed", grad="transposed", dropout=0.125))
     for causal in (False, True):
         calls.append(Call(f"deterministic{'-causal' if causal else ''}", deterministic=True, causal=causal))
-    calls.append(Call("deterministic-dropout", deterministic=True, dropout=0.1))
+    calls.append(Call("deterministic-dropout", deterministic=True, dropout=0.125))
     calls.append(Call("deterministic-mask-grad", deterministic=True, mask=(b, h, lq, s), mask_grad=True))
     calls.append(Call("deterministic-mask-nograd", deterministic=True, mask=(b, h, lq, s)))
-    calls.append(Call("deterministic-dropout-mask", deterministic=True, dropout=0.1, mask=(1, 1, lq, s)))
-    calls.append(Call("dropout-mask-grad", dropout=0.1, mask=(b, h, lq, s), mask_grad=True))
+    calls.append(Call("deterministic-dropout-mask", deterministic=True, dropout=0.125, mask=(1, 1, lq, s)))
+    calls.append(Call("dropout-mask-grad", dropout=0.125, mask=(b, h, lq, s), mask_grad=True))
     for d_qk, d_v in ((128, 128), (256, 256), (192, 128)):
-        calls.append(Call(f"dropout-headdim-{d_qk}-{d_v}", shape=(2, 2, 16, 16, d_qk, d_v), dropout=0.1))
+        calls.append(Call(f"dropout-headdim-{d_qk}-{d_v}", shape=(2, 2, 16, 16, d_qk, d_v), dropout=0.125))
     for layout in ("packed_qkv", "contiguous", "bshd_transposed"):
         calls.append(Call(f"fused-dqkv-{layout}", layout=layout, cat_grad_qkv=True))
     calls.append(
@@ -152,7 +152,7 @@ def _calls() -> list[Call]:
         calls.append(Call(f"keylen1-mask-{sid}-additive", shape=(2, 2, 16, 1, 64, 64), mask=shape))
         calls.append(Call(f"keylen1-mask-{sid}-bool", shape=(2, 2, 16, 1, 64, 64), mask=shape, mask_bool=True))
     calls.append(Call("keylen1-mask-grad", shape=(2, 2, 16, 1, 64, 64), mask=(b, h, lq, 1), mask_grad=True))
-    calls.append(Call("keylen1-bshd-dropout", layout="bshd_transposed", shape=(2, 2, 16, 1, 64, 64), dropout=0.1))
+    calls.append(Call("keylen1-bshd-dropout", layout="bshd_transposed", shape=(2, 2, 16, 1, 64, 64), dropout=0.125))
     calls.append(
         Call(
             "LneS-bshd-mask", layout="bshd_transposed", shape=(2, 2, 16, 24, 64, 64), mask=(2, 1, 1, 24), mask_bool=True
@@ -162,8 +162,13 @@ def _calls() -> list[Call]:
         calls.append(
             Call(f"kv-one-head{'-causal' if causal else ''}", shape=(2, 4, 16, 16, 64, 64), kv_heads=1, causal=causal)
         )
-    calls.append(Call("kv-one-head-LneS-dropout", shape=(2, 4, 16, 24, 64, 64), kv_heads=1, dropout=0.1))
-    calls.append(Call("kv-broadcast-head-dropout", layout="kv_broadcast_head", dropout=0.1))
+    calls.append(Call("kv-one-head-LneS-dropout", shape=(2, 4, 16, 24, 64, 64), kv_heads=1, dropout=0.125))
+    calls.append(Call("kv-broadcast-head-dropout", layout="kv_broadcast_head", dropout=0.125))
+    # One query in training: on sm90 forward and backward run with the padding mask at full lengths
+    # (cudnn_rules.HOPPER_DECODE_BACKWARD_NAN); keys_of records every arch's graphs, so the padded ones
+    # are lowered (and compiled) at every arch too.
+    calls.append(Call("decode-train-mqa", shape=(2, 4, 1, 128, 64, 64), kv_heads=1))
+    calls.append(Call("decode-train-causal", shape=(2, 4, 1, 128, 64, 64), causal=True))
     calls += _document_calls()
     return calls
 
@@ -261,10 +266,33 @@ _KEYS: dict[str, list] = {}
 
 
 def keys_of(call: Call) -> list:
-    """Every graph key (target stripped: graphs do not depend on it) the dispatcher builds for ``call``."""
-    memo = call.id if call.documents is None else (call.id, emulation.emulated_target().arch)  # varlen is per arch
-    if memo in _KEYS:
+    """Every graph key (target stripped) the dispatcher builds for ``call`` posing as any arch of :data:`ARCHS`:
+    the graphs depend on the arch only where a defect's workaround applies (:mod:`thunder_cudnn_safe.defect_routes`),
+    and those graphs are then checked at every arch too. Packed-sequence calls are the exception: whether they
+    run as variable-length graphs is itself per arch, so their keys are those of the emulated arch."""
+    import cudnn
+
+    if call.documents is not None:
+        memo = (call.id, emulation.emulated_target().arch)
+        if memo not in _KEYS:
+            _KEYS[memo] = list(dict.fromkeys(key._replace(target=None) for key in _record_keys(call)))
         return _KEYS[memo]
+    if call.id in _KEYS:
+        return _KEYS[call.id]
+    before = emulation.emulated_target()
+    seen: list = []
+    try:
+        for arch in ARCHS.values():
+            tcs.set_emulated_target(arch, backend_version=cudnn.backend_version())
+            seen += _record_keys(call)
+    finally:
+        tcs.set_emulated_target(before.arch, backend_version=before.backend_version)
+    keys = list(dict.fromkeys(key._replace(target=None) for key in seen))
+    _KEYS[call.id] = keys
+    return keys
+
+
+def _record_keys(call: Call) -> list:
     dispatcher = tcs.emulated_ex.dispatcher
     q, k, v, mask = _tensors(call)
     tcs.clear_cache()
@@ -295,10 +323,8 @@ def keys_of(call: Call) -> list:
     assert set(cached) <= set(seen), "the cache holds a key the runtime was never asked to build"
     # A dropout forward whose backward cuDNN refuses is never built (it runs on the fallback).
     assert seen and (any(isinstance(key, ForwardKey) for key in seen) or call.dropout), seen
-    keys = list(dict.fromkeys(key._replace(target=None) for key in seen))
-    _KEYS[memo] = keys
     tcs.clear_cache()
-    return keys
+    return seen
 
 
 _LOWERED: dict = {}

@@ -103,7 +103,19 @@ def _grads_error(jf, q, k, v, g):
     return max((a.double() - b).abs().max().item() for a, b in zip(grads, ref_grads)), grads, ref_grads
 
 
-def test_seed_bug_reproduced_on_cpu_and_fixed(monkeypatch, fresh_cache):
+@pytest.fixture
+def past_kv_tail_fix():
+    """Pose as sm90 with cuDNN 9.26: these key lengths (64) are declined for training before it
+    (cudnn_rules.HOPPER_BACKWARD_KV_TAIL_NAN), and the tests are about the claimed path."""
+    from thunder_cudnn_safe import emulation
+
+    before = emulation.emulated_target()
+    tcs.set_emulated_target((9, 0), backend_version=92600)
+    yield
+    tcs.set_emulated_target(before.arch, backend_version=before.backend_version)
+
+
+def test_seed_bug_reproduced_on_cpu_and_fixed(monkeypatch, fresh_cache, past_kv_tail_fix):
     """Declaring dO like O (contiguous) while binding the transposed grad_out gives wrong gradients;
     the package's path (dO declared with its own strides) gives right ones."""
     q, k, v, g = _diffusers_inputs()
@@ -148,17 +160,17 @@ def test_dropout_forward_backward_consistent_and_statistical():
     assert not torch.equal(out, out2)
 
 
-def test_dropout_through_thunder_is_claimed_and_unbiased(fresh_cache):
+def test_dropout_through_thunder_is_claimed_and_unbiased(fresh_cache, past_kv_tail_fix):
     torch.manual_seed(0)
     q, k, v = (torch.randn(4, 4, 64, 64, dtype=torch.float16, requires_grad=True) for _ in range(3))
     jf = jit_sdpa()
-    outs = torch.stack([jf(q, k, v, None, 0.2).detach().float() for _ in range(20)])
+    outs = torch.stack([jf(q, k, v, None, 0.25).detach().float() for _ in range(20)])
     import thunder
 
     assert "cudnn_safe_emulated_sdpa_fwd" in str(thunder.last_traces(jf)[-1])
     expected = torch.nn.functional.scaled_dot_product_attention(q, k, v).detach().float()
     # the dropout output is unbiased: the mean over draws approaches the no-dropout output
     assert (outs.mean(0) - expected).abs().mean() < 0.35 * (outs[0] - expected).abs().mean()
-    out = jf(q, k, v, None, 0.2)
+    out = jf(q, k, v, None, 0.25)
     out.sum().backward()
     assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q, k, v))

@@ -183,14 +183,14 @@ def test_gqa_dropout_forward_backward_consistent(h, hkv):
 
 def test_gqa_dropout_through_thunder_is_claimed_and_unbiased(fresh_cache):
     torch.manual_seed(0)
-    q = torch.randn(2, 8, 64, 64, dtype=torch.float16, requires_grad=True)
-    k, v = (torch.randn(2, 2, 64, 64, dtype=torch.float16, requires_grad=True) for _ in range(2))
+    q = torch.randn(2, 8, 80, 64, dtype=torch.float16, requires_grad=True)
+    k, v = (torch.randn(2, 2, 80, 64, dtype=torch.float16, requires_grad=True) for _ in range(2))
     fallbacks = tcs.cache_info().fallbacks
     jf = _jit()
-    outs = torch.stack([jf(q, k, v, None, 0.2).detach().float() for _ in range(20)])
+    outs = torch.stack([jf(q, k, v, None, 0.25).detach().float() for _ in range(20)])
     expected = gqa_fn(q, k, v).detach().float()
     assert (outs.mean(0) - expected).abs().mean() < 0.35 * (outs[0] - expected).abs().mean()
-    out = jf(q, k, v, None, 0.2)
+    out = jf(q, k, v, None, 0.25)
     out.sum().backward()
     assert_native_gqa_traces(jf)
     assert tcs.cache_info().fallbacks == fallbacks

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import thunder_cudnn_safe as tcs
-from thunder_cudnn_safe import masks, patterns
+from thunder_cudnn_safe import cudnn_rules, masks, patterns
 from thunder_cudnn_safe.keys import BackwardKey
 from thunder_cudnn_safe.patterns import recognize
 
@@ -39,8 +39,8 @@ def additive(keep, low=float("-inf"), dtype=torch.float32):
 @pytest.mark.parametrize("lq,s", [(8, 8), (4, 8), (8, 4), (1, 8)])
 def test_causal_is_recognized_also_for_l_ne_s(lq, s):
     p = recognize(causal(lq, s), 2, lq, s)
-    if lq == 1:  # one query row keeping key 0 only: causal (hi = 0), or padding n=1; causal first
-        assert p is not None and p.right == 0
+    if lq == 1:  # one query row keeping key 0 only: padding n=1, not the causal band (cudnn_rules.CAUSAL_DECODE_GQA)
+        assert p is not None and p.right is None and p.kv_lens is not None
     else:
         assert p == patterns.MaskPattern(0, None)
 
@@ -70,7 +70,9 @@ def test_an_inference_forward_runs_an_all_kept_mask_as_padding_a_training_forwar
     out, _ = disp.forward(q, k, v, torch.ones(2, 1, 1, 16, dtype=torch.bool), 0.0, False)
     assert (out.float() - ref).abs().max() < 2e-2
     training = [g.key for g in tcs.cached_graphs() if isinstance(g.key, ForwardKey) and g.key.stats is not None]
-    assert len(training) == 1 and not training[0].padded and training[0].bias is None
+    # padded only where a one-query backward needs it (cudnn_rules.HOPPER_DECODE_BACKWARD_NAN: sm90 routes it)
+    hopper = cudnn_rules.HOPPER_DECODE_BACKWARD_NAN.holds(training[0].target)
+    assert len(training) == 1 and training[0].padded == hopper and training[0].bias is None
 
 
 def test_sliding_window_is_the_band_left_bound():

@@ -18,8 +18,14 @@ from .keys import Target
 
 @dataclass(frozen=True)
 class Rule:
-    """One cuDNN fact: holds on targets with ``min_arch <= arch`` (and ``arch_major`` if set)
-    and ``min_backend <= cuDNN version < max_backend``."""
+    """One cuDNN fact: holds on targets with ``min_arch <= arch`` (and ``arch_major`` if set, or an arch
+    major in ``arch_majors`` if that is set) and ``min_backend <= cuDNN version < max_backend``, except
+    the versions in ``except_backends`` (a fixed release inside a bad window).
+
+    ``passes`` says which pass the fact is about: a rule about the backward only (``("backward",)``)
+    declines a call only when a backward follows it (:meth:`declines`); an inference forward is
+    unaffected. ``holds`` ignores it.
+    """
 
     name: str
     text: str
@@ -28,14 +34,25 @@ class Rule:
     arch_major: int | None = None
     min_backend: int = 0
     max_backend: int | None = None
+    arch_majors: tuple[int, ...] = ()
+    except_backends: tuple[int, ...] = ()
+    passes: tuple[str, ...] = ("forward", "backward")
 
     def holds(self, target: Target) -> bool:
         arch, version = tuple(target.arch), int(target.backend_version)
         if arch < self.min_arch or (self.arch_major is not None and arch[0] != self.arch_major):
             return False
-        if version < self.min_backend:
+        if self.arch_majors and arch[0] not in self.arch_majors:
+            return False
+        if version < self.min_backend or version in self.except_backends:
             return False
         return self.max_backend is None or version < self.max_backend
+
+    def declines(self, target: Target, backward_follows: bool) -> bool:
+        """Whether the rule holds for a call on ``target``: always for a forward fact, and for a
+        backward-only fact only when a backward follows (a training forward, whose stats and dropout
+        mask bind it to the backward of the same executor)."""
+        return self.holds(target) and (backward_follows or "forward" in self.passes)
 
 
 FLASH_ATTENTION = Rule(
@@ -242,3 +259,74 @@ VARLEN_BATCH_STRIDE = Rule(
 def varlen_backward_holds(target: Target) -> bool:
     """Whether a variable-length backward (ragged stats) is accepted on ``target``."""
     return VARLEN_BACKWARD_ARCH.holds(target) and not VARLEN_BACKWARD_SM12X.holds(target)
+
+
+# -- cuDNN defects that give wrong numbers without an error (docs/known-cudnn-defects.md) -------------
+# Each is decided at trace time from shapes, arch and version. Where the real trigger also depends on
+# the data (a very negative logsumexp), the rule guards the whole shape-level condition.
+BLACKWELL_DECODE = Rule(
+    "BLACKWELL_DECODE",
+    "cuDNN 9.19.0-9.25.0 (except 9.24.1) computes a wrong output for a single query (s_q == 1, decode) on "
+    "SM 10.x/11.x, forward and backward; the trigger also needs very negative scores (Qwen2.5-like data), "
+    "which trace time cannot see, so every s_q == 1 call is declined",
+    "pytorch/pytorch#193893 (open, 'module: correctness (silent)'), PR #194927: 'cuDNN SDPA decode is disabled "
+    "for cuDNN versions 9.19-9.25.0 (except 9.24.1) on SM 10.x and 11.x' (MHA.cpp, forward and backward)",
+    arch_majors=(10, 11),
+    min_backend=91900,
+    max_backend=92501,
+    except_backends=(92401,),
+)
+HOPPER_BACKWARD_KV_TAIL_NAN = Rule(
+    "HOPPER_BACKWARD_KV_TAIL_NAN",
+    "the sm90 flash backward (kernel sm90_flash_bprop_wgmma_f16_knob_26) leaves the padded half of the last "
+    "128-key tile unmasked when s_kv % 128 == 64: dQ is NaN for a query row whose logsumexp is below -88.7 "
+    "(e.g. a row masked with a finite minimum). The logsumexp is data, so every backward with s_kv % 128 == 64 "
+    "is declined unless torch's causal band masks the tail (is_causal, no mask tensor, s_q <= s_kv: causal is "
+    "clean in the report; with s_q > s_kv the band no longer covers the tail). The padding-mask workaround is "
+    "not verified for this defect. First bad version unknown (seen on 9.19 and 9.20), fixed in 9.26.0",
+    "pytorch/pytorch#196678 (regression since torch 2.11), PR #196861; NVIDIA/cudnn-frontend#628 (nvbug 6591137)",
+    arch_major=9,
+    max_backend=92600,
+    passes=("backward",),
+)
+HOPPER_DECODE_BACKWARD_NAN = Rule(
+    "HOPPER_DECODE_BACKWARD_NAN",
+    "the sm90 backward with a single query (s_q == 1) gives NaN dK/dV when the logsumexp is very negative "
+    "(data: guarded for every s_q == 1 backward). The reporter's control, the padding mask at full lengths, is "
+    "clean: the backward (and its forward, so the pair matches) is built with it; a call with a mask tensor "
+    "(which runs as a bias, or as a pattern known only at run time) is declined. Seen on 9.25.1 and 9.26.0, "
+    "open; no earlier version was tested and the same Hopper flash backward serves them, so the route applies "
+    "on every version (the padded graph is one the package builds for padding masks anyway)",
+    "NVIDIA/cudnn-frontend#1072 (open): 'Enabling the padding mask with actual sequence lengths equal to the "
+    "full tensor lengths avoids the NaNs'",
+    arch_major=9,
+    passes=("backward",),
+)
+CAUSAL_DECODE_GQA = Rule(
+    "CAUSAL_DECODE_GQA",
+    "a causal decode forward (s_q == 1, is_causal) with H_q != H_kv gives a wrong result; no fixed version is "
+    "known, so it holds on every version",
+    "cuDNN 9.18.1 release notes, Known Issues ('Decode-phase scaled dot-product attention should usually be run "
+    "without causal masking ... if the layer has Q head count != K/V head count, the result ...')",
+)
+BACKWARD_KEY_LENGTH_1 = Rule(
+    "BACKWARD_KEY_LENGTH_1",
+    "the backward is not supported with key/value length 1 (s_kv == 1, any s_q, with or without a mask); the "
+    "frontend refuses only s_q = s_kv = 1, so the rest builds: declined, as PyTorch does",
+    "cuDNN 9.18.1 release notes, Known Issues ('bprop is not supported when both key/value have sequence length "
+    "of 1'); PyTorch sdp_utils.cpp check_cudnn_tensor_shapes ('does not support key/value sequence length 1')",
+    passes=("backward",),
+)
+DROPOUT_SIXTEENTHS = Rule(
+    "DROPOUT_SIXTEENTHS",
+    "some cuDNN SDPA kernels round dropout_p to a multiple of 1/16 silently: other values are declined",
+    "PyTorch sdp_utils.cpp check_cudnn_dropout, PR #174245 ('cuDNN dropout probability resolution is limited to 1/16')",
+)
+GRID_65535 = Rule(
+    "GRID_65535",
+    "batch size or head count above 65535 fails at execute (a grid dimension): declined at trace time",
+    "PyTorch PR #181235, PR #180718 and sdp_utils.cpp check_cudnn_tensor_shapes ('cuDNN SDPA does not support "
+    "batch size or num_heads greater than 65535')",
+)
+#: The largest batch size and head count :data:`GRID_65535` allows.
+GRID_LIMIT = 65535

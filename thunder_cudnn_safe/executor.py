@@ -8,6 +8,7 @@ emulation). Each operator's signature is its call value's (:class:`~thunder_cudn
 
 from __future__ import annotations
 
+import contextvars
 import inspect
 from typing import Any, NamedTuple
 
@@ -136,9 +137,27 @@ def _invoke(op, call: ForwardCall | BackwardCall):
     return op(*call[:n], **dict(zip(call._fields[n:], call[n:])))
 
 
+#: True while thunder asks whether we claim a call whose backward follows (see :class:`_SdpaExecutor`).
+_BACKWARD_FOLLOWS = contextvars.ContextVar("thunder_cudnn_safe_backward_follows", default=False)
+
+
+class _SdpaExecutor(OperatorExecutor):
+    """thunder (0.2.6) asks ``can_execute_or_fuse`` only when it picks whose grad transform a call
+    gets (the autodiff and vjp transforms: a backward follows), and ``can_execute`` alone in the
+    execution pass (a call left there has no backward: inference). The checker reads which one
+    asks, so rules about the backward only do not decline inference forwards."""
+
+    def can_execute_or_fuse(self, bsym) -> bool:
+        token = _BACKWARD_FOLLOWS.set(True)
+        try:
+            return super().can_execute_or_fuse(bsym)
+        finally:
+            _BACKWARD_FOLLOWS.reset(token)
+
+
 def make_executor(name: str, runtime: Runtime) -> OperatorExecutor:
     """An executor named ``name`` claiming SDPA through ``runtime``; registered with thunder."""
-    ex = OperatorExecutor(name, version=__version__)
+    ex = _SdpaExecutor(name, version=__version__)
     register_executor(ex)
     ex.runtime, ex.dispatcher = runtime, Dispatcher(runtime)
     fwd = ex.register_operator(
@@ -191,7 +210,9 @@ def make_executor(name: str, runtime: Runtime) -> OperatorExecutor:
     for symbol, make_call in ((ltorch.scaled_dot_product_attention, _call), (gqa.sdpa_gqa, _gqa_call)):
         ex.register_implementation(
             symbol,
-            checker=lambda *a, _make=make_call, **kw: not reasons_for(runtime, *_make(*a, **kw)),
+            checker=lambda *a, _make=make_call, **kw: (
+                not reasons_for(runtime, *_make(*a, **kw)._replace(need_stats=_BACKWARD_FOLLOWS.get()))
+            ),
             execution_transform=lambda *a, _make=make_call, **kw: _invoke(
                 fwd, _make(*a, **kw)._replace(need_stats=False)
             )[0],

@@ -146,6 +146,8 @@ def _pattern_from(values: list[int], n: torch.Tensor, m: torch.Tensor, batch: in
     valid, runs, full, causal, padded, causal_padded, no_left, windowed, window = values
     if not (valid and runs):
         return None
+    if lq == 1:  # one query keeping key 0 only: padding, not a causal band (cudnn_rules.CAUSAL_DECODE_GQA)
+        causal = causal_padded = 0
     if no_left:
         left = None
     elif windowed and lq <= s:  # cuDNN 9.19 refuses a left bound with L > S

@@ -195,6 +195,35 @@ def _mask_reasons(
     return reasons
 
 
+def _defect_reasons(call: Any, full: tuple[int, int, int, int], hk: int, target: Target) -> list[Decline]:
+    """The cuDNN defects that give wrong numbers without an error (:mod:`cudnn_rules`, docs/known-cudnn-defects.md).
+
+    A training forward (``call.need_stats``, the default) is declined by a backward-only defect too:
+    its stats and dropout mask bind it to this executor's backward. An inference forward
+    (``need_stats=False``: thunder's execution transform, no backward) is not.
+    """
+    b, h, lq, s = full
+    training = bool(getattr(call, "need_stats", True))
+    causal = _value(call.is_causal) is True
+    where = f"sm{target.arch[0]}{target.arch[1]}, cuDNN {target.backend_version}"
+    found = []
+    if lq == 1:
+        found.append((cudnn_rules.BLACKWELL_DECODE, "a single query (decode)"))
+        if causal and hk != h:
+            found.append((cudnn_rules.CAUSAL_DECODE_GQA, f"causal decode with {h} query and {hk} key/value heads"))
+        if call.attn_mask is not None:  # without a mask the backward is routed to the padding mask at full lengths
+            found.append((cudnn_rules.HOPPER_DECODE_BACKWARD_NAN, "a single query with a mask tensor, in training"))
+    if s % 128 == 64 and not (causal and call.attn_mask is None and lq <= s):
+        found.append((cudnn_rules.HOPPER_BACKWARD_KV_TAIL_NAN, f"key length {s} (% 128 == 64), in training"))
+    if s == 1:
+        found.append((cudnn_rules.BACKWARD_KEY_LENGTH_1, "key length 1, in training"))
+    return [
+        Decline(DeclineCode.ARCH, f"{where}: {what}: {rule.name}: {rule.text}", rule)
+        for rule, what in found
+        if rule.declines(target, training)
+    ]
+
+
 def not_supported_reasons(
     call: Any, target: Target | None, device_type: str, environment_problem: str | None = None
 ) -> list[Decline]:
@@ -302,6 +331,7 @@ def not_supported_reasons(
                 )
             )
         reasons.extend(_head_dim_reasons(d_qk, d_v, target))
+        reasons.extend(_defect_reasons(call, (b, h, lq, s), hk, target))
         if lq == 1 and s == 1 and cudnn_rules.BACKWARD_SEQ_1.holds(target):
             reasons.append(
                 Decline(
@@ -366,6 +396,22 @@ def not_supported_reasons(
         reasons.append(Decline(DeclineCode.DROPOUT, f"dropout_p {p!r} is not a number known at trace time"))
     elif not (0.0 <= float(p) < 1.0) or math.isnan(float(p)):
         reasons.append(Decline(DeclineCode.DROPOUT, f"dropout_p={p} is outside [0, 1)"))
+    elif float(p) * 16 != math.floor(float(p) * 16):
+        reasons.append(
+            Decline(
+                DeclineCode.DROPOUT,
+                f"dropout_p={p} is not a multiple of 1/16: {cudnn_rules.DROPOUT_SIXTEENTHS.text}",
+                cudnn_rules.DROPOUT_SIXTEENTHS,
+            )
+        )
+    if max(b, h, hk) > cudnn_rules.GRID_LIMIT:
+        reasons.append(
+            Decline(
+                DeclineCode.SHAPE,
+                f"batch {b}, heads {h}/{hk}: {cudnn_rules.GRID_65535.text}",
+                cudnn_rules.GRID_65535,
+            )
+        )
     sc = _value(scale)
     if sc is not None and (not isinstance(sc, (int, float)) or isinstance(sc, bool) or not math.isfinite(float(sc))):
         reasons.append(Decline(DeclineCode.SCALE, f"scale {sc!r} is not a finite number known at trace time"))

@@ -43,6 +43,7 @@ SUBSET = (
     "LneS-L16-S24-causal",
     "kv-one-head-causal",
     "kv-one-head-LneS-dropout",
+    "decode-train-mqa",
 )
 
 

@@ -1,0 +1,246 @@
+"""cuDNN's known silent defects (docs/known-cudnn-defects.md) as rules: declined, or routed to the documented
+workaround, inside each boundary (arch, version, shape, pass); claimed outside. The emulated executor poses
+as each GPU; ``explain()`` names the rule."""
+
+from __future__ import annotations
+
+import checks
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import thunder_cudnn_safe as tcs
+from thunder_cudnn_safe import cudnn_rules, emulation
+from thunder_cudnn_safe.cache import graph_cache
+from thunder_cudnn_safe.keys import BackwardKey, ForwardKey, Target
+from thunder_cudnn_safe.patterns import MaskPattern, recognize
+
+
+@pytest.fixture(autouse=True)
+def _restore_target():
+    before = emulation.emulated_target()
+    yield
+    tcs.set_emulated_target(before.arch, backend_version=before.backend_version)
+
+
+def qkv(b=1, h=4, lq=16, s=16, d=64, hk=None, dtype=torch.float16, grad=False):
+    hk = h if hk is None else hk
+    ts = (
+        torch.randn(b, h, lq, d, dtype=dtype),
+        torch.randn(b, hk, s, d, dtype=dtype),
+        torch.randn(b, hk, s, d, dtype=dtype),
+    )
+    return tuple(t.requires_grad_() for t in ts) if grad else ts
+
+
+def rules_on(arch, version, *args, **kwargs) -> list[str | None]:
+    tcs.set_emulated_target(arch, backend_version=version)
+    return [r.rule for r in tcs.explain(*args, executor=tcs.emulated_ex, **kwargs)]
+
+
+B200, GB300, H100, A100, RTX50 = (10, 0), (10, 3), (9, 0), (8, 0), (12, 0)
+
+
+# -- Rule's new fields ------------------------------------------------------------------------
+def test_rule_windows_with_holes_and_several_arch_majors():
+    rule = cudnn_rules.BLACKWELL_DECODE
+    at = lambda arch, v: rule.holds(Target("t", 0, arch, v, "1.32.0"))  # noqa: E731
+    assert [at(B200, v) for v in (91801, 91900, 92400, 92401, 92402, 92500, 92501, 92600)] == [
+        False, True, True, False, True, True, False, False,
+    ]  # fmt: skip
+    assert at((11, 0), 91900) and at(GB300, 92500) and not at(H100, 91900) and not at(RTX50, 91900)
+    backward_only = cudnn_rules.BACKWARD_KEY_LENGTH_1
+    target = Target("t", 0, H100, 91900, "1.32.0")
+    assert backward_only.declines(target, True) and not backward_only.declines(target, False)
+    assert rule.declines(Target("t", 0, B200, 91900, "1.32.0"), False)  # a forward fact: inference too
+
+
+# -- S1: Blackwell decode -----------------------------------------------------------------------
+@pytest.mark.parametrize("arch", [B200, GB300, (11, 0)])
+@pytest.mark.parametrize(
+    "version,declined", [(91801, False), (91900, True), (92401, False), (92500, True), (92600, False)]
+)
+@pytest.mark.parametrize("need_stats", [True, False])
+def test_blackwell_decode(arch, version, declined, need_stats):
+    rules = rules_on(arch, version, *qkv(lq=1, s=64), need_stats=need_stats)
+    assert ("BLACKWELL_DECODE" in rules) == declined, rules
+    assert rules_on(arch, version, *qkv(lq=2, s=64), need_stats=need_stats) == []
+
+
+def test_blackwell_decode_is_not_on_other_archs():
+    for arch in (H100, A100, RTX50):
+        assert "BLACKWELL_DECODE" not in rules_on(arch, 91900, *qkv(lq=1, s=64), need_stats=False)
+
+
+# -- S2: Hopper backward NaN dQ at s_kv % 128 == 64 -----------------------------------------------
+@pytest.mark.parametrize(
+    "s,version,causal,lq,declined",
+    [
+        (704, 92501, False, 16, True),
+        (704, 91900, False, 16, True),
+        (704, 92600, False, 16, False),
+        (768, 92501, False, 16, False),
+        (703, 92501, False, 16, False),
+        (64, 91900, False, 16, True),
+        (704, 92501, True, 16, False),  # the causal band masks the tail
+        (704, 92501, True, 704, False),
+        (64, 91900, True, 80, True),  # s_q > s_kv: rows past s_kv see the tail through the band
+    ],
+)
+def test_hopper_kv_tail(s, version, causal, lq, declined):
+    rules = rules_on(H100, version, *qkv(lq=lq, s=s), None, 0.0, causal)
+    assert ("HOPPER_BACKWARD_KV_TAIL_NAN" in rules) == declined, rules
+    assert "HOPPER_BACKWARD_KV_TAIL_NAN" not in rules_on(
+        H100, version, *qkv(lq=lq, s=s), None, 0.0, causal, need_stats=False
+    )
+
+
+def test_hopper_kv_tail_with_a_mask_even_causal_shaped():
+    i, j = torch.arange(16)[:, None], torch.arange(704)[None, :]
+    assert "HOPPER_BACKWARD_KV_TAIL_NAN" in rules_on(H100, 91900, *qkv(lq=16, s=704), j <= i)
+    for arch in (A100, B200, RTX50):
+        assert "HOPPER_BACKWARD_KV_TAIL_NAN" not in rules_on(arch, 91900, *qkv(lq=16, s=704))
+
+
+@settings(max_examples=40, deadline=None)
+@given(tiles=st.integers(0, 20), rest=st.integers(0, 127), version=st.sampled_from([91900, 92000, 92501, 92600, 92700]))
+def test_hopper_kv_tail_property(tiles, rest, version):
+    """On sm90, a non-causal training call is declined exactly when s_kv % 128 == 64 and cuDNN < 9.26."""
+    s = tiles * 128 + rest
+    if s < 2:
+        return
+    rules = rules_on(H100, version, *qkv(b=1, h=1, lq=2, s=s, d=8))
+    assert ("HOPPER_BACKWARD_KV_TAIL_NAN" in rules) == (s % 128 == 64 and version < 92600)
+
+
+# -- S3: Hopper single-query backward: routed to the padding mask at full lengths --------------------
+def test_hopper_decode_backward_is_routed_not_declined(fresh_cache):
+    tcs.set_emulated_target(H100, backend_version=92600)
+    q, k, v = qkv(b=2, h=4, lq=1, s=128, hk=2)
+    assert tcs.explain(q, k, v, executor=tcs.emulated_ex, enable_gqa=True) == []
+    disp = tcs.emulated_ex.dispatcher
+    out, stats = disp.forward(q, k, v, None, 0.0, False, enable_gqa=True)
+    dq, dk, dv = disp.backward(torch.randn_like(out), q, k, v, None, 0.0, False, out, stats, None, None)
+    keys = graph_cache.keys()
+    assert {type(key) for key in keys} == {ForwardKey, BackwardKey}
+    assert all(key.padded for key in keys), keys
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), enable_gqa=True)
+    assert (out.double() - ref).abs().max() < 5e-3
+    describe = tcs.describe(q, k, v, executor=tcs.emulated_ex, enable_gqa=True)
+    assert describe.forward.key.padded and describe.backward.key.padded
+
+
+@pytest.mark.parametrize("arch,lq,need_stats", [(A100, 1, True), (B200, 1, True), (H100, 2, True), (H100, 1, False)])
+def test_hopper_decode_route_only_there(arch, lq, need_stats, fresh_cache):
+    tcs.set_emulated_target(arch, backend_version=92600)
+    q, k, v = qkv(b=2, lq=lq, s=128)
+    tcs.emulated_ex.dispatcher.forward(q, k, v, None, 0.0, False, need_stats=need_stats)
+    assert not any(key.padded for key in graph_cache.keys())
+
+
+def test_hopper_decode_backward_with_a_mask_is_declined():
+    mask = torch.ones(1, 1, 1, 128, dtype=torch.bool)
+    rules = rules_on(H100, 92600, *qkv(lq=1, s=128), mask)
+    assert "HOPPER_DECODE_BACKWARD_NAN" in rules
+    assert rules_on(H100, 92600, *qkv(lq=1, s=128), mask, need_stats=False) == []
+    assert "HOPPER_DECODE_BACKWARD_NAN" not in rules_on(A100, 92600, *qkv(lq=1, s=128), mask)
+
+
+# -- S4: causal decode with H_q != H_kv ---------------------------------------------------------------
+@pytest.mark.parametrize("need_stats", [True, False])
+def test_causal_gqa_decode(need_stats):
+    for version in (91900, 92600):
+        args = (*qkv(h=4, hk=2, lq=1, s=64), None, 0.0, True)
+        assert "CAUSAL_DECODE_GQA" in rules_on(A100, version, *args, enable_gqa=True, need_stats=need_stats)
+    assert rules_on(A100, 92600, *qkv(h=4, hk=4, lq=1, s=64), None, 0.0, True, need_stats=need_stats) == []
+    assert rules_on(A100, 92600, *qkv(h=4, hk=2, lq=1, s=64), None, 0.0, False, enable_gqa=True) == []
+    assert rules_on(A100, 92600, *qkv(h=4, hk=2, lq=2, s=64), None, 0.0, True, enable_gqa=True) == []
+
+
+def test_a_one_query_mask_keeping_key_0_runs_as_padding_not_causal():
+    """At s_q == 1 torch's causal mask keeps key 0 only; as a pattern it must not become the causal band."""
+    mask = torch.zeros(2, 1, 1, 16, dtype=torch.bool)
+    mask[..., 0] = True
+    pattern = recognize(mask, 2, 1, 16)
+    assert isinstance(pattern, MaskPattern) and pattern.right is None and pattern.kv_lens is not None
+    assert recognize(torch.ones(4, 4, dtype=torch.bool).tril(), 2, 4, 4).right == 0
+
+
+# -- S5: backward with key length 1 -------------------------------------------------------------------
+def test_backward_key_length_1():
+    for lq in (1, 16):
+        assert "BACKWARD_KEY_LENGTH_1" in rules_on(H100, 92600, *qkv(lq=lq, s=1))
+    assert rules_on(H100, 92600, *qkv(lq=16, s=1), need_stats=False) == []
+    assert rules_on(H100, 92600, *qkv(lq=16, s=2)) == []
+
+
+# -- S7: dropout resolution 1/16 ---------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "p,declined", [(0.1, True), (0.2, True), (0.0625, False), (0.125, False), (0.5, False), (0.3, True)]
+)
+def test_dropout_sixteenths(p, declined):
+    assert ("DROPOUT_SIXTEENTHS" in rules_on(H100, 92600, *qkv(), None, p)) == declined
+
+
+# -- S16: batch or heads above 65535 -------------------------------------------------------------------
+def test_grid_limit():
+    import thunder
+    from thunder.core.proxies import TensorProxy
+    from thunder.core.trace import detached_trace
+
+    with detached_trace():
+
+        def proxies(b, h):
+            return [
+                TensorProxy(shape=(b, h, 16, 64), dtype=thunder.float16, device=thunder.devices.cpu) for _ in range(3)
+            ]
+
+        for b, h, declined in ((65536, 1, True), (1, 65536, True), (65535, 1, False), (1, 65535, False)):
+            assert ("GRID_65535" in rules_on(H100, 92600, *proxies(b, h))) == declined
+
+
+# -- a declined call runs on the next executor, with eager's numbers -----------------------------------------
+def test_declined_training_call_runs_on_the_next_executor():
+    tcs.set_emulated_target(H100, backend_version=91900)
+    q, k, v = qkv(b=1, h=2, lq=32, s=192, grad=True)
+    jf = checks.jit_sdpa()
+    out = jf(q, k, v, None, 0.0, False, None)
+    fwd, bwd = checks.trace_text(jf)
+    assert "cudnn_safe_emulated" not in fwd + bwd
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    ref = F.scaled_dot_product_attention(q2, k2, v2)
+    ref_grads = torch.autograd.grad(ref, (q2, k2, v2), g)
+    assert torch.allclose(out, ref, atol=2e-3)
+    for a, b in zip(grads, ref_grads):
+        assert torch.allclose(a, b, atol=5e-3)
+    # the same call without a backward (inference) is claimed: the forward is clean
+    jf = checks.jit_sdpa()
+    with torch.no_grad():
+        out = jf(q.detach(), k.detach(), v.detach(), None, 0.0, False, None)
+    assert "cudnn_safe_emulated" in checks.trace_text(jf)[0]
+    assert torch.allclose(out, ref, atol=2e-3)
+
+
+def test_the_workaround_graphs_pass_the_lowering_sweep():
+    """The padded one-query graphs (forward with stats, backward) are in the lowering sweep's keys and
+    libcudnn's validate + build_operation_graph accept them at every arch (tests/test_cudnn_lowering.py)."""
+    from thunder_cudnn_safe import lowering
+
+    problem = lowering.lowering_problem()
+    if problem is not None:
+        pytest.skip(f"cannot lower graphs here: {problem}")
+    import test_cudnn_lowering as sweep
+
+    for call_id in ("decode-train-mqa", "decode-train-causal"):
+        call = next(c for c in sweep.CALLS if c.id == call_id)
+        keys = sweep.keys_of(call)
+        padded = [key for key in keys if key.padded and key.q.shape[2] == 1]
+        assert {type(key) for key in padded} == {ForwardKey, BackwardKey}, keys
+        for sm in sweep.ARCHS:
+            for key in padded:
+                assert sweep.lowered(key, sm).ok, (call_id, sm, sweep.lowered(key, sm))
+        assert sweep._explain(call, 90) == []

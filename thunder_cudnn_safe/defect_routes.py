@@ -1,0 +1,40 @@
+"""Calls that hit a known cuDNN defect with a documented workaround are built with the workaround.
+
+:data:`~thunder_cudnn_safe.cudnn_rules.HOPPER_DECODE_BACKWARD_NAN` (NVIDIA/cudnn-frontend#1072): an sm90
+backward with a single query gives NaN dK/dV on very negative logsumexps; the same backward with
+cuDNN's padding mask at the full lengths is clean. So a training call with ``s_q == 1`` on sm90 runs
+its forward and backward with a padding pattern keeping every key (the lengths are the tensors'
+own, the numbers those of the unpadded graph). A mask tensor is declined at trace time
+(:mod:`support`), so only a call without one, or with a pattern that does not pad yet, is routed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import cudnn_rules
+from .binding import BackwardCall, ForwardCall
+from .keys import Target
+from .patterns import MaskPattern
+
+
+def route(call: ForwardCall | BackwardCall, target: Target) -> ForwardCall | BackwardCall:
+    """``call`` (a pattern already swapped in) as it must run on ``target``: with the workaround where needed."""
+    q, k = call.query, call.key
+    if q.shape[2] != 1 or not cudnn_rules.HOPPER_DECODE_BACKWARD_NAN.declines(target, _backward_follows(call)):
+        return call
+    mask = call.attn_mask
+    if mask is None:
+        right, left = (0 if call.is_causal else None), None
+    elif isinstance(mask, MaskPattern) and mask.kv_lens is None and mask.full is None:
+        right, left = mask.right, mask.left
+    else:
+        return call  # pads already, or a bias (declined at trace time)
+    b = q.shape[0]
+    q_lens = torch.ones((b, 1, 1, 1), dtype=torch.int32, device=q.device)
+    kv_lens = torch.full((b, 1, 1, 1), k.shape[2], dtype=torch.int32, device=q.device)
+    return call._replace(attn_mask=MaskPattern(right, left, q_lens, kv_lens), is_causal=False)
+
+
+def _backward_follows(call: ForwardCall | BackwardCall) -> bool:
+    return isinstance(call, BackwardCall) or bool(call.need_stats)
