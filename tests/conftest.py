@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +24,17 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("thunder_cudnn_safe figures")
         for line in _FIGURES:
             terminalreporter.write_line(line)
+
+
+def pytest_report_header(config):
+    """Which libcudnn the frontend loaded (a second one comes first on LD_LIBRARY_PATH: .ci/second_cudnn.sh)."""
+    from thunder_cudnn_safe import _compat
+
+    version = _compat.FRONTEND.backend_version
+    maps = Path("/proc/self/maps")
+    text = maps.read_text() if maps.exists() else ""
+    loaded = sorted({line.split()[-1] for line in text.splitlines() if "libcudnn_graph" in line})
+    return f"cuDNN backend {version} ({', '.join(loaded) or 'no libcudnn_graph loaded'})"
 
 
 def pytest_collection_modifyitems(config, items):

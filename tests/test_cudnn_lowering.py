@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import os
 from typing import Any, NamedTuple
 from unittest import mock
 
@@ -37,7 +38,13 @@ from thunder_cudnn_safe.keys import ForwardKey
 from thunder_cudnn_safe.testing import GRAD_OUT_LAYOUTS, QKV_LAYOUTS
 
 _PROBLEM = lowering.lowering_problem()
-pytestmark = pytest.mark.skipif(_PROBLEM is not None, reason=f"cannot lower graphs here: {_PROBLEM}")
+pytestmark = [
+    pytest.mark.skipif(_PROBLEM is not None, reason=f"cannot lower graphs here: {_PROBLEM}"),
+    pytest.mark.cudnn_judged,
+]
+#: ``THUNDER_CUDNN_SAFE_EXPECT_CUDNN=92700``: fail unless the frontend loaded that libcudnn (.ci/second_cudnn.sh sets
+#: it, so a lookup that silently picked torch's 9.19 cannot pass as a 9.27 run).
+EXPECT_ENV = "THUNDER_CUDNN_SAFE_EXPECT_CUDNN"
 
 #: Ampere, Hopper, datacenter Blackwell; and consumer Blackwell (sm120), whose rules differ from sm100's.
 ARCHS = {80: (8, 0), 90: (9, 0), 100: (10, 0), 120: (12, 0)}
@@ -524,3 +531,9 @@ def test_s1_backward_is_refused_while_its_forward_lowers() -> None:
         forward, backward = lowering.lower_key(forward_key, sm), lowering.lower_key(_key(call, BackwardKey), sm)
         assert forward.ok, forward
         assert not backward.ok and "s_q = s_kv = 1" in backward.reason, backward
+
+
+@pytest.mark.skipif(not os.environ.get(EXPECT_ENV), reason=f"{EXPECT_ENV} is not set")
+def test_the_expected_libcudnn_judges() -> None:
+    """The verdicts come from the libcudnn the run asked for (the frontend honours LD_LIBRARY_PATH first)."""
+    assert lowering.backend_version() == int(os.environ[EXPECT_ENV]), lowering.backend_version()

@@ -65,10 +65,13 @@ _FIELDS = (
     "pciDeviceId",
     "deviceName",
 )
+#: Memory bus width in bits. cuDNN 9.27's ``create_device_properties`` refuses a descriptor without it
+#: (CUDNN_STATUS_BAD_PARAM); 9.19 accepts the key and ignores it.
+_MEMORY_BUS_WIDTH = {"A100": 5120, "H100": 5120, "H200": 6144, "B200": 8192}
 #: Descriptors from public specifications (:data:`SOURCES`); scripts/gpu_check.sh saves a real
 #: device's (``create_device_properties(0).serialize()``) to replace them.
 DEVICES: dict[str, dict[str, Any]] = {
-    name: {**_COMMON, **dict(zip(_FIELDS, values))}
+    name: {**_COMMON, **dict(zip(_FIELDS, values)), "memoryBusWidth": _MEMORY_BUS_WIDTH[name]}
     for name, values in {
         "A100": (800, 163 * 1024, 108, 40 * 2**20, 80 * 10**9, 1410000, 1593000, 0x20B2, "NVIDIA A100-SXM4-80GB"),
         "H100": (900, 227 * 1024, 132, 50 * 2**20, 80 * 10**9, 1980000, 2619000, 0x2330, "NVIDIA H100 80GB HBM3"),
@@ -95,6 +98,7 @@ SOURCES: dict[str, str] = {
     "memClockRateKHz": "as CUDA's deviceQuery reports it: A100 1593, H100 2619 MHz; H200, B200 estimated",
     "pciDeviceId": "PCI ID repository, vendor 10de: 20b2 A100-SXM4-80GB, 2330 H100 SXM5, 2335 H200, 2901 B200",
     "deviceName": "the name each device reports",
+    "memoryBusWidth": "datasheets, HBM interface width in bits: A100 5120, H100 SXM 5120, H200 6144, B200 8192",
 }
 _ALIASES = {"sm80": "A100", "sm90": "H100", "sm100": "B200"}
 

@@ -121,8 +121,11 @@ DETERMINISTIC_BIAS_BACKWARD_BLACKWELL = Rule(
     "the deterministic backward with a bias (any attn_mask, without its gradient too) does not compile on "
     "datacenter Blackwell (sm100/sm103)",
     "the compile sweep (tests/test_cudnn_compile.py): cuDNN 9.19's engine 5 fails in NVRTC for sm100 "
-    "(INTERNAL_ERROR_COMPILATION_FAILED, 'identifier \"reg_s\" is undefined': a codegen defect); sm80/sm90 build it",
+    "(INTERNAL_ERROR_COMPILATION_FAILED, 'identifier \"reg_s\" is undefined': a codegen defect); sm80/sm90 build it. "
+    "cuDNN 9.27 builds it for sm100 (the compile sweep's second cuDNN, .ci/second_cudnn.sh); 9.20-9.26 are untested "
+    "and stay declined",
     arch_major=10,
+    max_backend=92700,
 )
 DROPOUT_DBIAS_BLACKWELL = Rule(
     "DROPOUT_DBIAS_BLACKWELL",
@@ -156,9 +159,13 @@ DYNAMIC_SHAPE_FORWARD = Rule(
     "an SDPA forward (not the backward) builds as a dynamic-shape graph whose kernel a kernel cache reuses "
     "for new shapes",
     "cudnn-frontend 1.18.0 release notes (cuDNN 9.18.1: dynamic shapes for SDPA fprop); the compile sweep: sm80, sm90, "
-    "sm100 plan every variant (causal, bias, padding, stats) and compile once for 64 lengths",
+    "sm100 plan every variant (causal, bias, padding, stats) and compile once for 64 lengths. cuDNN 9.27 refuses "
+    "every dynamic-shape SDPA graph ('This engine currently does not support dynamic shape' from each native SDPA "
+    "runtime-fusion engine, the compile sweep's second cuDNN); 9.20-9.26 are untested: a refused dynamic graph is "
+    "built static (runtime.build_with_ladder), so trying costs one refusal per topology",
     min_arch=(8, 0),
     min_backend=91801,
+    max_backend=92700,
 )
 DO_OWN_STRIDES = Rule(
     "DO_OWN_STRIDES",

@@ -1,7 +1,10 @@
 /* A stand-in libcuda.so.1 for deviceless cuDNN compiles (thunder_cudnn_safe.aot), TESTS ONLY.
  *
  * cuDNN 9.19's runtime-compiled SDPA engines dlopen libcuda.so.1 (and dlsym the names below)
- * before NVRTC compiles their kernel; with no driver they refuse every graph. This library
+ * before NVRTC compiles their kernel; with no driver they refuse every graph. cuDNN 9.27's
+ * libcudnn_engines_runtime_compiled.so.9 also links six driver symbols directly (the cuModule*
+ * and cuTensorMapEncode* ones below, and cuGetErrorString): without them that sublibrary fails to
+ * load and every plan fails with CUDNN_STATUS_SUBLIBRARY_LOADING_FAILED. This library
  * loads nothing and runs nothing: it answers the version/device queries, hands back dummy
  * library/kernel handles, and returns CUDA_ERROR_NOT_SUPPORTED (801) for everything else.
  * It is compiled at test time and loaded only by aot's child process (LD_LIBRARY_PATH).
@@ -27,6 +30,24 @@ CUresult cuLibraryLoadData(void **lib, const void *code, void *jit_opts, void *j
 }
 CUresult cuLibraryGetKernel(void **kernel, void *lib, const char *name) { (void)lib; (void)name; *kernel = handles + 8; return 0; }
 CUresult cuLibraryUnload(void *lib) { (void)lib; return 0; }
+/* Linked directly by cuDNN 9.27 (nm -D --undefined-only): success and dummy handles, nothing is loaded. */
+CUresult cuModuleLoadData(void **module, const void *image) { (void)image; *module = handles + 16; return 0; }
+CUresult cuModuleGetFunction(void **fn, void *module, const char *name) { (void)module; (void)name; *fn = handles + 24; return 0; }
+CUresult cuModuleUnload(void *module) { (void)module; return 0; }
+/* The 128-byte CUtensorMap is left as the caller passed it: no kernel ever reads it here. */
+CUresult cuTensorMapEncodeTiled(void *map, int dtype, unsigned rank, void *addr, const void *dims, const void *strides,
+                                const void *box, const void *elem_strides, int interleave, int swizzle, int l2, int fill) {
+  (void)map; (void)dtype; (void)rank; (void)addr; (void)dims; (void)strides; (void)box; (void)elem_strides;
+  (void)interleave; (void)swizzle; (void)l2; (void)fill;
+  return 0;
+}
+CUresult cuTensorMapEncodeIm2col(void *map, int dtype, unsigned rank, void *addr, const void *dims, const void *strides,
+                                 const int *lower, const int *upper, unsigned channels, unsigned pixels,
+                                 const void *elem_strides, int interleave, int swizzle, int l2, int fill) {
+  (void)map; (void)dtype; (void)rank; (void)addr; (void)dims; (void)strides; (void)lower; (void)upper; (void)channels;
+  (void)pixels; (void)elem_strides; (void)interleave; (void)swizzle; (void)l2; (void)fill;
+  return 0;
+}
 CUresult cuThreadExchangeStreamCaptureMode(int *mode) { (void)mode; return 0; }
 CUresult cuGetExportTable(const void **table, const void *id) { (void)table; (void)id; return NOT_SUPPORTED; }
 
@@ -36,6 +57,9 @@ static const struct { const char *name; void *fn; } known[] = {
   {"cuGetErrorName", (void *)cuGetErrorName}, {"cuGetErrorString", (void *)cuGetErrorString},
   {"cuLibraryLoadData", (void *)cuLibraryLoadData}, {"cuLibraryGetKernel", (void *)cuLibraryGetKernel},
   {"cuLibraryUnload", (void *)cuLibraryUnload},
+  {"cuModuleLoadData", (void *)cuModuleLoadData}, {"cuModuleGetFunction", (void *)cuModuleGetFunction},
+  {"cuModuleUnload", (void *)cuModuleUnload}, {"cuTensorMapEncodeTiled", (void *)cuTensorMapEncodeTiled},
+  {"cuTensorMapEncodeIm2col", (void *)cuTensorMapEncodeIm2col},
   {"cuThreadExchangeStreamCaptureMode", (void *)cuThreadExchangeStreamCaptureMode},
 };
 
