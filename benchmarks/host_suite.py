@@ -32,7 +32,8 @@ from typing import Any
 import torch
 
 from thunder_cudnn_safe import graphs
-from thunder_cudnn_safe.binding import BackwardCall, ForwardCall, bind, memo_key, plan_forward, signature
+from thunder_cudnn_safe.calls import BackwardCall, ForwardCall, memo_key, signature
+from thunder_cudnn_safe.recipes import bind, forward_recipe
 
 from . import harness
 
@@ -146,13 +147,13 @@ def _components(disp, q, k, v, g, out, stats, iters: int) -> list[dict[str, Any]
     fcall = ForwardCall(q, k, v)
     bcall = BackwardCall(g, q, k, v, None, 0.0, False, out, stats, None, None)
     fmemo = memo_key(fcall, target)
-    plan = disp.plans.peek(fmemo) or plan_forward(signature(fcall), target)
+    recipe = disp.recipes.peek(fmemo) or forward_recipe(signature(fcall), target)
     steps = [
         ("runtime.target(device)", lambda: disp.runtime.target(device)),
         ("forward memo key (3 tensors' shape, strides, dtype, alignment; options)", lambda: memo_key(fcall, target)),
         ("backward memo key (6 tensors)", lambda: memo_key(bcall, target)),
-        ("plan memo lookup (forward)", lambda: disp.plans.peek(fmemo)),
-        ("bind(plan, call) (the plan's compiled function: 2 allocations)", lambda: bind(plan, fcall)),
+        ("recipe memo lookup (forward)", lambda: disp.recipes.peek(fmemo)),
+        ("bind(recipe, call) (the recipe's compiled function: 2 allocations)", lambda: bind(recipe, fcall)),
         (
             "torch.empty_strided(out's shape, strides) (allocation)",
             lambda: torch.empty_strided(out.shape, out.stride(), dtype=out.dtype),
@@ -172,8 +173,8 @@ def _components(disp, q, k, v, g, out, stats, iters: int) -> list[dict[str, Any]
         ("cache.get_or_build, backward hit", lambda: disp.cache.get_or_build(bkey, disp.runtime.build)),
         ("hash(ForwardKey)", lambda: hash(fkey)),
         (
-            "for reference, a miss only: plan_forward(signature) (plans and compiles)",
-            lambda: plan_forward(signature(fcall), target),
+            "for reference, a miss only: forward_recipe(signature) (builds and compiles)",
+            lambda: forward_recipe(signature(fcall), target),
         ),
     ]
     rows = []
@@ -216,8 +217,8 @@ def run(*, quick: bool = False, iters: int | None = None, log=print) -> dict[str
         q, k, v, g = _case(ql, gl)
         disp = harness.make_dispatcher("cpu")
         out, stats, _ = harness.forward_backward(disp, q, k, v, g, "preserve")  # cold: builds both graphs
-        # Whether the dispatcher remembered the plans for these layouts (its steady-state path).
-        kinds = [type(plan.key).__name__ for _, plan in disp.plans.items()]
+        # Whether the dispatcher remembered the recipes for these layouts (its steady-state path).
+        kinds = [type(recipe.key).__name__ for _, recipe in disp.recipes.items()]
         steady = {"fwd": "ForwardKey" in kinds, "bwd": "BackwardKey" in kinds}
         builds_before = disp.cache.info().builds
         harness.reset_copy_stats()

@@ -26,7 +26,7 @@ import compile_support
 import torch
 
 import thunder_cudnn_safe as tcs
-from thunder_cudnn_safe import aot, binding
+from thunder_cudnn_safe import aot, calls, recipes
 
 COMPILED_S = 0.1
 
@@ -38,8 +38,8 @@ def decode_keys(device: str, mode: str, lengths: int) -> list:
         s = 64 + 16 * i
         q = torch.empty(1, 1, 8, 128, dtype=torch.bfloat16).transpose(1, 2)
         k, v = (torch.empty(1, s, 8, 128, dtype=torch.bfloat16).transpose(1, 2) for _ in range(2))
-        call = binding.ForwardCall(q, k, v, need_stats=False)
-        keys.append(binding.plan_forward(binding.signature(call), aot.target_of(device)).key)
+        call = calls.ForwardCall(q, k, v, need_stats=False)
+        keys.append(recipes.forward_recipe(calls.signature(call), aot.target_of(device)).key)
     return keys
 
 

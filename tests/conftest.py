@@ -37,7 +37,22 @@ def pytest_report_header(config):
     return f"cuDNN backend {version} ({', '.join(loaded) or 'no libcudnn_graph loaded'})"
 
 
+#: The slow tiers, by file: each file's tests carry the tier's marker, which the default run deselects
+#: (pyproject.toml's addopts) and `.ci/run` selects tier by tier. A new test file lands in the default
+#: tier unless it is listed here or marks its tests itself (`pytest.mark.slow`, `pytest.mark.models`).
+SLOW_TIERS = {
+    "test_cudnn_compile.py": "compile",  # NVRTC compiles real kernels in child processes
+    "test_environments.py": "environments",  # child interpreters, a torch 2.13 virtualenv from the registry
+    "test_distributed.py": "distributed",  # two-rank FSDP2/DDP launches
+    "test_generation.py": "generation",  # HF generate with real caches, token by token
+}
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        tier = SLOW_TIERS.get(item.path.name)
+        if tier is not None:
+            item.add_marker(getattr(pytest.mark, tier))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU with cuDNN")

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import thunder_cudnn_safe as tcs
-from thunder_cudnn_safe import binding, cache, config, emulation, graphs, masks, patterns, plan_cache, runtime, support
+from thunder_cudnn_safe import cache, calls, config, emulation, graphs, masks, patterns, plan_cache, runtime, support
 
 # knob -> (a valid environment text, the value it parses to, an invalid text, a valid Python value, an invalid one)
 CASES = {
@@ -142,7 +142,7 @@ def test_old_setters_and_attributes_still_work(tmp_path):
     assert config.KNOBS["mask_patterns"].env == patterns.MASK_PATTERNS_ENV
     assert config.KNOBS["cache_size"].env == cache.CACHE_SIZE_ENV
     assert cache.DEFAULT_CACHE_SIZE == 1024 and masks.MASK_CACHE_SIZE == 16
-    assert binding.DYNAMIC_SHAPE_MODES == ("off", "inference", "forward")
+    assert calls.DYNAMIC_SHAPE_MODES == ("off", "inference", "forward")
 
 
 def test_mask_patterns_knob_is_read_at_use_time():
@@ -181,13 +181,13 @@ def test_clear_cache_clears_every_cache_and_says_which(caplog):
     runtime._static_only.put(("topology",), True)
     graphs._kernel_caches[("scope",)] = object()
     tcs.telemetry.warn_once(("fallback", "x"), "a fallback")
-    assert len(tcs.cached_graphs()) and len(disp.plans) and len(masks.converted_masks._lru)
+    assert len(tcs.cached_graphs()) and len(disp.recipes) and len(masks.converted_masks._lru)
     with caplog.at_level(logging.INFO, logger="thunder_cudnn_safe"):
         names = tcs.clear_cache()
     assert names == [name for name, _ in tcs.caches.CACHES] and len(names) == 6
     assert "clear_cache cleared" in caplog.text
     assert tcs.cached_graphs() == [] and tcs.cache_info().misses == 0
-    assert len(disp.plans) == 0 and len(masks.converted_masks._lru) == 0
+    assert len(disp.recipes) == 0 and len(masks.converted_masks._lru) == 0
     assert ("topology",) not in runtime._static_only and graphs._kernel_caches == {}
     assert ("fallback", "x") not in tcs.telemetry._warned
 

@@ -266,7 +266,7 @@ def test_mask_pattern_graphs_compile(standin):
 
 def _decode_keys(device: str, dynamic: str) -> list:
     """The forward keys of decode steps (one query) over new key lengths and a new batch size."""
-    from thunder_cudnn_safe import binding
+    from thunder_cudnn_safe import calls, recipes
 
     was = tcs.config.dynamic_shapes
     tcs.set_dynamic_shapes(dynamic)
@@ -277,8 +277,8 @@ def _decode_keys(device: str, dynamic: str) -> list:
                 torch.randn(b, 8, 1, 128, dtype=torch.bfloat16),
                 *(torch.randn(b, 8, s, 128, dtype=torch.bfloat16) for _ in range(2)),
             )
-            call = binding.ForwardCall(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, need_stats=False)
-            keys.append(binding.plan_forward(binding.signature(call), aot.target_of(device)).key)
+            call = calls.ForwardCall(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, need_stats=False)
+            keys.append(recipes.forward_recipe(calls.signature(call), aot.target_of(device)).key)
         return keys
     finally:
         tcs.set_dynamic_shapes(was)

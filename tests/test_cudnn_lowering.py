@@ -520,7 +520,7 @@ def test_s1_backward_is_refused_while_its_forward_lowers() -> None:
     A dropout forward that ran in cuDNN then has no backward graph, and the fallback cannot
     reproduce cuDNN's mask. The fix must build (or decline) the backward before the forward runs.
     """
-    from thunder_cudnn_safe.binding import ForwardCall
+    from thunder_cudnn_safe.calls import ForwardCall
     from thunder_cudnn_safe.keys import BackwardKey
 
     call = Call("s1-dropout", shape=(2, 2, 1, 1, 64, 64), dropout=0.1)

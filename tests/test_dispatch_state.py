@@ -82,7 +82,7 @@ def test_clear_cache_forgets_dropout_verdicts():
 
 def test_dropout_verdict_is_per_backward_graph_not_per_forward_key():
     """dispatch.py:94 keys the verdict by ForwardKey, but the checked graph
-    (companion_backward_key, binding.py:226) depends on the raw K/V: K/V broadcast over heads
+    (recipes.companion_backward_key) depends on the raw K/V: K/V broadcast over heads
     with stride 0 and a true one-head K/V share a ForwardKey, not a backward graph."""
     tcs.clear_cache()
     q = torch.randn(1, 4, 16, 16, dtype=torch.float16, requires_grad=True)

@@ -19,7 +19,7 @@ import torch
 from test_graph_declarations import RecordingRuntime, declaration_mismatches
 
 import thunder_cudnn_safe as tcs
-from thunder_cudnn_safe import binding, emulation, graphs
+from thunder_cudnn_safe import calls, emulation, graphs, recipes
 from thunder_cudnn_safe.cache import GraphCache
 from thunder_cudnn_safe.dispatch import Dispatcher
 from thunder_cudnn_safe.errors import GraphBuildError
@@ -121,10 +121,8 @@ def test_dynamic_graphs_declare_what_is_bound(mode, layout):
 
 
 def _decode_key(s: int):
-    call = binding.ForwardCall(
-        torch.randn(1, 2, 1, 64), *(torch.randn(1, 2, s, 64) for _ in range(2)), need_stats=False
-    )
-    return binding.plan_forward(binding.signature(call), emulation.emulated_target()._replace(device_index=7)).key
+    call = calls.ForwardCall(torch.randn(1, 2, 1, 64), *(torch.randn(1, 2, s, 64) for _ in range(2)), need_stats=False)
+    return recipes.forward_recipe(calls.signature(call), emulation.emulated_target()._replace(device_index=7)).key
 
 
 def test_a_refused_dynamic_graph_is_built_static_not_sent_to_the_fallback():

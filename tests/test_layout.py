@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from thunder_cudnn_safe import emulation
-from thunder_cudnn_safe.binding import ForwardCall, bind, plan_forward, signature
+from thunder_cudnn_safe.calls import ForwardCall, signature
 from thunder_cudnn_safe.graphs import Uid
 from thunder_cudnn_safe.keys import sig
 from thunder_cudnn_safe.layout import (
@@ -19,12 +19,13 @@ from thunder_cudnn_safe.layout import (
     stride_order,
     strides_like,
 )
+from thunder_cudnn_safe.recipes import bind, forward_recipe
 
 
 def prepare_operand(t, name, policy):
     """The tensor the executor binds for ``t`` as the query of a call."""
     call = ForwardCall(t, t, t, layout=policy.value)
-    return bind(plan_forward(signature(call), emulation.emulated_target()), call).pack[Uid.Q]
+    return bind(forward_recipe(signature(call), emulation.emulated_target()), call).pack[Uid.Q]
 
 
 def empty_like_order(shape, like, policy):

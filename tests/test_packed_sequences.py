@@ -243,7 +243,7 @@ def test_a_wrong_ragged_offset_gives_wrong_numbers():
     disp = _dispatcher()
     mask = rows([[4, 3, 5], [6, 6]], 12)
     q, k, v = _qkv(2, 2, 2, 12)
-    call = tcs.dispatch.with_mask_pattern(tcs.binding.ForwardCall(q, k, v, mask))
+    call = tcs.dispatch.with_mask_pattern(tcs.calls.ForwardCall(q, k, v, mask))
     bound = varlen.bind_forward(call, disp.runtime.target(q.device))
     built = disp.cache.get_or_build(bound.key, disp.runtime.build)
     disp.runtime.execute(built, bound.pack)

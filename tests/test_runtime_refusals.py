@@ -15,11 +15,11 @@ import pytest
 import torch
 
 import thunder_cudnn_safe as tcs
-from thunder_cudnn_safe.binding import rng_tensors
 from thunder_cudnn_safe.cache import TRANSIENT_BUILD_ATTEMPTS
 from thunder_cudnn_safe.errors import ExecuteError, GraphBuildError
 from thunder_cudnn_safe.graphs import Uid
 from thunder_cudnn_safe.keys import BackwardKey
+from thunder_cudnn_safe.recipes import rng_tensors
 from thunder_cudnn_safe.reference import dropout_keep_mask
 from thunder_cudnn_safe.runtime import BuiltGraph, execute_graph
 from thunder_cudnn_safe.telemetry import CopyReason

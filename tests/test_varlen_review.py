@@ -65,17 +65,17 @@ def test_a_backward_past_the_dq_accumulator_is_refused_by_the_emulation():
     The emulation used to ignore max_total (any value ran); it now refuses it, as the storage bound is."""
     import pytest
 
-    from thunder_cudnn_safe import binding, dispatch, errors, varlen
+    from thunder_cudnn_safe import calls, dispatch, errors, varlen
 
     disp = _dispatcher()
     mask = rows([[4, 3, 5], [6, 6]], 12)
     q, k, v = _qkv(2, 2, 2, 12)
-    call = dispatch.with_mask_pattern(binding.ForwardCall(q, k, v, mask))
+    call = dispatch.with_mask_pattern(calls.ForwardCall(q, k, v, mask))
     target = disp.runtime.target(q.device)
     fwd = varlen.bind_forward(call, target)
     disp.runtime.execute(disp.cache.get_or_build(fwd.key, disp.runtime.build), fwd.pack)
     out, stats = fwd.outputs
-    bcall = binding.BackwardCall(torch.ones_like(out), q, k, v, call.attn_mask, 0.0, False, out, stats, None, None)
+    bcall = calls.BackwardCall(torch.ones_like(out), q, k, v, call.attn_mask, 0.0, False, out, stats, None, None)
     good = varlen.bind_backward(bcall, target)
     disp.runtime.execute(disp.cache.get_or_build(good.key, disp.runtime.build), good.pack)  # B*T = 24: fits
     bad = varlen.bind_backward(bcall, target)

@@ -25,9 +25,9 @@ prepare_and_import_thunder()
 
 from . import config, cudnn_rules, gqa  # noqa: E402
 from ._version import __version__  # noqa: E402
-from .binding import set_dynamic_shapes  # noqa: E402
 from .cache import CachedGraph, CacheInfo, cache_info, cached_graphs, set_cache_size  # noqa: E402
 from .caches import clear_cache  # noqa: E402
+from .calls import set_dynamic_shapes  # noqa: E402
 from .emulation import set_emulated_target  # noqa: E402
 from .errors import EmulationError, GraphBuildError  # noqa: E402
 from .executor import CallReport, cudnn_safe_ex, describe, emulated_ex, explain  # noqa: E402

@@ -23,7 +23,7 @@ EMULATED_ARCH_ENV = "THUNDER_CUDNN_SAFE_EMULATED_ARCH"
 #: Which cuDNN version the emulated runtime pretends to be (e.g. ``91900``).
 EMULATED_BACKEND_ENV = "THUNDER_CUDNN_SAFE_EMULATED_BACKEND"
 #: Which forwards build dynamic-shape graphs: ``off``, ``inference`` (default), ``forward``
-#: (:mod:`~thunder_cudnn_safe.binding`).
+#: (:mod:`~thunder_cudnn_safe.recipes`).
 DYNAMIC_SHAPES_ENV = "THUNDER_CUDNN_SAFE_DYNAMIC_SHAPES"
 #: Folder of the persistent plan cache (:mod:`thunder_cudnn_safe.plan_cache`; unset: off).
 PLAN_CACHE_DIR_ENV = "THUNDER_CUDNN_SAFE_PLAN_CACHE_DIR"

@@ -260,7 +260,7 @@ def describe_target(
     Takes :func:`~thunder_cudnn_safe.describe`'s arguments (tensors may be on the CPU), checks the call
     against ``target``'s rules, plans its keys as ``describe`` does (nothing is copied or run) and
     compiles them with :func:`compile_in_subprocess`."""
-    from .binding import ForwardCall
+    from .calls import ForwardCall
     from .dispatch import planned_keys
     from .support import not_supported_reasons
 

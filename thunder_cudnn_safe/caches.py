@@ -17,16 +17,16 @@ from .masks import converted_masks
 from .telemetry import forget_warnings, logger
 
 
-def _clear_plan_memos() -> None:
+def _clear_recipe_memos() -> None:
     for ex in (cudnn_safe_ex, emulated_ex):
-        ex.dispatcher.plans.clear()
+        ex.dispatcher.recipes.clear()
 
 
 #: (name, how to clear it), in the order :func:`clear_cache` clears them.
 CACHES = (
     ("graph cache (built graphs, refused and transient builds, counters)", graph_cache.clear),
     ("converted masks and mask-pattern verdicts", converted_masks.clear),
-    ("dispatcher plan memos (cudnn_safe_ex, emulated_ex)", _clear_plan_memos),
+    ("dispatcher pack-recipe memos (cudnn_safe_ex, emulated_ex)", _clear_recipe_memos),
     ("refused dynamic-shape topologies", runtime.forget_static_only),
     ("dynamic-shape kernel caches", graphs.clear_kernel_caches),
     ("fallback warnings shown once", lambda: forget_warnings("fallback")),

@@ -4,7 +4,7 @@ These are the most safety-critical facts in the package: a rule claimed too wide
 cuDNN a graph it cannot run (a crash, or a refusal and a slow fallback); a rule claimed
 too narrowly costs speed. Each :class:`Rule` says what it allows or requires, where the
 fact comes from (a release note, a frontend check, a GPU measurement), and on which
-targets it holds. :mod:`support` (what we claim), :mod:`binding` (what we bind),
+targets it holds. :mod:`support` (what we claim), :mod:`recipes` (what we bind),
 :mod:`emulation` (what the emulated cuDNN refuses) and the lowering sweep in the tests
 read the rules from here and nowhere else.
 """

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from . import cudnn_rules
-from .binding import BackwardCall, ForwardCall
+from .calls import BackwardCall, ForwardCall
 from .keys import Target
 from .patterns import MaskPattern
 

@@ -1,4 +1,4 @@
-"""The per-call loop shared by both executors: plan -> bind -> cache -> runtime -> fallback if refused.
+"""The per-call loop shared by both executors: recipe -> bind -> cache -> runtime -> fallback if refused.
 
 Dropout: only the runtime that drew a dropout mask can reproduce it. So a dropout forward runs in
 cuDNN only if cuDNN builds its backward (:meth:`Dispatcher._backward_builds`); the backward of a
@@ -11,19 +11,8 @@ from __future__ import annotations
 import torch
 
 from . import fallback, handoff, varlen_dispatch
-from .binding import (
-    BackwardCall,
-    Bound,
-    ForwardCall,
-    companion_backward_key,
-    memo_key,
-    plan_backward,
-    plan_forward,
-    signature,
-    torch_deterministic,
-    with_grad_out_like_o,
-)
 from .cache import GraphCache, graph_cache
+from .calls import BackwardCall, ForwardCall, memo_key, signature, torch_deterministic
 from .defect_routes import route
 from .documents import DocumentPattern
 from .errors import ExecuteError, GraphBuildError
@@ -32,12 +21,13 @@ from .keys import BackwardKey, ForwardKey, Target
 from .layout import LayoutPolicy
 from .lru import LRU
 from .patterns import MaskPattern, pattern_of
+from .recipes import Bound, backward_recipe, companion_backward_key, forward_recipe, with_grad_out_like_o
 from .reference import reduce_to_shape
 from .runtime import Runtime
 from .telemetry import warn_once
 
-#: Distinct call signatures whose plans are remembered per dispatcher.
-PLAN_MEMO_SIZE = 4096
+#: Distinct call signatures whose pack recipes are remembered per dispatcher.
+RECIPE_MEMO_SIZE = 4096
 
 
 class Dispatcher:
@@ -46,19 +36,23 @@ class Dispatcher:
     def __init__(self, runtime: Runtime, cache: GraphCache = graph_cache) -> None:
         self.runtime = runtime
         self.cache = cache
-        self.plans = LRU(PLAN_MEMO_SIZE)
+        self.recipes = LRU(RECIPE_MEMO_SIZE)
 
     def bind(self, call: ForwardCall | BackwardCall) -> Bound:
-        """``call`` bound by its plan, memoized by its signature (the layouts a training step repeats are
-        planned once; a cache hit costs the memo key, one dict read and the plan's own function)."""
+        """``call`` bound by its pack recipe, memoized by its signature (the layouts a training step repeats
+        get one recipe; a cache hit costs the memo key, one dict read and the recipe's own function)."""
         device = call.query.device
         memo = memo_key(call, self.runtime.target(device))
-        plan = self.plans.peek(memo)
-        if plan is None:
-            sig = signature(call)  # a forward memo is (target, dynamic-shape mode, ...): the plan uses that mode
-            plan = plan_forward(sig, memo[0], memo[1]) if isinstance(call, ForwardCall) else plan_backward(sig, memo[0])
-            self.plans.put(memo, plan)
-        return plan.run(call, device)
+        recipe = self.recipes.peek(memo)
+        if recipe is None:
+            sig = signature(call)  # a forward memo is (target, dynamic-shape mode, ...): the recipe uses that mode
+            recipe = (
+                forward_recipe(sig, memo[0], memo[1])
+                if isinstance(call, ForwardCall)
+                else backward_recipe(sig, memo[0])
+            )
+            self.recipes.put(memo, recipe)
+        return recipe.run(call, device)
 
     def forward(self, *args, **kwargs) -> tuple[torch.Tensor, ...]:
         """O and stats (none when ``need_stats`` is False), then the dropout seed and offset."""
@@ -188,7 +182,7 @@ def planned_keys(call: ForwardCall, target: Target) -> tuple[ForwardCall, Forwar
             return planned
         masked = call
     masked = route(masked, target)
-    fkey = plan_forward(signature(masked), target).key  # an inference forward has no backward:
+    fkey = forward_recipe(signature(masked), target).key  # an inference forward has no backward:
     return masked, fkey, companion_backward_key(signature(masked), fkey, mask_grad) if call.need_stats else None
 
 

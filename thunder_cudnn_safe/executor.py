@@ -2,7 +2,7 @@
 
 :func:`make_executor` wires one runtime into an ``OperatorExecutor`` claiming thunder's SDPA and
 :data:`~thunder_cudnn_safe.gqa.sdpa_gqa` (``cudnn_safe_ex``: real cuDNN, ``emulated_ex``: the CPU
-emulation). Each operator's signature is its call value's (:class:`~thunder_cudnn_safe.binding.ForwardCall`,
+emulation). Each operator's signature is its call value's (:class:`~thunder_cudnn_safe.calls.ForwardCall`,
 ``BackwardCall``), so an option added there reaches the trace, the metas and the dispatcher unedited.
 """
 
@@ -23,8 +23,8 @@ from thunder.extend import OperatorExecutor, register_executor
 
 from . import config, emulation, gqa
 from ._version import __version__
-from .binding import BackwardCall, ForwardCall, torch_deterministic
 from .cache import CachedGraph
+from .calls import BackwardCall, ForwardCall, torch_deterministic
 from .dispatch import Dispatcher, planned_keys
 from .documents import DocumentPattern
 from .layout import LayoutPolicy, same_size_except_heads
@@ -232,7 +232,7 @@ def explain(
 ) -> list[Decline]:
     """Why ``executor`` (default: ``cudnn_safe_ex``) would not claim this call; empty if it would.
 
-    Takes torch's SDPA arguments and :class:`~thunder_cudnn_safe.binding.ForwardCall`'s options, on
+    Takes torch's SDPA arguments and :class:`~thunder_cudnn_safe.calls.ForwardCall`'s options, on
     tensors or thunder proxies (the checkers use the same function). Each reason is a
     :class:`~thunder_cudnn_safe.support.Decline`: a ``str`` with ``.code`` and ``.rule``.
     """

@@ -18,7 +18,7 @@ import weakref
 
 import torch
 
-from .binding import BackwardCall
+from .calls import BackwardCall
 
 _local = threading.local()
 _fallback_seeds: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()

@@ -229,7 +229,7 @@ def not_supported_reasons(
 ) -> list[Decline]:
     """Every reason the executor for ``device_type`` on ``target`` would not claim ``call``.
 
-    ``call`` is a :class:`~thunder_cudnn_safe.binding.ForwardCall` of tensors or proxies; its
+    ``call`` is a :class:`~thunder_cudnn_safe.calls.ForwardCall` of tensors or proxies; its
     ``deterministic`` (the compile option) changes which backwards cuDNN builds, its
     ``enable_gqa`` lets K/V have fewer heads, a divisor of the query's
     (:data:`~thunder_cudnn_safe.cudnn_rules.GROUPED_KV_HEADS`). ``environment_problem`` is why

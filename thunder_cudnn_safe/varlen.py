@@ -20,12 +20,13 @@ from typing import Any, NamedTuple
 import torch
 
 from . import cudnn_rules
-from .binding import Bound, default_scale
+from .calls import default_scale
 from .cudnn_rules import ALIGNMENT_BYTES
 from .documents import DocumentPattern
 from .graphs import Uid
 from .keys import BackwardKey, ForwardKey, Target, TensorSig
 from .layout import layout_problem
+from .recipes import Bound
 from .telemetry import CopyReason, copy_counter
 
 MIN_S_BUCKET = 16

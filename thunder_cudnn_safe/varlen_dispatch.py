@@ -91,7 +91,7 @@ def planned_keys(call: Any, target: Any) -> tuple | None:
     if not call.need_stats:
         return call, fbound.key, None
     o, stats = fbound.outputs
-    from .binding import BackwardCall
+    from .calls import BackwardCall
 
     bcall = BackwardCall(
         o, meta.query, meta.key, meta.value, call.attn_mask, 0.0, False, o, stats, None, None, call.scale

@@ -1,27 +1,27 @@
-"""A call becomes one value, a plan, then :class:`Bound`: the graph key and its ``{uid: tensor}`` pack.
+"""A call's signature becomes a :class:`PackRecipe`, and a recipe turns the call into :class:`Bound`:
+the graph key and its ``{uid: tensor}`` pack.
 
-The one place to check the rule *declared layout == bound layout*. :func:`plan_forward` /
-:func:`plan_backward` decide from the arguments' signatures alone how each uid's tensor is made
+The one place to check the rule *declared layout == bound layout*. :func:`forward_recipe` /
+:func:`backward_recipe` decide from the arguments' signatures alone how each uid's tensor is made
 (the argument, a view of it, or a fresh buffer) and its layout, and read the key off those layouts
-(the dispatcher memoizes plans). :func:`bind` gives each bound tensor exactly the recorded layout.
+(the dispatcher memoizes recipes). :func:`bind` gives each bound tensor exactly the recorded layout.
+A recipe is not cuDNN's execution plan (that is ``CachedGraph.plan``, :mod:`plan_cache`).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 
 from . import config, cudnn_rules
-from .cudnn_rules import ALIGNMENT_BYTES
+from .calls import BackwardCall, ForwardCall, default_scale
 from .graphs import Uid
 from .keys import RNG_SIG, BackwardKey, ForwardKey, Target, TensorSig
 from .layout import (
     ArgSig,
     LayoutPolicy,
-    arg_sig,
     canonical_strides,
     copy_reason,
     dense_strides,
@@ -33,65 +33,6 @@ from .layout import (
 from .masks import converted_masks
 from .patterns import MaskPattern
 from .telemetry import CopyReason, copy_counter
-
-DYNAMIC_SHAPE_MODES = config.DYNAMIC_SHAPE_MODES
-
-
-def set_dynamic_shapes(mode: str) -> None:
-    """Which forwards build dynamic-shape graphs, whose compiled kernel serves every later length and
-    batch size (cuDNN's kernel cache): "inference" (default: forwards with no backward, as in
-    generation, where the key length changes every token), "forward" (training forwards too) or
-    "off". Never with dropout (not in the compile sweep); the backward is never dynamic.
-    Same as ``config.set(dynamic_shapes=mode)``."""
-    config.set(dynamic_shapes=str(mode))
-
-
-def torch_deterministic() -> bool:
-    """Whether ``torch.use_deterministic_algorithms(True)`` is on (not warn-only): cuDNN's deterministic
-    backward then runs."""
-    return torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled()
-
-
-class ForwardCall(NamedTuple):
-    """One SDPA forward: the forward operator's arguments (its thunder signature is this tuple's)."""
-
-    query: Any
-    key: Any
-    value: Any
-    attn_mask: Any = None
-    dropout_p: float = 0.0
-    is_causal: bool = False
-    scale: float | None = None
-    layout: str = "preserve"
-    #: the backward's options, known to the forward: a dropout forward checks the backward that will run
-    deterministic: bool = False
-    cat_grad_qkv: bool = False
-    enable_gqa: bool = False
-    #: False where no backward follows (thunder's execution transform: no_grad, inference): the
-    #: graph then writes no softmax stats, and the operator returns none
-    need_stats: bool = True
-
-
-class BackwardCall(NamedTuple):
-    """One SDPA backward: the backward operators' arguments (their thunder signature is this tuple's)."""
-
-    grad_out: Any
-    query: Any
-    key: Any
-    value: Any
-    attn_mask: Any
-    dropout_p: float
-    is_causal: bool
-    out: Any
-    stats: Any
-    seed: Any
-    offset: Any
-    scale: float | None = None
-    layout: str = "preserve"
-    deterministic: bool = False
-    cat_grad_qkv: bool = False
-    #: also return the mask's gradient (the backward graph computes dBias)
-    mask_grad: bool = False
 
 
 class Step(NamedTuple):
@@ -122,26 +63,43 @@ class Bound(NamedTuple):
     outputs: tuple[torch.Tensor, ...]
 
 
-class Plan(NamedTuple):
+class PackRecipe(NamedTuple):
+    """How a call with one signature becomes :class:`Bound` (made once per signature, memoized by the
+    dispatcher): the graph key, the steps that make each uid's tensor, and those steps compiled."""
+
     key: ForwardKey | BackwardKey
     steps: tuple[Step, ...]
     #: indices of the values the operator returns
     outputs: tuple[int, ...]
     #: ``steps`` as one function ``(call, device) -> Bound`` (:func:`_compile`)
     run: Callable[[tuple, torch.device], Bound]
+    #: the generated source of ``run``, for a reader (``str(recipe)``); never read on a call
+    source: str = ""
+
+    def __str__(self) -> str:
+        return self.describe()
+
+    def describe(self) -> str:
+        """The key's kind and the generated straight-line function, as :func:`_compile` wrote it."""
+        return f"# {type(self.key).__name__} recipe: {len(self.steps)} steps\n{self.source}"
 
 
-def _plan(key: ForwardKey | BackwardKey, steps: list[Step], outputs: tuple[int, ...], n_args: int) -> Plan:
-    return Plan(key, tuple(steps), tuple(outputs), _compile(key, steps, outputs, n_args))
+def _recipe(key: ForwardKey | BackwardKey, steps: list[Step], outputs: tuple[int, ...], n_args: int) -> PackRecipe:
+    run, source = _compile(key, steps, outputs, n_args)
+    return PackRecipe(key, tuple(steps), tuple(outputs), run, source)
 
 
-def _compile(key: ForwardKey | BackwardKey, steps: list[Step], outputs: tuple[int, ...], n_args: int) -> Callable:
-    """``steps`` as the source of one straight-line function, compiled once per plan.
+def _compile(
+    key: ForwardKey | BackwardKey, steps: list[Step], outputs: tuple[int, ...], n_args: int
+) -> tuple[Callable, str]:
+    """``steps`` as the source of one straight-line function, compiled once per recipe; returns the
+    function and its source.
 
     :func:`bind` runs on every call, a graph-cache hit included, and an interpreted loop over the
     steps cost as much as the allocations it makes. Value ``v<i>`` is the call's field i, then step
     i - n_args's tensor; a tensor bound as it is gets no line, a fresh buffer is one
     ``empty_strided`` with its shape and strides as constants, every other step calls :func:`_step`.
+    A comment names the uid each value is bound to (``str(recipe)`` prints the source).
     """
     env: dict[str, Any] = {
         "empty_strided": torch.empty_strided,
@@ -167,87 +125,15 @@ def _compile(key: ForwardKey | BackwardKey, steps: list[Step], outputs: tuple[in
             lines.append(f"    v{i} = {expr}")
         if s.uid is not None:
             pack.append(f"u{i}: {names[i]}")
+            why = "" if s.reason is None else f", copied: {s.reason.name}"
+            lines.append(f"    # u{i} = Uid.{s.uid.name} is {names[i]}{why}")  # for a reader; no cost per call
     lines.append(f"    return new(Bound, (key, {{{', '.join(pack)}}}, ({''.join(names[i] + ', ' for i in outputs)})))")
-    exec(compile("\n".join(lines), "<thunder_cudnn_safe plan>", "exec"), env)
-    return env["bind"]
+    source = "\n".join(lines)
+    exec(compile(source, "<thunder_cudnn_safe recipe>", "exec"), env)
+    return env["bind"], source
 
 
-def _arg_key(x: Any) -> Any:
-    if isinstance(x, torch.Tensor):
-        return x.shape, x.stride(), x.dtype, x.data_ptr() % ALIGNMENT_BYTES == 0
-    return _pattern_sig(x)
-
-
-def memo_key(call: ForwardCall | BackwardCall, target: Target) -> tuple:
-    """What :func:`signature` depends on, made on every call: tensor fields by layout, options as they are."""
-    if type(call) is ForwardCall:
-        q, k, v, mask = call[:4]
-        return (
-            target,
-            config.dynamic_shapes,
-            q.shape,
-            q.stride(),
-            q.dtype,
-            k.shape,
-            k.stride(),
-            k.dtype,
-            v.shape,
-            v.stride(),
-            v.dtype,
-            (q.data_ptr() | k.data_ptr() | v.data_ptr()) % ALIGNMENT_BYTES == 0 or tuple(map(_arg_key, call[:3])),
-            None if mask is None else _arg_key(mask),
-            call[4:],
-        )
-    g, q, k, v, mask, p, causal, o, stats, seed, offset = call[:11]
-    ptrs = g.data_ptr() | q.data_ptr() | k.data_ptr() | v.data_ptr() | o.data_ptr() | stats.data_ptr()
-    return (
-        target,
-        BackwardCall,
-        g.shape,
-        g.stride(),
-        g.dtype,
-        q.shape,
-        q.stride(),
-        q.dtype,
-        k.shape,
-        k.stride(),
-        k.dtype,
-        v.shape,
-        v.stride(),
-        v.dtype,
-        o.shape,
-        o.stride(),
-        o.dtype,
-        stats.shape,
-        stats.stride(),
-        stats.dtype,
-        ptrs % ALIGNMENT_BYTES == 0 or tuple(map(_arg_key, (g, q, k, v, o, stats))),
-        None if mask is None else _arg_key(mask),
-        p,
-        causal,
-        _arg_key(seed),
-        _arg_key(offset),
-        call[11:],
-    )
-
-
-def signature(call: ForwardCall | BackwardCall) -> ForwardCall | BackwardCall:
-    """The call with every tensor replaced by its :class:`ArgSig`: all a plan depends on."""
-    return type(call)._make([arg_sig(x) if isinstance(x, torch.Tensor) else _pattern_sig(x) for x in call])
-
-
-def _pattern_sig(x: Any) -> Any:
-    if isinstance(x, MaskPattern) and (x.kv_lens is not None or x.full is not None):
-        return x._replace(q_lens=True, kv_lens=True, full=None)  # the lengths are bound per call, not planned
-    return x
-
-
-def default_scale(head_dim: int, scale: float | None) -> float:
-    """torch's default softmax scale, 1/sqrt(d_qk), unless one is given."""
-    return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-
-
-class _Planner:
+class _RecipeBuilder:
     def __init__(self, call: tuple, policy: LayoutPolicy) -> None:
         self.call, self.policy = call, policy
         self.steps: list[Step] = []
@@ -320,8 +206,8 @@ class _Planner:
         return self.operand(Uid.BIAS, src, "attn_mask", viewed, view)
 
 
-def plan_forward(call: ForwardCall, target: Target, dynamic_shapes: str | None = None) -> Plan:
-    p = _Planner(call, LayoutPolicy.parse(call.layout))
+def forward_recipe(call: ForwardCall, target: Target, dynamic_shapes: str | None = None) -> PackRecipe:
+    p = _RecipeBuilder(call, LayoutPolicy.parse(call.layout))
     q = p.operand(Uid.Q, 0, "query", call.query)
     k, v = call.key, call.value
     if p.policy is LayoutPolicy.PRESERVE and k.shape[1] > 1 and k.stride[1] == 0 and v.stride[1] == 0:
@@ -362,11 +248,11 @@ def plan_forward(call: ForwardCall, target: Target, dynamic_shapes: str | None =
         padded,
         dynamic and cudnn_rules.DYNAMIC_SHAPE_FORWARD.holds(target),
     )
-    return _plan(key, p.steps, tuple(outputs), len(call))
+    return _recipe(key, p.steps, tuple(outputs), len(call))
 
 
-def plan_backward(call: BackwardCall, target: Target) -> Plan:
-    p = _Planner(call, LayoutPolicy.parse(call.layout))
+def backward_recipe(call: BackwardCall, target: Target) -> PackRecipe:
+    p = _RecipeBuilder(call, LayoutPolicy.parse(call.layout))
     q, k, v = (
         p.operand(uid, i, name, call[i])
         for uid, i, name in ((Uid.Q, 1, "query"), (Uid.K, 2, "key"), (Uid.V, 3, "value"))
@@ -413,14 +299,14 @@ def plan_backward(call: BackwardCall, target: Target) -> Plan:
         left,
         padded,
     )
-    return _plan(key, p.steps, outputs, len(call))
+    return _recipe(key, p.steps, outputs, len(call))
 
 
 def _causal(call: ForwardCall | BackwardCall) -> bool:
     return bool(call.is_causal) or (isinstance(call.attn_mask, MaskPattern) and call.attn_mask.right == 0)
 
 
-def _stats(p: _Planner, a: ArgSig) -> None:
+def _stats(p: _RecipeBuilder, a: ArgSig) -> None:
     """Softmax stats declared exactly packed float32 (:data:`cudnn_rules.STATS_PACKED_ONLY`); foreign stats
     are copied."""
     packed = packed_strides(a.shape)
@@ -432,7 +318,7 @@ def _stats(p: _Planner, a: ArgSig) -> None:
     p.add(Step(Uid.STATS, 8, view), TensorSig(tuple(a.shape), packed, a.dtype))
 
 
-def _grad_out(p: _Planner, a: ArgSig, o: TensorSig, target: Target) -> None:
+def _grad_out(p: _RecipeBuilder, a: ArgSig, o: TensorSig, target: Target) -> None:
     """dO in its own layout where cuDNN reads it, else one copy in exactly O's strides: cuDNN < 9.5.1
     assumed dO has O's strides (:data:`~thunder_cudnn_safe.cudnn_rules.DO_OWN_STRIDES`)."""
     reason = copy_reason(a, p.policy)
@@ -446,7 +332,7 @@ def _grad_out(p: _Planner, a: ArgSig, o: TensorSig, target: Target) -> None:
     p.add(Step(Uid.DO, 0, None, o, CopyReason.DO_LIKE_O if reason is None else reason, "grad_out"), o)
 
 
-def _cat_grad_qkv(p: _Planner, q: TensorSig, k: TensorSig, v: TensorSig, zero: bool) -> int:
+def _cat_grad_qkv(p: _RecipeBuilder, q: TensorSig, k: TensorSig, v: TensorSig, zero: bool) -> int:
     """dq, dk, dv as head slices of one (B, Hq+Hk+Hv, S, D) buffer laid out BSHD."""
     b, _, s, d = q.shape
     shape = (b, q.shape[1] + k.shape[1] + v.shape[1], s, d)
@@ -482,12 +368,12 @@ def companion_backward_key(call: ForwardCall, fkey: ForwardKey, mask_grad: bool)
         call.cat_grad_qkv,
         mask_grad,
     )
-    return plan_backward(bcall, fkey.target).key
+    return backward_recipe(bcall, fkey.target).key
 
 
-def bind(plan: Plan, call: ForwardCall | BackwardCall) -> Bound:
-    """Carry ``plan`` out on ``call``'s tensors: every bound tensor has the layout the key declares."""
-    return plan.run(call, call.query.device)
+def bind(recipe: PackRecipe, call: ForwardCall | BackwardCall) -> Bound:
+    """Carry ``recipe`` out on ``call``'s tensors: every bound tensor has the layout the key declares."""
+    return recipe.run(call, call.query.device)
 
 
 def _step(step: Step, src: Any, device: torch.device) -> torch.Tensor:
