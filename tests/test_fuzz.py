@@ -40,12 +40,36 @@ def laid_out(draw, shape, dtype):
 
 
 @st.composite
+def pattern_masks(draw, b, h, lq, s, dtype):
+    """A key-padding, causal, causal+padding or windowed mask (bool or 0/-inf float) of a random
+    broadcast shape: the forms :mod:`patterns` runs as cuDNN's own masking."""
+    kind = draw(st.sampled_from(["padding", "padding", "causal", "causal+padding", "window"]))
+    lens = torch.tensor(draw(st.lists(st.integers(1, s), min_size=b, max_size=b)))
+    row, col = torch.arange(lq).view(-1, 1), torch.arange(s).view(1, -1)
+    keep = torch.ones(lq, s, dtype=torch.bool)
+    if kind != "padding":
+        keep = keep & (col <= row)
+    if kind == "window":
+        keep = keep & (col > row - draw(st.integers(1, max(s, 1))))
+    keep = keep.view(1, 1, lq, s)
+    if "padding" in kind:
+        keep = keep & (col.view(1, 1, 1, s) < lens.view(b, 1, 1, 1))
+        keep = keep.expand(b, draw(st.sampled_from([1, h])), lq, s)
+    else:
+        keep = keep[(0,) * draw(st.integers(0, 2))]  # (1,1,L,S), (1,L,S) or (L,S)
+    keep = keep.clone()
+    if draw(st.booleans()):
+        return keep
+    return torch.zeros(keep.shape, dtype=dtype).masked_fill(~keep, float("-inf"))
+
+
+@st.composite
 def cases(draw):
     dtype = draw(st.sampled_from([torch.float16, torch.bfloat16]))
     b, h, lq, s = draw(st.integers(1, 3)), draw(st.integers(1, 4)), draw(st.integers(1, 20)), draw(st.integers(1, 20))
-    d = draw(st.sampled_from([8, 16, 64]))
-    dv = draw(st.sampled_from([d, d, 8, 32]))
-    hk = draw(st.sampled_from([h, h, 1]))
+    # unequal head dims: MLA's 192/128 (sm90, the emulated default) and small ones both ways
+    d, dv = draw(st.sampled_from([(8, 8), (16, 16), (64, 64), (64, 32), (32, 64), (16, 8), (192, 128), (64, 16)]))
+    hk = draw(st.sampled_from([h, h, 1] + [x for x in (2,) if h % x == 0 and x < h]))  # MHA, MQA, GQA
     q = draw(laid_out((b, h, lq, d), dtype))
     k = draw(laid_out((b, hk, s, d), dtype))
     v = draw(laid_out((b, hk, s, dv), dtype))
@@ -53,7 +77,9 @@ def cases(draw):
         k, v = k.expand(b, h, s, d), v.expand(b, h, s, dv)  # broadcast head with stride 0
     causal = draw(st.booleans())
     mask = None
-    if not causal and draw(st.booleans()):
+    if not causal and draw(st.integers(0, 2)) == 0:
+        mask = draw(pattern_masks(b, h, lq, s, dtype))  # recognized as a pattern (or a bias when it is none)
+    elif not causal and draw(st.booleans()):
         mshape = tuple(draw(st.sampled_from([1, n])) for n in (b, h, lq, s))
         mshape = mshape[draw(st.integers(0, 2)) :]
         if draw(st.booleans()):
@@ -79,14 +105,15 @@ def cases(draw):
 @given(case=cases())
 def test_random_layouts_match_float64(case):
     q, k, v, mask, causal, scale, g = case
-    out, stats = DISPATCHER.forward(q, k, v, mask, 0.0, causal, scale=scale)
+    gqa = k.shape[1] != q.shape[1]
+    out, stats = DISPATCHER.forward(q, k, v, mask, 0.0, causal, scale=scale, enable_gqa=gqa)
     dq, dk, dv = DISPATCHER.backward(g, q, k, v, mask, 0.0, causal, out, stats, None, None, scale=scale)
     ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
     ref_mask = None if mask is None else (mask if mask.dtype == torch.bool else mask.double())
-    ref = F.scaled_dot_product_attention(*ref_in, attn_mask=ref_mask, is_causal=causal, scale=scale)
+    ref = F.scaled_dot_product_attention(*ref_in, attn_mask=ref_mask, is_causal=causal, scale=scale, enable_gqa=gqa)
     ref_grads = torch.autograd.grad(ref, ref_in, g.double())
     low_in = [t.detach().requires_grad_() for t in (q, k, v)]
-    eager = F.scaled_dot_product_attention(*low_in, attn_mask=mask, is_causal=causal, scale=scale)
+    eager = F.scaled_dot_product_attention(*low_in, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
     eager_grads = torch.autograd.grad(eager, low_in, g)
     # rows whose every key is masked are NaN in both eager and the reference: compare the rest
     fin = torch.isfinite(ref)

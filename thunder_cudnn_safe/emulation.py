@@ -196,8 +196,11 @@ def emulate(graph: Any, pack: dict) -> None:
         # (cudnn_frontend CompositeSDPABackwardNode: dK_fullhead / dV_fullhead, reduction ADD).
         dq, dk, dv, ds = reference.attention_backward(q, k, v, o, d_o, stats, how, partials=io_q.dtype)
         if how.kv_lens is not None:  # like cuDNN's padding mask: dK/dV rows of keys past seq_len_kv are not written
-            valid = (torch.arange(k.shape[2]).view(1, 1, -1, 1) < how.kv_lens.view(-1, 1, 1, 1).cpu()).expand_as(dk)
-            dk, dv = (torch.where(valid, g, _f32(b.read_output(port))) for g, port in ((dk, "dK"), (dv, "dV")))
+            # Each with its own shape: D_v may differ from D_qk (MLA's 192/128), so dV's mask is not dK's.
+            valid = torch.arange(k.shape[2]).view(1, 1, -1, 1) < how.kv_lens.view(-1, 1, 1, 1).cpu()
+            dk, dv = (
+                torch.where(valid.expand_as(g), g, _f32(b.read_output(port))) for g, port in ((dk, "dK"), (dv, "dV"))
+            )
         for port, value in (("dQ", dq), ("dK", dk), ("dV", dv)):
             b.write(port, value)
         d_bias = node.outputs.get("dBias")
