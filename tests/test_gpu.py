@@ -347,6 +347,7 @@ def test_diffusers_block_thunder_jit(dtype):
     assert tcs.cache_info().fallbacks == before
 
 
+@pytest.mark.thunderfx
 @pytest.mark.parametrize("dtype", [F16, BF16], ids=["float16", "bfloat16"])
 def test_diffusers_block_thunderfx(dtype):
     from thunder.dynamo import thunderfx

@@ -71,6 +71,7 @@ def test_gqa_on_cudnn(layout, h, hkv, lq, s, d, grad_layout, dtype, mask, causal
     gqa_support.run_gqa_and_check(EXECUTOR, q, k, v, g, mask=m, is_causal=causal)
 
 
+@pytest.mark.thunderfx
 def test_tiny_llama_thunderfx_repeat_kv_rewritten_on_cudnn(fresh):
     transformers = pytest.importorskip("transformers", minversion="5")
     from thunder.dynamo import ThunderCompiler

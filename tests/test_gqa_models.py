@@ -185,6 +185,7 @@ FX_CASES = [
 ]
 
 
+@pytest.mark.thunderfx
 @pytest.mark.parametrize("name,dtype,transform", FX_CASES)
 def test_hf_model_thunderfx(name, dtype, transform, fresh_cache):
     torch._dynamo.reset()
@@ -222,6 +223,7 @@ def test_hf_model_thunderfx(name, dtype, transform, fresh_cache):
     assert_grads_close(model, eager, ref, name)
 
 
+@pytest.mark.thunderfx
 # -- diffusers Flux through ThunderFX (enable_gqa=False on every call) ----------------------------
 def test_flux_transformer_thunderfx(fresh_cache):
     diffusers = pytest.importorskip("diffusers")

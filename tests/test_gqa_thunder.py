@@ -197,6 +197,7 @@ def _assert_all_in_thunder(backend):
         assert names and all(n.startswith("thunder") for n in names), names
 
 
+@pytest.mark.thunderfx
 @pytest.mark.parametrize("enable_gqa,hkv", [(True, 2), (False, 4)])
 def test_thunderfx_keeps_sdpa_in_thunder(enable_gqa, hkv):
     torch._dynamo.reset()
@@ -212,6 +213,7 @@ def test_thunderfx_keeps_sdpa_in_thunder(enable_gqa, hkv):
     assert (gqa.GQA_SYMBOL_ID if enable_gqa else SDPA_ID) in _top_ids(thunder.last_traces(jfn)[0])
 
 
+@pytest.mark.thunderfx
 def test_thunderfx_without_registration_splits_enable_gqa_out():
     """The failure this module fixes, so the test above cannot pass by accident."""
     torch._dynamo.reset()
@@ -340,6 +342,7 @@ def test_transform_leaves_non_gqa_repeats_alone(case):
     assert gqa.GQA_SYMBOL_ID not in _top_ids(thunder.last_traces(jfn)[-1])
 
 
+@pytest.mark.thunderfx
 def test_transform_under_thunderfx():
     torch._dynamo.reset()
     q, k, v = _inputs(hq=4, hkv=2)
@@ -471,6 +474,7 @@ def test_hf_llama_attention_enable_gqa_under_jit():
     assert gqa.GQA_SYMBOL_ID in _top_ids(thunder.last_traces(jattn)[0])
 
 
+@pytest.mark.thunderfx
 def test_hf_llama_thunderfx_repeat_kv_rewritten():
     """Under ThunderFX transformers 5 builds a mask and calls repeat_kv; the transform rewrites it."""
     torch._dynamo.reset()

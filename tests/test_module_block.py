@@ -85,6 +85,7 @@ def test_block_thunder_jit(dtype, layout, fresh_cache):
         assert copied > 0
 
 
+@pytest.mark.thunderfx
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_block_thunderfx(dtype, fresh_cache):
     from thunder.dynamo import thunderfx

@@ -1,9 +1,9 @@
 """upstream/cudnn_sdpa.patch applies, with ``git apply`` and with ``patch``, to each thunder it targets.
 
 The patch is made against lightning-thunder main and must also apply to 0.2.6. Checked
-here against the installed thunder (whichever it is) and against main's wheel in
-``../shared/thunder-main/`` when that is present; always on a temporary copy, never on
-site-packages.
+here against the installed thunder (whichever it is) and against main's file when main is
+installed or given as a wheel (``upstream_patch_support.main_thunder_file``; the main tests
+skip, saying how to get it, otherwise); always on a temporary copy, never on site-packages.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 from upstream_patch_support import (
+    NO_MAIN,
     PatchDoesNotApply,
     apply_patch,
-    extract_from_wheel,
     installed_thunder_file,
-    main_wheel,
+    main_thunder_file,
 )
 
 
@@ -27,17 +27,19 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-@pytest.fixture(params=["installed", "main-wheel"])
+@pytest.fixture(params=["installed", "main"])
 def thunder_file(request, tmp_path) -> Path:
-    """thunder's cudnn_sdpa.py: the installed one, or main's taken out of its wheel."""
+    """thunder's cudnn_sdpa.py: the installed one, or main's (installed, or out of a wheel)."""
     if request.param == "installed":
         return installed_thunder_file()
-    wheel = main_wheel()
-    if wheel is None:
-        pytest.skip("no thunder-main wheel in ../shared/thunder-main/")
-    src = tmp_path / "main-wheel"
-    src.mkdir()
-    return extract_from_wheel(wheel, src)
+    return _main_file(tmp_path)
+
+
+def _main_file(tmp_path: Path) -> Path:
+    src = main_thunder_file(tmp_path)
+    if src is None:
+        pytest.skip(NO_MAIN)
+    return src
 
 
 @pytest.mark.parametrize("tool", ["git", "patch"])
@@ -70,12 +72,7 @@ def test_git_and_patch_give_the_same_file(thunder_file, tmp_path):
 
 def test_patch_was_made_against_main(tmp_path):
     """Every hunk applies to main at its stated line (on 0.2.6 the hunks after the checker move by -27 lines)."""
-    wheel = main_wheel()
-    if wheel is None:
-        pytest.skip("no thunder-main wheel in ../shared/thunder-main/")
-    src = tmp_path / "main"
-    src.mkdir()
-    res = apply_patch(extract_from_wheel(wheel, src), tmp_path / "work", tool="git")
+    res = apply_patch(_main_file(tmp_path), tmp_path / "work", tool="git")
     assert res.offsets == {}, res.log
 
 

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from thunder.core import devices, dtypes
 from thunder.core.proxies import TensorProxy
 from thunder.core.trace import detached_trace
-from upstream_patch_support import apply_patch, installed_thunder_file, load_private, stub_gpu_calls
+from upstream_patch_support import apply_patch, installed_thunder_file, libcudnn_problem, load_private, stub_gpu_calls
 
 import thunder_cudnn_safe  # noqa: F401  (compat steps, then thunder)
 from thunder_cudnn_safe import reference
@@ -32,6 +32,7 @@ from thunder_cudnn_safe.emulation import EmulationError, _torch_dtype_of
 from thunder_cudnn_safe.testing import assert_close_to_reference
 
 cudnn = pytest.importorskip("cudnn")
+pytestmark = pytest.mark.skipif(libcudnn_problem() is not None, reason=str(libcudnn_problem()))
 
 # The diffusers case of the seed issue: grad_out (2, 8, 64, 96) with strides (49152, 96, 768, 1).
 B, H, L, D = 2, 8, 64, 96

@@ -16,12 +16,20 @@ import sys
 
 import pytest
 import torch
-from upstream_patch_support import UPSTREAM, apply_patch, installed_thunder_file, load_private, stub_gpu_calls
+from upstream_patch_support import (
+    UPSTREAM,
+    apply_patch,
+    installed_thunder_file,
+    libcudnn_problem,
+    load_private,
+    stub_gpu_calls,
+)
 
 import thunder_cudnn_safe  # noqa: F401  (compat steps, then thunder)
 from thunder_cudnn_safe.emulation import EmulationError
 
 cudnn = pytest.importorskip("cudnn")
+pytestmark = pytest.mark.skipif(libcudnn_problem() is not None, reason=str(libcudnn_problem()))
 
 UPSTREAM_TEST = UPSTREAM / "test_cudnn_sdpa_strides.py"
 

@@ -3,8 +3,10 @@
 The patch is applied with the standard tools (``git apply``, or ``patch``) to a *copy* of
 thunder's ``thunder/executors/cudnn_sdpa.py`` in a temporary directory: the installed
 file is never written. Which file is copied is decided at run time (the installed
-thunder, 0.2.6 or main; and main's wheel from ``../shared/thunder-main/`` when present),
-so nothing here assumes one version's bytes.
+thunder, 0.2.6 or main; and main's file, from the install when the installed thunder *is* main, or out
+of a wheel named by ``THUNDER_CUDNN_SAFE_THUNDER_MAIN_WHEEL``), so nothing here assumes one version's bytes.
+No other project's code is kept in this repository: without main, the main-only tests skip and say how to
+get it (docs/testing.md).
 
 The copies are then loaded as private modules (``_load_private``), and the GPU-only
 calls of the frontend are stubbed so that ``graph.execute`` runs on the emulated cuDNN
@@ -30,8 +32,35 @@ UPSTREAM = REPO / "upstream"
 PATCH = UPSTREAM / "cudnn_sdpa.patch"
 TARGET = "thunder/executors/cudnn_sdpa.py"
 MODULE_NAME = "thunder.executors.cudnn_sdpa"
-# CI checks this project out with shared/ beside it; main's wheel is built there.
-MAIN_WHEEL_DIR = REPO.parent / "shared" / "thunder-main"
+#: The lightning-thunder main commit the patch was made against (upstream main has not moved since 2026-01-29).
+MAIN_COMMIT = "1e22aacb1aef6e79718a5ca2f49ab91b993cb4ef"
+#: A wheel of thunder main to take ``cudnn_sdpa.py`` from, without installing it (a test-only variable).
+MAIN_WHEEL_ENV = "THUNDER_CUDNN_SAFE_THUNDER_MAIN_WHEEL"
+#: Why the main-only tests skip, and the two ways to run them.
+NO_MAIN = (
+    "lightning-thunder main is neither installed nor given as a wheel (CI tests the PyPI release only): "
+    f'pip install --no-deps "git+https://github.com/Lightning-AI/lightning-thunder@{MAIN_COMMIT}", '
+    f"or set {MAIN_WHEEL_ENV}=/path/to/lightning_thunder-0.2.7.dev0-py3-none-any.whl (docs/testing.md)"
+)
+
+
+def libcudnn_problem() -> str | None:
+    """Why thunder's ``cudnn_sdpa.py`` cannot be loaded here, or None.
+
+    That module asks libcudnn for its version at import (``cudnn.backend_version()``). torch's CPU
+    wheels (2.13 and newer from the local index) ship no libcudnn, so the module cannot load and the
+    tests that run it on the emulated cuDNN skip; they run wherever libcudnn loads (CI's torch 2.11).
+    """
+    from thunder_cudnn_safe import _compat
+
+    if _compat.FRONTEND.backend_version is not None:
+        return None
+    return (
+        "thunder's cudnn_sdpa.py calls cudnn.backend_version() at import, and "
+        f"{_compat.FRONTEND.backend_problem} (torch's CPU wheel ships no libcudnn); "
+        "the patch's emulated tests run where libcudnn loads (CI's torch 2.11 CUDA wheel)"
+    )
+
 
 _OFFSET = re.compile(r"Hunk #(\d+) succeeded at \d+(?: with fuzz \d+)? \(offset (-?\d+) lines?\)")
 
@@ -48,10 +77,38 @@ def installed_thunder_file() -> Path:
     return (Path(next(iter(spec.submodule_search_locations))) / "executors" / "cudnn_sdpa.py").resolve()
 
 
+def installed_thunder_is_main() -> bool:
+    """Whether the installed lightning-thunder is a development build of main (a ``.dev`` version)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return ".dev" in version("lightning-thunder")
+    except PackageNotFoundError:
+        return False
+
+
 def main_wheel() -> Path | None:
-    """The newest thunder-main wheel in ``../shared/thunder-main/``, or None when it is absent."""
-    wheels = sorted(MAIN_WHEEL_DIR.glob("lightning_thunder-*.whl"))
-    return wheels[-1] if wheels else None
+    """The wheel named by ``THUNDER_CUDNN_SAFE_THUNDER_MAIN_WHEEL``, or None when the variable is unset.
+
+    A set variable that names no file is an error, not a skip: the user asked for main and would
+    otherwise not notice that the main tests did not run.
+    """
+    name = os.environ.get(MAIN_WHEEL_ENV)
+    if not name:
+        return None
+    wheel = Path(name)
+    if not wheel.is_file():
+        raise FileNotFoundError(f"{MAIN_WHEEL_ENV}={name}: no such wheel")
+    return wheel
+
+
+def main_thunder_file(dest: Path) -> Path | None:
+    """thunder main's ``cudnn_sdpa.py``: the installed one when the install is main, else out of the wheel
+    named by ``THUNDER_CUDNN_SAFE_THUNDER_MAIN_WHEEL`` (into ``dest``); None when neither is there."""
+    if installed_thunder_is_main():
+        return installed_thunder_file()
+    wheel = main_wheel()
+    return None if wheel is None else extract_from_wheel(wheel, dest)
 
 
 def extract_from_wheel(wheel: Path, dest: Path) -> Path:

@@ -125,7 +125,11 @@ def _new_graph(io_dtype: torch.dtype, handle: Any, device_property: Any = None, 
     cudnn = cudnn_module()
     kwargs = {} if handle is None else {"handle": handle}
     if getattr(key, "dynamic", False):
-        kwargs.update(is_dynamic_shape_enabled=True, kernel_cache=kernel_cache(key.target, device_property))
+        kwargs["is_dynamic_shape_enabled"] = True
+        # cuDNN's kernel cache is made by libcudnn itself; without one loadable (torch's CPU wheel) no plan is ever
+        # built, and the emulated runtime needs only the graph's declarations, so the graph goes without it.
+        if _compat.FRONTEND.backend_version is not None:
+            kwargs["kernel_cache"] = kernel_cache(key.target, device_property)
     if device_property is not None:  # deviceless planning (aot.py): no handle, the descriptor's GPU and SM
         sm = json.loads(device_property.serialize())["deviceVer"] // 10
         kwargs.update(device_property=device_property, sm_version=sm)
