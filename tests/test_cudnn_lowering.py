@@ -537,3 +537,34 @@ def test_s1_backward_is_refused_while_its_forward_lowers() -> None:
 def test_the_expected_libcudnn_judges() -> None:
     """The verdicts come from the libcudnn the run asked for (the frontend honours LD_LIBRARY_PATH first)."""
     assert lowering.backend_version() == int(os.environ[EXPECT_ENV]), lowering.backend_version()
+
+
+_PARTIAL_CHILD = """
+import torch
+from thunder_cudnn_safe import calls, emulation, lowering, recipes
+
+q = torch.randn(1, 2, 16, 64, dtype=torch.float16)
+call = calls.ForwardCall(q, q.clone(), q.clone(), need_stats=True)
+key = recipes.forward_recipe(calls.signature(call), emulation.emulated_target()).key
+try:
+    print("VERDICT", lowering.lower_key(key, 90))
+except lowering.LoweringUnavailable as exc:
+    print("UNAVAILABLE", exc)
+"""
+
+
+def test_a_libcudnn_missing_its_sublibraries_is_unavailable_not_a_refusal(tmp_path) -> None:
+    """Only libcudnn.so.9 and libcudnn_graph.so.9 on the path: backend_version() answers, then building a
+    descriptor fails to load an engine sublibrary. That is an environment problem, never "cuDNN refused"."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    loaded = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines() if "libcudnn_graph" in line}
+    assert loaded, "no libcudnn_graph is loaded although graphs lower here"
+    lib_dir = Path(sorted(loaded)[0]).parent
+    for name in ("libcudnn.so.9", "libcudnn_graph.so.9"):
+        (tmp_path / name).symlink_to(lib_dir / name)
+    env = {**os.environ, "LD_LIBRARY_PATH": f"{tmp_path}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
+    run = subprocess.run([sys.executable, "-c", _PARTIAL_CHILD], env=env, capture_output=True, text=True, timeout=300)
+    assert "UNAVAILABLE" in run.stdout and "SUBLIBRARY_LOADING_FAILED" in run.stdout, run.stdout + run.stderr[-2000:]

@@ -100,11 +100,32 @@ def _reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}".strip()
 
 
+#: cuDNN statuses that say libcudnn itself is incomplete (a sublibrary such as
+#: ``libcudnn_engines_runtime_compiled.so.9`` missing or of another version), not that it refuses the graph.
+_BROKEN_INSTALL_STATUSES = ("CUDNN_STATUS_SUBLIBRARY_LOADING_FAILED", "CUDNN_STATUS_SUBLIBRARY_VERSION_MISMATCH")
+
+
+def _unless_broken_install(exc: BaseException) -> str:
+    """The refusal's reason; raises :class:`LoweringUnavailable` when the "refusal" is a broken libcudnn.
+
+    libcudnn loads its sublibraries lazily, at the first descriptor that needs one, so a partial install
+    (only ``libcudnn.so.9`` and ``libcudnn_graph.so.9`` on the library path) answers ``backend_version()``
+    and then fails ``build_operation_graph`` with SUBLIBRARY_LOADING_FAILED. Reporting that as cuDNN refusing
+    the graph would make a sweep blame the graph, so it is raised as an environment problem instead.
+    """
+    reason = _reason(exc)
+    for status in _BROKEN_INSTALL_STATUSES:
+        if status in reason:
+            raise LoweringUnavailable(f"libcudnn could not load one of its sublibraries ({status}): {reason}") from exc
+    return reason
+
+
 def lower(graph: Any, sm_version: int) -> Lowering:
     """Lower a built pygraph for ``sm_version`` (80, 90, 100, 120, ...) and have libcudnn check it.
 
     The pygraph is frozen afterwards: lower one built for this purpose. A refusal is returned;
-    :class:`LoweringUnavailable` is raised where this frontend cannot be lowered this way.
+    :class:`LoweringUnavailable` is raised where this frontend cannot be lowered this way, or where
+    libcudnn fails to load one of its own sublibraries.
     """
     cudnn = _require()
     if not isinstance(graph, cudnn.pygraph):
@@ -119,12 +140,12 @@ def lower(graph: Any, sm_version: int) -> Lowering:
         cpp = graph._lower_to_cpp()  # the lowering itself may reject an attribute
         cpp.validate()
     except Exception as exc:
-        return Lowering(False, _reason(exc), "validate", None, sm)
+        return Lowering(False, _unless_broken_install(exc), "validate", None, sm)
     implementation = implementation_of(cpp)
     try:
         cpp.build_operation_graph()
     except Exception as exc:
-        return Lowering(False, _reason(exc), "build_operation_graph", implementation, sm)
+        return Lowering(False, _unless_broken_install(exc), "build_operation_graph", implementation, sm)
     return Lowering(True, None, None, implementation, sm)
 
 
