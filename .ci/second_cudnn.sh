@@ -5,6 +5,8 @@
 #   CUDNN_LIB_DIR=<folder with libcudnn.so.9>   judge with your own cuDNN instead of installing one
 #   SECOND_CUDNN_VERSION (default 9.27.0.42), SECOND_CUDNN_DIR (install target, reused when present)
 #   SECOND_CUDNN_TESTS (default: the files below)
+#   bash .ci/second_cudnn.sh CMD ARGS...   run CMD under that libcudnn instead of the tests, e.g.
+#                                          python scripts/compile_table.py (the compile table for that version)
 # cuDNN 9.27's runtime-compiled engines link libcuda.so.1: without a driver the tests' stand-in goes on the path.
 set -euo pipefail
 version=${SECOND_CUDNN_VERSION:-9.27.0.42}
@@ -28,5 +30,9 @@ if ! ldconfig -p 2>/dev/null | grep -q 'libcuda\.so\.1 '; then
 fi
 export LD_LIBRARY_PATH="$ld_path${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 python -c "import cudnn; print('=== cuDNN-judged tests with libcudnn', cudnn.backend_version(), 'from $CUDNN_LIB_DIR ===')"
+if [ $# -gt 0 ]; then
+    "$@"  # not exec: the EXIT trap removes the stand-in afterwards
+    exit 0
+fi
 # shellcheck disable=SC2086
 python -m pytest -p no:cacheprovider -q ${SECOND_CUDNN_TESTS:-tests/test_cudnn_lowering.py tests/test_cudnn_compile.py tests/test_defect_rules.py}

@@ -39,6 +39,7 @@ from .patterns import mask_pattern_info, reset_mask_pattern_info, set_mask_patte
 from .plan_cache import PlanCacheInfo, plan_cache_info, set_plan_cache_dir  # noqa: E402
 from .support import Decline, DeclineCode  # noqa: E402
 from .telemetry import CopyReason, CopyStats, copy_stats, reset_copy_stats  # noqa: E402
+from .varlen_dispatch import reset_varlen_info, varlen_info  # noqa: E402
 
 drop_broken_builtin_cudnn_executor()
 # enable_gqa traces under thunder.jit and stays in thunder's region under ThunderFX (see gqa.py);
@@ -79,6 +80,8 @@ __all__ = [
     "MaskCacheInfo",
     "mask_pattern_info",
     "reset_mask_pattern_info",
+    "varlen_info",
+    "reset_varlen_info",
     "plan_cache_info",
     "PlanCacheInfo",
     "copy_stats",
