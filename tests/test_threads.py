@@ -205,3 +205,53 @@ def test_gpu_threads_run_their_own_graphs_and_handles():
 
     _run_threads(work, 2)
     assert not graphs[0] & graphs[1] and handles[0] is not handles[1]
+
+
+def test_cudnn_handles_are_per_thread_created_one_at_a_time_and_bound_to_the_current_stream(monkeypatch):
+    """CudnnRuntime.handle with cuDNN and CUDA faked: each thread gets its own handle, created one at a
+    time (cuDNN's Thread Safety section), re-bound to that thread's current stream on every call."""
+    import contextlib
+    import time
+    from types import SimpleNamespace
+
+    from thunder_cudnn_safe import graphs, runtime
+
+    creating, overlaps, bound = [0], [], []
+    lock = threading.Lock()
+
+    def create_handle():
+        with lock:
+            creating[0] += 1
+            overlaps.append(creating[0])
+        time.sleep(0.01)
+        with lock:
+            creating[0] -= 1
+        return object()
+
+    fake = SimpleNamespace(
+        create_handle=create_handle,
+        set_stream=lambda handle, stream: bound.append((threading.get_ident(), handle, stream)),
+    )
+    streams = threading.local()
+    monkeypatch.setattr(graphs, "cudnn_module", lambda: fake)
+    monkeypatch.setattr(runtime.torch.cuda, "device", lambda index: contextlib.nullcontext())
+    monkeypatch.setattr(runtime.torch.cuda, "current_stream", lambda index: SimpleNamespace(cuda_stream=streams.value))
+    rt = runtime.CudnnRuntime()
+    handles = {}
+
+    def work(i: int) -> None:
+        streams.value = 1000 + i
+        first = rt.handle(0)
+        streams.value = 2000 + i  # the thread's current stream changes: the same handle, re-bound
+        assert rt.handle(0) is first
+        handles[i] = first
+
+    _run_threads(work)
+    assert max(overlaps) == 1  # never two cudnnCreate at once
+    assert len({id(h) for h in handles.values()}) == THREADS
+    by_thread: dict[int, list] = {}
+    for ident, handle, stream in bound:
+        by_thread.setdefault(ident, []).append((handle, stream))
+    for calls in by_thread.values():
+        (h0, s0), (h1, s1) = calls
+        assert h0 is h1 and s1 == s0 + 1000

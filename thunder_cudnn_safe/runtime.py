@@ -181,6 +181,9 @@ def is_forward(key: ForwardKey | BackwardKey) -> bool:
     return isinstance(key, ForwardKey)
 
 
+_HANDLE_CREATION = threading.Lock()
+
+
 class CudnnRuntime(Runtime):
     """Real cuDNN: per (thread, device) handles on torch's current stream, workspace from torch."""
 
@@ -220,7 +223,9 @@ class CudnnRuntime(Runtime):
         handles = self._local.__dict__.setdefault("handles", {})
         handle = handles.get(device_index)
         if handle is None:
-            with torch.cuda.device(device_index):
+            # Created one at a time: cuDNN's Thread Safety section asks for a first synchronous
+            # cudnnCreate() before threads create their own handles.
+            with _HANDLE_CREATION, torch.cuda.device(device_index):
                 handle = handles[device_index] = cudnn.create_handle()
         cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream(device_index).cuda_stream)
         return handle
