@@ -92,6 +92,39 @@ def test_finite_sentinel_fully_masked_row_forward_averages_v_like_eager(fresh_ca
     assert_close_to_reference(out, F.scaled_dot_product_attention(q, k, v, attn_mask=m), ref, "output")
 
 
+@pytest.mark.parametrize("need_stats", [False, True])
+def test_a_float32_mask_with_bf16_queries_masks_as_in_eagers_float32_sum(need_stats, fresh_cache):
+    """A float32 mask with bf16 queries (a direct operator call: thunder.jit refuses the mix). Eager adds it
+    in float32, where finfo(float32).min absorbs the scores: a row masked everywhere averages V. A plain
+    cast to bf16 rounded it to -inf and the row came out 0."""
+    q, k, v = (torch.randn(1, 2, 16, 64, dtype=torch.bfloat16) for _ in range(3))
+    m = torch.zeros(1, 1, 16, 16)
+    m[..., 3, :] = torch.finfo(torch.float32).min  # masked everywhere
+    m[..., 5, :8] = torch.finfo(torch.float32).min  # partly
+    m[..., 7, 2] = float("-inf")  # -inf stays -inf
+    m[..., 9, 4] = 1e30  # a huge finite bonus: bf16's max, not +inf
+    out = tcs.emulated_ex.dispatcher.forward(q, k, v, m, 0.0, False, need_stats=need_stats)[0]
+    eager = F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=m.double())
+    assert_close_to_reference(out, eager, ref, "output")
+    assert torch.allclose(out[0, :, 3].float(), v[0].float().mean(dim=1), atol=1e-2)
+
+
+def test_a_float32_mask_with_fp16_queries_keeps_minus_inf_rows_dead(fresh_cache):
+    """fp16 has no value that absorbs the scores: values below -65504 become -inf (the documented limit),
+    a row masked everywhere is 0; every other row is eager's."""
+    q, k, v = (torch.randn(1, 2, 16, 64, dtype=torch.float16) for _ in range(3))
+    m = torch.zeros(1, 1, 16, 16)
+    m[..., 3, :] = torch.finfo(torch.float32).min
+    m[..., 5, :8] = torch.finfo(torch.float32).min
+    out = tcs.emulated_ex.dispatcher.forward(q, k, v, m, 0.0, False, need_stats=False)[0]
+    eager = F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=m.double())
+    rows = [i for i in range(16) if i != 3]
+    assert_close_to_reference(out[:, :, rows], eager[:, :, rows], ref[:, :, rows], "output")
+    assert torch.equal(out[0, :, 3], torch.zeros_like(out[0, :, 3]))
+
+
 def _count_backward_executions(runtime):
     from thunder_cudnn_safe.keys import BackwardKey
 
