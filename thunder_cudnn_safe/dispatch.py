@@ -170,8 +170,9 @@ class Dispatcher:
 
 def planned_keys(call: ForwardCall, target: Target) -> tuple[ForwardCall, ForwardKey, BackwardKey]:
     """The call as it runs (a pattern mask swapped in) and the keys of its forward and of its backward
-    for dO in O's layout, planned from layouts alone (nothing bound, built or drawn): for
-    ``describe()`` and ``aot.describe_target()``."""
+    for dO in O's layout, planned from layouts alone (nothing bound, built, drawn or run, except the
+    recognition of a mask not seen before: :func:`~thunder_cudnn_safe.describe`): for ``describe()``
+    and ``aot.describe_target()``."""
     mask = call.attn_mask
     mask_grad = mask is not None and mask.dtype is not torch.bool and bool(mask.requires_grad)
     call = call._replace(layout=LayoutPolicy.parse(call.layout).value, dropout_p=float(call.dropout_p))
@@ -181,7 +182,7 @@ def planned_keys(call: ForwardCall, target: Target) -> tuple[ForwardCall, Forwar
         if planned is not None:
             return planned
         masked = call
-    masked = route(masked, target)
+    masked = route(masked, target, lens_device="meta")  # the key needs no lengths' values: no kernel to fill them
     fkey = forward_recipe(signature(masked), target).key  # an inference forward has no backward:
     return masked, fkey, companion_backward_key(signature(masked), fkey, mask_grad) if call.need_stats else None
 

@@ -275,7 +275,9 @@ def describe(
 ) -> CallReport:
     """:func:`explain` plus, for a claimed call on real tensors, its cached forward graph and backward
     graph for dO in O's layout (None where not built yet). The keys are planned as the executor plans
-    them; nothing is copied, built, run or drawn."""
+    them, from the tensors' layouts: nothing is copied, built or drawn, and no kernel runs, except once
+    for a mask not seen before: recognizing its pattern runs its comparisons on the mask's device and
+    one host sync, exactly what the call's first run does (the verdict is cached for the call)."""
     call = ForwardCall(query, key, value, *args, **kwargs)
     reasons = explain(*call, executor=executor)
     if reasons or not isinstance(query, torch.Tensor):
