@@ -23,6 +23,7 @@ CASES = {
     "dynamic_shapes": (" OFF ", "off", "sometimes", "forward", "always"),
     "dp_workspace_limit": ("1024", 1024, "lots", 0, -1),
     "plan_cache_dir": ("/tmp/plans", "/tmp/plans", None, "/tmp/other", 3),
+    "aot_timeout": ("90", 90.0, "soon", 0, -1),
     "emulated_arch": ("sm100", (10, 0), "foo", "8.6", (9,)),
     "emulated_backend": ("91000", 91000, "nine", 90500, 0),
     "layout": ("contiguous", "contiguous", "rowmajor", "contiguous", "strided"),
@@ -198,3 +199,34 @@ def test_patch_without_knobs_restores_every_knob_set_inside():
         config.set(dp_workspace_limit=12, mask_patterns=False)
         assert config.dp_workspace_limit == 12
     assert {name: getattr(config, name) for name in config.KNOBS} == before
+
+
+def test_aot_children_have_a_default_timeout(monkeypatch):
+    """aot.compile_in_subprocess ran its children with no timeout unless asked: a hung NVRTC or driver
+    stand-in hung the caller. Now config.aot_timeout (20 minutes) applies; 0 means no limit."""
+    from thunder_cudnn_safe import aot
+
+    seen = []
+
+    def run(*args, **kwargs):
+        seen.append(kwargs["timeout"])
+        raise subprocess.TimeoutExpired(args[0], kwargs["timeout"] or 0)
+
+    monkeypatch.setattr(aot.subprocess, "run", run)
+    with pytest.raises(RuntimeError, match="aot_timeout"):
+        aot.compile_in_subprocess([], "H100")
+    with config.patch(aot_timeout=7), pytest.raises(RuntimeError, match="7 s limit"):
+        aot.compile_in_subprocess([], "H100")
+    with config.patch(aot_timeout=0), pytest.raises(RuntimeError):
+        aot.compile_in_subprocess([], "H100")
+    with pytest.raises(RuntimeError):
+        aot.compile_in_subprocess([], "H100", timeout=3)
+    assert seen == [1200.0, 7.0, None, 3.0]
+
+
+def test_an_aot_child_past_its_limit_is_killed():
+    """A real child (it cannot even import torch in 0.2 s) is killed and the call raises, naming the knob."""
+    from thunder_cudnn_safe import aot
+
+    with config.patch(aot_timeout=0.2), pytest.raises(RuntimeError, match="THUNDER_CUDNN_SAFE_AOT_TIMEOUT"):
+        aot.compile_in_subprocess([], "H100")

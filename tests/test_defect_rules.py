@@ -201,6 +201,31 @@ def test_grid_limit():
             assert ("GRID_65535" in rules_on(H100, 92600, *proxies(b, h))) == declined
 
 
+# -- the deterministic backward on Blackwell before cuDNN 9.18.0 ------------------------------------
+@pytest.mark.parametrize(
+    "arch,version,declined",
+    [(B200, 91701, True), (GB300, 91000, True), (B200, 91800, False), (B200, 91900, False), (H100, 91701, False)]
+    + [((11, 0), 91701, False), (RTX50, 91701, False)],  # the frontend's check is prop_major == 10
+)
+def test_deterministic_backward_on_blackwell_before_9_18(arch, version, declined):
+    """The frontend's pre-validation refuses it (node/scaled_dot_product_flash_attention.h): declined at
+    trace time instead of claimed and refused at every call's build."""
+    rule = cudnn_rules.DETERMINISTIC_BACKWARD_BLACKWELL_BEFORE_9_18.name
+    assert (rule in rules_on(arch, version, *qkv(), deterministic=True)) == declined
+    assert rule not in rules_on(arch, version, *qkv(), deterministic=False)
+    assert rule not in rules_on(arch, version, *qkv(), deterministic=True, need_stats=False)  # inference
+
+
+def test_deterministic_training_on_old_blackwell_runs_on_the_next_executor():
+    tcs.set_emulated_target(B200, backend_version=91701)
+    q, k, v = qkv(b=1, h=2, lq=32, s=32, grad=True)
+    jf = checks.jit_sdpa(cudnn_safe_deterministic=True)
+    out = jf(q, k, v, None, 0.0, False, None)
+    fwd, bwd = checks.trace_text(jf)
+    assert "cudnn_safe_emulated" not in fwd + bwd
+    torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+
+
 # -- a declined call runs on the next executor, with eager's numbers -----------------------------------------
 def test_declined_training_call_runs_on_the_next_executor():
     tcs.set_emulated_target(H100, backend_version=91900)

@@ -92,6 +92,39 @@ def test_finite_sentinel_fully_masked_row_forward_averages_v_like_eager(fresh_ca
     assert_close_to_reference(out, F.scaled_dot_product_attention(q, k, v, attn_mask=m), ref, "output")
 
 
+@pytest.mark.parametrize("need_stats", [False, True])
+def test_a_float32_mask_with_bf16_queries_masks_as_in_eagers_float32_sum(need_stats, fresh_cache):
+    """A float32 mask with bf16 queries (a direct operator call: thunder.jit refuses the mix). Eager adds it
+    in float32, where finfo(float32).min absorbs the scores: a row masked everywhere averages V. A plain
+    cast to bf16 rounded it to -inf and the row came out 0."""
+    q, k, v = (torch.randn(1, 2, 16, 64, dtype=torch.bfloat16) for _ in range(3))
+    m = torch.zeros(1, 1, 16, 16)
+    m[..., 3, :] = torch.finfo(torch.float32).min  # masked everywhere
+    m[..., 5, :8] = torch.finfo(torch.float32).min  # partly
+    m[..., 7, 2] = float("-inf")  # -inf stays -inf
+    m[..., 9, 4] = 1e30  # a huge finite bonus: bf16's max, not +inf
+    out = tcs.emulated_ex.dispatcher.forward(q, k, v, m, 0.0, False, need_stats=need_stats)[0]
+    eager = F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=m.double())
+    assert_close_to_reference(out, eager, ref, "output")
+    assert torch.allclose(out[0, :, 3].float(), v[0].float().mean(dim=1), atol=1e-2)
+
+
+def test_a_float32_mask_with_fp16_queries_keeps_minus_inf_rows_dead(fresh_cache):
+    """fp16 has no value that absorbs the scores: values below -65504 become -inf (the documented limit),
+    a row masked everywhere is 0; every other row is eager's."""
+    q, k, v = (torch.randn(1, 2, 16, 64, dtype=torch.float16) for _ in range(3))
+    m = torch.zeros(1, 1, 16, 16)
+    m[..., 3, :] = torch.finfo(torch.float32).min
+    m[..., 5, :8] = torch.finfo(torch.float32).min
+    out = tcs.emulated_ex.dispatcher.forward(q, k, v, m, 0.0, False, need_stats=False)[0]
+    eager = F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=m.double())
+    rows = [i for i in range(16) if i != 3]
+    assert_close_to_reference(out[:, :, rows], eager[:, :, rows], ref[:, :, rows], "output")
+    assert torch.equal(out[0, :, 3], torch.zeros_like(out[0, :, 3]))
+
+
 def _count_backward_executions(runtime):
     from thunder_cudnn_safe.keys import BackwardKey
 
@@ -193,3 +226,41 @@ def test_the_backward_reuses_the_forwards_conversion_through_another_tensor_obje
     disp.backward(torch.randn_like(out), q, k, v, same_storage, 0.0, False, out, stats, None, None)
     info = tcs.mask_cache_info()
     assert (info.conversions, info.hits) == (1, 1), info
+
+
+class _CountOps(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name, self.count = name, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.overloadpacket.__name__ == self.name
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("kind", ["bool", "-inf"])
+def test_fully_masked_rows_are_found_once_per_mask_not_per_forward(kind, fresh_cache):
+    """_zero_fully_masked_rows read the whole bias again in every forward (isneginf over B·H·L·S): now the
+    rows are kept with the mask's cached conversion. Same numbers; an in-place change finds them again."""
+    disp = tcs.emulated_ex.dispatcher
+    q, k, v = (torch.randn(2, 2, 16, 64, dtype=torch.float16) for _ in range(3))
+    allowed = torch.ones(2, 1, 16, 16, dtype=torch.bool)
+    allowed[0, 0, 3, :] = False
+    allowed[1, 0, 4, 7] = False
+    mask = (
+        allowed if kind == "bool" else torch.zeros(2, 1, 16, 16, dtype=torch.float16).masked_fill(~allowed, -torch.inf)
+    )
+    eager = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed if kind == "bool" else mask)
+    eager = eager.masked_fill(~allowed.any(dim=-1, keepdim=True), 0.0)  # safe softmax
+    with _CountOps("isneginf") as ops:
+        outs = [disp.forward(q, k, v, mask, 0.0, False)[0] for _ in range(3)]
+    assert ops.count == 1
+    for out in outs:
+        assert torch.equal(out, outs[0]) and torch.allclose(out, eager, atol=2e-3)
+        assert torch.equal(out[0, :, 3], torch.zeros_like(out[0, :, 3]))
+    if kind == "bool":
+        mask[1, 0, 9, :] = False  # in place: row 9 of batch element 1 is now dead too
+    else:
+        mask[1, 0, 9, :] = -torch.inf
+    out = disp.forward(q, k, v, mask, 0.0, False)[0]
+    assert torch.equal(out[1, :, 9], torch.zeros_like(out[1, :, 9])) and torch.equal(out[0, :, 3], outs[0][0, :, 3])

@@ -29,6 +29,8 @@ DYNAMIC_SHAPES_ENV = "THUNDER_CUDNN_SAFE_DYNAMIC_SHAPES"
 PLAN_CACHE_DIR_ENV = "THUNDER_CUDNN_SAFE_PLAN_CACHE_DIR"
 #: ``0`` turns recognizing mask patterns off (every mask then runs as a bias; :mod:`~thunder_cudnn_safe.patterns`).
 MASK_PATTERNS_ENV = "THUNDER_CUDNN_SAFE_MASK_PATTERNS"
+#: Seconds an ahead-of-time compile child process may run (:mod:`~thunder_cudnn_safe.aot`; 0: no limit).
+AOT_TIMEOUT_ENV = "THUNDER_CUDNN_SAFE_AOT_TIMEOUT"
 #: Default of the ``cudnn_safe_layout`` compile option: ``preserve`` or ``contiguous``.
 LAYOUT_ENV = "THUNDER_CUDNN_SAFE_LAYOUT"
 #: Default of the ``cudnn_safe_deterministic`` compile option: ``0`` or ``1``.

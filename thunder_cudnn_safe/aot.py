@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from . import _compat, graphs, plan_cache
+from . import _compat, config, graphs, plan_cache
 from ._env import parse_arch
 from .errors import GraphBuildError
 from .keys import Target
@@ -208,8 +208,10 @@ def compile_key(key: Any, device: str) -> CompileResult:
 def compile_in_subprocess(keys: list, devices: Any, *, extra_ld_path: Any = None, timeout: float | None = None) -> dict:
     """``{device: [compile_key(key, device) for key in keys]}`` for a device (name or arch) or a list,
     computed in child processes (one per device). ``extra_ld_path``: a folder holding a ``libcuda.so.1`` to load
-    instead of the installed driver's. Raises RuntimeError if the child has none (its refusals
-    would not be cuDNN's verdicts) or fails."""
+    instead of the installed driver's. ``timeout``: seconds each child may run (default ``config.aot_timeout``,
+    20 minutes; 0: no limit), after which it is killed: a hung NVRTC or driver stand-in must not hang the
+    caller. Raises RuntimeError if the child has none (its refusals would not be cuDNN's verdicts), fails
+    or runs out of time."""
     devices = [resolve_target(d) for d in ([devices] if isinstance(devices, str) else devices)]
     try:
         import nvidia  # NVRTC's builtins library, from the NVIDIA wheels
@@ -220,15 +222,23 @@ def compile_in_subprocess(keys: list, devices: Any, *, extra_ld_path: Any = None
     ld_path = [str(extra_ld_path)] * bool(extra_ld_path) + sorted(paths) + [os.environ.get("LD_LIBRARY_PATH", "")]
     env = {**os.environ, "LD_LIBRARY_PATH": os.pathsep.join(ld_path)}
 
+    limit = config.aot_timeout if timeout is None else float(timeout)
+
     def child(device: str) -> list[CompileResult]:  # one process per device, run side by side
-        proc = subprocess.run(
-            [sys.executable, "-m", __name__],
-            check=False,
-            input=pickle.dumps((list(keys), [device])),
-            capture_output=True,
-            env=env,
-            timeout=timeout,
-        )
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-m", __name__],
+                check=False,
+                input=pickle.dumps((list(keys), [device])),
+                capture_output=True,
+                env=env,
+                timeout=limit or None,
+            )
+        except subprocess.TimeoutExpired as exc:  # subprocess.run has killed the child
+            raise RuntimeError(
+                f"the compile process for {device} ran past its {limit:g} s limit (config.aot_timeout, "
+                f"THUNDER_CUDNN_SAFE_AOT_TIMEOUT) and was killed: {len(keys)} key(s) not compiled"
+            ) from exc
         if proc.returncode:
             raise RuntimeError(
                 f"the compile process failed ({proc.returncode}): {proc.stderr.decode(errors='replace')[-3000:]}"

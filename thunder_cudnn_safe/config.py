@@ -66,6 +66,14 @@ def _positive(value: Any) -> int:
     return value
 
 
+def _seconds(value: Any) -> float:
+    if isinstance(value, str):
+        value = float(value)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0 or value == float("inf"):
+        raise ValueError(f"expected a finite number of seconds >= 0, got {value!r}")
+    return float(value)
+
+
 def _flag(raw: str) -> bool:
     if raw.strip() not in ("0", "1"):
         raise ValueError(raw)
@@ -172,6 +180,16 @@ _KNOBS = (
         "disk space and a file read at each first build for skipping cuDNN's plan build in later processes",
     ),
     Knob(
+        "aot_timeout",
+        1200.0,
+        _env.AOT_TIMEOUT_ENV,
+        _seconds,
+        _seconds,
+        "a number of seconds >= 0 (0: no limit)",
+        "how long an ahead-of-time compile child (aot.compile_in_subprocess, describe_target) may run before it "
+        "is killed and its compile reported failed, against waiting forever on a hung NVRTC or driver stand-in",
+    ),
+    Knob(
         "emulated_arch",
         (9, 0),
         _env.EMULATED_ARCH_ENV,
@@ -240,6 +258,7 @@ mask_patterns: bool = from_environment("mask_patterns")
 dynamic_shapes: str = from_environment("dynamic_shapes")
 dp_workspace_limit: int = from_environment("dp_workspace_limit")
 plan_cache_dir: str | None = from_environment("plan_cache_dir")
+aot_timeout: float = from_environment("aot_timeout")
 emulated_arch: tuple[int, int] = from_environment("emulated_arch")
 emulated_backend: int = from_environment("emulated_backend")
 layout: str = from_environment("layout")

@@ -116,6 +116,17 @@ DETERMINISTIC_BACKWARD_BLACKWELL = Rule(
     "rng/dropout, alibi is enabled' (the lowering sweep; sm120 accepts)",
     arch_major=10,
 )
+DETERMINISTIC_BACKWARD_BLACKWELL_BEFORE_9_18 = Rule(
+    "DETERMINISTIC_BACKWARD_BLACKWELL_BEFORE_9_18",
+    "the deterministic backward is refused on datacenter Blackwell (sm100/sm103) before cuDNN 9.18.0",
+    "nvidia-cudnn-frontend 1.32 include/cudnn_frontend/node/scaled_dot_product_flash_attention.h, "
+    "CompositeSDPABackwardNode pre-validation: is_deterministic_algorithm && prop_major == 10 && backend < 91800 "
+    "-> GRAPH_NOT_SUPPORTED 'Deterministic algorithm is not supported on blackwell architecture with cudnn version "
+    "below 9.18.0' (claimed, every call was refused at build time and ran on the fallback)",
+    arch_major=10,
+    max_backend=91800,
+    passes=("backward",),
+)
 DETERMINISTIC_BIAS_BACKWARD_BLACKWELL = Rule(
     "DETERMINISTIC_BIAS_BACKWARD_BLACKWELL",
     "the deterministic backward with a bias (any attn_mask, without its gradient too) does not compile on "

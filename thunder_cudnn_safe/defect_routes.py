@@ -18,8 +18,12 @@ from .keys import Target
 from .patterns import MaskPattern
 
 
-def route(call: ForwardCall | BackwardCall, target: Target) -> ForwardCall | BackwardCall:
-    """``call`` (a pattern already swapped in) as it must run on ``target``: with the workaround where needed."""
+def route(
+    call: ForwardCall | BackwardCall, target: Target, lens_device: torch.device | str | None = None
+) -> ForwardCall | BackwardCall:
+    """``call`` (a pattern already swapped in) as it must run on ``target``: with the workaround where needed.
+    ``lens_device``: where the padding lengths are made (default: the query's device; ``"meta"`` to plan
+    keys without running anything, as :func:`~thunder_cudnn_safe.dispatch.planned_keys` does)."""
     q, k = call.query, call.key
     if q.shape[2] != 1 or not cudnn_rules.HOPPER_DECODE_BACKWARD_NAN.declines(target, _backward_follows(call)):
         return call
@@ -30,9 +34,9 @@ def route(call: ForwardCall | BackwardCall, target: Target) -> ForwardCall | Bac
         right, left = mask.right, mask.left
     else:
         return call  # pads already, or a bias (declined at trace time)
-    b = q.shape[0]
-    q_lens = torch.ones((b, 1, 1, 1), dtype=torch.int32, device=q.device)
-    kv_lens = torch.full((b, 1, 1, 1), k.shape[2], dtype=torch.int32, device=q.device)
+    b, device = q.shape[0], q.device if lens_device is None else lens_device
+    q_lens = torch.ones((b, 1, 1, 1), dtype=torch.int32, device=device)
+    kv_lens = torch.full((b, 1, 1, 1), k.shape[2], dtype=torch.int32, device=device)
     return call._replace(attn_mask=MaskPattern(right, left, q_lens, kv_lens), is_causal=False)
 
 

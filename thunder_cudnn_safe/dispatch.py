@@ -20,6 +20,7 @@ from .graphs import Uid
 from .keys import BackwardKey, ForwardKey, Target
 from .layout import LayoutPolicy
 from .lru import LRU
+from .masks import converted_masks
 from .patterns import MaskPattern, pattern_of
 from .recipes import Bound, backward_recipe, companion_backward_key, forward_recipe, with_grad_out_like_o
 from .reference import reduce_to_shape
@@ -71,7 +72,8 @@ class Dispatcher:
         else:
             self.run(bound)
         if masked.attn_mask is not None and Uid.BIAS in bound.pack:
-            _zero_fully_masked_rows(bound.pack[Uid.BIAS], bound.outputs[0], bound.pack.get(Uid.STATS))
+            dead = _fully_masked_rows(masked.attn_mask, bound.pack[Uid.BIAS])
+            _zero_fully_masked_rows(dead, bound.outputs[0], bound.pack.get(Uid.STATS))
         return bound.outputs
 
     def backward(self, *args, **kwargs) -> tuple[torch.Tensor, ...]:
@@ -170,8 +172,9 @@ class Dispatcher:
 
 def planned_keys(call: ForwardCall, target: Target) -> tuple[ForwardCall, ForwardKey, BackwardKey]:
     """The call as it runs (a pattern mask swapped in) and the keys of its forward and of its backward
-    for dO in O's layout, planned from layouts alone (nothing bound, built or drawn): for
-    ``describe()`` and ``aot.describe_target()``."""
+    for dO in O's layout, planned from layouts alone (nothing bound, built, drawn or run, except the
+    recognition of a mask not seen before: :func:`~thunder_cudnn_safe.describe`): for ``describe()``
+    and ``aot.describe_target()``."""
     mask = call.attn_mask
     mask_grad = mask is not None and mask.dtype is not torch.bool and bool(mask.requires_grad)
     call = call._replace(layout=LayoutPolicy.parse(call.layout).value, dropout_p=float(call.dropout_p))
@@ -181,7 +184,7 @@ def planned_keys(call: ForwardCall, target: Target) -> tuple[ForwardCall, Forwar
         if planned is not None:
             return planned
         masked = call
-    masked = route(masked, target)
+    masked = route(masked, target, lens_device="meta")  # the key needs no lengths' values: no kernel to fill them
     fkey = forward_recipe(signature(masked), target).key  # an inference forward has no backward:
     return masked, fkey, companion_backward_key(signature(masked), fkey, mask_grad) if call.need_stats else None
 
@@ -204,13 +207,29 @@ def with_mask_pattern(call: ForwardCall | BackwardCall) -> ForwardCall | Backwar
     return call._replace(attn_mask=pattern)
 
 
-def _zero_fully_masked_rows(bias: torch.Tensor, out: torch.Tensor, stats: torch.Tensor | None) -> None:
+def _fully_masked_rows(mask: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Which query rows of ``bias`` (bound for ``mask``) mask every key with -inf, (1|B, 1|H, L, 1).
+
+    Reading the whole bias again per forward cost as much as the bias itself; the rows are a function
+    of the mask and its conversion, so they are kept with the mask's cached conversion (one read per
+    distinct mask and state, as the conversion: :mod:`~thunder_cudnn_safe.masks`), not made per layer."""
+
+    def rows() -> torch.Tensor:
+        return torch.isneginf(bias).all(dim=-1, keepdim=True)
+
+    if not isinstance(mask, torch.Tensor):
+        return rows()
+    how = ("fully masked rows", tuple(bias.shape), bias.stride(), bias.dtype)
+    return converted_masks.get(mask, how, rows, count=False)
+
+
+def _zero_fully_masked_rows(dead: torch.Tensor, out: torch.Tensor, stats: torch.Tensor | None) -> None:
     """Eager's "safe softmax" for a query row whose every key is masked with -inf: zeros, no gradient.
 
-    A flash kernel gives NaN there (poisoning dV of the whole batch element). The row is set to 0
-    and its stats to +inf, so the backward recomputes P = 0 for it. No host synchronization.
+    A flash kernel gives NaN there (poisoning dV of the whole batch element). The ``dead`` rows
+    (:func:`_fully_masked_rows`) are set to 0 and their stats to +inf, so the backward recomputes
+    P = 0 for them. No host synchronization.
     """
-    dead = torch.isneginf(bias).all(dim=-1, keepdim=True)
     out.masked_fill_(dead, 0.0)
     if stats is not None:
         stats.masked_fill_(dead, float("inf"))

@@ -264,7 +264,7 @@ class EmulatedRuntime(Runtime):
         return BuiltGraph(g, 0, key, None if implementation is None else implementation.upper(), "emulated")
 
     def execute(self, built: BuiltGraph, pack: dict[int, torch.Tensor]) -> None:
-        emulate(built.graph, pack)
+        emulate(self.graph_for_this_thread(built)[0], pack)
 
 
 #: The runtime behind ``emulated_ex`` (its target is what :func:`set_emulated_target` changes).

@@ -207,17 +207,26 @@ def make_executor(name: str, runtime: Runtime) -> OperatorExecutor:
         put_grads((call.query, call.key, call.value), tuple(grads))
         return out
 
+    def implementation(make_call) -> dict:
+        """The checker and transforms for a symbol whose call value ``make_call`` builds. Closures, not
+        lambdas capturing ``make_call`` as a default argument: thunder traces a grad transform's
+        signature, so such a default becomes a keyword argument of the symbol and thunder's functional
+        ``vjp`` fails on every claimed call ("argument layout mismatch")."""
+
+        def checker(*args, **kwargs) -> bool:
+            call = make_call(*args, **kwargs)._replace(need_stats=_BACKWARD_FOLLOWS.get())
+            return not reasons_for(runtime, *call)
+
+        def execution_transform(*args, **kwargs):
+            return _invoke(fwd, make_call(*args, **kwargs)._replace(need_stats=False))[0]
+
+        def grad(*args, **kwargs):
+            return grad_transform(make_call(*args, **kwargs))
+
+        return {"checker": checker, "execution_transform": execution_transform, "grad_transform": grad}
+
     for symbol, make_call in ((ltorch.scaled_dot_product_attention, _call), (gqa.sdpa_gqa, _gqa_call)):
-        ex.register_implementation(
-            symbol,
-            checker=lambda *a, _make=make_call, **kw: (
-                not reasons_for(runtime, *_make(*a, **kw)._replace(need_stats=_BACKWARD_FOLLOWS.get()))
-            ),
-            execution_transform=lambda *a, _make=make_call, **kw: _invoke(
-                fwd, _make(*a, **kw)._replace(need_stats=False)
-            )[0],
-            grad_transform=lambda *a, _make=make_call, **kw: grad_transform(_make(*a, **kw)),
-        )
+        ex.register_implementation(symbol, **implementation(make_call))
     return ex
 
 
@@ -266,7 +275,9 @@ def describe(
 ) -> CallReport:
     """:func:`explain` plus, for a claimed call on real tensors, its cached forward graph and backward
     graph for dO in O's layout (None where not built yet). The keys are planned as the executor plans
-    them; nothing is copied, built, run or drawn."""
+    them, from the tensors' layouts: nothing is copied, built or drawn, and no kernel runs, except once
+    for a mask not seen before: recognizing its pattern runs its comparisons on the mask's device and
+    one host sync, exactly what the call's first run does (the verdict is cached for the call)."""
     call = ForwardCall(query, key, value, *args, **kwargs)
     reasons = explain(*call, executor=executor)
     if reasons or not isinstance(query, torch.Tensor):

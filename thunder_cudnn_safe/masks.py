@@ -3,9 +3,9 @@
 Models pass the same mask to every layer and the backward gets it again: converting per call
 costs about 16 GiB of writes per step at an 8B-class shape. A conversion is keyed by the mask's
 *storage* object (the backward's saved mask is another tensor over it), data pointer, layout,
-dtype and ``_version`` (an in-place write converts again); entries are weak (a bias never
-outlives its mask's storage). Never used during CUDA-graph capture: a cached conversion would not
-be recorded, and every replay would read the warm-up step's mask.
+dtype, ``_version`` (an in-place write converts again) and the current CUDA stream (:func:`stream_key`);
+entries are weak (a bias never outlives its mask's storage). Never used during CUDA-graph capture:
+a cached conversion would not be recorded, and every replay would read the warm-up step's mask.
 """
 
 from __future__ import annotations
@@ -31,6 +31,14 @@ class MaskCacheInfo(NamedTuple):
     bytes_held: int
 
 
+def stream_key(t: torch.Tensor) -> int | None:
+    """The current stream of ``t``'s device (None off CUDA): part of every cache key, so a converted bias
+    or a pattern's length tensors are made on the stream that reads them. Used from another stream, a
+    cached tensor could be read before the kernel making it ran (no event orders the two streams), and
+    be freed and reused by the caching allocator while that stream still reads it (no ``record_stream``)."""
+    return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else None
+
+
 def capturing(t: torch.Tensor) -> bool:
     """Whether ``t``'s stream is capturing a CUDA graph: no host-side decision may be reused."""
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
@@ -52,7 +60,16 @@ class ConvertedMasks:
         while self._dead:
             self._lru.pop(self._dead.pop())
         storage = mask.untyped_storage()
-        key = (id(storage), mask.data_ptr(), mask.shape, mask.stride(), mask.dtype, mask._version, how)
+        key = (
+            id(storage),
+            mask.data_ptr(),
+            mask.shape,
+            mask.stride(),
+            mask.dtype,
+            mask._version,
+            how,
+            stream_key(mask),
+        )
         entry = self._lru.get(key)
         if entry is not None and entry[0]() is storage:
             self.hits += count

@@ -402,11 +402,20 @@ def _fill(step: Step, src: torch.Tensor | None, device: torch.device) -> torch.T
     return buf
 
 
+_BF16_MAX = torch.finfo(torch.bfloat16).max
+
+
 def _copy_into(buf: torch.Tensor, src: torch.Tensor, name: str, reason: CopyReason) -> None:
     """One counted copy; a boolean mask becomes 0 / -inf in one pass (no temporary the size of the scores)."""
     if src.dtype == torch.bool:
         zero = torch.zeros((), dtype=buf.dtype, device=buf.device)
         torch.where(src.expand(buf.shape), zero, torch.full_like(zero, float("-inf")), out=buf)
+    elif buf.dtype == torch.bfloat16 and src.is_floating_point() and torch.finfo(src.dtype).max > _BF16_MAX:
+        # A float32 mask with bf16 queries: eager adds it in float32, where finfo(float32).min absorbs the
+        # scores (a row masked everywhere averages V). A plain cast rounds it to -inf (a dead row: zeros).
+        # Clamped to bf16's finite range instead, it absorbs them in cuDNN's float32 sum just the same.
+        # (fp16 has no value that large: such a row stays -inf there, zeros; docs/masks.md.)
+        buf.copy_(torch.where(src.isinf(), src, src.clamp(-_BF16_MAX, _BF16_MAX)).expand(buf.shape))
     else:
         buf.copy_(src.expand(buf.shape))
     copy_counter.record(

@@ -19,16 +19,24 @@ from .errors import ExecuteError, GraphBuildError
 from .keys import BackwardKey, ForwardKey, Target, TensorSig
 from .lowering import implementation_of
 from .lru import LRU
+from .per_thread import PerThread
 
 
 class BuiltGraph(NamedTuple):
-    """A graph ready to execute, its workspace bytes, its key, the SDPA implementation and plan it got."""
+    """A graph ready to execute, its workspace bytes, its key, the SDPA implementation and plan it got.
+
+    ``graph`` runs on the thread that built it; other threads run their own copies (``threads``,
+    :mod:`~thunder_cudnn_safe.per_thread`), built with the same key and ``rung``."""
 
     graph: Any
     workspace_size: int
     key: Any = None
     implementation: str | None = None
     plan: str | None = None
+    #: The implementation asked of the build (a rung of :data:`FORWARD_IMPLEMENTATIONS`), which a copy asks too.
+    rung: str | None = None
+    #: The graph each thread executes (:class:`~thunder_cudnn_safe.per_thread.PerThread`); None: ``graph`` everywhere.
+    threads: PerThread | None = None
 
 
 #: The forward's implementation ladder: the frontend's choice first, then the composite
@@ -60,10 +68,12 @@ def build_with_ladder(key: Any, build_one: Callable[[Any, str | None], BuiltGrap
         if topology is not None and not rung.dynamic:
             _static_only.put(topology, True)  # reached only once the dynamic graph was refused
         try:
-            return build_one(rung, implementation)
+            built = build_one(rung, implementation)
         except GraphBuildError as exc:
             if not exc.definitive or i == len(ladder) - 1:
                 raise
+        else:
+            return built._replace(rung=implementation, threads=PerThread(built.graph, built.workspace_size))
     raise AssertionError("unreachable")
 
 
@@ -146,9 +156,32 @@ class Runtime:
         """Run ``built`` on the tensors bound to its uids; raises ExecuteError on a refusal."""
         raise NotImplementedError
 
+    def _build_one(self, key: ForwardKey | BackwardKey, implementation: str | None) -> BuiltGraph:
+        """One rung of :func:`build_with_ladder`: ``key``'s graph with ``implementation`` asked for."""
+        raise NotImplementedError
+
+    def graph_for_this_thread(self, built: BuiltGraph) -> tuple[Any, int]:
+        """``built``'s graph and workspace bytes for the calling thread: the built one on the thread
+        that built it, this thread's own copy elsewhere (built on its first call here; cuDNN does not
+        promise that one execution plan may run from several threads: :mod:`~thunder_cudnn_safe.per_thread`)."""
+        if built.threads is None:
+            return built.graph, built.workspace_size
+
+        def copy() -> tuple[Any, int]:
+            try:
+                b = self._build_one(built.key, built.rung)
+            except GraphBuildError as exc:  # transient (the key was built once): this call falls back
+                raise ExecuteError(f"cannot build this thread's copy of the graph: {exc.reason}") from exc
+            return b.graph, b.workspace_size
+
+        return built.threads.get(copy)
+
 
 def is_forward(key: ForwardKey | BackwardKey) -> bool:
     return isinstance(key, ForwardKey)
+
+
+_HANDLE_CREATION = threading.Lock()
 
 
 class CudnnRuntime(Runtime):
@@ -190,7 +223,9 @@ class CudnnRuntime(Runtime):
         handles = self._local.__dict__.setdefault("handles", {})
         handle = handles.get(device_index)
         if handle is None:
-            with torch.cuda.device(device_index):
+            # Created one at a time: cuDNN's Thread Safety section asks for a first synchronous
+            # cudnnCreate() before threads create their own handles.
+            with _HANDLE_CREATION, torch.cuda.device(device_index):
                 handle = handles[device_index] = cudnn.create_handle()
         cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream(device_index).cuda_stream)
         return handle
@@ -226,14 +261,15 @@ class CudnnRuntime(Runtime):
 
     def execute(self, built: BuiltGraph, pack: dict[int, torch.Tensor]) -> None:
         index = built.key.target.device_index
+        graph, workspace_size = self.graph_for_this_thread(built)
         handle = self.handle(index)
         try:
-            workspace = torch.empty(built.workspace_size, dtype=torch.uint8, device=torch.device("cuda", index))
+            workspace = torch.empty(workspace_size, dtype=torch.uint8, device=torch.device("cuda", index))
         except torch.OutOfMemoryError as exc:
-            raise ExecuteError(f"cannot allocate a {built.workspace_size}-byte cuDNN workspace: {exc}") from exc
+            raise ExecuteError(f"cannot allocate a {workspace_size}-byte cuDNN workspace: {exc}") from exc
         # cuDNN also needs the current device set, not only the handle's device.
         with torch.cuda.device(index):
-            execute_graph(built, pack, workspace, handle)
+            execute_graph(built._replace(graph=graph, workspace_size=workspace_size), pack, workspace, handle)
 
 
 def execute_graph(built: BuiltGraph, pack: dict[int, torch.Tensor], workspace: torch.Tensor, handle: Any) -> None:

@@ -344,7 +344,17 @@ def not_supported_reasons(
         p_value = _value(dropout_p)
         mask_grad = attn_mask is not None and bool(getattr(attn_mask, "requires_grad", False))
         dropout = isinstance(p_value, (int, float)) and not isinstance(p_value, bool) and p_value > 0
-        if deterministic and (dropout or mask_grad) and cudnn_rules.DETERMINISTIC_BACKWARD_BLACKWELL.holds(target):
+        old_blackwell = cudnn_rules.DETERMINISTIC_BACKWARD_BLACKWELL_BEFORE_9_18
+        if deterministic and old_blackwell.declines(target, bool(getattr(call, "need_stats", True))):
+            reasons.append(
+                Decline(
+                    DeclineCode.ARCH,
+                    f"sm{target.arch[0]}{target.arch[1]}, cuDNN {target.backend_version}: cudnn_safe_deterministic: "
+                    f"{old_blackwell.text}",
+                    old_blackwell,
+                )
+            )
+        elif deterministic and (dropout or mask_grad) and cudnn_rules.DETERMINISTIC_BACKWARD_BLACKWELL.holds(target):
             reasons.append(
                 Decline(
                     DeclineCode.ARCH,
