@@ -133,11 +133,11 @@ def _count_trace_symbols(fns) -> dict:
     return dict(counts)
 
 
-def _thunderfx(model, executors):
+def _thunderfx(model, executors, transforms=()):
     from thunder.dynamo import ThunderCompiler
 
     torch._dynamo.reset()
-    backend = ThunderCompiler(executors=executors)
+    backend = ThunderCompiler(executors=executors, **({"transforms": list(transforms)} if transforms else {}))
     compiled = torch.compile(model, backend=backend)
 
     def fns():
@@ -154,7 +154,14 @@ def _jit(model, executors):
     return jm, (lambda: [jm]), (lambda: [])
 
 
-FRONTENDS = {"thunderfx": _thunderfx, "jit": _jit}
+def _thunderfx_gqa(model, executors):
+    """ThunderFX with the package's RepeatKVToGQA transform: HF's repeat_kv runs as a GQA call instead."""
+    import thunder_cudnn_safe as tcs
+
+    return _thunderfx(model, executors, transforms=[tcs.RepeatKVToGQA()])
+
+
+FRONTENDS = {"thunderfx": _thunderfx, "thunderfx_gqa": _thunderfx_gqa, "jit": _jit}
 
 
 def _compile_and_measure(frontend, model, inputs, output, grad, executors, ours: bool) -> dict:

@@ -53,3 +53,25 @@ def test_packed_training_step_runs_varlen_without_a_bias(name, figure):
     assert ragged and len(ragged) == len(tcs.cached_graphs()), tcs.cached_graphs()
     info = varlen_dispatch.varlen_info()
     assert info.get("forward", 0) > 0 and info.get("backward", 0) > 0, info
+
+
+def test_packed_gqa_step_with_repeat_kv_rewritten_runs_varlen_on_the_kv_heads(figure):
+    """Tiny Llama (4 query heads, 2 K/V heads) packed, under ThunderFX with RepeatKVToGQA: the document
+    calls run as variable-length GQA on the 2 K/V heads (no repeat materialized, no bias graph), and the
+    output and every gradient stay within the accuracy rule."""
+    build, pattern = MODELS["llama"]
+    varlen_dispatch.reset_varlen_info()
+    case = ModelCase("llama_packed_gqa", build, _packed_inputs, _hidden, note="padding-free packing, RepeatKVToGQA")
+    rec = run_case(case, torch.bfloat16, "thunderfx_gqa", compare_default=False)
+    figure(
+        f"packed llama (RepeatKVToGQA): varlen {varlen_dispatch.varlen_info()}, copies {rec.get('copies_by_reason')}"
+    )
+    assert rec["status"] == "pass", json.dumps(rec, indent=1, default=str)
+    assert rec["sdpa_claimed"] > 0 and rec["fallbacks"] == 0 and rec["bias_graphs"] == 0, rec
+    assert set(rec["mask_patterns"]) == {pattern}, rec["mask_patterns"]
+    graphs = tcs.cached_graphs()
+    assert graphs and all(g.key.ragged is not None for g in graphs), graphs
+    heads = {(g.key.q.shape[1], g.key.k.shape[1]) for g in graphs}
+    assert heads == {(4, 2)}, heads
+    info = varlen_dispatch.varlen_info()
+    assert info.get("forward", 0) > 0 and info.get("backward", 0) > 0, info
