@@ -145,9 +145,7 @@ def test_cuda_graph_transform_builds_nothing_while_capturing(kind, fresh_cache, 
         fn, executors=[tcs.cudnn_safe_ex, *thunder.get_default_executors()], transforms=[CUDAGraphTransform()]
     )
     for step in range(3):
-        q, k, v = (
-            torch.randn(2, 4, s, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)
-        )
+        q, k, v = (torch.randn(2, 4, s, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
         out = jf(q, k, v, mask)
         g = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), g)
@@ -158,3 +156,183 @@ def test_cuda_graph_transform_builds_nothing_while_capturing(kind, fresh_cache, 
         for a, r in zip(grads, ref_grads):
             assert (a.double() - r).abs().max() < 5e-2, step
     assert built_capturing and not any(built_capturing), "a graph was built while a stream captured"
+
+
+# -- 2 ------------------------------------------------------------------------------------
+def _huge(*shape, dtype=torch.bfloat16):
+    """A tensor of ``shape`` that holds one element: explain() reads shapes and dtypes only."""
+    return torch.zeros((1,) * len(shape), dtype=dtype).expand(*shape)
+
+
+LLAMA_8B = dict(b=8, h=32, s=4096, d=128)
+
+
+def _explain(mask, **kwargs):
+    b, h, s, d = LLAMA_8B.values()
+    q, k, v = (_huge(b, h, s, d) for _ in range(3))
+    return tcs.explain(q, k, v, mask, executor="cudnn_safe_emulated", **kwargs)
+
+
+def test_patterns_at_a_llama_8b_training_shape_are_claimed():
+    """README's headline case: B=8, H=32, S=4096 (a broadcast mask of 2**32 elements). A causal or key-padding
+    mask runs as cuDNN's own masking, never bound as that bias: claimed, as ``is_causal=True`` is."""
+    b, s = LLAMA_8B["b"], LLAMA_8B["s"]
+    assert _explain(None, is_causal=True) == []
+    assert _explain(_huge(s, s, dtype=torch.bool)) == []  # causal (what the data says is decided at run time)
+    assert _explain(_huge(b, 1, 1, s, dtype=torch.bool)) == []  # key padding
+    assert _explain(_huge(b, 1, s, s, dtype=torch.float32)) == []  # a float 0/-inf mask: also a possible pattern
+
+
+def test_a_mask_bound_as_a_bias_at_that_shape_is_still_declined():
+    """Where the mask can only be a bias (its gradient is computed, or patterns are off), the int32 rule holds."""
+    b, h, s = LLAMA_8B["b"], LLAMA_8B["h"], LLAMA_8B["s"]
+    grad_mask = torch.zeros(1, 1, 1, 1, dtype=torch.bfloat16, requires_grad=True).expand(b, h, s, s)
+    reasons = _explain(grad_mask)
+    assert any(r.code is tcs.support.DeclineCode.INT32 for r in reasons), reasons
+    with tcs.config.patch(mask_patterns=False):
+        reasons = _explain(_huge(s, s, dtype=torch.bool))
+    assert [r.code for r in reasons] == [tcs.support.DeclineCode.INT32], reasons
+    with tcs.config.patch(mask_cache_size=0):  # no verdict is made without the mask cache
+        assert [r.code for r in _explain(_huge(s, s, dtype=torch.bool))] == [tcs.support.DeclineCode.INT32]
+
+
+@pytest.fixture
+def small_int32_limit(monkeypatch):
+    """The int32 limit brought down so that a (2, 2, 128, 128) mask (65536 elements) exceeds it while the
+    (2, 2, 128, 8) operands (4096 elements) do not: the headline case's proportions, runnable on a CPU."""
+    from thunder_cudnn_safe import dispatch, support
+
+    monkeypatch.setattr(support, "INT32_ELEMENT_LIMIT", 16384)
+    monkeypatch.setattr(dispatch, "INT32_ELEMENT_LIMIT", 16384)
+
+
+def _leaves(b=2, h=2, s=128, d=8):
+    g = torch.Generator().manual_seed(3)
+    return tuple(torch.randn(b, h, s, d, generator=g).bfloat16().requires_grad_() for _ in range(3))
+
+
+@pytest.mark.parametrize("kind", ["causal", "padding"])
+def test_an_oversized_pattern_mask_runs_as_its_pattern(kind, small_int32_limit, fresh_cache):
+    import checks
+
+    q, k, v = _leaves()
+    mask = causal(128, 128) if kind == "causal" else prefix([128, 23], 128, 128)
+    assert tcs.explain(q, k, v, mask, executor="cudnn_safe_emulated") == []
+    checks.run_and_check(checks.jit_sdpa(), q, k, v, torch.randn(2, 2, 128, 8).bfloat16(), mask)
+    assert tcs.cached_graphs() and all(g.key.bias is None for g in tcs.cached_graphs())
+
+
+def test_an_oversized_mask_that_is_no_pattern_runs_on_the_fallback(small_int32_limit, fresh_cache):
+    """Claimed at trace time (it might have been a pattern), it is none at run time: the forward and the
+    backward run on the torch fallback, with the right numbers, and no bias reaches the runtime."""
+    import checks
+
+    q, k, v = _leaves()
+    mask = torch.rand(2, 1, 128, 128, generator=torch.Generator().manual_seed(5)) > 0.3
+    before = tcs.cache_info().fallbacks
+    checks.run_and_check(checks.jit_sdpa(), q, k, v, torch.randn(2, 2, 128, 8).bfloat16(), mask, allow_fallback=True)
+    assert tcs.cache_info().fallbacks == before + 2
+    assert all(g.key.bias is None for g in tcs.cached_graphs()), "a bias over the int32 limit was built"
+
+
+# -- 3 ------------------------------------------------------------------------------------
+class _RelativePositionBias(torch.nn.Module):
+    """T5-style learned relative-position bias: the mask is computed inside the function from a Parameter,
+    so its proxy is no leaf (thunder reports requires_grad=False on it) yet its gradient is needed."""
+
+    def __init__(self, heads: int, n: int) -> None:
+        super().__init__()
+        self.n = n
+        self.rel_pos = torch.nn.Embedding(2 * n - 1, heads, dtype=torch.bfloat16)
+
+    def forward(self, q, k, v):
+        i = torch.arange(self.n, device=q.device)
+        bias = self.rel_pos(i[:, None] - i[None, :] + self.n - 1).permute(2, 0, 1).unsqueeze(0)  # (1, H, L, S)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+
+
+def _relpos_step(module, q, k, v, g, executor=True):
+    import checks
+
+    run = checks.jit_with_ours(module) if executor else module
+    out = run(q, k, v)
+    return run, out, torch.autograd.grad(out, (q, k, v, module.rel_pos.weight), g)
+
+
+@pytest.mark.parametrize("budget", ["small", "default"])
+def test_the_dp_budget_holds_for_a_mask_computed_from_a_parameter(budget, fresh_cache, monkeypatch):
+    """Over the dP workspace budget the call is declined at trace time (its dBias would materialize dP),
+    and another executor computes it; within it, cuDNN runs the one dBias backward. Gradients of q, k, v
+    and the bias's Parameter are within the accuracy rule either way."""
+    import copy
+
+    import thunder
+
+    from thunder_cudnn_safe import cudnn_rules, executor
+
+    seen = []
+    real = executor.not_supported_reasons
+    monkeypatch.setattr(executor, "not_supported_reasons", lambda *a, **kw: seen.append(real(*a, **kw)) or seen[-1])
+    b, h, n, d = 2, 2, 16, 64
+    assert cudnn_rules.dp_workspace_bytes(b, h, n, n) == 32768  # 2*2*pad64(16)*pad64(16) bf16
+    module = _RelativePositionBias(h, n)
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(b, h, n, d, generator=g).bfloat16().requires_grad_() for _ in range(3))
+    grad_out = torch.randn(b, h, n, d, generator=g).bfloat16()
+    limit = 1024 if budget == "small" else tcs.config.dp_workspace_limit
+    with tcs.config.patch(dp_workspace_limit=limit):
+        jm, out, grads = _relpos_step(module, q, k, v, grad_out)
+    fwd, bwd = str(thunder.last_traces(jm)[-1]), str(thunder.last_backward_traces(jm)[-1])
+    if budget == "small":
+        assert "cudnn_safe_emulated_sdpa" not in fwd + bwd, "the dBias backward ran over the budget"
+        assert any(r.code is tcs.support.DeclineCode.WORKSPACE and "dBias" in r for rs in seen for r in rs), seen
+    else:
+        assert "cudnn_safe_emulated_sdpa_fwd" in fwd and "cudnn_safe_emulated_sdpa_bwd_mask" in bwd
+    low = copy.deepcopy(module)
+    ref = copy.deepcopy(module).double()
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    _, eager, eager_grads = _relpos_step(low, *leaves, grad_out, executor=False)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    _, exact, exact_grads = _relpos_step(ref, *leaves, grad_out.double(), executor=False)
+    # declined, thunder's own decomposition computes the call (bf16 intermediates: allowed 4x eager's error)
+    factor = 4.0 if budget == "small" else 2.0
+    assert_close_to_reference(out, eager, exact, "output", factor=factor)
+    for name, a, e, r in zip(("dq", "dk", "dv", "d rel_pos"), grads, eager_grads, exact_grads):
+        assert_close_to_reference(a, e, r, name, factor=factor)
+
+
+def test_a_mask_computed_from_integers_needs_no_gradient():
+    """A padding mask computed inside the function from integer ids (Hugging Face's 4D float mask) needs
+    no dBias: the budget does not decline it (a learned bias from the same trace does)."""
+    import thunder
+
+    from thunder_cudnn_safe import grad_need, support
+
+    answers = {}
+    real = grad_need.mask_needs_grad
+
+    def spy(mask):
+        answers[mask.name] = real(mask)
+        return answers[mask.name]
+
+    ids = torch.ones(2, 16, dtype=torch.int64)
+    ids[1, 9:] = 0
+    rel = _RelativePositionBias(2, 16)
+
+    def fn(q, k, v, ids):
+        pad = (1.0 - ids[:, None, None, :].to(torch.bfloat16)) * torch.finfo(torch.bfloat16).min
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=pad) + rel(q, k, v)
+
+    q, k, v = (torch.randn(2, 2, 16, 64).bfloat16().requires_grad_() for _ in range(3))
+    import checks
+
+    old = support.mask_needs_grad
+    support.mask_needs_grad = spy
+    try:
+        with tcs.config.patch(dp_workspace_limit=1024):
+            jf = checks.jit_with_ours(fn)
+            jf(q, k, v, ids)
+    finally:
+        support.mask_needs_grad = old
+    assert sorted(answers.values()) == [False, True], answers
+    assert str(thunder.last_traces(jf)[-1]).count("cudnn_safe_emulated_sdpa_fwd") == 1  # the padding call only
