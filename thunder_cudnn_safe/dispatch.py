@@ -146,7 +146,7 @@ class Dispatcher:
         more elements, whose offsets overflow cuDNN's int32 element offsets. It never reaches cuDNN: the
         torch fallback computes the call (float32, int64 indexing), warned once per layout."""
         warn_once(
-            ("oversized bias", self.runtime.name, bound.key),
+            ("fallback", "oversized bias", self.runtime.name, bound.key),
             "cudnn_safe: an attention mask that is no pattern cuDNN masks natively would be a bias of 2**31 or "
             "more elements (int32 offsets); the call ran on the torch fallback. Shown once per distinct layout.",
         )
@@ -178,10 +178,26 @@ class Dispatcher:
         included; a dropout forward: the backward graphs it checks too). Nothing is bound or run; a
         refusal is remembered, and the captured call then runs on the torch fallback, as it would.
         """
-        plain = route(call, self.runtime.target(call.query.device)) if call.query.shape[2] == 1 else call
+        target = self.runtime.target(call.query.device)
+        memo = ("capture",) + memo_key(call, target)  # the keys are planned once per signature, then looked up
+        keys = self.recipes.peek(memo)
+        if keys is None:
+            keys = self._capture_keys(call, target)
+            self.recipes.put(memo, keys)
+        for key in keys:
+            try:
+                self.cache.get_or_build(key, self.runtime.build)
+            except GraphBuildError:
+                continue
+            if isinstance(call, ForwardCall) and call.dropout_p and call.need_stats:
+                self._backward_builds(call, route(call, target) if call.query.shape[2] == 1 else call, key)
+
+    def _capture_keys(self, call: ForwardCall | BackwardCall, target: Target) -> tuple:
+        """The keys of the graphs ``call`` runs under capture (its mask as a bias), planned from layouts."""
+        plain = route(call, target) if call.query.shape[2] == 1 else call
         if _bias_too_large(plain):
-            return  # runs on the fallback, with or without capture (no graph)
-        calls = [plain]
+            return ()  # runs on the fallback, with or without capture (no graph)
+        keys = [self.recipe(plain).key]
         if isinstance(call, BackwardCall):
             # A captured forward runs the bias too, and its O and stats (the backward's inputs) are laid out
             # as the bias forward lays them out, which a packed-sequence forward does not: plan those too,
@@ -189,15 +205,10 @@ class Dispatcher:
             fwd = ForwardCall(*call[1:5], call.dropout_p, call.is_causal, call.scale, call.layout, call.deterministic)
             fkey = self.recipe(fwd).key
             o, stats = _meta(fkey.o), _meta(fkey.stats)
-            calls += [plain._replace(out=o, stats=stats), plain._replace(grad_out=o, out=o, stats=stats)]
-        keys = dict.fromkeys(self.recipe(c).key for c in calls)
-        for key in keys:
-            try:
-                self.cache.get_or_build(key, self.runtime.build)
-            except GraphBuildError:
-                continue
-            if isinstance(call, ForwardCall) and call.dropout_p and call.need_stats:
-                self._backward_builds(call, plain, key)
+            like_bias_forward = plain._replace(out=o, stats=stats)
+            if self.recipe(like_bias_forward).key != keys[0]:
+                keys += [self.recipe(c).key for c in (like_bias_forward, like_bias_forward._replace(grad_out=o))]
+        return tuple(dict.fromkeys(keys))
 
     def _backward_builds(self, call: ForwardCall, masked: ForwardCall, fkey: ForwardKey) -> bool:
         """Whether the runtime builds the backward of a dropout forward (dO in O's layout), asked of the cache.
