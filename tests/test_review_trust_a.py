@@ -339,3 +339,45 @@ def test_a_mask_computed_from_integers_needs_no_gradient():
         support.mask_needs_grad = old
     assert sorted(answers.values()) == [False, True], answers
     assert str(thunder.last_traces(jf)[-1]).count("cudnn_safe_emulated_sdpa_fwd") == 1  # the padding call only
+
+
+@pytest.mark.parametrize("case", ["bool mask", "batch-broadcast dBias", "dropout"])
+def test_the_fallback_computes_a_few_batch_elements_at_a_time(case, fresh_cache, monkeypatch):
+    """A call sent to the fallback because its bias was too large for cuDNN must not need several times that
+    in float32: it is computed in batch chunks, with the same numbers (a dBias broadcast over the batch
+    summed over the chunks, dropout's keep-mask drawn once for the whole call)."""
+    import checks
+
+    from thunder_cudnn_safe import fallback
+
+    disp = tcs.emulated_ex.dispatcher
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(4, 2, 16, 64, generator=g).bfloat16() for _ in range(3))
+    grad_out = torch.randn(4, 2, 16, 64, generator=g).bfloat16()
+    p = 0.25 if case == "dropout" else 0.0
+    if case == "batch-broadcast dBias":
+        mask = torch.randn(1, 2, 16, 16, generator=g).bfloat16()
+    else:
+        mask = torch.rand(4, 1, 16, 16, generator=g) > 0.3
+    mask_grad = case == "batch-broadcast dBias"
+
+    def run():
+        torch.manual_seed(0)  # the same dropout seed in both runs
+        with checks.inject_failures(build=lambda key: "refused"):
+            out, stats, *rng = disp.forward(q, k, v, mask, p, False)
+            seed, offset = rng if rng else (None, None)
+            grads = disp.backward(grad_out, q, k, v, mask, p, False, out, stats, seed, offset, mask_grad=mask_grad)
+        return (out, *grads)
+
+    whole = run()
+    monkeypatch.setattr(fallback, "CHUNK_SCORES", 2 * 16 * 16)  # one batch element per chunk
+    assert len(fallback._chunks({fallback.Uid.Q: q, fallback.Uid.K: k})) == 4
+    tcs.clear_cache()
+    chunked = run()
+    for a, b in zip(whole, chunked):
+        assert torch.allclose(a.float(), b.float(), atol=1e-2, rtol=1e-2), case
+    if not p:
+        ref = F.scaled_dot_product_attention(
+            q.double(), k.double(), v.double(), attn_mask=mask.double() if mask_grad else mask
+        )
+        assert (chunked[0].double() - ref).abs().max() < 2e-2
