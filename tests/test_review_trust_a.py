@@ -304,7 +304,7 @@ def test_the_dp_budget_holds_for_a_mask_computed_from_a_parameter(budget, fresh_
         assert_close_to_reference(a, e, r, name, factor=factor)
 
 
-def test_a_mask_computed_from_integers_needs_no_gradient():
+def test_a_mask_computed_from_integers_needs_no_gradient(monkeypatch):
     """A padding mask computed inside the function from integer ids (Hugging Face's 4D float mask) needs
     no dBias: the budget does not decline it (a learned bias from the same trace does)."""
     import thunder
@@ -329,14 +329,10 @@ def test_a_mask_computed_from_integers_needs_no_gradient():
     q, k, v = (torch.randn(2, 2, 16, 64).bfloat16().requires_grad_() for _ in range(3))
     import checks
 
-    old = support.mask_needs_grad
-    support.mask_needs_grad = spy
-    try:
-        with tcs.config.patch(dp_workspace_limit=1024):
-            jf = checks.jit_with_ours(fn)
-            jf(q, k, v, ids)
-    finally:
-        support.mask_needs_grad = old
+    monkeypatch.setattr(support, "mask_needs_grad", spy)
+    with tcs.config.patch(dp_workspace_limit=1024):
+        jf = checks.jit_with_ours(fn)
+        jf(q, k, v, ids)
     assert sorted(answers.values()) == [False, True], answers
     assert str(thunder.last_traces(jf)[-1]).count("cudnn_safe_emulated_sdpa_fwd") == 1  # the padding call only
 
