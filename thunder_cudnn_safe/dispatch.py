@@ -10,19 +10,20 @@ from __future__ import annotations
 
 import torch
 
-from . import fallback, handoff, varlen_dispatch
+from . import fallback, handoff, masks, varlen_dispatch
 from .cache import GraphCache, graph_cache
 from .calls import BackwardCall, ForwardCall, memo_key, signature, torch_deterministic
+from .cudnn_rules import INT32_ELEMENT_LIMIT
 from .defect_routes import route
 from .documents import DocumentPattern
 from .errors import ExecuteError, GraphBuildError
 from .graphs import Uid
-from .keys import BackwardKey, ForwardKey, Target
+from .keys import BackwardKey, ForwardKey, Target, TensorSig
 from .layout import LayoutPolicy
 from .lru import LRU
 from .masks import converted_masks
 from .patterns import MaskPattern, pattern_of
-from .recipes import Bound, backward_recipe, companion_backward_key, forward_recipe, with_grad_out_like_o
+from .recipes import Bound, PackRecipe, backward_recipe, companion_backward_key, forward_recipe, with_grad_out_like_o
 from .reference import reduce_to_shape
 from .runtime import Runtime
 from .telemetry import warn_once
@@ -39,11 +40,10 @@ class Dispatcher:
         self.cache = cache
         self.recipes = LRU(RECIPE_MEMO_SIZE)
 
-    def bind(self, call: ForwardCall | BackwardCall) -> Bound:
-        """``call`` bound by its pack recipe, memoized by its signature (the layouts a training step repeats
-        get one recipe; a cache hit costs the memo key, one dict read and the recipe's own function)."""
-        device = call.query.device
-        memo = memo_key(call, self.runtime.target(device))
+    def recipe(self, call: ForwardCall | BackwardCall) -> PackRecipe:
+        """``call``'s pack recipe, memoized by its signature (the layouts a training step repeats get one
+        recipe; a cache hit costs the memo key and one dict read)."""
+        memo = memo_key(call, self.runtime.target(call.query.device))
         recipe = self.recipes.peek(memo)
         if recipe is None:
             sig = signature(call)  # a forward memo is (target, dynamic-shape mode, ...): the recipe uses that mode
@@ -53,12 +53,18 @@ class Dispatcher:
                 else backward_recipe(sig, memo[0])
             )
             self.recipes.put(memo, recipe)
-        return recipe.run(call, device)
+        return recipe
+
+    def bind(self, call: ForwardCall | BackwardCall) -> Bound:
+        """``call`` bound by its (memoized) pack recipe."""
+        return self.recipe(call).run(call, call.query.device)
 
     def forward(self, *args, **kwargs) -> tuple[torch.Tensor, ...]:
         """O and stats (none when ``need_stats`` is False), then the dropout seed and offset."""
         call = ForwardCall(*args, **kwargs)
         masked = call if call.attn_mask is None else with_mask_pattern(call)
+        if masked is not call and masks.capture_may_follow(call.query, call.need_stats):
+            self._prebuild_for_capture(call)
         if isinstance(masked.attn_mask, DocumentPattern):  # packed sequences; declined or refused: the bias
             outputs = varlen_dispatch.forward(self, masked)
             if outputs is not None:
@@ -67,7 +73,9 @@ class Dispatcher:
         elif call.query.shape[2] == 1:  # a defect's workaround (defect_routes)
             masked = route(masked, self.runtime.target(call.query.device))
         bound = self.bind(masked)
-        if call.dropout_p and call.need_stats and not self._backward_builds(call, masked, bound):
+        if _bias_too_large(masked):
+            self.run_oversized_bias(bound)
+        elif call.dropout_p and call.need_stats and not self._backward_builds(call, masked, bound.key):
             self.run_fallback(bound)
         else:
             self.run(bound)
@@ -86,6 +94,8 @@ class Dispatcher:
             return kept
         if not call.mask_grad:
             masked = with_mask_pattern(call)
+            if masked is not call and masks.capture_may_follow(call.query, True):
+                self._prebuild_for_capture(call)
             if isinstance(masked.attn_mask, DocumentPattern):  # packed sequences; declined or refused: the bias
                 outputs = varlen_dispatch.backward(self, masked)
                 if outputs is not None:
@@ -95,7 +105,10 @@ class Dispatcher:
         if call.query.shape[2] == 1:  # a defect's workaround (defect_routes)
             call = route(call, self.runtime.target(call.query.device))
         bound = self.bind(call)
-        self.run(bound)
+        if _bias_too_large(call):
+            self.run_oversized_bias(bound)
+        else:
+            self.run(bound)
         if call.mask_grad:
             return bound.outputs + (_mask_gradient(bound.pack[Uid.DBIAS], call.attn_mask),)
         return bound.outputs
@@ -129,6 +142,18 @@ class Dispatcher:
         self.cache.record_fallback()
         fallback.FALLBACK.execute(fallback.FALLBACK.build(bound.key), bound.pack)
 
+    def run_oversized_bias(self, bound: Bound) -> None:
+        """A mask claimed at trace time because it may be a pattern (:mod:`support`: the int32 rule counts
+        only masks bound as a bias) that is not one at run time: its broadcast bias would have 2**31 or
+        more elements, whose offsets overflow cuDNN's int32 element offsets. It never reaches cuDNN: the
+        torch fallback computes the call (float32, int64 indexing), warned once per layout."""
+        warn_once(
+            ("fallback", "oversized bias", self.runtime.name, bound.key),
+            "cudnn_safe: an attention mask that is no pattern cuDNN masks natively would be a bias of 2**31 or "
+            "more elements (int32 offsets); the call ran on the torch fallback. Shown once per distinct layout.",
+        )
+        self.run_fallback(bound)
+
     def run(self, bound: Bound) -> None:
         """Execute ``bound`` on the runtime, or on the torch fallback if the runtime refuses it."""
         key = bound.key
@@ -144,7 +169,50 @@ class Dispatcher:
             return None
         return self.run_fallback(bound)  # raises for a cuDNN dropout forward: its mask cannot be reproduced
 
-    def _backward_builds(self, call: ForwardCall, masked: ForwardCall, bound: Bound) -> bool:
+    def _prebuild_for_capture(self, call: ForwardCall | BackwardCall) -> None:
+        """Build the graphs ``call`` (whose mask runs as a pattern now) would run under CUDA-graph capture.
+
+        Under capture no pattern is recognized (:mod:`patterns`: a verdict is a host decision that
+        replays, reading new masks from the same buffers, would not re-check), so the mask runs as
+        its bias, whose graph a warm-up that ran the pattern never built; a build inside the capture
+        (heuristics, NVRTC, a module load) invalidates it. Built here, at warm-up, the capture only
+        looks them up. The keys are planned exactly as the capture will plan them (the defect routes
+        included; a dropout forward: the backward graphs it checks too). Nothing is bound or run; a
+        refusal is remembered, and the captured call then runs on the torch fallback, as it would.
+        """
+        target = self.runtime.target(call.query.device)
+        memo = ("capture",) + memo_key(call, target)  # the keys are planned once per signature, then looked up
+        keys = self.recipes.peek(memo)
+        if keys is None:
+            keys = self._capture_keys(call, target)
+            self.recipes.put(memo, keys)
+        for key in keys:
+            try:
+                self.cache.get_or_build(key, self.runtime.build)
+            except GraphBuildError:
+                continue
+            if isinstance(call, ForwardCall) and call.dropout_p and call.need_stats:
+                self._backward_builds(call, route(call, target) if call.query.shape[2] == 1 else call, key)
+
+    def _capture_keys(self, call: ForwardCall | BackwardCall, target: Target) -> tuple:
+        """The keys of the graphs ``call`` runs under capture (its mask as a bias), planned from layouts."""
+        plain = route(call, target) if call.query.shape[2] == 1 else call
+        if _bias_too_large(plain):
+            return ()  # runs on the fallback, with or without capture (no graph)
+        keys = [self.recipe(plain).key]
+        if isinstance(call, BackwardCall):
+            # A captured forward runs the bias too, and its O and stats (the backward's inputs) are laid out
+            # as the bias forward lays them out, which a packed-sequence forward does not: plan those too,
+            # with dO as it comes and with dO in that O's layout (a grad_out made like the output).
+            fwd = ForwardCall(*call[1:5], call.dropout_p, call.is_causal, call.scale, call.layout, call.deterministic)
+            fkey = self.recipe(fwd).key
+            o, stats = _meta(fkey.o), _meta(fkey.stats)
+            like_bias_forward = plain._replace(out=o, stats=stats)
+            if self.recipe(like_bias_forward).key != keys[0]:
+                keys += [self.recipe(c).key for c in (like_bias_forward, like_bias_forward._replace(grad_out=o))]
+        return tuple(dict.fromkeys(keys))
+
+    def _backward_builds(self, call: ForwardCall, masked: ForwardCall, fkey: ForwardKey) -> bool:
         """Whether the runtime builds the backward of a dropout forward (dO in O's layout), asked of the cache.
 
         A float mask checks both with and without dBias: whether its gradient is used is known only
@@ -154,7 +222,7 @@ class Dispatcher:
         deterministic = call.deterministic or torch_deterministic()  # as the backward will decide
         for mask_grad in (False, True) if float_mask else (False,):
             bcall = signature(call if mask_grad else masked)._replace(deterministic=deterministic)
-            companion = companion_backward_key(bcall, bound.key, mask_grad)
+            companion = companion_backward_key(bcall, fkey, mask_grad)
             try:
                 self.cache.get_or_build(companion, self.runtime.build)
             except GraphBuildError as exc:
@@ -205,6 +273,22 @@ def with_mask_pattern(call: ForwardCall | BackwardCall) -> ForwardCall | Backwar
     if pattern.left is None and pattern.kv_lens is None:
         return call._replace(attn_mask=None, is_causal=pattern.right == 0)
     return call._replace(attn_mask=pattern)
+
+
+def _meta(sig: TensorSig) -> torch.Tensor:
+    """A tensor with ``sig``'s layout and no storage, to plan a recipe's key (never bound)."""
+    return torch.empty_strided(sig.shape, sig.stride, dtype=sig.dtype, device="meta")
+
+
+def _bias_too_large(call: ForwardCall | BackwardCall) -> bool:
+    """Whether ``call`` binds its mask as a bias whose broadcast (B, H, L, S) has 2**31 or more elements
+    (:data:`~thunder_cudnn_safe.cudnn_rules.INT32_ELEMENT_LIMIT`, the rule :mod:`support` applies at trace
+    time to masks that cannot be patterns)."""
+    mask = call.attn_mask
+    if not isinstance(mask, torch.Tensor):
+        return False
+    b, h, lq, _ = call.query.shape
+    return b * h * lq * call.key.shape[2] >= INT32_ELEMENT_LIMIT
 
 
 def _fully_masked_rows(mask: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,8 @@ costs about 16 GiB of writes per step at an 8B-class shape. A conversion is keye
 *storage* object (the backward's saved mask is another tensor over it), data pointer, layout,
 dtype, ``_version`` (an in-place write converts again) and the current CUDA stream (:func:`stream_key`);
 entries are weak (a bias never outlives its mask's storage). Never used during CUDA-graph capture:
-a cached conversion would not be recorded, and every replay would read the warm-up step's mask.
+a cached conversion would not be recorded, and every replay would read the warm-up step's mask
+(:func:`capture_may_follow`: the warm-up builds the graphs such a capture needs).
 """
 
 from __future__ import annotations
@@ -42,6 +43,23 @@ def stream_key(t: torch.Tensor) -> int | None:
 def capturing(t: torch.Tensor) -> bool:
     """Whether ``t``'s stream is capturing a CUDA graph: no host-side decision may be reused."""
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def capture_may_follow(t: torch.Tensor, training: bool) -> bool:
+    """Whether a CUDA-graph capture may later record this call (not capturing now): then a call that
+    runs its mask as a pattern also builds the bias graph the capture will run (:mod:`dispatch`).
+
+    Under capture a mask always runs as its bias (a pattern verdict is a host decision the replays
+    would not re-check), and building a graph there (heuristics, an NVRTC compile, a module load)
+    invalidates the capture. A capture is preceded by warm-up runs outside it (thunder's
+    ``CUDAGraphTransform`` runs three, on its side stream): those prebuild. Assumed possible for
+    every training call (one more graph per layout, once per process) and for any call on a
+    non-default stream (torch's capture recipes warm up there); not for an inference forward on the
+    default stream, where generation meets a new length every token and would pay a build for each.
+    """
+    if not t.is_cuda or torch.cuda.is_current_stream_capturing():
+        return False
+    return training or torch.cuda.current_stream(t.device) != torch.cuda.default_stream(t.device)
 
 
 class ConvertedMasks:

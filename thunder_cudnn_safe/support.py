@@ -17,7 +17,9 @@ import torch
 from . import config, cudnn_rules
 from ._env import DP_WORKSPACE_LIMIT_ENV
 from .cudnn_rules import INT32_ELEMENT_LIMIT
+from .grad_need import mask_needs_grad
 from .keys import Target
+from .masks import converted_masks
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -138,8 +140,10 @@ def _head_dim_reasons(d_qk: int, d_v: int, target: Target) -> list[Decline]:
 
 
 def _mask_reasons(
-    attn_mask: Any, q_dtype: torch.dtype | None, full: tuple[int, int, int, int], is_causal: bool
+    attn_mask: Any, q_dtype: torch.dtype | None, full: tuple[int, int, int, int], is_causal: bool, mask_grad: bool
 ) -> list[Decline]:
+    """The mask's own reasons; ``mask_grad``: its gradient (dBias) may be needed (a leaf requiring grad,
+    or computed from one inside the function)."""
     M = DeclineCode.MASK
     reasons = []
     if is_causal:
@@ -159,7 +163,7 @@ def _mask_reasons(
                 f"attn_mask dtype {m_dtype} is neither bool, float32 nor the query dtype {q_dtype} (torch rejects it)",
             )
         )
-    elif m_dtype is not torch.bool and m_dtype != q_dtype and getattr(attn_mask, "requires_grad", False):
+    elif m_dtype is not torch.bool and m_dtype != q_dtype and mask_grad:
         reasons.append(
             Decline(
                 M, f"attn_mask of dtype {m_dtype} requires grad but cuDNN computes dBias in the query dtype {q_dtype}"
@@ -173,26 +177,38 @@ def _mask_reasons(
         for name, n, m in zip(("batch", "heads", "query length", "key length"), padded, full):
             if n not in (1, m):
                 reasons.append(Decline(M, f"attn_mask {name} extent {n} does not broadcast to {m}"))
-    if getattr(attn_mask, "requires_grad", False):
-        if m_dtype is torch.bool:
-            reasons.append(Decline(M, "a boolean attn_mask cannot require grad"))
-        elif len(shape) >= 2 and (shape[-2], shape[-1]) != full[2:]:
-            reasons.append(
-                Decline(
-                    M,
-                    "attn_mask requires grad and broadcasts over query or key positions: its gradient would be "
-                    "summed from low-precision per-element dBias values, less accurate than eager",
-                )
+    if getattr(attn_mask, "requires_grad", False) and m_dtype is torch.bool:
+        reasons.append(Decline(M, "a boolean attn_mask cannot require grad"))
+    elif mask_grad and len(shape) >= 2 and (shape[-2], shape[-1]) != full[2:]:
+        reasons.append(
+            Decline(
+                M,
+                "attn_mask requires grad and broadcasts over query or key positions: its gradient would be "
+                "summed from low-precision per-element dBias values, less accurate than eager",
             )
-    if math.prod(full) >= INT32_ELEMENT_LIMIT:
+        )
+    if math.prod(full) >= INT32_ELEMENT_LIMIT and (mask_grad or not _may_run_as_pattern()):
         reasons.append(
             Decline(
                 DeclineCode.INT32,
-                "the broadcast attention mask has more than 2**31 elements (int32 offsets)",
+                "the broadcast attention mask has more than 2**31 elements (int32 offsets)"
+                + (
+                    ", and its gradient is computed, from it as a bias"
+                    if mask_grad
+                    else ", and it is bound as a bias (mask patterns or the mask cache are off)"
+                ),
                 cudnn_rules.LAYOUT,
             )
         )
     return reasons
+
+
+def _may_run_as_pattern() -> bool:
+    """Whether a mask without a gradient may run as a pattern (:mod:`patterns`), which never hands cuDNN the
+    B*H*L*S bias: the int32 rule then does not count it. Whether it *is* one is decided on its data at
+    run time; one that is not, too large for a bias, runs on the torch fallback
+    (:meth:`~thunder_cudnn_safe.dispatch.Dispatcher.run_oversized_bias`), never in cuDNN."""
+    return bool(config.mask_patterns) and converted_masks.maxsize > 0
 
 
 def _defect_reasons(call: Any, full: tuple[int, int, int, int], hk: int, target: Target) -> list[Decline]:
@@ -237,6 +253,16 @@ def not_supported_reasons(
     """
     query, key, value, attn_mask, dropout_p, is_causal, scale = call[:7]
     deterministic, enable_gqa = bool(call.deterministic), bool(call.enable_gqa)
+    # dBias runs when a float mask's gradient is needed: a leaf that requires grad, or a mask computed inside
+    # the function from one (a learned position bias), which only the trace shows (:mod:`grad_need`)
+    mask_grad = attn_mask is not None and (
+        bool(getattr(attn_mask, "requires_grad", False))
+        or (
+            bool(getattr(call, "need_stats", True))
+            and torch_dtype(attn_mask.dtype) is not torch.bool
+            and mask_needs_grad(attn_mask)
+        )
+    )
     reasons: list[Decline] = []
     if environment_problem:
         reasons.append(Decline(DeclineCode.ENVIRONMENT, environment_problem))
@@ -342,7 +368,6 @@ def not_supported_reasons(
                 )
             )
         p_value = _value(dropout_p)
-        mask_grad = attn_mask is not None and bool(getattr(attn_mask, "requires_grad", False))
         dropout = isinstance(p_value, (int, float)) and not isinstance(p_value, bool) and p_value > 0
         old_blackwell = cudnn_rules.DETERMINISTIC_BACKWARD_BLACKWELL_BEFORE_9_18
         if deterministic and old_blackwell.declines(target, bool(getattr(call, "need_stats", True))):
@@ -392,7 +417,7 @@ def not_supported_reasons(
                 )
             )
     if attn_mask is not None:
-        reasons.extend(_mask_reasons(attn_mask, dts[0], (b, h, lq, s), bool(_value(is_causal))))
+        reasons.extend(_mask_reasons(attn_mask, dts[0], (b, h, lq, s), bool(_value(is_causal)), mask_grad))
     if _is_symbolic(dropout_p):
         reasons.append(
             Decline(

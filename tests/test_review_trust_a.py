@@ -1,0 +1,379 @@
+"""Three findings of the GPU-path trust review, each with its CPU proxy (and a ``gpu`` test where only a GPU shows it).
+
+1. CUDA-graph capture after warm-up: a warm-up that ran a mask as a pattern also builds the bias graphs
+   the capture runs (no pattern under capture), so nothing is built while a stream captures.
+2. The int32 rule counts a mask only where it is bound as a bias: a causal or key-padding mask at a
+   Llama-8B training shape is claimed (it runs as a pattern); a mask that turns out no pattern at run
+   time runs on the torch fallback, never as an oversized bias in cuDNN.
+3. The dP workspace budget holds for a mask computed inside the function whose gradient is needed
+   (a learned position bias), not only for a leaf mask that requires grad.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import thunder_cudnn_safe as tcs
+from thunder_cudnn_safe import masks, patterns
+from thunder_cudnn_safe.testing import assert_close_to_reference
+
+
+def causal(lq, s):
+    return torch.ones(lq, s, dtype=torch.bool).tril()
+
+
+def prefix(lens, lq, s):
+    return (torch.arange(s)[None, :] < torch.tensor(lens)[:, None])[:, None, None, :].expand(len(lens), 1, lq, s)
+
+
+def documents(lens, tokens):
+    """One packed row of causal documents of ``lens`` tokens, (1, 1, T, T)."""
+    doc = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+    i, j = torch.arange(tokens)[:, None], torch.arange(tokens)[None, :]
+    return ((doc[:, None] == doc[None, :]) & (j <= i))[None, None]
+
+
+def _qkv(b, h, lq, s, d=64, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(b, h, n, d, generator=g).to(dtype) for n in (lq, s, s))
+
+
+def _step(disp, q, k, v, mask, dropout_p=0.0):
+    out, stats, *rng = disp.forward(q, k, v, mask, dropout_p, False)
+    seed, offset = rng if rng else (None, None)
+    g = torch.randn_like(out)
+    grads = disp.backward(g, q, k, v, mask, dropout_p, False, out, stats, seed, offset)
+    return out, grads, g
+
+
+class _Capture:
+    """The package's capture switch turned on, as ``torch.cuda.is_current_stream_capturing()`` would be
+    on the capturing stream: no pattern verdict and no cached mask conversion is made or reused."""
+
+    def __init__(self, monkeypatch):
+        self.monkeypatch = monkeypatch
+
+    def __enter__(self):
+        self.real = patterns.capturing, masks.capturing
+        self.monkeypatch.setattr(patterns, "capturing", lambda t: True)
+        self.monkeypatch.setattr(masks, "capturing", lambda t: True)
+        return self
+
+    def __exit__(self, *exc):
+        self.monkeypatch.setattr(patterns, "capturing", self.real[0])
+        self.monkeypatch.setattr(masks, "capturing", self.real[1])
+
+
+# -- 1 ------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "name,mask,shape,dropout_p",
+    [
+        ("causal", causal(16, 16), (2, 2, 16, 16), 0.0),
+        ("padding", prefix([16, 5], 16, 16), (2, 2, 16, 16), 0.0),
+        ("causal+padding", causal(16, 16) & prefix([16, 9], 16, 16), (2, 2, 16, 16), 0.0),
+        ("documents", documents([5, 7, 4], 16), (1, 2, 16, 16), 0.0),
+        ("causal, dropout", causal(16, 16), (2, 2, 16, 16), 0.25),
+    ],
+)
+def test_a_capture_after_warm_up_builds_nothing(name, mask, shape, dropout_p, fresh_cache, monkeypatch):
+    """thunder's CUDAGraphTransform warms up three times, then captures. The warm-up runs the mask as a
+    pattern; the capture runs it as a bias (a verdict is not re-checked by replays), whose graphs the
+    warm-up must have built: a build inside the capture invalidates it on a GPU. Also the dropout
+    forward's check of its backward (the bias backward) is a lookup under capture."""
+    monkeypatch.setattr(masks, "capture_may_follow", lambda t, training: True)  # a CUDA tensor, as on a GPU
+    disp = tcs.emulated_ex.dispatcher
+    q, k, v = _qkv(*shape)
+    for _ in range(3):  # warm-up, outside capture: the mask runs as its pattern
+        _step(disp, q, k, v, mask, dropout_p)
+    assert any(g.key.bias is None for g in tcs.cached_graphs()), "the warm-up ran the mask as a pattern"
+    before = tcs.cache_info()
+    with _Capture(monkeypatch):
+        out, grads, g = _step(disp, q, k, v, mask, dropout_p)
+    after = tcs.cache_info()
+    assert (after.builds, after.misses) == (before.builds, before.misses), f"{name}: built during the capture"
+    assert after.fallbacks == before.fallbacks
+    assert any(gr.key.bias is not None for gr in tcs.cached_graphs()), "the capture ran the mask as a bias"
+    if dropout_p:
+        assert all(torch.isfinite(t).all() for t in (out, *grads))
+        return
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*leaves, attn_mask=mask)
+    low = [t.detach().requires_grad_() for t in (q, k, v)]
+    eager = F.scaled_dot_product_attention(*low, attn_mask=mask)
+    assert_close_to_reference(out, eager, ref, "output")
+    for n, a, e, r in zip(
+        ("dq", "dk", "dv"), grads, torch.autograd.grad(eager, low, g), torch.autograd.grad(ref, leaves, g.double())
+    ):
+        assert_close_to_reference(a, e, r, n)
+
+
+def test_no_prebuild_where_no_capture_can_follow(fresh_cache):
+    """On the CPU (and for an inference forward on the default stream) a pattern builds its own graph only."""
+    assert not masks.capture_may_follow(torch.zeros(1), training=True)
+    disp = tcs.emulated_ex.dispatcher
+    q, k, v = _qkv(2, 2, 16, 16)
+    _step(disp, q, k, v, causal(16, 16))
+    assert all(g.key.bias is None for g in tcs.cached_graphs())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", ["causal", "padding"])
+def test_cuda_graph_transform_builds_nothing_while_capturing(kind, fresh_cache, monkeypatch):
+    """Real capture through thunder's CUDAGraphTransform (three warm-ups, then torch.cuda.graph), forward
+    and backward: no graph is built while the stream captures, and replays with new inputs are right."""
+    import thunder
+    from thunder.transforms.cudagraph import CUDAGraphTransform
+
+    runtime = tcs.cudnn_safe_ex.runtime
+    real_build, built_capturing = runtime.build, []
+
+    def build(key):
+        built_capturing.append(torch.cuda.is_current_stream_capturing())
+        return real_build(key)
+
+    monkeypatch.setattr(runtime, "build", build)
+    s = 128
+    if kind == "causal":
+        mask = torch.ones(s, s, dtype=torch.bool, device="cuda").tril()
+    else:
+        mask = (torch.arange(s, device="cuda") < 77).expand(2, 1, s, s)
+    fn = lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m)  # noqa: E731
+    jf = thunder.jit(
+        fn, executors=[tcs.cudnn_safe_ex, *thunder.get_default_executors()], transforms=[CUDAGraphTransform()]
+    )
+    for step in range(3):
+        q, k, v = (torch.randn(2, 4, s, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        out = jf(q, k, v, mask)
+        g = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), g)
+        ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        ref = F.scaled_dot_product_attention(*ref_in, attn_mask=mask)
+        low_in = [t.detach().requires_grad_() for t in (q, k, v)]
+        low = F.scaled_dot_product_attention(*low_in, attn_mask=mask)
+        assert_close_to_reference(out, low, ref, f"step {step} output")
+        for name, a, e, r in zip(
+            ("dq", "dk", "dv"), grads, torch.autograd.grad(low, low_in, g), torch.autograd.grad(ref, ref_in, g.double())
+        ):
+            assert_close_to_reference(a, e, r, f"step {step} {name}")
+    assert built_capturing and not any(built_capturing), "a graph was built while a stream captured"
+
+
+# -- 2 ------------------------------------------------------------------------------------
+def _huge(*shape, dtype=torch.bfloat16):
+    """A tensor of ``shape`` that holds one element: explain() reads shapes and dtypes only."""
+    return torch.zeros((1,) * len(shape), dtype=dtype).expand(*shape)
+
+
+LLAMA_8B = dict(b=8, h=32, s=4096, d=128)
+
+
+def _explain(mask, **kwargs):
+    b, h, s, d = LLAMA_8B.values()
+    q, k, v = (_huge(b, h, s, d) for _ in range(3))
+    return tcs.explain(q, k, v, mask, executor="cudnn_safe_emulated", **kwargs)
+
+
+def test_patterns_at_a_llama_8b_training_shape_are_claimed():
+    """README's headline case: B=8, H=32, S=4096 (a broadcast mask of 2**32 elements). A causal or key-padding
+    mask runs as cuDNN's own masking, never bound as that bias: claimed, as ``is_causal=True`` is."""
+    b, s = LLAMA_8B["b"], LLAMA_8B["s"]
+    assert _explain(None, is_causal=True) == []
+    assert _explain(_huge(s, s, dtype=torch.bool)) == []  # causal (what the data says is decided at run time)
+    assert _explain(_huge(b, 1, 1, s, dtype=torch.bool)) == []  # key padding
+    assert _explain(_huge(b, 1, s, s, dtype=torch.float32)) == []  # a float 0/-inf mask: also a possible pattern
+
+
+def test_a_mask_bound_as_a_bias_at_that_shape_is_still_declined():
+    """Where the mask can only be a bias (its gradient is computed, or patterns are off), the int32 rule holds."""
+    b, h, s = LLAMA_8B["b"], LLAMA_8B["h"], LLAMA_8B["s"]
+    grad_mask = torch.zeros(1, 1, 1, 1, dtype=torch.bfloat16, requires_grad=True).expand(b, h, s, s)
+    reasons = _explain(grad_mask)
+    assert any(r.code is tcs.support.DeclineCode.INT32 for r in reasons), reasons
+    with tcs.config.patch(mask_patterns=False):
+        reasons = _explain(_huge(s, s, dtype=torch.bool))
+    assert [r.code for r in reasons] == [tcs.support.DeclineCode.INT32], reasons
+    with tcs.config.patch(mask_cache_size=0):  # no verdict is made without the mask cache
+        assert [r.code for r in _explain(_huge(s, s, dtype=torch.bool))] == [tcs.support.DeclineCode.INT32]
+
+
+@pytest.fixture
+def small_int32_limit(monkeypatch):
+    """The int32 limit brought down so that a (2, 2, 128, 128) mask (65536 elements) exceeds it while the
+    (2, 2, 128, 8) operands (4096 elements) do not: the headline case's proportions, runnable on a CPU."""
+    from thunder_cudnn_safe import dispatch, support
+
+    monkeypatch.setattr(support, "INT32_ELEMENT_LIMIT", 16384)
+    monkeypatch.setattr(dispatch, "INT32_ELEMENT_LIMIT", 16384)
+
+
+def _leaves(b=2, h=2, s=128, d=8):
+    g = torch.Generator().manual_seed(3)
+    return tuple(torch.randn(b, h, s, d, generator=g).bfloat16().requires_grad_() for _ in range(3))
+
+
+@pytest.mark.parametrize("kind", ["causal", "padding"])
+def test_an_oversized_pattern_mask_runs_as_its_pattern(kind, small_int32_limit, fresh_cache):
+    import checks
+
+    q, k, v = _leaves()
+    mask = causal(128, 128) if kind == "causal" else prefix([128, 23], 128, 128)
+    assert tcs.explain(q, k, v, mask, executor="cudnn_safe_emulated") == []
+    checks.run_and_check(checks.jit_sdpa(), q, k, v, torch.randn(2, 2, 128, 8).bfloat16(), mask)
+    assert tcs.cached_graphs() and all(g.key.bias is None for g in tcs.cached_graphs())
+
+
+def test_an_oversized_mask_that_is_no_pattern_runs_on_the_fallback(small_int32_limit, fresh_cache):
+    """Claimed at trace time (it might have been a pattern), it is none at run time: the forward and the
+    backward run on the torch fallback, with the right numbers, and no bias reaches the runtime."""
+    import checks
+
+    q, k, v = _leaves()
+    mask = torch.rand(2, 1, 128, 128, generator=torch.Generator().manual_seed(5)) > 0.3
+    before = tcs.cache_info().fallbacks
+    checks.run_and_check(checks.jit_sdpa(), q, k, v, torch.randn(2, 2, 128, 8).bfloat16(), mask, allow_fallback=True)
+    assert tcs.cache_info().fallbacks == before + 2
+    assert all(g.key.bias is None for g in tcs.cached_graphs()), "a bias over the int32 limit was built"
+
+
+# -- 3 ------------------------------------------------------------------------------------
+class _RelativePositionBias(torch.nn.Module):
+    """T5-style learned relative-position bias: the mask is computed inside the function from a Parameter,
+    so its proxy is no leaf (thunder reports requires_grad=False on it) yet its gradient is needed."""
+
+    def __init__(self, heads: int, n: int) -> None:
+        super().__init__()
+        self.n = n
+        self.rel_pos = torch.nn.Embedding(2 * n - 1, heads, dtype=torch.bfloat16)
+
+    def forward(self, q, k, v):
+        i = torch.arange(self.n, device=q.device)
+        bias = self.rel_pos(i[:, None] - i[None, :] + self.n - 1).permute(2, 0, 1).unsqueeze(0)  # (1, H, L, S)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+
+
+def _relpos_step(module, q, k, v, g, executor=True):
+    import checks
+
+    run = checks.jit_with_ours(module) if executor else module
+    out = run(q, k, v)
+    return run, out, torch.autograd.grad(out, (q, k, v, module.rel_pos.weight), g)
+
+
+@pytest.mark.parametrize("budget", ["small", "default"])
+def test_the_dp_budget_holds_for_a_mask_computed_from_a_parameter(budget, fresh_cache, monkeypatch):
+    """Over the dP workspace budget the call is declined at trace time (its dBias would materialize dP),
+    and another executor computes it; within it, cuDNN runs the one dBias backward. Gradients of q, k, v
+    and the bias's Parameter are within the accuracy rule either way."""
+    import copy
+
+    import thunder
+
+    from thunder_cudnn_safe import cudnn_rules, executor
+
+    seen = []
+    real = executor.not_supported_reasons
+    monkeypatch.setattr(executor, "not_supported_reasons", lambda *a, **kw: seen.append(real(*a, **kw)) or seen[-1])
+    b, h, n, d = 2, 2, 16, 64
+    assert cudnn_rules.dp_workspace_bytes(b, h, n, n) == 32768  # 2*2*pad64(16)*pad64(16) bf16
+    module = _RelativePositionBias(h, n)
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(b, h, n, d, generator=g).bfloat16().requires_grad_() for _ in range(3))
+    grad_out = torch.randn(b, h, n, d, generator=g).bfloat16()
+    limit = 1024 if budget == "small" else tcs.config.dp_workspace_limit
+    with tcs.config.patch(dp_workspace_limit=limit):
+        jm, out, grads = _relpos_step(module, q, k, v, grad_out)
+    fwd, bwd = str(thunder.last_traces(jm)[-1]), str(thunder.last_backward_traces(jm)[-1])
+    if budget == "small":
+        assert "cudnn_safe_emulated_sdpa" not in fwd + bwd, "the dBias backward ran over the budget"
+        assert any(r.code is tcs.support.DeclineCode.WORKSPACE and "dBias" in r for rs in seen for r in rs), seen
+    else:
+        assert "cudnn_safe_emulated_sdpa_fwd" in fwd and "cudnn_safe_emulated_sdpa_bwd_mask" in bwd
+    low = copy.deepcopy(module)
+    ref = copy.deepcopy(module).double()
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    _, eager, eager_grads = _relpos_step(low, *leaves, grad_out, executor=False)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    _, exact, exact_grads = _relpos_step(ref, *leaves, grad_out.double(), executor=False)
+    # declined, thunder's own decomposition computes the call (bf16 intermediates: allowed 4x eager's error)
+    factor = 4.0 if budget == "small" else 2.0
+    assert_close_to_reference(out, eager, exact, "output", factor=factor)
+    for name, a, e, r in zip(("dq", "dk", "dv", "d rel_pos"), grads, eager_grads, exact_grads):
+        assert_close_to_reference(a, e, r, name, factor=factor)
+
+
+def test_a_mask_computed_from_integers_needs_no_gradient(monkeypatch):
+    """A padding mask computed inside the function from integer ids (Hugging Face's 4D float mask) needs
+    no dBias: the budget does not decline it (a learned bias from the same trace does)."""
+    import thunder
+
+    from thunder_cudnn_safe import grad_need, support
+
+    answers = {}
+    real = grad_need.mask_needs_grad
+
+    def spy(mask):
+        answers[mask.name] = real(mask)
+        return answers[mask.name]
+
+    ids = torch.ones(2, 16, dtype=torch.int64)
+    ids[1, 9:] = 0
+    rel = _RelativePositionBias(2, 16)
+
+    def fn(q, k, v, ids):
+        pad = (1.0 - ids[:, None, None, :].to(torch.bfloat16)) * torch.finfo(torch.bfloat16).min
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=pad) + rel(q, k, v)
+
+    q, k, v = (torch.randn(2, 2, 16, 64).bfloat16().requires_grad_() for _ in range(3))
+    import checks
+
+    monkeypatch.setattr(support, "mask_needs_grad", spy)
+    with tcs.config.patch(dp_workspace_limit=1024):
+        jf = checks.jit_with_ours(fn)
+        jf(q, k, v, ids)
+    assert sorted(answers.values()) == [False, True], answers
+    assert str(thunder.last_traces(jf)[-1]).count("cudnn_safe_emulated_sdpa_fwd") == 1  # the padding call only
+
+
+@pytest.mark.parametrize("case", ["bool mask", "batch-broadcast dBias", "dropout"])
+def test_the_fallback_computes_a_few_batch_elements_at_a_time(case, fresh_cache, monkeypatch):
+    """A call sent to the fallback because its bias was too large for cuDNN must not need several times that
+    in float32: it is computed in batch chunks, with the same numbers (a dBias broadcast over the batch
+    summed over the chunks, dropout's keep-mask drawn once for the whole call)."""
+    import checks
+
+    from thunder_cudnn_safe import fallback
+
+    disp = tcs.emulated_ex.dispatcher
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(4, 2, 16, 64, generator=g).bfloat16() for _ in range(3))
+    grad_out = torch.randn(4, 2, 16, 64, generator=g).bfloat16()
+    p = 0.25 if case == "dropout" else 0.0
+    if case == "batch-broadcast dBias":
+        mask = torch.randn(1, 2, 16, 16, generator=g).bfloat16()
+    else:
+        mask = torch.rand(4, 1, 16, 16, generator=g) > 0.3
+    mask_grad = case == "batch-broadcast dBias"
+
+    def run():
+        torch.manual_seed(0)  # the same dropout seed in both runs
+        with checks.inject_failures(build=lambda key: "refused"):
+            out, stats, *rng = disp.forward(q, k, v, mask, p, False)
+            seed, offset = rng if rng else (None, None)
+            grads = disp.backward(grad_out, q, k, v, mask, p, False, out, stats, seed, offset, mask_grad=mask_grad)
+        return (out, *grads)
+
+    whole = run()
+    monkeypatch.setattr(fallback, "CHUNK_SCORES", 2 * 16 * 16)  # one batch element per chunk
+    assert len(fallback._chunks({fallback.Uid.Q: q, fallback.Uid.K: k})) == 4
+    tcs.clear_cache()
+    chunked = run()
+    for a, b in zip(whole, chunked):
+        assert torch.allclose(a.float(), b.float(), atol=1e-2, rtol=1e-2), case
+    if not p:
+        ref = F.scaled_dot_product_attention(
+            q.double(), k.double(), v.double(), attn_mask=mask.double() if mask_grad else mask
+        )
+        assert (chunked[0].double() - ref).abs().max() < 2e-2
