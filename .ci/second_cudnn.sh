@@ -35,4 +35,5 @@ if [ $# -gt 0 ]; then
     exit 0
 fi
 # shellcheck disable=SC2086
-python -m pytest -p no:cacheprovider -q ${SECOND_CUDNN_TESTS:-tests/test_cudnn_lowering.py tests/test_cudnn_compile.py tests/test_defect_rules.py}
+# -m overrides pyproject's addopts, which deselect the compile tier from a plain run.
+python -m pytest -p no:cacheprovider -q -m "not gpu" ${SECOND_CUDNN_TESTS:-tests/test_cudnn_lowering.py tests/test_cudnn_compile.py tests/test_defect_rules.py}

@@ -565,6 +565,8 @@ def test_a_libcudnn_missing_its_sublibraries_is_unavailable_not_a_refusal(tmp_pa
     lib_dir = Path(sorted(loaded)[0]).parent
     for name in ("libcudnn.so.9", "libcudnn_graph.so.9"):
         (tmp_path / name).symlink_to(lib_dir / name)
-    env = {**os.environ, "LD_LIBRARY_PATH": f"{tmp_path}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
+    # The complete folder must not be on the path (.ci/second_cudnn.sh puts its libcudnn's there).
+    kept = [d for d in os.environ.get("LD_LIBRARY_PATH", "").split(":") if d and Path(d).resolve() != lib_dir.resolve()]
+    env = {**os.environ, "LD_LIBRARY_PATH": ":".join([str(tmp_path), *kept])}
     run = subprocess.run([sys.executable, "-c", _PARTIAL_CHILD], env=env, capture_output=True, text=True, timeout=300)
     assert "UNAVAILABLE" in run.stdout and "SUBLIBRARY_LOADING_FAILED" in run.stdout, run.stdout + run.stderr[-2000:]
