@@ -377,3 +377,56 @@ def test_the_fallback_computes_a_few_batch_elements_at_a_time(case, fresh_cache,
             q.double(), k.double(), v.double(), attn_mask=mask.double() if mask_grad else mask
         )
         assert (chunked[0].double() - ref).abs().max() < 2e-2
+
+
+# -- the second review of these fixes ---------------------------------------------------------
+def _causal_float_mask(s=128):
+    keep = torch.ones(s, s, dtype=torch.bool).tril()
+    return torch.zeros(s, s, dtype=torch.bfloat16).masked_fill(~keep, float("-inf"))
+
+
+def test_a_mask_bound_as_it_is_has_its_fully_masked_rows_read_on_every_call(fresh_cache):
+    """A bf16 mask with bf16 queries is bound as it is, and cuDNN reads it afresh each call. Its fully masked
+    rows must be too: a verdict cached by ``_version`` would survive a write through ``.data`` and zero a row
+    that is no longer masked."""
+    disp = tcs.emulated_ex.dispatcher
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 16, 64, generator=g).bfloat16() for _ in range(3))
+    mask = torch.zeros(2, 1, 16, 16, dtype=torch.bfloat16)
+    mask[..., 5] = -1.0  # no pattern: a bias
+    mask[1, 0, 7, :] = float("-inf")  # query row 7 of batch 1 masked everywhere
+
+    def error() -> float:
+        out = disp.forward(q, k, v, mask, 0.0, False)[0]
+        ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask.double())
+        return (out.double() - torch.nan_to_num(ref, nan=0.0)).abs().max().item()
+
+    assert error() < 2e-2
+    mask.data[1, 0, 7, :] = 0.0  # revived, without a version bump
+    assert error() < 2e-2
+
+
+def test_an_oversized_float_pattern_with_dropout_builds_no_oversized_dbias_graph(small_int32_limit, fresh_cache):
+    """The dropout forward checks the backward it will need; the dBias backward of a mask over the int32
+    limit is never that backward (such a mask is claimed only without a gradient), so it is not built, and
+    a refusal of a bias graph does not send the pattern's forward to the fallback."""
+    from checks import inject_failures
+
+    disp = tcs.emulated_ex.dispatcher
+    q, k, v = (torch.randn(2, 2, 128, 8).bfloat16() for _ in range(3))
+    refuse = lambda key: "no bias graphs here" if getattr(key, "bias", None) is not None else None  # noqa: E731
+    with inject_failures(build=refuse):
+        disp.forward(q, k, v, _causal_float_mask(), 0.25, False)
+    assert tcs.cache_info().fallbacks == 0
+    assert not any(g.key.bias is not None for g in tcs.cached_graphs())
+
+
+def test_an_oversized_mask_gradient_after_a_cudnn_dropout_forward_raises_clearly(small_int32_limit, fresh_cache):
+    """If a mask gradient is asked for anyway (the trace judged the mask to need none), the fallback could
+    not reproduce cuDNN's dropout mask: the error says so, rather than blame a cuDNN refusal."""
+    disp = tcs.emulated_ex.dispatcher
+    q, k, v = (torch.randn(2, 2, 128, 8).bfloat16() for _ in range(3))
+    mask = _causal_float_mask()
+    out, stats, seed, offset = disp.forward(q, k, v, mask, 0.25, False)
+    with pytest.raises(RuntimeError, match="2\\*\\*31 or more elements.*only cuDNN could reproduce its dropout mask"):
+        disp.mask_gradient(torch.randn_like(out), q, k, v, mask, 0.25, False, out, stats, seed, offset)

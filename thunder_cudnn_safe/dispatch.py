@@ -146,7 +146,19 @@ class Dispatcher:
         """A mask claimed at trace time because it may be a pattern (:mod:`support`: the int32 rule counts
         only masks bound as a bias) that is not one at run time: its broadcast bias would have 2**31 or
         more elements, whose offsets overflow cuDNN's int32 element offsets. It never reaches cuDNN: the
-        torch fallback computes the call (float32, int64 indexing), warned once per layout."""
+        torch fallback computes the call (float32, int64 indexing), warned once per layout.
+
+        A dropout backward whose forward ran in cuDNN cannot go there: only cuDNN reproduces its dropout mask.
+        That is a mask gradient thunder asked for although the mask was judged to need none at trace time
+        (:mod:`grad_need`), and it raises rather than return gradients for another dropout mask."""
+        key = bound.key
+        if isinstance(key, BackwardKey) and key.dropout_p and not handoff.fell_back(bound.pack[Uid.SEED]):
+            raise RuntimeError(
+                "cudnn_safe: the gradient of an attention mask whose bias has 2**31 or more elements was asked for "
+                "a call with dropout that ran in cuDNN as a mask pattern; cuDNN cannot bind that bias (int32 "
+                "offsets) and only cuDNN could reproduce its dropout mask. The mask was judged at trace time to need "
+                "no gradient: make it a tensor that requires grad, or pass is_causal=True instead of a causal mask."
+            )
         warn_once(
             ("fallback", "oversized bias", self.runtime.name, bound.key),
             "cudnn_safe: an attention mask that is no pattern cuDNN masks natively would be a bias of 2**31 or "
@@ -217,8 +229,10 @@ class Dispatcher:
 
         A float mask checks both with and without dBias: whether its gradient is used is known only
         after dead-code elimination (with it, the mask runs as a bias even where the forward ran a pattern).
+        A mask whose bias would pass the int32 limit is claimed only without a gradient (:mod:`support`), and
+        its dBias backward could never run in cuDNN anyway: that graph is neither built nor asked for.
         """
-        float_mask = call.attn_mask is not None and call.attn_mask.dtype != torch.bool
+        float_mask = call.attn_mask is not None and call.attn_mask.dtype != torch.bool and not _bias_too_large(call)
         deterministic = call.deterministic or torch_deterministic()  # as the backward will decide
         for mask_grad in (False, True) if float_mask else (False,):
             bcall = signature(call if mask_grad else masked)._replace(deterministic=deterministic)
@@ -301,7 +315,10 @@ def _fully_masked_rows(mask: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     def rows() -> torch.Tensor:
         return torch.isneginf(bias).all(dim=-1, keepdim=True)
 
-    if not isinstance(mask, torch.Tensor):
+    if not isinstance(mask, torch.Tensor) or bias.untyped_storage().data_ptr() == mask.untyped_storage().data_ptr():
+        # A mask bound as it is (a view of its storage) is read afresh by cuDNN on every call: so are its rows (a write
+        # that leaves ``_version`` alone, through ``.data`` or an aliased numpy array, must not leave a verdict
+        # stale that zeroes a live row). Only a cached conversion's rows are cached, with the same key.
         return rows()
     how = ("fully masked rows", tuple(bias.shape), bias.stride(), bias.dtype)
     return converted_masks.get(mask, how, rows, count=False)
