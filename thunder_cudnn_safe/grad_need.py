@@ -15,8 +15,9 @@ symbol): the mask needs a gradient when it depends, through differentiable opera
 (:func:`thunder.core.transforms.is_constant_for_vjp`), on an input that requires grad. A padding or
 causal mask computed from integer ids or ``arange`` does not, a bias gathered from an embedding
 does. A detached one (``self.w.detach() * 2``) counts as needing it: thunder 0.2.6 gives ``detach`` a
-(zero) VJP and keeps the dBias backward, whose workspace the budget must still see. Where no defining trace is found (a path other than thunder's autodiff, ``explain()`` on
-proxies), the proxy's own flag is the answer, as before; the dispatcher keeps a run-time guard for
+(zero) VJP and keeps the dBias backward, whose workspace the budget must still see. Where no
+defining trace is found (a path other than thunder's autodiff, ``explain()`` on proxies), the
+proxy's own flag is the answer, as before; the dispatcher keeps a run-time guard for
 the one case where that matters for correctness (:func:`~thunder_cudnn_safe.dispatch._bias_too_large`).
 """
 
