@@ -25,7 +25,10 @@ What is shared between threads, and why each part is safe:
   the **variant pack** is built per call: neither is shared.
 
 In a training step thunder runs forwards on the calling thread and backwards on autograd's thread:
-each graph is built by the one thread that runs it, and no copy is ever built.
+each graph is built by the one thread that runs it, and no copy is built, with one exception: a
+dropout forward builds its backward on the forward's thread (only cuDNN reproduces its dropout mask,
+so the forward checks that the backward builds first), and autograd's thread then builds its own
+copy of that backward once per process (a second plan build; the persistent plan cache makes it a load).
 """
 
 from __future__ import annotations
