@@ -306,20 +306,22 @@ def _bias_too_large(call: ForwardCall | BackwardCall) -> bool:
 
 
 def _fully_masked_rows(mask: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """Which query rows of ``bias`` (bound for ``mask``) mask every key with -inf, (1|B, 1|H, L, 1).
+    """Which query rows of ``bias`` (bound for ``mask``) mask every key with -inf, broadcastable to (B, H, L, 1).
 
-    Reading the whole bias again per forward cost as much as the bias itself; the rows are a function
-    of the mask and its conversion, so they are kept with the mask's cached conversion (one read per
-    distinct mask and state, as the conversion: :mod:`~thunder_cudnn_safe.masks`), not made per layer."""
+    A converted bias is a function of the mask and its conversion: its rows are kept with the mask's cached
+    conversion (:mod:`~thunder_cudnn_safe.masks`, one read per distinct mask and state, as the conversion),
+    not read again per layer. A mask bound as it is (a view of its own storage) is read afresh by cuDNN on
+    every call, so its rows are too: a verdict cached by ``_version`` would outlive a write torch does not
+    version (``.data``, an aliased numpy array) and zero a live row. They are read off the mask's own
+    elements, never its (B, H, L, S) broadcast, so the read costs what the mask holds, not the scores."""
+    if not isinstance(mask, torch.Tensor):
+        return torch.isneginf(bias).all(dim=-1, keepdim=True)
+    if bias.untyped_storage().data_ptr() == mask.untyped_storage().data_ptr():
+        return torch.isneginf(mask).all(dim=-1, keepdim=True)
 
     def rows() -> torch.Tensor:
         return torch.isneginf(bias).all(dim=-1, keepdim=True)
 
-    if not isinstance(mask, torch.Tensor) or bias.untyped_storage().data_ptr() == mask.untyped_storage().data_ptr():
-        # A mask bound as it is (a view of its storage) is read afresh by cuDNN on every call: so are its rows (a write
-        # that leaves ``_version`` alone, through ``.data`` or an aliased numpy array, must not leave a verdict
-        # stale that zeroes a live row). Only a cached conversion's rows are cached, with the same key.
-        return rows()
     how = ("fully masked rows", tuple(bias.shape), bias.stride(), bias.dtype)
     return converted_masks.get(mask, how, rows, count=False)
 
