@@ -110,19 +110,21 @@ def test_a_float32_mask_with_bf16_queries_masks_as_in_eagers_float32_sum(need_st
     assert torch.allclose(out[0, :, 3].float(), v[0].float().mean(dim=1), atol=1e-2)
 
 
-def test_a_float32_mask_with_fp16_queries_keeps_minus_inf_rows_dead(fresh_cache):
-    """fp16 has no value that absorbs the scores: values below -65504 become -inf (the documented limit),
-    a row masked everywhere is 0; every other row is eager's."""
+def test_a_float32_mask_with_fp16_queries_refuses_rows_only_its_overflow_would_kill(fresh_cache):
+    """fp16 has no value that absorbs the scores: values below -65504 become -inf. A row with a key left
+    is eager's either way; a row masked everywhere by finite values would be 0 where eager averages V, so
+    that mask raises a clear error instead of a silently wrong row."""
     q, k, v = (torch.randn(1, 2, 16, 64, dtype=torch.float16) for _ in range(3))
     m = torch.zeros(1, 1, 16, 16)
-    m[..., 3, :] = torch.finfo(torch.float32).min
-    m[..., 5, :8] = torch.finfo(torch.float32).min
+    m[..., 5, :8] = torch.finfo(torch.float32).min  # partly: fine
+    m[..., 6, :] = float("-inf")  # -inf everywhere: dead in eager's safe softmax too
     out = tcs.emulated_ex.dispatcher.forward(q, k, v, m, 0.0, False, need_stats=False)[0]
-    eager = F.scaled_dot_product_attention(q, k, v, attn_mask=m)
-    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=m.double())
-    rows = [i for i in range(16) if i != 3]
-    assert_close_to_reference(out[:, :, rows], eager[:, :, rows], ref[:, :, rows], "output")
-    assert torch.equal(out[0, :, 3], torch.zeros_like(out[0, :, 3]))
+    eager = F.scaled_dot_product_attention(q, k, v, attn_mask=m).nan_to_num(0.0)
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=m.double()).nan_to_num(0.0)
+    assert_close_to_reference(out, eager, ref, "output")
+    m[..., 3, :] = torch.finfo(torch.float32).min  # masked everywhere by finite values
+    with pytest.raises(ValueError, match="row would be 0 where eager averages V"):
+        tcs.emulated_ex.dispatcher.forward(q, k, v, m.clone(), 0.0, False, need_stats=False)
 
 
 def _count_backward_executions(runtime):

@@ -403,6 +403,7 @@ def _fill(step: Step, src: torch.Tensor | None, device: torch.device) -> torch.T
 
 
 _BF16_MAX = torch.finfo(torch.bfloat16).max
+_FP16_MAX = torch.finfo(torch.float16).max
 
 
 def _copy_into(buf: torch.Tensor, src: torch.Tensor, name: str, reason: CopyReason) -> None:
@@ -414,8 +415,21 @@ def _copy_into(buf: torch.Tensor, src: torch.Tensor, name: str, reason: CopyReas
         # A float32 mask with bf16 queries: eager adds it in float32, where finfo(float32).min absorbs the
         # scores (a row masked everywhere averages V). A plain cast rounds it to -inf (a dead row: zeros).
         # Clamped to bf16's finite range instead, it absorbs them in cuDNN's float32 sum just the same.
-        # (fp16 has no value that large: such a row stays -inf there, zeros; docs/masks.md.)
         buf.copy_(torch.where(src.isinf(), src, src.clamp(-_BF16_MAX, _BF16_MAX)).expand(buf.shape))
+    elif buf.dtype == torch.float16 and src.is_floating_point() and torch.finfo(src.dtype).max > _FP16_MAX:
+        # fp16 has no value that absorbs the scores: finite values below -65504 become -inf. That changes
+        # nothing for a row with another key left, but a row masked everywhere by them would come out 0
+        # where eager averages V: a silently wrong number, so it is refused here (once per distinct mask:
+        # the conversion is cached). Direct operator calls only; thunder.jit refuses the dtype mix.
+        buf.copy_(src.expand(buf.shape))
+        newly_dead = torch.isneginf(buf).all(dim=-1) & ~torch.isneginf(src).all(dim=-1)
+        if bool(newly_dead.any()):
+            raise ValueError(
+                f"cudnn_safe: a {src.dtype} attention mask with float16 queries masks a query row everywhere with "
+                "finite values below float16's range (such as torch.finfo(torch.float32).min); in float16 they "
+                "become -inf and the row would be 0 where eager averages V. Use -inf, a boolean mask, a mask of "
+                "the query dtype, or bfloat16 queries."
+            )
     else:
         buf.copy_(src.expand(buf.shape))
     copy_counter.record(
