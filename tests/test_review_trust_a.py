@@ -109,6 +109,24 @@ def test_a_capture_after_warm_up_builds_nothing(name, mask, shape, dropout_p, fr
         assert_close_to_reference(a, e, r, n)
 
 
+def test_the_capture_prebuild_costs_later_calls_no_cache_lookup(fresh_cache, monkeypatch):
+    """The prebuild runs once per signature: the second and later training steps with the same pattern
+    look up only the graphs they run (hits per step stay those of a step without the prebuild)."""
+    disp = tcs.emulated_ex.dispatcher
+    q, k, v = _qkv(2, 2, 16, 16)
+    mask = causal(16, 16)
+    hits = []
+    for may_follow in (False, True):
+        monkeypatch.setattr(masks, "capture_may_follow", lambda t, training, _v=may_follow: _v)
+        tcs.clear_cache()
+        _step(disp, q, k, v, mask)
+        first = tcs.cache_info()
+        _step(disp, q, k, v, mask)
+        hits.append(tcs.cache_info().hits - first.hits)
+        assert tcs.cache_info().builds == first.builds
+    assert hits[1] == hits[0], hits
+
+
 def test_no_prebuild_where_no_capture_can_follow(fresh_cache):
     """On the CPU (and for an inference forward on the default stream) a pattern builds its own graph only."""
     assert not masks.capture_may_follow(torch.zeros(1), training=True)

@@ -193,11 +193,11 @@ class Dispatcher:
         refusal is remembered, and the captured call then runs on the torch fallback, as it would.
         """
         target = self.runtime.target(call.query.device)
-        memo = ("capture",) + memo_key(call, target)  # the keys are planned once per signature, then looked up
-        keys = self.recipes.peek(memo)
-        if keys is None:
-            keys = self._capture_keys(call, target)
-            self.recipes.put(memo, keys)
+        memo = ("capture",) + memo_key(call, target)  # once per signature: later calls do no lookup at all
+        if self.recipes.peek(memo) is not None:
+            return
+        keys = self._capture_keys(call, target)
+        self.recipes.put(memo, True)  # clear_cache() forgets it with the graphs, so a rebuild prebuilds again
         for key in keys:
             try:
                 self.cache.get_or_build(key, self.runtime.build)
