@@ -305,7 +305,18 @@ def _record_keys(call: Call) -> list:
     tcs.clear_cache()
     with torch.no_grad(), _recording(dispatcher) as seen:
         gqa = call.kv_heads not in (None, 1)
-        res = dispatcher.forward(q, k, v, mask, call.dropout, call.causal, layout=call.policy, enable_gqa=gqa)
+        res = dispatcher.forward(  # the backward's options, as thunder passes them: a dropout forward checks it
+            q,
+            k,
+            v,
+            mask,
+            call.dropout,
+            call.causal,
+            layout=call.policy,
+            enable_gqa=gqa,
+            deterministic=call.deterministic,
+            cat_grad_qkv=call.cat_grad_qkv,
+        )
         out, stats = res[0], res[1]
         seed, offset = (res[2], res[3]) if call.dropout else (None, None)
         grad_out = GRAD_OUT_LAYOUTS[call.grad](tuple(out.shape), call.dtype)

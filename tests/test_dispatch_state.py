@@ -63,9 +63,9 @@ def test_transient_companion_build_failure_is_retried():
         return None
 
     with inject_failures(build=hook):
-        DISPATCH.forward(q, k, v, None, 0.1)  # transient failure: this call falls back
+        DISPATCH.forward(q, k, v, None, 0.125)  # transient failure: this call falls back
         before = tcs.cache_info().fallbacks
-        DISPATCH.forward(q, k, v, None, 0.1)  # the failure is gone: must run on the runtime
+        DISPATCH.forward(q, k, v, None, 0.125)  # the failure is gone: must run on the runtime
     assert tcs.cache_info().fallbacks == before
 
 
@@ -74,9 +74,9 @@ def test_clear_cache_forgets_dropout_verdicts():
     tcs.clear_cache()
     q, k, v = _qkv()
     with inject_failures(build=lambda key: "refused" if isinstance(key, BackwardKey) else None):
-        DISPATCH.forward(q, k, v, None, 0.2)
+        DISPATCH.forward(q, k, v, None, 0.1875)
     tcs.clear_cache()
-    DISPATCH.forward(q, k, v, None, 0.2)
+    DISPATCH.forward(q, k, v, None, 0.1875)
     assert tcs.cache_info().fallbacks == 0
 
 

@@ -71,8 +71,8 @@ def test_inference_forwards_are_dynamic_by_default(mode):
         ("off", False, 0.0, False),
         ("inference", True, 0.0, False),
         ("forward", True, 0.0, True),
-        ("forward", True, 0.1, False),  # never with dropout: not in the compile sweep
-        ("inference", False, 0.1, False),
+        ("forward", True, 0.125, False),  # never with dropout: not in the compile sweep
+        ("inference", False, 0.125, False),
     ],
 )
 def test_the_knob_decides_per_call_and_the_plan_memo_follows_it(mode, setting, training, dropout, dynamic):

@@ -347,17 +347,18 @@ def test_thunder_jit_sdpa_with_a_block_diagonal_mask(fresh_cache):
 
 
 def test_deterministic_backward_over_the_dp_workspace_budget_declines(monkeypatch):
-    """sm90's deterministic backward materializes dP (N x H x S x S x 2 bytes): over budget, the bias path runs."""
-    from thunder_cudnn_safe import support
-
-    monkeypatch.setattr(support, "DP_WORKSPACE_LIMIT", 1024)
+    """sm90's deterministic backward materializes dP (N x H x S x S x 2 bytes): over budget, the bias path runs
+    (the key gate reads the budget off the ragged key: N and S bucketed)."""
     varlen_dispatch.reset_varlen_info()
     disp = _dispatcher()
     mask = rows([[4, 3, 5], [6, 6]], 12)
     q, k, v = _qkv(2, 2, 2, 12)
-    out, d_o, grads = _run(disp, mask, q, k, v, deterministic=True)
+    with tcs.config.patch(dp_workspace_limit=1024):
+        out, d_o, grads = _run(disp, mask, q, k, v, deterministic=True)
     _assert_close(out, grads, *_eager(mask, q, k, v, d_o))
-    assert any("dP workspace" in r for r in varlen_dispatch.varlen_info()), varlen_dispatch.varlen_info()
+    assert varlen_dispatch.varlen_info().get("declined: DP_WORKSPACE (key gate)") == 1, varlen_dispatch.varlen_info()
+    # the bias backward's key is over the same budget: it runs on the torch fallback, never in cuDNN
+    assert not any(isinstance(key, BackwardKey) for key in disp.cache.keys()) and disp.cache.info().fallbacks == 1
 
 
 def test_work_counts_match_brute_force():
@@ -406,3 +407,82 @@ def test_a_float_document_mask_that_requires_grad_stays_a_bias():
     d_o = torch.randn_like(out)
     disp.backward(d_o, q, k, v, mask, 0.0, False, out, stats, None, None, mask_grad=True)
     assert all(key.ragged is None and key.bias is not None for key in list(disp.cache.keys()))
+
+
+# -- every rule on the packed route (issue 34: the key gate) -----------------------------------------
+def test_fused_grad_qkv_with_gqa_returns_one_buffer_on_every_route():
+    """Packed GQA with fused dQKV: the variable-length backward returned dq, dk, dv where the grad transform
+    (and the bias route) return one (B, Hq+Hk+Hv, T, D) buffer, so the step died unpacking it."""
+    mask = rows([[4, 3, 5], [6, 6]], 12)
+    q, k, v = _qkv(2, 4, 2, 12)
+    ref_out = None
+    for arch in ((9, 0), (8, 0)):  # sm90: the variable-length backward; sm80: the bias backward
+        varlen_dispatch.reset_varlen_info()
+        disp = _dispatcher(arch)
+        out, d_o, grads = _run(disp, mask, q, k, v, cat_grad_qkv=True)
+        (grad_qkv,) = grads
+        assert grad_qkv.shape == (2, 4 + 2 + 2, 12, 64)
+        assert varlen_dispatch.varlen_info().get("backward") == (1 if arch == (9, 0) else None)
+        ref_out = _eager(mask, q, k, v, d_o) if ref_out is None else ref_out
+        _assert_close(out, grad_qkv.split([4, 2, 2], dim=1), *ref_out)
+        assert disp.cache.info().fallbacks == 0
+
+
+def test_fused_grad_qkv_with_gqa_under_thunder_jit(fresh_cache):
+    """The issue's reproduction: thunder.jit with cudnn_safe_bwd_may_cat_grad_qkv=True, a block-diagonal mask,
+    4 query heads and 2 K/V heads."""
+    import sys
+
+    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    from checks import check_against_eager, jit_with_ours
+
+    varlen_dispatch.reset_varlen_info()
+    mask = rows([[4, 3, 5, 4], [10, 6]], 16)
+    q, k, v = (t.detach().requires_grad_() for t in _qkv(2, 4, 2, 16, dtype=torch.float16))
+
+    def f(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    jf = jit_with_ours(f, cudnn_safe_bwd_may_cat_grad_qkv=True)
+    check_against_eager(jf, (q, k, v), torch.randn(2, 4, 16, 64, dtype=torch.float16), f, [q, k, v])
+    assert varlen_dispatch.varlen_info().get("backward") == 1, varlen_dispatch.varlen_info()
+
+
+@pytest.mark.parametrize("backend, varlen_backward", [(91900, False), (92700, True)])
+def test_documents_of_33_to_64_tokens_never_build_the_hopper_kv_tail_backward(backend, varlen_backward):
+    """Non-causal documents whose longest has 33-64 tokens bucket the ragged backward's key length to 64:
+    HOPPER_BACKWARD_KV_TAIL_NAN's trigger (NaN dQ on sm90 before cuDNN 9.26), which the dense path declines
+    at trace time but the variable-length route never checked (the trace sees T, not the bucket). The key gate
+    refuses that key: the backward runs as a bias (T = 100: no trigger) and is right; 9.27 runs it ragged."""
+    varlen_dispatch.reset_varlen_info()
+    disp = Dispatcher(EmulatedRuntime(arch=(9, 0), backend_version=backend), GraphCache())
+    mask = rows([[40, 50, 10], [64, 36]], 100, causal=False)
+    q, k, v = _qkv(2, 2, 2, 100, d=32)
+    out, d_o, grads = _run(disp, mask, q, k, v)
+    _assert_close(out, grads, *_eager(mask, q, k, v, d_o))
+    ragged_backward = [key for key in disp.cache.keys() if isinstance(key, BackwardKey) and key.ragged is not None]
+    info = varlen_dispatch.varlen_info()
+    assert info.get("forward") == 1 and disp.cache.info().fallbacks == 0
+    if varlen_backward:
+        assert info.get("backward") == 1 and ragged_backward
+    else:
+        assert not ragged_backward and "backward" not in info
+        assert info.get("declined: HOPPER_BACKWARD_KV_TAIL_NAN (key gate)") == 1, info
+        assert all(key.k.shape[2] == 100 for key in disp.cache.keys() if isinstance(key, BackwardKey))
+
+
+def test_more_than_32768_documents_decline_to_the_bias_not_a_grid_crash():
+    """32,769 documents round N up to 65,536 sequences, past cuDNN's grid limit (a failed launch, a
+    RuntimeError on a GPU, not a refusal): the key gate refuses that key, so the call runs as a bias."""
+    from thunder_cudnn_safe.calls import ForwardCall
+    from thunder_cudnn_safe.documents import DocumentPattern
+
+    n, t = 32769, 32776
+    p = DocumentPattern(False, None, n, 1, 1, t, torch.arange(n), torch.ones(n, dtype=torch.int32), {})
+    q = torch.randn(1, t, 1, 16).to(torch.bfloat16).transpose(1, 2)
+    varlen_dispatch.reset_varlen_info()
+    disp = _dispatcher()
+    built = []
+    disp.runtime._build_one = lambda key, impl: built.append(key)  # never reached: the gate refuses first
+    assert varlen_dispatch.forward(disp, ForwardCall(q, q, q, p)) is None
+    assert built == [] and varlen_dispatch.varlen_info() == {"declined: GRID_65535 (key gate)": 1}

@@ -238,6 +238,7 @@ def test_cudnn_handles_are_per_thread_created_one_at_a_time_and_bound_to_the_cur
     monkeypatch.setattr(runtime.torch.cuda, "current_stream", lambda index: SimpleNamespace(cuda_stream=streams.value))
     rt = runtime.CudnnRuntime()
     handles = {}
+    alive = threading.Barrier(THREADS)  # every thread holds its handle at once (an ended one gives it back)
 
     def work(i: int) -> None:
         streams.value = 1000 + i
@@ -245,6 +246,7 @@ def test_cudnn_handles_are_per_thread_created_one_at_a_time_and_bound_to_the_cur
         streams.value = 2000 + i  # the thread's current stream changes: the same handle, re-bound
         assert rt.handle(0) is first
         handles[i] = first
+        alive.wait()
 
     _run_threads(work)
     assert max(overlaps) == 1  # never two cudnnCreate at once
@@ -255,3 +257,62 @@ def test_cudnn_handles_are_per_thread_created_one_at_a_time_and_bound_to_the_cur
     for calls in by_thread.values():
         (h0, s0), (h1, s1) = calls
         assert h0 is h1 and s1 == s0 + 1000
+
+
+# -- handles and copies that do not stop a server or a training step (issue 34) -----------------------
+def test_handles_are_reused_after_their_thread_ends():
+    """A server that starts a thread per request used to create a cuDNN handle per request and never destroy
+    it: handles are lent per thread and go back to the pool when the thread ends."""
+    from thunder_cudnn_safe.handles import HandlePool
+    from thunder_cudnn_safe.runtime import CudnnRuntime
+
+    made = []
+    pool = HandlePool(lambda device: made.append(device) or object())
+    for _ in range(20):  # one request after another, each on a new thread
+        t = threading.Thread(target=lambda: pool.get(0))
+        t.start()
+        t.join()
+        gc.collect()
+    assert pool.created == 1 and pool.free_count(0) == 1
+    barrier, held = threading.Barrier(THREADS), []
+
+    def concurrent():
+        held.append(pool.get(0))
+        barrier.wait()  # all alive at once: each has its own handle
+
+    threads = [threading.Thread(target=concurrent) for _ in range(THREADS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    gc.collect()
+    assert len({id(h) for h in held}) == THREADS and pool.created == THREADS and pool.free_count(0) == THREADS
+    assert pool.get(0) is pool.get(0) and pool.created == THREADS  # this thread keeps the one it took
+    assert isinstance(CudnnRuntime()._handles, HandlePool)
+
+
+def test_a_transient_failure_of_another_threads_copy_is_retried(monkeypatch):
+    """A dropout backward runs on autograd's thread, which builds its own copy of the backward the forward
+    checked. A transient failure of that copy (out of memory) went to the fallback, which cannot reproduce
+    cuDNN's dropout mask and raised, stopping training: the copy is retried in place."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from thunder_cudnn_safe.errors import GraphBuildError
+    from thunder_cudnn_safe.keys import BackwardKey
+
+    disp = _dispatcher()
+    q, k, v, g = _inputs(3)
+    out, stats, seed, offset = disp.forward(q, k, v, None, 0.25, True)
+    failures = [GraphBuildError("CUDA out of memory while building plans", definitive=False)]
+    real = disp.runtime._build_one
+
+    def build_one(key, implementation):
+        if failures and isinstance(key, BackwardKey):
+            raise failures.pop()
+        return real(key, implementation)
+
+    monkeypatch.setattr(disp.runtime, "_build_one", build_one)
+    with ThreadPoolExecutor(max_workers=1) as autograd_thread:
+        grads = autograd_thread.submit(disp.backward, g, q, k, v, None, 0.25, True, out, stats, seed, offset).result()
+    assert failures == [] and disp.cache.info().fallbacks == 0
+    assert all(torch.isfinite(t).all() for t in grads)

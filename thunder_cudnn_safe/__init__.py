@@ -10,6 +10,8 @@ Importing this package changes thunder, in this order:
 1. the compat steps of :mod:`thunder_cudnn_safe._compat`, before thunder is imported: on torch >= 2.13,
    placeholder ``torch.Tensor`` named-tensor methods (thunder's op tables name them); without libcudnn,
    the cuDNN frontend is hidden from thunder's own import (its cuDNN executor would raise there);
+   on torch >= 2.14 thunder's own import fails (Lightning-AI/lightning-thunder#2833), and importing this
+   package raises an ImportError naming torch's version, that issue and the torch versions that work;
 2. two executors are registered with thunder (``cudnn_safe_ex``, ``emulated_ex``), not made default
    (:func:`install` does that);
 3. :func:`~thunder_cudnn_safe.install.drop_broken_builtin_cudnn_executor`: thunder's built-in ``"cudnn"``
@@ -33,6 +35,7 @@ from .errors import EmulationError, GraphBuildError  # noqa: E402
 from .executor import CallReport, cudnn_safe_ex, describe, emulated_ex, explain  # noqa: E402
 from .gqa import RepeatKVToGQA  # noqa: E402
 from .install import drop_broken_builtin_cudnn_executor, install, installed, uninstall  # noqa: E402
+from .key_gate import gate_info, reset_gate_info  # noqa: E402
 from .layout import LayoutPolicy  # noqa: E402
 from .masks import MaskCacheInfo, mask_cache_info, set_mask_cache_size  # noqa: E402
 from .patterns import mask_pattern_info, reset_mask_pattern_info, set_mask_patterns  # noqa: E402
@@ -82,6 +85,8 @@ __all__ = [
     "reset_mask_pattern_info",
     "varlen_info",
     "reset_varlen_info",
+    "gate_info",
+    "reset_gate_info",
     "plan_cache_info",
     "PlanCacheInfo",
     "copy_stats",

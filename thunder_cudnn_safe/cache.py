@@ -1,8 +1,10 @@
 """The process-wide cache of built graphs, with counters and a memory of refusals.
 
 A hit is one lookup. A miss builds under a per-key lock (one build per key, other keys in
-parallel). A refusal is remembered; a transient failure (``GraphBuildError.definitive`` false)
-is retried, and remembered after :data:`TRANSIENT_BUILD_ATTEMPTS` failures.
+parallel). A refusal (cuDNN's judgment of the graph, or the key gate's) is remembered and raised
+again as it was; a transient failure (``GraphBuildError.definitive`` false: an out-of-memory or a
+CUDA error the frontend wrapped) is never remembered, so the next call with that key builds again
+(three transient failures used to become a refusal for the rest of the process).
 """
 
 from __future__ import annotations
@@ -20,8 +22,6 @@ from .masks import converted_masks
 from .telemetry import forget_warnings
 
 DEFAULT_CACHE_SIZE = config.KNOBS["cache_size"].default
-#: Builds of one key that may fail transiently before the failure is remembered as a refusal.
-TRANSIENT_BUILD_ATTEMPTS = 3
 
 
 class CacheInfo(NamedTuple):
@@ -56,7 +56,7 @@ class GraphCache:
         if maxsize < 1:
             raise ValueError("cache size must be >= 1")
         self._lock = threading.Lock()  # counters and per-key locks
-        self._graphs, self._refused, self._transient = LRU(maxsize), LRU(maxsize), LRU(maxsize)
+        self._graphs, self._refused = LRU(maxsize), LRU(maxsize)
         self._key_locks: dict[Hashable, threading.Lock] = {}
         self._zero()
 
@@ -78,10 +78,10 @@ class GraphCache:
         entry = self._graphs.get(key) if count else self._graphs.peek(key)
         if entry is not None:
             return entry
-        reason = self._refused.get(key)
-        if reason is not None:
+        refusal = self._refused.get(key)
+        if refusal is not None:
             count and self._count("negative_hits")
-            raise GraphBuildError(reason)
+            raise refusal.with_traceback(None)  # as it was (a key gate's RuleRefusal names its rule)
         return None
 
     def get_or_build(self, key: Hashable, build: Callable[[Hashable], Any]) -> Any:
@@ -114,22 +114,18 @@ class GraphCache:
             self._failed(key, exc)
         self._count("build_seconds", time.perf_counter() - start)
         self._count("builds")
-        self._transient.pop(key)
         self._graphs.put(key, entry)
         return entry
 
     def _failed(self, key: Hashable, exc: Exception) -> None:
-        """Remember a refusal (or count a transient failure) and raise it as GraphBuildError."""
+        """Remember a refusal (a transient failure is only counted) and raise it as GraphBuildError."""
         self._count("build_failures")
         error = exc if isinstance(exc, GraphBuildError) else GraphBuildError(f"{type(exc).__name__}: {exc}")
-        if not error.definitive:
-            attempts = self._transient.pop(key, 0) + 1
-            if attempts < TRANSIENT_BUILD_ATTEMPTS:
-                self._transient.put(key, attempts)
-                raise GraphBuildError(error.reason, definitive=False) from exc
-            error = GraphBuildError(f"{error.reason} (failed {attempts} times; not retried again)")
-        self._refused.put(key, error.reason)
-        raise GraphBuildError(error.reason) from exc
+        if error.definitive:
+            self._refused.put(key, error)
+        if error is exc:
+            raise error
+        raise error from exc
 
     def record_fallback(self) -> None:
         self._count("fallbacks")
@@ -151,7 +147,7 @@ class GraphCache:
 
     def clear(self) -> None:
         """Drop every graph and refusal; zero the counters."""
-        for lru in (self._graphs, self._refused, self._transient):
+        for lru in (self._graphs, self._refused):
             lru.clear()
         with self._lock:
             self._zero()
@@ -159,7 +155,7 @@ class GraphCache:
     def resize(self, maxsize: int) -> None:
         if not isinstance(maxsize, int) or isinstance(maxsize, bool) or maxsize < 1:
             raise ValueError(f"cache size must be a positive integer, got {maxsize!r}")
-        for lru in (self._graphs, self._refused, self._transient):
+        for lru in (self._graphs, self._refused):
             lru.resize(maxsize)
 
     def keys(self) -> list:

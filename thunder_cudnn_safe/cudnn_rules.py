@@ -11,9 +11,11 @@ read the rules from here and nowhere else.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-from .keys import Target
+from .keys import BackwardKey, Target
 
 
 @dataclass(frozen=True)
@@ -25,6 +27,12 @@ class Rule:
     ``passes`` says which pass the fact is about: a rule about the backward only (``("backward",)``)
     declines a call only when a backward follows it (:meth:`declines`); an inference forward is
     unaffected. ``holds`` ignores it.
+
+    ``on_key`` is the rule's trigger read off a graph key (:mod:`~thunder_cudnn_safe.key_gate`, the last
+    gate before any graph is built, whichever route planned the key): ``on_key(rule, key)`` says what in
+    the key breaks the rule, or None. Built with :func:`where_it_holds` (a defect: the trigger breaks it
+    where the rule holds) or :func:`unless_it_holds` (a capability: the trigger needs the rule to hold).
+    ``fixed_in``: the first cuDNN version without the defect, named in a decline (``explain()``).
     """
 
     name: str
@@ -37,6 +45,8 @@ class Rule:
     arch_majors: tuple[int, ...] = ()
     except_backends: tuple[int, ...] = ()
     passes: tuple[str, ...] = ("forward", "backward")
+    on_key: Callable[[Rule, Any], str | None] | None = None
+    fixed_in: int | None = None
 
     def holds(self, target: Target) -> bool:
         arch, version = tuple(target.arch), int(target.backend_version)
@@ -53,6 +63,48 @@ class Rule:
         backward-only fact only when a backward follows (a training forward, whose stats and dropout
         mask bind it to the backward of the same executor)."""
         return self.holds(target) and (backward_follows or "forward" in self.passes)
+
+    def broken_by(self, key: Any) -> str | None:
+        """What in graph ``key`` breaks this rule on the key's own target, or None (no key trigger: None)."""
+        return None if self.on_key is None else self.on_key(self, key)
+
+    @property
+    def upgrade_hint(self) -> str:
+        """Where a newer cuDNN fixes the defect: the version and how to get it (README, "A newer libcudnn")."""
+        if self.fixed_in is None:
+            return ""
+        major, minor, patch = self.fixed_in // 10000, self.fixed_in // 100 % 100, self.fixed_in % 100
+        return (
+            f" Fixed in cuDNN {major}.{minor}.{patch}: `pip install 'nvidia-cudnn-cu13>={major}.{minor}.{patch}'` "
+            "beside torch (README, 'A newer libcudnn')."
+        )
+
+
+def where_it_holds(trigger: Callable[[Any], str | None]) -> Callable[[Rule, Any], str | None]:
+    """A defect's key check: ``trigger(key)`` (what in the key meets the defect) breaks the rule where it holds."""
+    return lambda rule, key: trigger(key) if rule.holds(key.target) else None
+
+
+def unless_it_holds(trigger: Callable[[Any], str | None]) -> Callable[[Rule, Any], str | None]:
+    """A capability's key check: ``trigger(key)`` (what in the key needs it) breaks the rule where it does not hold."""
+    return lambda rule, key: None if rule.holds(key.target) else trigger(key)
+
+
+# -- what a key says (dims are (B or N, H, S, D); a ragged key's S is the bucketed longest document) -----
+def _backward(key: Any) -> bool:
+    return isinstance(key, BackwardKey)
+
+
+def _dense(key: Any) -> bool:
+    return key.ragged is None
+
+
+def _lengths(key: Any) -> tuple[int, int]:
+    return key.q.shape[2], key.k.shape[2]
+
+
+def _if(condition: bool, text: str) -> str | None:
+    return text if condition else None
 
 
 FLASH_ATTENTION = Rule(
@@ -108,6 +160,9 @@ BACKWARD_SEQ_1 = Rule(
     "sdpa_backward refuses s_q = s_kv = 1 (the forward accepts it)",
     "nvidia-cudnn-frontend 1.32 _sdpa_validate.py ('s_q = s_kv = 1 is not supported') and cuDNN 9.19's C++ "
     "validate, on every arch (the lowering sweep)",
+    on_key=where_it_holds(
+        lambda key: _if(_backward(key) and _dense(key) and _lengths(key) == (1, 1), "a backward with s_q = s_kv = 1")
+    ),
 )
 DETERMINISTIC_BACKWARD_BLACKWELL = Rule(
     "DETERMINISTIC_BACKWARD_BLACKWELL",
@@ -115,6 +170,12 @@ DETERMINISTIC_BACKWARD_BLACKWELL = Rule(
     "cuDNN 9.19 C++ validate: 'Deterministic algorithm is not supported on blackwell architecture when dbias, "
     "rng/dropout, alibi is enabled' (the lowering sweep; sm120 accepts)",
     arch_major=10,
+    on_key=where_it_holds(
+        lambda key: _if(
+            _backward(key) and key.deterministic and bool(key.dropout_p or key.d_bias),
+            "a deterministic backward with dropout or dBias",
+        )
+    ),
 )
 DETERMINISTIC_BACKWARD_BLACKWELL_BEFORE_9_18 = Rule(
     "DETERMINISTIC_BACKWARD_BLACKWELL_BEFORE_9_18",
@@ -126,6 +187,8 @@ DETERMINISTIC_BACKWARD_BLACKWELL_BEFORE_9_18 = Rule(
     arch_major=10,
     max_backend=91800,
     passes=("backward",),
+    on_key=where_it_holds(lambda key: _if(_backward(key) and key.deterministic, "a deterministic backward")),
+    fixed_in=91800,
 )
 DETERMINISTIC_BIAS_BACKWARD_BLACKWELL = Rule(
     "DETERMINISTIC_BIAS_BACKWARD_BLACKWELL",
@@ -137,6 +200,13 @@ DETERMINISTIC_BIAS_BACKWARD_BLACKWELL = Rule(
     "and stay declined",
     arch_major=10,
     max_backend=92700,
+    on_key=where_it_holds(
+        lambda key: _if(
+            _backward(key) and key.deterministic and key.bias is not None and not (key.dropout_p or key.d_bias),
+            "a deterministic backward with a bias",
+        )
+    ),
+    fixed_in=92700,
 )
 DROPOUT_DBIAS_BLACKWELL = Rule(
     "DROPOUT_DBIAS_BLACKWELL",
@@ -145,6 +215,9 @@ DROPOUT_DBIAS_BLACKWELL = Rule(
     "this engine only supports fprop inference under non matching device version and architecture'), no other "
     "engine serves dBias; sm80/sm90 build it. Deviceless planning: a B200 run may lift it",
     arch_major=10,
+    on_key=where_it_holds(
+        lambda key: _if(_backward(key) and bool(key.dropout_p) and key.d_bias is not None, "dropout with dBias")
+    ),
 )
 _SQ_VECTORS = (
     (
@@ -156,14 +229,20 @@ _SQ_VECTORS = (
         "SM80' (its SM80 and SM120 code paths; an sm120 descriptor confirms it); sm90/sm100 build it"
     ),
 )
-BIAS_KEY_LENGTH_1_AMPERE = Rule("BIAS_KEY_LENGTH_1_AMPERE", *_SQ_VECTORS, arch_major=8)
-BIAS_KEY_LENGTH_1_SM120 = Rule("BIAS_KEY_LENGTH_1_SM120", *_SQ_VECTORS, arch_major=12)
+_BIAS_KEY_LENGTH_1 = where_it_holds(
+    lambda key: _if(_backward(key) and key.bias is not None and _lengths(key)[1] == 1, "a bias backward with s_kv = 1")
+)
+BIAS_KEY_LENGTH_1_AMPERE = Rule("BIAS_KEY_LENGTH_1_AMPERE", *_SQ_VECTORS, arch_major=8, on_key=_BIAS_KEY_LENGTH_1)
+BIAS_KEY_LENGTH_1_SM120 = Rule("BIAS_KEY_LENGTH_1_SM120", *_SQ_VECTORS, arch_major=12, on_key=_BIAS_KEY_LENGTH_1)
 DBIAS_KEY_LENGTH_1_BLACKWELL = Rule(
     "DBIAS_KEY_LENGTH_1_BLACKWELL",
     "a mask gradient (dBias) when the key length is 1 has no backward engine on datacenter Blackwell (sm100/sm103)",
     "the compile sweep, cuDNN 9.19: no engine config for sm100 ('This tile size is not supported for Blackwell "
     "flash bprop'); sm90 builds it",
     arch_major=10,
+    on_key=where_it_holds(
+        lambda key: _if(_backward(key) and key.d_bias is not None and _lengths(key)[1] == 1, "dBias with s_kv = 1")
+    ),
 )
 DYNAMIC_SHAPE_FORWARD = Rule(
     "DYNAMIC_SHAPE_FORWARD",
@@ -183,12 +262,24 @@ DO_OWN_STRIDES = Rule(
     "sdpa_backward reads dO through its own declared strides (before 9.5.1 it assumed O's strides)",
     "cuDNN 9.5.1 release notes; PyTorch's cuDNN attention warned about dO/O stride mismatch until then",
     min_backend=90501,
+    on_key=unless_it_holds(
+        lambda key: _if(_backward(key) and tuple(key.d_o.stride) != tuple(key.o.stride), "dO strides other than O's")
+    ),
 )
 STATS_PACKED_ONLY = Rule(
     "STATS_PACKED_ONLY",
     "a non-ragged Stats input of sdpa_backward must be packed BHSD (exact strides, size-1 dims too)",
     "nvidia-cudnn-frontend 1.32 sdpa_support_surface.h (checked before planning)",
     max_backend=92600,
+    on_key=where_it_holds(
+        lambda key: _if(
+            _backward(key)
+            and not (key.ragged is not None and key.ragged.stats)
+            and tuple(key.stats.stride) != _packed(key.stats.shape),
+            "stats declared with other than packed BHSD strides",
+        )
+    ),
+    fixed_in=92600,
 )
 
 #: Layout rules every target shares (TMA-based kernels read from a base pointer through the
@@ -200,6 +291,7 @@ LAYOUT = Rule(
     f"inner stride 1, {ALIGNMENT_BYTES}-byte aligned base, other strides multiples of {ALIGNMENT_BYTES} bytes, "
     f"non-overlapping positive strides, element offsets below 2**31",
     "cuDNN developer guide (tensor descriptors for SDPA; TMA alignment on Hopper)",
+    on_key=where_it_holds(lambda key: _oversized(key)),
 )
 
 
@@ -219,6 +311,7 @@ DP_WORKSPACE = Rule(
     "in a workspace of B*H_q*pad64(S_q)*pad64(S_kv)*2 bytes: 8.6 GB at B=8, H=32, S=4096",
     "cudnn_frontend 1.32 node/scaled_dot_product_flash_attention.h, CompositeSDPABackwardNode: "
     "use_dp_workspace is forced for dBias and is_deterministic_algorithm; required_dp_workspace_bytes",
+    on_key=where_it_holds(lambda key: _dp_over_budget(key)),
 )
 #: Default budget for :data:`DP_WORKSPACE`; ``THUNDER_CUDNN_SAFE_DP_WORKSPACE_LIMIT`` (bytes) changes it.
 DP_WORKSPACE_LIMIT = 4 * 2**30
@@ -243,6 +336,7 @@ VARLEN_BACKEND = Rule(
     "ragged + GQA backward >= 9.6 (cudnn-frontend scaled_dot_product_flash_attention.h)",
     min_arch=(8, 0),
     min_backend=91900,
+    on_key=unless_it_holds(lambda key: _if(not _dense(key), "a variable-length (ragged) graph")),
 )
 VARLEN_BACKWARD_ARCH = Rule(
     "VARLEN_BACKWARD_ARCH",
@@ -252,12 +346,14 @@ VARLEN_BACKWARD_ARCH = Rule(
     "backward ignores max_total_seq_len, its workspace grows with N*S: 3.2 GB for a Llama-8B step)",
     "libcudnn 9.19 validate at sm80 (shared/notes/packed-sequences.md, fact 4)",
     min_arch=(9, 0),
+    on_key=unless_it_holds(lambda key: _ragged_stats(key)),
 )
 VARLEN_BACKWARD_SM12X = Rule(
     "VARLEN_BACKWARD_SM12X",
     "sm12x refuses a ragged-stats variable-length backward, like sm80",
     "cudnn-frontend 1.32 rule string 'bprop thd on SM8X and SM12X GPUs'",
     arch_major=12,
+    on_key=where_it_holds(lambda key: _ragged_stats(key)),
 )
 VARLEN_NO_DROPOUT = Rule(
     "VARLEN_NO_DROPOUT",
@@ -265,12 +361,14 @@ VARLEN_NO_DROPOUT = Rule(
     "is not verified against the emulated reference",
     "this package (no GPU measurement of ragged dropout)",
     min_backend=10**9,
+    on_key=unless_it_holds(lambda key: _if(not _dense(key) and bool(key.dropout_p), "a ragged graph with dropout")),
 )
 VARLEN_BATCH_STRIDE = Rule(
     "VARLEN_BATCH_STRIDE",
     "a ragged tensor's declared batch stride is never stepped but must be a multiple of 16 bytes (PyTorch's "
     "INT_MAX is refused): the package declares S_bucket x token stride, S_bucket a power of two >= 16",
     "libcudnn 9.19 validate, 'stride 2147483647 of dimension 0 ... not a multiple of the tensor's 16-byte alignment'",
+    on_key=where_it_holds(lambda key: _ragged_batch_stride(key)),
 )
 
 
@@ -293,6 +391,8 @@ BLACKWELL_DECODE = Rule(
     min_backend=91900,
     max_backend=92501,
     except_backends=(92401,),
+    on_key=where_it_holds(lambda key: _if(_dense(key) and _lengths(key)[0] == 1, "a single query (s_q = 1)")),
+    fixed_in=92501,
 )
 HOPPER_BACKWARD_KV_TAIL_NAN = Rule(
     "HOPPER_BACKWARD_KV_TAIL_NAN",
@@ -306,6 +406,8 @@ HOPPER_BACKWARD_KV_TAIL_NAN = Rule(
     arch_major=9,
     max_backend=92600,
     passes=("backward",),
+    on_key=where_it_holds(lambda key: _kv_tail(key)),
+    fixed_in=92600,
 )
 HOPPER_DECODE_BACKWARD_NAN = Rule(
     "HOPPER_DECODE_BACKWARD_NAN",
@@ -319,6 +421,12 @@ HOPPER_DECODE_BACKWARD_NAN = Rule(
     "full tensor lengths avoids the NaNs'",
     arch_major=9,
     passes=("backward",),
+    on_key=where_it_holds(
+        lambda key: _if(
+            _backward(key) and _dense(key) and _lengths(key)[0] == 1 and not key.padded,
+            "a backward with s_q = 1 without the padding mask",
+        )
+    ),
 )
 CAUSAL_DECODE_GQA = Rule(
     "CAUSAL_DECODE_GQA",
@@ -326,6 +434,12 @@ CAUSAL_DECODE_GQA = Rule(
     "known, so it holds on every version",
     "cuDNN 9.18.1 release notes, Known Issues ('Decode-phase scaled dot-product attention should usually be run "
     "without causal masking ... if the layer has Q head count != K/V head count, the result ...')",
+    on_key=where_it_holds(
+        lambda key: _if(
+            _dense(key) and _lengths(key)[0] == 1 and key.causal and key.q.shape[1] != key.k.shape[1],
+            f"causal with s_q = 1 and {key.q.shape[1]} query / {key.k.shape[1]} key heads",
+        )
+    ),
 )
 BACKWARD_KEY_LENGTH_1 = Rule(
     "BACKWARD_KEY_LENGTH_1",
@@ -334,17 +448,89 @@ BACKWARD_KEY_LENGTH_1 = Rule(
     "cuDNN 9.18.1 release notes, Known Issues ('bprop is not supported when both key/value have sequence length "
     "of 1'); PyTorch sdp_utils.cpp check_cudnn_tensor_shapes ('does not support key/value sequence length 1')",
     passes=("backward",),
+    on_key=where_it_holds(
+        lambda key: _if(_backward(key) and _dense(key) and _lengths(key)[1] == 1, "a backward with s_kv = 1")
+    ),
 )
 DROPOUT_SIXTEENTHS = Rule(
     "DROPOUT_SIXTEENTHS",
     "some cuDNN SDPA kernels round dropout_p to a multiple of 1/16 silently: other values are declined",
     "PyTorch sdp_utils.cpp check_cudnn_dropout, PR #174245 ('cuDNN dropout probability resolution is limited to 1/16')",
+    on_key=where_it_holds(
+        lambda key: _if(key.dropout_p * 16 != int(key.dropout_p * 16), f"dropout_p = {key.dropout_p}")
+    ),
 )
 GRID_65535 = Rule(
     "GRID_65535",
     "batch size or head count above 65535 fails at execute (a grid dimension): declined at trace time",
     "PyTorch PR #181235, PR #180718 and sdp_utils.cpp check_cudnn_tensor_shapes ('cuDNN SDPA does not support "
     "batch size or num_heads greater than 65535')",
+    on_key=where_it_holds(
+        lambda key: _if(
+            max(key.q.shape[0], key.q.shape[1], key.k.shape[1]) > GRID_LIMIT,
+            f"{'sequences' if key.ragged is not None else 'batch'} {key.q.shape[0]}, heads "
+            f"{key.q.shape[1]}/{key.k.shape[1]} (the limit is {GRID_LIMIT})",
+        )
+    ),
 )
 #: The largest batch size and head count :data:`GRID_65535` allows.
 GRID_LIMIT = 65535
+
+
+def _packed(shape: tuple[int, ...]) -> tuple[int, ...]:
+    from .layout import packed_strides  # layout reads this module's constants
+
+    return packed_strides(shape)
+
+
+def _oversized(key: Any) -> str | None:
+    """A dense tensor whose declared elements reach 2**31 (cuDNN's int32 element offsets), e.g. a huge bias."""
+    if not _dense(key):
+        return None  # ragged tensors are addressed by their offsets (int64 where needed), not the batch stride
+    for name, sig in zip(key._fields, key):
+        if hasattr(sig, "stride") and hasattr(sig, "shape") and 0 not in sig.shape:
+            span = 1 + sum((n - 1) * s for n, s in zip(sig.shape, sig.stride))
+            if span >= INT32_ELEMENT_LIMIT:
+                return f"{name} spans {span} elements"
+    return None
+
+
+def _dp_over_budget(key: Any) -> str | None:
+    """A backward whose dP workspace (:data:`DP_WORKSPACE`) is over the budget (config.dp_workspace_limit)."""
+    if not _backward(key) or not needs_dp_workspace(key.target, key.d_bias is not None, key.deterministic):
+        return None
+    from . import config  # config reads this module's defaults
+
+    need = dp_workspace_bytes(key.q.shape[0], key.q.shape[1], *_lengths(key))
+    if need <= config.dp_workspace_limit:
+        return None
+    return f"the dP workspace of {need / 2**30:.2f} GiB is over the {config.dp_workspace_limit / 2**30:.2f} GiB budget"
+
+
+def _ragged_stats(key: Any) -> str | None:
+    """A ragged graph that reads or writes ragged stats: a backward, or a forward a backward follows."""
+    return _if(not _dense(key) and (_backward(key) or key.stats is not None), "ragged (tokens-major) stats")
+
+
+def _ragged_batch_stride(key: Any) -> str | None:
+    if _dense(key):
+        return None
+    for name, sig in zip(key._fields, key):
+        if hasattr(sig, "stride") and sig.dtype.is_floating_point and (sig.stride[0] * sig.dtype.itemsize) % 16:
+            return f"{name}'s declared batch stride {sig.stride[0]}"
+    return None
+
+
+def _kv_tail(key: Any) -> str | None:
+    """:data:`HOPPER_BACKWARD_KV_TAIL_NAN`'s shape: a backward with s_kv % 128 == 64 (a ragged key: the bucketed
+    longest document) unless the causal band masks the tail (causal, no bias, s_q <= s_kv)."""
+    if not _backward(key):
+        return None
+    s_q, s_kv = _lengths(key)
+    if s_kv % 128 != 64 or (key.causal and key.bias is None and s_q <= s_kv):
+        return None
+    return f"a backward declaring key length {s_kv} (% 128 == 64)" + ("" if _dense(key) else ", variable-length")
+
+
+#: Every rule, in the order they are defined; the key gate and ``explain()`` read this table.
+RULES: tuple[Rule, ...] = tuple(v for v in dict(globals()).values() if isinstance(v, Rule))

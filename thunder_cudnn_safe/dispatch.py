@@ -8,9 +8,11 @@ with dO in O's layout (the graph the forward checked).
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
-from . import fallback, handoff, masks, varlen_dispatch
+from . import cudnn_rules, fallback, handoff, masks, varlen_dispatch
 from .cache import GraphCache, graph_cache
 from .calls import BackwardCall, ForwardCall, memo_key, signature, torch_deterministic
 from .cudnn_rules import INT32_ELEMENT_LIMIT
@@ -18,6 +20,7 @@ from .defect_routes import route
 from .documents import DocumentPattern
 from .errors import ExecuteError, GraphBuildError
 from .graphs import Uid
+from .key_gate import RuleRefusal
 from .keys import BackwardKey, ForwardKey, Target, TensorSig
 from .layout import LayoutPolicy
 from .lru import LRU
@@ -189,19 +192,25 @@ class Dispatcher:
         its bias, whose graph a warm-up that ran the pattern never built; a build inside the capture
         (heuristics, NVRTC, a module load) invalidates it. Built here, at warm-up, the capture only
         looks them up. The keys are planned exactly as the capture will plan them (the defect routes
-        included; a dropout forward: the backward graphs it checks too). Nothing is bound or run; a
-        refusal is remembered, and the captured call then runs on the torch fallback, as it would.
+        included; a dropout forward: the backward graphs it checks too), and the calling thread's own
+        copy of each graph is made (:mod:`per_thread`). Nothing is bound or run; a refusal is remembered,
+        and the captured call then runs on the torch fallback, as it would.
         """
         target = self.runtime.target(call.query.device)
-        memo = ("capture",) + memo_key(call, target)  # once per signature: later calls do no lookup at all
+        # once per signature and thread: later calls do no lookup at all
+        memo = ("capture", threading.get_ident()) + memo_key(call, target)
         if self.recipes.peek(memo) is not None:
             return
         keys = self._capture_keys(call, target)
         self.recipes.put(memo, True)  # clear_cache() forgets it with the graphs, so a rebuild prebuilds again
         for key in keys:
             try:
-                self.cache.get_or_build(key, self.runtime.build)
-            except GraphBuildError:
+                built = self.cache.get_or_build(key, self.runtime.build)
+                # and this thread's copy: a graph built on another thread (a dropout forward's check of its
+                # backward, built on the forward's thread) is copied for autograd's thread on first use,
+                # which must not be inside the capture
+                self.runtime.graph_for_this_thread(built)
+            except (GraphBuildError, ExecuteError):
                 continue
             if isinstance(call, ForwardCall) and call.dropout_p and call.need_stats:
                 self._backward_builds(call, route(call, target) if call.query.shape[2] == 1 else call, key)
@@ -239,17 +248,25 @@ class Dispatcher:
             companion = companion_backward_key(bcall, fkey, mask_grad)
             try:
                 self.cache.get_or_build(companion, self.runtime.build)
+            except RuleRefusal as exc:
+                if mask_grad and exc.rule == cudnn_rules.DP_WORKSPACE.name:
+                    continue  # judged at trace time, where the need for dBias is known (:mod:`support`)
+                self._warn_dropout_refusal(companion, exc)
+                return False
             except GraphBuildError as exc:
-                warn_once(
-                    ("fallback", self.runtime.name, companion),
-                    "cudnn_safe: %s refuses the backward graph of an attention call with dropout (%s), and only "
-                    "cuDNN could reproduce its dropout mask: the forward runs on the torch fallback too. Shown once "
-                    "per distinct graph.",
-                    self.runtime.name,
-                    exc,
-                )
+                self._warn_dropout_refusal(companion, exc)
                 return False
         return True
+
+    def _warn_dropout_refusal(self, companion: BackwardKey, exc: GraphBuildError) -> None:
+        warn_once(
+            ("fallback", self.runtime.name, companion),
+            "cudnn_safe: %s refuses the backward graph of an attention call with dropout (%s), and only "
+            "cuDNN could reproduce its dropout mask: the forward runs on the torch fallback too. Shown once "
+            "per distinct graph.",
+            self.runtime.name,
+            exc,
+        )
 
 
 def planned_keys(call: ForwardCall, target: Target) -> tuple[ForwardCall, ForwardKey, BackwardKey]:

@@ -12,11 +12,11 @@ from typing import Any
 
 import torch
 
-from . import _compat, config, cudnn_rules, emulation_ragged, graphs, reference
+from . import _compat, config, emulation_ragged, graphs, reference
 from .cudnn_rules import ALIGNMENT_BYTES
 from .errors import EmulationError, GraphBuildError
 from .keys import BackwardKey, ForwardKey, Target
-from .layout import packed_strides, span_elements
+from .layout import span_elements
 from .runtime import BuiltGraph, Runtime, build_with_ladder, frontend_refusal_filter
 
 DEFAULT_ARCH = config.KNOBS["emulated_arch"].default
@@ -240,17 +240,7 @@ class EmulatedRuntime(Runtime):
         return target
 
     def build(self, key: ForwardKey | BackwardKey) -> BuiltGraph:
-        # The real frontend's rule (sdpa_support_surface.h): refused before planning.
-        if (
-            isinstance(key, BackwardKey)
-            and cudnn_rules.STATS_PACKED_ONLY.holds(key.target)
-            and not (key.ragged is not None and key.ragged.stats)  # the rule is for non-ragged stats
-            and (tuple(key.stats.stride) != packed_strides(key.stats.shape))
-        ):
-            raise GraphBuildError(
-                f"cuDNN {key.target.backend_version} < 9.26: a non-ragged Stats input of sdpa_backward must be a "
-                f"packed BHSD tensor, got strides {tuple(key.stats.stride)}"
-            )
+        # The real frontend's refusal of non-packed stats (STATS_PACKED_ONLY) is the key gate's, for both runtimes.
         return build_with_ladder(key, self._build_one)
 
     def _build_one(self, key: ForwardKey | BackwardKey, implementation: str | None) -> BuiltGraph:

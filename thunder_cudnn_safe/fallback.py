@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from . import handoff, reference
+from . import handoff, masks, reference
 from .graphs import Uid
 from .keys import BackwardKey, ForwardKey
 from .runtime import BuiltGraph, Runtime, is_forward
@@ -22,10 +22,19 @@ CHUNK_SCORES = 2**28
 
 
 def _keep_mask(key: ForwardKey | BackwardKey, pack: dict) -> torch.Tensor | None:
-    """Dropout's keep-mask for the whole call, drawn from (seed, offset) as the emulation draws it."""
+    """Dropout's keep-mask for the whole call, drawn from (seed, offset) as the emulation draws it.
+
+    Reading the seed is a host sync: under CUDA-graph capture it would fail the capture (or freeze one
+    step's seed into every replay), so a dropout call that reaches the fallback there is refused, naming why."""
     if not key.dropout_p:
         return None
     q, k = pack[Uid.Q], pack[Uid.K]
+    if masks.capturing(q):
+        raise RuntimeError(
+            "cudnn_safe: an attention call with dropout ran on the torch fallback (cuDNN refused its graph) during "
+            "CUDA-graph capture; the fallback reads the dropout seed on the host, which a capture cannot record. "
+            "Capture this step with dropout_p=0, or without cudnn_safe for this call (see explain())."
+        )
     seed, offset = (int(pack[uid].reshape(-1)[0]) for uid in (Uid.SEED, Uid.OFFSET))
     return reference.dropout_keep_mask(
         seed, offset, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), key.dropout_p, q.device

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -147,3 +147,21 @@ def same_size_except_heads(*tensors) -> bool:
     return all(
         t.shape[0] == f.shape[0] and tuple(t.shape[2:]) == tuple(f.shape[2:]) and t.dtype == f.dtype for t in tensors
     )
+
+
+def wants_fused_grad_qkv(call: Any) -> bool:
+    """Whether ``call``'s backward returns one fused dQKV buffer (:func:`fused_grad_qkv`) instead of dq, dk, dv:
+    the option asked for and the shapes allow it. Every backward route (dense, pattern, packed) decides here,
+    so each returns what the trace's meta function and grad transform expect."""
+    return bool(call.cat_grad_qkv) and same_size_except_heads(call.query, call.key, call.value)
+
+
+def fused_grad_qkv(
+    b: int, heads: Sequence[int], s: int, d: int, dtype: torch.dtype
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """The one buffer fused dq, dk, dv are head slices of: its shape (B, Hq+Hk+Hv, S, D), its strides (laid out
+    BSHD: tokens-major, so the backward of a fused qkv projection needs no concatenation and packed sequences
+    can declare it ragged) and each slice's first head. GQA's slices have fewer K/V heads."""
+    shape = (b, sum(heads), s, d)
+    starts = tuple(sum(heads[:i]) for i in range(len(heads)))
+    return shape, dense_strides(shape, (0, 2, 1, 3), dtype), starts

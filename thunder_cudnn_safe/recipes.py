@@ -25,10 +25,11 @@ from .layout import (
     canonical_strides,
     copy_reason,
     dense_strides,
+    fused_grad_qkv,
     is_contiguous,
     packed_strides,
-    same_size_except_heads,
     strides_like,
+    wants_fused_grad_qkv,
 )
 from .masks import converted_masks
 from .patterns import MaskPattern
@@ -268,7 +269,7 @@ def backward_recipe(call: BackwardCall, target: Target) -> PackRecipe:
         for uid, i in ((Uid.SEED, 9), (Uid.OFFSET, 10)):
             a = call[i]
             p.add(Step(uid, i), TensorSig(tuple(a.shape), tuple(a.stride), a.dtype))
-    if call.cat_grad_qkv and same_size_except_heads(q, k, v):
+    if wants_fused_grad_qkv(call):
         outputs = (_cat_grad_qkv(p, q, k, v, padded),)
     else:
         outputs = tuple(
@@ -333,16 +334,12 @@ def _grad_out(p: _RecipeBuilder, a: ArgSig, o: TensorSig, target: Target) -> Non
 
 
 def _cat_grad_qkv(p: _RecipeBuilder, q: TensorSig, k: TensorSig, v: TensorSig, zero: bool) -> int:
-    """dq, dk, dv as head slices of one (B, Hq+Hk+Hv, S, D) buffer laid out BSHD."""
-    b, _, s, d = q.shape
-    shape = (b, q.shape[1] + k.shape[1] + v.shape[1], s, d)
-    strides = dense_strides(shape, (0, 2, 1, 3), q.dtype)
+    """dq, dk, dv as head slices of one buffer (:func:`~thunder_cudnn_safe.layout.fused_grad_qkv`)."""
+    shape, strides, starts = fused_grad_qkv(q.shape[0], (q.shape[1], k.shape[1], v.shape[1]), *q.shape[2:], q.dtype)
     buf = p.new(None, shape, strides, q.dtype, zero=zero)
-    start = 0
-    for uid, t in ((Uid.DQ, q), (Uid.DK, k), (Uid.DV, v)):
+    for uid, t, start in zip((Uid.DQ, Uid.DK, Uid.DV), (q, k, v), starts):
         view = (tuple(t.shape), canonical_strides(t.shape, strides), start * strides[1])
         p.add(Step(uid, buf, view), TensorSig(view[0], view[1], q.dtype))
-        start += t.shape[1]
     return buf
 
 

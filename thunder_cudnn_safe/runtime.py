@@ -14,8 +14,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import _compat, graphs, plan_cache
+from . import _compat, graphs, key_gate, plan_cache
 from .errors import ExecuteError, GraphBuildError
+from .handles import HandlePool
 from .keys import BackwardKey, ForwardKey, Target, TensorSig
 from .lowering import implementation_of
 from .lru import LRU
@@ -49,6 +50,9 @@ FORWARD_IMPLEMENTATIONS: tuple[str | None, ...] = (None, "composite")
 #: shapes of the same topology go straight to a static graph instead of through the refusal again.
 _static_only = LRU(1024)
 
+#: Builds of another thread's copy of a built key tried in one call before the call is refused.
+COPY_ATTEMPTS = 3
+
 
 def forget_static_only() -> None:
     """Forget which dynamic-shape topologies cuDNN refused: the next such forward tries dynamic again."""
@@ -57,7 +61,10 @@ def forget_static_only() -> None:
 
 def build_with_ladder(key: Any, build_one: Callable[[Any, str | None], BuiltGraph]) -> BuiltGraph:
     """``build_one(key, implementation)`` down :data:`FORWARD_IMPLEMENTATIONS` (a backward has no choice);
-    a dynamic-shape forward cuDNN refuses is built as the static graph of the same layouts."""
+    a dynamic-shape forward cuDNN refuses is built as the static graph of the same layouts. A key that
+    breaks a known cuDNN rule is never built (:func:`~thunder_cudnn_safe.key_gate.check`, every runtime's
+    first step)."""
+    key_gate.check(key)
     implementations = FORWARD_IMPLEMENTATIONS if isinstance(key, ForwardKey) else (None,)
     topology = None
     if getattr(key, "dynamic", False):
@@ -160,6 +167,9 @@ class Runtime:
         """One rung of :func:`build_with_ladder`: ``key``'s graph with ``implementation`` asked for."""
         raise NotImplementedError
 
+    def free_memory(self) -> None:
+        """Release what the runtime's allocator caches before a transient failure is retried (CUDA: torch's cache)."""
+
     def graph_for_this_thread(self, built: BuiltGraph) -> tuple[Any, int]:
         """``built``'s graph and workspace bytes for the calling thread: the built one on the thread
         that built it, this thread's own copy elsewhere (built on its first call here; cuDNN does not
@@ -168,11 +178,18 @@ class Runtime:
             return built.graph, built.workspace_size
 
         def copy() -> tuple[Any, int]:
-            try:
-                b = self._build_one(built.key, built.rung)
-            except GraphBuildError as exc:  # transient (the key was built once): this call falls back
-                raise ExecuteError(f"cannot build this thread's copy of the graph: {exc.reason}") from exc
-            return b.graph, b.workspace_size
+            # The key was built once: a failure here is transient (memory, a CUDA error). It is retried
+            # in place, since the call may have no other route (a dropout backward only cuDNN can
+            # reproduce); nothing is remembered, so a later call tries again.
+            for attempt in range(COPY_ATTEMPTS):
+                try:
+                    b = self._build_one(built.key, built.rung)
+                    return b.graph, b.workspace_size
+                except GraphBuildError as exc:
+                    if attempt == COPY_ATTEMPTS - 1:
+                        raise ExecuteError(f"cannot build this thread's copy of the graph: {exc.reason}") from exc
+                    self.free_memory()
+            raise AssertionError("unreachable")
 
         return built.threads.get(copy)
 
@@ -181,7 +198,9 @@ def is_forward(key: ForwardKey | BackwardKey) -> bool:
     return isinstance(key, ForwardKey)
 
 
-_HANDLE_CREATION = threading.Lock()
+def _create_handle(device_index: int) -> Any:
+    with torch.cuda.device(device_index):
+        return graphs.cudnn_module().create_handle()
 
 
 class CudnnRuntime(Runtime):
@@ -191,7 +210,7 @@ class CudnnRuntime(Runtime):
     device_type = "cuda"
 
     def __init__(self) -> None:
-        self._local = threading.local()
+        self._handles = HandlePool(_create_handle)
         self._targets: dict[int, Target] = {}
         self._targets_lock = threading.Lock()
 
@@ -216,17 +235,14 @@ class CudnnRuntime(Runtime):
                 )
         return target
 
+    def free_memory(self) -> None:
+        torch.cuda.empty_cache()
+
     def handle(self, device_index: int) -> Any:
-        """This thread's handle for the device (handles are not thread-safe), bound to torch's
-        current stream (or kernels race with the surrounding torch ops)."""
+        """This thread's handle for the device (:mod:`~thunder_cudnn_safe.handles`: lent per thread, reused
+        after the thread ends), bound to torch's current stream (or kernels race with the surrounding torch ops)."""
         cudnn = graphs.cudnn_module()
-        handles = self._local.__dict__.setdefault("handles", {})
-        handle = handles.get(device_index)
-        if handle is None:
-            # Created one at a time: cuDNN's Thread Safety section asks for a first synchronous
-            # cudnnCreate() before threads create their own handles.
-            with _HANDLE_CREATION, torch.cuda.device(device_index):
-                handle = handles[device_index] = cudnn.create_handle()
+        handle = self._handles.get(device_index)
         cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream(device_index).cuda_stream)
         return handle
 

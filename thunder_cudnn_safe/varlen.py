@@ -25,7 +25,7 @@ from .cudnn_rules import ALIGNMENT_BYTES
 from .documents import DocumentPattern
 from .graphs import Uid
 from .keys import BackwardKey, ForwardKey, Target, TensorSig
-from .layout import layout_problem
+from .layout import fused_grad_qkv, layout_problem, wants_fused_grad_qkv
 from .recipes import Bound
 from .telemetry import CopyReason, copy_counter
 
@@ -154,13 +154,7 @@ def decline(call: Any, target: Target, forward: bool) -> str | None:
         return "the documents do not match the call's rows and tokens"
     if q.shape[1] % k.shape[1]:
         return "query heads are not a multiple of key heads"
-    if call.deterministic and cudnn_rules.needs_dp_workspace(target, False, True):
-        from . import support  # its budget is the one the bias path's claim checks
-
-        n, s = bucket(p.n_docs), bucket(p.max_len, MIN_S_BUCKET)
-        if cudnn_rules.dp_workspace_bytes(n, q.shape[1], s, s) > support.DP_WORKSPACE_LIMIT:
-            return f"{cudnn_rules.DP_WORKSPACE.name}: the deterministic backward's dP workspace is over budget"
-    return None
+    return None  # every rule read off the planned keys (lengths, grid, dP workspace) is the key gate's
 
 
 def _pack_common(p: DocumentPattern, shape: _Shape, named: dict[Uid, torch.Tensor], stats: torch.Tensor | None):
@@ -234,9 +228,10 @@ def bind_backward(call: Any, target: Target, dry: bool = False) -> Bound:
     o, d_o = _operand(call.out, "out"), _operand(call.grad_out, "grad_out")
     stats = _stats_operand(call.stats)
     b, h, t, d = q.shape
-    if call.cat_grad_qkv and k.shape[1:] == q.shape[1:] and v.shape[1:] == q.shape[1:]:
-        buf = torch.zeros((b, t, 3 * h, d), dtype=q.dtype, device=q.device).transpose(1, 2)
-        dq, dk, dv = buf.split(h, dim=1)
+    if wants_fused_grad_qkv(call):  # as every backward route returns it: one (B, Hq+Hk+Hv, T, D) buffer
+        shape, strides, starts = fused_grad_qkv(b, (h, k.shape[1], v.shape[1]), t, d, q.dtype)
+        buf = torch.empty_strided(shape, strides, dtype=q.dtype, device=q.device).zero_()
+        dq, dk, dv = (buf[:, a : a + x.shape[1]] for a, x in zip(starts, (q, k, v)))
         outputs = (buf,)
     else:
         dq, dk, dv = (_empty_tokens_major(x.shape, x.dtype, x.device) for x in (q, k, v))

@@ -15,6 +15,7 @@ import torch
 
 from . import varlen
 from .errors import ExecuteError, GraphBuildError
+from .key_gate import RuleRefusal
 from .telemetry import warn_once
 
 _counts: collections.Counter = collections.Counter()
@@ -41,6 +42,9 @@ def _run(disp: Any, bound: Any) -> bool:
     try:
         disp.runtime.execute(disp.cache.get_or_build(bound.key, disp.runtime.build), bound.pack)
         return True
+    except RuleRefusal as exc:  # the planned key breaks a known cuDNN rule: never built, the bias runs
+        _count(f"declined: {exc.rule} (key gate)")
+        return False
     except (GraphBuildError, ExecuteError) as exc:
         _count(f"refused: {type(exc).__name__}")
         warn_once(

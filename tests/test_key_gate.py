@@ -1,0 +1,195 @@
+"""The key gate (issue 34): a graph key that breaks a known cuDNN rule on its target is never built, whichever
+route planned it (dense, pattern, packed, defect workaround, capture prebuild, a dropout forward's backward check).
+
+Structural check: a spy on the emulated runtime's one build step asserts that no key reaching it breaks a rule
+(:func:`key_gate.violations` is empty), over calls that take every route on several targets; and per rule, a key
+made to break it is refused with that rule's name and counted.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import thunder_cudnn_safe as tcs
+from thunder_cudnn_safe import cudnn_rules, key_gate, masks, varlen_dispatch
+from thunder_cudnn_safe.cache import GraphCache
+from thunder_cudnn_safe.dispatch import Dispatcher
+from thunder_cudnn_safe.emulation import EmulatedRuntime
+from thunder_cudnn_safe.errors import GraphBuildError
+from thunder_cudnn_safe.keys import BackwardKey, ForwardKey
+
+#: The silent defects of docs/known-cudnn-defects.md decidable from a key: each must be read off keys.
+SILENT_DEFECT_RULES = (
+    "BLACKWELL_DECODE",
+    "HOPPER_BACKWARD_KV_TAIL_NAN",
+    "HOPPER_DECODE_BACKWARD_NAN",
+    "CAUSAL_DECODE_GQA",
+    "BACKWARD_KEY_LENGTH_1",
+    "DROPOUT_SIXTEENTHS",
+    "GRID_65535",
+    "STATS_PACKED_ONLY",
+    "DO_OWN_STRIDES",
+    "LAYOUT",
+    "DP_WORKSPACE",
+)
+
+
+def test_every_silent_defect_rule_is_read_off_keys():
+    rules = {r.name: r for r in cudnn_rules.RULES}
+    assert all(rules[name].on_key is not None for name in SILENT_DEFECT_RULES)
+
+
+def _qkv(b, h, lq, s, d=32, hk=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, lq, h, d, generator=g).to(torch.bfloat16).transpose(1, 2)
+    k, v = (torch.randn(b, s, hk or h, d, generator=g).to(torch.bfloat16).transpose(1, 2) for _ in range(2))
+    return q, k, v
+
+
+def _step(disp, q, k, v, mask=None, dropout_p=0.0, is_causal=False, **kw):
+    out, stats, *rng = disp.forward(q, k, v, mask, dropout_p, is_causal, enable_gqa=q.shape[1] != k.shape[1], **kw)
+    seed, offset = rng if rng else (None, None)
+    g = torch.randn_like(out)
+    return disp.backward(g, q, k, v, mask, dropout_p, is_causal, out, stats, seed, offset, **kw)
+
+
+def _documents(lens, tokens, causal=True):
+    doc = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+    doc = torch.cat([doc, torch.full((tokens - len(doc),), -1)])
+    i, j = torch.arange(tokens)[:, None], torch.arange(tokens)[None, :]
+    keep = (doc[:, None] == doc[None, :]) & (doc[:, None] >= 0)
+    return (keep & (j <= i) if causal else keep)[None, None]
+
+
+def _prefix(lens, lq, s):
+    return (torch.arange(s)[None, :] < torch.tensor(lens)[:, None])[:, None, None, :].expand(len(lens), 1, lq, s)
+
+
+ROUTES = {  # calls that break a rule on some target, each through a different route
+    "dense, dropout not a 1/16 multiple": lambda d: _step(d, *_qkv(1, 2, 16, 16), dropout_p=0.2),
+    "dense, key length 64, no mask": lambda d: _step(d, *_qkv(1, 2, 16, 64)),
+    "dense, decode s_q = 1": lambda d: _step(d, *_qkv(2, 2, 1, 40)),
+    "defect route, decode causal GQA": lambda d: _step(d, *_qkv(2, 4, 1, 40, hk=2), is_causal=True),
+    "pattern, key padding at key length 64": lambda d: _step(d, *_qkv(2, 2, 16, 64), _prefix([64, 30], 16, 64)),
+    "pattern, causal at 64 (the band masks the tail)": lambda d: _step(
+        d, *_qkv(1, 2, 64, 64), torch.ones(64, 64, dtype=torch.bool).tril()
+    ),
+    "packed, non-causal 33-64 tokens": lambda d: _step(d, *_qkv(1, 2, 100, 100), _documents([40, 50], 100, False)),
+    "packed, causal 33-64 tokens": lambda d: _step(d, *_qkv(1, 2, 100, 100), _documents([40, 50], 100)),
+    "dense, key length 1": lambda d: _step(d, *_qkv(1, 2, 8, 1)),
+    "deterministic with a bias": lambda d: _step(d, *_qkv(1, 2, 16, 16), torch.randn(16, 16).bfloat16(), **_det()),
+    "dropout with a float mask (dBias checked)": lambda d: _step(
+        d, *_qkv(1, 2, 16, 16), torch.zeros(16, 16).bfloat16(), dropout_p=0.25
+    ),
+}
+
+
+def _det():
+    return {"deterministic": True}
+
+
+TARGETS = [((9, 0), 91900), ((9, 0), 92700), ((10, 0), 91900), ((8, 0), 91900), ((12, 0), 91900)]
+
+
+@pytest.mark.parametrize("arch, backend", TARGETS)
+def test_no_key_that_breaks_a_rule_reaches_a_build_on_any_route(arch, backend, monkeypatch):
+    runtime = EmulatedRuntime(arch=arch, backend_version=backend)
+    real = runtime._build_one
+    reached, broken = [], []
+
+    def build_one(key, implementation):  # an assert here would become a refusal: recorded, asserted below
+        broken.extend(rule.name for rule, _ in key_gate.violations(key))
+        reached.append(key)
+        return real(key, implementation)
+
+    monkeypatch.setattr(runtime, "_build_one", build_one)
+    monkeypatch.setattr(masks, "capture_may_follow", lambda t, training: True)  # the capture prebuild runs too
+    key_gate.reset_gate_info()
+    for name, run in ROUTES.items():
+        disp = Dispatcher(runtime, GraphCache())
+        for _ in range(2):  # the second call meets the remembered refusal, not a build
+            grads = run(disp)
+        assert all(torch.isfinite(g).all() for g in grads), name
+    assert reached and not broken, f"keys breaking {sorted(set(broken))} reached the build"
+    if (arch, backend) == ((9, 0), 91900):
+        info = key_gate.gate_info()
+        for rule in ("DROPOUT_SIXTEENTHS", "HOPPER_BACKWARD_KV_TAIL_NAN", "BACKWARD_KEY_LENGTH_1"):
+            assert info.get(rule), (rule, info)
+
+
+def _key(**changes):
+    """A claimed dense backward key planned by the dispatcher on sm90 / cuDNN 9.19, with ``changes``."""
+    disp = Dispatcher(EmulatedRuntime(arch=(9, 0), backend_version=91900), GraphCache())
+    _step(disp, *_qkv(1, 2, 16, 16))
+    (key,) = [k for k in disp.cache.keys() if isinstance(k, BackwardKey)]
+    return key._replace(**changes)
+
+
+@pytest.mark.parametrize(
+    "rule, changes",
+    [
+        ("DROPOUT_SIXTEENTHS", {"dropout_p": 0.3}),
+        ("BACKWARD_SEQ_1", "q1k1"),
+        ("HOPPER_BACKWARD_KV_TAIL_NAN", "k64"),
+        ("GRID_65535", "grid"),
+        ("DO_OWN_STRIDES", "old_do"),
+        ("STATS_PACKED_ONLY", "stats"),
+        ("DP_WORKSPACE", "det"),
+    ],
+)
+def test_a_key_that_breaks_a_rule_is_refused_by_name_and_counted(rule, changes):
+    key = _key()
+    if changes == "q1k1":
+        key = key._replace(q=key.q._replace(shape=(1, 2, 1, 32)), k=key.k._replace(shape=(1, 2, 1, 32)))
+    elif changes == "k64":
+        key = key._replace(k=key.k._replace(shape=(1, 2, 64, 32)))
+    elif changes == "grid":
+        key = key._replace(q=key.q._replace(shape=(70000, 2, 16, 32)))
+    elif changes == "old_do":
+        key = key._replace(
+            d_o=key.d_o._replace(stride=(512, 16 * 32, 32, 1)), target=key.target._replace(backend_version=90400)
+        )
+    elif changes == "stats":
+        key = key._replace(stats=key.stats._replace(stride=(32, 1, 2, 1)))
+    elif changes == "det":
+        key = key._replace(deterministic=True)
+    else:
+        key = key._replace(**changes)
+    key_gate.reset_gate_info()
+    runtime = EmulatedRuntime(arch=(9, 0), backend_version=key.target.backend_version)
+    with tcs.config.patch(dp_workspace_limit=1024), pytest.raises(key_gate.RuleRefusal, match=rule) as refused:
+        GraphCache().get_or_build(key, runtime.build)
+    assert refused.value.rule == rule and refused.value.definitive
+    assert key_gate.gate_info() == {rule: 1}
+
+
+def test_a_refusal_is_remembered_as_it_was():
+    """The cache raises a remembered refusal again with its type: a packed call's second refusal is still
+    counted by the rule's name, not as an anonymous runtime refusal."""
+    cache, runtime = GraphCache(), EmulatedRuntime()
+    key = _key(dropout_p=0.3)
+    for _ in range(3):
+        with pytest.raises(key_gate.RuleRefusal):
+            cache.get_or_build(key, runtime.build)
+    info = cache.info()
+    assert (info.build_failures, info.negative_hits) == (1, 2)
+
+
+def test_a_dropout_forward_whose_backward_the_gate_refuses_falls_back_as_a_pair():
+    """The forward's check of its backward goes through the gate too: both run on the torch fallback."""
+    disp = Dispatcher(EmulatedRuntime(arch=(9, 0), backend_version=91900), GraphCache())
+    q, k, v = _qkv(1, 2, 16, 64)
+    out, stats, seed, offset = disp.forward(q, k, v, None, 0.25, False)  # key length 64: its backward is gated
+    assert disp.cache.info().fallbacks == 1 and not any(isinstance(key, ForwardKey) for key in disp.cache.keys())
+    disp.backward(torch.randn_like(out), q, k, v, None, 0.25, False, out, stats, seed, offset)
+    assert disp.cache.info().fallbacks == 2
+
+
+def test_gate_info_is_exported():
+    assert tcs.gate_info is key_gate.gate_info and tcs.reset_gate_info is key_gate.reset_gate_info
+    assert isinstance(varlen_dispatch.varlen_info(), dict)
+
+
+def test_a_rule_refusal_is_a_graph_build_refusal():
+    assert issubclass(key_gate.RuleRefusal, GraphBuildError)
