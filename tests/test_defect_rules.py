@@ -269,3 +269,40 @@ def test_the_workaround_graphs_pass_the_lowering_sweep():
             for key in padded:
                 assert sweep.lowered(key, sm).ok, (call_id, sm, sweep.lowered(key, sm))
         assert sweep._explain(call, 90) == []
+
+
+# -- a newer libcudnn: what explain() says, and what the loaded libcudnn claims (issue 34) -----------------
+def _seed_call():
+    """The seed's shape: a diffusers UNet attention at 64 tokens, training (B=2, H=8, S=64, D=96, BSHD storage)."""
+    q, k, v = (torch.randn(2, 64, 8, 96, dtype=torch.float16).transpose(1, 2).requires_grad_() for _ in range(3))
+    return q, k, v
+
+
+def test_a_version_windowed_decline_names_the_fix_and_how_to_get_it():
+    (reason,) = _explain_on((9, 0), 91900)
+    assert reason.rule == "HOPPER_BACKWARD_KV_TAIL_NAN"
+    assert "Fixed in cuDNN 9.26.0" in reason and "nvidia-cudnn-cu13>=9.26.0" in reason and "A newer libcudnn" in reason
+    assert _explain_on((9, 0), 92600) == []
+
+
+def _explain_on(arch, version):
+    tcs.set_emulated_target(arch, backend_version=version)
+    return tcs.explain(*_seed_call(), executor=tcs.emulated_ex)
+
+
+@pytest.mark.cudnn_judged
+def test_the_seed_shape_on_the_loaded_libcudnn(figure):
+    """Run by .ci/second_cudnn.sh too: on H100 the seed's training call is declined with torch 2.11's cuDNN 9.19
+    (HOPPER_BACKWARD_KV_TAIL_NAN, fixed in 9.26) and claimed with 9.27; printed so the CI log shows which."""
+    version = tcs.FRONTEND.backend_version
+    if version is None:
+        pytest.skip("no libcudnn loaded")
+    reasons = _explain_on((9, 0), int(version))
+    figure(
+        f"seed shape (B=2, H=8, S=64, D=96, training) on H100 with cuDNN {version}: "
+        f"{'claimed' if not reasons else 'declined: ' + reasons[0].rule}"
+    )
+    if int(version) < 92600:
+        assert [r.rule for r in reasons] == ["HOPPER_BACKWARD_KV_TAIL_NAN"]
+    else:
+        assert reasons == []

@@ -234,7 +234,7 @@ def _defect_reasons(call: Any, full: tuple[int, int, int, int], hk: int, target:
     if s == 1:
         found.append((cudnn_rules.BACKWARD_KEY_LENGTH_1, "key length 1, in training"))
     return [
-        Decline(DeclineCode.ARCH, f"{where}: {what}: {rule.name}: {rule.text}", rule)
+        Decline(DeclineCode.ARCH, f"{where}: {what}: {rule.name}: {rule.text}.{rule.upgrade_hint}", rule)
         for rule, what in found
         if rule.declines(target, training)
     ]
@@ -375,7 +375,7 @@ def not_supported_reasons(
                 Decline(
                     DeclineCode.ARCH,
                     f"sm{target.arch[0]}{target.arch[1]}, cuDNN {target.backend_version}: cudnn_safe_deterministic: "
-                    f"{old_blackwell.text}",
+                    f"{old_blackwell.text}.{old_blackwell.upgrade_hint}",
                     old_blackwell,
                 )
             )
@@ -400,7 +400,8 @@ def not_supported_reasons(
                 reasons.append(
                     Decline(
                         DeclineCode.ARCH,
-                        f"sm{target.arch[0]}{target.arch[1]}, cuDNN {target.backend_version}: {rule.text}",
+                        f"sm{target.arch[0]}{target.arch[1]}, cuDNN {target.backend_version}: {rule.text}."
+                        f"{rule.upgrade_hint}",
                         rule,
                     )
                 )
