@@ -5,11 +5,17 @@
 * without libcudnn, thunder's own cuDNN executor raises at import from ``cudnn.backend_version()``:
   the frontend is hidden from thunder during its import only (cuDNN is absent, the truth) and
   kept for our own CPU-side graph building.
+* torch >= 2.14 (``Function.apply`` became a C function, pytorch#190694): ``import thunder`` fails inside
+  thunder itself (``Function.apply.__func__``, Lightning-AI/lightning-thunder#2833, thunder main too). No
+  step here can fix that; :func:`prepare_and_import_thunder` turns that one failure into an
+  :class:`ImportError` naming torch's version, the issue and the torch versions that work.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
+import re
 import sys
 from dataclasses import dataclass
 from types import ModuleType
@@ -75,8 +81,49 @@ def _probe_frontend() -> FrontendStatus:
 FRONTEND: FrontendStatus = _probe_frontend()
 
 
+#: The upstream issue behind ``import thunder`` failing on torch >= 2.14 (open as of thunder 0.2.6 and main).
+THUNDER_TORCH_214_ISSUE = "Lightning-AI/lightning-thunder#2833"
+#: The first torch whose ``import thunder`` fails inside thunder (``Function.apply.__func__``).
+FIRST_TORCH_THUNDER_CANNOT_IMPORT: tuple[int, int] = (2, 14)
+#: What works with thunder 0.2.6, as the ImportError raised on torch >= 2.14 says it.
+WORKING_TORCH_RANGE = (
+    "thunder 0.2.6 works fully with torch 2.9.1 through 2.11; torch 2.12 and 2.13 import but ThunderFX fails "
+    "inside thunder (2.13 through this package's compat steps, applied on import); from torch 2.14 "
+    "`import thunder` fails"
+)
+
+
+def torch_version() -> tuple[int, int]:
+    """(major, minor) of ``torch.__version__``, read at each call (a child process may patch it)."""
+    match = re.match(r"\s*(\d+)\.(\d+)", str(torch.__version__))
+    return (int(match.group(1)), int(match.group(2))) if match else (0, 0)
+
+
+def _is_torch_214_thunder_failure(exc: BaseException) -> bool:
+    """Whether ``exc``, raised by ``import thunder``, is thunder's failure on torch >= 2.14 (#2833):
+    ``AttributeError: 'builtin_function_or_method' object has no attribute '__func__'`` raised by
+    ``Function.apply.__func__`` in thunder/core/jit_ext.py. Any other error is not translated."""
+    return (
+        torch_version() >= FIRST_TORCH_THUNDER_CANNOT_IMPORT
+        and isinstance(exc, AttributeError)
+        and "__func__" in str(exc)
+    )
+
+
+def _thunder_distribution_version() -> str:
+    try:
+        return importlib.metadata.version("lightning-thunder")
+    except importlib.metadata.PackageNotFoundError:
+        return "(version unknown)"
+
+
 def prepare_and_import_thunder() -> ModuleType:
-    """Run every compat step, then import thunder (or return the already imported module)."""
+    """Run every compat step, then import thunder (or return the already imported module).
+
+    On torch >= 2.14 thunder's own import fails (:data:`THUNDER_TORCH_214_ISSUE`): that failure is
+    raised as an :class:`ImportError` saying so, chained to thunder's error. Any other error of
+    thunder's import propagates unchanged.
+    """
     ensure_named_tensor_stubs()
     if "thunder" in sys.modules:
         return sys.modules["thunder"]
@@ -86,6 +133,17 @@ def prepare_and_import_thunder() -> ModuleType:
         sys.modules["cudnn"] = None  # makes ``import cudnn`` raise ImportError inside thunder
     try:
         return importlib.import_module("thunder")
+    except Exception as exc:
+        if not _is_torch_214_thunder_failure(exc):
+            raise
+        raise ImportError(
+            f"thunder_cudnn_safe cannot be imported: lightning-thunder {_thunder_distribution_version()} fails in "
+            f"its own import on torch {torch.__version__} ({type(exc).__name__}: {exc}); this is "
+            f"{THUNDER_TORCH_214_ISSUE} (open; thunder main fails the same way), which no compat step here "
+            f"can work around. {WORKING_TORCH_RANGE}. Install torch>=2.9.1,<2.12 (e.g. torch==2.11.0) for "
+            "thunder.jit and ThunderFX, or torch 2.12/2.13 for thunder.jit only.",
+            name="thunder",
+        ) from exc
     finally:
         if hide:
             if saved is not None:

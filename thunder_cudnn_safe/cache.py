@@ -14,12 +14,10 @@ import time
 from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
 
-from . import config
+from . import caches, config
 from ._env import CACHE_SIZE_ENV as CACHE_SIZE_ENV  # its old home; the knob is config.cache_size
 from .errors import GraphBuildError
 from .lru import LRU
-from .masks import converted_masks
-from .telemetry import forget_warnings
 
 DEFAULT_CACHE_SIZE = config.KNOBS["cache_size"].default
 
@@ -182,19 +180,12 @@ def _cached(key: Hashable, b: Any) -> CachedGraph:
 
 graph_cache = GraphCache()
 config.on_change("cache_size", graph_cache.resize)
+caches.register("graph cache (built graphs, refused builds, counters)", graph_cache.clear)
 
 
 def cache_info() -> CacheInfo:
     """Counters of the process-wide graph cache (shared by both executors)."""
     return graph_cache.info()
-
-
-def clear_cache() -> None:
-    """Drop every cached graph, remembered refusal and converted mask; zero the counters; warn about fallbacks again.
-    The package's :func:`thunder_cudnn_safe.clear_cache` (:mod:`~thunder_cudnn_safe.caches`) clears more."""
-    graph_cache.clear()
-    converted_masks.clear()
-    forget_warnings("fallback")
 
 
 def cached_graphs() -> list[CachedGraph]:

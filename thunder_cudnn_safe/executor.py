@@ -21,7 +21,7 @@ from thunder.core.proxies import TensorProxy
 from thunder.core.transforms import get_grad, put_grad, put_grads
 from thunder.extend import OperatorExecutor, register_executor
 
-from . import config, emulation, gqa
+from . import caches, config, emulation, gqa
 from ._version import __version__
 from .cache import CachedGraph
 from .calls import BackwardCall, ForwardCall, torch_deterministic
@@ -160,6 +160,7 @@ def make_executor(name: str, runtime: Runtime) -> OperatorExecutor:
     ex = _SdpaExecutor(name, version=__version__)
     register_executor(ex)
     ex.runtime, ex.dispatcher = runtime, Dispatcher(runtime)
+    caches.register(f"{name}'s pack-recipe memo (and capture prebuild memo)", ex.dispatcher.recipes.clear)
     fwd = ex.register_operator(
         f"{name}_sdpa_fwd", meta=_fwd_meta, fn=ex.dispatcher.forward, tags=(OpTags.DONT_AUTO_RECOMPUTE_IN_BACKWARD,)
     )

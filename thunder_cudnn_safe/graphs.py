@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from . import _compat
+from . import _compat, caches
 from .keys import BackwardKey, ForwardKey, TensorSig
 
 
@@ -284,3 +284,6 @@ def clear_kernel_caches() -> None:
     """Forget the dynamic-shape kernel caches (graphs already built keep theirs; new ones get new ones)."""
     with _dynamic_lock:
         _kernel_caches.clear()
+
+
+caches.register("dynamic-shape kernel caches", clear_kernel_caches)

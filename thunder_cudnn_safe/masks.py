@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import config
+from . import caches, config
 from .lru import LRU
 
 #: Converted biases and pattern verdicts remembered (a step uses one or a few masks); 0 turns the cache off.
@@ -119,6 +119,7 @@ class ConvertedMasks:
 
 converted_masks = ConvertedMasks(config.mask_cache_size)
 config.on_change("mask_cache_size", converted_masks.resize)
+caches.register("converted masks and mask-pattern verdicts", converted_masks.clear)
 
 
 def set_mask_cache_size(maxsize: int) -> None:

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import _compat, graphs, key_gate, plan_cache
+from . import _compat, caches, graphs, key_gate, plan_cache
 from .errors import ExecuteError, GraphBuildError
 from .handles import HandlePool
 from .keys import BackwardKey, ForwardKey, Target, TensorSig
@@ -57,6 +57,9 @@ COPY_ATTEMPTS = 3
 def forget_static_only() -> None:
     """Forget which dynamic-shape topologies cuDNN refused: the next such forward tries dynamic again."""
     _static_only.clear()
+
+
+caches.register("refused dynamic-shape topologies", forget_static_only)
 
 
 def build_with_ladder(key: Any, build_one: Callable[[Any, str | None], BuiltGraph]) -> BuiltGraph:

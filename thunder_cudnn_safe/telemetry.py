@@ -11,6 +11,7 @@ import threading
 from collections.abc import Hashable
 from typing import NamedTuple
 
+from . import caches
 from .lru import LRU
 
 logger = logging.getLogger("thunder_cudnn_safe")
@@ -131,3 +132,6 @@ def copy_stats() -> CopyStats:
 def reset_copy_stats() -> None:
     """Zero the copy counters and forget which layouts were already warned about."""
     copy_counter.reset()
+
+
+caches.register("fallback warnings shown once", lambda: forget_warnings("fallback"))
