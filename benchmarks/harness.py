@@ -23,15 +23,18 @@ from typing import Any
 import torch
 
 import thunder_cudnn_safe  # noqa: F401  (runs the compat steps before thunder is imported)
-from thunder_cudnn_safe import copy_stats, graphs, reset_copy_stats, testing
+from thunder_cudnn_safe import config, copy_stats, graphs, reset_copy_stats, testing
 from thunder_cudnn_safe.cache import GraphCache
 from thunder_cudnn_safe.dispatch import Dispatcher
-from thunder_cudnn_safe.emulation import DEFAULT_ARCH, DEFAULT_BACKEND, EmulatedRuntime
+from thunder_cudnn_safe.emulation import EmulatedRuntime
 from thunder_cudnn_safe.keys import ForwardKey
 from thunder_cudnn_safe.runtime import BuiltGraph, CudnnRuntime, Runtime
 
 #: The emulated target of the CPU runs: what the emulated executor pretends to be by default.
-CPU_TARGET = {"arch": DEFAULT_ARCH, "backend_version": DEFAULT_BACKEND}
+CPU_TARGET = {
+    "arch": config.KNOBS["emulated_arch"].default,
+    "backend_version": config.KNOBS["emulated_backend"].default,
+}
 
 
 class NoExecuteRuntime(Runtime):

@@ -3,7 +3,7 @@
     python scripts/dynamic_lengths.py [--lengths 64] [--devices A100 H100 B200] [--static H100] [--json out.json]
 
 Plans the forward keys of a decode step (one query, bf16, 8 heads, d = 128, BSHD q, the key
-length growing by 16 from 64) as the dispatcher does with ``set_dynamic_shapes("inference")`` and
+length growing by 16 from 64) as the dispatcher does with ``config.set(dynamic_shapes="inference")`` and
 with ``"off"``, and has cuDNN plan and compile each in order in one child process per device, on
 this CPU (thunder_cudnn_safe.aot and the tests' stand-in libcuda.so.1). A plan whose build took
 more than :data:`COMPILED_S` counts as one that compiled a kernel: a kernel-cache hit plans in
@@ -32,7 +32,7 @@ COMPILED_S = 0.1
 
 
 def decode_keys(device: str, mode: str, lengths: int) -> list:
-    tcs.set_dynamic_shapes(mode)
+    tcs.config.set(dynamic_shapes=mode)
     keys = []
     for i in range(lengths):
         s = 64 + 16 * i

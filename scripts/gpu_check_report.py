@@ -1,15 +1,21 @@
 #!/usr/bin/env python3
 """Summary and packing step of scripts/gpu_check.sh (standard library only).
 
-    python3 scripts/gpu_check_report.py --out OUT --work WORK --steps STEPS.tsv
+    python3 scripts/gpu_check_report.py --out OUT --work WORK --steps STEPS.tsv [--no-pack]
 
 * writes ``OUT/summary.md``: date, GPU, driver, torch / CUDA / cuDNN / frontend /
-  thunder versions (what benchmarks/results/ records), one row per step, the test
-  counts and failures from the JUnit XML, the built-in cuDNN executor probe, and the
-  benchmark headline (the suite's Markdown report, if any); prints it too;
-* keeps OUT within what the device tool brings back: at most 8 files, each at most
-  16 MiB and 2 folders deep, names of letters, digits, '.', '_' and '-' only, 64 MiB in
-  all. Files beyond that are packed, by priority, into ``OUT/rest.tar.gz``.
+  thunder versions (what benchmarks/results/ records), the environment verdict (which
+  libcudnn files the process loaded, the tiny graph, what stopped the run), one row per
+  step, per test step (smoke, packed, streams, threads, capture, defects, rest) the counts
+  and failures from its JUnit XML (``gpu-STEP.xml``), or, for a step cut off before pytest
+  wrote one, what its log (``gpu-STEP.log``) shows had run, and compute-sanitizer's error
+  count; the built-in cuDNN executor probe and the benchmark headline (the suite's Markdown
+  report, if any); prints it too. All steps' JUnit XML is merged into ``OUT/gpu-tests.xml``;
+* keeps OUT within what the device tool brings back (not with ``--no-pack``, which
+  gpu_check.sh uses after every step so that a summary exists however far the run got):
+  at most 8 files, each at most 16 MiB and 2 folders deep, names of letters, digits, '.',
+  '_' and '-' only, 64 MiB in all. Files beyond that are packed, by priority, into
+  ``OUT/rest.tar.gz``.
 """
 
 from __future__ import annotations
@@ -31,10 +37,17 @@ MAX_FILE = 16 * 2**20
 MAX_TOTAL = 60 * 2**20  # 64 MiB limit, with room to spare
 MAX_DEPTH = 2  # folders below OUT
 NAME_OK = re.compile(r"^[A-Za-z0-9._-]+$")
+# The test steps of gpu_check.sh, in its order: each leaves gpu-STEP.log and (if pytest finished) gpu-STEP.xml.
+# `emulated` is the dry run's rehearsal on CPU.
+TEST_STEPS = ["smoke", "packed", "streams", "threads", "capture", "defects", "rest", "emulated"]
 # What to keep first when OUT holds too many files: the summary, the whole console log and
-# the JUnit XML; then the benchmark reports; last what gpu_check.log already contains.
-FIRST = ["summary.md", "gpu_check.log", "gpu-tests.xml"]
-LAST = ["env.json", "builtin_cudnn_probe.json", "gpu-tests.log"]
+# the merged JUnit XML; then the benchmark reports; last what those already contain.
+FIRST = ["summary.md", "gpu_check.log", "gpu-tests.xml", "env.json"]
+LAST = ["device_properties.json", "builtin_cudnn_probe.json"]
+LAST += [f"gpu-{step}.xml" for step in TEST_STEPS] + [f"gpu-{step}.log" for step in TEST_STEPS]
+RESULT = re.compile(r"^(\S+::\S+?)(?: <- \S+)? (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
+STARTED = re.compile(r"^(\S+::\S+)\s*$")
+SANITIZER_SUMMARY = re.compile(r"=+ ERROR SUMMARY: (\d+) error")
 
 
 def _load_json(path: Path) -> dict | None:
@@ -134,10 +147,124 @@ def _bench_lines(out: Path) -> list[str]:
     return lines
 
 
+def _merge_junit(out: Path) -> Path | None:
+    """One ``gpu-tests.xml`` holding every GPU test step's suites (named ``STEP:...``; not the dry run's emulated
+    rehearsal), or None if no step wrote one."""
+    merged = ET.Element("testsuites")
+    for step in TEST_STEPS:
+        if step == "emulated":
+            continue
+        path = out / f"gpu-{step}.xml"
+        if not path.exists():
+            continue
+        try:
+            root = ET.parse(path).getroot()
+        except Exception:
+            continue
+        for suite in [root] if root.tag == "testsuite" else list(root.iter("testsuite")):
+            suite.set("name", f"{step}:{suite.get('name', 'pytest')}")
+            merged.append(suite)
+    if not len(merged):
+        return None
+    target = out / "gpu-tests.xml"
+    ET.ElementTree(merged).write(target, encoding="utf-8", xml_declaration=True)
+    return target
+
+
+def _log_progress(path: Path) -> dict | None:
+    """What a test step's pytest ``-v`` log shows: outcomes by kind, failed tests, the test it was in when cut
+    off, tests collected (a dry run), and compute-sanitizer's error count (None where it did not run)."""
+    if not path.exists():
+        return None
+    counts: dict[str, int] = {}
+    failed, last_started, sanitizer, collected = [], None, None, None
+    for line in path.read_text(errors="replace").splitlines():
+        m = RESULT.match(line)
+        if m:
+            counts[m[2]] = counts.get(m[2], 0) + 1
+            if m[2] in ("FAILED", "ERROR"):
+                failed.append(f"{m[1]} ({m[2].lower()})")
+            last_started = None
+        elif STARTED.match(line):
+            last_started = line.strip()
+        for e in SANITIZER_SUMMARY.finditer(line):
+            sanitizer = (sanitizer or 0) + int(e[1])
+        c = re.search(r"(\d+)(?:/\d+)? tests? collected", line)
+        if c:
+            collected = int(c[1])
+    return {
+        "counts": counts,
+        "failed": failed,
+        "cut_off_in": last_started,
+        "sanitizer_errors": sanitizer,
+        "collected": collected,
+    }
+
+
+def _test_step_lines(out: Path, rows: list[list[str]]) -> list[str]:
+    records = {row[0]: row for row in rows}
+    lines = []
+    for step in TEST_STEPS:
+        row = records.get(step)
+        log = _log_progress(out / f"gpu-{step}.log")
+        junit = _junit(out / f"gpu-{step}.xml")
+        if row is None and log is None and junit is None:
+            continue
+        status = f"{row[1]} in {row[3]} s" if row else "no record"
+        head = f"- **{step}** ({status})"
+        if row and row[1] == "skipped":
+            lines.append(f"{head}: {row[4]}")
+            continue
+        if row and "collected only" in row[4]:
+            lines.append(f"{head}: dry run, {log['collected'] if log else '?'} test(s) collected")
+            continue
+        failed: list[str] = []
+        if junit and "error" not in junit:
+            lines.append(
+                f"{head}: {junit['passed']} passed, {junit['failures']} failed, {junit['errors']} errors, "
+                f"{junit['skipped']} skipped of {junit['tests']} in {junit['time']:.1f}s"
+            )
+            failed = junit["failed_cases"]
+        elif log is not None and log["counts"]:
+            seen = ", ".join(f"{n} {k.lower()}" for k, n in sorted(log["counts"].items()))
+            lines.append(f"{head}: no JUnit XML; its log shows {seen}")
+            failed = log["failed"]
+        else:
+            why = junit["error"] if junit and "error" in junit else "no JUnit XML and no test outcome in its log"
+            lines.append(f"{head}: {why}")
+        if log is not None and log["cut_off_in"] and row and row[1] == "timeout":
+            lines.append(f"  - cut off by the step's timeout in `{log['cut_off_in']}`")
+        if log is not None and log["sanitizer_errors"] is not None:
+            lines.append(f"  - compute-sanitizer memcheck: {log['sanitizer_errors']} error(s) reported")
+        lines += [f"  - FAILED {c}" for c in failed[:20]]
+        if len(failed) > 20:
+            lines.append(f"  - ... and {len(failed) - 20} more")
+    return lines or ["(no test step ran)"]
+
+
+def _env_lines(env: dict) -> list[str]:
+    fatal = env.get("fatal")
+    if fatal is None:
+        return ["(no environment record)"]
+    lines = [f"- verdict: {'STOP: ' + '; '.join(fatal) if fatal else 'ok (the run went on)'}"]
+    loaded = env.get("libcudnn_loaded")
+    if isinstance(loaded, dict):
+        lines += [f"- loaded {kind}: {', '.join(paths)}" for kind, paths in loaded.items()] or ["- no libcudnn loaded"]
+    elif loaded is not None:
+        lines.append(f"- libcudnn loaded: {loaded}")
+    if "tiny_graph" in env:
+        lines.append(f"- one tiny cuDNN graph: {env['tiny_graph']}")
+    if env.get("expected_cudnn") is not None:
+        lines.append(f"- expected cuDNN (GPU_CHECK_EXPECT_CUDNN): {env['expected_cudnn']}")
+    return lines
+
+
 def write_summary(out: Path, work: Path, steps_path: Path) -> str:
     env = _load_json(out / "env.json") or {}
     probe = _load_json(work / "builtin_cudnn_probe.json")
-    junit = _junit(out / "gpu-tests.xml")
+    rows = _steps(steps_path)
+    merged = _merge_junit(out)
+    junit = _junit(merged) if merged else None
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     md = [f"# GPU check, {now}", ""]
     md += [
@@ -157,18 +284,16 @@ def write_summary(out: Path, work: Path, steps_path: Path) -> str:
         "| step | status | rc | seconds | note |",
         "| --- | --- | --- | --- | --- |",
     ]
-    md += [f"| {' | '.join(row)} |" for row in _steps(steps_path)]
-    md += ["", "## GPU-marked tests", ""]
-    if junit is None:
-        md.append("no JUnit XML (the test step did not finish)")
-    elif "error" in junit:
-        md.append(junit["error"])
-    else:
-        md.append(
-            f"{junit['passed']} passed, {junit['failures']} failed, {junit['errors']} errors, "
-            f"{junit['skipped']} skipped of {junit['tests']} in {junit['time']:.1f}s"
-        )
-        md += [f"- FAILED {c}" for c in junit["failed_cases"][:30]]
+    md += [f"| {' | '.join(cell.replace('|', '/') for cell in row)} |" for row in rows]
+    md += ["", "## Environment", ""] + _env_lines(env)
+    md += ["", "## GPU-marked tests, by step", ""]
+    if junit is not None and "error" not in junit:
+        md += [
+            f"all steps' JUnit XML: {junit['passed']} passed, {junit['failures']} failed, {junit['errors']} errors, "
+            f"{junit['skipped']} skipped of {junit['tests']} in {junit['time']:.1f}s (gpu-tests.xml)",
+            "",
+        ]
+    md += _test_step_lines(out, rows)
     md += ["", "## thunder's built-in cuDNN executor with this frontend", ""] + _probe_lines(probe)
     md += ["", "## GPU benchmark suite", ""] + _bench_lines(out)
     text = "\n".join(md) + "\n"
@@ -243,8 +368,11 @@ def main() -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--work", type=Path, required=True)
     ap.add_argument("--steps", type=Path, required=True)
+    ap.add_argument("--no-pack", action="store_true", help="write summary.md only (gpu_check.sh, after each step)")
     args = ap.parse_args()
     text = write_summary(args.out, args.work, args.steps)
+    if args.no_pack:
+        return 0
     notes = pack(args.out, args.work)
     if notes:
         with open(args.out / "summary.md", "a") as f:

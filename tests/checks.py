@@ -1,5 +1,6 @@
 """Test seams: run calls through ``thunder.jit`` with an executor of ours and check them against
-float64 and eager under the accuracy rule; make a runtime refuse, to exercise the fallback."""
+float64 and eager under the accuracy rule; assert that cuDNN's path ran (claimed, graphs built, no
+fallback); make a runtime refuse, to exercise the fallback."""
 
 from __future__ import annotations
 
@@ -11,6 +12,51 @@ import torch
 import torch.nn.functional as F
 
 from thunder_cudnn_safe.testing import assert_close_to_reference
+
+EMULATED_OP = "cudnn_safe_emulated_sdpa"
+
+
+# -- that cuDNN's path ran ----------------------------------------------------------------------
+# A test that claims a property of cuDNN's path must fail when the executor declines its call or the
+# runtime refuses its graph (tests/conftest.py's THUNDER_CUDNN_SAFE_MUTATION proves it does): the
+# accuracy rule alone passes thunder's own SDPA and the torch fallback too.
+@contextlib.contextmanager
+def on_the_runtime(cache: Any = None, *, lookups: bool = True) -> Iterator[None]:
+    """Assert that the calls inside ran on the runtime's graphs: no call fell back (``fallbacks``
+    unchanged), a graph was ever built (``builds > 0``) and, with ``lookups``, one was built or looked
+    up inside (a call reached the runtime). ``cache``: a dispatcher's own (default: the process-wide one)."""
+    from thunder_cudnn_safe.cache import graph_cache
+
+    cache = graph_cache if cache is None else cache
+    before = cache.info()
+    yield
+    after = cache.info()
+    assert after.fallbacks == before.fallbacks, (
+        f"{after.fallbacks - before.fallbacks} call(s) ran on the torch fallback: the runtime refused a graph "
+        f"({after.build_failures - before.build_failures} build failures)"
+    )
+    assert after.builds > 0, f"no graph was ever built: nothing ran on cuDNN's path ({after})"
+    if lookups:
+        assert after.builds + after.hits > before.builds + before.hits, "no call reached the runtime's graphs"
+
+
+def assert_claimed(query, key, value, *args, runtime: Any = None, **kwargs) -> None:
+    """Assert that the executor on ``runtime`` (default: the emulated executor's) would claim this call
+    (:class:`~thunder_cudnn_safe.calls.ForwardCall`'s arguments): for a test that calls a dispatcher itself,
+    which no checker stands in front of."""
+    from thunder_cudnn_safe import emulation, executor
+
+    runtime = emulation.default_runtime if runtime is None else runtime
+    reasons = executor.reasons_for(runtime, query, key, value, *args, **kwargs)  # the module's: a mutation applies
+    assert not reasons, f"the executor would decline this call: {list(reasons)}"
+
+
+def assert_claimed_in_traces(jf, op_prefix: str = EMULATED_OP, backward: bool = True) -> None:
+    """Assert that ``jf``'s last forward trace (and, with ``backward``, its backward trace) runs our operators."""
+    fwd, bwd = trace_text(jf)
+    assert f"{op_prefix}_fwd" in fwd, "the executor did not claim the call (silent fallback to thunder's SDPA)"
+    if backward:
+        assert f"{op_prefix}_bwd" in bwd, "the backward did not run on the executor"
 
 
 # -- running calls through thunder.jit and checking them ------------------------------------
@@ -51,7 +97,7 @@ def run_and_check(jf, q, k, v, grad_out, mask=None, is_causal=False, scale=None,
     ``allow_fallback`` (False: a call the runtime refused fails the check).
     """
     check_grads = checks.get("check_grads", True)
-    op_prefix = checks.get("op_prefix", "cudnn_safe_emulated_sdpa")
+    op_prefix = checks.get("op_prefix", EMULATED_OP)
     allow_fallback = checks.get("allow_fallback", False)
     import thunder_cudnn_safe as tcs
 
@@ -62,9 +108,10 @@ def run_and_check(jf, q, k, v, grad_out, mask=None, is_causal=False, scale=None,
     leaves = [t for t in (q, k, v, mask) if t is not None and t.requires_grad]
     grads = torch.autograd.grad(out, leaves, grad_out) if check_grads else ()
     if check_grads:
-        assert f"{op_prefix}_bwd" in bwd, "the backward did not run on the executor"
+        assert f"{op_prefix}_bwd" in trace_text(jf)[1], "the backward did not run on the executor"
     if not allow_fallback:
         assert tcs.cache_info().fallbacks == fallbacks_before, "a graph was refused and the torch fallback answered"
+        assert tcs.cache_info().builds > 0, "no graph was ever built: nothing ran on cuDNN's path"
 
     ref_leaves = [t.detach().double().requires_grad_(t.requires_grad) for t in (q, k, v)]
     ref_mask = None
@@ -93,10 +140,36 @@ def run_and_check(jf, q, k, v, grad_out, mask=None, is_causal=False, scale=None,
     return out, grads
 
 
-def check_against_eager(jf, inputs, grad, reference_fn, leaves):
-    """Run ``jf``, compare its output and the gradients of ``leaves`` with float64 and eager ``reference_fn``."""
+def check_against_eager(
+    jf,
+    inputs,
+    grad,
+    reference_fn,
+    leaves,
+    *,
+    op_prefix: str = EMULATED_OP,
+    claimed: bool = True,
+    fallback: bool = False,
+):
+    """Run ``jf`` (a ``thunder.jit`` function), compare its output and the gradients of ``leaves`` with float64
+    and eager ``reference_fn``.
+
+    Strict by default: the forward and backward traces run our operators (``op_prefix``) and no call fell
+    back to torch (``cache_info().fallbacks`` unchanged, a graph built). ``claimed=False``: a call the test
+    means the executor to decline (no trace check); ``fallback=True``: a call the test means to fall back.
+    """
+    import thunder_cudnn_safe as tcs
+
+    before = tcs.cache_info()
     out = jf(*inputs)
     grads = torch.autograd.grad(out, leaves, grad)
+    if claimed:
+        assert_claimed_in_traces(jf, op_prefix)
+    if not fallback:
+        after = tcs.cache_info()
+        assert after.fallbacks == before.fallbacks, "a graph was refused and the torch fallback answered"
+        if claimed:
+            assert after.builds > 0, "no graph was ever built: nothing ran on cuDNN's path"
     ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
     low_leaves = [t.detach().requires_grad_() for t in leaves]
     ref = reference_fn(*ref_leaves)

@@ -1,4 +1,5 @@
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -27,14 +28,86 @@ def pytest_terminal_summary(terminalreporter):
 
 
 def pytest_report_header(config):
-    """Which libcudnn the frontend loaded (a second one comes first on LD_LIBRARY_PATH: .ci/second_cudnn.sh)."""
+    """Which libcudnn the frontend loaded (a second one comes first on LD_LIBRARY_PATH: .ci/second_cudnn.sh),
+    and the mutation this run is under (:data:`MUTATION_ENV`)."""
     from thunder_cudnn_safe import _compat
 
     version = _compat.FRONTEND.backend_version
     maps = Path("/proc/self/maps")
     text = maps.read_text() if maps.exists() else ""
     loaded = sorted({line.split()[-1] for line in text.splitlines() if "libcudnn_graph" in line})
-    return f"cuDNN backend {version} ({', '.join(loaded) or 'no libcudnn_graph loaded'})"
+    mutation = mutation_from_env()
+    return [
+        f"cuDNN backend {version} ({', '.join(loaded) or 'no libcudnn_graph loaded'})",
+        f"{MUTATION_ENV}: "
+        + (
+            f"{mutation} ({MUTATIONS[mutation]}): the cuDNN-path tests must fail" if mutation else "unset (no mutation)"
+        ),
+    ]
+
+
+#: A mutation of the package for this run, to prove the tests notice when cuDNN's path does not run:
+#: ``decline`` (the checker declines every call: everything runs on thunder's own SDPA) or ``refuse``
+#: (every graph build is refused: every call runs on the torch fallback). Unset: no change.
+#: scripts/mutation_check.py runs test files under each and reports which still pass.
+MUTATION_ENV = "THUNDER_CUDNN_SAFE_MUTATION"
+MUTATIONS = {
+    "decline": "executor.reasons_for declines every call",
+    "refuse": "EmulatedRuntime.build and CudnnRuntime.build refuse every graph",
+}
+
+
+def mutation_from_env() -> str | None:
+    value = os.environ.get(MUTATION_ENV, "").strip().lower()
+    if value and value not in MUTATIONS:
+        raise pytest.UsageError(f"{MUTATION_ENV}={value!r}: expected one of {sorted(MUTATIONS)} or unset")
+    return value or None
+
+
+def apply_mutation(name: str, patch: pytest.MonkeyPatch) -> None:
+    """Mutate the package as ``name`` says (undone with ``patch``).
+
+    ``decline``: :func:`thunder_cudnn_safe.executor.reasons_for`, and every module's name for it (tests that
+    imported it by name), returns one :class:`~thunder_cudnn_safe.support.Decline`; the checker, ``explain()``
+    and ``describe()`` all ask it. A direct dispatcher call never asks the checker, so it is not declined:
+    a test that calls the dispatcher itself asks ``reasons_for`` whether the executor would claim its call
+    (tests/checks.py ``assert_claimed``), and the ``refuse`` mutation is what its graphs meet.
+    ``refuse``: both runtimes' ``build`` raise :class:`~thunder_cudnn_safe.errors.GraphBuildError`.
+    """
+    if name == "decline":
+        from thunder_cudnn_safe import executor
+        from thunder_cudnn_safe.support import Decline, DeclineCode
+
+        real = executor.reasons_for
+
+        def reasons_for(runtime, *args, **kwargs):
+            return [Decline(DeclineCode.ENVIRONMENT, "mutation: decline everything")]
+
+        for module in list(sys.modules.values()):
+            if getattr(module, "reasons_for", None) is real:
+                patch.setattr(module, "reasons_for", reasons_for)
+    elif name == "refuse":
+        from thunder_cudnn_safe.emulation import EmulatedRuntime
+        from thunder_cudnn_safe.errors import GraphBuildError
+        from thunder_cudnn_safe.runtime import CudnnRuntime
+
+        def build(self, key):
+            raise GraphBuildError("mutation: refuse every build")
+
+        patch.setattr(EmulatedRuntime, "build", build)
+        patch.setattr(CudnnRuntime, "build", build)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _mutation():
+    """The run's mutation (:data:`MUTATION_ENV`), applied after collection: test modules' names included."""
+    name = mutation_from_env()
+    if name is None:
+        yield None
+        return
+    with pytest.MonkeyPatch.context() as patch:
+        apply_mutation(name, patch)
+        yield name
 
 
 #: The slow tiers, by file: each file's tests carry the tier's marker, which the default run deselects

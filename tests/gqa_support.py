@@ -102,6 +102,7 @@ def run_gqa_and_check(executor, q, k, v, grad_out, mask=None, is_causal=False, *
     grads = torch.autograd.grad(out, leaves, grad_out)
     assert_native_gqa_traces(jf, executor)
     assert tcs.cache_info().fallbacks == fallbacks, "a graph was refused and the torch fallback answered"
+    assert tcs.cache_info().builds > 0, "no graph was ever built: nothing ran on cuDNN's path"
     for g, leaf in zip(grads, leaves):
         assert g.shape == leaf.shape  # dK/dV with H_kv heads
 

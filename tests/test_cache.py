@@ -9,7 +9,8 @@ import torch
 
 import thunder_cudnn_safe as tcs
 from thunder_cudnn_safe import config, graphs
-from thunder_cudnn_safe.cache import CACHE_SIZE_ENV, GraphBuildError, GraphCache
+from thunder_cudnn_safe._env import CACHE_SIZE_ENV
+from thunder_cudnn_safe.cache import GraphBuildError, GraphCache
 from thunder_cudnn_safe.dispatch import Dispatcher
 from thunder_cudnn_safe.emulation import EmulatedRuntime
 
@@ -99,12 +100,8 @@ def test_env_var_sets_the_bound(monkeypatch):
 
 
 def test_public_cache_api(fresh_cache):
-    before = tcs.cache_info().maxsize
-    try:
-        tcs.set_cache_size(5)
+    with config.patch(cache_size=5):
         assert tcs.cache_info().maxsize == 5
-    finally:
-        tcs.set_cache_size(before)
     fields = tcs.cache_info()._fields
     for f in ("hits", "misses", "builds", "evictions", "size", "maxsize", "build_seconds"):
         assert f in fields

@@ -1,6 +1,6 @@
 """thunder_cudnn_safe.config: every knob has a default, an environment variable with a parser that
-warns on a typo, a setter and a scoped patch(); the older setters and module attributes still work;
-clear_cache() clears every cache and says which."""
+warns on a typo, a setter and a scoped patch() (README's "Removed in this release" lists the older
+spellings; tests/test_public_api.py checks they are gone); clear_cache() clears every cache and says which."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import thunder_cudnn_safe as tcs
-from thunder_cudnn_safe import cache, calls, config, emulation, graphs, masks, patterns, plan_cache, runtime, support
+from thunder_cudnn_safe import config, emulation, graphs, masks, patterns, plan_cache, runtime
 
 # knob -> (a valid environment text, the value it parses to, an invalid text, a valid Python value, an invalid one)
 CASES = {
@@ -23,6 +23,8 @@ CASES = {
     "dynamic_shapes": (" OFF ", "off", "sometimes", "forward", "always"),
     "dp_workspace_limit": ("1024", 1024, "lots", 0, -1),
     "plan_cache_dir": ("/tmp/plans", "/tmp/plans", None, "/tmp/other", 3),
+    "plan_cache_max_entries": ("3", 3, "many", 5, 0),
+    "plan_cache_max_bytes": ("4096", 4096, "1 GiB", 1 << 20, -1),
     "aot_timeout": ("90", 90.0, "soon", 0, -1),
     "emulated_arch": ("sm100", (10, 0), "foo", "8.6", (9,)),
     "emulated_backend": ("91000", 91000, "nine", 90500, 0),
@@ -113,37 +115,20 @@ def _refuse_seven(value):
         raise ValueError("seven")
 
 
-def test_old_setters_and_attributes_still_work(tmp_path):
-    with config.patch():
-        tcs.set_cache_size(9)
-        assert config.cache_size == 9 and tcs.cache_info().maxsize == 9
-        tcs.set_mask_cache_size(4)
-        assert config.mask_cache_size == 4
-        tcs.set_mask_patterns(0)
-        assert config.mask_patterns is False
-        tcs.set_dynamic_shapes("forward")
-        assert config.dynamic_shapes == "forward"
-        tcs.set_emulated_target(arch="8.0", backend_version=90100)
-        assert (config.emulated_arch, config.emulated_backend) == ((8, 0), 90100)
-        tcs.set_plan_cache_dir(tmp_path, max_entries=3)
-        assert config.plan_cache_dir == str(tmp_path) and plan_cache.active().max_entries == 3
-        config.set(dp_workspace_limit=12)
-        assert support.DP_WORKSPACE_LIMIT == 12  # the old module attribute reads the knob
-    for name, value in (
-        ("cache_size", 1024),
-        ("mask_cache_size", 16),
-        ("mask_patterns", True),
-        ("dynamic_shapes", "inference"),
-        ("emulated_arch", (9, 0)),
-        ("emulated_backend", 91900),
-        ("plan_cache_dir", None),
-    ):
-        config.set(**{name: value})
-    assert plan_cache.active() is None
-    assert config.KNOBS["mask_patterns"].env == patterns.MASK_PATTERNS_ENV
-    assert config.KNOBS["cache_size"].env == cache.CACHE_SIZE_ENV
-    assert cache.DEFAULT_CACHE_SIZE == 1024 and masks.MASK_CACHE_SIZE == 16
-    assert calls.DYNAMIC_SHAPE_MODES == ("off", "inference", "forward")
+def test_plan_cache_folder_and_bounds_are_knobs(tmp_path):
+    """The plan cache's folder and bounds are three knobs: a changed bound reaches the plan cache in use
+    (without forgetting its counters), a changed folder makes a new one."""
+    with config.patch(plan_cache_dir=tmp_path, plan_cache_max_entries=3):
+        active = plan_cache.active()
+        assert config.plan_cache_dir == str(tmp_path) and str(active.directory) == str(tmp_path)
+        assert (active.max_entries, active.max_bytes) == (3, config.KNOBS["plan_cache_max_bytes"].default)
+        active.put("e", b"x")
+        config.set(plan_cache_max_bytes=4096, plan_cache_max_entries=2)
+        assert plan_cache.active() is active and (active.max_entries, active.max_bytes) == (2, 4096)
+        assert active.counts["stores"] == 1
+        with config.patch(plan_cache_dir=tmp_path / "other"):
+            assert plan_cache.active().max_entries == 2 and plan_cache.active() is not active
+    assert plan_cache.active() is None and config.plan_cache_max_entries == 2048
 
 
 def test_mask_patterns_knob_is_read_at_use_time():

@@ -9,7 +9,7 @@ import logging
 
 import torch
 import torch.nn.functional as F
-from checks import check_against_eager, jit_with_ours
+from checks import assert_claimed_in_traces, check_against_eager, jit_with_ours, on_the_runtime
 
 import thunder_cudnn_safe as tcs
 
@@ -27,8 +27,11 @@ def test_key_broadcast_over_heads_but_value_not(fresh_cache):
 
 def test_stats_with_odd_query_length_are_not_copied(fresh_cache):
     q, k, v = (torch.randn(1, 2, 9, 32, dtype=torch.float16, requires_grad=True) for _ in range(3))
-    out = jit_with_ours(lambda q, k, v: F.scaled_dot_product_attention(q, k, v))(q, k, v)
-    out.backward(torch.randn_like(out))
+    jf = jit_with_ours(lambda q, k, v: F.scaled_dot_product_attention(q, k, v))
+    with on_the_runtime():
+        out = jf(q, k, v)
+        out.backward(torch.randn_like(out))
+    assert_claimed_in_traces(jf)
     assert tcs.copy_stats().copies == 0, tcs.copy_stats()
 
 

@@ -56,9 +56,8 @@ def standin(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module", autouse=True)
 def _restore_target():
-    before = emulation.emulated_target()
-    yield
-    tcs.set_emulated_target(before.arch, backend_version=before.backend_version)
+    with tcs.config.patch(emulated_arch=tcs.config.emulated_arch, emulated_backend=tcs.config.emulated_backend):
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -268,9 +267,7 @@ def _decode_keys(device: str, dynamic: str) -> list:
     """The forward keys of decode steps (one query) over new key lengths and a new batch size."""
     from thunder_cudnn_safe import calls, recipes
 
-    was = tcs.config.dynamic_shapes
-    tcs.set_dynamic_shapes(dynamic)
-    try:
+    with tcs.config.patch(dynamic_shapes=dynamic):
         keys = []
         for b, s in ((1, 64), (1, 96), (1, 160), (1, 300), (4, 96)):
             q, k, v = (
@@ -280,8 +277,6 @@ def _decode_keys(device: str, dynamic: str) -> list:
             call = calls.ForwardCall(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, need_stats=False)
             keys.append(recipes.forward_recipe(calls.signature(call), aot.target_of(device)).key)
         return keys
-    finally:
-        tcs.set_dynamic_shapes(was)
 
 
 def test_new_lengths_reuse_one_compiled_kernel(standin):

@@ -286,14 +286,11 @@ def keys_of(call: Call) -> list:
         return _KEYS[memo]
     if call.id in _KEYS:
         return _KEYS[call.id]
-    before = emulation.emulated_target()
     seen: list = []
-    try:
+    with tcs.config.patch(emulated_backend=cudnn.backend_version()):
         for arch in ARCHS.values():
-            tcs.set_emulated_target(arch, backend_version=cudnn.backend_version())
-            seen += _record_keys(call)
-    finally:
-        tcs.set_emulated_target(before.arch, backend_version=before.backend_version)
+            with tcs.config.patch(emulated_arch=arch):
+                seen += _record_keys(call)
     keys = list(dict.fromkeys(key._replace(target=None) for key in seen))
     _KEYS[call.id] = keys
     return keys
@@ -357,15 +354,14 @@ def lowered(key, sm: int) -> lowering.Lowering:
 
 @pytest.fixture(scope="module", autouse=True)
 def _restore_target():
-    before = emulation.emulated_target()
-    yield
-    tcs.set_emulated_target(before.arch, backend_version=before.backend_version)
+    with tcs.config.patch(emulated_arch=tcs.config.emulated_arch, emulated_backend=tcs.config.emulated_backend):
+        yield
 
 
 def _explain(call: Call, sm: int) -> list[str]:
     import cudnn
 
-    tcs.set_emulated_target(ARCHS[sm], backend_version=cudnn.backend_version())
+    tcs.config.set(emulated_arch=ARCHS[sm], emulated_backend=cudnn.backend_version())
     q, k, v, mask = _tensors(call)
     return tcs.explain(
         q,

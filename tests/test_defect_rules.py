@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import thunder_cudnn_safe as tcs
-from thunder_cudnn_safe import cudnn_rules, emulation
+from thunder_cudnn_safe import cudnn_rules
 from thunder_cudnn_safe.cache import graph_cache
 from thunder_cudnn_safe.keys import BackwardKey, ForwardKey, Target
 from thunder_cudnn_safe.patterns import MaskPattern, recognize
@@ -20,9 +20,8 @@ from thunder_cudnn_safe.patterns import MaskPattern, recognize
 
 @pytest.fixture(autouse=True)
 def _restore_target():
-    before = emulation.emulated_target()
-    yield
-    tcs.set_emulated_target(before.arch, backend_version=before.backend_version)
+    with tcs.config.patch(emulated_arch=tcs.config.emulated_arch, emulated_backend=tcs.config.emulated_backend):
+        yield
 
 
 def qkv(b=1, h=4, lq=16, s=16, d=64, hk=None, dtype=torch.float16, grad=False):
@@ -36,7 +35,7 @@ def qkv(b=1, h=4, lq=16, s=16, d=64, hk=None, dtype=torch.float16, grad=False):
 
 
 def rules_on(arch, version, *args, **kwargs) -> list[str | None]:
-    tcs.set_emulated_target(arch, backend_version=version)
+    tcs.config.set(emulated_arch=arch, emulated_backend=version)
     return [r.rule for r in tcs.explain(*args, executor=tcs.emulated_ex, **kwargs)]
 
 
@@ -117,7 +116,7 @@ def test_hopper_kv_tail_property(tiles, rest, version):
 
 # -- S3: Hopper single-query backward: routed to the padding mask at full lengths --------------------
 def test_hopper_decode_backward_is_routed_not_declined(fresh_cache):
-    tcs.set_emulated_target(H100, backend_version=92600)
+    tcs.config.set(emulated_arch=H100, emulated_backend=92600)
     q, k, v = qkv(b=2, h=4, lq=1, s=128, hk=2)
     assert tcs.explain(q, k, v, executor=tcs.emulated_ex, enable_gqa=True) == []
     disp = tcs.emulated_ex.dispatcher
@@ -134,7 +133,7 @@ def test_hopper_decode_backward_is_routed_not_declined(fresh_cache):
 
 @pytest.mark.parametrize("arch,lq,need_stats", [(A100, 1, True), (B200, 1, True), (H100, 2, True), (H100, 1, False)])
 def test_hopper_decode_route_only_there(arch, lq, need_stats, fresh_cache):
-    tcs.set_emulated_target(arch, backend_version=92600)
+    tcs.config.set(emulated_arch=arch, emulated_backend=92600)
     q, k, v = qkv(b=2, lq=lq, s=128)
     tcs.emulated_ex.dispatcher.forward(q, k, v, None, 0.0, False, need_stats=need_stats)
     assert not any(key.padded for key in graph_cache.keys())
@@ -217,7 +216,7 @@ def test_deterministic_backward_on_blackwell_before_9_18(arch, version, declined
 
 
 def test_deterministic_training_on_old_blackwell_runs_on_the_next_executor():
-    tcs.set_emulated_target(B200, backend_version=91701)
+    tcs.config.set(emulated_arch=B200, emulated_backend=91701)
     q, k, v = qkv(b=1, h=2, lq=32, s=32, grad=True)
     jf = checks.jit_sdpa(cudnn_safe_deterministic=True)
     out = jf(q, k, v, None, 0.0, False, None)
@@ -228,7 +227,7 @@ def test_deterministic_training_on_old_blackwell_runs_on_the_next_executor():
 
 # -- a declined call runs on the next executor, with eager's numbers -----------------------------------------
 def test_declined_training_call_runs_on_the_next_executor():
-    tcs.set_emulated_target(H100, backend_version=91900)
+    tcs.config.set(emulated_arch=H100, emulated_backend=91900)
     q, k, v = qkv(b=1, h=2, lq=32, s=192, grad=True)
     jf = checks.jit_sdpa()
     out = jf(q, k, v, None, 0.0, False, None)
@@ -286,7 +285,7 @@ def test_a_version_windowed_decline_names_the_fix_and_how_to_get_it():
 
 
 def _explain_on(arch, version):
-    tcs.set_emulated_target(arch, backend_version=version)
+    tcs.config.set(emulated_arch=arch, emulated_backend=version)
     return tcs.explain(*_seed_call(), executor=tcs.emulated_ex)
 
 

@@ -41,9 +41,7 @@ def _launches(*args, **kwargs) -> tuple[list[str], tcs.CallReport]:
 def test_describe_of_a_routed_decode_fills_no_lengths(fresh_cache):
     """An sm90 training decode runs with the padding mask at full lengths (defect_routes): describe()
     filled two length tensors on the call's device to plan that key; now it plans them on meta."""
-    before = tcs.emulation.emulated_target()
-    tcs.set_emulated_target((9, 0), backend_version=91900)
-    try:
+    with tcs.config.patch(emulated_arch=(9, 0), emulated_backend=91900):
         q, k, v = torch.randn(2, 2, 1, 64).half(), torch.randn(2, 2, 32, 64).half(), torch.randn(2, 2, 32, 64).half()
         launches, report = _launches(q, k, v)
         assert report.reasons == [] and report.mask_pattern is None
@@ -53,8 +51,6 @@ def test_describe_of_a_routed_decode_fills_no_lengths(fresh_cache):
         disp.backward(torch.randn_like(out), q, k, v, None, 0.0, False, out, stats, None, None)
         launches, report = _launches(q, k, v)
         assert launches == [] and report.forward.key.padded and report.backward is not None
-    finally:
-        tcs.set_emulated_target(before.arch, backend_version=before.backend_version)
 
 
 def test_describe_recognizes_a_new_mask_once_then_runs_nothing(fresh_cache):

@@ -7,7 +7,7 @@
   of the same operands) matches by object identity, never outlives grad_out, and works with
   fused dQKV;
 * the converted-mask cache: inference tensors (no version counter), writes that bypass the
-  version counter (opt out with set_mask_cache_size(0)), a weakref callback during a garbage
+  version counter (opt out with config.set(mask_cache_size=0)), a weakref callback during a garbage
   collection under the cache's own lock.
 
 Each test failed before its fix (found by an independent adversarial review).
@@ -188,17 +188,14 @@ def test_mask_gradient_stash_is_not_handed_to_another_call_with_reused_ids():
 
 def test_mask_cache_can_be_turned_off_for_writes_that_bypass_the_version_counter():
     """A write through .data, numpy or DLPack does not bump _version: the cache cannot see it
-    (documented). set_mask_cache_size(0) (or THUNDER_CUDNN_SAFE_MASK_CACHE_SIZE=0) converts every call."""
+    (documented). config.set(mask_cache_size=0) (or THUNDER_CUDNN_SAFE_MASK_CACHE_SIZE=0) converts every call."""
     q, k, v = _qkv(dtype=torch.bfloat16)
     m = torch.rand(16, 16) > 0.3
     jf = jit_sdpa()
-    tcs.set_mask_cache_size(0)
-    try:
+    with tcs.config.patch(mask_cache_size=0):
         jf(q, k, v, m)
         m.data.copy_(~m)
         out = jf(q, k, v, m)
-    finally:
-        tcs.set_mask_cache_size(8)
     ref = F.scaled_dot_product_attention(*(t.double() for t in (q, k, v)), attn_mask=m)
     eager = F.scaled_dot_product_attention(q, k, v, attn_mask=m)
     assert_close_to_reference(out, eager, ref, "output after mask.data changed")

@@ -3,7 +3,7 @@
 A dynamic-shape graph still declares exactly the layouts of its key (one key, one graph per
 shape: declared == bound holds as for every graph, tests/test_graph_declarations.py); what it
 changes is the plan build: the kernel compiled for the first shape is reused for every later
-length and batch size. Which forwards are dynamic is a knob (``set_dynamic_shapes``); the
+length and batch size. Which forwards are dynamic is a knob (``config.dynamic_shapes``); the
 backward never is. The compile-side proof (one kernel for many lengths) is in
 tests/test_cudnn_compile.py.
 """
@@ -30,9 +30,8 @@ from thunder_cudnn_safe.testing import QKV_LAYOUTS
 
 @pytest.fixture
 def mode():
-    was = tcs.config.dynamic_shapes
-    yield tcs.set_dynamic_shapes
-    tcs.set_dynamic_shapes(was)
+    with tcs.config.patch(dynamic_shapes=tcs.config.dynamic_shapes):
+        yield lambda setting: tcs.config.set(dynamic_shapes=setting)
 
 
 def _decode(disp, lengths, batch=1, need_stats=False, dropout=0.0):
@@ -86,7 +85,7 @@ def test_the_knob_decides_per_call_and_the_plan_memo_follows_it(mode, setting, t
 
 def test_invalid_mode_is_refused_and_env_typo_keeps_the_default():
     with pytest.raises(ValueError):
-        tcs.set_dynamic_shapes("always")
+        tcs.config.set(dynamic_shapes="always")
     code = "import thunder_cudnn_safe as tcs; print(tcs.config.dynamic_shapes)"
     for raw, want in (("forward", "forward"), (" OFF ", "off"), ("sometimes", "inference")):
         env = {**os.environ, "THUNDER_CUDNN_SAFE_DYNAMIC_SHAPES": raw}

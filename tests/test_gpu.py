@@ -29,8 +29,10 @@ thunder's torch decomposition.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
+from collections import Counter
 
 import pytest
 import thunder
@@ -128,6 +130,7 @@ def check_sdpa_case(q, k, v, grad_out, mask=None, causal=False, *, allow_fallbac
     fallbacks = tcs.cache_info().fallbacks - before.fallbacks
     if not allow_fallback:
         assert fallbacks == 0, f"{fallbacks} call(s) went to the torch fallback: cuDNN refused a graph"
+        assert tcs.cache_info().builds > 0, "no graph was ever built: nothing ran on cuDNN"
 
     ref, ref_grads = forward_backward(sdpa, *map(to64, (q, k, v, mask)), causal, grad_out.double())
     # The yardstick is eager torch in the same precision on the same values. On the same
@@ -151,6 +154,26 @@ def check_sdpa_case(q, k, v, grad_out, mask=None, causal=False, *, allow_fallbac
         if sdpaex_ran:
             assert_close_to_reference(ours, s, r, f"{name} vs float64 (2x sdpaex's error)")
     return out, grads
+
+
+@contextlib.contextmanager
+def runtime_executions():
+    """Count the graphs the executor's runtime executes inside, by kind: "forward", "backward", "backward+dBias"."""
+    runtime = EXECUTOR.runtime
+    real = runtime.execute
+    counts: Counter = Counter()
+
+    def execute(built, pack):
+        key = built.key
+        kind = "backward" if isinstance(key, BackwardKey) else "forward"
+        counts[kind + ("+dBias" if getattr(key, "d_bias", None) is not None else "")] += 1
+        return real(built, pack)
+
+    runtime.execute = execute
+    try:
+        yield counts
+    finally:
+        del runtime.execute
 
 
 # -- environment -------------------------------------------------------------------------
@@ -234,8 +257,20 @@ def test_mask(kind, dtype, mask_shape):
         mask.requires_grad_(kind == "additive_grad")
     grad_out = GRAD_OUT_LAYOUTS["transposed"]((b, h, lq, d), dtype, device=DEVICE)
     # dBias support in cuDNN is narrow: a refused dBias graph may fall back to torch
-    # (still checked for accuracy); forward-only masks must run on cuDNN.
-    check_sdpa_case(q, k, v, grad_out, mask=mask, allow_fallback=(kind == "additive_grad"))
+    # (still checked for accuracy); forward-only masks must run on cuDNN. Either way the
+    # forward runs on cuDNN, and only the dBias backward may fall back.
+    before = tcs.cache_info().fallbacks
+    with runtime_executions() as ran:
+        check_sdpa_case(q, k, v, grad_out, mask=mask, allow_fallback=(kind == "additive_grad"))
+    fell_back = tcs.cache_info().fallbacks - before
+    assert ran["forward"] == 1, f"the forward did not run on cuDNN: {dict(ran)}, {fell_back} fallbacks"
+    if kind == "additive_grad":
+        assert ran["backward+dBias"] == 1 or (fell_back == 1 and ran["backward"] == 0), (
+            f"the dBias backward neither ran on cuDNN nor was the one call that fell back: {dict(ran)}, "
+            f"{fell_back} fallbacks"
+        )
+    else:
+        assert ran["backward"] == 1 and fell_back == 0, dict(ran)
 
 
 def test_declined_call_runs_on_another_executor():
@@ -386,10 +421,8 @@ def test_decode_over_new_lengths_with_dynamic_shape_graphs(mode):
     """Decode forwards (no_grad) over 12 key lengths and 2 batch sizes: right numbers as dynamic-shape
     graphs sharing one kernel cache and as static graphs; the build seconds go into the figure."""
 
-    was = tcs.config.dynamic_shapes
-    tcs.set_dynamic_shapes(mode)
-    tcs.clear_cache()
-    try:
+    with tcs.config.patch(dynamic_shapes=mode):
+        tcs.clear_cache()
         jf = thunder.jit(sdpa, executors=executors_ours())
         q = torch.randn(1, 1, 8, 128, device=DEVICE, dtype=BF16).transpose(1, 2)
         with torch.no_grad():
@@ -406,5 +439,3 @@ def test_decode_over_new_lengths_with_dynamic_shape_graphs(mode):
         assert info.fallbacks == 0 and len(keys) == 14, (info, keys)
         assert all(key.dynamic is (mode == "inference") for key in keys)
         print(f"dynamic shapes {mode}: {info.builds} plans built in {info.build_seconds:.2f} s")
-    finally:
-        tcs.set_dynamic_shapes(was)

@@ -7,7 +7,9 @@ about ``-m * c * scale``). Whatever executor ends up running the call (ours on a
 documented workaround, or the next executor when a rule declines), the outputs and gradients of
 ``thunder.jit`` with ``cudnn_safe_ex`` first must be finite and within the accuracy rule against
 float64. The yardstick is torch's memory-efficient kernel in the same precision (clean on these inputs
-in pytorch/pytorch#196678), or torch's math backend where it cannot run.
+in pytorch/pytorch#196678), or torch's math backend where it cannot run. Which executor ran must be the
+one ``explain()`` names: a call it claims runs our operators forward and backward on cuDNN's graphs (no
+torch fallback), and a call it declines is declined by a named rule (docs/known-cudnn-defects.md).
 
 Marked ``gpu``; skipped without CUDA. ``scripts/gpu_check.sh`` runs this file first. Self-check of the
 test logic without a GPU: ``THUNDER_CUDNN_SAFE_GPU_TESTS_EMULATE=1 python -m pytest --noconftest -m gpu
@@ -93,9 +95,11 @@ def _err(a: torch.Tensor, r: torch.Tensor) -> float:
 def check_finite_and_accurate(q, k, v, mask=None, is_causal=False, enable_gqa=False, backward=True, what=""):
     leaves = [t.detach().requires_grad_(backward) for t in (q, k, v)]
     jf = _ours()
+    before = tcs.cache_info()
     out = jf(*leaves, mask, is_causal, enable_gqa)
     grad_out = torch.randn_like(out) if backward else None
     grads = torch.autograd.grad(out, leaves, grad_out) if backward else ()
+    after = tcs.cache_info()
     ref_leaves = [t.detach().double().requires_grad_(backward) for t in (q, k, v)]
     ref = _sdpa(*ref_leaves, mask, is_causal, enable_gqa)
     ref_grads = torch.autograd.grad(ref, ref_leaves, grad_out.double()) if backward else ()
@@ -103,9 +107,20 @@ def check_finite_and_accurate(q, k, v, mask=None, is_causal=False, enable_gqa=Fa
     sticks = _yardsticks(q, k, v, mask, is_causal, enable_gqa, grad_out)
     eager, *eager_grads = [max((st[i] for st in sticks), key=lambda t, i=i: _err(t, refs[i])) for i in range(len(refs))]
     fwd = str(thunder.last_traces(jf)[-1])
-    ran = EXECUTOR.name if f"{EXECUTOR.name}_sdpa_fwd" in fwd else "another executor"
+    claimed = f"{EXECUTOR.name}_sdpa_fwd" in fwd
+    ran = EXECUTOR.name if claimed else "another executor"
     reasons = tcs.explain(q, k, v, mask, 0.0, is_causal, executor=EXECUTOR, enable_gqa=enable_gqa, need_stats=backward)
     context = f"{what} ran on {ran}; explain: {[r.rule for r in reasons]}"
+    assert claimed == (not reasons), f"explain() and the trace disagree: {context} ({list(reasons)})"
+    if claimed:
+        bwd = thunder.last_backward_traces(jf)
+        assert not backward or f"{EXECUTOR.name}_sdpa_bwd" in str(bwd[-1]), (
+            f"the backward did not run on ours: {context}"
+        )
+        assert after.fallbacks == before.fallbacks, f"cuDNN refused a graph; the torch fallback answered: {context}"
+        assert after.builds > 0, f"no graph was built: nothing ran on cuDNN ({context})"
+    else:
+        assert all(r.rule is not None for r in reasons), f"declined for no known cuDNN rule: {list(reasons)}"
     for name, ours, e, r in zip(("out", "dq", "dk", "dv"), (out, *grads), (eager, *eager_grads), (ref, *ref_grads)):
         assert torch.isfinite(ours).all(), f"{name} has NaN/Inf: {context}"
         assert_close_to_reference(ours, e, r, f"{name} ({context})")
@@ -130,8 +145,12 @@ def test_nan_dq_repro_kv_tail(length, dtype):
     q, k, v = (torch.randn(b, h, length, d, device=DEVICE, dtype=dtype) for _ in range(3))
     q, k = inject_negative_rows(q, k, rows=[0, length // 2])
     mask = torch.ones(length, length, dtype=torch.bool, device=DEVICE)
-    check_finite_and_accurate(q, k, v, mask, what=f"L=S={length} {dtype} with mask")
-    check_finite_and_accurate(q, k, v, None, what=f"L=S={length} {dtype} without mask")
+    ran = [
+        check_finite_and_accurate(q, k, v, mask, what=f"L=S={length} {dtype} with mask"),
+        check_finite_and_accurate(q, k, v, None, what=f"L=S={length} {dtype} without mask"),
+    ]
+    if length == 768:  # the clean length: claimed wherever the rule holds, and everywhere else
+        assert ran == [EXECUTOR.name] * 2, ran
 
 
 def test_decode_steps_gqa_many_positions():

@@ -91,12 +91,25 @@ def test_tiny_llama_thunderfx_repeat_kv_rewritten_on_cudnn(fresh):
     model = transformers.LlamaForCausalLM(config).to(device=DEVICE, dtype=BF16)
     ids = torch.randint(0, 128, (2, 64), device=DEVICE)
     backend = ThunderCompiler(executors=[EXECUTOR, *thunder.get_default_executors()], transforms=[tcs.RepeatKVToGQA()])
+    before = tcs.cache_info()
     logits = torch.compile(model, backend=backend)(ids, use_cache=False).logits
     logits.float().square().mean().backward()
+    after = tcs.cache_info()
     jfns = [jf for info in backend.subgraph_infos for jf in info.thunder_compiled_fns]
     fwd = [
         b for jf in jfns for b in thunder.last_traces(jf)[-1].bound_symbols if b.sym.name == f"{EXECUTOR.name}_sdpa_fwd"
     ]
     assert len(fwd) == 2 and all(b.args[1].shape[1] == 2 for b in fwd), "K/V did not reach cuDNN with H_kv heads"
+    bwd = [
+        b
+        for jf in jfns
+        for traces in [thunder.last_backward_traces(jf)]
+        if traces
+        for b in traces[-1].bound_symbols
+        if b.sym.name == f"{EXECUTOR.name}_sdpa_bwd"
+    ]
+    assert len(bwd) == 2, f"{len(bwd)} of 2 backwards ran on {EXECUTOR.name}"
+    assert after.fallbacks == before.fallbacks, "a graph was refused and the torch fallback answered"
+    assert after.builds > 0, "no graph was built: nothing ran on cuDNN"
     expected = model(ids, use_cache=False).logits
     torch.testing.assert_close(logits, expected, atol=5e-2, rtol=5e-2)

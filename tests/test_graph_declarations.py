@@ -87,6 +87,7 @@ def test_mask_and_mask_gradient_declared_as_bound(mask_shape, mask_grad):
 
 def test_dropout_seed_offset_declared_as_allocated():
     calls = run_dispatcher("contiguous", "contiguous", dropout_p=0.25)
+    assert len(calls) == 2, f"{len(calls)} of 2 graphs ran on the runtime (a refused one falls back unchecked)"
     for graph, pack in calls:
         assert pack[Uid.SEED].dtype == torch.int64
         assert declaration_mismatches(graph, pack) == []
@@ -176,5 +177,6 @@ def test_gqa_every_uid_declared_as_bound(qkv_layout, grad_layout, ratio):
 @pytest.mark.parametrize("mask_shape", [(16, 16), (2, 1, 16, 16), (1, 8, 16, 16)])
 def test_gqa_mask_declared_as_bound(mask_shape):
     calls = run_gqa_dispatcher("bshd_transposed", "transposed", 8, 2, mask=torch.randn(mask_shape, dtype=torch.float16))
+    assert len(calls) == 4, f"{len(calls)} of 4 graphs ran on the runtime (a refused one falls back unchecked)"
     for graph, pack in calls:
         assert declaration_mismatches(graph, pack) == []

@@ -6,6 +6,7 @@ import pytest
 import thunder
 import torch
 import torch.nn.functional as F
+from checks import assert_claimed, on_the_runtime
 
 import thunder_cudnn_safe as tcs
 from thunder_cudnn_safe import lowering
@@ -40,7 +41,9 @@ def test_training_forward_still_writes_stats(fresh_cache):
 def test_inference_dropout_needs_no_backward_check(fresh_cache):
     """With no backward to follow, a dropout forward does not pre-build one."""
     q, k, v = (torch.randn(2, 2, 8, 64, dtype=torch.float16) for _ in range(3))
-    out, seed, offset = tcs.emulated_ex.dispatcher.forward(q, k, v, None, 0.1875, False, need_stats=False)
+    assert_claimed(q, k, v, None, 0.1875, False, need_stats=False)
+    with on_the_runtime():
+        out, seed, offset = tcs.emulated_ex.dispatcher.forward(q, k, v, None, 0.1875, False, need_stats=False)
     assert out.shape == q.shape and seed.dtype == torch.int64
     assert tcs.cache_info().builds == 1
 

@@ -196,11 +196,8 @@ def test_no_verdict_under_capture_nor_when_off(fresh_cache, monkeypatch):
     monkeypatch.setattr(patterns, "capturing", lambda t: True)
     _run(mask)
     monkeypatch.setattr(patterns, "capturing", masks.capturing)
-    tcs.set_mask_patterns(False)
-    try:
+    with tcs.config.patch(mask_patterns=False):
         _run(mask.clone())
-    finally:
-        tcs.set_mask_patterns(True)
     assert all(g.key.bias is not None for g in tcs.cached_graphs())
 
 

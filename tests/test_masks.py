@@ -8,7 +8,7 @@ import pytest
 import thunder
 import torch
 import torch.nn.functional as F
-from checks import check_against_eager, jit_with_ours
+from checks import assert_claimed, assert_claimed_in_traces, check_against_eager, jit_with_ours, on_the_runtime
 
 import thunder_cudnn_safe as tcs
 from thunder_cudnn_safe.testing import assert_close_to_reference
@@ -17,9 +17,8 @@ from thunder_cudnn_safe.testing import assert_close_to_reference
 @pytest.fixture(autouse=True)
 def _masks_as_biases():
     """These tests are about converting masks to biases: no mask is run as a pattern (issue 21)."""
-    tcs.set_mask_patterns(False)
-    yield
-    tcs.set_mask_patterns(True)
+    with tcs.config.patch(mask_patterns=False):
+        yield
 
 
 def test_gradient_of_a_mask_computed_inside_the_function(fresh_cache):
@@ -36,7 +35,9 @@ def test_unused_mask_gradient_is_not_computed(fresh_cache):
     q, k, v = (torch.randn(2, 4, 16, 32, dtype=torch.float16, requires_grad=True) for _ in range(3))
     pad = torch.randn(2, 1, 1, 16, dtype=torch.float16)  # no grad: e.g. a padding mask
     jf = jit_with_ours(lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m * 2))
-    jf(q, k, v, pad).sum().backward()
+    with on_the_runtime():
+        jf(q, k, v, pad).sum().backward()
+    assert_claimed_in_traces(jf)
     bwd = str(thunder.last_backward_traces(jf)[-1])
     assert "cudnn_safe_emulated_sdpa_bwd(" in bwd and "sdpa_bwd_mask" not in bwd
 
@@ -87,7 +88,10 @@ def test_finite_sentinel_fully_masked_row_forward_averages_v_like_eager(fresh_ca
     q, k, v = (torch.randn(1, 1, 4, 16, dtype=dt) for _ in range(3))
     m = torch.zeros(1, 1, 4, 4, dtype=dt)
     m[0, 0, 0, :] = torch.finfo(dt).min
-    out = jit_with_ours(lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m))(q, k, v, m)
+    jf = jit_with_ours(lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m))
+    with on_the_runtime():
+        out = jf(q, k, v, m)
+    assert_claimed_in_traces(jf, backward=False)
     ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=m.double())
     assert_close_to_reference(out, F.scaled_dot_product_attention(q, k, v, attn_mask=m), ref, "output")
 
@@ -103,7 +107,9 @@ def test_a_float32_mask_with_bf16_queries_masks_as_in_eagers_float32_sum(need_st
     m[..., 5, :8] = torch.finfo(torch.float32).min  # partly
     m[..., 7, 2] = float("-inf")  # -inf stays -inf
     m[..., 9, 4] = 1e30  # a huge finite bonus: bf16's max, not +inf
-    out = tcs.emulated_ex.dispatcher.forward(q, k, v, m, 0.0, False, need_stats=need_stats)[0]
+    assert_claimed(q, k, v, m, 0.0, False, need_stats=need_stats)
+    with on_the_runtime():
+        out = tcs.emulated_ex.dispatcher.forward(q, k, v, m, 0.0, False, need_stats=need_stats)[0]
     eager = F.scaled_dot_product_attention(q, k, v, attn_mask=m)
     ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=m.double())
     assert_close_to_reference(out, eager, ref, "output")
@@ -118,7 +124,9 @@ def test_a_float32_mask_with_fp16_queries_refuses_rows_only_its_overflow_would_k
     m = torch.zeros(1, 1, 16, 16)
     m[..., 5, :8] = torch.finfo(torch.float32).min  # partly: fine
     m[..., 6, :] = float("-inf")  # -inf everywhere: dead in eager's safe softmax too
-    out = tcs.emulated_ex.dispatcher.forward(q, k, v, m, 0.0, False, need_stats=False)[0]
+    assert_claimed(q, k, v, m, 0.0, False, need_stats=False)
+    with on_the_runtime():
+        out = tcs.emulated_ex.dispatcher.forward(q, k, v, m, 0.0, False, need_stats=False)[0]
     eager = F.scaled_dot_product_attention(q, k, v, attn_mask=m).nan_to_num(0.0)
     ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=m.double()).nan_to_num(0.0)
     assert_close_to_reference(out, eager, ref, "output")
@@ -189,8 +197,10 @@ def test_one_boolean_mask_is_converted_once_per_step(fresh_cache):
     tcs.reset_copy_stats()
     before = tcs.mask_cache_info()
     mask = near_causal()  # a new step builds a new mask tensor
-    out = jf(q, mask)
-    out.backward(torch.randn_like(out))
+    with on_the_runtime():
+        out = jf(q, mask)
+        out.backward(torch.randn_like(out))
+    assert_claimed_in_traces(jf)
     conversions = {k: v for k, v in tcs.copy_stats().by_reason.items() if k[0] == "attn_mask"}
     assert [count for count, _ in conversions.values()] == [1], conversions
     info = tcs.mask_cache_info()
@@ -207,9 +217,11 @@ def test_a_mask_modified_in_place_is_converted_again(fresh_cache):
     q, k, v = (torch.randn(1, 2, 8, 32, dtype=torch.float16) for _ in range(3))
     mask = torch.ones(8, 8, dtype=torch.bool)
     disp = tcs.emulated_ex.dispatcher
-    out1 = disp.forward(q, k, v, mask)[0]
-    mask[:, 4:] = False
-    out2 = disp.forward(q, k, v, mask)[0]
+    assert_claimed(q, k, v, mask)
+    with on_the_runtime():
+        out1 = disp.forward(q, k, v, mask)[0]
+        mask[:, 4:] = False
+        out2 = disp.forward(q, k, v, mask)[0]
     ref2 = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask)
     assert (out2.double() - ref2).abs().max() < 1e-2
     assert not torch.allclose(out1, out2)
@@ -222,10 +234,12 @@ def test_the_backward_reuses_the_forwards_conversion_through_another_tensor_obje
     q, k, v = (torch.randn(1, 2, 16, 32, dtype=torch.float16) for _ in range(3))
     mask = torch.ones(1, 1, 16, 16, dtype=torch.bool).tril()
     disp = tcs.emulated_ex.dispatcher
-    out, stats = disp.forward(q, k, v, mask)
-    same_storage = mask.view(mask.shape)
-    assert same_storage is not mask
-    disp.backward(torch.randn_like(out), q, k, v, same_storage, 0.0, False, out, stats, None, None)
+    assert_claimed(q, k, v, mask)
+    with on_the_runtime():
+        out, stats = disp.forward(q, k, v, mask)
+        same_storage = mask.view(mask.shape)
+        assert same_storage is not mask
+        disp.backward(torch.randn_like(out), q, k, v, same_storage, 0.0, False, out, stats, None, None)
     info = tcs.mask_cache_info()
     assert (info.conversions, info.hits) == (1, 1), info
 
@@ -258,7 +272,8 @@ def test_fully_masked_rows_are_found_once_per_mask_not_per_forward(kind, fresh_c
     )
     eager = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed if kind == "bool" else mask)
     eager = eager.masked_fill(~allowed.any(dim=-1, keepdim=True), 0.0)  # safe softmax
-    with _CountOps("isneginf") as ops:
+    assert_claimed(q, k, v, mask)
+    with on_the_runtime(), _CountOps("isneginf") as ops:
         outs = [disp.forward(q, k, v, mask, 0.0, False)[0] for _ in range(3)]
     assert ops.count == (1 if kind == "bool" else 3)
     assert ops.largest == mask.numel()  # the mask's own (2, 1, 16, 16), never the (2, 2, 16, 16) broadcast
@@ -269,5 +284,6 @@ def test_fully_masked_rows_are_found_once_per_mask_not_per_forward(kind, fresh_c
         mask[1, 0, 9, :] = False  # in place: row 9 of batch element 1 is now dead too
     else:
         mask[1, 0, 9, :] = -torch.inf
-    out = disp.forward(q, k, v, mask, 0.0, False)[0]
+    with on_the_runtime():
+        out = disp.forward(q, k, v, mask, 0.0, False)[0]
     assert torch.equal(out[1, :, 9], torch.zeros_like(out[1, :, 9])) and torch.equal(out[0, :, 3], outs[0][0, :, 3])

@@ -124,8 +124,7 @@ def test_packed_step_against_the_bias_path_timing():
     disp = EXECUTOR.dispatcher
 
     def timed(patterns_on: bool) -> float:
-        tcs.set_mask_patterns(patterns_on)
-        try:
+        with tcs.config.patch(mask_patterns=patterns_on):
             for _ in range(2):
                 _step(disp, q, k, v, mask.clone(), d_o)
             torch.cuda.synchronize()
@@ -134,8 +133,6 @@ def test_packed_step_against_the_bias_path_timing():
                 _step(disp, q, k, v, mask, d_o)
             torch.cuda.synchronize()
             return (time.perf_counter() - start) / 5
-        finally:
-            tcs.set_mask_patterns(True)
 
     bias, var = timed(False), timed(True)
     print(  # shown with -s, and in gpu_check.sh's log

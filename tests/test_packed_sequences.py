@@ -243,7 +243,7 @@ def test_a_wrong_ragged_offset_gives_wrong_numbers():
     disp = _dispatcher()
     mask = rows([[4, 3, 5], [6, 6]], 12)
     q, k, v = _qkv(2, 2, 2, 12)
-    call = tcs.dispatch.with_mask_pattern(tcs.calls.ForwardCall(q, k, v, mask))
+    call = tcs.planner.with_mask_pattern(tcs.calls.ForwardCall(q, k, v, mask))
     bound = varlen.bind_forward(call, disp.runtime.target(q.device))
     built = disp.cache.get_or_build(bound.key, disp.runtime.build)
     disp.runtime.execute(built, bound.pack)
@@ -390,11 +390,8 @@ def test_no_document_verdict_under_capture_nor_when_off(fresh_cache, monkeypatch
     monkeypatch.setattr(patterns, "document_checks", lambda *a: pytest.fail("a verdict under capture"))
     _run(disp, mask, q, k, v)
     monkeypatch.setattr(patterns, "capturing", masks.capturing)
-    tcs.set_mask_patterns(False)
-    try:
+    with tcs.config.patch(mask_patterns=False):
         _run(disp, mask.clone(), q, k, v)
-    finally:
-        tcs.set_mask_patterns(True)
     assert all(g.key.ragged is None and g.key.bias is not None for g in tcs.cached_graphs())
 
 

@@ -177,7 +177,7 @@ def test_load_and_store_of_graphs(tmp_path, monkeypatch, warnings_seen) -> None:
     python_engine.selected_engine = "frost"
     plan_cache.store(("other",), None, "gpu", BuiltGraph(python_engine, 0, ("other",)))
     assert plan_cache.plan_cache_info().entries == 0
-    plan_cache.set_plan_cache_dir(None)
+    config.set(plan_cache_dir=None)
     plan_cache.store(key, None, "gpu", BuiltGraph(_Graph(b"blob"), 64, key))
     assert plan_cache.load(key, None, lambda: pytest.fail("no descriptor is computed when off"), _Graph) is None
     assert not list(tmp_path.iterdir()) and plan_cache.plan_cache_info().directory is None

@@ -1,17 +1,25 @@
 """The public API is deliberate: every name README tells users to touch is importable from the
-package, and every name in ``__all__`` is documented in README."""
+package, and every name in ``__all__`` is documented in README; the names README lists as removed
+are gone, and what replaces each is a knob."""
 
 from __future__ import annotations
 
 import importlib
 import re
+import sys
 from pathlib import Path
 
 import thunder_cudnn_safe as tcs
 
 #: Names README quotes from cuDNN, libcudnn, thunder and torch (a keyword), not from this package.
 FOREIGN = {"build_operation_graph", "enable_gqa", "rowsum", "thunderfx", "validate"}
-README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+FULL_README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+_REMOVED_AT = FULL_README.index("\n### Removed in this release\n")
+_REMOVED_END = min(i for i in (FULL_README.find(h, _REMOVED_AT + 1) for h in ("\n## ", "\n### ")) if i != -1)
+#: README's note of the names removed in this release (and what replaces each)
+REMOVED = FULL_README[_REMOVED_AT:_REMOVED_END]
+#: README without that note: every name it quotes exists
+README = FULL_README[:_REMOVED_AT] + FULL_README[_REMOVED_END:]
 
 
 def _section(title: str) -> str:
@@ -33,7 +41,7 @@ def test_every_exported_name_exists():
 def test_every_readme_name_is_importable():
     dotted = set(re.findall(r"\bthunder_cudnn_safe\.([A-Za-z_]\w*)", README))
     api = {m.removesuffix("()") for m in re.findall(r"`([A-Za-z_]\w*(?:\(\))?)`", _section("Public API"))} - FOREIGN
-    calls = set(re.findall(r"`([a-z_]\w*)\(", README)) - FOREIGN  # `clear_cache()`, `set_cache_size(n)`, ...
+    calls = set(re.findall(r"`([a-z_]\w*)\(", README)) - FOREIGN  # `clear_cache()`, `explain(q, k, v)`, ...
     missing = []
     for name in sorted(dotted | api | calls):
         try:
@@ -49,6 +57,28 @@ def test_readme_names_every_knob_and_its_variable():
     knobs = _section("Knobs")
     for knob in tcs.config.KNOBS.values():
         assert f"`{knob.name}`" in knobs and f"`{knob.env}`" in knobs, knob.name
+
+
+def test_readme_removed_names_are_gone_and_their_replacements_are_knobs():
+    rows = [line.split(" | ") for line in REMOVED.splitlines() if line.startswith("| `")]
+    assert len(rows) >= 8
+    for removed, instead in rows:
+        for dotted in re.findall(r"`([A-Za-z_][\w.]*)", removed):
+            *module, name = dotted.split(".")
+            if module:
+                owners = [importlib.import_module(".".join(["thunder_cudnn_safe", *module]))]
+            else:  # a bare name: in no module of the package
+                owners = [m for n, m in sys.modules.items() if n.split(".")[0] == "thunder_cudnn_safe"]
+            for owner in owners:
+                assert not hasattr(owner, name), f"{owner.__name__}.{name}"
+                assert name not in getattr(owner, "__all__", ()), f"{owner.__name__}.{name}"
+        for knob in re.findall(r"config\.set\((.*?)\)`", instead):
+            names = re.findall(r"(?:^|, )(\w+)=", knob)
+            assert names and set(names) <= set(tcs.config.KNOBS), knob
+        for knob in re.findall(r"config\.KNOBS\[\"(\w+)\"\]", instead):
+            assert knob in tcs.config.KNOBS, knob
+        for name in re.findall(r"config\.(\w+)`", instead):
+            assert hasattr(tcs.config, name), name
 
 
 def test_readme_rules_are_entries_of_cudnn_rules():

@@ -221,10 +221,10 @@ def test_a_mask_bound_as_a_bias_at_that_shape_is_still_declined():
 def small_int32_limit(monkeypatch):
     """The int32 limit brought down so that a (2, 2, 128, 128) mask (65536 elements) exceeds it while the
     (2, 2, 128, 8) operands (4096 elements) do not: the headline case's proportions, runnable on a CPU."""
-    from thunder_cudnn_safe import dispatch, support
+    from thunder_cudnn_safe import planner, support
 
     monkeypatch.setattr(support, "INT32_ELEMENT_LIMIT", 16384)
-    monkeypatch.setattr(dispatch, "INT32_ELEMENT_LIMIT", 16384)
+    monkeypatch.setattr(planner, "INT32_ELEMENT_LIMIT", 16384)
 
 
 def _leaves(b=2, h=2, s=128, d=8):

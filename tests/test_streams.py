@@ -8,6 +8,7 @@ stream (:func:`thunder_cudnn_safe.masks.stream_key`).
 
 import pytest
 import torch
+from checks import assert_claimed, on_the_runtime
 
 import thunder_cudnn_safe as tcs
 
@@ -28,9 +29,13 @@ def test_cached_conversions_and_patterns_are_per_stream(fresh_cache, monkeypatch
     padded = torch.ones(1, 1, 16, 16, dtype=torch.bool)
     padded[..., 12:] = False  # padding: a verdict holding length tensors
 
+    for m in (bias_like, causal, padded):
+        assert_claimed(q, k, v, m, 0.0, False, need_stats=False)
+
     def conversions_and_patterns():
         info = tcs.mask_cache_info()
-        out = [disp.forward(q, k, v, m, 0.0, False, need_stats=False)[0] for m in (bias_like, causal, padded)]
+        with on_the_runtime():
+            out = [disp.forward(q, k, v, m, 0.0, False, need_stats=False)[0] for m in (bias_like, causal, padded)]
         verdicts = [masks.converted_masks._lru.peek(key)[1] for key, _ in masks.converted_masks._lru.items()]
         return tcs.mask_cache_info().conversions - info.conversions, verdicts, out
 
@@ -55,13 +60,15 @@ def test_cached_conversions_on_two_cuda_streams(fresh_cache):
     mask = torch.ones(1, 1, 16, 16, dtype=torch.bool, device="cuda").tril()
     mask[..., 3, 5] = True
     disp = tcs.cudnn_safe_ex.dispatcher
+    assert_claimed(q, k, v, mask, 0.0, False, need_stats=False, runtime=disp.runtime)
     before = tcs.mask_cache_info().conversions
     outs = []
-    for s in (torch.cuda.current_stream(), torch.cuda.Stream(), torch.cuda.current_stream()):
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            outs.append(disp.forward(q, k, v, mask, 0.0, False, need_stats=False)[0])
-        torch.cuda.current_stream().wait_stream(s)
+    with on_the_runtime():  # cuDNN ran every call: a fallback would read the bias on its own stream
+        for s in (torch.cuda.current_stream(), torch.cuda.Stream(), torch.cuda.current_stream()):
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                outs.append(disp.forward(q, k, v, mask, 0.0, False, need_stats=False)[0])
+            torch.cuda.current_stream().wait_stream(s)
     assert tcs.mask_cache_info().conversions - before == 2
     torch.cuda.synchronize()
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])

@@ -131,17 +131,13 @@ def test_api_misuse_gives_clear_errors():
     with pytest.raises(TypeError, match="executor must be one of"):
         tcs.explain(q, k, v, executor=thunder.pytorch_executor)
     with pytest.raises(ValueError, match="arch must be"):
-        tcs.set_emulated_target(arch=(9,))
+        tcs.config.set(emulated_arch=(9,))
     with pytest.raises(ValueError, match="backend_version must be"):
-        tcs.set_emulated_target(backend_version="x")
-    before = tcs.emulation.emulated_target()
-    tcs.set_emulated_target(arch="8.6")
-    try:
+        tcs.config.set(emulated_backend="x")
+    with tcs.config.patch(emulated_arch="8.6"):
         assert tcs.emulation.emulated_target().arch == (8, 6)
-    finally:
-        tcs.set_emulated_target(arch=before.arch)
     with pytest.raises(ValueError, match="positive integer"):
-        tcs.set_cache_size(2.7)
+        tcs.config.set(cache_size=2.7)
     with pytest.raises(TypeError, match="must be a bool"):
         tcs.install(emulated="no")
 

@@ -65,12 +65,12 @@ def test_a_backward_past_the_dq_accumulator_is_refused_by_the_emulation():
     The emulation used to ignore max_total (any value ran); it now refuses it, as the storage bound is."""
     import pytest
 
-    from thunder_cudnn_safe import calls, dispatch, errors, varlen
+    from thunder_cudnn_safe import calls, errors, planner, varlen
 
     disp = _dispatcher()
     mask = rows([[4, 3, 5], [6, 6]], 12)
     q, k, v = _qkv(2, 2, 2, 12)
-    call = dispatch.with_mask_pattern(calls.ForwardCall(q, k, v, mask))
+    call = planner.with_mask_pattern(calls.ForwardCall(q, k, v, mask))
     target = disp.runtime.target(q.device)
     fwd = varlen.bind_forward(call, target)
     disp.runtime.execute(disp.cache.get_or_build(fwd.key, disp.runtime.build), fwd.pack)

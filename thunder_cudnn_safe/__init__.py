@@ -27,19 +27,17 @@ prepare_and_import_thunder()
 
 from . import config, cudnn_rules, gqa  # noqa: E402
 from ._version import __version__  # noqa: E402
-from .cache import CachedGraph, CacheInfo, cache_info, cached_graphs, set_cache_size  # noqa: E402
+from .cache import CachedGraph, CacheInfo, cache_info, cached_graphs  # noqa: E402
 from .caches import clear_cache  # noqa: E402
-from .calls import set_dynamic_shapes  # noqa: E402
-from .emulation import set_emulated_target  # noqa: E402
 from .errors import EmulationError, GraphBuildError  # noqa: E402
 from .executor import CallReport, cudnn_safe_ex, describe, emulated_ex, explain  # noqa: E402
 from .gqa import RepeatKVToGQA  # noqa: E402
 from .install import drop_broken_builtin_cudnn_executor, install, installed, uninstall  # noqa: E402
 from .key_gate import gate_info, reset_gate_info  # noqa: E402
 from .layout import LayoutPolicy  # noqa: E402
-from .masks import MaskCacheInfo, mask_cache_info, set_mask_cache_size  # noqa: E402
-from .patterns import mask_pattern_info, reset_mask_pattern_info, set_mask_patterns  # noqa: E402
-from .plan_cache import PlanCacheInfo, plan_cache_info, set_plan_cache_dir  # noqa: E402
+from .masks import MaskCacheInfo, mask_cache_info  # noqa: E402
+from .patterns import mask_pattern_info, reset_mask_pattern_info  # noqa: E402
+from .plan_cache import PlanCacheInfo, plan_cache_info  # noqa: E402
 from .support import Decline, DeclineCode  # noqa: E402
 from .telemetry import CopyReason, CopyStats, copy_stats, reset_copy_stats  # noqa: E402
 from .varlen_dispatch import reset_varlen_info, varlen_info  # noqa: E402
@@ -64,15 +62,9 @@ __all__ = [
     "Decline",
     "DeclineCode",
     "cudnn_rules",
-    # knobs (every one is in config; the set_* functions are its older spellings)
+    # knobs (every one is in config: config.set(name=value), config.patch(...))
     "config",
     "LayoutPolicy",
-    "set_cache_size",
-    "set_mask_cache_size",
-    "set_mask_patterns",
-    "set_dynamic_shapes",
-    "set_plan_cache_dir",
-    "set_emulated_target",
     # caches and telemetry
     "clear_cache",
     "cache_info",

@@ -27,6 +27,10 @@ EMULATED_BACKEND_ENV = "THUNDER_CUDNN_SAFE_EMULATED_BACKEND"
 DYNAMIC_SHAPES_ENV = "THUNDER_CUDNN_SAFE_DYNAMIC_SHAPES"
 #: Folder of the persistent plan cache (:mod:`thunder_cudnn_safe.plan_cache`; unset: off).
 PLAN_CACHE_DIR_ENV = "THUNDER_CUDNN_SAFE_PLAN_CACHE_DIR"
+#: Most plan files the plan cache keeps (least recently used go first).
+PLAN_CACHE_MAX_ENTRIES_ENV = "THUNDER_CUDNN_SAFE_PLAN_CACHE_MAX_ENTRIES"
+#: Most bytes of plan files the plan cache keeps (least recently used go first).
+PLAN_CACHE_MAX_BYTES_ENV = "THUNDER_CUDNN_SAFE_PLAN_CACHE_MAX_BYTES"
 #: ``0`` turns recognizing mask patterns off (every mask then runs as a bias; :mod:`~thunder_cudnn_safe.patterns`).
 MASK_PATTERNS_ENV = "THUNDER_CUDNN_SAFE_MASK_PATTERNS"
 #: Seconds an ahead-of-time compile child process may run (:mod:`~thunder_cudnn_safe.aot`; 0: no limit).

@@ -271,7 +271,7 @@ def describe_target(
     against ``target``'s rules, plans its keys as ``describe`` does (nothing is copied or run) and
     compiles them with :func:`compile_in_subprocess`."""
     from .calls import ForwardCall
-    from .dispatch import planned_keys
+    from .planner import planned_keys
     from .support import not_supported_reasons
 
     device = resolve_target(target)

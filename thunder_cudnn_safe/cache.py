@@ -15,11 +15,8 @@ from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
 
 from . import caches, config
-from ._env import CACHE_SIZE_ENV as CACHE_SIZE_ENV  # its old home; the knob is config.cache_size
 from .errors import GraphBuildError
 from .lru import LRU
-
-DEFAULT_CACHE_SIZE = config.KNOBS["cache_size"].default
 
 
 class CacheInfo(NamedTuple):
@@ -191,8 +188,3 @@ def cache_info() -> CacheInfo:
 def cached_graphs() -> list[CachedGraph]:
     """The graphs in the process-wide cache: key, cuDNN SDPA implementation, execution plan, workspace bytes."""
     return graph_cache.graphs()
-
-
-def set_cache_size(maxsize: int) -> None:
-    """Change the cache bound; evicts least recently used graphs beyond it (``config.set(cache_size=...)``)."""
-    config.set(cache_size=maxsize)

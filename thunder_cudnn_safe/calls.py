@@ -18,17 +18,6 @@ from .keys import Target
 from .layout import arg_sig
 from .patterns import MaskPattern
 
-DYNAMIC_SHAPE_MODES = config.DYNAMIC_SHAPE_MODES
-
-
-def set_dynamic_shapes(mode: str) -> None:
-    """Which forwards build dynamic-shape graphs, whose compiled kernel serves every later length and
-    batch size (cuDNN's kernel cache): "inference" (default: forwards with no backward, as in
-    generation, where the key length changes every token), "forward" (training forwards too) or
-    "off". Never with dropout (not in the compile sweep); the backward is never dynamic.
-    Same as ``config.set(dynamic_shapes=mode)``."""
-    config.set(dynamic_shapes=str(mode))
-
 
 def torch_deterministic() -> bool:
     """Whether ``torch.use_deterministic_algorithms(True)`` is on (not warn-only): cuDNN's deterministic
@@ -78,63 +67,83 @@ class BackwardCall(NamedTuple):
     mask_grad: bool = False
 
 
+#: The options a forward and its backward share, by name (both call values carry them).
+SHARED = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "layout", "deterministic")
+
+
+def backward_of(
+    call: ForwardCall,
+    grad_out: Any,
+    out: Any,
+    stats: Any,
+    seed: Any = None,
+    offset: Any = None,
+    mask_grad: bool = False,
+) -> BackwardCall:
+    """The backward call of forward ``call`` (its shared fields by name), for ``grad_out`` and the forward's outputs."""
+    shared = {name: getattr(call, name) for name in SHARED}
+    return BackwardCall(
+        grad_out=grad_out,
+        out=out,
+        stats=stats,
+        seed=seed,
+        offset=offset,
+        cat_grad_qkv=call.cat_grad_qkv,
+        mask_grad=mask_grad,
+        **shared,
+    )
+
+
+def forward_of(call: BackwardCall) -> ForwardCall:
+    """The forward call a backward ``call`` is the backward of (its shared fields by name)."""
+    return ForwardCall(**{name: getattr(call, name) for name in SHARED}, cat_grad_qkv=call.cat_grad_qkv)
+
+
 def _arg_key(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
         return x.shape, x.stride(), x.dtype, x.data_ptr() % ALIGNMENT_BYTES == 0
     return _pattern_sig(x)
 
 
-def memo_key(call: ForwardCall | BackwardCall, target: Target) -> tuple:
-    """What :func:`signature` depends on, made on every call: tensor fields by layout, options as they are."""
-    if type(call) is ForwardCall:
-        q, k, v, mask = call[:4]
-        return (
-            target,
-            config.dynamic_shapes,
-            q.shape,
-            q.stride(),
-            q.dtype,
-            k.shape,
-            k.stride(),
-            k.dtype,
-            v.shape,
-            v.stride(),
-            v.dtype,
-            (q.data_ptr() | k.data_ptr() | v.data_ptr()) % ALIGNMENT_BYTES == 0 or tuple(map(_arg_key, call[:3])),
-            None if mask is None else _arg_key(mask),
-            call[4:],
-        )
-    g, q, k, v, mask, p, causal, o, stats, seed, offset = call[:11]
-    ptrs = g.data_ptr() | q.data_ptr() | k.data_ptr() | v.data_ptr() | o.data_ptr() | stats.data_ptr()
-    return (
-        target,
-        BackwardCall,
-        g.shape,
-        g.stride(),
-        g.dtype,
-        q.shape,
-        q.stride(),
-        q.dtype,
-        k.shape,
-        k.stride(),
-        k.dtype,
-        v.shape,
-        v.stride(),
-        v.dtype,
-        o.shape,
-        o.stride(),
-        o.dtype,
-        stats.shape,
-        stats.stride(),
-        stats.dtype,
-        ptrs % ALIGNMENT_BYTES == 0 or tuple(map(_arg_key, (g, q, k, v, o, stats))),
-        None if mask is None else _arg_key(mask),
-        p,
-        causal,
-        _arg_key(seed),
-        _arg_key(offset),
-        call[11:],
+#: The fields of each call that are always tensors (the others: optional tensors, patterns or plain options).
+TENSOR_FIELDS = {
+    ForwardCall: ("query", "key", "value"),
+    BackwardCall: ("grad_out", "query", "key", "value", "out", "stats"),
+}
+#: Fields that may be a tensor, a mask pattern or None.
+MAYBE_TENSOR_FIELDS = ("attn_mask", "seed", "offset")
+
+
+def _compile_memo(call_type: type) -> Any:
+    """A straight-line ``memo(call, target, mode)`` for ``call_type``, derived from its fields (run on every call,
+    a graph-cache hit included, so no loop over fields): each tensor field's shape, strides and dtype, one
+    alignment test of all their base pointers, each optional tensor by :func:`_arg_key`, the other fields as
+    they are. A field added to the call value is in the memo key without an edit here."""
+    tensors = [f for f in call_type._fields if f in TENSOR_FIELDS[call_type]]
+    optional = [f for f in call_type._fields if f in MAYBE_TENSOR_FIELDS]
+    plain = [f for f in call_type._fields if f not in tensors and f not in optional]
+    parts = [f"c.{f}.shape, c.{f}.stride(), c.{f}.dtype" for f in tensors]
+    ptrs = " | ".join(f"c.{f}.data_ptr()" for f in tensors)
+    aligned = f"({ptrs}) % {ALIGNMENT_BYTES} == 0 or tuple(map(arg_key, ({', '.join('c.' + f for f in tensors)},)))"
+    maybe = [f"None if c.{f} is None else arg_key(c.{f})" for f in optional]
+    values = "(" + "".join(f"c.{f}, " for f in plain) + ")"
+    source = (
+        f"def memo(c, target, mode):\n    return (target, mode, {', '.join(parts)}, {aligned}, "
+        f"{', '.join(maybe)}, {values})"
     )
+    env: dict[str, Any] = {"arg_key": _arg_key}
+    exec(compile(source, f"<thunder_cudnn_safe memo of {call_type.__name__}>", "exec"), env)
+    return env["memo"]
+
+
+_MEMOS = {call_type: _compile_memo(call_type) for call_type in TENSOR_FIELDS}
+
+
+def memo_key(call: ForwardCall | BackwardCall, target: Target) -> tuple:
+    """What :func:`signature` depends on, made on every call: tensor fields by layout, options as they are
+    (a forward's also the dynamic-shape mode its recipe reads, ``memo[1]``)."""
+    call_type = type(call)
+    return _MEMOS[call_type](call, target, config.dynamic_shapes if call_type is ForwardCall else call_type)
 
 
 def signature(call: ForwardCall | BackwardCall) -> ForwardCall | BackwardCall:

@@ -8,8 +8,7 @@ text, a check for values given in Python, and one sentence saying what it trades
 
 Change knobs with :func:`set` or, for a block of code, :func:`patch` (also a decorator); both
 validate first. Do not assign the attributes directly: some knobs also resize a cache (``set``
-runs the owner's hook, registered with :func:`on_change`). The older setters
-(``set_cache_size``, ``set_mask_patterns``, ...) are kept and go through :func:`set`.
+runs the owner's hook, registered with :func:`on_change`).
 
 Per-jit compile options (``cudnn_safe_layout``, ``cudnn_safe_deterministic``,
 ``cudnn_safe_bwd_may_cat_grad_qkv``) override the matching knob for one ``thunder.jit``.
@@ -24,7 +23,6 @@ from typing import Any, NamedTuple
 
 from . import _env
 from ._env import env_value, parse_arch, positive_int
-from .cudnn_rules import DP_WORKSPACE_LIMIT as _DP_WORKSPACE_DEFAULT
 
 DYNAMIC_SHAPE_MODES = ("off", "inference", "forward")
 LAYOUTS = ("preserve", "contiguous")
@@ -162,7 +160,7 @@ _KNOBS = (
     ),
     Knob(
         "dp_workspace_limit",
-        _DP_WORKSPACE_DEFAULT,
+        4 * 2**30,  # the budget of cudnn_rules.DP_WORKSPACE
         _env.DP_WORKSPACE_LIMIT_ENV,
         _non_negative,
         _non_negative,
@@ -178,6 +176,26 @@ _KNOBS = (
         _directory,
         "a folder path",
         "disk space and a file read at each first build for skipping cuDNN's plan build in later processes",
+    ),
+    Knob(
+        "plan_cache_max_entries",
+        2048,
+        _env.PLAN_CACHE_MAX_ENTRIES_ENV,
+        positive_int,
+        _positive,
+        "a positive integer",
+        "plan files kept in plan_cache_dir (least recently used go first, from the next store) against "
+        "rebuilding the plans of more layouts than this in later processes",
+    ),
+    Knob(
+        "plan_cache_max_bytes",
+        1 << 30,
+        _env.PLAN_CACHE_MAX_BYTES_ENV,
+        positive_int,
+        _positive,
+        "a positive number of bytes",
+        "disk space the plan files in plan_cache_dir may take (least recently used go first, from the next "
+        "store) against rebuilding the plans evicted to stay under it",
     ),
     Knob(
         "aot_timeout",
@@ -258,6 +276,8 @@ mask_patterns: bool = from_environment("mask_patterns")
 dynamic_shapes: str = from_environment("dynamic_shapes")
 dp_workspace_limit: int = from_environment("dp_workspace_limit")
 plan_cache_dir: str | None = from_environment("plan_cache_dir")
+plan_cache_max_entries: int = from_environment("plan_cache_max_entries")
+plan_cache_max_bytes: int = from_environment("plan_cache_max_bytes")
 aot_timeout: float = from_environment("aot_timeout")
 emulated_arch: tuple[int, int] = from_environment("emulated_arch")
 emulated_backend: int = from_environment("emulated_backend")

@@ -313,8 +313,7 @@ DP_WORKSPACE = Rule(
     "use_dp_workspace is forced for dBias and is_deterministic_algorithm; required_dp_workspace_bytes",
     on_key=where_it_holds(lambda key: _dp_over_budget(key)),
 )
-#: Default budget for :data:`DP_WORKSPACE`; ``THUNDER_CUDNN_SAFE_DP_WORKSPACE_LIMIT`` (bytes) changes it.
-DP_WORKSPACE_LIMIT = 4 * 2**30
+# The budget of :data:`DP_WORKSPACE` is the knob ``config.dp_workspace_limit`` (bytes; default 4 GiB).
 
 
 def dp_workspace_bytes(batch: int, heads_q: int, s_q: int, s_kv: int) -> int:

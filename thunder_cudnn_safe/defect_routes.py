@@ -23,7 +23,7 @@ def route(
 ) -> ForwardCall | BackwardCall:
     """``call`` (a pattern already swapped in) as it must run on ``target``: with the workaround where needed.
     ``lens_device``: where the padding lengths are made (default: the query's device; ``"meta"`` to plan
-    keys without running anything, as :func:`~thunder_cudnn_safe.dispatch.planned_keys` does)."""
+    keys without running anything, as :func:`~thunder_cudnn_safe.planner.planned_keys` does)."""
     q, k = call.query, call.key
     if q.shape[2] != 1 or not cudnn_rules.HOPPER_DECODE_BACKWARD_NAN.declines(target, _backward_follows(call)):
         return call

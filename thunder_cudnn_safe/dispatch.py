@@ -1,31 +1,25 @@
 """The per-call loop shared by both executors: recipe -> bind -> cache -> runtime -> fallback if refused.
 
 Dropout: only the runtime that drew a dropout mask can reproduce it. So a dropout forward runs in
-cuDNN only if cuDNN builds its backward (:meth:`Dispatcher._backward_builds`); the backward of a
+cuDNN only if cuDNN builds its backward (:meth:`Dispatcher.backward_builds`); the backward of a
 forward that fell back falls back too; a cuDNN backward refused for dO's own layout retries once
 with dO in O's layout (the graph the forward checked).
 """
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
-from . import cudnn_rules, fallback, handoff, masks, varlen_dispatch
+from . import capture, cudnn_rules, fallback, handoff, masks, varlen_dispatch
 from .cache import GraphCache, graph_cache
 from .calls import BackwardCall, ForwardCall, memo_key, signature, torch_deterministic
-from .cudnn_rules import INT32_ELEMENT_LIMIT
-from .defect_routes import route
-from .documents import DocumentPattern
 from .errors import ExecuteError, GraphBuildError
 from .graphs import Uid
 from .key_gate import RuleRefusal
-from .keys import BackwardKey, ForwardKey, Target, TensorSig
-from .layout import LayoutPolicy
+from .keys import BackwardKey, ForwardKey
 from .lru import LRU
 from .masks import converted_masks
-from .patterns import MaskPattern, pattern_of
+from .planner import Route, bias_too_large, plan
 from .recipes import Bound, PackRecipe, backward_recipe, companion_backward_key, forward_recipe, with_grad_out_like_o
 from .reference import reduce_to_shape
 from .runtime import Runtime
@@ -65,25 +59,24 @@ class Dispatcher:
     def forward(self, *args, **kwargs) -> tuple[torch.Tensor, ...]:
         """O and stats (none when ``need_stats`` is False), then the dropout seed and offset."""
         call = ForwardCall(*args, **kwargs)
-        masked = call if call.attn_mask is None else with_mask_pattern(call)
-        if masked is not call and masks.capture_may_follow(call.query, call.need_stats):
-            self._prebuild_for_capture(call)
-        if isinstance(masked.attn_mask, DocumentPattern):  # packed sequences; declined or refused: the bias
-            outputs = varlen_dispatch.forward(self, masked)
+        target = self.runtime.target(call.query.device)
+        p = plan(call, target)
+        if p.recognized and masks.capture_may_follow(call.query, call.need_stats):
+            capture.prebuild(self, call, target)
+        if p.route is Route.PACKED:  # declined or refused: the bias
+            outputs = varlen_dispatch.forward(self, p.call)
             if outputs is not None:
                 return outputs
-            masked = call
-        elif call.query.shape[2] == 1:  # a defect's workaround (defect_routes)
-            masked = route(masked, self.runtime.target(call.query.device))
-        bound = self.bind(masked)
-        if _bias_too_large(masked):
+            p = p.as_bias(target)
+        bound = self.bind(p.call)
+        if p.route is Route.OVERSIZED_BIAS:
             self.run_oversized_bias(bound)
-        elif call.dropout_p and call.need_stats and not self._backward_builds(call, masked, bound.key):
+        elif call.dropout_p and call.need_stats and not self.backward_builds(call, p.call, bound.key):
             self.run_fallback(bound)
         else:
             self.run(bound)
-        if masked.attn_mask is not None and Uid.BIAS in bound.pack:
-            dead = _fully_masked_rows(masked.attn_mask, bound.pack[Uid.BIAS])
+        if p.call.attn_mask is not None and Uid.BIAS in bound.pack:
+            dead = _fully_masked_rows(p.call.attn_mask, bound.pack[Uid.BIAS])
             _zero_fully_masked_rows(dead, bound.outputs[0], bound.pack.get(Uid.STATS))
         return bound.outputs
 
@@ -95,20 +88,17 @@ class Dispatcher:
         kept = handoff.take_gradients(call) if call.attn_mask is not None else None
         if kept is not None:
             return kept
-        if not call.mask_grad:
-            masked = with_mask_pattern(call)
-            if masked is not call and masks.capture_may_follow(call.query, True):
-                self._prebuild_for_capture(call)
-            if isinstance(masked.attn_mask, DocumentPattern):  # packed sequences; declined or refused: the bias
-                outputs = varlen_dispatch.backward(self, masked)
-                if outputs is not None:
-                    return outputs
-            else:
-                call = masked
-        if call.query.shape[2] == 1:  # a defect's workaround (defect_routes)
-            call = route(call, self.runtime.target(call.query.device))
-        bound = self.bind(call)
-        if _bias_too_large(call):
+        target = self.runtime.target(call.query.device)
+        p = plan(call, target)
+        if p.recognized and masks.capture_may_follow(call.query, True):
+            capture.prebuild(self, call, target)
+        if p.route is Route.PACKED:  # declined or refused: the bias
+            outputs = varlen_dispatch.backward(self, p.call)
+            if outputs is not None:
+                return outputs
+            p = p.as_bias(target)
+        bound = self.bind(p.call)
+        if p.route is Route.OVERSIZED_BIAS:
             self.run_oversized_bias(bound)
         else:
             self.run(bound)
@@ -184,56 +174,7 @@ class Dispatcher:
             return None
         return self.run_fallback(bound)  # raises for a cuDNN dropout forward: its mask cannot be reproduced
 
-    def _prebuild_for_capture(self, call: ForwardCall | BackwardCall) -> None:
-        """Build the graphs ``call`` (whose mask runs as a pattern now) would run under CUDA-graph capture.
-
-        Under capture no pattern is recognized (:mod:`patterns`: a verdict is a host decision that
-        replays, reading new masks from the same buffers, would not re-check), so the mask runs as
-        its bias, whose graph a warm-up that ran the pattern never built; a build inside the capture
-        (heuristics, NVRTC, a module load) invalidates it. Built here, at warm-up, the capture only
-        looks them up. The keys are planned exactly as the capture will plan them (the defect routes
-        included; a dropout forward: the backward graphs it checks too), and the calling thread's own
-        copy of each graph is made (:mod:`per_thread`). Nothing is bound or run; a refusal is remembered,
-        and the captured call then runs on the torch fallback, as it would.
-        """
-        target = self.runtime.target(call.query.device)
-        # once per signature and thread: later calls do no lookup at all
-        memo = ("capture", threading.get_ident()) + memo_key(call, target)
-        if self.recipes.peek(memo) is not None:
-            return
-        keys = self._capture_keys(call, target)
-        self.recipes.put(memo, True)  # clear_cache() forgets it with the graphs, so a rebuild prebuilds again
-        for key in keys:
-            try:
-                built = self.cache.get_or_build(key, self.runtime.build)
-                # and this thread's copy: a graph built on another thread (a dropout forward's check of its
-                # backward, built on the forward's thread) is copied for autograd's thread on first use,
-                # which must not be inside the capture
-                self.runtime.graph_for_this_thread(built)
-            except (GraphBuildError, ExecuteError):
-                continue
-            if isinstance(call, ForwardCall) and call.dropout_p and call.need_stats:
-                self._backward_builds(call, route(call, target) if call.query.shape[2] == 1 else call, key)
-
-    def _capture_keys(self, call: ForwardCall | BackwardCall, target: Target) -> tuple:
-        """The keys of the graphs ``call`` runs under capture (its mask as a bias), planned from layouts."""
-        plain = route(call, target) if call.query.shape[2] == 1 else call
-        if _bias_too_large(plain):
-            return ()  # runs on the fallback, with or without capture (no graph)
-        keys = [self.recipe(plain).key]
-        if isinstance(call, BackwardCall):
-            # A captured forward runs the bias too, and its O and stats (the backward's inputs) are laid out
-            # as the bias forward lays them out, which a packed-sequence forward does not: plan those too,
-            # with dO as it comes and with dO in that O's layout (a grad_out made like the output).
-            fwd = ForwardCall(*call[1:5], call.dropout_p, call.is_causal, call.scale, call.layout, call.deterministic)
-            fkey = self.recipe(fwd).key
-            o, stats = _meta(fkey.o), _meta(fkey.stats)
-            like_bias_forward = plain._replace(out=o, stats=stats)
-            if self.recipe(like_bias_forward).key != keys[0]:
-                keys += [self.recipe(c).key for c in (like_bias_forward, like_bias_forward._replace(grad_out=o))]
-        return tuple(dict.fromkeys(keys))
-
-    def _backward_builds(self, call: ForwardCall, masked: ForwardCall, fkey: ForwardKey) -> bool:
+    def backward_builds(self, call: ForwardCall, masked: ForwardCall, fkey: ForwardKey) -> bool:
         """Whether the runtime builds the backward of a dropout forward (dO in O's layout), asked of the cache.
 
         A float mask checks both with and without dBias: whether its gradient is used is known only
@@ -241,7 +182,7 @@ class Dispatcher:
         A mask whose bias would pass the int32 limit is claimed only without a gradient (:mod:`support`), and
         its dBias backward could never run in cuDNN anyway: that graph is neither built nor asked for.
         """
-        float_mask = call.attn_mask is not None and call.attn_mask.dtype != torch.bool and not _bias_too_large(call)
+        float_mask = call.attn_mask is not None and call.attn_mask.dtype != torch.bool and not bias_too_large(call)
         deterministic = call.deterministic or torch_deterministic()  # as the backward will decide
         for mask_grad in (False, True) if float_mask else (False,):
             bcall = signature(call if mask_grad else masked)._replace(deterministic=deterministic)
@@ -267,59 +208,6 @@ class Dispatcher:
             self.runtime.name,
             exc,
         )
-
-
-def planned_keys(call: ForwardCall, target: Target) -> tuple[ForwardCall, ForwardKey, BackwardKey]:
-    """The call as it runs (a pattern mask swapped in) and the keys of its forward and of its backward
-    for dO in O's layout, planned from layouts alone (nothing bound, built, drawn or run, except the
-    recognition of a mask not seen before: :func:`~thunder_cudnn_safe.describe`): for ``describe()``
-    and ``aot.describe_target()``."""
-    mask = call.attn_mask
-    mask_grad = mask is not None and mask.dtype is not torch.bool and bool(mask.requires_grad)
-    call = call._replace(layout=LayoutPolicy.parse(call.layout).value, dropout_p=float(call.dropout_p))
-    masked = call if mask_grad else with_mask_pattern(call)
-    if isinstance(masked.attn_mask, DocumentPattern):
-        planned = varlen_dispatch.planned_keys(masked, target)
-        if planned is not None:
-            return planned
-        masked = call
-    masked = route(masked, target, lens_device="meta")  # the key needs no lengths' values: no kernel to fill them
-    fkey = forward_recipe(signature(masked), target).key  # an inference forward has no backward:
-    return masked, fkey, companion_backward_key(signature(masked), fkey, mask_grad) if call.need_stats else None
-
-
-def with_mask_pattern(call: ForwardCall | BackwardCall) -> ForwardCall | BackwardCall:
-    """``call`` with a mask recognized as a pattern (:mod:`patterns`) replaced by it: by nothing when it
-    keeps every key (an inference forward: by padding keeping every key), by ``is_causal`` when causal."""
-    mask = call.attn_mask
-    if mask is None or isinstance(mask, MaskPattern) or call.is_causal:
-        return call
-    pattern = pattern_of(mask, call.query.shape[0], call.query.shape[2], call.key.shape[2])
-    if pattern is None:
-        return call
-    if isinstance(pattern, DocumentPattern):
-        return call._replace(attn_mask=pattern)
-    if pattern.full is not None and type(call) is ForwardCall and not call.need_stats:  # the decode steps' graph
-        return call._replace(attn_mask=pattern._replace(q_lens=pattern.full[0], kv_lens=pattern.full[1], full=None))
-    if pattern.left is None and pattern.kv_lens is None:
-        return call._replace(attn_mask=None, is_causal=pattern.right == 0)
-    return call._replace(attn_mask=pattern)
-
-
-def _meta(sig: TensorSig) -> torch.Tensor:
-    """A tensor with ``sig``'s layout and no storage, to plan a recipe's key (never bound)."""
-    return torch.empty_strided(sig.shape, sig.stride, dtype=sig.dtype, device="meta")
-
-
-def _bias_too_large(call: ForwardCall | BackwardCall) -> bool:
-    """Whether ``call`` binds its mask as a bias whose broadcast (B, H, L, S) has 2**31 or more elements
-    (:data:`~thunder_cudnn_safe.cudnn_rules.INT32_ELEMENT_LIMIT`, the rule :mod:`support` applies at trace
-    time to masks that cannot be patterns)."""
-    mask = call.attn_mask
-    if not isinstance(mask, torch.Tensor):
-        return False
-    b, h, lq, _ = call.query.shape
-    return b * h * lq * call.key.shape[2] >= INT32_ELEMENT_LIMIT
 
 
 def _fully_masked_rows(mask: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,8 @@
 It runs the real frontend graph on the variant pack cuDNN would get, viewing each bound storage
 through the dims, strides and dtype the *graph's own tensors* declare (never our key, never the
 torch tensor), so a declared/bound mismatch gives the same wrong numbers here as on a GPU.
-:data:`default_runtime` poses as sm90 with cuDNN 9.19 unless told otherwise (:func:`set_emulated_target`).
+:data:`default_runtime` poses as sm90 with cuDNN 9.19 unless told otherwise
+(``config.set(emulated_arch=..., emulated_backend=...)``).
 """
 
 from __future__ import annotations
@@ -18,9 +19,6 @@ from .errors import EmulationError, GraphBuildError
 from .keys import BackwardKey, ForwardKey, Target
 from .layout import span_elements
 from .runtime import BuiltGraph, Runtime, build_with_ladder, frontend_refusal_filter
-
-DEFAULT_ARCH = config.KNOBS["emulated_arch"].default
-DEFAULT_BACKEND = config.KNOBS["emulated_backend"].default
 
 
 def _torch_dtype_of(cudnn_dtype: Any) -> torch.dtype:
@@ -257,17 +255,10 @@ class EmulatedRuntime(Runtime):
         emulate(self.graph_for_this_thread(built)[0], pack)
 
 
-#: The runtime behind ``emulated_ex`` (its target is what :func:`set_emulated_target` changes).
+#: The runtime behind ``emulated_ex`` (its target follows ``config.emulated_arch`` and ``config.emulated_backend``).
 default_runtime = EmulatedRuntime()
 config.on_change("emulated_arch", lambda arch: setattr(default_runtime, "arch", tuple(arch)))
 config.on_change("emulated_backend", lambda version: setattr(default_runtime, "backend_version", version))
-
-
-def set_emulated_target(arch: tuple[int, int] | str | None = None, backend_version: int | None = None) -> None:
-    """Change which GPU (``(9, 0)``, ``"9.0"``, ``"sm90"``) and cuDNN version (``91900``) the emulated
-    executor poses as (``config.set(emulated_arch=..., emulated_backend=...)``)."""
-    changes = {"emulated_arch": arch, "emulated_backend": backend_version}
-    config.set(**{name: value for name, value in changes.items() if value is not None})
 
 
 def emulated_target() -> Target:

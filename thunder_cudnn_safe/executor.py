@@ -24,11 +24,12 @@ from thunder.extend import OperatorExecutor, register_executor
 from . import caches, config, emulation, gqa
 from ._version import __version__
 from .cache import CachedGraph
-from .calls import BackwardCall, ForwardCall, torch_deterministic
-from .dispatch import Dispatcher, planned_keys
+from .calls import BackwardCall, ForwardCall, backward_of, torch_deterministic
+from .dispatch import Dispatcher
 from .documents import DocumentPattern
 from .layout import LayoutPolicy, same_size_except_heads
 from .patterns import MaskPattern
+from .planner import planned_keys
 from .runtime import CudnnRuntime, Runtime
 from .support import Decline, not_supported_reasons, torch_dtype
 
@@ -177,24 +178,7 @@ def make_executor(name: str, runtime: Runtime) -> OperatorExecutor:
         # A mask computed inside the function reports requires_grad=False on its proxy even when its
         # gradient is needed: it gets a separate operator that dead-code elimination drops when unused.
         mask_grad = float_mask and bool(getattr(mask, "requires_grad", False))
-        bcall = BackwardCall(
-            get_grad(out),
-            call.query,
-            call.key,
-            call.value,
-            mask,
-            call.dropout_p,
-            call.is_causal,
-            out,
-            stats,
-            seed,
-            offset,
-            call.scale,
-            call.layout,
-            call.deterministic,
-            call.cat_grad_qkv,
-            mask_grad,
-        )
+        bcall = backward_of(call, get_grad(out), out, stats, seed, offset, mask_grad)
         if float_mask and not mask_grad:
             # Before the backward on purpose: used, it runs the one backward with dBias and the
             # backward below returns its dQ, dK, dV (:mod:`handoff`); unused, thunder drops it.

@@ -20,9 +20,6 @@ import torch
 from . import caches, config
 from .lru import LRU
 
-#: Converted biases and pattern verdicts remembered (a step uses one or a few masks); 0 turns the cache off.
-MASK_CACHE_SIZE = config.KNOBS["mask_cache_size"].default
-
 
 class MaskCacheInfo(NamedTuple):
     hits: int
@@ -63,8 +60,9 @@ def capture_may_follow(t: torch.Tensor, training: bool) -> bool:
 
 
 class ConvertedMasks:
-    def __init__(self, maxsize: int = MASK_CACHE_SIZE) -> None:
-        self._lru = LRU(maxsize)
+    def __init__(self, maxsize: int | None = None) -> None:
+        # converted biases and pattern verdicts remembered (a step uses one or a few masks); 0: off
+        self._lru = LRU(config.mask_cache_size if maxsize is None else maxsize)
         self.hits = self.conversions = 0
         #: keys of freed masks, appended by weakref callbacks without any lock (a callback can run
         #: in a garbage collection while this thread holds the LRU's lock) and purged on the next use
@@ -120,11 +118,6 @@ class ConvertedMasks:
 converted_masks = ConvertedMasks(config.mask_cache_size)
 config.on_change("mask_cache_size", converted_masks.resize)
 caches.register("converted masks and mask-pattern verdicts", converted_masks.clear)
-
-
-def set_mask_cache_size(maxsize: int) -> None:
-    """How many converted masks to remember (0: convert on every call; ``config.set(mask_cache_size=...)``)."""
-    config.set(mask_cache_size=maxsize)
 
 
 def mask_cache_info() -> MaskCacheInfo:

@@ -21,7 +21,6 @@ from typing import Any, NamedTuple
 import torch
 
 from . import config
-from ._env import MASK_PATTERNS_ENV as MASK_PATTERNS_ENV  # its old home; the knob is config.mask_patterns
 from .documents import DocumentPattern, document_checks, document_verdict
 from .masks import capturing, converted_masks
 
@@ -35,7 +34,7 @@ class MaskPattern(NamedTuple):
     q_lens: Any = None
     kv_lens: Any = None
     #: of an all-kept mask: (q_lens, kv_lens) keeping every key, to run it as padding
-    #: (:func:`~thunder_cudnn_safe.dispatch.with_mask_pattern`)
+    #: (:func:`~thunder_cudnn_safe.planner.with_mask_pattern`)
     full: Any = None
 
     @property
@@ -57,12 +56,6 @@ _NOT_A_PATTERN = "bias"
 
 _counts: collections.Counter = collections.Counter()
 _lock = threading.Lock()
-
-
-def set_mask_patterns(enabled: bool) -> None:
-    """Turn recognizing mask patterns on (default) or off (every mask then runs as a bias;
-    ``config.set(mask_patterns=...)``)."""
-    config.set(mask_patterns=bool(enabled))
 
 
 def mask_pattern_info() -> dict[str, int]:

@@ -1,6 +1,7 @@
 """Opt-in persistent plan cache: serialized cuDNN plans on disk (milliseconds to load, 0.3-4 s to build).
 
-Off unless ``THUNDER_CUDNN_SAFE_PLAN_CACHE_DIR`` or :func:`set_plan_cache_dir` names a folder. An entry's
+Off unless ``config.plan_cache_dir`` (``THUNDER_CUDNN_SAFE_PLAN_CACHE_DIR``) names a folder; the knobs
+``config.plan_cache_max_entries`` and ``config.plan_cache_max_bytes`` bound it. An entry's
 name hashes all the plan depends on; its header repeats that hash and a sha256 of the payload (cuDNN
 does not notice a corrupted kernel in a blob). A file that fails a check, or that cuDNN cannot restore,
 is removed with one warning and rebuilt. Writers rename a temp file into place (concurrent writers
@@ -45,10 +46,15 @@ class PlanCacheInfo(NamedTuple):
 
 
 class PlanCache:
-    """Entries (plain bytes) in ``directory``, at most ``max_entries`` files and ``max_bytes`` bytes."""
+    """Entries (plain bytes) in ``directory``, at most ``max_entries`` files and ``max_bytes`` bytes
+    (None: ``config.plan_cache_max_entries`` / ``config.plan_cache_max_bytes`` now)."""
 
-    def __init__(self, directory: str | os.PathLike, max_entries: int = 2048, max_bytes: int = 1 << 30) -> None:
-        self.directory, self.max_entries, self.max_bytes = Path(directory), max_entries, max_bytes
+    def __init__(
+        self, directory: str | os.PathLike, max_entries: int | None = None, max_bytes: int | None = None
+    ) -> None:
+        self.directory = Path(directory)
+        self.max_entries = config.plan_cache_max_entries if max_entries is None else max_entries
+        self.max_bytes = config.plan_cache_max_bytes if max_bytes is None else max_bytes
         self.counts = dict.fromkeys(("loads", "stores", "rejected", "misses", "evicted"), 0)
 
     def path(self, ident: str) -> Path:
@@ -141,14 +147,16 @@ _active: PlanCache | None = None
 _active_dir: str | None = None
 
 
-def set_plan_cache_dir(path: str | os.PathLike | None, *, max_entries: int = 2048, max_bytes: int = 1 << 30) -> None:
-    """Store and load plans in ``path`` (None: no plan cache), at most ``max_entries`` files and ``max_bytes``
-    bytes. Overrides ``THUNDER_CUDNN_SAFE_PLAN_CACHE_DIR``; ``config.set(plan_cache_dir=...)`` keeps the
-    default bounds."""
-    global _active, _active_dir
-    config.set(plan_cache_dir=path)
-    _active_dir = config.plan_cache_dir
-    _active = None if _active_dir is None else PlanCache(_active_dir, max_entries, max_bytes)
+def _bound(field: str) -> Callable[[int], None]:
+    def rebound(value: int) -> None:  # the plan cache in use takes a changed bound (evicting at its next store)
+        if _active is not None:
+            setattr(_active, field, value)
+
+    return rebound
+
+
+config.on_change("plan_cache_max_entries", _bound("max_entries"))
+config.on_change("plan_cache_max_bytes", _bound("max_bytes"))
 
 
 def active() -> PlanCache | None:

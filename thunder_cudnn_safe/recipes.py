@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import torch
 
 from . import config, cudnn_rules
-from .calls import BackwardCall, ForwardCall, default_scale
+from .calls import BackwardCall, ForwardCall, backward_of, default_scale
 from .graphs import Uid
 from .keys import RNG_SIG, BackwardKey, ForwardKey, Target, TensorSig
 from .layout import (
@@ -232,22 +232,22 @@ def forward_recipe(call: ForwardCall, target: Target, dynamic_shapes: str | None
     mode = config.dynamic_shapes if dynamic_shapes is None else dynamic_shapes  # the memo key's, read once per call
     dynamic = not call.dropout_p and (mode == "forward" or mode == "inference" and not call.need_stats)
     key = ForwardKey(
-        q,
-        k,
-        v,
-        s[Uid.O],
-        s.get(Uid.STATS),
-        s.get(Uid.BIAS),
-        s.get(Uid.SEED),
-        s.get(Uid.OFFSET),
-        _causal(call),
-        float(call.dropout_p),
-        default_scale(d, call.scale),
-        p.policy.value,
-        target,
-        left,
-        padded,
-        dynamic and cudnn_rules.DYNAMIC_SHAPE_FORWARD.holds(target),
+        q=q,
+        k=k,
+        v=v,
+        o=s[Uid.O],
+        stats=s.get(Uid.STATS),
+        bias=s.get(Uid.BIAS),
+        seed=s.get(Uid.SEED),
+        offset=s.get(Uid.OFFSET),
+        causal=_causal(call),
+        dropout_p=float(call.dropout_p),
+        scale=default_scale(d, call.scale),
+        layout=p.policy.value,
+        target=target,
+        left=left,
+        padded=padded,
+        dynamic=dynamic and cudnn_rules.DYNAMIC_SHAPE_FORWARD.holds(target),
     )
     return _recipe(key, p.steps, tuple(outputs), len(call))
 
@@ -278,27 +278,27 @@ def backward_recipe(call: BackwardCall, target: Target) -> PackRecipe:
         )
     s = p.sigs
     key = BackwardKey(
-        q,
-        k,
-        v,
-        o,
-        s[Uid.DO],
-        s[Uid.STATS],
-        s.get(Uid.BIAS),
-        s.get(Uid.DBIAS),
-        s.get(Uid.SEED),
-        s.get(Uid.OFFSET),
-        s[Uid.DQ],
-        s[Uid.DK],
-        s[Uid.DV],
-        _causal(call),
-        float(call.dropout_p),
-        default_scale(q.shape[3], call.scale),
-        p.policy.value,
-        bool(call.deterministic),
-        target,
-        left,
-        padded,
+        q=q,
+        k=k,
+        v=v,
+        o=o,
+        d_o=s[Uid.DO],
+        stats=s[Uid.STATS],
+        bias=s.get(Uid.BIAS),
+        d_bias=s.get(Uid.DBIAS),
+        seed=s.get(Uid.SEED),
+        offset=s.get(Uid.OFFSET),
+        dq=s[Uid.DQ],
+        dk=s[Uid.DK],
+        dv=s[Uid.DV],
+        causal=_causal(call),
+        dropout_p=float(call.dropout_p),
+        scale=default_scale(q.shape[3], call.scale),
+        layout=p.policy.value,
+        deterministic=bool(call.deterministic),
+        target=target,
+        left=left,
+        padded=padded,
     )
     return _recipe(key, p.steps, outputs, len(call))
 
@@ -347,24 +347,7 @@ def companion_backward_key(call: ForwardCall, fkey: ForwardKey, mask_grad: bool)
     """The key of the backward a forward call (its signature) will run, for dO in O's layout (the layout
     a refused backward retries with): a dropout forward runs in cuDNN only if this builds."""
     o, stats, rng = (ArgSig(*s) for s in (fkey.o, fkey.stats, RNG_SIG))
-    bcall = BackwardCall(
-        o,
-        call.query,
-        call.key,
-        call.value,
-        call.attn_mask,
-        call.dropout_p,
-        call.is_causal,
-        o,
-        stats,
-        rng,
-        rng,
-        call.scale,
-        call.layout,
-        call.deterministic,
-        call.cat_grad_qkv,
-        mask_grad,
-    )
+    bcall = backward_of(call, o, o, stats, rng, rng, mask_grad)
     return backward_recipe(bcall, fkey.target).key
 
 

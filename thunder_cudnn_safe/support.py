@@ -24,13 +24,6 @@ from .masks import converted_masks
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def __getattr__(name: str) -> Any:
-    # The old name of the dP workspace budget: the knob is config.dp_workspace_limit (read at use time).
-    if name == "DP_WORKSPACE_LIMIT":
-        return config.dp_workspace_limit
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 class DeclineCode(enum.Enum):
     """What kind of reason a decline is (its text says the details)."""
 

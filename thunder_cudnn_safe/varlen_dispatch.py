@@ -95,10 +95,7 @@ def planned_keys(call: Any, target: Any) -> tuple | None:
     if not call.need_stats:
         return call, fbound.key, None
     o, stats = fbound.outputs
-    from .calls import BackwardCall
+    from .calls import backward_of
 
-    bcall = BackwardCall(
-        o, meta.query, meta.key, meta.value, call.attn_mask, 0.0, False, o, stats, None, None, call.scale
-    )
-    bcall = bcall._replace(deterministic=call.deterministic, cat_grad_qkv=call.cat_grad_qkv)
+    bcall = backward_of(meta._replace(attn_mask=call.attn_mask, dropout_p=0.0, is_causal=False), o, o, stats)
     return call, fbound.key, varlen.bind_backward(bcall, target, dry=True).key

@@ -38,6 +38,11 @@ class ModelCase:
     note: str = ""
     #: dtypes eager CPU can run this model in
     dtypes: tuple = field(default=(torch.float16, torch.bfloat16))
+    #: SDPA calls the executor must claim (our forward operator in the final traces); None: every call
+    #: the model makes (counted in eager). tests/models/test_models.py asserts it, so a decline fails.
+    claims: int | None = None
+    #: for a model the executor declines by design (``claims=0``): text every call's explain() reasons contain
+    declines: tuple = ()
 
 
 def _randn(shape, dtype, gen):
@@ -378,6 +383,8 @@ CASES: dict[str, ModelCase] = {
             _llm_inputs,
             _hidden,
             note="head dim 12: declined, runs on thunder's torch path",
+            claims=0,
+            declines=("head dim 12 is not a multiple of 8",),
         ),
         ModelCase("bert", _bert, _bert_inputs, _hidden, quick=True, note="padding mask"),
         ModelCase(
