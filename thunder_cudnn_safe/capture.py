@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from . import dropout
 from .calls import BackwardCall, ForwardCall, forward_of, memo_key
 from .errors import ExecuteError, GraphBuildError
 from .keys import Target, TensorSig
@@ -38,7 +39,7 @@ def prebuild(disp: Any, call: ForwardCall | BackwardCall, target: Target) -> Non
         except (GraphBuildError, ExecuteError):
             continue
         if isinstance(call, ForwardCall) and call.dropout_p and call.need_stats:
-            disp.backward_builds(call, calls[0], key)
+            dropout.backward_builds(disp, call, calls[0], key)
 
 
 def _keys(disp: Any, call: ForwardCall | BackwardCall, bias: ForwardCall | BackwardCall) -> tuple:

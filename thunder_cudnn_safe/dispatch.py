@@ -10,17 +10,16 @@ from __future__ import annotations
 
 import torch
 
-from . import capture, cudnn_rules, fallback, handoff, masks, varlen_dispatch
+from . import capture, dropout, fallback, handoff, masks, varlen_dispatch
 from .cache import GraphCache, graph_cache
 from .calls import BackwardCall, ForwardCall, memo_key, signature, torch_deterministic
 from .errors import ExecuteError, GraphBuildError
 from .graphs import Uid
-from .key_gate import RuleRefusal
-from .keys import BackwardKey, ForwardKey
+from .keys import BackwardKey, Target
 from .lru import LRU
 from .masks import converted_masks
-from .planner import Route, bias_too_large, plan
-from .recipes import Bound, PackRecipe, backward_recipe, companion_backward_key, forward_recipe, with_grad_out_like_o
+from .planner import Route, plan
+from .recipes import Bound, PackRecipe, backward_recipe, forward_recipe, with_grad_out_like_o
 from .reference import reduce_to_shape
 from .runtime import Runtime
 from .telemetry import warn_once
@@ -37,10 +36,10 @@ class Dispatcher:
         self.cache = cache
         self.recipes = LRU(RECIPE_MEMO_SIZE)
 
-    def recipe(self, call: ForwardCall | BackwardCall) -> PackRecipe:
+    def recipe(self, call: ForwardCall | BackwardCall, target: Target | None = None) -> PackRecipe:
         """``call``'s pack recipe, memoized by its signature (the layouts a training step repeats get one
-        recipe; a cache hit costs the memo key and one dict read)."""
-        memo = memo_key(call, self.runtime.target(call.query.device))
+        recipe; a cache hit costs the memo key and one dict read). ``target``: the call's, if known."""
+        memo = memo_key(call, self.runtime.target(call.query.device) if target is None else target)
         recipe = self.recipes.peek(memo)
         if recipe is None:
             sig = signature(call)  # a forward memo is (target, dynamic-shape mode, ...): the recipe uses that mode
@@ -52,9 +51,9 @@ class Dispatcher:
             self.recipes.put(memo, recipe)
         return recipe
 
-    def bind(self, call: ForwardCall | BackwardCall) -> Bound:
+    def bind(self, call: ForwardCall | BackwardCall, target: Target | None = None) -> Bound:
         """``call`` bound by its (memoized) pack recipe."""
-        return self.recipe(call).run(call, call.query.device)
+        return self.recipe(call, target).run(call, call.query.device)
 
     def forward(self, *args, **kwargs) -> tuple[torch.Tensor, ...]:
         """O and stats (none when ``need_stats`` is False), then the dropout seed and offset."""
@@ -68,10 +67,10 @@ class Dispatcher:
             if outputs is not None:
                 return outputs
             p = p.as_bias(target)
-        bound = self.bind(p.call)
+        bound = self.bind(p.call, target)
         if p.route is Route.OVERSIZED_BIAS:
-            self.run_oversized_bias(bound)
-        elif call.dropout_p and call.need_stats and not self.backward_builds(call, p.call, bound.key):
+            fallback.run_oversized_bias(self, bound)
+        elif call.dropout_p and call.need_stats and not dropout.backward_builds(self, call, p.call, bound.key):
             self.run_fallback(bound)
         else:
             self.run(bound)
@@ -97,9 +96,9 @@ class Dispatcher:
             if outputs is not None:
                 return outputs
             p = p.as_bias(target)
-        bound = self.bind(p.call)
+        bound = self.bind(p.call, target)
         if p.route is Route.OVERSIZED_BIAS:
-            self.run_oversized_bias(bound)
+            fallback.run_oversized_bias(self, bound)
         else:
             self.run(bound)
         if call.mask_grad:
@@ -135,30 +134,6 @@ class Dispatcher:
         self.cache.record_fallback()
         fallback.FALLBACK.execute(fallback.FALLBACK.build(bound.key), bound.pack)
 
-    def run_oversized_bias(self, bound: Bound) -> None:
-        """A mask claimed at trace time because it may be a pattern (:mod:`support`: the int32 rule counts
-        only masks bound as a bias) that is not one at run time: its broadcast bias would have 2**31 or
-        more elements, whose offsets overflow cuDNN's int32 element offsets. It never reaches cuDNN: the
-        torch fallback computes the call (float32, int64 indexing), warned once per layout.
-
-        A dropout backward whose forward ran in cuDNN cannot go there: only cuDNN reproduces its dropout mask.
-        That is a mask gradient thunder asked for although the mask was judged to need none at trace time
-        (:mod:`grad_need`), and it raises rather than return gradients for another dropout mask."""
-        key = bound.key
-        if isinstance(key, BackwardKey) and key.dropout_p and not handoff.fell_back(bound.pack[Uid.SEED]):
-            raise RuntimeError(
-                "cudnn_safe: the gradient of an attention mask whose bias has 2**31 or more elements was asked for "
-                "a call with dropout that ran in cuDNN as a mask pattern; cuDNN cannot bind that bias (int32 "
-                "offsets) and only cuDNN could reproduce its dropout mask. The mask was judged at trace time to need "
-                "no gradient: make it a tensor that requires grad, or pass is_causal=True instead of a causal mask."
-            )
-        warn_once(
-            ("fallback", "oversized bias", self.runtime.name, bound.key),
-            "cudnn_safe: an attention mask that is no pattern cuDNN masks natively would be a bias of 2**31 or "
-            "more elements (int32 offsets); the call ran on the torch fallback. Shown once per distinct layout.",
-        )
-        self.run_fallback(bound)
-
     def run(self, bound: Bound) -> None:
         """Execute ``bound`` on the runtime, or on the torch fallback if the runtime refuses it."""
         key = bound.key
@@ -173,41 +148,6 @@ class Dispatcher:
         elif self.try_runtime(bound):
             return None
         return self.run_fallback(bound)  # raises for a cuDNN dropout forward: its mask cannot be reproduced
-
-    def backward_builds(self, call: ForwardCall, masked: ForwardCall, fkey: ForwardKey) -> bool:
-        """Whether the runtime builds the backward of a dropout forward (dO in O's layout), asked of the cache.
-
-        A float mask checks both with and without dBias: whether its gradient is used is known only
-        after dead-code elimination (with it, the mask runs as a bias even where the forward ran a pattern).
-        A mask whose bias would pass the int32 limit is claimed only without a gradient (:mod:`support`), and
-        its dBias backward could never run in cuDNN anyway: that graph is neither built nor asked for.
-        """
-        float_mask = call.attn_mask is not None and call.attn_mask.dtype != torch.bool and not bias_too_large(call)
-        deterministic = call.deterministic or torch_deterministic()  # as the backward will decide
-        for mask_grad in (False, True) if float_mask else (False,):
-            bcall = signature(call if mask_grad else masked)._replace(deterministic=deterministic)
-            companion = companion_backward_key(bcall, fkey, mask_grad)
-            try:
-                self.cache.get_or_build(companion, self.runtime.build)
-            except RuleRefusal as exc:
-                if mask_grad and exc.rule == cudnn_rules.DP_WORKSPACE.name:
-                    continue  # judged at trace time, where the need for dBias is known (:mod:`support`)
-                self._warn_dropout_refusal(companion, exc)
-                return False
-            except GraphBuildError as exc:
-                self._warn_dropout_refusal(companion, exc)
-                return False
-        return True
-
-    def _warn_dropout_refusal(self, companion: BackwardKey, exc: GraphBuildError) -> None:
-        warn_once(
-            ("fallback", self.runtime.name, companion),
-            "cudnn_safe: %s refuses the backward graph of an attention call with dropout (%s), and only "
-            "cuDNN could reproduce its dropout mask: the forward runs on the torch fallback too. Shown once "
-            "per distinct graph.",
-            self.runtime.name,
-            exc,
-        )
 
 
 def _fully_masked_rows(mask: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:

@@ -8,12 +8,15 @@ gradients for another mask (the dispatcher avoids that where it can).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from . import handoff, masks, reference
 from .graphs import Uid
 from .keys import BackwardKey, ForwardKey
 from .runtime import BuiltGraph, Runtime, is_forward
+from .telemetry import warn_once
 
 #: float32 score elements one chunk of the fallback materializes (about 1 GiB each of the few (B, H, L, S)
 #: temporaries): a call is computed a few batch elements at a time, so that a call sent here because its
@@ -133,3 +136,28 @@ class FallbackRuntime(Runtime):
 
 #: The one fallback runtime every dispatcher uses.
 FALLBACK = FallbackRuntime()
+
+
+def run_oversized_bias(disp: Any, bound: Any) -> None:
+    """A mask claimed at trace time because it may be a pattern (:mod:`support`: the int32 rule counts
+    only masks bound as a bias) that is not one at run time: its broadcast bias would have 2**31 or
+    more elements, whose offsets overflow cuDNN's int32 element offsets. It never reaches cuDNN: the
+    torch fallback computes the call (float32, int64 indexing), warned once per layout.
+
+    A dropout backward whose forward ran in cuDNN cannot go there: only cuDNN reproduces its dropout mask.
+    That is a mask gradient thunder asked for although the mask was judged to need none at trace time
+    (:mod:`grad_need`), and it raises rather than return gradients for another dropout mask."""
+    key = bound.key
+    if isinstance(key, BackwardKey) and key.dropout_p and not handoff.fell_back(bound.pack[Uid.SEED]):
+        raise RuntimeError(
+            "cudnn_safe: the gradient of an attention mask whose bias has 2**31 or more elements was asked for "
+            "a call with dropout that ran in cuDNN as a mask pattern; cuDNN cannot bind that bias (int32 "
+            "offsets) and only cuDNN could reproduce its dropout mask. The mask was judged at trace time to need "
+            "no gradient: make it a tensor that requires grad, or pass is_causal=True instead of a causal mask."
+        )
+    warn_once(
+        ("fallback", "oversized bias", disp.runtime.name, bound.key),
+        "cudnn_safe: an attention mask that is no pattern cuDNN masks natively would be a bias of 2**31 or "
+        "more elements (int32 offsets); the call ran on the torch fallback. Shown once per distinct layout.",
+    )
+    disp.run_fallback(bound)

@@ -61,6 +61,8 @@ def plan(call: ForwardCall | BackwardCall, target: Target, *, recognize: bool = 
     """How ``call`` runs on ``target``. ``recognize``: look for a mask pattern (not under capture, where the
     mask runs as its bias; a backward computing the mask's gradient never does). ``lens_device``: where a
     workaround's padding lengths are made (``"meta"`` to plan keys without running a kernel)."""
+    if call.attn_mask is None and call.query.shape[2] != 1:  # the common case, decided first: no mask, no decode
+        return Plan(Route.PLAIN, call, call)
     masked = with_mask_pattern(call) if recognize and not getattr(call, "mask_grad", False) else call
     if isinstance(masked.attn_mask, DocumentPattern):
         return Plan(Route.PACKED, masked, call)
