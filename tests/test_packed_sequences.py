@@ -481,5 +481,5 @@ def test_more_than_32768_documents_decline_to_the_bias_not_a_grid_crash():
     disp = _dispatcher()
     built = []
     disp.runtime._build_one = lambda key, impl: built.append(key)  # never reached: the gate refuses first
-    assert varlen_dispatch.forward(disp, ForwardCall(q, q, q, p)) is None
+    assert varlen_dispatch.run(disp, ForwardCall(q, q, q, p)) is None
     assert built == [] and varlen_dispatch.varlen_info() == {"declined: GRID_65535 (key gate)": 1}

@@ -8,6 +8,8 @@ with dO in O's layout (the graph the forward checked).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from . import capture, dropout, fallback, handoff, masks, varlen_dispatch
@@ -59,14 +61,9 @@ class Dispatcher:
         """O and stats (none when ``need_stats`` is False), then the dropout seed and offset."""
         call = ForwardCall(*args, **kwargs)
         target = self.runtime.target(call.query.device)
-        p = plan(call, target)
-        if p.recognized and masks.capture_may_follow(call.query, call.need_stats):
-            capture.prebuild(self, call, target)
-        if p.route is Route.PACKED:  # declined or refused: the bias
-            outputs = varlen_dispatch.forward(self, p.call)
-            if outputs is not None:
-                return outputs
-            p = p.as_bias(target)
+        p, outputs = self._plan(call, target, call.need_stats)
+        if outputs is not None:
+            return outputs
         bound = self.bind(p.call, target)
         if p.route is Route.OVERSIZED_BIAS:
             fallback.run_oversized_bias(self, bound)
@@ -88,14 +85,9 @@ class Dispatcher:
         if kept is not None:
             return kept
         target = self.runtime.target(call.query.device)
-        p = plan(call, target)
-        if p.recognized and masks.capture_may_follow(call.query, True):
-            capture.prebuild(self, call, target)
-        if p.route is Route.PACKED:  # declined or refused: the bias
-            outputs = varlen_dispatch.backward(self, p.call)
-            if outputs is not None:
-                return outputs
-            p = p.as_bias(target)
+        p, outputs = self._plan(call, target, True)
+        if outputs is not None:
+            return outputs
         bound = self.bind(p.call, target)
         if p.route is Route.OVERSIZED_BIAS:
             fallback.run_oversized_bias(self, bound)
@@ -113,21 +105,39 @@ class Dispatcher:
         handoff.keep_gradients(call, grads[:-1])
         return grads[-1]
 
-    def try_runtime(self, bound: Bound, warn: bool = True) -> bool:
-        """Execute ``bound`` on the runtime; False (after a warning once per key, if ``warn``) if it refused."""
+    def _plan(self, call: ForwardCall | BackwardCall, target: Target, training: bool) -> tuple[Any, Any]:
+        """``call``'s plan (:mod:`planner`), its capture prebuild where a capture may follow, and a packed call's
+        outputs where the variable-length route ran it (declined or refused: the plan of its mask as a bias)."""
+        p = plan(call, target)
+        if p.recognized and masks.capture_may_follow(call.query, training):
+            capture.prebuild(self, call, target)
+        if p.route is Route.PACKED:
+            outputs = varlen_dispatch.run(self, p.call)
+            if outputs is not None:
+                return p, outputs
+            p = p.as_bias(target)
+        return p, None
+
+    def refusal(self, bound: Bound) -> GraphBuildError | ExecuteError | None:
+        """Execute ``bound`` on the runtime (its graph built once); the runtime's refusal, or None if it ran."""
         try:
             self.runtime.execute(self.cache.get_or_build(bound.key, self.runtime.build), bound.pack)
-            return True
+            return None
         except (GraphBuildError, ExecuteError) as exc:
-            if warn:
-                warn_once(
-                    ("fallback", self.runtime.name, bound.key),
-                    "cudnn_safe: %s refused an attention graph (%s); the call ran on the torch fallback (a refused "
-                    "build is remembered, so later calls with this layout do too). Shown once per distinct graph.",
-                    self.runtime.name,
-                    exc,
-                )
-            return False
+            return exc
+
+    def try_runtime(self, bound: Bound, warn: bool = True) -> bool:
+        """Execute ``bound`` on the runtime; False (after a warning once per key, if ``warn``) if it refused."""
+        exc = self.refusal(bound)
+        if exc is not None and warn:
+            warn_once(
+                ("fallback", self.runtime.name, bound.key),
+                "cudnn_safe: %s refused an attention graph (%s); the call ran on the torch fallback (a refused "
+                "build is remembered, so later calls with this layout do too). Shown once per distinct graph.",
+                self.runtime.name,
+                exc,
+            )
+        return exc is None
 
     def run_fallback(self, bound: Bound) -> None:
         """Execute ``bound`` on the torch fallback, counted in ``cache_info().fallbacks``."""

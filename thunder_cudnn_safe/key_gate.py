@@ -17,15 +17,13 @@ prebuilt bias graph) and is the one place a new route cannot skip.
 
 from __future__ import annotations
 
-import collections
-import threading
 from typing import Any
 
 from . import cudnn_rules
 from .errors import GraphBuildError
+from .telemetry import Counts
 
-_counts: collections.Counter = collections.Counter()
-_lock = threading.Lock()
+_counts = Counts()
 
 
 class RuleRefusal(GraphBuildError):
@@ -54,17 +52,14 @@ def check(key: Any) -> None:
     found = violations(key)
     if found:
         rule, what = found[0]
-        with _lock:
-            _counts[rule.name] += 1
+        _counts.count(rule.name)
         raise RuleRefusal(rule, what)
 
 
 def gate_info() -> dict[str, int]:
     """Keys the gate refused, by rule name (each distinct key once: the graph cache remembers the refusal)."""
-    with _lock:
-        return dict(_counts)
+    return _counts.info()
 
 
 def reset_gate_info() -> None:
-    with _lock:
-        _counts.clear()
+    _counts.reset()

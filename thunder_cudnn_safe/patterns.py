@@ -14,8 +14,6 @@ lengths are bound per call.
 
 from __future__ import annotations
 
-import collections
-import threading
 from typing import Any, NamedTuple
 
 import torch
@@ -23,6 +21,7 @@ import torch
 from . import config
 from .documents import DocumentPattern, document_checks, document_verdict
 from .masks import capturing, converted_masks
+from .telemetry import Counts
 
 
 class MaskPattern(NamedTuple):
@@ -54,19 +53,16 @@ class MaskPattern(NamedTuple):
 _NOT_A_PATTERN = "bias"
 
 
-_counts: collections.Counter = collections.Counter()
-_lock = threading.Lock()
+_counts = Counts()
 
 
 def mask_pattern_info() -> dict[str, int]:
     """How many distinct masks were recognized as each pattern ("bias": none), since the last reset."""
-    with _lock:
-        return dict(_counts)
+    return _counts.info()
 
 
 def reset_mask_pattern_info() -> None:
-    with _lock:
-        _counts.clear()
+    _counts.reset()
 
 
 def pattern_of(mask: torch.Tensor, batch: int, lq: int, s: int) -> MaskPattern | None:
@@ -91,8 +87,7 @@ def _recognize(mask: torch.Tensor, batch: int, lq: int, s: int) -> MaskPattern |
         pattern, values = recognize(mask, batch, lq, s, extra=docs[0])
         if pattern is None:
             pattern = document_verdict(values, docs[1], batch, lq)
-    with _lock:
-        _counts[_NOT_A_PATTERN if pattern is None else pattern.name] += 1
+    _counts.count(_NOT_A_PATTERN if pattern is None else pattern.name)
     return _NOT_A_PATTERN if pattern is None else pattern
 
 

@@ -5,6 +5,7 @@ benchmarks read: bytes copied are counted by the package, never estimated.
 
 from __future__ import annotations
 
+import collections
 import enum
 import logging
 import threading
@@ -132,6 +133,26 @@ def copy_stats() -> CopyStats:
 def reset_copy_stats() -> None:
     """Zero the copy counters and forget which layouts were already warned about."""
     copy_counter.reset()
+
+
+class Counts:
+    """Named event counts, thread-safe: the packed-sequence, mask-pattern and key-gate counters."""
+
+    def __init__(self) -> None:
+        self._counts: collections.Counter = collections.Counter()
+        self._lock = threading.Lock()
+
+    def count(self, what: str) -> None:
+        with self._lock:
+            self._counts[what] += 1
+
+    def info(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+    def reset(self) -> None:
+        with self._lock:
+            self._counts.clear()
 
 
 caches.register("fallback warnings shown once", lambda: forget_warnings("fallback"))

@@ -7,81 +7,58 @@ so a forward and a backward may take different routes.
 
 from __future__ import annotations
 
-import collections
-import threading
 from typing import Any
 
 import torch
 
 from . import varlen
-from .errors import ExecuteError, GraphBuildError
 from .key_gate import RuleRefusal
-from .telemetry import warn_once
+from .telemetry import Counts, warn_once
 
-_counts: collections.Counter = collections.Counter()
-_lock = threading.Lock()
+_counts = Counts()
 
 
 def varlen_info() -> dict[str, int]:
     """Calls run as variable-length attention ("forward", "backward"), and declines or refusals by reason."""
-    with _lock:
-        return dict(_counts)
+    return _counts.info()
 
 
 def reset_varlen_info() -> None:
-    with _lock:
-        _counts.clear()
-
-
-def _count(what: str) -> None:
-    with _lock:
-        _counts[what] += 1
+    _counts.reset()
 
 
 def _run(disp: Any, bound: Any) -> bool:
-    try:
-        disp.runtime.execute(disp.cache.get_or_build(bound.key, disp.runtime.build), bound.pack)
+    refusal = disp.refusal(bound)
+    if refusal is None:
         return True
-    except RuleRefusal as exc:  # the planned key breaks a known cuDNN rule: never built, the bias runs
-        _count(f"declined: {exc.rule} (key gate)")
+    if isinstance(refusal, RuleRefusal):  # the planned key breaks a known cuDNN rule: never built, the bias runs
+        _counts.count(f"declined: {refusal.rule} (key gate)")
         return False
-    except (GraphBuildError, ExecuteError) as exc:
-        _count(f"refused: {type(exc).__name__}")
-        warn_once(
-            ("varlen", disp.runtime.name, bound.key),
-            "cudnn_safe: %s refused a variable-length (packed sequences) graph (%s); the call runs with its "
-            "mask as a bias. Shown once per distinct graph.",
-            disp.runtime.name,
-            exc,
-        )
-        return False
+    _counts.count(f"refused: {type(refusal).__name__}")
+    warn_once(
+        ("varlen", disp.runtime.name, bound.key),
+        "cudnn_safe: %s refused a variable-length (packed sequences) graph (%s); the call runs with its "
+        "mask as a bias. Shown once per distinct graph.",
+        disp.runtime.name,
+        refusal,
+    )
+    return False
 
 
-def forward(disp: Any, call: Any) -> tuple[torch.Tensor, ...] | None:
-    """(O[, stats]) of a :class:`~thunder_cudnn_safe.documents.DocumentPattern` call, or None (run it as a bias)."""
+def run(disp: Any, call: Any) -> tuple[torch.Tensor, ...] | None:
+    """A :class:`~thunder_cudnn_safe.documents.DocumentPattern` call's outputs as variable-length attention: a
+    forward's (O[, stats]), a backward's (dq, dk, dv) or (grad_qkv,); None where declined by a named rule
+    (:func:`~thunder_cudnn_safe.varlen.decline`) or refused (the call then runs as a bias)."""
+    forward = not hasattr(call, "grad_out")
     target = disp.runtime.target(call.query.device)
-    reason = varlen.decline(call, target, forward=True)
+    reason = varlen.decline(call, target, forward=forward)
     if reason is not None:
-        _count(f"declined: {reason}")
+        _counts.count(f"declined: {reason}")
         return None
-    bound = varlen.bind_forward(call, target)
+    bound = (varlen.bind_forward if forward else varlen.bind_backward)(call, target)
     if not _run(disp, bound):
         return None
-    _count("forward")
-    return bound.outputs
-
-
-def backward(disp: Any, call: Any) -> tuple[torch.Tensor, ...] | None:
-    """(dq, dk, dv) or (grad_qkv,) of a document-pattern backward, or None (run it as a bias)."""
-    target = disp.runtime.target(call.query.device)
-    reason = varlen.decline(call, target, forward=False)
-    if reason is not None:
-        _count(f"declined: {reason}")
-        return None
-    bound = varlen.bind_backward(call, target)
-    if not _run(disp, bound):
-        return None
-    _count("backward")
+    _counts.count("forward" if forward else "backward")
     return bound.outputs
 
 
