@@ -305,3 +305,73 @@ def test_the_seed_shape_on_the_loaded_libcudnn(figure):
         assert [r.rule for r in reasons] == ["HOPPER_BACKWARD_KV_TAIL_NAN"]
     else:
         assert reasons == []
+
+
+# -- every rule read off a call is named by explain() (Rule.on_call; cudnn_rules.RULES) -----------------------
+def _dims(dq=64, dv=64, lq=16, s=16):
+    return torch.randn(1, 4, lq, dq).half(), torch.randn(1, 4, s, dq).half(), torch.randn(1, 4, s, dv).half()
+
+
+def _proxy_rules(arch, version, *shapes, **kwargs):
+    import thunder
+    from thunder.core.proxies import TensorProxy
+    from thunder.core.trace import detached_trace
+
+    with detached_trace():
+        proxies = [TensorProxy(shape=sh, dtype=thunder.float16, device=thunder.devices.cpu) for sh in shapes]
+        return rules_on(arch, version, *proxies, **kwargs)
+
+
+def _grad_mask(*shape):
+    return torch.zeros(*shape, dtype=torch.float16, requires_grad=True)
+
+
+def _over_dp_budget():
+    with tcs.config.patch(dp_workspace_limit=1):
+        return rules_on(H100, 92600, *qkv(), deterministic=True)
+
+
+BOOL_MASK = torch.ones(16, 16, dtype=torch.bool)
+#: One call per rule with a trace-time trigger: the rules explain() names for it (each case sets its target).
+CALL_TRIGGERS = {
+    "FLASH_ATTENTION": lambda: rules_on((7, 5), 92600, *qkv()),
+    "HEAD_DIM_128": lambda: rules_on(A100, 92600, *qkv(d=60)),
+    "HEAD_DIM_256_TRAINING_HOPPER": lambda: rules_on(H100, 92600, *qkv(d=264)),
+    "UNEQUAL_HEAD_DIMS": lambda: rules_on(A100, 92600, *_dims(dq=64, dv=128)),
+    "MLA_192_128_HOPPER": lambda: rules_on(H100, 92600, *_dims(dq=256, dv=128)),
+    "GROUPED_KV_HEADS": lambda: rules_on(H100, 92600, *qkv(hk=3), enable_gqa=True),
+    "BACKWARD_SEQ_1": lambda: rules_on(H100, 92600, *qkv(lq=1, s=1)),
+    "DETERMINISTIC_BACKWARD_BLACKWELL": lambda: rules_on(B200, 91900, *qkv(), None, 0.125, deterministic=True),
+    "DETERMINISTIC_BACKWARD_BLACKWELL_BEFORE_9_18": lambda: rules_on(B200, 91701, *qkv(), deterministic=True),
+    "DETERMINISTIC_BIAS_BACKWARD_BLACKWELL": lambda: rules_on(B200, 91900, *qkv(), BOOL_MASK, deterministic=True),
+    "DROPOUT_DBIAS_BLACKWELL": lambda: rules_on(B200, 91900, *qkv(), _grad_mask(16, 16), 0.125),
+    "BIAS_KEY_LENGTH_1_AMPERE": lambda: rules_on(A100, 92600, *qkv(s=1), BOOL_MASK[:, :1]),
+    "BIAS_KEY_LENGTH_1_SM120": lambda: rules_on(RTX50, 92600, *qkv(s=1), BOOL_MASK[:, :1]),
+    "DBIAS_KEY_LENGTH_1_BLACKWELL": lambda: rules_on(B200, 91900, *qkv(s=1), _grad_mask(16, 1)),
+    "LAYOUT": lambda: _proxy_rules(H100, 92600, (1, 1, 2**25, 64), (1, 1, 16, 64), (1, 1, 16, 64)),
+    "DP_WORKSPACE": _over_dp_budget,
+    "BLACKWELL_DECODE": lambda: rules_on(B200, 91900, *qkv(lq=1, s=64)),
+    "HOPPER_BACKWARD_KV_TAIL_NAN": lambda: rules_on(H100, 91900, *qkv(s=64)),
+    "HOPPER_DECODE_BACKWARD_NAN": lambda: rules_on(H100, 92600, *qkv(lq=1, s=16), BOOL_MASK[:1]),
+    "CAUSAL_DECODE_GQA": lambda: rules_on(A100, 92600, *qkv(hk=2, lq=1, s=64), None, 0.0, True, enable_gqa=True),
+    "BACKWARD_KEY_LENGTH_1": lambda: rules_on(H100, 92600, *qkv(s=1)),
+    "DROPOUT_SIXTEENTHS": lambda: rules_on(H100, 92600, *qkv(), None, 0.1),
+    "GRID_65535": lambda: _proxy_rules(H100, 92600, *[(65536, 1, 16, 64)] * 3),
+}
+#: Rules with no trigger of their own, neither on a call nor on a key, and why.
+NO_TRIGGER = {
+    "MLA_192_128_BLACKWELL": "a capability: the head-dim rules read it through cudnn_rules.mla_192_128",
+    "DYNAMIC_SHAPE_FORWARD": "how a forward is built (recipes, runtime.build_with_ladder), never a decline",
+}
+
+
+@pytest.mark.parametrize("rule", [r.name for r in cudnn_rules.RULES if r.on_call is not None])
+def test_every_rule_read_off_a_call_is_named_by_explain(rule):
+    assert rule in CALL_TRIGGERS, f"{rule} has an on_call: add a call that triggers it to CALL_TRIGGERS"
+    assert rule in CALL_TRIGGERS[rule](), rule
+
+
+def test_a_rule_without_a_trigger_is_listed_with_why():
+    untriggered = {r.name for r in cudnn_rules.RULES if r.on_call is None and r.on_key is None}
+    assert untriggered == set(NO_TRIGGER)
+    assert set(CALL_TRIGGERS) == {r.name for r in cudnn_rules.RULES if r.on_call is not None}

@@ -6,15 +6,19 @@ too narrowly costs speed. Each :class:`Rule` says what it allows or requires, wh
 fact comes from (a release note, a frontend check, a GPU measurement), and on which
 targets it holds. :mod:`support` (what we claim), :mod:`recipes` (what we bind),
 :mod:`emulation` (what the emulated cuDNN refuses) and the lowering sweep in the tests
-read the rules from here and nowhere else.
+read the rules from here and nowhere else. Each rule's triggers sit in its entry: ``on_call`` read off
+a call at trace time (:func:`~thunder_cudnn_safe.support.not_supported_reasons`, ``explain()``),
+``on_key`` read off a graph key before any build (:mod:`~thunder_cudnn_safe.key_gate`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
+from ._env import DP_WORKSPACE_LIMIT_ENV
 from .keys import BackwardKey, Target
 
 
@@ -32,7 +36,12 @@ class Rule:
     gate before any graph is built, whichever route planned the key): ``on_key(rule, key)`` says what in
     the key breaks the rule, or None. Built with :func:`where_it_holds` (a defect: the trigger breaks it
     where the rule holds) or :func:`unless_it_holds` (a capability: the trigger needs the rule to hold).
-    ``fixed_in``: the first cuDNN version without the defect, named in a decline (``explain()``).
+    ``on_call`` is the same trigger read off a call at trace time (:class:`CallView`, the checker and
+    ``explain()``): ``on_call(rule, call)`` says what in the call the rule declines (a text, several, or
+    None), built with :func:`call_where_it_holds`, :func:`call_unless_it_holds` or :func:`call_on_target`;
+    one with neither wrapper judges every call, its target known or not. Each text becomes a
+    :class:`~thunder_cudnn_safe.support.Decline` with ``code`` (a ``DeclineCode`` name; a :class:`Finding`
+    carries its own). ``fixed_in``: the first cuDNN version without the defect, named in a decline.
     """
 
     name: str
@@ -46,7 +55,9 @@ class Rule:
     except_backends: tuple[int, ...] = ()
     passes: tuple[str, ...] = ("forward", "backward")
     on_key: Callable[[Rule, Any], str | None] | None = None
+    on_call: OnCall | None = None
     fixed_in: int | None = None
+    code: str = "ARCH"
 
     def holds(self, target: Target) -> bool:
         arch, version = tuple(target.arch), int(target.backend_version)
@@ -67,6 +78,16 @@ class Rule:
     def broken_by(self, key: Any) -> str | None:
         """What in graph ``key`` breaks this rule on the key's own target, or None (no key trigger: None)."""
         return None if self.on_key is None else self.on_key(self, key)
+
+    def broken_by_call(self, call: CallView) -> list[tuple[str, str]]:
+        """What in ``call`` this rule declines, as (``DeclineCode`` name, text) pairs (no call trigger: none)."""
+        found = None if self.on_call is None else self.on_call(self, call)
+        if found is None:
+            return []
+        return [
+            (f.code, f.text) if isinstance(f, Finding) else (self.code, f)
+            for f in ((found,) if isinstance(found, (str, Finding)) else found)
+        ]
 
     @property
     def upgrade_hint(self) -> str:
@@ -107,17 +128,210 @@ def _if(condition: bool, text: str) -> str | None:
     return text if condition else None
 
 
+# -- what a call says at trace time (Rule.on_call) ------------------------------------------------------
+class CallView(NamedTuple):
+    """The plain facts of one SDPA forward call that the rules' trace-time triggers read (:mod:`support` reads
+    them off tensors or thunder proxies). ``target`` is None where the runtime cannot work here: only rules
+    that judge every call (no ``call_*`` wrapper) then decline."""
+
+    target: Target | None
+    batch: int
+    heads: int
+    kv_heads: int
+    v_heads: int
+    lq: int
+    s: int
+    d_qk: int
+    d_v: int
+    #: ``dropout_p`` where it is a number known at trace time (else 0.0)
+    dropout: float
+    #: ``is_causal is True``
+    causal: bool
+    has_mask: bool
+    #: the mask's gradient (dBias) may be needed
+    mask_grad: bool
+    deterministic: bool
+    #: a backward follows (``need_stats``)
+    training: bool
+    enable_gqa: bool
+    #: (name, element count) of query, key, value and output
+    elements: tuple[tuple[str, int], ...] = ()
+    #: a mask without a gradient may run as a pattern, never handed to cuDNN as a B*H*L*S bias
+    mask_patterns: bool = False
+
+    @property
+    def dropout_runs(self) -> bool:
+        return self.dropout > 0
+
+    @property
+    def dbias_or_dropout(self) -> bool:
+        """The backward computes dBias or draws a dropout mask."""
+        return self.dropout_runs or self.mask_grad
+
+
+class Finding(NamedTuple):
+    """A call trigger's text with its own ``DeclineCode`` name, for a rule whose declines carry several."""
+
+    code: str
+    text: str
+
+
+OnCall = Callable[[Rule, CallView], "str | Finding | Sequence[str | Finding] | None"]
+
+
+def call_on_target(trigger: OnCall) -> OnCall:
+    """A call check that needs the call's target (None where the runtime cannot work here: no decline)."""
+    return lambda rule, call: None if call.target is None else trigger(rule, call)
+
+
+def call_where_it_holds(trigger: OnCall) -> OnCall:
+    """A defect's call check: ``trigger`` applies where the rule declines the call (:meth:`Rule.declines`)."""
+    return call_on_target(lambda rule, call: trigger(rule, call) if rule.declines(call.target, call.training) else None)
+
+
+def call_unless_it_holds(trigger: OnCall) -> OnCall:
+    """A capability's call check: ``trigger`` applies where the rule does not hold."""
+    return call_on_target(lambda rule, call: None if rule.holds(call.target) else trigger(rule, call))
+
+
+def _sm(target: Target) -> str:
+    return f"sm{target.arch[0]}{target.arch[1]}"
+
+
+def _stated(rule: Rule, call: CallView, what: str = "") -> str:
+    """A decline naming the target, then ``what``, the rule's text and where a newer cuDNN fixes it."""
+    return f"{_sm(call.target)}, cuDNN {call.target.backend_version}: {what}{rule.text}.{rule.upgrade_hint}"
+
+
+def _silent(trigger: Callable[[CallView], str | None]) -> OnCall:
+    """A silent defect's call check (docs/known-cudnn-defects.md): ``trigger(call)`` says what meets it."""
+
+    def on_call(rule: Rule, call: CallView) -> str | None:
+        what = trigger(call)
+        return None if what is None else _stated(rule, call, f"{what}: {rule.name}: ")
+
+    return call_where_it_holds(on_call)
+
+
+def _no_engine(condition: Callable[[CallView], bool], what: str = "") -> OnCall:
+    """A call cuDNN refuses or builds no plan for (the compile sweep) where the rule holds: ``condition(call)``."""
+    return call_where_it_holds(lambda rule, call: _stated(rule, call, what) if condition(call) else None)
+
+
+def _head_dims(rule: Rule, call: CallView) -> list[str]:
+    """The head-dim rules, judged together as cuDNN does (HEAD_DIM_128, HEAD_DIM_256_TRAINING_HOPPER,
+    UNEQUAL_HEAD_DIMS, MLA_192_128_HOPPER): what in ``call`` ``rule`` declines."""
+    target, dims = call.target, (("query/key", call.d_qk), ("value", call.d_v))
+    found = [(HEAD_DIM_128, f"{name} head dim {d} is not a multiple of 8") for name, d in dims if d % 8]
+    if (call.d_qk, call.d_v) != (192, 128) or not mla_192_128(target):  # DeepSeek-style MLA heads pass
+        limit = head_dim_limit(target)
+        on = f"{_sm(target)} with cuDNN {target.backend_version}"
+        limit_rule = HEAD_DIM_256_TRAINING_HOPPER if limit > 128 else HEAD_DIM_128
+        found += [
+            (limit_rule, f"{name} head dim {d} exceeds {limit}, the limit for training on {on}")
+            for name, d in dims
+            if d > limit
+        ]
+        unequal = f"d_qk={call.d_qk} != d_v={call.d_v}"
+        if call.d_qk != call.d_v and not found:
+            if not UNEQUAL_HEAD_DIMS.holds(target):
+                found.append((UNEQUAL_HEAD_DIMS, f"{unequal} needs Hopper (sm90) or newer"))
+            elif max(call.d_qk, call.d_v) > 128:
+                found.append((MLA_192_128_HOPPER, f"{unequal}: above 128 only d_qk=192, d_v=128 is supported"))
+    return [text for r, text in found if r is rule]
+
+
+def _grouped_kv_heads(rule: Rule, call: CallView) -> str | Finding | None:
+    if not call.enable_gqa:
+        return None
+    hk, hv, h = call.kv_heads, call.v_heads, call.heads
+    if hk != hv or hk == 0 or h % hk:
+        return f"enable_gqa: key/value heads ({hk}, {hv}) must be equal and divide the query heads ({h})"
+    if call.target is not None and not rule.holds(call.target):
+        return Finding("ARCH", "grouped K/V heads need cuDNN flash attention (sm80+)")
+    return None
+
+
+def _deterministic_dbias_or_dropout(rule: Rule, call: CallView) -> str | None:
+    if not (call.deterministic and call.dbias_or_dropout):
+        return None
+    if DETERMINISTIC_BACKWARD_BLACKWELL_BEFORE_9_18.broken_by_call(call):
+        return None  # refused whatever it computes: that rule says so
+    return (
+        f"cudnn_safe_deterministic with {'dropout' if call.dropout_runs else 'a mask gradient'}: "
+        f"cuDNN's deterministic backward refuses dBias and dropout on {_sm(call.target)}"
+    )
+
+
+def _int32_sizes(rule: Rule, call: CallView) -> list[str]:
+    found = [
+        f"{name} has {n} elements; element offsets would overflow int32"
+        for name, n in call.elements
+        if n >= INT32_ELEMENT_LIMIT
+    ]
+    bias = call.batch * call.heads * call.lq * call.s
+    if call.has_mask and bias >= INT32_ELEMENT_LIMIT and (call.mask_grad or not call.mask_patterns):
+        found.append(
+            "the broadcast attention mask has more than 2**31 elements (int32 offsets)"
+            + (
+                ", and its gradient is computed, from it as a bias"
+                if call.mask_grad
+                else ", and it is bound as a bias (mask patterns or the mask cache are off)"
+            )
+        )
+    return found
+
+
+def _dp_workspace(rule: Rule, call: CallView) -> str | None:
+    need = _dp_need_over_budget(
+        call.target, call.batch, call.heads, call.lq, call.s, call.mask_grad, call.deterministic
+    )
+    if need is None:
+        return None
+    from . import config  # config reads this module's defaults
+
+    return (
+        f"{'the mask gradient (dBias)' if call.mask_grad else 'cudnn_safe_deterministic'} needs "
+        f"{need / 2**30:.1f} GiB of cuDNN dP workspace, over the {config.dp_workspace_limit / 2**30:.1f} GiB "
+        f"budget ({DP_WORKSPACE_LIMIT_ENV})"
+    )
+
+
+def dropout_in_range(p: float) -> bool:
+    """Whether ``dropout_p`` is in [0, 1) (NaN is not)."""
+    return 0.0 <= p < 1.0
+
+
+def _off_sixteenths(p: float) -> bool:
+    return p * 16 != math.floor(p * 16)
+
+
+def _tail_unmasked(s_q: int, s_kv: int, causal: bool, bias: bool) -> bool:
+    """:data:`HOPPER_BACKWARD_KV_TAIL_NAN`'s shape: s_kv % 128 == 64 unless the causal band masks the tail
+    (causal, no bias, s_q <= s_kv)."""
+    return s_kv % 128 == 64 and not (causal and not bias and s_q <= s_kv)
+
+
+def _over_grid(*extents: int) -> bool:
+    return max(extents) > GRID_LIMIT
+
+
 FLASH_ATTENTION = Rule(
     "FLASH_ATTENTION",
     "cuDNN fused flash attention (forward and backward) runs on Ampere (sm80) or newer",
     "cuDNN developer guide, 'Fused Flash Attention' support surface",
     min_arch=(8, 0),
+    on_call=call_unless_it_holds(
+        lambda rule, call: f"{_sm(call.target)}: cuDNN fused flash attention needs Ampere (sm80) or newer"
+    ),
 )
 HEAD_DIM_128 = Rule(
     "HEAD_DIM_128",
     "head dims up to 128, multiples of 8, for forward and backward",
     "cuDNN developer guide, 'Fused Flash Attention' (d <= 128 on sm80+)",
     min_arch=(8, 0),
+    on_call=call_on_target(_head_dims),
+    code="HEAD_DIM",
 )
 HEAD_DIM_256_TRAINING_HOPPER = Rule(
     "HEAD_DIM_256_TRAINING_HOPPER",
@@ -125,12 +339,16 @@ HEAD_DIM_256_TRAINING_HOPPER = Rule(
     "cuDNN 9.5.0 release notes; other architectures only gained d > 128 for the forward (9.10)",
     arch_major=9,
     min_backend=90500,
+    on_call=call_on_target(_head_dims),
+    code="HEAD_DIM",
 )
 UNEQUAL_HEAD_DIMS = Rule(
     "UNEQUAL_HEAD_DIMS",
     "d_qk != d_v (both <= 128) on Hopper or newer",
     "cuDNN developer guide, 'Fused Flash Attention' (different QK and V head dims need sm90+)",
     min_arch=(9, 0),
+    on_call=call_on_target(_head_dims),
+    code="HEAD_DIM",
 )
 MLA_192_128_HOPPER = Rule(
     "MLA_192_128_HOPPER",
@@ -138,6 +356,8 @@ MLA_192_128_HOPPER = Rule(
     "cuDNN 9.5.0 release notes; lightning-thunder PR #2771",
     arch_major=9,
     min_backend=90500,
+    on_call=call_on_target(_head_dims),
+    code="HEAD_DIM",
 )
 MLA_192_128_BLACKWELL = Rule(
     "MLA_192_128_BLACKWELL",
@@ -154,6 +374,8 @@ GROUPED_KV_HEADS = Rule(
     "cuDNN developer guide, 'Fused Flash Attention' (h_k, h_v divide h_q); PyTorch's cuDNN attention uses it "
     "since 2025; accepted by cuDNN 9.19's validate at sm80-sm120 (the lowering sweep)",
     min_arch=(8, 0),
+    on_call=_grouped_kv_heads,
+    code="SHAPE",
 )
 BACKWARD_SEQ_1 = Rule(
     "BACKWARD_SEQ_1",
@@ -163,6 +385,14 @@ BACKWARD_SEQ_1 = Rule(
     on_key=where_it_holds(
         lambda key: _if(_backward(key) and _dense(key) and _lengths(key) == (1, 1), "a backward with s_q = s_kv = 1")
     ),
+    on_call=call_where_it_holds(
+        lambda rule, call: _if(
+            call.lq == 1 and call.s == 1,
+            "query and key length are both 1: cuDNN's backward refuses s_q = s_kv = 1 (with dropout, the "
+            "forward's mask could then not be reproduced)",
+        )
+    ),
+    code="SHAPE",
 )
 DETERMINISTIC_BACKWARD_BLACKWELL = Rule(
     "DETERMINISTIC_BACKWARD_BLACKWELL",
@@ -176,6 +406,7 @@ DETERMINISTIC_BACKWARD_BLACKWELL = Rule(
             "a deterministic backward with dropout or dBias",
         )
     ),
+    on_call=call_where_it_holds(_deterministic_dbias_or_dropout),
 )
 DETERMINISTIC_BACKWARD_BLACKWELL_BEFORE_9_18 = Rule(
     "DETERMINISTIC_BACKWARD_BLACKWELL_BEFORE_9_18",
@@ -188,6 +419,7 @@ DETERMINISTIC_BACKWARD_BLACKWELL_BEFORE_9_18 = Rule(
     max_backend=91800,
     passes=("backward",),
     on_key=where_it_holds(lambda key: _if(_backward(key) and key.deterministic, "a deterministic backward")),
+    on_call=_no_engine(lambda call: call.deterministic, "cudnn_safe_deterministic: "),
     fixed_in=91800,
 )
 DETERMINISTIC_BIAS_BACKWARD_BLACKWELL = Rule(
@@ -206,6 +438,7 @@ DETERMINISTIC_BIAS_BACKWARD_BLACKWELL = Rule(
             "a deterministic backward with a bias",
         )
     ),
+    on_call=_no_engine(lambda call: call.deterministic and call.has_mask and not call.dbias_or_dropout),
     fixed_in=92700,
 )
 DROPOUT_DBIAS_BLACKWELL = Rule(
@@ -218,6 +451,7 @@ DROPOUT_DBIAS_BLACKWELL = Rule(
     on_key=where_it_holds(
         lambda key: _if(_backward(key) and bool(key.dropout_p) and key.d_bias is not None, "dropout with dBias")
     ),
+    on_call=_no_engine(lambda call: call.dropout_runs and call.mask_grad),
 )
 _SQ_VECTORS = (
     (
@@ -232,8 +466,13 @@ _SQ_VECTORS = (
 _BIAS_KEY_LENGTH_1 = where_it_holds(
     lambda key: _if(_backward(key) and key.bias is not None and _lengths(key)[1] == 1, "a bias backward with s_kv = 1")
 )
-BIAS_KEY_LENGTH_1_AMPERE = Rule("BIAS_KEY_LENGTH_1_AMPERE", *_SQ_VECTORS, arch_major=8, on_key=_BIAS_KEY_LENGTH_1)
-BIAS_KEY_LENGTH_1_SM120 = Rule("BIAS_KEY_LENGTH_1_SM120", *_SQ_VECTORS, arch_major=12, on_key=_BIAS_KEY_LENGTH_1)
+_BIAS_KEY_LENGTH_1_CALL = _no_engine(lambda call: call.has_mask and call.s == 1)
+BIAS_KEY_LENGTH_1_AMPERE = Rule(
+    "BIAS_KEY_LENGTH_1_AMPERE", *_SQ_VECTORS, arch_major=8, on_key=_BIAS_KEY_LENGTH_1, on_call=_BIAS_KEY_LENGTH_1_CALL
+)
+BIAS_KEY_LENGTH_1_SM120 = Rule(
+    "BIAS_KEY_LENGTH_1_SM120", *_SQ_VECTORS, arch_major=12, on_key=_BIAS_KEY_LENGTH_1, on_call=_BIAS_KEY_LENGTH_1_CALL
+)
 DBIAS_KEY_LENGTH_1_BLACKWELL = Rule(
     "DBIAS_KEY_LENGTH_1_BLACKWELL",
     "a mask gradient (dBias) when the key length is 1 has no backward engine on datacenter Blackwell (sm100/sm103)",
@@ -243,6 +482,7 @@ DBIAS_KEY_LENGTH_1_BLACKWELL = Rule(
     on_key=where_it_holds(
         lambda key: _if(_backward(key) and key.d_bias is not None and _lengths(key)[1] == 1, "dBias with s_kv = 1")
     ),
+    on_call=_no_engine(lambda call: call.mask_grad and call.s == 1),
 )
 DYNAMIC_SHAPE_FORWARD = Rule(
     "DYNAMIC_SHAPE_FORWARD",
@@ -292,6 +532,8 @@ LAYOUT = Rule(
     f"non-overlapping positive strides, element offsets below 2**31",
     "cuDNN developer guide (tensor descriptors for SDPA; TMA alignment on Hopper)",
     on_key=where_it_holds(lambda key: _oversized(key)),
+    on_call=_int32_sizes,
+    code="INT32",
 )
 
 
@@ -312,6 +554,8 @@ DP_WORKSPACE = Rule(
     "cudnn_frontend 1.32 node/scaled_dot_product_flash_attention.h, CompositeSDPABackwardNode: "
     "use_dp_workspace is forced for dBias and is_deterministic_algorithm; required_dp_workspace_bytes",
     on_key=where_it_holds(lambda key: _dp_over_budget(key)),
+    on_call=call_where_it_holds(_dp_workspace),
+    code="WORKSPACE",
 )
 # The budget of :data:`DP_WORKSPACE` is the knob ``config.dp_workspace_limit`` (bytes; default 4 GiB).
 
@@ -391,6 +635,7 @@ BLACKWELL_DECODE = Rule(
     max_backend=92501,
     except_backends=(92401,),
     on_key=where_it_holds(lambda key: _if(_dense(key) and _lengths(key)[0] == 1, "a single query (s_q = 1)")),
+    on_call=_silent(lambda call: _if(call.lq == 1, "a single query (decode)")),
     fixed_in=92501,
 )
 HOPPER_BACKWARD_KV_TAIL_NAN = Rule(
@@ -406,6 +651,12 @@ HOPPER_BACKWARD_KV_TAIL_NAN = Rule(
     max_backend=92600,
     passes=("backward",),
     on_key=where_it_holds(lambda key: _kv_tail(key)),
+    on_call=_silent(
+        lambda call: _if(
+            _tail_unmasked(call.lq, call.s, call.causal, call.has_mask),
+            f"key length {call.s} (% 128 == 64), in training",
+        )
+    ),
     fixed_in=92600,
 )
 HOPPER_DECODE_BACKWARD_NAN = Rule(
@@ -426,6 +677,8 @@ HOPPER_DECODE_BACKWARD_NAN = Rule(
             "a backward with s_q = 1 without the padding mask",
         )
     ),
+    # without a mask tensor the backward is routed to the padding mask at full lengths (defect_routes)
+    on_call=_silent(lambda call: _if(call.lq == 1 and call.has_mask, "a single query with a mask tensor, in training")),
 )
 CAUSAL_DECODE_GQA = Rule(
     "CAUSAL_DECODE_GQA",
@@ -439,6 +692,12 @@ CAUSAL_DECODE_GQA = Rule(
             f"causal with s_q = 1 and {key.q.shape[1]} query / {key.k.shape[1]} key heads",
         )
     ),
+    on_call=_silent(
+        lambda call: _if(
+            call.lq == 1 and call.causal and call.kv_heads != call.heads,
+            f"causal decode with {call.heads} query and {call.kv_heads} key/value heads",
+        )
+    ),
 )
 BACKWARD_KEY_LENGTH_1 = Rule(
     "BACKWARD_KEY_LENGTH_1",
@@ -450,14 +709,18 @@ BACKWARD_KEY_LENGTH_1 = Rule(
     on_key=where_it_holds(
         lambda key: _if(_backward(key) and _dense(key) and _lengths(key)[1] == 1, "a backward with s_kv = 1")
     ),
+    on_call=_silent(lambda call: _if(call.s == 1, "key length 1, in training")),
 )
 DROPOUT_SIXTEENTHS = Rule(
     "DROPOUT_SIXTEENTHS",
     "some cuDNN SDPA kernels round dropout_p to a multiple of 1/16 silently: other values are declined",
     "PyTorch sdp_utils.cpp check_cudnn_dropout, PR #174245 ('cuDNN dropout probability resolution is limited to 1/16')",
-    on_key=where_it_holds(
-        lambda key: _if(key.dropout_p * 16 != int(key.dropout_p * 16), f"dropout_p = {key.dropout_p}")
+    on_key=where_it_holds(lambda key: _if(_off_sixteenths(key.dropout_p), f"dropout_p = {key.dropout_p}")),
+    on_call=lambda rule, call: _if(
+        dropout_in_range(call.dropout) and _off_sixteenths(call.dropout),
+        f"dropout_p={call.dropout} is not a multiple of 1/16: {rule.text}",
     ),
+    code="DROPOUT",
 )
 GRID_65535 = Rule(
     "GRID_65535",
@@ -466,11 +729,16 @@ GRID_65535 = Rule(
     "batch size or num_heads greater than 65535')",
     on_key=where_it_holds(
         lambda key: _if(
-            max(key.q.shape[0], key.q.shape[1], key.k.shape[1]) > GRID_LIMIT,
+            _over_grid(key.q.shape[0], key.q.shape[1], key.k.shape[1]),
             f"{'sequences' if key.ragged is not None else 'batch'} {key.q.shape[0]}, heads "
             f"{key.q.shape[1]}/{key.k.shape[1]} (the limit is {GRID_LIMIT})",
         )
     ),
+    on_call=lambda rule, call: _if(
+        _over_grid(call.batch, call.heads, call.kv_heads),
+        f"batch {call.batch}, heads {call.heads}/{call.kv_heads}: {rule.text}",
+    ),
+    code="SHAPE",
 )
 #: The largest batch size and head count :data:`GRID_65535` allows.
 GRID_LIMIT = 65535
@@ -494,15 +762,30 @@ def _oversized(key: Any) -> str | None:
     return None
 
 
-def _dp_over_budget(key: Any) -> str | None:
-    """A backward whose dP workspace (:data:`DP_WORKSPACE`) is over the budget (config.dp_workspace_limit)."""
-    if not _backward(key) or not needs_dp_workspace(key.target, key.d_bias is not None, key.deterministic):
+def _dp_need_over_budget(
+    target: Target, batch: int, heads_q: int, s_q: int, s_kv: int, d_bias: bool, deterministic: bool
+) -> int | None:
+    """The dP workspace (:data:`DP_WORKSPACE`) a backward needs where it is over the budget
+    (config.dp_workspace_limit), else None."""
+    if not needs_dp_workspace(target, d_bias, deterministic):
         return None
     from . import config  # config reads this module's defaults
 
-    need = dp_workspace_bytes(key.q.shape[0], key.q.shape[1], *_lengths(key))
-    if need <= config.dp_workspace_limit:
+    need = dp_workspace_bytes(batch, heads_q, s_q, s_kv)
+    return need if need > config.dp_workspace_limit else None
+
+
+def _dp_over_budget(key: Any) -> str | None:
+    """A backward whose dP workspace (:data:`DP_WORKSPACE`) is over the budget (config.dp_workspace_limit)."""
+    if not _backward(key):
         return None
+    need = _dp_need_over_budget(
+        key.target, key.q.shape[0], key.q.shape[1], *_lengths(key), key.d_bias is not None, key.deterministic
+    )
+    if need is None:
+        return None
+    from . import config
+
     return f"the dP workspace of {need / 2**30:.2f} GiB is over the {config.dp_workspace_limit / 2**30:.2f} GiB budget"
 
 
@@ -523,10 +806,8 @@ def _ragged_batch_stride(key: Any) -> str | None:
 def _kv_tail(key: Any) -> str | None:
     """:data:`HOPPER_BACKWARD_KV_TAIL_NAN`'s shape: a backward with s_kv % 128 == 64 (a ragged key: the bucketed
     longest document) unless the causal band masks the tail (causal, no bias, s_q <= s_kv)."""
-    if not _backward(key):
-        return None
     s_q, s_kv = _lengths(key)
-    if s_kv % 128 != 64 or (key.causal and key.bias is None and s_q <= s_kv):
+    if not _backward(key) or not _tail_unmasked(s_q, s_kv, key.causal, key.bias is not None):
         return None
     return f"a backward declaring key length {s_kv} (% 128 == 64)" + ("" if _dense(key) else ", variable-length")
 

@@ -15,8 +15,6 @@ from typing import Any
 import torch
 
 from . import config, cudnn_rules
-from ._env import DP_WORKSPACE_LIMIT_ENV
-from .cudnn_rules import INT32_ELEMENT_LIMIT
 from .grad_need import mask_needs_grad
 from .keys import Target
 from .masks import converted_masks
@@ -93,60 +91,203 @@ def _is_symbolic(x: Any) -> bool:
     return isinstance(x, NumberProxy)
 
 
-def _head_dim_reasons(d_qk: int, d_v: int, target: Target) -> list[Decline]:
-    reasons = []
-    for name, d in (("query/key", d_qk), ("value", d_v)):
-        if d % 8:
-            reasons.append(
-                Decline(DeclineCode.HEAD_DIM, f"{name} head dim {d} is not a multiple of 8", cudnn_rules.HEAD_DIM_128)
+def not_supported_reasons(
+    call: Any, target: Target | None, device_type: str, environment_problem: str | None = None
+) -> list[Decline]:
+    """Every reason the executor for ``device_type`` on ``target`` would not claim ``call``.
+
+    ``call`` is a :class:`~thunder_cudnn_safe.calls.ForwardCall` of tensors or proxies; its
+    ``deterministic`` (the compile option) changes which backwards cuDNN builds, its
+    ``enable_gqa`` lets K/V have fewer heads, a divisor of the query's
+    (:data:`~thunder_cudnn_safe.cudnn_rules.GROUPED_KV_HEADS`). ``environment_problem`` is why
+    the runtime cannot work here at all; ``target`` may then be None. The checks below come first,
+    then every rule of :data:`~thunder_cudnn_safe.cudnn_rules.RULES` (:func:`rule_reasons`), then the
+    mask and the scalar arguments.
+    """
+    tensors = _tensors(call)
+    reasons = _environment_reasons(environment_problem) + _device_reasons(tensors, device_type)
+    rank = _rank_reasons(tensors)
+    if rank:
+        return reasons + rank  # nothing below can read the shapes
+    view = call_view(call, target)
+    return (
+        reasons
+        + _dtype_reasons(tensors)
+        + _shape_reasons(call)
+        + _empty_reasons(view)
+        + rule_reasons(view)
+        + _mask_reasons(call, view)
+        + _dropout_reasons(call.dropout_p)
+        + _scale_reasons(call.scale)
+        + _causal_reasons(call.is_causal)
+    )
+
+
+def rule_reasons(view: cudnn_rules.CallView) -> list[Decline]:
+    """What each rule of :data:`~thunder_cudnn_safe.cudnn_rules.RULES` declines in the call (``Rule.on_call``),
+    in the table's order."""
+    return [
+        Decline(DeclineCode[code], text, rule) for rule in cudnn_rules.RULES for code, text in rule.broken_by_call(view)
+    ]
+
+
+def call_view(call: Any, target: Target | None) -> cudnn_rules.CallView:
+    """The plain facts of ``call`` (rank-4 query, key and value) the rules read."""
+    (b, h, lq, d_qk), (_, hk, s, dk), (bv, hv, sv, d_v) = _shapes(call)
+    p = _value(call.dropout_p)
+    return cudnn_rules.CallView(
+        target=target,
+        batch=b,
+        heads=h,
+        kv_heads=hk,
+        v_heads=hv,
+        lq=lq,
+        s=s,
+        d_qk=d_qk,
+        d_v=d_v,
+        dropout=float(p) if _is_number(p) else 0.0,
+        causal=_value(call.is_causal) is True,
+        has_mask=call.attn_mask is not None,
+        mask_grad=_mask_grad(call),
+        deterministic=bool(call.deterministic),
+        training=bool(getattr(call, "need_stats", True)),
+        enable_gqa=bool(call.enable_gqa),
+        elements=tuple(
+            (name, math.prod(shape))
+            for name, shape in (
+                ("query", (b, h, lq, d_qk)),
+                ("key", (b, hk, s, dk)),
+                ("value", (bv, hv, sv, d_v)),
+                ("output", (b, h, lq, d_v)),
             )
-    if (d_qk, d_v) == (192, 128) and cudnn_rules.mla_192_128(target):
-        return reasons  # DeepSeek-style MLA heads
-    limit = cudnn_rules.head_dim_limit(target)
-    rule = cudnn_rules.HEAD_DIM_256_TRAINING_HOPPER if limit > 128 else cudnn_rules.HEAD_DIM_128
-    arch = f"sm{target.arch[0]}{target.arch[1]} with cuDNN {target.backend_version}"
-    for name, d in (("query/key", d_qk), ("value", d_v)):
-        if d > limit:
-            reasons.append(
-                Decline(
-                    DeclineCode.HEAD_DIM, f"{name} head dim {d} exceeds {limit}, the limit for training on {arch}", rule
-                )
-            )
-    if d_qk != d_v and not reasons:
-        if not cudnn_rules.UNEQUAL_HEAD_DIMS.holds(target):
-            reasons.append(
-                Decline(
-                    DeclineCode.HEAD_DIM,
-                    f"d_qk={d_qk} != d_v={d_v} needs Hopper (sm90) or newer",
-                    cudnn_rules.UNEQUAL_HEAD_DIMS,
-                )
-            )
-        elif max(d_qk, d_v) > 128:
-            reasons.append(
-                Decline(
-                    DeclineCode.HEAD_DIM,
-                    f"d_qk={d_qk} != d_v={d_v}: above 128 only d_qk=192, d_v=128 is supported",
-                    cudnn_rules.MLA_192_128_HOPPER,
-                )
-            )
+        ),
+        mask_patterns=_may_run_as_pattern(),
+    )
+
+
+def _tensors(call: Any) -> list[tuple[str, Any]]:
+    tensors = [("query", call.query), ("key", call.key), ("value", call.value)]
+    return tensors if call.attn_mask is None else [*tensors, ("attn_mask", call.attn_mask)]
+
+
+def _shapes(call: Any) -> list[tuple[int, ...]]:
+    return [tuple(int(x) for x in t.shape) for t in (call.query, call.key, call.value)]
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _mask_grad(call: Any) -> bool:
+    """Whether dBias runs: a float mask's gradient is needed (a leaf that requires grad, or a mask computed inside
+    the function from one, a learned position bias, which only the trace shows: :mod:`grad_need`)."""
+    mask = call.attn_mask
+    return mask is not None and (
+        bool(getattr(mask, "requires_grad", False))
+        or (
+            bool(getattr(call, "need_stats", True))
+            and torch_dtype(mask.dtype) is not torch.bool
+            and mask_needs_grad(mask)
+        )
+    )
+
+
+def _may_run_as_pattern() -> bool:
+    """Whether a mask without a gradient may run as a pattern (:mod:`patterns`), which never hands cuDNN the
+    B*H*L*S bias: the int32 rule then does not count it. Whether it *is* one is decided on its data at
+    run time; one that is not, too large for a bias, runs on the torch fallback
+    (:meth:`~thunder_cudnn_safe.dispatch.Dispatcher.run_oversized_bias`), never in cuDNN."""
+    return bool(config.mask_patterns) and converted_masks.maxsize > 0
+
+
+def _environment_reasons(problem: str | None) -> list[Decline]:
+    return [Decline(DeclineCode.ENVIRONMENT, problem)] if problem else []
+
+
+def _device_reasons(tensors: list[tuple[str, Any]], device_type: str) -> list[Decline]:
+    reasons = [
+        Decline(DeclineCode.DEVICE, f"{name} is on {t.device}, this executor runs on {device_type} tensors")
+        for name, t in tensors
+        if t.device.type != device_type
+    ]
+    if len({(t.device.type, t.device.index) for _, t in tensors}) > 1:
+        reasons.append(Decline(DeclineCode.DEVICE, "query, key, value (and attn_mask) are not all on the same device"))
     return reasons
 
 
-def _mask_reasons(
-    attn_mask: Any, q_dtype: torch.dtype | None, full: tuple[int, int, int, int], is_causal: bool, mask_grad: bool
-) -> list[Decline]:
-    """The mask's own reasons; ``mask_grad``: its gradient (dBias) may be needed (a leaf requiring grad,
-    or computed from one inside the function)."""
+def _rank_reasons(tensors: list[tuple[str, Any]]) -> list[Decline]:
+    ranks = [len(t.shape) for _, t in tensors[:3]]
+    if all(r == 4 for r in ranks):
+        return []
+    return [
+        Decline(
+            DeclineCode.RANK,
+            f"query/key/value ranks are {ranks}; cuDNN SDPA takes rank-4 (batch, heads, seq, dim) tensors",
+        )
+    ]
+
+
+def _dtype_reasons(tensors: list[tuple[str, Any]]) -> list[Decline]:
+    dts = [torch_dtype(t.dtype) for _, t in tensors[:3]]
+    if any(d not in SUPPORTED_DTYPES for d in dts):
+        return [
+            Decline(
+                DeclineCode.DTYPE,
+                f"dtypes {[str(d) for d in dts]}: cuDNN flash attention takes float16 or bfloat16 only",
+            )
+        ]
+    if len(set(dts)) > 1:
+        return [Decline(DeclineCode.DTYPE, f"query/key/value dtypes differ: {[str(d) for d in dts]}")]
+    return []
+
+
+def _shape_reasons(call: Any) -> list[Decline]:
+    """Shapes torch's SDPA rejects; grouped K/V heads (``enable_gqa``) are judged by
+    :data:`~thunder_cudnn_safe.cudnn_rules.GROUPED_KV_HEADS`."""
+    (b, h, _, d_qk), (bk, hk, s, dk), (bv, hv, sv, _) = _shapes(call)
+    S = DeclineCode.SHAPE
+    reasons = []
+    if not (b == bk == bv):
+        reasons.append(Decline(S, f"batch sizes differ: query {b}, key {bk}, value {bv}"))
+    if dk != d_qk:
+        reasons.append(Decline(S, f"query head dim {d_qk} != key head dim {dk}"))
+    if s != sv:
+        reasons.append(Decline(S, f"key length {s} != value length {sv}"))
+    if not call.enable_gqa and (hk != hv or hk not in (1, h)):
+        reasons.append(
+            Decline(S, f"key/value heads ({hk}, {hv}) must both equal the query heads ({h}) or be 1 (broadcast)")
+        )
+    return reasons
+
+
+def _empty_reasons(view: cudnn_rules.CallView) -> list[Decline]:
+    if 0 not in (view.batch, view.heads, view.lq, view.s, view.d_qk, view.d_v):
+        return []
+    return [
+        Decline(
+            DeclineCode.EMPTY,
+            f"empty input (batch {view.batch}, heads {view.heads}, query length {view.lq}, key length {view.s}): "
+            "nothing for cuDNN to do",
+        )
+    ]
+
+
+def _mask_reasons(call: Any, view: cudnn_rules.CallView) -> list[Decline]:
+    """The mask's own reasons (its size is :data:`~thunder_cudnn_safe.cudnn_rules.LAYOUT`'s); ``view.mask_grad``:
+    its gradient (dBias) may be needed (a leaf requiring grad, or computed from one inside the function)."""
+    attn_mask, mask_grad = call.attn_mask, view.mask_grad
+    if attn_mask is None:
+        return []
     M = DeclineCode.MASK
     reasons = []
-    if is_causal:
+    if bool(_value(call.is_causal)):
         reasons.append(
             Decline(
                 DeclineCode.CAUSAL,
                 "is_causal=True together with an explicit attn_mask (torch rejects this combination)",
             )
         )
-    m_dtype = torch_dtype(attn_mask.dtype)
+    q_dtype, m_dtype = torch_dtype(call.query.dtype), torch_dtype(attn_mask.dtype)
     if m_dtype is not torch.bool and not (m_dtype is not None and m_dtype.is_floating_point):
         reasons.append(Decline(M, f"attn_mask dtype {m_dtype} is neither bool nor floating point"))
     elif m_dtype not in (torch.bool, torch.float32, q_dtype):
@@ -162,6 +303,7 @@ def _mask_reasons(
                 M, f"attn_mask of dtype {m_dtype} requires grad but cuDNN computes dBias in the query dtype {q_dtype}"
             )
         )
+    full = (view.batch, view.heads, view.lq, view.s)
     shape = tuple(attn_mask.shape)
     if not 2 <= len(shape) <= 4:
         reasons.append(Decline(M, f"attn_mask has rank {len(shape)}; ranks 2 to 4 are supported"))
@@ -180,238 +322,13 @@ def _mask_reasons(
                 "summed from low-precision per-element dBias values, less accurate than eager",
             )
         )
-    if math.prod(full) >= INT32_ELEMENT_LIMIT and (mask_grad or not _may_run_as_pattern()):
-        reasons.append(
-            Decline(
-                DeclineCode.INT32,
-                "the broadcast attention mask has more than 2**31 elements (int32 offsets)"
-                + (
-                    ", and its gradient is computed, from it as a bias"
-                    if mask_grad
-                    else ", and it is bound as a bias (mask patterns or the mask cache are off)"
-                ),
-                cudnn_rules.LAYOUT,
-            )
-        )
     return reasons
 
 
-def _may_run_as_pattern() -> bool:
-    """Whether a mask without a gradient may run as a pattern (:mod:`patterns`), which never hands cuDNN the
-    B*H*L*S bias: the int32 rule then does not count it. Whether it *is* one is decided on its data at
-    run time; one that is not, too large for a bias, runs on the torch fallback
-    (:meth:`~thunder_cudnn_safe.dispatch.Dispatcher.run_oversized_bias`), never in cuDNN."""
-    return bool(config.mask_patterns) and converted_masks.maxsize > 0
-
-
-def _defect_reasons(call: Any, full: tuple[int, int, int, int], hk: int, target: Target) -> list[Decline]:
-    """The cuDNN defects that give wrong numbers without an error (:mod:`cudnn_rules`, docs/known-cudnn-defects.md).
-
-    A training forward (``call.need_stats``, the default) is declined by a backward-only defect too:
-    its stats and dropout mask bind it to this executor's backward. An inference forward
-    (``need_stats=False``: thunder's execution transform, no backward) is not.
-    """
-    b, h, lq, s = full
-    training = bool(getattr(call, "need_stats", True))
-    causal = _value(call.is_causal) is True
-    where = f"sm{target.arch[0]}{target.arch[1]}, cuDNN {target.backend_version}"
-    found = []
-    if lq == 1:
-        found.append((cudnn_rules.BLACKWELL_DECODE, "a single query (decode)"))
-        if causal and hk != h:
-            found.append((cudnn_rules.CAUSAL_DECODE_GQA, f"causal decode with {h} query and {hk} key/value heads"))
-        if call.attn_mask is not None:  # without a mask the backward is routed to the padding mask at full lengths
-            found.append((cudnn_rules.HOPPER_DECODE_BACKWARD_NAN, "a single query with a mask tensor, in training"))
-    if s % 128 == 64 and not (causal and call.attn_mask is None and lq <= s):
-        found.append((cudnn_rules.HOPPER_BACKWARD_KV_TAIL_NAN, f"key length {s} (% 128 == 64), in training"))
-    if s == 1:
-        found.append((cudnn_rules.BACKWARD_KEY_LENGTH_1, "key length 1, in training"))
-    return [
-        Decline(DeclineCode.ARCH, f"{where}: {what}: {rule.name}: {rule.text}.{rule.upgrade_hint}", rule)
-        for rule, what in found
-        if rule.declines(target, training)
-    ]
-
-
-def not_supported_reasons(
-    call: Any, target: Target | None, device_type: str, environment_problem: str | None = None
-) -> list[Decline]:
-    """Every reason the executor for ``device_type`` on ``target`` would not claim ``call``.
-
-    ``call`` is a :class:`~thunder_cudnn_safe.calls.ForwardCall` of tensors or proxies; its
-    ``deterministic`` (the compile option) changes which backwards cuDNN builds, its
-    ``enable_gqa`` lets K/V have fewer heads, a divisor of the query's
-    (:data:`~thunder_cudnn_safe.cudnn_rules.GROUPED_KV_HEADS`). ``environment_problem`` is why
-    the runtime cannot work here at all; ``target`` may then be None.
-    """
-    query, key, value, attn_mask, dropout_p, is_causal, scale = call[:7]
-    deterministic, enable_gqa = bool(call.deterministic), bool(call.enable_gqa)
-    # dBias runs when a float mask's gradient is needed: a leaf that requires grad, or a mask computed inside
-    # the function from one (a learned position bias), which only the trace shows (:mod:`grad_need`)
-    mask_grad = attn_mask is not None and (
-        bool(getattr(attn_mask, "requires_grad", False))
-        or (
-            bool(getattr(call, "need_stats", True))
-            and torch_dtype(attn_mask.dtype) is not torch.bool
-            and mask_needs_grad(attn_mask)
-        )
-    )
-    reasons: list[Decline] = []
-    if environment_problem:
-        reasons.append(Decline(DeclineCode.ENVIRONMENT, environment_problem))
-    tensors = [("query", query), ("key", key), ("value", value)]
-    if attn_mask is not None:
-        tensors.append(("attn_mask", attn_mask))
-    for name, t in tensors:
-        if t.device.type != device_type:
-            reasons.append(
-                Decline(DeclineCode.DEVICE, f"{name} is on {t.device}, this executor runs on {device_type} tensors")
-            )
-    if len({(t.device.type, t.device.index) for _, t in tensors}) > 1:
-        reasons.append(Decline(DeclineCode.DEVICE, "query, key, value (and attn_mask) are not all on the same device"))
-    ranks = [len(t.shape) for _, t in tensors[:3]]
-    if any(r != 4 for r in ranks):
-        reasons.append(
-            Decline(
-                DeclineCode.RANK,
-                f"query/key/value ranks are {ranks}; cuDNN SDPA takes rank-4 (batch, heads, seq, dim) tensors",
-            )
-        )
-        return reasons
-    dts = [torch_dtype(t.dtype) for _, t in tensors[:3]]
-    if any(d not in SUPPORTED_DTYPES for d in dts):
-        reasons.append(
-            Decline(
-                DeclineCode.DTYPE,
-                f"dtypes {[str(d) for d in dts]}: cuDNN flash attention takes float16 or bfloat16 only",
-            )
-        )
-    elif len(set(dts)) > 1:
-        reasons.append(Decline(DeclineCode.DTYPE, f"query/key/value dtypes differ: {[str(d) for d in dts]}"))
-    (b, h, lq, d_qk), (bk, hk, s, dk), (bv, hv, sv, d_v) = (tuple(int(x) for x in t.shape) for _, t in tensors[:3])
-    if not (b == bk == bv):
-        reasons.append(Decline(DeclineCode.SHAPE, f"batch sizes differ: query {b}, key {bk}, value {bv}"))
-    if dk != d_qk:
-        reasons.append(Decline(DeclineCode.SHAPE, f"query head dim {d_qk} != key head dim {dk}"))
-    if s != sv:
-        reasons.append(Decline(DeclineCode.SHAPE, f"key length {s} != value length {sv}"))
-    if enable_gqa:
-        if hk != hv or hk == 0 or h % hk:
-            reasons.append(
-                Decline(
-                    DeclineCode.SHAPE,
-                    f"enable_gqa: key/value heads ({hk}, {hv}) must be equal and divide the query heads ({h})",
-                    cudnn_rules.GROUPED_KV_HEADS,
-                )
-            )
-        elif target is not None and not cudnn_rules.GROUPED_KV_HEADS.holds(target):
-            reasons.append(
-                Decline(
-                    DeclineCode.ARCH,
-                    "grouped K/V heads need cuDNN flash attention (sm80+)",
-                    cudnn_rules.GROUPED_KV_HEADS,
-                )
-            )
-    elif hk != hv or hk not in (1, h):
-        reasons.append(
-            Decline(
-                DeclineCode.SHAPE,
-                f"key/value heads ({hk}, {hv}) must both equal the query heads ({h}) or be 1 (broadcast)",
-            )
-        )
-    if 0 in (b, h, lq, s, d_qk, d_v):
-        reasons.append(
-            Decline(
-                DeclineCode.EMPTY,
-                f"empty input (batch {b}, heads {h}, query length {lq}, key length {s}): nothing for cuDNN to do",
-            )
-        )
-    for name, shape in (
-        ("query", (b, h, lq, d_qk)),
-        ("key", (b, hk, s, dk)),
-        ("value", (bv, hv, sv, d_v)),
-        ("output", (b, h, lq, d_v)),
-    ):
-        if math.prod(shape) >= INT32_ELEMENT_LIMIT:
-            reasons.append(
-                Decline(
-                    DeclineCode.INT32,
-                    f"{name} has {math.prod(shape)} elements; element offsets would overflow int32",
-                    cudnn_rules.LAYOUT,
-                )
-            )
-    if target is not None:
-        if not cudnn_rules.FLASH_ATTENTION.holds(target):
-            reasons.append(
-                Decline(
-                    DeclineCode.ARCH,
-                    f"sm{target.arch[0]}{target.arch[1]}: cuDNN fused flash attention needs Ampere (sm80) or newer",
-                    cudnn_rules.FLASH_ATTENTION,
-                )
-            )
-        reasons.extend(_head_dim_reasons(d_qk, d_v, target))
-        reasons.extend(_defect_reasons(call, (b, h, lq, s), hk, target))
-        if lq == 1 and s == 1 and cudnn_rules.BACKWARD_SEQ_1.holds(target):
-            reasons.append(
-                Decline(
-                    DeclineCode.SHAPE,
-                    "query and key length are both 1: cuDNN's backward refuses s_q = s_kv = 1 (with dropout, the "
-                    "forward's mask could then not be reproduced)",
-                    cudnn_rules.BACKWARD_SEQ_1,
-                )
-            )
-        p_value = _value(dropout_p)
-        dropout = isinstance(p_value, (int, float)) and not isinstance(p_value, bool) and p_value > 0
-        old_blackwell = cudnn_rules.DETERMINISTIC_BACKWARD_BLACKWELL_BEFORE_9_18
-        if deterministic and old_blackwell.declines(target, bool(getattr(call, "need_stats", True))):
-            reasons.append(
-                Decline(
-                    DeclineCode.ARCH,
-                    f"sm{target.arch[0]}{target.arch[1]}, cuDNN {target.backend_version}: cudnn_safe_deterministic: "
-                    f"{old_blackwell.text}.{old_blackwell.upgrade_hint}",
-                    old_blackwell,
-                )
-            )
-        elif deterministic and (dropout or mask_grad) and cudnn_rules.DETERMINISTIC_BACKWARD_BLACKWELL.holds(target):
-            reasons.append(
-                Decline(
-                    DeclineCode.ARCH,
-                    f"cudnn_safe_deterministic with {'dropout' if dropout else 'a mask gradient'}: "
-                    f"cuDNN's deterministic backward refuses dBias and dropout on sm{target.arch[0]}{target.arch[1]}",
-                    cudnn_rules.DETERMINISTIC_BACKWARD_BLACKWELL,
-                )
-            )
-        bias, key_length_1 = attn_mask is not None, s == 1
-        for rule, applies in (  # what the compile sweep found cuDNN builds no plan for (tests/test_cudnn_compile.py)
-            (cudnn_rules.DETERMINISTIC_BIAS_BACKWARD_BLACKWELL, deterministic and bias and not (dropout or mask_grad)),
-            (cudnn_rules.DROPOUT_DBIAS_BLACKWELL, dropout and mask_grad),
-            (cudnn_rules.BIAS_KEY_LENGTH_1_AMPERE, bias and key_length_1),
-            (cudnn_rules.BIAS_KEY_LENGTH_1_SM120, bias and key_length_1),
-            (cudnn_rules.DBIAS_KEY_LENGTH_1_BLACKWELL, mask_grad and key_length_1),
-        ):
-            if applies and rule.holds(target):
-                reasons.append(
-                    Decline(
-                        DeclineCode.ARCH,
-                        f"sm{target.arch[0]}{target.arch[1]}, cuDNN {target.backend_version}: {rule.text}."
-                        f"{rule.upgrade_hint}",
-                        rule,
-                    )
-                )
-        need = cudnn_rules.dp_workspace_bytes(b, h, lq, s)
-        limit = config.dp_workspace_limit
-        if cudnn_rules.needs_dp_workspace(target, mask_grad, deterministic) and need > limit:
-            reasons.append(
-                Decline(
-                    DeclineCode.WORKSPACE,
-                    f"{'the mask gradient (dBias)' if mask_grad else 'cudnn_safe_deterministic'} needs "
-                    f"{need / 2**30:.1f} GiB of cuDNN dP workspace, over the {limit / 2**30:.1f} GiB "
-                    f"budget ({DP_WORKSPACE_LIMIT_ENV})",
-                    cudnn_rules.DP_WORKSPACE,
-                )
-            )
-    if attn_mask is not None:
-        reasons.extend(_mask_reasons(attn_mask, dts[0], (b, h, lq, s), bool(_value(is_causal)), mask_grad))
+def _dropout_reasons(dropout_p: Any) -> list[Decline]:
+    """dropout_p must be a number in [0, 1) known at trace time (its 1/16 steps are
+    :data:`~thunder_cudnn_safe.cudnn_rules.DROPOUT_SIXTEENTHS`')."""
+    reasons = []
     if _is_symbolic(dropout_p):
         reasons.append(
             Decline(
@@ -421,30 +338,22 @@ def not_supported_reasons(
             )
         )
     p = _value(dropout_p)
-    if not isinstance(p, (int, float)) or isinstance(p, bool):
+    if not _is_number(p):
         reasons.append(Decline(DeclineCode.DROPOUT, f"dropout_p {p!r} is not a number known at trace time"))
-    elif not (0.0 <= float(p) < 1.0) or math.isnan(float(p)):
+    elif not cudnn_rules.dropout_in_range(float(p)):
         reasons.append(Decline(DeclineCode.DROPOUT, f"dropout_p={p} is outside [0, 1)"))
-    elif float(p) * 16 != math.floor(float(p) * 16):
-        reasons.append(
-            Decline(
-                DeclineCode.DROPOUT,
-                f"dropout_p={p} is not a multiple of 1/16: {cudnn_rules.DROPOUT_SIXTEENTHS.text}",
-                cudnn_rules.DROPOUT_SIXTEENTHS,
-            )
-        )
-    if max(b, h, hk) > cudnn_rules.GRID_LIMIT:
-        reasons.append(
-            Decline(
-                DeclineCode.SHAPE,
-                f"batch {b}, heads {h}/{hk}: {cudnn_rules.GRID_65535.text}",
-                cudnn_rules.GRID_65535,
-            )
-        )
-    sc = _value(scale)
-    if sc is not None and (not isinstance(sc, (int, float)) or isinstance(sc, bool) or not math.isfinite(float(sc))):
-        reasons.append(Decline(DeclineCode.SCALE, f"scale {sc!r} is not a finite number known at trace time"))
-    causal = _value(is_causal)
-    if not isinstance(causal, bool):
-        reasons.append(Decline(DeclineCode.CAUSAL, f"is_causal {causal!r} is not a bool known at trace time"))
     return reasons
+
+
+def _scale_reasons(scale: Any) -> list[Decline]:
+    sc = _value(scale)
+    if sc is None or (_is_number(sc) and math.isfinite(float(sc))):
+        return []
+    return [Decline(DeclineCode.SCALE, f"scale {sc!r} is not a finite number known at trace time")]
+
+
+def _causal_reasons(is_causal: Any) -> list[Decline]:
+    causal = _value(is_causal)
+    if isinstance(causal, bool):
+        return []
+    return [Decline(DeclineCode.CAUSAL, f"is_causal {causal!r} is not a bool known at trace time")]
