@@ -11,7 +11,7 @@
 #   2. smoke     tests/test_gpu_smoke.py (under a minute): asserts cuDNN really ran (graphs built, no fallback),
 #                for the diffusers layout, a packed-sequence step, a CUDA-graph capture and two threads
 #   3. sanitizer whether compute-sanitizer (memcheck) can run a CUDA program here; if not, step 3 runs plain
-#      packed    tests/test_packed_gpu.py          } the code that has never run on a GPU, each under
+#      packed    tests/test_packed_sequences.py    } the code that has never run on a GPU, each under
 #      streams   tests/test_streams.py             } compute-sanitizer --tool memcheck where it works,
 #      threads   tests/test_threads.py             } each with its own timeout
 #      capture   -k "capture or cuda_graph" over tests/
@@ -410,12 +410,12 @@ run_step sanitizer 60 240 sanitizer_check
 TIMING_K=timing
 if [ -s "$WORK/sanitizer" ]; then
   PACKED_K=(-k "not $TIMING_K")
-  REST_PACKED="not (test_packed_gpu and not $TIMING_K)"
+  REST_PACKED="not (test_packed_sequences and not $TIMING_K)"
 else
   PACKED_K=()
-  REST_PACKED="not test_packed_gpu"
+  REST_PACKED="not test_packed_sequences"
 fi
-run_step packed 90 200 gpu_pytest packed 90 1 tests/test_packed_gpu.py "${PACKED_K[@]}"
+run_step packed 90 200 gpu_pytest packed 90 1 tests/test_packed_sequences.py "${PACKED_K[@]}"
 run_step streams 45 180 gpu_pytest streams 30 1 tests/test_streams.py
 run_step threads 60 160 gpu_pytest threads 45 1 tests/test_threads.py
 run_step capture 90 130 gpu_pytest capture 60 1 tests/ -k "capture or cuda_graph" --ignore=tests/test_gpu_smoke.py \

@@ -1,4 +1,5 @@
-"""Graph cache: hits, misses, eviction at the bound, no rebuild on a hit, distinct keys for strides."""
+"""Graph cache: hits, misses, eviction at the bound (also under a churn of 10,000 keys), no rebuild on a hit,
+distinct keys for strides."""
 
 import gc
 import threading
@@ -197,3 +198,50 @@ def test_steady_state_backward_path_keeps_declared_equal_to_bound():
                 (12, key.dv),
             ):
                 assert (pack[uid].shape, pack[uid].stride(), pack[uid].dtype) == tuple(s)
+
+
+# -- churn: 10,000 distinct keys ---------------------------------------------------------------
+def test_cache_stays_bounded_under_10000_distinct_keys_and_releases_graphs(figure):
+    bound = 16
+
+    class BuildOnlyRuntime(EmulatedRuntime):
+        """Real frontend graphs, no execution: this test is about the cache, not the math."""
+
+        def execute(self, built, pack):
+            pass
+
+    cache = GraphCache(bound)
+    disp = Dispatcher(BuildOnlyRuntime(), cache)
+    refs = []
+    real_build = disp.runtime.build
+
+    def tracking_build(key):
+        built = real_build(key)
+        refs.append(weakref.ref(built.graph))
+        return built
+
+    disp.runtime.build = tracking_build
+    max_size = 0
+    n = 0
+    for s in range(1, 2501):
+        for layout in ("contiguous", "bshd"):
+            for causal in (False, True):
+                if layout == "contiguous":
+                    q = torch.randn(1, 1, s % 7 + 1, 8, dtype=torch.float16)
+                    k = torch.randn(1, 1, s, 8, dtype=torch.float16)
+                else:
+                    q = torch.randn(1, s % 7 + 1, 2, 8, dtype=torch.float16).transpose(1, 2)
+                    k = torch.randn(1, s, 2, 8, dtype=torch.float16).transpose(1, 2)
+                disp.forward(q, k, k, None, 0.0, causal)
+                n += 1
+                max_size = max(max_size, cache.info().size)
+    gc.collect()
+    live = sum(r() is not None for r in refs)
+    info = cache.info()
+    assert n == 10000 and info.builds == 10000, f"{info.builds} builds for {n} distinct keys"
+    assert max_size == bound, f"max cache size reached {max_size} (bound {bound})"
+    assert live <= bound, f"{live} graphs still alive after churn (bound {bound})"
+    figure(
+        f"cache churn: {n} distinct keys, {info.builds} builds, max cache size {max_size} (bound {bound}), "
+        f"{info.evictions} evictions, {live} graphs alive afterwards"
+    )

@@ -1,9 +1,14 @@
-"""CUDA-graph capture (issue 34): after warm-up a captured step builds nothing, on every thread, and a call
+"""CUDA-graph capture (issues 20, 34): after warm-up a captured step builds nothing, on every thread, and a call
 that could only run in a way a capture cannot record is refused with a clear error.
+
+* A warm-up that ran a mask as a pattern also builds the bias graphs the capture runs (no pattern under
+  capture), so nothing is built while a stream captures; that prebuild runs once per signature, and only
+  where a capture can follow.
+* No cached mask conversion is used while a stream captures (each replay converts its own mask).
 
 On CPU the package's capture switch stands in for ``torch.cuda.is_current_stream_capturing()`` (no pattern
 verdict, no cached conversion, as on the capturing stream); ``capture_may_follow`` is forced on, as it is for
-every training call on a GPU. Real captures: the gpu-marked tests in tests/test_review_trust_a.py and
+every training call on a GPU. Real captures: the gpu-marked tests here (thunder's CUDAGraphTransform) and in
 tests/test_gpu_smoke.py.
 """
 
@@ -14,9 +19,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import thunder_cudnn_safe as tcs
 from thunder_cudnn_safe import masks, patterns
+from thunder_cudnn_safe.testing import assert_close_to_reference
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from checks import inject_failures
@@ -89,3 +96,183 @@ def test_a_dropout_call_on_the_fallback_under_capture_is_refused_clearly(fresh_c
     with refused, _Capture(monkeypatch), pytest.raises(RuntimeError, match="CUDA-graph capture"):
         disp.forward(q, k, v, None, 0.25, False)
     assert read == [], "the seed was read on the host"
+
+
+# -- after warm-up, a capture builds nothing (the prebuild) ----------------------------------------
+def causal(lq, s):
+    return torch.ones(lq, s, dtype=torch.bool).tril()
+
+
+def prefix(lens, lq, s):
+    return (torch.arange(s)[None, :] < torch.tensor(lens)[:, None])[:, None, None, :].expand(len(lens), 1, lq, s)
+
+
+def documents(lens, tokens):
+    """One packed row of causal documents of ``lens`` tokens, (1, 1, T, T)."""
+    doc = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+    i, j = torch.arange(tokens)[:, None], torch.arange(tokens)[None, :]
+    return ((doc[:, None] == doc[None, :]) & (j <= i))[None, None]
+
+
+def _qkv_l_s(b, h, lq, s, d=64, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(b, h, n, d, generator=g).to(dtype) for n in (lq, s, s))
+
+
+def _step(disp, q, k, v, mask, dropout_p=0.0):
+    out, stats, *rng = disp.forward(q, k, v, mask, dropout_p, False)
+    seed, offset = rng if rng else (None, None)
+    g = torch.randn_like(out)
+    grads = disp.backward(g, q, k, v, mask, dropout_p, False, out, stats, seed, offset)
+    return out, grads, g
+
+
+@pytest.mark.parametrize(
+    "name,mask,shape,dropout_p",
+    [
+        ("causal", causal(16, 16), (2, 2, 16, 16), 0.0),
+        ("padding", prefix([16, 5], 16, 16), (2, 2, 16, 16), 0.0),
+        ("causal+padding", causal(16, 16) & prefix([16, 9], 16, 16), (2, 2, 16, 16), 0.0),
+        ("documents", documents([5, 7, 4], 16), (1, 2, 16, 16), 0.0),
+        ("causal, dropout", causal(16, 16), (2, 2, 16, 16), 0.25),
+    ],
+)
+def test_a_capture_after_warm_up_builds_nothing(name, mask, shape, dropout_p, fresh_cache, monkeypatch):
+    """thunder's CUDAGraphTransform warms up three times, then captures. The warm-up runs the mask as a
+    pattern; the capture runs it as a bias (a verdict is not re-checked by replays), whose graphs the
+    warm-up must have built: a build inside the capture invalidates it on a GPU. Also the dropout
+    forward's check of its backward (the bias backward) is a lookup under capture."""
+    monkeypatch.setattr(masks, "capture_may_follow", lambda t, training: True)  # a CUDA tensor, as on a GPU
+    disp = tcs.emulated_ex.dispatcher
+    q, k, v = _qkv_l_s(*shape)
+    for _ in range(3):  # warm-up, outside capture: the mask runs as its pattern
+        _step(disp, q, k, v, mask, dropout_p)
+    assert any(g.key.bias is None for g in tcs.cached_graphs()), "the warm-up ran the mask as a pattern"
+    before = tcs.cache_info()
+    with _Capture(monkeypatch):
+        out, grads, g = _step(disp, q, k, v, mask, dropout_p)
+    after = tcs.cache_info()
+    assert (after.builds, after.misses) == (before.builds, before.misses), f"{name}: built during the capture"
+    assert after.fallbacks == before.fallbacks
+    assert any(gr.key.bias is not None for gr in tcs.cached_graphs()), "the capture ran the mask as a bias"
+    if dropout_p:
+        assert all(torch.isfinite(t).all() for t in (out, *grads))
+        return
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*leaves, attn_mask=mask)
+    low = [t.detach().requires_grad_() for t in (q, k, v)]
+    eager = F.scaled_dot_product_attention(*low, attn_mask=mask)
+    assert_close_to_reference(out, eager, ref, "output")
+    for n, a, e, r in zip(
+        ("dq", "dk", "dv"), grads, torch.autograd.grad(eager, low, g), torch.autograd.grad(ref, leaves, g.double())
+    ):
+        assert_close_to_reference(a, e, r, n)
+
+
+def test_the_capture_prebuild_costs_later_calls_no_cache_lookup(fresh_cache, monkeypatch):
+    """The prebuild runs once per signature: the second and later training steps with the same pattern
+    look up only the graphs they run (hits per step stay those of a step without the prebuild)."""
+    disp = tcs.emulated_ex.dispatcher
+    q, k, v = _qkv_l_s(2, 2, 16, 16)
+    mask = causal(16, 16)
+    hits = []
+    for may_follow in (False, True):
+        monkeypatch.setattr(masks, "capture_may_follow", lambda t, training, _v=may_follow: _v)
+        tcs.clear_cache()
+        _step(disp, q, k, v, mask)
+        first = tcs.cache_info()
+        _step(disp, q, k, v, mask)
+        hits.append(tcs.cache_info().hits - first.hits)
+        assert tcs.cache_info().builds == first.builds
+    assert hits[1] == hits[0], hits
+
+
+def test_no_prebuild_where_no_capture_can_follow(fresh_cache):
+    """On the CPU (and for an inference forward on the default stream) a pattern builds its own graph only."""
+    assert not masks.capture_may_follow(torch.zeros(1), training=True)
+    disp = tcs.emulated_ex.dispatcher
+    q, k, v = _qkv_l_s(2, 2, 16, 16)
+    _step(disp, q, k, v, causal(16, 16))
+    assert all(g.key.bias is None for g in tcs.cached_graphs())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", ["causal", "padding"])
+def test_cuda_graph_transform_builds_nothing_while_capturing(kind, fresh_cache, monkeypatch):
+    """Real capture through thunder's CUDAGraphTransform (three warm-ups, then torch.cuda.graph), forward
+    and backward: no graph is built while the stream captures, and replays with new inputs are right."""
+    import thunder
+    from thunder.transforms.cudagraph import CUDAGraphTransform
+
+    runtime = tcs.cudnn_safe_ex.runtime
+    real_build, built_capturing = runtime.build, []
+
+    def build(key):
+        built_capturing.append(torch.cuda.is_current_stream_capturing())
+        return real_build(key)
+
+    monkeypatch.setattr(runtime, "build", build)
+    s = 128
+    if kind == "causal":
+        mask = torch.ones(s, s, dtype=torch.bool, device="cuda").tril()
+    else:
+        mask = (torch.arange(s, device="cuda") < 77).expand(2, 1, s, s)
+    fn = lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m)  # noqa: E731
+    jf = thunder.jit(
+        fn, executors=[tcs.cudnn_safe_ex, *thunder.get_default_executors()], transforms=[CUDAGraphTransform()]
+    )
+    for step in range(3):
+        q, k, v = (torch.randn(2, 4, s, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        out = jf(q, k, v, mask)
+        g = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), g)
+        ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        ref = F.scaled_dot_product_attention(*ref_in, attn_mask=mask)
+        low_in = [t.detach().requires_grad_() for t in (q, k, v)]
+        low = F.scaled_dot_product_attention(*low_in, attn_mask=mask)
+        assert_close_to_reference(out, low, ref, f"step {step} output")
+        for name, a, e, r in zip(
+            ("dq", "dk", "dv"), grads, torch.autograd.grad(low, low_in, g), torch.autograd.grad(ref, ref_in, g.double())
+        ):
+            assert_close_to_reference(a, e, r, f"step {step} {name}")
+    assert built_capturing and not any(built_capturing), "a graph was built while a stream captured"
+
+
+# -- no cached mask conversion under capture ----------------------------------------------------
+def test_mask_conversion_is_not_reused_while_capturing(fresh_cache, monkeypatch):
+    """While the stream captures, each call converts its mask again (the conversion kernel is then
+    recorded in the graph and replays on the new mask); outside capture the cache serves it."""
+    disp = tcs.emulated_ex.dispatcher
+    q, k, v = (torch.randn(2, 2, 8, 64, dtype=torch.float16) for _ in range(3))
+    mask = torch.rand(2, 1, 8, 8) > 0.3
+    before = tcs.mask_cache_info()
+    monkeypatch.setattr(masks, "capturing", lambda t: True)
+    out1, _ = disp.forward(q, k, v, mask)
+    out2, _ = disp.forward(q, k, v, mask)
+    info = tcs.mask_cache_info()
+    assert (info.hits, info.conversions, info.entries) == (before.hits, before.conversions, before.entries)
+    monkeypatch.setattr(masks, "capturing", lambda t: False)
+    disp.forward(q, k, v, mask)
+    disp.forward(q, k, v, mask)
+    assert tcs.mask_cache_info().hits == before.hits + 1
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), mask)
+    assert torch.equal(out1, out2) and (out1.float() - ref).abs().max() < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graph_replay_reads_each_steps_mask(fresh_cache):
+    """thunder's CUDAGraphTransform: a new padding mask each replay must change the output."""
+    import thunder
+    from thunder.transforms.cudagraph import CUDAGraphTransform
+
+    q, k, v = (torch.randn(2, 4, 64, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    fn = lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m)  # noqa: E731
+    jf = thunder.jit(
+        fn, executors=[tcs.cudnn_safe_ex, *thunder.get_default_executors()], transforms=[CUDAGraphTransform()]
+    )
+    for n in (64, 40, 17, 64, 5):
+        mask = (torch.arange(64, device="cuda") < n).expand(2, 1, 64, 64)
+        ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask)
+        assert (jf(q, k, v, mask).float() - ref).abs().max() < 2e-2, n

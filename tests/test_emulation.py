@@ -1,16 +1,20 @@
-"""The emulated runtime reads memory like cuDNN: through declared layouts, refusing bad packs."""
+"""The emulated runtime reads memory like cuDNN: through declared layouts, refusing bad packs.
+
+Also as cuDNN rounds: grouped-query dK/dV are summed from per-head partials in the I/O dtype, as cuDNN declares.
+"""
 
 import pytest
 import torch
 from checks import assert_claimed, assert_claimed_in_traces, jit_sdpa, on_the_runtime
 
 import thunder_cudnn_safe as tcs
-from thunder_cudnn_safe import graphs, reference
+from thunder_cudnn_safe import emulation, graphs, reference
 from thunder_cudnn_safe.cache import GraphCache
 from thunder_cudnn_safe.dispatch import Dispatcher
 from thunder_cudnn_safe.emulation import EmulatedRuntime, EmulationError, emulate
 from thunder_cudnn_safe.graphs import Uid
 from thunder_cudnn_safe.keys import ForwardKey, Target, TensorSig, sig
+from thunder_cudnn_safe.reference import Scores, attention_backward
 from thunder_cudnn_safe.testing import assert_close_to_reference
 
 TARGET = Target("emulated", -1, (9, 0), 91900, "test")
@@ -174,3 +178,44 @@ def test_dropout_through_thunder_is_claimed_and_unbiased(fresh_cache, past_kv_ta
         out.sum().backward()
     assert_claimed_in_traces(jf)
     assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+# -- grouped-query dK/dV: per-head partials in the I/O dtype before the group sum ------------------
+def T(*shape, dtype=torch.float16):
+    return torch.randn(*shape, dtype=dtype)
+
+
+def test_grouped_kv_partials_are_rounded_to_the_io_dtype_before_the_sum():
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 8, 16, 64, generator=g)
+    k, v = torch.randn(1, 1, 16, 64, generator=g), torch.randn(1, 1, 16, 64, generator=g)
+    d_o = torch.randn(1, 8, 16, 64, generator=g)
+    how = Scores(0.125)
+    from thunder_cudnn_safe.reference import attention_forward
+
+    o, stats = attention_forward(q, k, v, how)
+    exact = attention_backward(q, k, v, o, d_o, stats, how)
+    rounded = attention_backward(q, k, v, o, d_o, stats, how, partials=torch.bfloat16)
+    assert torch.equal(exact[0], rounded[0]), "dQ has no group sum"
+    for i in (1, 2):
+        parts = attention_backward(q, k.expand(1, 8, 16, 64), v.expand(1, 8, 16, 64), o, d_o, stats, how)[i]
+        assert torch.equal(rounded[i], parts.to(torch.bfloat16).float().sum(dim=1, keepdim=True))
+        assert not torch.equal(rounded[i], exact[i])
+
+
+def test_emulated_gqa_backward_rounds_partials(fresh_cache, monkeypatch):
+    """The emulated runtime passes the I/O dtype for the partials (what cuDNN's graph declares)."""
+    seen = []
+    real = emulation.reference.attention_backward
+    monkeypatch.setattr(
+        emulation.reference, "attention_backward", lambda *a, **kw: seen.append(kw.get("partials")) or real(*a, **kw)
+    )
+    q, k, v = (
+        T(2, 4, 8, 64, dtype=torch.bfloat16),
+        T(2, 2, 8, 64, dtype=torch.bfloat16),
+        T(2, 2, 8, 64, dtype=torch.bfloat16),
+    )
+    disp = tcs.emulated_ex.dispatcher
+    out, stats = disp.forward(q, k, v, enable_gqa=True)
+    disp.backward(torch.randn_like(out), q, k, v, None, 0.0, False, out, stats, None, None)
+    assert seen == [torch.bfloat16]

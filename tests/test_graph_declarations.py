@@ -7,6 +7,7 @@ declares dO like O (thunder 0.2.6's approach) is caught.
 
 import pytest
 import torch
+from checks import assert_claimed
 from gqa_support import gqa_layout
 
 from thunder_cudnn_safe import graphs
@@ -58,6 +59,7 @@ def run_dispatcher(qkv_layout, grad_layout, dtype=torch.float16, mask=None, mask
     disp = Dispatcher(runtime, GraphCache(64))
     for _ in range(steps):
         q, k, v = (t.detach() for t in QKV_LAYOUTS[qkv_layout](2, 4, 16, 16, 64, 64, dtype))
+        assert_claimed(q, k, v, mask, dropout_p, False, runtime=runtime)  # a call the executor runs
         res = disp.forward(q, k, v, mask, dropout_p, False, scale=None, layout="preserve")
         out, stats = res[0], res[1]
         seed, offset = (res[2], res[3]) if dropout_p else (None, None)
@@ -145,6 +147,7 @@ def run_gqa_dispatcher(qkv_layout, grad_layout, h, hkv, dtype=torch.float16, mas
     disp = Dispatcher(runtime, GraphCache(64))
     for _ in range(steps):
         q, k, v = (t.detach() for t in gqa_layout(qkv_layout, 2, h, hkv, 16, 16, 64, dtype))
+        assert_claimed(q, k, v, mask, 0.0, False, enable_gqa=h != hkv, runtime=runtime)  # a call the executor runs
         out, stats = disp.forward(q, k, v, mask, 0.0, False, scale=None, layout="preserve")[:2]
         g = GRAD_OUT_LAYOUTS[grad_layout](tuple(out.shape), dtype)
         dq, dk, dv = disp.backward(g, q, k, v, mask, 0.0, False, out, stats, None, None)[:3]

@@ -52,8 +52,11 @@ def test_inference_dropout_needs_no_backward_check(fresh_cache):
 @pytest.mark.parametrize("arch", [80, 90, 100, 120])
 def test_no_stats_forward_lowers_in_cudnn(arch, fresh_cache):
     q, k, v = (torch.randn(2, 4, 16, 64, dtype=torch.bfloat16) for _ in range(3))
-    for mask in (None, torch.rand(2, 1, 16, 16) > 0.2):
-        tcs.emulated_ex.dispatcher.forward(q, k, v, mask, 0.0, mask is None, need_stats=False)
+    with on_the_runtime():
+        for mask in (None, torch.rand(2, 1, 16, 16) > 0.2):
+            assert_claimed(q, k, v, mask, 0.0, mask is None, need_stats=False)
+            tcs.emulated_ex.dispatcher.forward(q, k, v, mask, 0.0, mask is None, need_stats=False)
+    assert len(tcs.cached_graphs()) == 2, tcs.cached_graphs()  # else the loop below checks nothing
     for g in tcs.cached_graphs():
         assert g.key.stats is None
         assert any(lowering.lower_key(g.key, arch, impl).ok for impl in (None, "composite")), g.key

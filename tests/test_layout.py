@@ -1,16 +1,22 @@
-"""Layout rules, property-tested: normalized tensors satisfy cuDNN's rules, keys identify layouts."""
+"""Layout rules, property-tested: normalized tensors satisfy cuDNN's rules, keys identify layouts.
+
+Also the edges a review of the GPU path found: a size-1 last dim keeps stride 1 (a mask of key length 1),
+and a copied grad_out gets O's exact strides.
+"""
 
 import itertools
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import thunder_cudnn_safe as tcs
 from thunder_cudnn_safe import emulation
 from thunder_cudnn_safe.calls import ForwardCall, signature
 from thunder_cudnn_safe.graphs import Uid
-from thunder_cudnn_safe.keys import sig
+from thunder_cudnn_safe.keys import BackwardKey, sig
 from thunder_cudnn_safe.layout import (
     LayoutPolicy,
     arg_sig,
@@ -20,6 +26,7 @@ from thunder_cudnn_safe.layout import (
     strides_like,
 )
 from thunder_cudnn_safe.recipes import bind, forward_recipe
+from thunder_cudnn_safe.testing import GRAD_OUT_LAYOUTS
 
 
 def prepare_operand(t, name, policy):
@@ -156,3 +163,49 @@ def test_policy_parse():
     assert LayoutPolicy.parse("contiguous") is LayoutPolicy.CONTIGUOUS
     with pytest.raises(ValueError, match="cudnn_safe_layout must be one of"):
         LayoutPolicy.parse("fast")
+
+
+# -- edges of the GPU path (issue 20) ---------------------------------------------------------
+def T(*shape, dtype=torch.float16):
+    return torch.randn(*shape, dtype=dtype)
+
+
+def test_size1_last_dim_keeps_stride_1():
+    """A (2,8,64,1) mask was declared with strides (64,16,1,128); cuDNN requires stride 1 there."""
+    assert canonical_strides((2, 8, 64, 1), (512, 64, 1, 1)) == (512, 64, 1, 1)
+    assert canonical_strides((2, 1, 64, 1), (64, 64, 1, 1))[-1] == 1
+    assert canonical_strides((2, 8, 1, 64), (512, 64, 64, 1)) == (512, 64, 1024, 1)  # the extent, outermost
+
+
+def test_key_length_1_mask_is_claimed_and_exact(fresh_cache):
+    q, k, v = T(2, 8, 64, 64), T(2, 8, 1, 64), T(2, 8, 1, 64)
+    mask = T(2, 8, 64, 1)
+    # claimed for inference; a backward with key length 1 is declined (cudnn_rules.BACKWARD_KEY_LENGTH_1)
+    assert tcs.explain(q, k, v, mask, executor="cudnn_safe_emulated", need_stats=False) == []
+    out, _ = tcs.emulated_ex.dispatcher.forward(q, k, v, mask)
+    fwd = [g.key for g in tcs.cached_graphs() if not isinstance(g.key, BackwardKey)]
+    assert fwd and fwd[-1].bias.stride[-1] == 1
+    assert (
+        out.float() - F.scaled_dot_product_attention(q.float(), k.float(), v.float(), mask.float())
+    ).abs().max() < 1e-2
+    assert tcs.cache_info().fallbacks == 0
+
+
+@pytest.mark.parametrize("grad_layout", ["expanded", "zero_stride"])
+def test_copied_grad_out_gets_o_exact_strides(grad_layout, fresh_cache):
+    """A batch-broadcast grad_out used to be copied "like" itself: heads outermost, batch innermost."""
+    runtime = tcs.emulated_ex.runtime
+    bound = []
+    real = runtime.execute
+    runtime.execute = lambda built, pack: bound.append(dict(pack)) or real(built, pack)
+    try:
+        disp = tcs.emulated_ex.dispatcher
+        q, k, v = (T(2, 4, 8, 64).transpose(1, 2).contiguous().transpose(1, 2) for _ in range(3))
+        out, stats = disp.forward(q, k, v)
+        g = GRAD_OUT_LAYOUTS[grad_layout](tuple(out.shape), torch.float16)
+        disp.backward(g, q, k, v, None, 0.0, False, out, stats, None, None)
+    finally:
+        del runtime.execute
+    d_o, o = bound[-1][Uid.DO], bound[-1][Uid.O]
+    assert d_o.stride() == o.stride(), (d_o.stride(), o.stride())
+    assert torch.equal(d_o, g)

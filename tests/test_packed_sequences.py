@@ -4,10 +4,20 @@ Checked three ways, as the other mask patterns are: recognition (exact, property
 packings are recognized with their lengths, one perturbed element is not), the graph the dispatcher
 builds (ragged, padded, no bias; one graph for varying packings), and the numbers (forward and every
 gradient through the emulated runtime, which reads memory through the ragged offsets, against
-float64 eager with the mask as given).
+float64 eager with the mask as given). Also the defects an adversarial review of packed sequences found,
+each reproduced.
+
+The ``gpu``-marked tests at the end run the variable-length graphs on real cuDNN against float64 eager,
+and time them against the same call run as a bias (``scripts/gpu_check.sh``'s packed step runs them).
+Self-check without a GPU: ``THUNDER_CUDNN_SAFE_GPU_TESTS_EMULATE=1 python -m pytest --noconftest -m gpu
+tests/test_packed_sequences.py`` runs the same code on CPU through the emulated runtime (not cuDNN);
+the flag changes only those tests.
 """
 
 from __future__ import annotations
+
+import os
+import time
 
 import pytest
 import torch
@@ -23,6 +33,8 @@ from thunder_cudnn_safe.documents import recognize_documents
 from thunder_cudnn_safe.emulation import EmulatedRuntime
 from thunder_cudnn_safe.graphs import Uid
 from thunder_cudnn_safe.keys import BackwardKey, ForwardKey
+from thunder_cudnn_safe.patterns import pattern_of
+from thunder_cudnn_safe.testing import assert_close_to_reference
 
 
 def packed(lens, tokens, causal=True, window=None):
@@ -483,3 +495,199 @@ def test_more_than_32768_documents_decline_to_the_bias_not_a_grid_crash():
     disp.runtime._build_one = lambda key, impl: built.append(key)  # never reached: the gate refuses first
     assert varlen_dispatch.run(disp, ForwardCall(q, q, q, p)) is None
     assert built == [] and varlen_dispatch.varlen_info() == {"declined: GRID_65535 (key gate)": 1}
+
+
+# -- defects an adversarial review found (issue 30), each reproduced ------------------------------
+def test_a_finite_lowest_masked_tail_is_not_outside_the_documents():
+    """A float mask whose tail rows are masked with finfo.min (not -inf) is not dead in eager: its scores
+    tie and eager averages V. The varlen path writes 0 there, so such a mask must stay a bias."""
+    keep = rows([[4, 3], [2, 2, 2]], 12)
+    mask = torch.zeros(keep.shape, dtype=torch.bfloat16).masked_fill(~keep, torch.finfo(torch.bfloat16).min)
+    assert recognize_documents(mask, 2, 12, 12) is None
+    assert pattern_of(mask.clone(), 2, 12, 12) is None
+    q, k, v = _qkv(2, 2, 2, 12)
+    disp = _dispatcher()
+    out, _ = disp.forward(q, k, v, mask, 0.0, False)
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask.double())
+    assert ref[0, :, 7:].abs().max() > 0.05  # eager: the mean of V, not 0
+    assert (out.double() - ref).abs().max() < 2e-2
+    # the same tail masked with -inf is dead (eager's safe softmax: 0) and stays documents
+    assert recognize_documents(mask.masked_fill(~keep, float("-inf")), 2, 12, 12) is not None
+
+
+def test_recognition_takes_one_host_sync_for_every_mask(monkeypatch):
+    """Documents are checked in the same host sync as today's patterns (issue 30: no more syncs than they
+    take): a document mask, a causal mask and a bias each cost one device-to-host read, documents still
+    recognized only where no other pattern holds."""
+    from thunder_cudnn_safe import patterns
+
+    reads = []
+    for name in ("tolist", "item", "__bool__", "__int__", "__index__", "__float__"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *a, _original=original, _name=name, **kw):
+            reads.append(_name)
+            return _original(self, *a, **kw)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    causal = torch.ones(12, 12, dtype=torch.bool).tril()
+    cases = {
+        "documents+causal": rows([[4, 3, 5], [6, 6]], 12),
+        "causal": causal[None, None].expand(2, 1, 12, 12),
+        "bias": torch.rand(2, 1, 12, 12) > 0.5,
+    }
+    for want, mask in cases.items():
+        reads.clear()
+        verdict = patterns._recognize(mask.clone(), 2, 12, 12)
+        assert (verdict if isinstance(verdict, str) else verdict.name) == want
+        assert len(reads) == 1, (want, reads)
+
+
+def test_a_backward_past_the_dq_accumulator_is_refused_by_the_emulation():
+    """cuDNN sizes the backward's fp32 dQ accumulator for max_total_seq_len_q tokens of dQ's declared layout:
+    a graph whose max_total is smaller than the tokens its offsets reach would write out of bounds on a GPU.
+    The emulation used to ignore max_total (any value ran); it now refuses it, as the storage bound is."""
+    from thunder_cudnn_safe import calls, errors, planner, varlen
+
+    disp = _dispatcher()
+    mask = rows([[4, 3, 5], [6, 6]], 12)
+    q, k, v = _qkv(2, 2, 2, 12)
+    call = planner.with_mask_pattern(calls.ForwardCall(q, k, v, mask))
+    target = disp.runtime.target(q.device)
+    fwd = varlen.bind_forward(call, target)
+    disp.runtime.execute(disp.cache.get_or_build(fwd.key, disp.runtime.build), fwd.pack)
+    out, stats = fwd.outputs
+    bcall = calls.BackwardCall(torch.ones_like(out), q, k, v, call.attn_mask, 0.0, False, out, stats, None, None)
+    good = varlen.bind_backward(bcall, target)
+    disp.runtime.execute(disp.cache.get_or_build(good.key, disp.runtime.build), good.pack)  # B*T = 24: fits
+    bad = varlen.bind_backward(bcall, target)
+    short = bad.key._replace(ragged=bad.key.ragged._replace(max_total=20))  # row 1's documents end at token 24
+    with pytest.raises(errors.EmulationError, match="accumulator"):
+        disp.runtime.execute(disp.cache.get_or_build(short, disp.runtime.build), bad.pack)
+
+
+# -- on real cuDNN (gpu; emulated with THUNDER_CUDNN_SAFE_GPU_TESTS_EMULATE=1) -----------------------
+#: THUNDER_CUDNN_SAFE_GPU_TESTS_EMULATE=1: the gpu-marked tests below run on CPU with the emulated executor
+#: (run them with --noconftest, whose GPU skip would otherwise apply); the other tests of this file ignore it.
+EMULATE = os.environ.get("THUNDER_CUDNN_SAFE_GPU_TESTS_EMULATE") == "1"
+needs_gpu = pytest.mark.skipif(not EMULATE and not torch.cuda.is_available(), reason="needs a CUDA GPU with cuDNN")
+DEVICE, EXECUTOR = ("cpu", tcs.emulated_ex) if EMULATE else ("cuda", tcs.cudnn_safe_ex)
+
+
+def _gpu_mask(lens_per_row, tokens, window=None, causal=True):
+    """Documents of ``lens`` per row; tokens past the last document are in none (eager gives them 0)."""
+    out = []
+    for lens in lens_per_row:
+        doc = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+        doc = torch.cat([doc, torch.full((tokens - len(doc),), -1)])
+        i, j = torch.arange(tokens)[:, None], torch.arange(tokens)[None, :]
+        keep = (doc[:, None] == doc[None, :]) & (doc[:, None] >= 0)
+        if causal:
+            keep &= j <= i
+        if window is not None:
+            keep &= i - j < window
+        out.append(keep)
+    return torch.stack(out)[:, None].to(DEVICE)
+
+
+def _gpu_step(disp, q, k, v, mask, d_o, **options):
+    out, stats = disp.forward(q, k, v, mask, 0.0, False, enable_gqa=q.shape[1] != k.shape[1], **options)
+    grads = disp.backward(d_o, q, k, v, mask, 0.0, False, out, stats, None, None, **options)
+    if options.get("cat_grad_qkv"):
+        (fused,) = grads
+        grads = fused.split([q.shape[1], k.shape[1], v.shape[1]], dim=1)
+    return (out, *grads)
+
+
+def _expected_backward(lens_per_row, causal) -> str:
+    """What varlen_info() must show for the backward: run variable-length, or the one rule the key gate applies
+    on this GPU (HOPPER_BACKWARD_KV_TAIL_NAN: non-causal documents bucketed to a key length of 64, sm90, < 9.26)."""
+    from thunder_cudnn_safe import cudnn_rules, varlen
+
+    target = EXECUTOR.runtime.target(torch.device(DEVICE))
+    s = varlen.bucket(max(max(lens) for lens in lens_per_row), varlen.MIN_S_BUCKET)
+    if not causal and s % 128 == 64 and cudnn_rules.HOPPER_BACKWARD_KV_TAIL_NAN.holds(target):
+        return "declined: HOPPER_BACKWARD_KV_TAIL_NAN (key gate)"
+    return "backward"
+
+
+GPU_CASES = {  # name: (documents per row given T, window, causal, query/KV heads, options)
+    "causal, GQA": (lambda t: [[100, 60, t - 160], [t // 2, t // 4, t // 4]], None, True, (8, 2), {}),
+    "window, GQA": (lambda t: [[100, 60, t - 160], [t // 2, t // 4, t // 4]], 64, True, (8, 2), {}),
+    "tokens outside every document": (lambda t: [[100, 60], [t // 4, t // 4]], None, True, (8, 8), {}),
+    "non-causal": (lambda t: [[t // 2, t // 2 - 40], [t - 16]], None, False, (8, 2), {}),
+    "documents of 64 tokens or fewer, causal": (lambda t: [[64, 40, 33, 17, 1], [64] * 3], None, True, (4, 4), {}),
+    "documents of 64 tokens or fewer, non-causal": (lambda t: [[64, 40, 33, 17], [60, 64]], None, False, (4, 4), {}),
+    "fused dQKV, equal heads": (lambda t: [[100, t - 100], [t]], None, True, (4, 4), {"cat_grad_qkv": True}),
+    "fused dQKV, GQA": (lambda t: [[100, t - 100], [t]], None, True, (8, 2), {"cat_grad_qkv": True}),
+    "deterministic backward": (lambda t: [[100, t - 100], [t // 2] * 2], None, True, (8, 2), {"deterministic": True}),
+}
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("case", list(GPU_CASES))
+def test_packed_step_on_cudnn_matches_eager(case):
+    documents, window, causal, (hq, hkv), options = GPU_CASES[case]
+    tokens = 256 if EMULATE else 2048
+    lens = documents(tokens)
+    mask = _gpu_mask(lens, tokens, window, causal)
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+
+    def tokens_major(heads):
+        return torch.randn(2, tokens, heads, 64, generator=g, device=DEVICE, dtype=torch.bfloat16).transpose(1, 2)
+
+    q, k, v, d_o = tokens_major(hq), tokens_major(hkv), tokens_major(hkv), tokens_major(hq)
+    disp = EXECUTOR.dispatcher
+    tcs.clear_cache()
+    varlen_dispatch.reset_varlen_info()
+    ours = _gpu_step(disp, q, k, v, mask, d_o, **options)
+    info = varlen_dispatch.varlen_info()
+    assert info == {"forward": 1, _expected_backward(lens, causal): 1}, info
+    assert tcs.cache_info().builds > 0 and tcs.cache_info().fallbacks == 0, tcs.cache_info()
+    if options.get("deterministic"):
+        assert any(getattr(gr.key, "deterministic", False) and gr.key.ragged for gr in tcs.cached_graphs())
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    leaves64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    gqa = hq != hkv
+    eager = F.scaled_dot_product_attention(*leaves, attn_mask=mask, enable_gqa=gqa)
+    ref = F.scaled_dot_product_attention(*leaves64, attn_mask=mask, enable_gqa=gqa)
+    eager_grads = torch.autograd.grad(eager, leaves, d_o)
+    ref_grads = torch.autograd.grad(ref, leaves64, d_o.double())
+    for name, a, e, r in zip(("out", "dq", "dk", "dv"), ours, (eager, *eager_grads), (ref, *ref_grads), strict=True):
+        assert_close_to_reference(a, e, r, name)
+    outside = (mask[:, 0].sum(-1) == 0)[:, None, :, None]  # tokens in no document: exactly 0 everywhere
+    for t in ours:
+        assert not t.masked_select(outside.expand(t.shape[0], t.shape[1], -1, t.shape[3])).any()
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_packed_step_against_the_bias_path_timing():
+    """Timing only where a GPU runs it (the emulation's timing means nothing): 8 documents in T = 4096.
+    Reported as a ratio (speed is the benchmarks' to judge, never asserted by a timed test)."""
+    if EMULATE:
+        pytest.skip("timing needs a GPU")
+    tokens, docs = 4096, 8
+    mask = _gpu_mask([[tokens // docs] * docs], tokens)
+    q, k, v, d_o = (
+        torch.randn(1, tokens, h, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for h in (32, 8, 8, 32)
+    )
+    disp = EXECUTOR.dispatcher
+
+    def timed(patterns_on: bool) -> float:
+        with tcs.config.patch(mask_patterns=patterns_on):
+            for _ in range(2):
+                _gpu_step(disp, q, k, v, mask.clone(), d_o)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(5):
+                _gpu_step(disp, q, k, v, mask, d_o)
+            torch.cuda.synchronize()
+            return (time.perf_counter() - start) / 5
+
+    bias, var = timed(False), timed(True)
+    print(  # shown with -s, and in gpu_check.sh's log
+        f"packed T={tokens}, {docs} docs, H 32/8, D 128: varlen {var * 1e3:.2f} ms vs bias {bias * 1e3:.2f} ms "
+        f"({bias / var:.2f}x)"
+    )

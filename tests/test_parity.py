@@ -5,7 +5,7 @@ import logging
 import pytest
 import thunder
 import torch
-from checks import jit_sdpa, on_the_runtime, run_and_check
+from checks import assert_claimed, jit_sdpa, on_the_runtime, run_and_check
 
 import thunder_cudnn_safe as tcs
 from thunder_cudnn_safe import graphs
@@ -27,6 +27,7 @@ def test_fused_dqkv_gradients_right(option, fresh_cache):
 def test_fused_dqkv_buffer_is_shared_and_declared_with_slice_strides():
     disp = Dispatcher(EmulatedRuntime(), GraphCache(8))
     q, k, v = (torch.randn(2, 4, 16, 64, dtype=torch.float16) for _ in range(3))
+    assert_claimed(q, k, v, cat_grad_qkv=True, runtime=disp.runtime)
     out, stats = disp.forward(q, k, v)
     (grad_qkv,) = disp.backward(
         torch.randn_like(out), q, k, v, None, 0.0, False, out, stats, None, None, cat_grad_qkv=True
@@ -42,6 +43,7 @@ def test_fused_dqkv_buffer_is_shared_and_declared_with_slice_strides():
 def test_fused_dqkv_matches_unfused():
     disp = Dispatcher(EmulatedRuntime(), GraphCache(8))
     q, k, v = (torch.randn(2, 4, 16, 64, dtype=torch.float16) for _ in range(3))
+    assert_claimed(q, k, v, cat_grad_qkv=True, runtime=disp.runtime)
     with on_the_runtime(disp.cache):  # the fallback's fused and separate gradients agree too
         out, stats = disp.forward(q, k, v)
         g = torch.randn_like(out)
@@ -90,7 +92,9 @@ def test_expanded_kv_head_forward_declares_one_head_without_copy(fresh_cache):
     b, h, s, d = 2, 8, 16, 64
     q, k, v = QKV_LAYOUTS["kv_broadcast_head"](b, h, s, s, d, d, torch.float16)
     disp = tcs.emulated_ex.dispatcher
-    disp.forward(q.detach(), k.detach(), v.detach())
+    assert_claimed(q, k, v)
+    with on_the_runtime():
+        disp.forward(q.detach(), k.detach(), v.detach())
     key = tcs.cache.graph_cache.keys()[-1]
     assert key.k.shape == (b, 1, s, d) and key.v.shape == (b, 1, s, d)
     assert tcs.copy_stats().bytes_copied == 0

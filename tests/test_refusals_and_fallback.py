@@ -1,112 +1,64 @@
-"""What happens when a runtime refuses or fails: each case a review of the GPU path found.
+"""What happens when a runtime refuses or fails, and the torch fallback that then computes the call.
 
-* A dropout forward runs in cuDNN only if cuDNN also builds its backward (else both fall
-  back and agree); a refused backward retries with dO in O's layout.
-* A copied grad_out gets O's exact strides.
-* Dropout seeds are drawn on the device (capture-safe, the CPU stream untouched).
-* A transient build failure is retried; only cuDNN's definitive refusals are remembered.
+* A refusal (at build or at execution, forward or backward) falls back with the right numbers and
+  warns once per key.
+* A transient build failure is retried; only cuDNN's definitive refusals are remembered. A forward
+  refused with the frontend's choice is retried with the composite implementation first.
 * An execution crash propagates naming the key; a not-supported refusal falls back.
+* The fallback computes a call sent to it for a too-large bias a few batch elements at a time.
+
+(Dropout's refusals: tests/test_dropout.py.)
 """
 
 from __future__ import annotations
 
+import logging
+
 import checks
 import pytest
 import torch
+import torch.nn.functional as F
+from checks import jit_sdpa, run_and_check
 
 import thunder_cudnn_safe as tcs
 from thunder_cudnn_safe.errors import ExecuteError, GraphBuildError
-from thunder_cudnn_safe.graphs import Uid
-from thunder_cudnn_safe.keys import BackwardKey
-from thunder_cudnn_safe.recipes import rng_tensors
-from thunder_cudnn_safe.reference import dropout_keep_mask
+from thunder_cudnn_safe.keys import BackwardKey, ForwardKey
 from thunder_cudnn_safe.runtime import BuiltGraph, execute_graph
-from thunder_cudnn_safe.telemetry import CopyReason
-from thunder_cudnn_safe.testing import GRAD_OUT_LAYOUTS
+from thunder_cudnn_safe.testing import QKV_LAYOUTS
 
 
 def T(*shape, dtype=torch.float16):
     return torch.randn(*shape, dtype=dtype)
 
 
-def _dropout_reference_grads(q, k, v, g, seed, offset, p):
-    keep = dropout_keep_mask(
-        int(seed.item()), int(offset.item()), (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), p, q.device
-    )
-    ref = [t.double().requires_grad_() for t in (q, k, v)]
-    o = (torch.softmax(ref[0] @ ref[1].transpose(-1, -2) / q.shape[-1] ** 0.5, -1) * keep / (1 - p)) @ ref[2]
-    return o, torch.autograd.grad(o, ref, g.double())
+# -- a refusal falls back -----------------------------------------------------------------------
+@pytest.mark.parametrize("where", ["build", "execute"])
+@pytest.mark.parametrize("phase", ["forward", "backward", "both"])
+def test_runtime_refusal_falls_back_correctly_and_warns_once(where, phase, caplog, fresh_cache):
+    kinds = {"forward": (ForwardKey,), "backward": (BackwardKey,), "both": (ForwardKey, BackwardKey)}[phase]
+    calls = []
+
+    def refuse(key):
+        calls.append(type(key).__name__)
+        return "no engine for this layout (injected)" if isinstance(key, kinds) else None
+
+    q, k, v = QKV_LAYOUTS["bshd_transposed"](2, 4, 16, 16, 64, 64, torch.float16)
+    jf = jit_sdpa()
+    with caplog.at_level(logging.WARNING, logger="thunder_cudnn_safe"), checks.inject_failures(**{where: refuse}):
+        for _ in range(3):
+            run_and_check(jf, q, k, v, torch.randn(2, 4, 16, 64, dtype=torch.float16), allow_fallback=True)
+    info = tcs.cache_info()
+    per_step = len(kinds)
+    assert info.fallbacks == 3 * per_step, info
+    warned = [r for r in caplog.records if "refused an attention graph" in r.getMessage()]
+    assert len(warned) == per_step, "one warning per distinct key"
+    if where == "build":
+        assert info.build_failures == per_step and info.negative_hits == 2 * per_step, "failed builds are not retried"
+        refused_attempts = sum(1 for c in calls if c in {k.__name__ for k in kinds})
+        assert refused_attempts == per_step
 
 
-def test_dropout_forward_falls_back_when_cudnn_refuses_its_backward(fresh_cache):
-    """L = S = 1 with dropout: cuDNN takes the forward, refuses the backward. The forward used to run
-    in cuDNN, and the backward then raised (the fallback cannot reproduce cuDNN's mask)."""
-    disp = tcs.emulated_ex.dispatcher
-    q, k, v = (T(1, 2, 8, 64) for _ in range(3))
-    with checks.inject_failures(build=lambda key: "no backward" if isinstance(key, BackwardKey) else None):
-        out, stats, seed, offset = disp.forward(q, k, v, None, 0.3125, False)
-        g = torch.randn_like(out)
-        dq, dk, dv = disp.backward(g, q, k, v, None, 0.3125, False, out, stats, seed, offset)
-    o, ref = _dropout_reference_grads(q, k, v, g, seed, offset, 0.3125)
-    assert (out.double() - o).abs().max() < 2e-2
-    for a, b in zip((dq, dk, dv), ref):
-        assert (a.double() - b).abs().max() < 2e-2
-    assert tcs.cache_info().fallbacks == 2  # the forward and its backward, nothing else
-
-
-def test_refused_dropout_backward_retries_with_grad_out_in_o_layout(fresh_cache):
-    """The forward ran in cuDNN; cuDNN refuses the backward for a transposed dO but builds it with dO
-    in O's layout (the graph the forward checked): one dO copy, no fallback, no error."""
-    disp = tcs.emulated_ex.dispatcher
-    q, k, v = (T(2, 2, 8, 64) for _ in range(3))
-    out, stats, seed, offset = disp.forward(q, k, v, None, 0.1875, False)
-    g = GRAD_OUT_LAYOUTS["transposed"](tuple(out.shape), torch.float16)
-    refuse = lambda key: "dO layout" if isinstance(key, BackwardKey) and key.d_o != key.o else None  # noqa: E731
-    with checks.inject_failures(build=refuse):
-        dq, dk, dv = disp.backward(g, q, k, v, None, 0.1875, False, out, stats, seed, offset)
-    assert tcs.cache_info().fallbacks == 0
-    assert ("grad_out", CopyReason.DO_REFUSED) in tcs.copy_stats().by_reason
-    _, ref = _dropout_reference_grads(q, k, v, g, seed, offset, 0.1875)
-    for a, b in zip((dq, dk, dv), ref):
-        assert (a.double() - b).abs().max() < 2e-2
-
-
-@pytest.mark.parametrize("grad_layout", ["expanded", "zero_stride"])
-def test_copied_grad_out_gets_o_exact_strides(grad_layout, fresh_cache):
-    """A batch-broadcast grad_out used to be copied "like" itself: heads outermost, batch innermost."""
-    runtime = tcs.emulated_ex.runtime
-    bound = []
-    real = runtime.execute
-    runtime.execute = lambda built, pack: bound.append(dict(pack)) or real(built, pack)
-    try:
-        disp = tcs.emulated_ex.dispatcher
-        q, k, v = (T(2, 4, 8, 64).transpose(1, 2).contiguous().transpose(1, 2) for _ in range(3))
-        out, stats = disp.forward(q, k, v)
-        g = GRAD_OUT_LAYOUTS[grad_layout](tuple(out.shape), torch.float16)
-        disp.backward(g, q, k, v, None, 0.0, False, out, stats, None, None)
-    finally:
-        del runtime.execute
-    d_o, o = bound[-1][Uid.DO], bound[-1][Uid.O]
-    assert d_o.stride() == o.stride(), (d_o.stride(), o.stride())
-    assert torch.equal(d_o, g)
-
-
-def test_dropout_seed_is_drawn_on_the_device_not_from_the_cpu_stream():
-    """Seed and offset used to come from the CPU generator as Python ints (baked into CUDA graphs,
-    and shifting the user's CPU random stream)."""
-    torch.manual_seed(7)
-    expected = torch.rand(4)
-    torch.manual_seed(7)
-    seed, offset = rng_tensors(torch.device("meta"))
-    assert torch.equal(torch.rand(4), expected)
-    assert seed.dtype == offset.dtype == torch.int64 and seed.shape == (1, 1, 1, 1)
-    torch.manual_seed(3)
-    a = rng_tensors(torch.device("cpu"))
-    torch.manual_seed(3)
-    b = rng_tensors(torch.device("cpu"))
-    assert all(torch.equal(x, y) for x, y in zip(a, b)), "torch.manual_seed must keep runs repeatable"
-
-
+# -- transient failures are retried, definitive refusals remembered ------------------------------
 def test_transient_build_failure_is_retried_not_remembered(fresh_cache):
     """An out-of-memory while building plans used to pin the key to the fallback for the process."""
     disp = tcs.emulated_ex.dispatcher
@@ -144,6 +96,49 @@ def test_definitive_refusal_is_remembered_at_once(fresh_cache):
     assert info.build_failures == 1 and info.negative_hits == 2, info
 
 
+def test_definitive_refusal_classification():
+    cudnn = pytest.importorskip("cudnn")
+    from thunder_cudnn_safe.runtime import is_definitive_refusal
+
+    class Graph:
+        _backend_declined = RuntimeError("CUDA driver error: out of memory")
+
+    refusal = cudnn.cudnnGraphNotSupportedError("no engine proposed a plan")
+    assert is_definitive_refusal(refusal) and is_definitive_refusal(ValueError("bad dim"))
+    assert not is_definitive_refusal(refusal, Graph()), "frontend 1.32 wraps a lowering CUDA error in the refusal type"
+    assert not is_definitive_refusal(RuntimeError("CUDA error")) and not is_definitive_refusal(torch.OutOfMemoryError())
+
+
+def test_cudnn_runtime_turns_any_build_refusal_into_graph_build_error():
+    """Whatever real cuDNN raises while building (here: no GPU at all) reaches the dispatcher as GraphBuildError."""
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    from thunder_cudnn_safe.cache import GraphBuildError
+    from thunder_cudnn_safe.keys import Target, sig
+    from thunder_cudnn_safe.runtime import CudnnRuntime
+
+    q = torch.empty(1, 2, 8, 64, dtype=torch.float16)
+    st = torch.empty(1, 2, 8, 1)
+    key = ForwardKey(
+        sig(q),
+        sig(q),
+        sig(q),
+        sig(q),
+        sig(st),
+        None,
+        None,
+        None,
+        False,
+        0.0,
+        0.125,
+        "preserve",
+        Target("cudnn", 0, (9, 0), 91900, "1.32.0"),
+    )
+    with pytest.raises(GraphBuildError, match="cuDNN could not build this graph"):
+        CudnnRuntime().build(key)
+
+
+# -- execution crashes ---------------------------------------------------------------------------
 class _FakeGraph:
     def __init__(self, exc):
         self.exc = exc
@@ -172,6 +167,7 @@ def test_dispatcher_propagates_an_execution_crash(fresh_cache):
     assert tcs.cache_info().fallbacks == 0
 
 
+# -- the implementation ladder, and the frontend's own warning -----------------------------------
 def test_forward_refused_with_the_frontend_choice_retries_composite_and_records_it(fresh_cache):
     """The implementation ladder: a forward refused with the frontend's choice (e.g. no engine for
     "unified" on some GPU) is built with the composite implementation before any fallback."""
@@ -240,14 +236,44 @@ def test_frontend_refusal_warning_is_not_repeated(caplog):
     )
 
 
-def test_definitive_refusal_classification():
-    cudnn = pytest.importorskip("cudnn")
-    from thunder_cudnn_safe.runtime import is_definitive_refusal
+# -- the fallback, in batch chunks ----------------------------------------------------------------
+@pytest.mark.parametrize("case", ["bool mask", "batch-broadcast dBias", "dropout"])
+def test_the_fallback_computes_a_few_batch_elements_at_a_time(case, fresh_cache, monkeypatch):
+    """A call sent to the fallback because its bias was too large for cuDNN must not need several times that
+    in float32: it is computed in batch chunks, with the same numbers (a dBias broadcast over the batch
+    summed over the chunks, dropout's keep-mask drawn once for the whole call)."""
+    import checks
 
-    class Graph:
-        _backend_declined = RuntimeError("CUDA driver error: out of memory")
+    from thunder_cudnn_safe import fallback
 
-    refusal = cudnn.cudnnGraphNotSupportedError("no engine proposed a plan")
-    assert is_definitive_refusal(refusal) and is_definitive_refusal(ValueError("bad dim"))
-    assert not is_definitive_refusal(refusal, Graph()), "frontend 1.32 wraps a lowering CUDA error in the refusal type"
-    assert not is_definitive_refusal(RuntimeError("CUDA error")) and not is_definitive_refusal(torch.OutOfMemoryError())
+    disp = tcs.emulated_ex.dispatcher
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(4, 2, 16, 64, generator=g).bfloat16() for _ in range(3))
+    grad_out = torch.randn(4, 2, 16, 64, generator=g).bfloat16()
+    p = 0.25 if case == "dropout" else 0.0
+    if case == "batch-broadcast dBias":
+        mask = torch.randn(1, 2, 16, 16, generator=g).bfloat16()
+    else:
+        mask = torch.rand(4, 1, 16, 16, generator=g) > 0.3
+    mask_grad = case == "batch-broadcast dBias"
+
+    def run():
+        torch.manual_seed(0)  # the same dropout seed in both runs
+        with checks.inject_failures(build=lambda key: "refused"):
+            out, stats, *rng = disp.forward(q, k, v, mask, p, False)
+            seed, offset = rng if rng else (None, None)
+            grads = disp.backward(grad_out, q, k, v, mask, p, False, out, stats, seed, offset, mask_grad=mask_grad)
+        return (out, *grads)
+
+    whole = run()
+    monkeypatch.setattr(fallback, "CHUNK_SCORES", 2 * 16 * 16)  # one batch element per chunk
+    assert len(fallback._chunks({fallback.Uid.Q: q, fallback.Uid.K: k})) == 4
+    tcs.clear_cache()
+    chunked = run()
+    for a, b in zip(whole, chunked):
+        assert torch.allclose(a.float(), b.float(), atol=1e-2, rtol=1e-2), case
+    if not p:
+        ref = F.scaled_dot_product_attention(
+            q.double(), k.double(), v.double(), attn_mask=mask.double() if mask_grad else mask
+        )
+        assert (chunked[0].double() - ref).abs().max() < 2e-2

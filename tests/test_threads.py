@@ -15,10 +15,12 @@ import weakref
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from thunder_cudnn_safe import emulation
 from thunder_cudnn_safe.cache import GraphCache
 from thunder_cudnn_safe.dispatch import Dispatcher
+from thunder_cudnn_safe.emulation import EmulatedRuntime
 from thunder_cudnn_safe.per_thread import PerThread
 from thunder_cudnn_safe.testing import assert_close_to_reference
 
@@ -316,3 +318,70 @@ def test_a_transient_failure_of_another_threads_copy_is_retried(monkeypatch):
         grads = autograd_thread.submit(disp.backward, g, q, k, v, None, 0.25, True, out, stats, seed, offset).result()
     assert failures == [] and disp.cache.info().fallbacks == 0
     assert all(torch.isfinite(t).all() for t in grads)
+
+
+# -- eight threads, one build per key; handles per thread and device ----------------------------
+def test_eight_threads_forward_backward_one_build_per_key(figure):
+    cache = GraphCache(64)
+    runtime = EmulatedRuntime()
+    disp = Dispatcher(runtime, cache)
+    builds: dict = {}
+    lock = threading.Lock()
+    real_build = runtime.build
+
+    def counting_build(key):
+        with lock:
+            builds[key] = builds.get(key, 0) + 1
+        return real_build(key)
+
+    runtime.build = counting_build
+    errors = []
+    barrier = threading.Barrier(8)
+
+    def worker(i):
+        try:
+            shared = i % 2 == 0
+            torch.manual_seed(i)
+            s = 16 if shared else 16 + 8 * i
+            q, k, v = (torch.randn(1, 2, s, 64, dtype=torch.float16) for _ in range(3))
+            barrier.wait()
+            for _ in range(5):
+                out, stats = disp.forward(q, k, v)
+                g = torch.randn_like(out)
+                dq, dk, dv = disp.backward(g, q, k, v, None, 0.0, False, out, stats, None, None)
+                ref = [t.double().requires_grad_() for t in (q, k, v)]
+                o = F.scaled_dot_product_attention(*ref)
+                rq, rk, rv = torch.autograd.grad(o, ref, g.double())
+                eager = [t.detach().requires_grad_() for t in (q, k, v)]
+                eo = F.scaled_dot_product_attention(*eager)
+                eq, ek, ev = torch.autograd.grad(eo, eager, g)
+                assert_close_to_reference(out, eo, o, f"thread {i} out")
+                for name, a, e, r in (("dq", dq, eq, rq), ("dk", dk, ek, rk), ("dv", dv, ev, rv)):
+                    assert_close_to_reference(a, e, r, f"thread {i} {name}")
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert set(builds.values()) == {1}, f"builds per key: {sorted(builds.values())}"
+    assert len(builds) == 2 * (1 + 4), f"{len(builds)} keys (1 shared + 4 distinct shapes, fwd and bwd)"
+    figure(
+        f"threads: 8 threads x 5 fwd+bwd steps, {len(builds)} keys, builds per key {sorted(set(builds.values()))}, "
+        f"0 errors, every output and gradient within the accuracy rule"
+    )
+
+
+def test_cudnn_handles_are_per_thread_and_device():
+    from thunder_cudnn_safe.handles import HandlePool
+
+    pool = HandlePool(lambda device: object())
+    mine, theirs = {0: pool.get(0), 1: pool.get(1)}, []
+    assert mine[0] is not mine[1] and pool.get(0) is mine[0]
+    t = threading.Thread(target=lambda: theirs.append(pool.get(0)))
+    t.start()
+    t.join()
+    assert theirs[0] is not mine[0], "another thread must not get this thread's handle"

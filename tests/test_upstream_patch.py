@@ -1,21 +1,46 @@
-"""What the patched thunder cuDNN SDPA module declares and computes, on the emulated cuDNN (CPU).
+"""upstream/cudnn_sdpa.patch, the fix proposed to thunder's own cuDNN SDPA executor: it applies, what the patched
+module declares and computes on the emulated cuDNN, and thunder's regression test for it.
 
-Thunder's ``cudnn_sdpa.py`` (the installed one: 0.2.6 or main) is patched with
-upstream/cudnn_sdpa.patch on a temporary copy; the unpatched and patched copies are
-loaded under private names. With the GPU-only calls stubbed, their real frontend graphs
-are inspected, and ``graph.execute`` is served by :func:`thunder_cudnn_safe.emulation.emulate`,
-which reads every bound tensor through the dims/strides/dtype *declared* in the graph,
-as cuDNN does. Each fix must hold with the patch and each bug must show without it:
+**It applies**, with ``git apply`` and with ``patch``, to each thunder it targets. The patch is made against
+lightning-thunder main and must also apply to 0.2.6. Checked here against the installed thunder (whichever
+it is) and against main's file when main is installed or given as a wheel
+(``upstream_patch_support.main_thunder_file``; the main tests skip, saying how to get it, otherwise);
+always on a temporary copy, never on site-packages.
+
+**The patched module on the emulated cuDNN (CPU).** Thunder's ``cudnn_sdpa.py`` (the installed one: 0.2.6
+or main) is patched on a temporary copy; the unpatched and patched copies are loaded under private names.
+With the GPU-only calls stubbed, their real frontend graphs are inspected, and ``graph.execute`` is served
+by :func:`thunder_cudnn_safe.emulation.emulate`, which reads every bound tensor through the
+dims/strides/dtype *declared* in the graph, as cuDNN does. Each fix must hold with the patch and each bug
+must show without it:
 
 * dO (and O, bias, dBias) declared with the strides of the tensors bound to them;
 * Seed/Offset declared INT64 and allocated int64 (unpatched: declared INT64, bound int32);
 * layouts cuDNN cannot read (misaligned base, non-unit last-dim stride) are copied;
 * frontend >= 1.27 names (``sdpa``/``sdpa_backward``, ``generate_stats``).
+
+**upstream/test_cudnn_sdpa_strides.py**, thunder's regression test for the patch: passes with it, fails
+without. On CPU, the test file is retargeted to CPU tensors and to a copy of the installed thunder's
+cudnn module (unpatched "a", patched "b": see upstream_patch_support) whose checker accepts CPU tensors.
+Everything then runs through ``thunder.jit``, the checker, the real frontend graphs, caching and binding,
+up to ``graph.execute``, which the emulated cuDNN serves. The same holds on thunder 0.2.6 and on main. On
+a GPU, the test file runs as is, against the real cuDNN, with the patched module in place of
+``thunder.executors.cudnn_sdpa``.
+
+The last two need thunder's module to load (it asks libcudnn for its version at import): they carry
+``needs_libcudnn`` and skip, saying why, where it cannot (torch's CPU wheels); the patch still applies there.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import os
+import py_compile
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import thunder.extend
@@ -24,16 +49,104 @@ import torch.nn.functional as F
 from thunder.core import devices, dtypes
 from thunder.core.proxies import TensorProxy
 from thunder.core.trace import detached_trace
-from upstream_patch_support import apply_patch, installed_thunder_file, libcudnn_problem, load_private, stub_gpu_calls
+from upstream_patch_support import (
+    NO_MAIN,
+    UPSTREAM,
+    PatchDoesNotApply,
+    apply_patch,
+    installed_thunder_file,
+    libcudnn_problem,
+    load_private,
+    main_thunder_file,
+    stub_gpu_calls,
+)
 
 import thunder_cudnn_safe  # noqa: F401  (compat steps, then thunder)
 from thunder_cudnn_safe import reference
 from thunder_cudnn_safe.emulation import EmulationError, _torch_dtype_of
 from thunder_cudnn_safe.testing import assert_close_to_reference
 
-cudnn = pytest.importorskip("cudnn")
-pytestmark = pytest.mark.skipif(libcudnn_problem() is not None, reason=str(libcudnn_problem()))
+try:
+    import cudnn  # noqa: F401  (the frontend: thunder's module imports it)
 
+    _NO_FRONTEND = None
+except ImportError as exc:
+    _NO_FRONTEND = f"could not import 'cudnn': {exc}"
+_MODULE_PROBLEM = _NO_FRONTEND or libcudnn_problem()
+#: thunder's cudnn_sdpa.py must load here: the tests of the patched module and of the regression test.
+needs_libcudnn = pytest.mark.skipif(_MODULE_PROBLEM is not None, reason=str(_MODULE_PROBLEM))
+
+
+# == the patch applies ===========================================================================
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture(params=["installed", "main"])
+def thunder_file(request, tmp_path) -> Path:
+    """thunder's cudnn_sdpa.py: the installed one, or main's (installed, or out of a wheel)."""
+    if request.param == "installed":
+        return installed_thunder_file()
+    return _main_file(tmp_path)
+
+
+def _main_file(tmp_path: Path) -> Path:
+    src = main_thunder_file(tmp_path)
+    if src is None:
+        pytest.skip(NO_MAIN)
+    return src
+
+
+@pytest.mark.parametrize("tool", ["git", "patch"])
+def test_patch_applies_and_compiles(thunder_file, tool, tmp_path):
+    if shutil.which(tool) is None:
+        pytest.skip(f"no {tool!r} program")
+    before = _sha256(thunder_file)
+    res = apply_patch(thunder_file, tmp_path / "work", tool=tool)
+    py_compile.compile(str(res.patched), doraise=True)
+    assert _sha256(thunder_file) == before == _sha256(res.original)  # the source is never written
+
+    text = res.patched.read_text()
+    # frontend >= 1.27 names
+    assert "graph.sdpa(" in text and "graph.sdpa_backward(" in text
+    assert "scaled_dot_product_flash_attention_backward(" not in text
+    # dO and dBias get their own declarations
+    assert "dO = graph.tensor_like(output)" not in text and "dBias = graph.tensor_like(Bias)" not in text
+    # Seed/Offset: declared INT64 (as upstream PR #2520 made them), allocated and typed int64
+    assert "cudnn.data_type.INT32\n" not in text and text.count("data_type=cudnn.data_type.INT64") == 4
+    assert "dtype=torch.int32" not in text and "dtypes.int32" not in text
+
+
+def test_git_and_patch_give_the_same_file(thunder_file, tmp_path):
+    if shutil.which("patch") is None:
+        pytest.skip("no 'patch' program")
+    by_git = apply_patch(thunder_file, tmp_path / "git", tool="git")
+    by_patch = apply_patch(thunder_file, tmp_path / "patch", tool="patch")
+    assert by_git.patched.read_bytes() == by_patch.patched.read_bytes()
+
+
+def test_patch_was_made_against_main(tmp_path):
+    """Every hunk applies to main at its stated line (on 0.2.6 the hunks after the checker move by -27 lines)."""
+    res = apply_patch(_main_file(tmp_path), tmp_path / "work", tool="git")
+    assert res.offsets == {}, res.log
+
+
+@pytest.mark.parametrize("tool", ["git", "patch"])
+def test_changed_context_is_refused(tool, tmp_path):
+    """A file whose context no longer matches is refused (no fuzz), and the copy is not half-patched."""
+    if shutil.which(tool) is None:
+        pytest.skip(f"no {tool!r} program")
+    src = tmp_path / "cudnn_sdpa.py"
+    text = installed_thunder_file().read_text()
+    assert text.count("dO = graph.tensor_like(output)") == 1
+    src.write_text(text.replace("dO = graph.tensor_like(output)", "dO = graph.tensor_like(output)  # edited"))
+    with pytest.raises(PatchDoesNotApply):
+        apply_patch(src, tmp_path / "work", tool=tool)
+    if tool == "git":  # git apply is atomic: nothing is written when a hunk fails
+        assert (tmp_path / "work" / "b" / "thunder/executors/cudnn_sdpa.py").read_text() == src.read_text()
+
+
+# == the patched module on the emulated cuDNN =====================================================
 # The diffusers case of the seed issue: grad_out (2, 8, 64, 96) with strides (49152, 96, 768, 1).
 B, H, L, D = 2, 8, 64, 96
 BSHD_STRIDES = (L * H * D, D, H * D, 1)
@@ -52,6 +165,7 @@ def mods(tmp_path_factory):
     return old, new
 
 
+@needs_libcudnn
 def test_loading_the_modules_leaves_thunders_registry_alone(mods):
     import thunder.executors.cudnn_sdpa as real
 
@@ -167,6 +281,7 @@ def _fails_rule(out, grads, refs) -> list[str]:
 # --------------------------------------------------------------------------- declarations
 
 
+@needs_libcudnn
 def test_patched_backward_graph_declares_dO_with_grad_out_strides(mods, stubbed):
     old, new = mods
     q, k, v, g = _diffusers_inputs(torch.float16)
@@ -221,6 +336,7 @@ def test_patched_backward_graph_declares_dO_with_grad_out_strides(mods, stubbed)
     assert len(new._cudnnex_cache) == 2
 
 
+@needs_libcudnn
 @pytest.mark.parametrize("case", ["diffusers", "strided_mask", "dropout"])
 def test_every_bound_tensor_is_declared_as_bound(mods, stubbed, case):
     """Through the real impls, each uid's declared layout equals the bound tensor's only with the patch."""
@@ -243,6 +359,7 @@ def test_every_bound_tensor_is_declared_as_bound(mods, stubbed, case):
     assert any(p.startswith(f"{wanted}:") for p in problems), problems
 
 
+@needs_libcudnn
 def test_checker_builds_graphs_from_proxies(mods, stubbed):
     """At trace time, TensorProxies have no strides: both checkers still build (row-major) graphs."""
     cuda = devices.Device("cuda:0")
@@ -268,6 +385,7 @@ def test_checker_builds_graphs_from_proxies(mods, stubbed):
 # --------------------------------------------------------------------------- numerics on the emulated cuDNN
 
 
+@needs_libcudnn
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_diffusers_case_gradients(mods, stubbed, dtype):
     """The seed bug: transposed grad_out. Patched: within 2x eager's error. Unpatched: far off."""
@@ -284,6 +402,7 @@ def test_diffusers_case_gradients(mods, stubbed, dtype):
     assert (grads_old[0].double() - ref_dq).abs().max() > 10 * (grads[0].double() - ref_dq).abs().max()
 
 
+@needs_libcudnn
 def test_cudnn_before_9_5_1_gets_grad_out_in_the_layout_of_out(mods, stubbed, monkeypatch):
     """cuDNN < 9.5.1 read dO with O's strides: there the patch copies grad_out into O's layout."""
     _, new = mods
@@ -299,6 +418,7 @@ def test_cudnn_before_9_5_1_gets_grad_out_in_the_layout_of_out(mods, stubbed, mo
     assert _declaration_mismatches(graph, pack) == []
 
 
+@needs_libcudnn
 def test_forward_uses_sdpa_with_generate_stats(mods, stubbed):
     old, new = mods
     assert new._sdpa_generate_stats_kwargs == {"generate_stats": True}  # frontend 1.32 >= 1.13
@@ -311,6 +431,7 @@ def test_forward_uses_sdpa_with_generate_stats(mods, stubbed):
     assert bwd.node_type.name == "SDPA_BWD"
 
 
+@needs_libcudnn
 def test_contiguous_and_transposed_grad_out_share_no_graph(mods, stubbed):
     """Alternating grad_out layouts: each gets its own backward graph, both correct."""
     _, new = mods
@@ -328,6 +449,7 @@ def _strided_mask(dtype):
     return (torch.randn(L, H, L, dtype=torch.float64) * 2).to(dtype).permute(1, 0, 2).unsqueeze(0)
 
 
+@needs_libcudnn
 def test_strided_attn_mask(mods, stubbed):
     old, new = mods
     q, k, v, g = _diffusers_inputs(torch.float16)
@@ -341,6 +463,7 @@ def test_strided_attn_mask(mods, stubbed):
     assert "output" in _fails_rule(out_old, grads_old, refs)  # the mask was read row-major
 
 
+@needs_libcudnn
 def test_broadcast_attn_mask_and_its_gradient(mods, stubbed):
     """A mask expanded over the heads (stride 0): Bias declared with stride 0, dBias with the dense
     gradient buffer's strides. Unpatched, the row-major Bias declaration reaches past the mask's storage."""
@@ -358,6 +481,7 @@ def test_broadcast_attn_mask_and_its_gradient(mods, stubbed):
         _run(old, q, k, v, g, mask)
 
 
+@needs_libcudnn
 def test_out_with_non_contiguous_layout(mods, stubbed):
     """O is declared with the strides of the ``out`` it is bound to (latent: thunder allocates it contiguous)."""
     old, new = mods
@@ -376,6 +500,7 @@ def test_out_with_non_contiguous_layout(mods, stubbed):
     assert _fails_rule(*results["old"], refs) == ["dq", "dk"]  # delta = rowsum(dO * O) read through the wrong strides
 
 
+@needs_libcudnn
 def test_bool_mask_with_transposed_storage(mods, stubbed):
     _, new = mods
     q, k, v, g = _diffusers_inputs(torch.float16)
@@ -389,6 +514,7 @@ def test_bool_mask_with_transposed_storage(mods, stubbed):
         assert _unreadable_by_cudnn(pack) == [] and _declaration_mismatches(graph, pack) == []
 
 
+@needs_libcudnn
 @pytest.mark.parametrize("case", ["misaligned_q", "zero_stride_grad_out", "lastdim_strided_grad_out"])
 def test_layouts_cudnn_cannot_read_are_copied(mods, stubbed, case):
     """Misaligned bases and non-unit last-dim strides are cloned (``contiguous()`` would keep a misaligned
@@ -413,6 +539,7 @@ def test_layouts_cudnn_cannot_read_are_copied(mods, stubbed, case):
     assert any(_unreadable_by_cudnn(pack) or _declaration_mismatches(graph, pack) for graph, pack in stubbed.calls)
 
 
+@needs_libcudnn
 def test_dropout_with_transposed_grad_out(mods, stubbed):
     """Dropout: Seed/Offset int64 as declared; gradients match a float64 reference using the same keep mask."""
     old, new = mods
@@ -432,6 +559,7 @@ def test_dropout_with_transposed_grad_out(mods, stubbed):
         _run(old, q, k, v, g, dropout_p=p)
 
 
+@needs_libcudnn
 def test_forward_meta_types_seed_and_offset_as_allocated(mods):
     """The meta function (what thunder's traces see) says int64 for Seed/Offset with the patch; int32 without."""
     old, new = mods
@@ -444,3 +572,139 @@ def test_forward_meta_types_seed_and_offset_as_allocated(mods):
         *_, seed_old, offset_old = old._cudnn_sdpa_forward_meta(q, k, v, None, 0.1, False)
     assert seed_new.dtype == offset_new.dtype == dtypes.int64
     assert seed_old.dtype == offset_old.dtype == dtypes.int32
+
+
+# == thunder's regression test for the patch ======================================================
+UPSTREAM_TEST = UPSTREAM / "test_cudnn_sdpa_strides.py"
+
+
+@pytest.fixture(scope="module")
+def applied(tmp_path_factory):
+    return apply_patch(installed_thunder_file(), tmp_path_factory.mktemp("patched"))
+
+
+def _retargeted(text: str, replacements: list[tuple[str, str]]) -> str:
+    for old, new in replacements:
+        assert old in text, f"cannot retarget: {old!r} not found"
+        text = text.replace(old, new)
+    return text
+
+
+@pytest.fixture(scope="module")
+def upstream_tests_on_cpu(applied, tmp_path_factory):
+    """{"a": (unpatched module, its test module), "b": (patched module, its test module)}, on CPU."""
+    work = tmp_path_factory.mktemp("upstream_cpu")
+    suites = {}
+    for side, src in (("a", applied.original), ("b", applied.patched)):
+        mod_path = work / f"cudnn_sdpa_{side}.py"
+        mod_path.write_text(
+            _retargeted(src.read_text(), [('query.device.type != "cuda"', 'query.device.type != "cpu"')])
+        )
+        mod = load_private(f"_upstream_cudnn_sdpa_{side}_cpu", mod_path)
+        sys.modules[mod.__name__] = mod
+        test_path = work / f"upstream_strides_{side}.py"
+        test_path.write_text(
+            _retargeted(
+                UPSTREAM_TEST.read_text(),
+                [
+                    ('device="cuda"', 'device="cpu"'),
+                    ("@requiresCUDA\n", ""),
+                    ("from thunder.executors.cudnnex import", f"from {mod.__name__} import"),
+                    ("from thunder.executors.cudnn_sdpa import", f"from {mod.__name__} import"),
+                ],
+            )
+        )
+        suites[side] = (mod, load_private(f"_upstream_strides_test_{side}", test_path))
+    yield suites
+    for mod, _ in suites.values():
+        sys.modules.pop(mod.__name__, None)
+
+
+@pytest.fixture
+def stubbed_suites(upstream_tests_on_cpu, monkeypatch):
+    return stub_gpu_calls(monkeypatch, [mod for mod, _ in upstream_tests_on_cpu.values()])
+
+
+_UPSTREAM_CASES = [
+    ("test_cudnn_sdpa_transposed_grad_out", (torch.float16,)),
+    ("test_cudnn_sdpa_transposed_grad_out", (torch.bfloat16,)),
+    ("test_cudnn_sdpa_diffusers_attention_block", (torch.float16,)),
+    ("test_cudnn_sdpa_strided_attn_mask", ("additive",)),
+    ("test_cudnn_sdpa_strided_attn_mask", ("bool",)),
+    ("test_cudnn_sdpa_dropout_transposed_grad_out", ()),
+    ("test_cudnn_sdpa_dropout_seed_offset_are_int64", ()),
+]
+
+
+@needs_libcudnn
+def test_every_upstream_case_is_exercised():
+    """A case added to the upstream file must be added here too (bf16 diffusers is left out for time)."""
+    names = {n for n in vars(load_private("_upstream_strides_names", UPSTREAM_TEST)) if n.startswith("test_")}
+    assert names == {name for name, _ in _UPSTREAM_CASES}
+
+
+@needs_libcudnn
+def test_upstream_test_passes_with_patch_on_emulated_cudnn(upstream_tests_on_cpu, stubbed_suites):
+    _, suite = upstream_tests_on_cpu["b"]
+    for name, args in _UPSTREAM_CASES:
+        getattr(suite, name)(*args)
+    assert len(stubbed_suites.calls) >= 2 * len(_UPSTREAM_CASES) - 3  # forward-only cases run one graph each
+
+
+@needs_libcudnn
+@pytest.mark.parametrize(
+    "name, args, error, match",
+    [
+        ("test_cudnn_sdpa_transposed_grad_out", (torch.float16,), AssertionError, "grad_query: max error"),
+        ("test_cudnn_sdpa_diffusers_attention_block", (torch.float16,), AssertionError, "grad_query: max error"),
+        ("test_cudnn_sdpa_strided_attn_mask", ("additive",), AssertionError, "output: max error"),
+        ("test_cudnn_sdpa_dropout_transposed_grad_out", (), EmulationError, "declared torch.int64"),
+        # the emulated cuDNN refuses the int32 seed before the test's own dtype asserts are reached
+        # (test_forward_meta_types_seed_and_offset_as_allocated checks the unpatched meta function says int32)
+        ("test_cudnn_sdpa_dropout_seed_offset_are_int64", (), EmulationError, "declared torch.int64"),
+    ],
+)
+def test_upstream_test_fails_without_patch_on_emulated_cudnn(
+    upstream_tests_on_cpu, stubbed_suites, name, args, error, match
+):
+    _, suite = upstream_tests_on_cpu["a"]
+    with pytest.raises(error, match=match):
+        getattr(suite, name)(*args)
+
+
+_GPU_RUNNER = r"""
+import sys
+sys.path.insert(0, {tests!r})
+import upstream_patch_support as ups
+patched = {patched!r}
+if patched:
+    ups.install_patched_module(patched)
+import thunder, thunder.executors.cudnn_sdpa as m
+if not patched:
+    ups.alias_legacy_sdpa_names()
+print("cudnn_sdpa module:", m.__file__, flush=True)
+from pathlib import Path
+assert Path(m.__file__).resolve() == (Path(patched).resolve() if patched else ups.installed_thunder_file())
+import pytest
+sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-o", "addopts=", {test!r}]))
+"""
+
+
+@needs_libcudnn
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU with cuDNN")
+def test_upstream_regression_test_on_gpu(applied, tmp_path):
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+
+    def run(patched: str):
+        code = _GPU_RUNNER.format(tests=os.path.dirname(__file__), patched=patched, test=str(UPSTREAM_TEST))
+        return subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300
+        )
+
+    with_patch = run(str(applied.patched))
+    assert with_patch.returncode == 0, with_patch.stdout[-6000:] + with_patch.stderr[-3000:]
+    assert " passed" in with_patch.stdout and " skipped" not in with_patch.stdout.splitlines()[-1]
+    without = run("")
+    assert without.returncode != 0, "the regression test passed without the patch"
+    assert "test_cudnn_sdpa_transposed_grad_out" in without.stdout

@@ -1,0 +1,208 @@
+"""Dropout: cuDNN's dropout mask cannot be reproduced elsewhere, so a dropout forward and its backward run
+in the same place, and the seeds are drawn on the device.
+
+* A dropout forward runs in cuDNN only if cuDNN also builds the backward that will actually run
+  (deterministic, dBias); else both fall back and agree. A refused backward retries with dO in O's layout.
+* A backward whose forward ran in cuDNN never falls back silently (it raises, saying why), and the backward
+  of a fallen-back forward never reaches cuDNN.
+* Seed and offset are drawn on the device (capture-safe, the CPU stream untouched).
+* The dP budget of an unneeded dBias does not send a dropout call to the fallback; a symbolic dropout_p
+  (thunder's ``cache="symbolic values"``) is declined.
+"""
+
+from __future__ import annotations
+
+import checks
+import pytest
+import thunder
+import torch
+import torch.nn.functional as F
+
+import thunder_cudnn_safe as tcs
+from thunder_cudnn_safe.cache import GraphCache
+from thunder_cudnn_safe.dispatch import Dispatcher
+from thunder_cudnn_safe.emulation import EmulatedRuntime
+from thunder_cudnn_safe.keys import BackwardKey, ForwardKey
+from thunder_cudnn_safe.recipes import rng_tensors
+from thunder_cudnn_safe.reference import dropout_keep_mask
+from thunder_cudnn_safe.telemetry import CopyReason
+from thunder_cudnn_safe.testing import GRAD_OUT_LAYOUTS
+
+
+def T(*shape, dtype=torch.float16):
+    return torch.randn(*shape, dtype=dtype)
+
+
+def _dropout_reference_grads(q, k, v, g, seed, offset, p):
+    keep = dropout_keep_mask(
+        int(seed.item()), int(offset.item()), (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), p, q.device
+    )
+    ref = [t.double().requires_grad_() for t in (q, k, v)]
+    o = (torch.softmax(ref[0] @ ref[1].transpose(-1, -2) / q.shape[-1] ** 0.5, -1) * keep / (1 - p)) @ ref[2]
+    return o, torch.autograd.grad(o, ref, g.double())
+
+
+# -- the forward checks the backward that will run ----------------------------------------------
+@pytest.mark.parametrize("variant", ["deterministic", "torch-deterministic-mode", "d_bias"])
+def test_dropout_forward_prechecks_the_backward_that_will_run(variant, fresh_cache):
+    """cuDNN refuses only the deterministic (or the dBias) backward. The forward used to pre-check the
+    plain backward, ran its dropout in cuDNN, and the real backward then raised: now both fall back.
+    Also when the deterministic backward comes from ``torch.use_deterministic_algorithms(True)``."""
+    disp = tcs.emulated_ex.dispatcher
+    q, k, v = (T(2, 2, 8, 64) for _ in range(3))
+    mask = T(2, 2, 8, 8) if variant == "d_bias" else None
+    deterministic = variant == "deterministic"
+    refused = (lambda key: key.deterministic) if variant != "d_bias" else (lambda key: key.d_bias is not None)
+    hook = lambda key: "refused variant" if isinstance(key, BackwardKey) and refused(key) else None  # noqa: E731
+    was, was_warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(variant == "torch-deterministic-mode")
+    try:
+        with checks.inject_failures(build=hook):
+            out, stats, seed, offset = disp.forward(q, k, v, mask, 0.25, False, deterministic=deterministic)
+            g = torch.randn_like(out)
+            grads = disp.backward(
+                g,
+                q,
+                k,
+                v,
+                mask,
+                0.25,
+                False,
+                out,
+                stats,
+                seed,
+                offset,
+                deterministic=deterministic,
+                mask_grad=mask is not None,
+            )
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=was_warn)
+    assert tcs.cache_info().fallbacks == 2, "forward and backward both on the fallback"
+    assert all(torch.isfinite(t).all() for t in grads)
+
+
+def test_dropout_forward_falls_back_when_cudnn_refuses_its_backward(fresh_cache):
+    """L = S = 1 with dropout: cuDNN takes the forward, refuses the backward. The forward used to run
+    in cuDNN, and the backward then raised (the fallback cannot reproduce cuDNN's mask)."""
+    disp = tcs.emulated_ex.dispatcher
+    q, k, v = (T(1, 2, 8, 64) for _ in range(3))
+    with checks.inject_failures(build=lambda key: "no backward" if isinstance(key, BackwardKey) else None):
+        out, stats, seed, offset = disp.forward(q, k, v, None, 0.3125, False)
+        g = torch.randn_like(out)
+        dq, dk, dv = disp.backward(g, q, k, v, None, 0.3125, False, out, stats, seed, offset)
+    o, ref = _dropout_reference_grads(q, k, v, g, seed, offset, 0.3125)
+    assert (out.double() - o).abs().max() < 2e-2
+    for a, b in zip((dq, dk, dv), ref):
+        assert (a.double() - b).abs().max() < 2e-2
+    assert tcs.cache_info().fallbacks == 2  # the forward and its backward, nothing else
+
+
+def test_refused_dropout_backward_retries_with_grad_out_in_o_layout(fresh_cache):
+    """The forward ran in cuDNN; cuDNN refuses the backward for a transposed dO but builds it with dO
+    in O's layout (the graph the forward checked): one dO copy, no fallback, no error."""
+    disp = tcs.emulated_ex.dispatcher
+    q, k, v = (T(2, 2, 8, 64) for _ in range(3))
+    out, stats, seed, offset = disp.forward(q, k, v, None, 0.1875, False)
+    g = GRAD_OUT_LAYOUTS["transposed"](tuple(out.shape), torch.float16)
+    refuse = lambda key: "dO layout" if isinstance(key, BackwardKey) and key.d_o != key.o else None  # noqa: E731
+    with checks.inject_failures(build=refuse):
+        dq, dk, dv = disp.backward(g, q, k, v, None, 0.1875, False, out, stats, seed, offset)
+    assert tcs.cache_info().fallbacks == 0
+    assert ("grad_out", CopyReason.DO_REFUSED) in tcs.copy_stats().by_reason
+    _, ref = _dropout_reference_grads(q, k, v, g, seed, offset, 0.1875)
+    for a, b in zip((dq, dk, dv), ref):
+        assert (a.double() - b).abs().max() < 2e-2
+
+
+def test_dropout_with_an_unneeded_mask_gradient_ignores_the_budget(fresh_cache, monkeypatch):
+    """A mask whose gradient nobody needs (an input mask, HF's finfo.min float masks) must not send a
+    dropout call to the fallback because its dBias variant would exceed the dP budget: the budget is
+    applied at trace time, where the need for dBias is known (a review found the whole call falling back)."""
+
+    monkeypatch.setattr(tcs.config, "dp_workspace_limit", 0)
+    disp = tcs.emulated_ex.dispatcher
+    q, k, v = (T(2, 2, 8, 64) for _ in range(3))
+    disp.forward(q, k, v, T(2, 2, 8, 8), 0.25, False)
+    assert tcs.cache_info().fallbacks == 0
+
+
+# -- forward and backward on the same side ------------------------------------------------------
+def test_fallback_with_dropout_after_a_cudnn_forward_raises_clearly(fresh_cache):
+    disp = Dispatcher(EmulatedRuntime(), GraphCache(8))
+    q, k, v = (T(1, 2, 8, 64) for _ in range(3))
+    out, stats, seed, offset = disp.forward(q, k, v, None, 0.1875, False)
+    with checks.inject_failures(build=lambda key: "refused" if isinstance(key, BackwardKey) else None):
+        # the dispatcher above uses its own runtime; route through the shared one for the hook
+        disp2 = tcs.emulated_ex.dispatcher
+        with pytest.raises(RuntimeError, match="dropout mask cuDNN used cannot be reproduced"):
+            disp2.backward(torch.randn_like(out), q, k, v, None, 0.1875, False, out, stats, seed, offset)
+
+
+def test_fallback_dropout_forward_and_backward_agree(fresh_cache):
+    """When both directions fall back, they draw the same dropout mask from (seed, offset)."""
+    disp = tcs.emulated_ex.dispatcher
+    q, k, v = (T(1, 2, 8, 64) for _ in range(3))
+    with checks.inject_failures(build=lambda key: "refused"):
+        out, stats, seed, offset = disp.forward(q, k, v, None, 0.25, False)
+        g = torch.randn_like(out)
+        dq, dk, dv = disp.backward(g, q, k, v, None, 0.25, False, out, stats, seed, offset)
+    from thunder_cudnn_safe.reference import dropout_keep_mask
+
+    keep = dropout_keep_mask(int(seed.item()), int(offset.item()), (1, 2, 8, 8), 0.25, torch.device("cpu"))
+    ref = [t.double().requires_grad_() for t in (q, k, v)]
+    o = (torch.softmax(ref[0] @ ref[1].transpose(-1, -2) / 8, -1) * keep / 0.75) @ ref[2]
+    for a, b in zip((dq, dk, dv), torch.autograd.grad(o, ref, g.double())):
+        assert (a.double() - b).abs().max() < 2e-2
+
+
+def test_backward_of_a_fallen_back_dropout_forward_never_reaches_cudnn(fresh_cache):
+    """cuDNN's Philox mask would differ from the fallback's: such a backward must fall back too."""
+    disp = tcs.emulated_ex.dispatcher
+    executed = []
+    q, k, v = (T(1, 2, 8, 64) for _ in range(3))
+    with checks.inject_failures(
+        build=lambda key: "refused" if isinstance(key, ForwardKey) else None,
+        execute=lambda key: executed.append(type(key).__name__),
+    ):
+        out, stats, seed, offset = disp.forward(q, k, v, None, 0.25, False)
+        g = torch.randn_like(out)
+        dq, dk, dv = disp.backward(g, q, k, v, None, 0.25, False, out, stats, seed, offset)
+    assert executed == [], executed
+    from thunder_cudnn_safe.reference import dropout_keep_mask
+
+    keep = dropout_keep_mask(int(seed.item()), int(offset.item()), (1, 2, 8, 8), 0.25, torch.device("cpu"))
+    ref = [t.double().requires_grad_() for t in (q, k, v)]
+    o = (torch.softmax(ref[0] @ ref[1].transpose(-1, -2) / 8, -1) * keep / 0.75) @ ref[2]
+    for a, b in zip((dq, dk, dv), torch.autograd.grad(o, ref, g.double())):
+        assert (a.double() - b).abs().max() < 2e-2
+
+
+# -- seeds, and a symbolic dropout_p -----------------------------------------------------------
+def test_dropout_seed_is_drawn_on_the_device_not_from_the_cpu_stream():
+    """Seed and offset used to come from the CPU generator as Python ints (baked into CUDA graphs,
+    and shifting the user's CPU random stream)."""
+    torch.manual_seed(7)
+    expected = torch.rand(4)
+    torch.manual_seed(7)
+    seed, offset = rng_tensors(torch.device("meta"))
+    assert torch.equal(torch.rand(4), expected)
+    assert seed.dtype == offset.dtype == torch.int64 and seed.shape == (1, 1, 1, 1)
+    torch.manual_seed(3)
+    a = rng_tensors(torch.device("cpu"))
+    torch.manual_seed(3)
+    b = rng_tensors(torch.device("cpu"))
+    assert all(torch.equal(x, y) for x, y in zip(a, b)), "torch.manual_seed must keep runs repeatable"
+
+
+def test_symbolic_dropout_is_declined_and_runs_correctly(fresh_cache):
+    """Under cache='symbolic values' dropout_p may switch between 0 and > 0 within one trace."""
+    q, k, v = (torch.randn(1, 2, 8, 64, dtype=torch.float16, requires_grad=True) for _ in range(3))
+    jm = thunder.jit(
+        lambda q, k, v, p: F.scaled_dot_product_attention(q, k, v, dropout_p=p),
+        executors=[tcs.emulated_ex, *thunder.get_default_executors()],
+        cache="symbolic values",
+    )
+    for p in (0.0, 0.5, 0.0):
+        jm(q, k, v, p).sum().backward()
+    assert "cudnn_safe" not in str(thunder.last_traces(jm)[-1])
+    torch.testing.assert_close(jm(q, k, v, 0.0), F.scaled_dot_product_attention(q, k, v), atol=2e-3, rtol=2e-3)
