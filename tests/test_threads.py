@@ -13,6 +13,7 @@ import gc
 import threading
 import weakref
 
+import checks
 import pytest
 import torch
 import torch.nn.functional as F
@@ -39,6 +40,7 @@ def _inputs(seed: int):
 
 def _step(disp: Dispatcher, seed: int):
     q, k, v, g = _inputs(seed)
+    checks.assert_claimed(q, k, v, None, 0.0, True, runtime=disp.runtime)  # no checker stands before a dispatcher
     out, stats = disp.forward(q, k, v, None, 0.0, True)
     return (out, *disp.backward(g, q, k, v, None, 0.0, True, out, stats, None, None))
 
