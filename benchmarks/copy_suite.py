@@ -3,7 +3,7 @@
 For every q/k/v layout of the zoo crossed with every grad_out layout, at the diffusers
 sizes (B=2, H=8, S in {64, 256, 1024, 4096}, D=96, fp16) and the LLM sizes (B in {1, 8},
 H=32, S=2048, D=128, bf16), one forward and one backward dispatch run through the
-package's :class:`~thunder_cudnn_safe.dispatch.Dispatcher` with the final execute
+package's :class:`~thunder_cudnn_safe.dispatch.dispatcher.Dispatcher` with the final execute
 replaced by a no-op (:mod:`benchmarks.harness`), under three variants:
 
 * ``preserve``: ``cudnn_safe_layout="preserve"`` on the default target (cuDNN 9.19,
@@ -32,7 +32,8 @@ from thunder_cudnn_safe import testing
 from . import harness
 
 METHOD = (
-    "Forward+backward dispatch through thunder_cudnn_safe.dispatch.Dispatcher (the product code) on a harness "
+    "Forward+backward dispatch through thunder_cudnn_safe.dispatch.dispatcher.Dispatcher (the product code) "
+    "on a harness "
     "runtime whose execute is a no-op (attention is not computed) and whose build makes the real frontend graph "
     "once per key (cache hit afterwards). The backward receives the original q/k/v, the forward's out/stats and "
     "grad_out in its own layout, as thunder's grad transform passes them. Bytes: thunder_cudnn_safe.copy_stats() "

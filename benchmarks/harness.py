@@ -1,12 +1,12 @@
 """The benchmark harness: the product's dispatch path with the final execute replaced by a no-op.
 
 Nothing here changes the package. :class:`NoExecuteRuntime` is a
-:class:`thunder_cudnn_safe.runtime.Runtime` whose ``target`` is the real runtime's
+:class:`thunder_cudnn_safe.runtimes.cudnn_runtime.Runtime` whose ``target`` is the real runtime's
 (emulated Hopper + cuDNN 9.19 on CPU, the real GPU on CUDA), whose ``build`` builds
 and validates the real frontend graph for the key (frontend only, no cuDNN plans), and
 whose ``execute`` does nothing. It is plugged into the package's own
-:class:`thunder_cudnn_safe.dispatch.Dispatcher` with a private
-:class:`thunder_cudnn_safe.cache.GraphCache`, so layout normalization, keys, cache
+:class:`thunder_cudnn_safe.dispatch.dispatcher.Dispatcher` with a private
+:class:`thunder_cudnn_safe.graphs.cache.GraphCache`, so layout normalization, keys, cache
 lookups and variant packs run exactly the product's code, and only attention itself is
 skipped. That is what makes the big sizes affordable on a CPU.
 """
@@ -23,12 +23,13 @@ from typing import Any
 import torch
 
 import thunder_cudnn_safe  # noqa: F401  (runs the compat steps before thunder is imported)
-from thunder_cudnn_safe import config, copy_stats, graphs, reset_copy_stats, testing
-from thunder_cudnn_safe.cache import GraphCache
-from thunder_cudnn_safe.dispatch import Dispatcher
-from thunder_cudnn_safe.emulation import EmulatedRuntime
-from thunder_cudnn_safe.keys import ForwardKey
-from thunder_cudnn_safe.runtime import BuiltGraph, CudnnRuntime, Runtime
+from thunder_cudnn_safe import config, copy_stats, reset_copy_stats, testing
+from thunder_cudnn_safe.dispatch.dispatcher import Dispatcher
+from thunder_cudnn_safe.graphs import build as graphs
+from thunder_cudnn_safe.graphs.cache import GraphCache
+from thunder_cudnn_safe.plan.keys import ForwardKey
+from thunder_cudnn_safe.runtimes.cudnn_runtime import BuiltGraph, CudnnRuntime, Runtime
+from thunder_cudnn_safe.runtimes.emulation import EmulatedRuntime
 
 #: The emulated target of the CPU runs: what the emulated executor pretends to be by default.
 CPU_TARGET = {
@@ -175,7 +176,7 @@ def timed_copies() -> Iterator[CopyTimer]:
     """Wrap ``torch.Tensor.copy_`` so the copies layout normalization makes are timed.
 
     Layout normalization copies with ``Tensor.copy_`` (``prepare_operand`` and the dO /
-    stats paths of :mod:`thunder_cudnn_safe.dispatch`); nothing else on the harness path
+    stats paths of :mod:`thunder_cudnn_safe.dispatch.dispatcher`); nothing else on the harness path
     calls it (execute is a no-op). CPU copies are timed with ``perf_counter`` (this
     includes first-touch page faults of the freshly allocated destination); CUDA copies
     with a pair of CUDA events each.

@@ -27,8 +27,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 CHILD = """
 import os, torch
-from thunder_cudnn_safe.dispatch import Dispatcher
-from thunder_cudnn_safe.emulation import EmulatedRuntime
+from thunder_cudnn_safe.dispatch.dispatcher import Dispatcher
+from thunder_cudnn_safe.runtimes.emulation import EmulatedRuntime
 rt = EmulatedRuntime()
 rt.execute = lambda built, pack: None
 d = Dispatcher(rt)

@@ -31,9 +31,9 @@ from typing import Any
 
 import torch
 
-from thunder_cudnn_safe import graphs
-from thunder_cudnn_safe.calls import BackwardCall, ForwardCall, memo_key, signature
-from thunder_cudnn_safe.recipes import bind, forward_recipe
+from thunder_cudnn_safe.graphs import build as graphs
+from thunder_cudnn_safe.plan.calls import BackwardCall, ForwardCall, memo_key, signature
+from thunder_cudnn_safe.plan.recipes import bind, forward_recipe
 
 from . import harness
 
@@ -135,7 +135,7 @@ def _components(disp, q, k, v, g, out, stats, iters: int) -> list[dict[str, Any]
 
     Which of them a cache-hit call really runs, and how often, is in the cProfile tables;
     this list gives their unit prices. The layout signatures are built here the way
-    ``dispatch.py`` builds them for its remembered-key lookup. A block a future package
+    ``dispatch/dispatcher.py`` builds them for its remembered-key lookup. A block a future package
     version no longer has is reported as an error, not a failure.
     """
     device = q.device

@@ -4,8 +4,8 @@ A padding-free row of T tokens holding n equal documents reaches SDPA as a (B, 1
 block-diagonal causal mask (transformers 5). As a bias, every layer's forward and backward read the
 (B, 1, T, T) bias and compute all T^2 scores per head; as variable-length attention (issue 30) they
 read only the lengths and ragged offsets and compute each document's causal triangle. The mask is
-recognized by the package (:func:`thunder_cudnn_safe.documents.recognize_documents`), the counts
-come from :func:`thunder_cudnn_safe.varlen.varlen_work` / :func:`~thunder_cudnn_safe.varlen.bias_work`
+recognized by the package (:func:`thunder_cudnn_safe.masks.documents.recognize_documents`), the counts
+come from :func:`thunder_cudnn_safe.plan.varlen.varlen_work` / :func:`~thunder_cudnn_safe.plan.varlen.bias_work`
 and are checked against the closed forms: bias B*T^2*2 bytes and B*H*T^2 scores per pass, varlen
 H*n*L(L+1)/2 scores (L = T/n). Counts, not timings: no GPU ran this.
 
@@ -18,8 +18,9 @@ import argparse
 
 import torch
 
-from thunder_cudnn_safe import patterns, varlen
-from thunder_cudnn_safe.documents import recognize_documents
+from thunder_cudnn_safe.masks import patterns
+from thunder_cudnn_safe.masks.documents import recognize_documents
+from thunder_cudnn_safe.plan import varlen
 
 
 def packed_mask(tokens: int, docs: int) -> torch.Tensor:

@@ -5,7 +5,7 @@
 Plans the forward keys of a decode step (one query, bf16, 8 heads, d = 128, BSHD q, the key
 length growing by 16 from 64) as the dispatcher does with ``config.set(dynamic_shapes="inference")`` and
 with ``"off"``, and has cuDNN plan and compile each in order in one child process per device, on
-this CPU (thunder_cudnn_safe.aot and the tests' stand-in libcuda.so.1). A plan whose build took
+this CPU (thunder_cudnn_safe.runtimes.aot and the tests' stand-in libcuda.so.1). A plan whose build took
 more than :data:`COMPILED_S` counts as one that compiled a kernel: a kernel-cache hit plans in
 milliseconds, an NVRTC compile takes a few tenths of a second or more.
 """
@@ -26,7 +26,8 @@ import compile_support
 import torch
 
 import thunder_cudnn_safe as tcs
-from thunder_cudnn_safe import aot, calls, recipes
+from thunder_cudnn_safe.plan import calls, recipes
+from thunder_cudnn_safe.runtimes import aot
 
 COMPILED_S = 0.1
 

@@ -315,7 +315,7 @@ try:
 except OSError as exc:
     info["libcudnn_loaded"] = f"unreadable /proc/self/maps: {exc}"
 
-try:  # the real device's descriptor, to replace the hand-written one in thunder_cudnn_safe.aot.DEVICES
+try:  # the real device's descriptor, to replace the hand-written one in thunder_cudnn_safe.runtimes.aot.DEVICES
     import torch, cudnn
     if torch.cuda.is_available():
         props = cudnn.create_device_properties(0).serialize()

@@ -25,7 +25,7 @@ def on_the_runtime(cache: Any = None, *, lookups: bool = True) -> Iterator[None]
     """Assert that the calls inside ran on the runtime's graphs: no call fell back (``fallbacks``
     unchanged), a graph was ever built (``builds > 0``) and, with ``lookups``, one was built or looked
     up inside (a call reached the runtime). ``cache``: a dispatcher's own (default: the process-wide one)."""
-    from thunder_cudnn_safe.cache import graph_cache
+    from thunder_cudnn_safe.graphs.cache import graph_cache
 
     cache = graph_cache if cache is None else cache
     before = cache.info()
@@ -42,9 +42,10 @@ def on_the_runtime(cache: Any = None, *, lookups: bool = True) -> Iterator[None]
 
 def assert_claimed(query, key, value, *args, runtime: Any = None, **kwargs) -> None:
     """Assert that the executor on ``runtime`` (default: the emulated executor's) would claim this call
-    (:class:`~thunder_cudnn_safe.calls.ForwardCall`'s arguments): for a test that calls a dispatcher itself,
+    (:class:`~thunder_cudnn_safe.plan.calls.ForwardCall`'s arguments): for a test that calls a dispatcher itself,
     which no checker stands in front of."""
-    from thunder_cudnn_safe import emulation, executor
+    from thunder_cudnn_safe.integration import executor
+    from thunder_cudnn_safe.runtimes import emulation
 
     runtime = emulation.default_runtime if runtime is None else runtime
     reasons = executor.reasons_for(runtime, query, key, value, *args, **kwargs)  # the module's: a mutation applies
@@ -193,8 +194,8 @@ def inject_failures(
     return a :class:`~thunder_cudnn_safe.errors.GraphBuildError` to raise as it is (a transient
     one), an ``execute`` hook any exception instance (a crash rather than a refusal).
     """
-    from thunder_cudnn_safe import emulation
     from thunder_cudnn_safe.errors import ExecuteError, GraphBuildError
+    from thunder_cudnn_safe.runtimes import emulation
 
     rt = emulation.default_runtime if runtime is None else runtime
     real_build, real_execute = rt.build, rt.execute

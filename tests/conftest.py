@@ -67,16 +67,16 @@ def mutation_from_env() -> str | None:
 def apply_mutation(name: str, patch: pytest.MonkeyPatch) -> None:
     """Mutate the package as ``name`` says (undone with ``patch``).
 
-    ``decline``: :func:`thunder_cudnn_safe.executor.reasons_for`, and every module's name for it (tests that
-    imported it by name), returns one :class:`~thunder_cudnn_safe.support.Decline`; the checker, ``explain()``
+    ``decline``: :func:`thunder_cudnn_safe.integration.executor.reasons_for`, and every module's name for it (tests that
+    imported it by name), returns one :class:`~thunder_cudnn_safe.rules.support.Decline`; the checker, ``explain()``
     and ``describe()`` all ask it. A direct dispatcher call never asks the checker, so it is not declined:
     a test that calls the dispatcher itself asks ``reasons_for`` whether the executor would claim its call
     (tests/checks.py ``assert_claimed``), and the ``refuse`` mutation is what its graphs meet.
     ``refuse``: both runtimes' ``build`` raise :class:`~thunder_cudnn_safe.errors.GraphBuildError`.
     """
     if name == "decline":
-        from thunder_cudnn_safe import executor
-        from thunder_cudnn_safe.support import Decline, DeclineCode
+        from thunder_cudnn_safe.integration import executor
+        from thunder_cudnn_safe.rules.support import Decline, DeclineCode
 
         real = executor.reasons_for
 
@@ -87,9 +87,9 @@ def apply_mutation(name: str, patch: pytest.MonkeyPatch) -> None:
             if getattr(module, "reasons_for", None) is real:
                 patch.setattr(module, "reasons_for", reasons_for)
     elif name == "refuse":
-        from thunder_cudnn_safe.emulation import EmulatedRuntime
         from thunder_cudnn_safe.errors import GraphBuildError
-        from thunder_cudnn_safe.runtime import CudnnRuntime
+        from thunder_cudnn_safe.runtimes.cudnn_runtime import CudnnRuntime
+        from thunder_cudnn_safe.runtimes.emulation import EmulatedRuntime
 
         def build(self, key):
             raise GraphBuildError("mutation: refuse every build")

@@ -9,11 +9,12 @@ import pytest
 import torch
 
 import thunder_cudnn_safe as tcs
-from thunder_cudnn_safe import config, graphs
+from thunder_cudnn_safe import config
 from thunder_cudnn_safe._env import CACHE_SIZE_ENV
-from thunder_cudnn_safe.cache import GraphBuildError, GraphCache
-from thunder_cudnn_safe.dispatch import Dispatcher
-from thunder_cudnn_safe.emulation import EmulatedRuntime
+from thunder_cudnn_safe.dispatch.dispatcher import Dispatcher
+from thunder_cudnn_safe.graphs import build as graphs
+from thunder_cudnn_safe.graphs.cache import GraphBuildError, GraphCache
+from thunder_cudnn_safe.runtimes.emulation import EmulatedRuntime
 
 
 class Built:
@@ -109,7 +110,7 @@ def test_public_cache_api(fresh_cache):
 
 
 def test_distinct_strides_distinct_graphs_and_no_rebuild_on_hit(monkeypatch):
-    disp = Dispatcher(EmulatedRuntime(), tcs.cache.GraphCache(16))
+    disp = Dispatcher(EmulatedRuntime(), tcs.graphs.cache.GraphCache(16))
     builds = []
     real = graphs.build_forward_graph
     monkeypatch.setattr(
@@ -127,7 +128,7 @@ def test_distinct_strides_distinct_graphs_and_no_rebuild_on_hit(monkeypatch):
 
 def test_cache_hit_makes_no_cudnn_call(monkeypatch):
     """On a hit neither a pygraph is constructed nor any frontend function called."""
-    disp = Dispatcher(EmulatedRuntime(), tcs.cache.GraphCache(16))
+    disp = Dispatcher(EmulatedRuntime(), tcs.graphs.cache.GraphCache(16))
     q, k, v = (torch.randn(1, 2, 8, 64, dtype=torch.float16) for _ in range(3))
     disp.forward(q, k, v)
     cudnn = graphs.cudnn_module()
@@ -143,7 +144,7 @@ def test_cache_hit_makes_no_cudnn_call(monkeypatch):
 def test_steady_state_forward_path_keeps_declared_equal_to_bound(monkeypatch):
     """The remembered-key path must not reuse a key for a misaligned input or another target."""
     runtime = EmulatedRuntime()
-    disp = Dispatcher(runtime, tcs.cache.GraphCache(16))
+    disp = Dispatcher(runtime, tcs.graphs.cache.GraphCache(16))
     packs = []
     real_execute = runtime.execute
     runtime.execute = lambda built, pack: packs.append((built.key, dict(pack))) or real_execute(built, pack)
@@ -167,7 +168,7 @@ def test_steady_state_forward_path_keeps_declared_equal_to_bound(monkeypatch):
 def test_steady_state_backward_path_keeps_declared_equal_to_bound():
     """A remembered backward key is reused only for the same input layouts, alignment and target."""
     runtime = EmulatedRuntime()
-    disp = Dispatcher(runtime, tcs.cache.GraphCache(16))
+    disp = Dispatcher(runtime, tcs.graphs.cache.GraphCache(16))
     packs = []
     real_execute = runtime.execute
     runtime.execute = lambda built, pack: packs.append((built.key, dict(pack))) or real_execute(built, pack)

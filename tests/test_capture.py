@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 
 import thunder_cudnn_safe as tcs
-from thunder_cudnn_safe import masks, patterns
+from thunder_cudnn_safe.masks import bias as masks
+from thunder_cudnn_safe.masks import patterns
 from thunder_cudnn_safe.testing import assert_close_to_reference
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])

@@ -16,7 +16,7 @@ import types
 import torch
 
 import thunder_cudnn_safe as tcs
-from thunder_cudnn_safe import lowering
+from thunder_cudnn_safe.graphs import lowering
 
 
 def T(*shape, dtype=torch.float16):
@@ -25,9 +25,9 @@ def T(*shape, dtype=torch.float16):
 
 # -- claims: the dP workspace budget ---------------------------------------------------------------
 def test_quadratic_workspace_is_declined_over_the_budget(monkeypatch):
-    from thunder_cudnn_safe import cudnn_rules
-    from thunder_cudnn_safe.emulation import EmulatedRuntime
-    from thunder_cudnn_safe.executor import reasons_for
+    from thunder_cudnn_safe.integration.executor import reasons_for
+    from thunder_cudnn_safe.rules import cudnn_rules
+    from thunder_cudnn_safe.runtimes.emulation import EmulatedRuntime
 
     assert cudnn_rules.dp_workspace_bytes(8, 32, 4096, 4096) == 8 * 32 * 4096 * 4096 * 2  # 8.6 GB, the figure
     assert cudnn_rules.dp_workspace_bytes(1, 1, 65, 1) == 128 * 64 * 2

@@ -13,7 +13,13 @@ import pytest
 import torch
 
 import thunder_cudnn_safe as tcs
-from thunder_cudnn_safe import config, emulation, graphs, masks, patterns, plan_cache, runtime
+from thunder_cudnn_safe import config
+from thunder_cudnn_safe.graphs import build as graphs
+from thunder_cudnn_safe.graphs import plan_cache
+from thunder_cudnn_safe.masks import bias as masks
+from thunder_cudnn_safe.masks import patterns
+from thunder_cudnn_safe.runtimes import cudnn_runtime as runtime
+from thunder_cudnn_safe.runtimes import emulation
 
 # knob -> (a valid environment text, the value it parses to, an invalid text, a valid Python value, an invalid one)
 CASES = {
@@ -141,7 +147,7 @@ def test_mask_patterns_knob_is_read_at_use_time():
 
 
 def test_compile_option_defaults_come_from_config():
-    from thunder_cudnn_safe import executor
+    from thunder_cudnn_safe.integration import executor
 
     q = torch.empty(1, 2, 4, 8, dtype=torch.float16)
     assert executor._call(q, q, q).layout == "preserve"
@@ -189,7 +195,7 @@ def test_patch_without_knobs_restores_every_knob_set_inside():
 def test_aot_children_have_a_default_timeout(monkeypatch):
     """aot.compile_in_subprocess ran its children with no timeout unless asked: a hung NVRTC or driver
     stand-in hung the caller. Now config.aot_timeout (20 minutes) applies; 0 means no limit."""
-    from thunder_cudnn_safe import aot
+    from thunder_cudnn_safe.runtimes import aot
 
     seen = []
 
@@ -211,7 +217,7 @@ def test_aot_children_have_a_default_timeout(monkeypatch):
 
 def test_an_aot_child_past_its_limit_is_killed():
     """A real child (it cannot even import torch in 0.2 s) is killed and the call raises, naming the knob."""
-    from thunder_cudnn_safe import aot
+    from thunder_cudnn_safe.runtimes import aot
 
     with config.patch(aot_timeout=0.2), pytest.raises(RuntimeError, match="THUNDER_CUDNN_SAFE_AOT_TIMEOUT"):
         aot.compile_in_subprocess([], "H100")

@@ -3,8 +3,8 @@
 On top of the lowering sweep (tests/test_cudnn_lowering.py, whose calls and recorded keys this
 reuses): each distinct graph key the dispatcher builds for a call goes through cuDNN's heuristics
 (A, then FALLBACK), support check and plan build for a hand-written device descriptor
-(:data:`thunder_cudnn_safe.aot.DEVICES`), forwards down the runtime's implementation ladder
-(:func:`thunder_cudnn_safe.runtime.build_with_ladder`). The runtime-compiled engines need a
+(:data:`thunder_cudnn_safe.runtimes.aot.DEVICES`), forwards down the runtime's implementation ladder
+(:func:`thunder_cudnn_safe.runtimes.cudnn_runtime.build_with_ladder`). The runtime-compiled engines need a
 ``libcuda.so.1``: a stand-in built here from compile_support/standin_libcuda.c, loaded only by
 aot's child process. Asserted per arch: every call ``explain()`` claims gets a plan for its
 forward and every backward. A call without one is declined by a rule (cudnn_rules, source: this
@@ -29,8 +29,10 @@ import torch
 from test_cudnn_lowering import CALLS, Call, _explain, _tensors, keys_of
 
 import thunder_cudnn_safe as tcs
-from thunder_cudnn_safe import aot, cudnn_rules, emulation, lowering
-from thunder_cudnn_safe.keys import ForwardKey
+from thunder_cudnn_safe.graphs import lowering
+from thunder_cudnn_safe.plan.keys import ForwardKey
+from thunder_cudnn_safe.rules import cudnn_rules
+from thunder_cudnn_safe.runtimes import aot, emulation
 
 _PROBLEM = lowering.lowering_problem()
 pytestmark = [
@@ -211,9 +213,9 @@ def test_targets_and_descriptors() -> None:
 def test_mask_pattern_graphs_compile(standin):
     """Masks recognized as patterns (issue 21) run as cuDNN's band and padding mask: their graphs get a
     plan on every GPU, forward and backward, with dropout, GQA and deterministic."""
-    from thunder_cudnn_safe.cache import GraphCache
-    from thunder_cudnn_safe.dispatch import Dispatcher
-    from thunder_cudnn_safe.keys import BackwardKey
+    from thunder_cudnn_safe.dispatch.dispatcher import Dispatcher
+    from thunder_cudnn_safe.graphs.cache import GraphCache
+    from thunder_cudnn_safe.plan.keys import BackwardKey
 
     i, j = torch.arange(16)[:, None], torch.arange(16)[None, :]
     pad = (j < torch.tensor([11, 16])[:, None])[:, None, None, :]
@@ -265,7 +267,7 @@ def test_mask_pattern_graphs_compile(standin):
 
 def _decode_keys(device: str, dynamic: str) -> list:
     """The forward keys of decode steps (one query) over new key lengths and a new batch size."""
-    from thunder_cudnn_safe import calls, recipes
+    from thunder_cudnn_safe.plan import calls, recipes
 
     with tcs.config.patch(dynamic_shapes=dynamic):
         keys = []
@@ -309,8 +311,8 @@ def test_varlen_graphs_compile(standin):
     """Packed sequences (issue 30) as variable-length graphs get a plan and an NVRTC-compiled kernel: forward
     and backward (causal GQA, sliding window, deterministic) on H100 and B200, the inference forward on A100
     (sm80's training calls are declined by VARLEN_BACKWARD_ARCH and run as a bias)."""
-    from thunder_cudnn_safe.cache import GraphCache
-    from thunder_cudnn_safe.dispatch import Dispatcher
+    from thunder_cudnn_safe.dispatch.dispatcher import Dispatcher
+    from thunder_cudnn_safe.graphs.cache import GraphCache
 
     i, j = torch.arange(16)[:, None], torch.arange(16)[None, :]
     doc = torch.repeat_interleave(torch.arange(3), torch.tensor([5, 3, 8]))

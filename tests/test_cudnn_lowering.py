@@ -6,7 +6,7 @@ dims, L != S, one K/V head) the dispatcher runs forward and backward on CPU tens
 every graph key it asks to build is recorded, its pygraph built by :mod:`graphs` exactly
 as the runtimes build it, lowered to the frontend's C++ graph for sm80, sm90, sm100 and
 sm120 and checked by libcudnn (C++ ``validate()`` + ``build_operation_graph()``, see
-:mod:`thunder_cudnn_safe.lowering`). Asserted per arch:
+:mod:`thunder_cudnn_safe.graphs.lowering`). Asserted per arch:
 
 * every call ``explain()`` claims under that emulated target lowers, forward and backward;
 * so every graph cuDNN refuses belongs to a call ``explain()`` declines, with a reason.
@@ -32,9 +32,10 @@ import pytest
 import torch
 
 import thunder_cudnn_safe as tcs
-from thunder_cudnn_safe import emulation, lowering
-from thunder_cudnn_safe.cache import graph_cache
-from thunder_cudnn_safe.keys import ForwardKey
+from thunder_cudnn_safe.graphs import lowering
+from thunder_cudnn_safe.graphs.cache import graph_cache
+from thunder_cudnn_safe.plan.keys import ForwardKey
+from thunder_cudnn_safe.runtimes import emulation
 from thunder_cudnn_safe.testing import GRAD_OUT_LAYOUTS, QKV_LAYOUTS
 
 _PROBLEM = lowering.lowering_problem()
@@ -274,9 +275,10 @@ _KEYS: dict[str, list] = {}
 
 def keys_of(call: Call) -> list:
     """Every graph key (target stripped) the dispatcher builds for ``call`` posing as any arch of :data:`ARCHS`:
-    the graphs depend on the arch only where a defect's workaround applies (:mod:`thunder_cudnn_safe.defect_routes`),
-    and those graphs are then checked at every arch too. Packed-sequence calls are the exception: whether they
-    run as variable-length graphs is itself per arch, so their keys are those of the emulated arch."""
+    the graphs depend on the arch only where a defect's workaround applies
+    (:mod:`thunder_cudnn_safe.rules.defect_routes`), and those graphs are then checked at every arch too.
+    Packed-sequence calls are the exception: whether they run as variable-length graphs is itself per arch,
+    so their keys are those of the emulated arch."""
     import cudnn
 
     if call.documents is not None:
@@ -463,8 +465,8 @@ def test_causal_is_the_top_left_diagonal_band() -> None:
     """torch's is_causal is declared as the frontend's band (TOP_LEFT, right bound 0), not the deprecated flag."""
     import cudnn
 
-    from thunder_cudnn_safe import graphs
-    from thunder_cudnn_safe.keys import BackwardKey
+    from thunder_cudnn_safe.graphs import build as graphs
+    from thunder_cudnn_safe.plan.keys import BackwardKey
 
     call = Call("causal", causal=True)
     for g in (graphs.build_forward_graph(_key(call, ForwardKey)), graphs.build_backward_graph(_key(call, BackwardKey))):
@@ -479,8 +481,8 @@ def test_causal_is_the_top_left_diagonal_band() -> None:
 
 def test_implementation_can_be_pinned() -> None:
     """build_forward_graph(implementation=...) reaches cuDNN: the lowered node records the pinned one."""
-    from thunder_cudnn_safe import graphs
-    from thunder_cudnn_safe.keys import BackwardKey
+    from thunder_cudnn_safe.graphs import build as graphs
+    from thunder_cudnn_safe.plan.keys import BackwardKey
 
     key = _key(Call("full"), ForwardKey)
     chosen = lowering.lower_key(key, 90)
@@ -498,7 +500,7 @@ def test_implementation_can_be_pinned() -> None:
 
 def test_lowering_asks_libcudnn_for_the_given_arch() -> None:
     """Head dim 256 trains on Hopper only: the C++ validate refuses the backward for sm80, accepts it for sm90."""
-    from thunder_cudnn_safe.keys import BackwardKey
+    from thunder_cudnn_safe.plan.keys import BackwardKey
 
     key = _key(Call("d256", shape=(2, 2, 16, 16, 256, 256)), BackwardKey)
     ampere, hopper = lowering.lower_key(key, 80), lowering.lower_key(key, 90)
@@ -516,7 +518,7 @@ def test_unsupported_frontend_internals_are_reported(monkeypatch) -> None:
 
 
 def test_implementation_of_an_unlowered_graph_is_unknown() -> None:
-    from thunder_cudnn_safe import graphs
+    from thunder_cudnn_safe.graphs import build as graphs
 
     assert lowering.implementation_of(graphs.build_forward_graph(_key(Call("full"), ForwardKey))) is None
 
@@ -527,8 +529,8 @@ def test_s1_backward_is_refused_while_its_forward_lowers() -> None:
     A dropout forward that ran in cuDNN then has no backward graph, and the fallback cannot
     reproduce cuDNN's mask. The fix must build (or decline) the backward before the forward runs.
     """
-    from thunder_cudnn_safe.calls import ForwardCall
-    from thunder_cudnn_safe.keys import BackwardKey
+    from thunder_cudnn_safe.plan.calls import ForwardCall
+    from thunder_cudnn_safe.plan.keys import BackwardKey
 
     call = Call("s1-dropout", shape=(2, 2, 1, 1, 64, 64), dropout=0.1)
     # The dispatcher no longer builds this forward (it checks the backward first), so bind it directly.
@@ -548,7 +550,9 @@ def test_the_expected_libcudnn_judges() -> None:
 
 _PARTIAL_CHILD = """
 import torch
-from thunder_cudnn_safe import calls, emulation, lowering, recipes
+from thunder_cudnn_safe.graphs import lowering
+from thunder_cudnn_safe.plan import calls, recipes
+from thunder_cudnn_safe.runtimes import emulation
 
 q = torch.randn(1, 2, 16, 64, dtype=torch.float16)
 call = calls.ForwardCall(q, q.clone(), q.clone(), need_stats=True)

@@ -12,10 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import thunder_cudnn_safe as tcs
-from thunder_cudnn_safe import cudnn_rules
-from thunder_cudnn_safe.cache import graph_cache
-from thunder_cudnn_safe.keys import BackwardKey, ForwardKey, Target
-from thunder_cudnn_safe.patterns import MaskPattern, recognize
+from thunder_cudnn_safe.graphs.cache import graph_cache
+from thunder_cudnn_safe.masks.patterns import MaskPattern, recognize
+from thunder_cudnn_safe.plan.keys import BackwardKey, ForwardKey, Target
+from thunder_cudnn_safe.rules import cudnn_rules
 
 
 @pytest.fixture(autouse=True)
@@ -252,7 +252,7 @@ def test_declined_training_call_runs_on_the_next_executor():
 def test_the_workaround_graphs_pass_the_lowering_sweep():
     """The padded one-query graphs (forward with stats, backward) are in the lowering sweep's keys and
     libcudnn's validate + build_operation_graph accept them at every arch (tests/test_cudnn_lowering.py)."""
-    from thunder_cudnn_safe import lowering
+    from thunder_cudnn_safe.graphs import lowering
 
     problem = lowering.lowering_problem()
     if problem is not None:

@@ -22,9 +22,9 @@ import torch.nn.functional as F
 from checks import inject_failures, jit_sdpa, jit_with_ours
 
 import thunder_cudnn_safe as tcs
-from thunder_cudnn_safe import handoff
 from thunder_cudnn_safe.errors import GraphBuildError
-from thunder_cudnn_safe.keys import BackwardKey
+from thunder_cudnn_safe.plan.keys import BackwardKey
+from thunder_cudnn_safe.runtimes import handoff
 from thunder_cudnn_safe.testing import assert_close_to_reference
 
 DISPATCH = tcs.emulated_ex.dispatcher
@@ -50,7 +50,7 @@ def test_bool_mask_under_inference_mode():
 
 
 def test_transient_companion_build_failure_is_retried():
-    """dispatch.py:99-111 memoizes a transient (definitive=False) build failure of the dropout
+    """The dispatcher memoizes a transient (definitive=False) build failure of the dropout
     companion backward as a permanent 'fall back' verdict."""
     tcs.clear_cache()
     q, k, v = _qkv()
@@ -81,7 +81,7 @@ def test_clear_cache_forgets_dropout_verdicts():
 
 
 def test_dropout_verdict_is_per_backward_graph_not_per_forward_key():
-    """dispatch.py:94 keys the verdict by ForwardKey, but the checked graph
+    """The dispatcher keys the verdict by ForwardKey, but the checked graph
     (recipes.companion_backward_key) depends on the raw K/V: K/V broadcast over heads
     with stride 0 and a true one-head K/V share a ForwardKey, not a backward graph."""
     tcs.clear_cache()
@@ -101,7 +101,7 @@ def test_dropout_verdict_is_per_backward_graph_not_per_forward_key():
 
 def test_cat_grad_qkv_with_used_mask_gradient_runs_one_backward():
     """CHANGELOG: 'A used mask gradient no longer runs the backward twice'. With
-    cudnn_safe_bwd_may_cat_grad_qkv the stash is bypassed (dispatch.py:163) and the backward runs twice."""
+    cudnn_safe_bwd_may_cat_grad_qkv the stash is bypassed and the backward runs twice."""
     runs = []
     run = DISPATCH.run
     DISPATCH.run = lambda bound: (runs.append(type(bound.key).__name__), run(bound))[1]
@@ -209,7 +209,8 @@ def test_mask_cache_weakref_callback_inside_its_own_lock_does_not_deadlock():
     import sys
     import threading
 
-    from thunder_cudnn_safe import lru, masks
+    from thunder_cudnn_safe import lru
+    from thunder_cudnn_safe.masks import bias as masks
 
     class Cycle:
         pass

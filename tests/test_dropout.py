@@ -19,12 +19,12 @@ import torch
 import torch.nn.functional as F
 
 import thunder_cudnn_safe as tcs
-from thunder_cudnn_safe.cache import GraphCache
-from thunder_cudnn_safe.dispatch import Dispatcher
-from thunder_cudnn_safe.emulation import EmulatedRuntime
-from thunder_cudnn_safe.keys import BackwardKey, ForwardKey
-from thunder_cudnn_safe.recipes import rng_tensors
-from thunder_cudnn_safe.reference import dropout_keep_mask
+from thunder_cudnn_safe.dispatch.dispatcher import Dispatcher
+from thunder_cudnn_safe.graphs.cache import GraphCache
+from thunder_cudnn_safe.plan.keys import BackwardKey, ForwardKey
+from thunder_cudnn_safe.plan.recipes import rng_tensors
+from thunder_cudnn_safe.runtimes.emulation import EmulatedRuntime
+from thunder_cudnn_safe.runtimes.reference import dropout_keep_mask
 from thunder_cudnn_safe.telemetry import CopyReason
 from thunder_cudnn_safe.testing import GRAD_OUT_LAYOUTS
 
@@ -146,7 +146,7 @@ def test_fallback_dropout_forward_and_backward_agree(fresh_cache):
         out, stats, seed, offset = disp.forward(q, k, v, None, 0.25, False)
         g = torch.randn_like(out)
         dq, dk, dv = disp.backward(g, q, k, v, None, 0.25, False, out, stats, seed, offset)
-    from thunder_cudnn_safe.reference import dropout_keep_mask
+    from thunder_cudnn_safe.runtimes.reference import dropout_keep_mask
 
     keep = dropout_keep_mask(int(seed.item()), int(offset.item()), (1, 2, 8, 8), 0.25, torch.device("cpu"))
     ref = [t.double().requires_grad_() for t in (q, k, v)]
@@ -168,7 +168,7 @@ def test_backward_of_a_fallen_back_dropout_forward_never_reaches_cudnn(fresh_cac
         g = torch.randn_like(out)
         dq, dk, dv = disp.backward(g, q, k, v, None, 0.25, False, out, stats, seed, offset)
     assert executed == [], executed
-    from thunder_cudnn_safe.reference import dropout_keep_mask
+    from thunder_cudnn_safe.runtimes.reference import dropout_keep_mask
 
     keep = dropout_keep_mask(int(seed.item()), int(offset.item()), (1, 2, 8, 8), 0.25, torch.device("cpu"))
     ref = [t.double().requires_grad_() for t in (q, k, v)]

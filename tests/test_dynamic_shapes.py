@@ -19,12 +19,15 @@ import torch
 from test_graph_declarations import RecordingRuntime, declaration_mismatches
 
 import thunder_cudnn_safe as tcs
-from thunder_cudnn_safe import _compat, calls, emulation, graphs, recipes
-from thunder_cudnn_safe.cache import GraphCache
-from thunder_cudnn_safe.dispatch import Dispatcher
+from thunder_cudnn_safe import _compat
+from thunder_cudnn_safe.dispatch.dispatcher import Dispatcher
 from thunder_cudnn_safe.errors import GraphBuildError
-from thunder_cudnn_safe.keys import BackwardKey, ForwardKey
-from thunder_cudnn_safe.runtime import BuiltGraph, build_with_ladder
+from thunder_cudnn_safe.graphs import build as graphs
+from thunder_cudnn_safe.graphs.cache import GraphCache
+from thunder_cudnn_safe.plan import calls, recipes
+from thunder_cudnn_safe.plan.keys import BackwardKey, ForwardKey
+from thunder_cudnn_safe.runtimes import emulation
+from thunder_cudnn_safe.runtimes.cudnn_runtime import BuiltGraph, build_with_ladder
 from thunder_cudnn_safe.testing import QKV_LAYOUTS
 
 

@@ -8,13 +8,13 @@ import torch
 from checks import assert_claimed, assert_claimed_in_traces, jit_sdpa, on_the_runtime
 
 import thunder_cudnn_safe as tcs
-from thunder_cudnn_safe import emulation, graphs, reference
-from thunder_cudnn_safe.cache import GraphCache
-from thunder_cudnn_safe.dispatch import Dispatcher
-from thunder_cudnn_safe.emulation import EmulatedRuntime, EmulationError, emulate
-from thunder_cudnn_safe.graphs import Uid
-from thunder_cudnn_safe.keys import ForwardKey, Target, TensorSig, sig
-from thunder_cudnn_safe.reference import Scores, attention_backward
+from thunder_cudnn_safe.dispatch.dispatcher import Dispatcher
+from thunder_cudnn_safe.graphs import build as graphs
+from thunder_cudnn_safe.graphs.cache import GraphCache
+from thunder_cudnn_safe.plan.keys import ForwardKey, Target, TensorSig, Uid, sig
+from thunder_cudnn_safe.runtimes import emulation, reference
+from thunder_cudnn_safe.runtimes.emulation import EmulatedRuntime, EmulationError, emulate
+from thunder_cudnn_safe.runtimes.reference import Scores, attention_backward
 from thunder_cudnn_safe.testing import assert_close_to_reference
 
 TARGET = Target("emulated", -1, (9, 0), 91900, "test")
@@ -191,7 +191,7 @@ def test_grouped_kv_partials_are_rounded_to_the_io_dtype_before_the_sum():
     k, v = torch.randn(1, 1, 16, 64, generator=g), torch.randn(1, 1, 16, 64, generator=g)
     d_o = torch.randn(1, 8, 16, 64, generator=g)
     how = Scores(0.125)
-    from thunder_cudnn_safe.reference import attention_forward
+    from thunder_cudnn_safe.runtimes.reference import attention_forward
 
     o, stats = attention_forward(q, k, v, how)
     exact = attention_backward(q, k, v, o, d_o, stats, how)

@@ -137,8 +137,8 @@ def test_broken_builtin_cudnn_executor_leaves_the_defaults():
 def test_bad_environment_variables_warn_and_keep_defaults():
     res = run(
         "import thunder_cudnn_safe as tcs\n"
-        "print('SIZE', tcs.cache_info().maxsize)\nprint('TARGET', tcs.emulation.emulated_target().arch, "
-        "tcs.emulation.emulated_target().backend_version)\n",
+        "print('SIZE', tcs.cache_info().maxsize)\nprint('TARGET', tcs.runtimes.emulation.emulated_target().arch, "
+        "tcs.runtimes.emulation.emulated_target().backend_version)\n",
         extra_env={
             "THUNDER_CUDNN_SAFE_CACHE_SIZE": "abc",
             "THUNDER_CUDNN_SAFE_EMULATED_ARCH": "foo",

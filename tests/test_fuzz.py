@@ -19,11 +19,11 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from thunder_cudnn_safe import executor
-from thunder_cudnn_safe.cache import GraphCache
-from thunder_cudnn_safe.dispatch import Dispatcher
-from thunder_cudnn_safe.emulation import EmulatedRuntime
+from thunder_cudnn_safe.dispatch.dispatcher import Dispatcher
 from thunder_cudnn_safe.errors import GraphBuildError
+from thunder_cudnn_safe.graphs.cache import GraphCache
+from thunder_cudnn_safe.integration import executor
+from thunder_cudnn_safe.runtimes.emulation import EmulatedRuntime
 from thunder_cudnn_safe.testing import assert_close_to_reference, error_bound, flash_backward_floor
 
 

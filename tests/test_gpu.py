@@ -41,8 +41,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import thunder_cudnn_safe as tcs  # first: runs the compat steps before thunder is imported
-from thunder_cudnn_safe.cache import graph_cache
-from thunder_cudnn_safe.keys import BackwardKey
+from thunder_cudnn_safe.graphs.cache import graph_cache
+from thunder_cudnn_safe.plan.keys import BackwardKey
 from thunder_cudnn_safe.testing import GRAD_OUT_LAYOUTS, QKV_LAYOUTS, assert_close_to_reference
 
 EMULATE = os.environ.get("THUNDER_CUDNN_SAFE_GPU_TESTS_EMULATE") == "1"

@@ -1,6 +1,6 @@
 """Grouped-query attention (issue 13): thunder's side, our executor on the emulated cuDNN, and GQA models.
 
-**thunder's side** (thunder_cudnn_safe.gqa), on CPU with thunder's own executors:
+**thunder's side** (thunder_cudnn_safe.integration.gqa), on CPU with thunder's own executors:
 
 * ``enable_gqa`` (True or False) traces under ``thunder.jit`` and stays in thunder's region under
   ThunderFX; numerics and gradients match eager; H_q not a multiple of H_kv raises eager's error;
@@ -65,11 +65,11 @@ from thunder.dynamo import ThunderCompiler
 from thunder.extend import OperatorExecutor, deregister_executor, register_executor
 
 import thunder_cudnn_safe as tcs
-import thunder_cudnn_safe.gqa as gqa
-from thunder_cudnn_safe import reference
-from thunder_cudnn_safe.cache import GraphCache
-from thunder_cudnn_safe.dispatch import Dispatcher
-from thunder_cudnn_safe.emulation import EmulatedRuntime
+import thunder_cudnn_safe.integration.gqa as gqa
+from thunder_cudnn_safe.dispatch.dispatcher import Dispatcher
+from thunder_cudnn_safe.graphs.cache import GraphCache
+from thunder_cudnn_safe.runtimes import reference
+from thunder_cudnn_safe.runtimes.emulation import EmulatedRuntime
 from thunder_cudnn_safe.testing import GRAD_OUT_LAYOUTS, QKV_LAYOUTS, assert_close_to_reference
 
 FWD_OP, BWD_OP = "cudnn_safe_emulated_sdpa_fwd", "cudnn_safe_emulated_sdpa_bwd"

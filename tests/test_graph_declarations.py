@@ -10,12 +10,11 @@ import torch
 from checks import assert_claimed
 from gqa_support import gqa_layout
 
-from thunder_cudnn_safe import graphs
-from thunder_cudnn_safe.cache import GraphCache
-from thunder_cudnn_safe.dispatch import Dispatcher
-from thunder_cudnn_safe.emulation import EmulatedRuntime, _torch_dtype_of
-from thunder_cudnn_safe.graphs import Uid
-from thunder_cudnn_safe.keys import TensorSig
+from thunder_cudnn_safe.dispatch.dispatcher import Dispatcher
+from thunder_cudnn_safe.graphs import build as graphs
+from thunder_cudnn_safe.graphs.cache import GraphCache
+from thunder_cudnn_safe.plan.keys import TensorSig, Uid
+from thunder_cudnn_safe.runtimes.emulation import EmulatedRuntime, _torch_dtype_of
 from thunder_cudnn_safe.testing import GRAD_OUT_LAYOUTS, QKV_LAYOUTS
 
 

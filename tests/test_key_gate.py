@@ -12,12 +12,14 @@ import pytest
 import torch
 
 import thunder_cudnn_safe as tcs
-from thunder_cudnn_safe import cudnn_rules, key_gate, masks, varlen_dispatch
-from thunder_cudnn_safe.cache import GraphCache
-from thunder_cudnn_safe.dispatch import Dispatcher
-from thunder_cudnn_safe.emulation import EmulatedRuntime
+from thunder_cudnn_safe.dispatch import packed as varlen_dispatch
+from thunder_cudnn_safe.dispatch.dispatcher import Dispatcher
 from thunder_cudnn_safe.errors import GraphBuildError
-from thunder_cudnn_safe.keys import BackwardKey, ForwardKey
+from thunder_cudnn_safe.graphs.cache import GraphCache
+from thunder_cudnn_safe.masks import bias as masks
+from thunder_cudnn_safe.plan.keys import BackwardKey, ForwardKey
+from thunder_cudnn_safe.rules import cudnn_rules, key_gate
+from thunder_cudnn_safe.runtimes.emulation import EmulatedRuntime
 
 #: The silent defects of docs/known-cudnn-defects.md decidable from a key: each must be read off keys.
 SILENT_DEFECT_RULES = (

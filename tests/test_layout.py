@@ -13,11 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import thunder_cudnn_safe as tcs
-from thunder_cudnn_safe import emulation
-from thunder_cudnn_safe.calls import ForwardCall, signature
-from thunder_cudnn_safe.graphs import Uid
-from thunder_cudnn_safe.keys import BackwardKey, sig
-from thunder_cudnn_safe.layout import (
+from thunder_cudnn_safe.plan.calls import ForwardCall, signature
+from thunder_cudnn_safe.plan.keys import BackwardKey, Uid, sig
+from thunder_cudnn_safe.plan.layout import (
     LayoutPolicy,
     arg_sig,
     canonical_strides,
@@ -25,7 +23,8 @@ from thunder_cudnn_safe.layout import (
     stride_order,
     strides_like,
 )
-from thunder_cudnn_safe.recipes import bind, forward_recipe
+from thunder_cudnn_safe.plan.recipes import bind, forward_recipe
+from thunder_cudnn_safe.runtimes import emulation
 from thunder_cudnn_safe.testing import GRAD_OUT_LAYOUTS
 
 

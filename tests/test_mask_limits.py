@@ -57,19 +57,20 @@ def test_a_mask_bound_as_a_bias_at_that_shape_is_still_declined():
     b, h, s = LLAMA_8B["b"], LLAMA_8B["h"], LLAMA_8B["s"]
     grad_mask = torch.zeros(1, 1, 1, 1, dtype=torch.bfloat16, requires_grad=True).expand(b, h, s, s)
     reasons = _explain(grad_mask)
-    assert any(r.code is tcs.support.DeclineCode.INT32 for r in reasons), reasons
+    assert any(r.code is tcs.rules.support.DeclineCode.INT32 for r in reasons), reasons
     with tcs.config.patch(mask_patterns=False):
         reasons = _explain(_huge(s, s, dtype=torch.bool))
-    assert [r.code for r in reasons] == [tcs.support.DeclineCode.INT32], reasons
+    assert [r.code for r in reasons] == [tcs.rules.support.DeclineCode.INT32], reasons
     with tcs.config.patch(mask_cache_size=0):  # no verdict is made without the mask cache
-        assert [r.code for r in _explain(_huge(s, s, dtype=torch.bool))] == [tcs.support.DeclineCode.INT32]
+        assert [r.code for r in _explain(_huge(s, s, dtype=torch.bool))] == [tcs.rules.support.DeclineCode.INT32]
 
 
 @pytest.fixture
 def small_int32_limit(monkeypatch):
     """The int32 limit brought down so that a (2, 2, 128, 128) mask (65536 elements) exceeds it while the
     (2, 2, 128, 8) operands (4096 elements) do not: the headline case's proportions, runnable on a CPU."""
-    from thunder_cudnn_safe import cudnn_rules, planner
+    from thunder_cudnn_safe.plan import planner
+    from thunder_cudnn_safe.rules import cudnn_rules
 
     monkeypatch.setattr(cudnn_rules, "INT32_ELEMENT_LIMIT", 16384)  # the trace-time check (LAYOUT.on_call)
     monkeypatch.setattr(planner, "INT32_ELEMENT_LIMIT", 16384)
@@ -137,7 +138,8 @@ def test_the_dp_budget_holds_for_a_mask_computed_from_a_parameter(budget, fresh_
 
     import thunder
 
-    from thunder_cudnn_safe import cudnn_rules, executor
+    from thunder_cudnn_safe.integration import executor
+    from thunder_cudnn_safe.rules import cudnn_rules
 
     seen = []
     real = executor.not_supported_reasons
@@ -154,7 +156,7 @@ def test_the_dp_budget_holds_for_a_mask_computed_from_a_parameter(budget, fresh_
     fwd, bwd = str(thunder.last_traces(jm)[-1]), str(thunder.last_backward_traces(jm)[-1])
     if budget == "small":
         assert "cudnn_safe_emulated_sdpa" not in fwd + bwd, "the dBias backward ran over the budget"
-        assert any(r.code is tcs.support.DeclineCode.WORKSPACE and "dBias" in r for rs in seen for r in rs), seen
+        assert any(r.code is tcs.rules.support.DeclineCode.WORKSPACE and "dBias" in r for rs in seen for r in rs), seen
     else:
         assert "cudnn_safe_emulated_sdpa_fwd" in fwd and "cudnn_safe_emulated_sdpa_bwd_mask" in bwd
     low = copy.deepcopy(module)
@@ -175,7 +177,8 @@ def test_a_mask_computed_from_integers_needs_no_gradient(monkeypatch):
     no dBias: the budget does not decline it (a learned bias from the same trace does)."""
     import thunder
 
-    from thunder_cudnn_safe import grad_need, support
+    from thunder_cudnn_safe.plan import grad_need
+    from thunder_cudnn_safe.rules import support
 
     answers = {}
     real = grad_need.mask_needs_grad

@@ -13,9 +13,11 @@ import torch
 import torch.nn.functional as F
 
 import thunder_cudnn_safe as tcs
-from thunder_cudnn_safe import cudnn_rules, masks, patterns
-from thunder_cudnn_safe.keys import BackwardKey
-from thunder_cudnn_safe.patterns import recognize
+from thunder_cudnn_safe.masks import bias as masks
+from thunder_cudnn_safe.masks import patterns
+from thunder_cudnn_safe.masks.patterns import recognize
+from thunder_cudnn_safe.plan.keys import BackwardKey
+from thunder_cudnn_safe.rules import cudnn_rules
 
 
 def causal(lq, s):
@@ -56,7 +58,7 @@ def test_all_kept_and_all_zero_are_no_mask():
 def test_an_inference_forward_runs_an_all_kept_mask_as_padding_a_training_forward_as_none(fresh_cache):
     """A static KV cache's last decode slot has an all-True mask: as padding (inference) it shares the
     decode steps' graph; a training forward runs it as no mask (no zeroed dK/dV, the plain graph)."""
-    from thunder_cudnn_safe.keys import ForwardKey
+    from thunder_cudnn_safe.plan.keys import ForwardKey
 
     disp = tcs.emulated_ex.dispatcher
     q = torch.randn(2, 4, 1, 64, dtype=torch.bfloat16)
@@ -214,13 +216,13 @@ def test_describe_reports_the_pattern(fresh_cache):
 
 def test_pattern_keys_lower_in_cudnn():
     """libcudnn's validation accepts the band and padding graphs at every arch (no GPU needed)."""
-    from thunder_cudnn_safe import lowering
+    from thunder_cudnn_safe.graphs import lowering
 
     if lowering.lowering_problem():
         pytest.skip(lowering.lowering_problem())
-    from thunder_cudnn_safe.cache import GraphCache
-    from thunder_cudnn_safe.dispatch import Dispatcher
-    from thunder_cudnn_safe.emulation import EmulatedRuntime
+    from thunder_cudnn_safe.dispatch.dispatcher import Dispatcher
+    from thunder_cudnn_safe.graphs.cache import GraphCache
+    from thunder_cudnn_safe.runtimes.emulation import EmulatedRuntime
 
     for mask, lq in (
         (window(8, 8, 3), 8),

@@ -26,14 +26,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import thunder_cudnn_safe as tcs
-from thunder_cudnn_safe import cudnn_rules, varlen, varlen_dispatch
-from thunder_cudnn_safe.cache import GraphCache
-from thunder_cudnn_safe.dispatch import Dispatcher
-from thunder_cudnn_safe.documents import recognize_documents
-from thunder_cudnn_safe.emulation import EmulatedRuntime
-from thunder_cudnn_safe.graphs import Uid
-from thunder_cudnn_safe.keys import BackwardKey, ForwardKey
-from thunder_cudnn_safe.patterns import pattern_of
+from thunder_cudnn_safe.dispatch import packed as varlen_dispatch
+from thunder_cudnn_safe.dispatch.dispatcher import Dispatcher
+from thunder_cudnn_safe.graphs.cache import GraphCache
+from thunder_cudnn_safe.masks.documents import recognize_documents
+from thunder_cudnn_safe.masks.patterns import pattern_of
+from thunder_cudnn_safe.plan import varlen
+from thunder_cudnn_safe.plan.keys import BackwardKey, ForwardKey, Uid
+from thunder_cudnn_safe.rules import cudnn_rules
+from thunder_cudnn_safe.runtimes.emulation import EmulatedRuntime
 from thunder_cudnn_safe.testing import assert_close_to_reference
 
 
@@ -150,7 +151,7 @@ def test_near_documents_are_not_recognized(case):
 
 def test_patterns_route_documents_and_keep_todays_patterns():
     """A single causal document per row is still today's causal pattern; packed rows are documents."""
-    from thunder_cudnn_safe import patterns
+    from thunder_cudnn_safe.masks import patterns
 
     patterns.reset_mask_pattern_info()
     assert patterns.pattern_of(rows([[12]], 12), 1, 12, 12).name == "causal"
@@ -255,7 +256,7 @@ def test_a_wrong_ragged_offset_gives_wrong_numbers():
     disp = _dispatcher()
     mask = rows([[4, 3, 5], [6, 6]], 12)
     q, k, v = _qkv(2, 2, 2, 12)
-    call = tcs.planner.with_mask_pattern(tcs.calls.ForwardCall(q, k, v, mask))
+    call = tcs.plan.planner.with_mask_pattern(tcs.plan.calls.ForwardCall(q, k, v, mask))
     bound = varlen.bind_forward(call, disp.runtime.target(q.device))
     built = disp.cache.get_or_build(bound.key, disp.runtime.build)
     disp.runtime.execute(built, bound.pack)
@@ -322,7 +323,7 @@ def _keys(arch, mask, gqa, need_stats=True):
 
 @pytest.mark.parametrize("arch", [80, 90, 100])
 def test_varlen_keys_lower_in_cudnn(arch):
-    from thunder_cudnn_safe import lowering
+    from thunder_cudnn_safe.graphs import lowering
 
     if lowering.lowering_problem():
         pytest.skip(lowering.lowering_problem())
@@ -393,7 +394,8 @@ def test_the_benchmark_counts_agree_with_the_formula():
 
 def test_no_document_verdict_under_capture_nor_when_off(fresh_cache, monkeypatch):
     """Like every pattern: no host sync (no verdict) while a CUDA stream captures, none when patterns are off."""
-    from thunder_cudnn_safe import masks, patterns
+    from thunder_cudnn_safe.masks import bias as masks
+    from thunder_cudnn_safe.masks import patterns
 
     disp = tcs.emulated_ex.dispatcher
     q, k, v = _qkv(2, 2, 2, 12)
@@ -483,8 +485,8 @@ def test_documents_of_33_to_64_tokens_never_build_the_hopper_kv_tail_backward(ba
 def test_more_than_32768_documents_decline_to_the_bias_not_a_grid_crash():
     """32,769 documents round N up to 65,536 sequences, past cuDNN's grid limit (a failed launch, a
     RuntimeError on a GPU, not a refusal): the key gate refuses that key, so the call runs as a bias."""
-    from thunder_cudnn_safe.calls import ForwardCall
-    from thunder_cudnn_safe.documents import DocumentPattern
+    from thunder_cudnn_safe.masks.documents import DocumentPattern
+    from thunder_cudnn_safe.plan.calls import ForwardCall
 
     n, t = 32769, 32776
     p = DocumentPattern(False, None, n, 1, 1, t, torch.arange(n), torch.ones(n, dtype=torch.int32), {})
@@ -519,7 +521,7 @@ def test_recognition_takes_one_host_sync_for_every_mask(monkeypatch):
     """Documents are checked in the same host sync as today's patterns (issue 30: no more syncs than they
     take): a document mask, a causal mask and a bias each cost one device-to-host read, documents still
     recognized only where no other pattern holds."""
-    from thunder_cudnn_safe import patterns
+    from thunder_cudnn_safe.masks import patterns
 
     reads = []
     for name in ("tolist", "item", "__bool__", "__int__", "__index__", "__float__"):
@@ -547,7 +549,8 @@ def test_a_backward_past_the_dq_accumulator_is_refused_by_the_emulation():
     """cuDNN sizes the backward's fp32 dQ accumulator for max_total_seq_len_q tokens of dQ's declared layout:
     a graph whose max_total is smaller than the tokens its offsets reach would write out of bounds on a GPU.
     The emulation used to ignore max_total (any value ran); it now refuses it, as the storage bound is."""
-    from thunder_cudnn_safe import calls, errors, planner, varlen
+    from thunder_cudnn_safe import errors
+    from thunder_cudnn_safe.plan import calls, planner, varlen
 
     disp = _dispatcher()
     mask = rows([[4, 3, 5], [6, 6]], 12)
@@ -602,7 +605,8 @@ def _gpu_step(disp, q, k, v, mask, d_o, **options):
 def _expected_backward(lens_per_row, causal) -> str:
     """What varlen_info() must show for the backward: run variable-length, or the one rule the key gate applies
     on this GPU (HOPPER_BACKWARD_KV_TAIL_NAN: non-causal documents bucketed to a key length of 64, sm90, < 9.26)."""
-    from thunder_cudnn_safe import cudnn_rules, varlen
+    from thunder_cudnn_safe.plan import varlen
+    from thunder_cudnn_safe.rules import cudnn_rules
 
     target = EXECUTOR.runtime.target(torch.device(DEVICE))
     s = varlen.bucket(max(max(lens) for lens in lens_per_row), varlen.MIN_S_BUCKET)

@@ -50,13 +50,13 @@ import torch
 import torch.nn.functional as F
 
 import thunder_cudnn_safe as tcs
-from thunder_cudnn_safe import cudnn_rules, key_gate
-from thunder_cudnn_safe.cache import GraphCache
-from thunder_cudnn_safe.dispatch import Dispatcher
-from thunder_cudnn_safe.emulation import EmulatedRuntime
+from thunder_cudnn_safe.dispatch.dispatcher import Dispatcher
 from thunder_cudnn_safe.errors import GraphBuildError
-from thunder_cudnn_safe.key_gate import RuleRefusal
-from thunder_cudnn_safe.keys import BackwardKey
+from thunder_cudnn_safe.graphs.cache import GraphCache
+from thunder_cudnn_safe.plan.keys import BackwardKey
+from thunder_cudnn_safe.rules import cudnn_rules, key_gate
+from thunder_cudnn_safe.rules.key_gate import RuleRefusal
+from thunder_cudnn_safe.runtimes.emulation import EmulatedRuntime
 from thunder_cudnn_safe.testing import assert_close_to_reference
 
 SWEEP_CASES = int(os.environ.get("THUNDER_CUDNN_SAFE_PACKED_SWEEP_CASES", "2000"))

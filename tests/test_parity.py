@@ -8,11 +8,11 @@ import torch
 from checks import assert_claimed, jit_sdpa, on_the_runtime, run_and_check
 
 import thunder_cudnn_safe as tcs
-from thunder_cudnn_safe import graphs
-from thunder_cudnn_safe.cache import GraphCache, graph_cache
-from thunder_cudnn_safe.dispatch import Dispatcher
-from thunder_cudnn_safe.emulation import EmulatedRuntime
-from thunder_cudnn_safe.keys import BackwardKey
+from thunder_cudnn_safe.dispatch.dispatcher import Dispatcher
+from thunder_cudnn_safe.graphs import build as graphs
+from thunder_cudnn_safe.graphs.cache import GraphCache, graph_cache
+from thunder_cudnn_safe.plan.keys import BackwardKey
+from thunder_cudnn_safe.runtimes.emulation import EmulatedRuntime
 from thunder_cudnn_safe.testing import QKV_LAYOUTS
 
 
@@ -95,7 +95,7 @@ def test_expanded_kv_head_forward_declares_one_head_without_copy(fresh_cache):
     assert_claimed(q, k, v)
     with on_the_runtime():
         disp.forward(q.detach(), k.detach(), v.detach())
-    key = tcs.cache.graph_cache.keys()[-1]
+    key = tcs.graphs.cache.graph_cache.keys()[-1]
     assert key.k.shape == (b, 1, s, d) and key.v.shape == (b, 1, s, d)
     assert tcs.copy_stats().bytes_copied == 0
 

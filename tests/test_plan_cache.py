@@ -1,4 +1,4 @@
-"""The persistent plan cache (thunder_cudnn_safe.plan_cache): its file format on plain bytes, in this process,
+"""The persistent plan cache (thunder_cudnn_safe.graphs.plan_cache): its file format on plain bytes, in this process,
 and cold vs warm processes end to end through the deviceless compile path (aot, stand-in libcuda.so.1).
 
 What the end-to-end test proves: a second process restores every plan the first stored (CompileResult.loaded)
@@ -22,8 +22,10 @@ from typing import Any
 import pytest
 import torch
 
-from thunder_cudnn_safe import aot, config, lowering, plan_cache
-from thunder_cudnn_safe.plan_cache import _HEADER, MAGIC, PlanCache
+from thunder_cudnn_safe import config
+from thunder_cudnn_safe.graphs import lowering, plan_cache
+from thunder_cudnn_safe.graphs.plan_cache import _HEADER, MAGIC, PlanCache
+from thunder_cudnn_safe.runtimes import aot
 
 
 @pytest.fixture
@@ -155,7 +157,7 @@ class _Graph:
 
 
 def test_load_and_store_of_graphs(tmp_path, monkeypatch, warnings_seen) -> None:
-    from thunder_cudnn_safe.runtime import BuiltGraph
+    from thunder_cudnn_safe.runtimes.cudnn_runtime import BuiltGraph
 
     key = ("key", 1)
     monkeypatch.setattr(plan_cache, "_active", None)
@@ -187,8 +189,9 @@ def test_the_gpu_runtime_loads_before_building_and_stores_after(tmp_path, monkey
     """CudnnRuntime._build_one's wiring, with cuDNN and the GPU faked (a real restore needs a GPU)."""
     import contextlib
 
-    from thunder_cudnn_safe import graphs, runtime
-    from thunder_cudnn_safe.keys import ForwardKey, Target, sig
+    from thunder_cudnn_safe.graphs import build as graphs
+    from thunder_cudnn_safe.plan.keys import ForwardKey, Target, sig
+    from thunder_cudnn_safe.runtimes import cudnn_runtime as runtime
 
     builds, handles = [], []
     fake = SimpleNamespace(
@@ -235,9 +238,9 @@ _PROBLEM = lowering.lowering_problem()
 
 def _step_keys() -> list:
     """The graphs of one training step of two attention layers (causal bf16, GQA fp16): forwards and backwards."""
-    from thunder_cudnn_safe import emulation
-    from thunder_cudnn_safe.cache import GraphCache
-    from thunder_cudnn_safe.dispatch import Dispatcher
+    from thunder_cudnn_safe.dispatch.dispatcher import Dispatcher
+    from thunder_cudnn_safe.graphs.cache import GraphCache
+    from thunder_cudnn_safe.runtimes import emulation
 
     disp = Dispatcher(emulation.EmulatedRuntime(arch=(9, 0), backend_version=91900), GraphCache())
     for dtype, heads_kv, causal in ((torch.bfloat16, 4, True), (torch.float16, 2, False)):

@@ -6,10 +6,10 @@ import re
 
 import torch
 
-from thunder_cudnn_safe import emulation
-from thunder_cudnn_safe.calls import BackwardCall, ForwardCall, signature
-from thunder_cudnn_safe.graphs import Uid
-from thunder_cudnn_safe.recipes import PackRecipe, backward_recipe, bind, forward_recipe
+from thunder_cudnn_safe.plan.calls import BackwardCall, ForwardCall, signature
+from thunder_cudnn_safe.plan.keys import Uid
+from thunder_cudnn_safe.plan.recipes import PackRecipe, backward_recipe, bind, forward_recipe
+from thunder_cudnn_safe.runtimes import emulation
 
 
 def _forward() -> tuple[ForwardCall, PackRecipe]:

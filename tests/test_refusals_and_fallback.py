@@ -22,8 +22,8 @@ from checks import jit_sdpa, run_and_check
 
 import thunder_cudnn_safe as tcs
 from thunder_cudnn_safe.errors import ExecuteError, GraphBuildError
-from thunder_cudnn_safe.keys import BackwardKey, ForwardKey
-from thunder_cudnn_safe.runtime import BuiltGraph, execute_graph
+from thunder_cudnn_safe.plan.keys import BackwardKey, ForwardKey
+from thunder_cudnn_safe.runtimes.cudnn_runtime import BuiltGraph, execute_graph
 from thunder_cudnn_safe.testing import QKV_LAYOUTS
 
 
@@ -98,7 +98,7 @@ def test_definitive_refusal_is_remembered_at_once(fresh_cache):
 
 def test_definitive_refusal_classification():
     cudnn = pytest.importorskip("cudnn")
-    from thunder_cudnn_safe.runtime import is_definitive_refusal
+    from thunder_cudnn_safe.runtimes.cudnn_runtime import is_definitive_refusal
 
     class Graph:
         _backend_declined = RuntimeError("CUDA driver error: out of memory")
@@ -113,9 +113,9 @@ def test_cudnn_runtime_turns_any_build_refusal_into_graph_build_error():
     """Whatever real cuDNN raises while building (here: no GPU at all) reaches the dispatcher as GraphBuildError."""
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    from thunder_cudnn_safe.cache import GraphBuildError
-    from thunder_cudnn_safe.keys import Target, sig
-    from thunder_cudnn_safe.runtime import CudnnRuntime
+    from thunder_cudnn_safe.graphs.cache import GraphBuildError
+    from thunder_cudnn_safe.plan.keys import Target, sig
+    from thunder_cudnn_safe.runtimes.cudnn_runtime import CudnnRuntime
 
     q = torch.empty(1, 2, 8, 64, dtype=torch.float16)
     st = torch.empty(1, 2, 8, 1)
@@ -216,7 +216,7 @@ def test_frontend_refusal_warning_is_not_repeated(caplog):
     """The frontend logs its own WARNING for a refusal the dispatcher already reports once."""
     import logging
 
-    from thunder_cudnn_safe.runtime import frontend_refusal_filter
+    from thunder_cudnn_safe.runtimes.cudnn_runtime import frontend_refusal_filter
 
     log = logging.getLogger("cudnn.pygraph")
     with caplog.at_level(logging.DEBUG):
@@ -244,7 +244,7 @@ def test_the_fallback_computes_a_few_batch_elements_at_a_time(case, fresh_cache,
     summed over the chunks, dropout's keep-mask drawn once for the whole call)."""
     import checks
 
-    from thunder_cudnn_safe import fallback
+    from thunder_cudnn_safe.runtimes import fallback
 
     disp = tcs.emulated_ex.dispatcher
     g = torch.Generator().manual_seed(7)

@@ -3,7 +3,7 @@
 A converted bias or a pattern's length tensors made on one stream and read on another could be read
 before the kernel making them ran (no event orders the streams) and be reused by the caching allocator
 while the other stream still reads them (no ``record_stream``): the mask cache keys include the current
-stream (:func:`thunder_cudnn_safe.masks.stream_key`).
+stream (:func:`thunder_cudnn_safe.masks.bias.stream_key`).
 """
 
 import pytest
@@ -17,7 +17,7 @@ def test_cached_conversions_and_patterns_are_per_stream(fresh_cache, monkeypatch
     """A converted bias or a pattern's length tensors made on one CUDA stream are not handed to another
     (no event orders the streams, no record_stream keeps the memory): the cache keys include the current
     stream. On CPU the stream identity is monkeypatched; the gpu test below uses real streams."""
-    from thunder_cudnn_safe import masks
+    from thunder_cudnn_safe.masks import bias as masks
 
     stream = [1]
     monkeypatch.setattr(masks, "stream_key", lambda t: stream[0])

@@ -8,8 +8,8 @@ from thunder.core.proxies import TensorProxy
 from thunder.core.trace import detached_trace
 
 import thunder_cudnn_safe as tcs
-from thunder_cudnn_safe.emulation import EmulatedRuntime
-from thunder_cudnn_safe.executor import reasons_for
+from thunder_cudnn_safe.integration.executor import reasons_for
+from thunder_cudnn_safe.runtimes.emulation import EmulatedRuntime
 
 
 def qkv(b=2, h=4, lq=16, s=16, d=64, dv=None, dtype=torch.float16, device="cpu"):
@@ -135,7 +135,7 @@ def test_api_misuse_gives_clear_errors():
     with pytest.raises(ValueError, match="backend_version must be"):
         tcs.config.set(emulated_backend="x")
     with tcs.config.patch(emulated_arch="8.6"):
-        assert tcs.emulation.emulated_target().arch == (8, 6)
+        assert tcs.runtimes.emulation.emulated_target().arch == (8, 6)
     with pytest.raises(ValueError, match="positive integer"):
         tcs.config.set(cache_size=2.7)
     with pytest.raises(TypeError, match="must be a bool"):
@@ -144,8 +144,8 @@ def test_api_misuse_gives_clear_errors():
 
 def test_rules_the_lowering_sweep_found():
     """cuDNN 9.19's own validation refused these although the rules claimed them (tests/test_cudnn_lowering.py)."""
-    from thunder_cudnn_safe import cudnn_rules
-    from thunder_cudnn_safe.support import DeclineCode
+    from thunder_cudnn_safe.rules import cudnn_rules
+    from thunder_cudnn_safe.rules.support import DeclineCode
 
     hopper = EmulatedRuntime(arch=(9, 0), backend_version=91900)
     seq1 = reasons_for(hopper, *qkv(lq=1, s=1), need_stats=False)  # training adds BACKWARD_KEY_LENGTH_1

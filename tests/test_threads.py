@@ -1,4 +1,4 @@
-"""Execution from several threads (thunder_cudnn_safe/per_thread.py).
+"""Execution from several threads (thunder_cudnn_safe/runtimes/per_thread.py).
 
 cuDNN promises thread safety only for threads that do not share a handle; it promises nothing for one
 execution plan run from several threads (PyTorch keeps its cuDNN SDPA graphs thread-local). So each
@@ -18,11 +18,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from thunder_cudnn_safe import emulation
-from thunder_cudnn_safe.cache import GraphCache
-from thunder_cudnn_safe.dispatch import Dispatcher
-from thunder_cudnn_safe.emulation import EmulatedRuntime
-from thunder_cudnn_safe.per_thread import PerThread
+from thunder_cudnn_safe.dispatch.dispatcher import Dispatcher
+from thunder_cudnn_safe.graphs.cache import GraphCache
+from thunder_cudnn_safe.runtimes import emulation
+from thunder_cudnn_safe.runtimes.emulation import EmulatedRuntime
+from thunder_cudnn_safe.runtimes.per_thread import PerThread
 from thunder_cudnn_safe.testing import assert_close_to_reference
 
 THREADS = 4
@@ -218,7 +218,8 @@ def test_cudnn_handles_are_per_thread_created_one_at_a_time_and_bound_to_the_cur
     import time
     from types import SimpleNamespace
 
-    from thunder_cudnn_safe import graphs, runtime
+    from thunder_cudnn_safe.graphs import build as graphs
+    from thunder_cudnn_safe.runtimes import cudnn_runtime as runtime
 
     creating, overlaps, bound = [0], [], []
     lock = threading.Lock()
@@ -267,8 +268,8 @@ def test_cudnn_handles_are_per_thread_created_one_at_a_time_and_bound_to_the_cur
 def test_handles_are_reused_after_their_thread_ends():
     """A server that starts a thread per request used to create a cuDNN handle per request and never destroy
     it: handles are lent per thread and go back to the pool when the thread ends."""
-    from thunder_cudnn_safe.handles import HandlePool
-    from thunder_cudnn_safe.runtime import CudnnRuntime
+    from thunder_cudnn_safe.runtimes.cudnn_runtime import CudnnRuntime
+    from thunder_cudnn_safe.runtimes.handles import HandlePool
 
     made = []
     pool = HandlePool(lambda device: made.append(device) or object())
@@ -301,7 +302,7 @@ def test_a_transient_failure_of_another_threads_copy_is_retried(monkeypatch):
     from concurrent.futures import ThreadPoolExecutor
 
     from thunder_cudnn_safe.errors import GraphBuildError
-    from thunder_cudnn_safe.keys import BackwardKey
+    from thunder_cudnn_safe.plan.keys import BackwardKey
 
     disp = _dispatcher()
     q, k, v, g = _inputs(3)
@@ -377,7 +378,7 @@ def test_eight_threads_forward_backward_one_build_per_key(figure):
 
 
 def test_cudnn_handles_are_per_thread_and_device():
-    from thunder_cudnn_safe.handles import HandlePool
+    from thunder_cudnn_safe.runtimes.handles import HandlePool
 
     pool = HandlePool(lambda device: object())
     mine, theirs = {0: pool.get(0), 1: pool.get(1)}, []

@@ -110,8 +110,8 @@ def test_vjp_of_thunder_sdpa_samples(dtype, cat):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_vjp_of_grouped_query_attention(dtype):
-    """The same for :data:`~thunder_cudnn_safe.gqa.sdpa_gqa` (its transforms come from the same factory)."""
-    from thunder_cudnn_safe import gqa
+    """The same for :data:`~thunder_cudnn_safe.integration.gqa.sdpa_gqa` (its transforms come from the same factory)."""
+    from thunder_cudnn_safe.integration import gqa
 
     make = partial(make_tensor, device="cpu", dtype=dtype, requires_grad=True, low=-0.5, high=0.5)
     q, k, v = make(2, 4, 16, 64), make(2, 2, 16, 64), make(2, 2, 16, 64)

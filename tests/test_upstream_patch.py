@@ -10,7 +10,7 @@ always on a temporary copy, never on site-packages.
 **The patched module on the emulated cuDNN (CPU).** Thunder's ``cudnn_sdpa.py`` (the installed one: 0.2.6
 or main) is patched on a temporary copy; the unpatched and patched copies are loaded under private names.
 With the GPU-only calls stubbed, their real frontend graphs are inspected, and ``graph.execute`` is served
-by :func:`thunder_cudnn_safe.emulation.emulate`, which reads every bound tensor through the
+by :func:`thunder_cudnn_safe.runtimes.emulation.emulate`, which reads every bound tensor through the
 dims/strides/dtype *declared* in the graph, as cuDNN does. Each fix must hold with the patch and each bug
 must show without it:
 
@@ -62,8 +62,8 @@ from upstream_patch_support import (
 )
 
 import thunder_cudnn_safe  # noqa: F401  (compat steps, then thunder)
-from thunder_cudnn_safe import reference
-from thunder_cudnn_safe.emulation import EmulationError, _torch_dtype_of
+from thunder_cudnn_safe.runtimes import reference
+from thunder_cudnn_safe.runtimes.emulation import EmulationError, _torch_dtype_of
 from thunder_cudnn_safe.testing import assert_close_to_reference
 
 try:

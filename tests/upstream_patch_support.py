@@ -10,7 +10,7 @@ get it (docs/testing.md).
 
 The copies are then loaded as private modules (``_load_private``), and the GPU-only
 calls of the frontend are stubbed so that ``graph.execute`` runs on the emulated cuDNN
-(:func:`thunder_cudnn_safe.emulation.emulate`), which reads every bound tensor through
+(:func:`thunder_cudnn_safe.runtimes.emulation.emulate`), which reads every bound tensor through
 the layout and dtype *declared* in the graph, as cuDNN reads memory from a data pointer.
 """
 
@@ -236,7 +236,7 @@ class Executions:
         self.calls: list = []
 
     def execute(self, graph, pack, workspace=None, handle=None, **kwargs) -> None:
-        from thunder_cudnn_safe.emulation import emulate
+        from thunder_cudnn_safe.runtimes.emulation import emulate
 
         # The frontend ignores entries for absent optional tensors (e.g. {Seed: None} without dropout).
         pack = {k: v for k, v in pack.items() if k is not None and v is not None}

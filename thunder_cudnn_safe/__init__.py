@@ -14,36 +14,38 @@ Importing this package changes thunder, in this order:
    package raises an ImportError naming torch's version, that issue and the torch versions that work;
 2. two executors are registered with thunder (``cudnn_safe_ex``, ``emulated_ex``), not made default
    (:func:`install` does that);
-3. :func:`~thunder_cudnn_safe.install.drop_broken_builtin_cudnn_executor`: thunder's built-in ``"cudnn"``
+3. :func:`~thunder_cudnn_safe.integration.install.drop_broken_builtin_cudnn_executor`: thunder's built-in ``"cudnn"``
    executor leaves the default executors where this cuDNN frontend breaks it;
-4. :func:`thunder_cudnn_safe.gqa.register`: thunder's SDPA translation accepts ``enable_gqa`` (thunder
+4. :func:`thunder_cudnn_safe.integration.gqa.register`: thunder's SDPA translation accepts ``enable_gqa`` (thunder
    0.2.6 raises ``TypeError`` on it) and grouped heads trace as ``cudnn_safe.sdpa_gqa``;
    ``gqa.unregister()`` undoes it.
 """
 
-from ._compat import FRONTEND, prepare_and_import_thunder
+from thunder_cudnn_safe._compat import FRONTEND, prepare_and_import_thunder
 
 prepare_and_import_thunder()
 
-from . import config, cudnn_rules, gqa  # noqa: E402
-from ._version import __version__  # noqa: E402
-from .cache import CachedGraph, CacheInfo, cache_info, cached_graphs  # noqa: E402
-from .caches import clear_cache  # noqa: E402
-from .errors import EmulationError, GraphBuildError  # noqa: E402
-from .executor import CallReport, cudnn_safe_ex, describe, emulated_ex, explain  # noqa: E402
-from .gqa import RepeatKVToGQA  # noqa: E402
-from .install import drop_broken_builtin_cudnn_executor, install, installed, uninstall  # noqa: E402
-from .key_gate import gate_info, reset_gate_info  # noqa: E402
-from .layout import LayoutPolicy  # noqa: E402
-from .masks import MaskCacheInfo, mask_cache_info  # noqa: E402
-from .patterns import mask_pattern_info, reset_mask_pattern_info  # noqa: E402
-from .plan_cache import PlanCacheInfo, plan_cache_info  # noqa: E402
-from .support import Decline, DeclineCode  # noqa: E402
-from .telemetry import CopyReason, CopyStats, copy_stats, reset_copy_stats  # noqa: E402
-from .varlen_dispatch import reset_varlen_info, varlen_info  # noqa: E402
+from thunder_cudnn_safe import config  # noqa: E402
+from thunder_cudnn_safe._version import __version__  # noqa: E402
+from thunder_cudnn_safe.caches import clear_cache  # noqa: E402
+from thunder_cudnn_safe.dispatch.packed import reset_varlen_info, varlen_info  # noqa: E402
+from thunder_cudnn_safe.errors import EmulationError, GraphBuildError  # noqa: E402
+from thunder_cudnn_safe.graphs.cache import CachedGraph, CacheInfo, cache_info, cached_graphs  # noqa: E402
+from thunder_cudnn_safe.graphs.plan_cache import PlanCacheInfo, plan_cache_info  # noqa: E402
+from thunder_cudnn_safe.integration import gqa  # noqa: E402
+from thunder_cudnn_safe.integration.executor import CallReport, cudnn_safe_ex, describe, emulated_ex, explain  # noqa: E402
+from thunder_cudnn_safe.integration.gqa import RepeatKVToGQA  # noqa: E402
+from thunder_cudnn_safe.integration.install import drop_broken_builtin_cudnn_executor, install, installed, uninstall  # noqa: E402
+from thunder_cudnn_safe.masks.bias import MaskCacheInfo, mask_cache_info  # noqa: E402
+from thunder_cudnn_safe.masks.patterns import mask_pattern_info, reset_mask_pattern_info  # noqa: E402
+from thunder_cudnn_safe.plan.layout import LayoutPolicy  # noqa: E402
+from thunder_cudnn_safe.rules import cudnn_rules  # noqa: E402
+from thunder_cudnn_safe.rules.key_gate import gate_info, reset_gate_info  # noqa: E402
+from thunder_cudnn_safe.rules.support import Decline, DeclineCode  # noqa: E402
+from thunder_cudnn_safe.telemetry import CopyReason, CopyStats, copy_stats, reset_copy_stats  # noqa: E402
 
 drop_broken_builtin_cudnn_executor()
-# enable_gqa traces under thunder.jit and stays in thunder's region under ThunderFX (see gqa.py);
+# enable_gqa traces under thunder.jit and stays in thunder's region under ThunderFX (see integration/gqa.py);
 # gqa.unregister() undoes it.
 gqa.register()
 

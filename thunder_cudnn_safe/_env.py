@@ -12,9 +12,9 @@ from typing import TypeVar
 
 T = TypeVar("T")
 
-#: Graph-cache bound (:mod:`thunder_cudnn_safe.cache`).
+#: Graph-cache bound (:mod:`thunder_cudnn_safe.graphs.cache`).
 CACHE_SIZE_ENV = "THUNDER_CUDNN_SAFE_CACHE_SIZE"
-#: Converted-mask cache bound (:mod:`thunder_cudnn_safe.masks`; 0 turns it off).
+#: Converted-mask cache bound (:mod:`thunder_cudnn_safe.masks.bias`; 0 turns it off).
 MASK_CACHE_SIZE_ENV = "THUNDER_CUDNN_SAFE_MASK_CACHE_SIZE"
 #: Bytes of dP workspace a dBias or deterministic backward may need (:data:`cudnn_rules.DP_WORKSPACE`).
 DP_WORKSPACE_LIMIT_ENV = "THUNDER_CUDNN_SAFE_DP_WORKSPACE_LIMIT"
@@ -23,17 +23,18 @@ EMULATED_ARCH_ENV = "THUNDER_CUDNN_SAFE_EMULATED_ARCH"
 #: Which cuDNN version the emulated runtime pretends to be (e.g. ``91900``).
 EMULATED_BACKEND_ENV = "THUNDER_CUDNN_SAFE_EMULATED_BACKEND"
 #: Which forwards build dynamic-shape graphs: ``off``, ``inference`` (default), ``forward``
-#: (:mod:`~thunder_cudnn_safe.recipes`).
+#: (:mod:`~thunder_cudnn_safe.plan.recipes`).
 DYNAMIC_SHAPES_ENV = "THUNDER_CUDNN_SAFE_DYNAMIC_SHAPES"
-#: Folder of the persistent plan cache (:mod:`thunder_cudnn_safe.plan_cache`; unset: off).
+#: Folder of the persistent plan cache (:mod:`thunder_cudnn_safe.graphs.plan_cache`; unset: off).
 PLAN_CACHE_DIR_ENV = "THUNDER_CUDNN_SAFE_PLAN_CACHE_DIR"
 #: Most plan files the plan cache keeps (least recently used go first).
 PLAN_CACHE_MAX_ENTRIES_ENV = "THUNDER_CUDNN_SAFE_PLAN_CACHE_MAX_ENTRIES"
 #: Most bytes of plan files the plan cache keeps (least recently used go first).
 PLAN_CACHE_MAX_BYTES_ENV = "THUNDER_CUDNN_SAFE_PLAN_CACHE_MAX_BYTES"
-#: ``0`` turns recognizing mask patterns off (every mask then runs as a bias; :mod:`~thunder_cudnn_safe.patterns`).
+#: ``0`` turns recognizing mask patterns off (every mask then runs as a bias;
+#: :mod:`~thunder_cudnn_safe.masks.patterns`).
 MASK_PATTERNS_ENV = "THUNDER_CUDNN_SAFE_MASK_PATTERNS"
-#: Seconds an ahead-of-time compile child process may run (:mod:`~thunder_cudnn_safe.aot`; 0: no limit).
+#: Seconds an ahead-of-time compile child process may run (:mod:`~thunder_cudnn_safe.runtimes.aot`; 0: no limit).
 AOT_TIMEOUT_ENV = "THUNDER_CUDNN_SAFE_AOT_TIMEOUT"
 #: Default of the ``cudnn_safe_layout`` compile option: ``preserve`` or ``contiguous``.
 LAYOUT_ENV = "THUNDER_CUDNN_SAFE_LAYOUT"

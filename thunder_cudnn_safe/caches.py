@@ -5,7 +5,7 @@ any module can register without an import cycle.
 What it does not clear, and why: the persistent plan cache on disk (delete its folder, or
 ``config.set(plan_cache_dir=None)``); the copy, mask-pattern, packed-sequence and key-gate counters
 (telemetry, not caches: their ``reset_*`` functions); and the handoff state of
-:mod:`~thunder_cudnn_safe.handoff` (which dropout forwards fell back, gradients kept for the next backward):
+:mod:`~thunder_cudnn_safe.runtimes.handoff` (which dropout forwards fell back, gradients kept for the next backward):
 forgetting it would run a backward that must fall back in cuDNN, with a dropout mask cuDNN never drew.
 """
 

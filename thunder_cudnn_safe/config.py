@@ -21,8 +21,8 @@ import os
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
-from . import _env
-from ._env import env_value, parse_arch, positive_int
+from thunder_cudnn_safe import _env
+from thunder_cudnn_safe._env import env_value, parse_arch, positive_int
 
 DYNAMIC_SHAPE_MODES = ("off", "inference", "forward")
 LAYOUTS = ("preserve", "contiguous")

@@ -12,8 +12,8 @@ import threading
 from collections.abc import Hashable
 from typing import NamedTuple
 
-from . import caches
-from .lru import LRU
+from thunder_cudnn_safe import caches
+from thunder_cudnn_safe.lru import LRU
 
 logger = logging.getLogger("thunder_cudnn_safe")
 

@@ -1,7 +1,7 @@
 """Test-only support for the compile sweep (tests/test_cudnn_compile.py, scripts/compile_table.py).
 
 The stand-in ``libcuda.so.1`` (standin_libcuda.c) is built here, at test time, into a folder
-that only :func:`thunder_cudnn_safe.aot.compile_in_subprocess`'s child puts on its library path:
+that only :func:`thunder_cudnn_safe.runtimes.aot.compile_in_subprocess`'s child puts on its library path:
 neither the package nor the test process loads it.
 """
 
@@ -13,7 +13,7 @@ import subprocess
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("standin_libcuda.c")
-#: The GPU each swept architecture is compiled for (thunder_cudnn_safe.aot.DEVICES).
+#: The GPU each swept architecture is compiled for (thunder_cudnn_safe.runtimes.aot.DEVICES).
 ARCH_DEVICES = {80: "A100", 90: "H100", 100: "B200"}
 #: ``THUNDER_CUDNN_SAFE_COMPILE_SWEEP=all`` compiles every call of the lowering sweep instead of :data:`SUBSET`.
 SWEEP_ENV = "THUNDER_CUDNN_SAFE_COMPILE_SWEEP"
@@ -75,7 +75,7 @@ def build_standin(folder: Path) -> str:
 def compile_calls(calls: list, keys_of, folder: str) -> tuple[list, dict]:
     """Every distinct key of ``calls`` (``keys_of(call)``), compiled for every arch of :data:`ARCH_DEVICES` in
     one child process: ``(keys, {sm: {key: CompileResult}})``."""
-    from thunder_cudnn_safe import aot
+    from thunder_cudnn_safe.runtimes import aot
 
     keys = list(dict.fromkeys(key for call in calls for key in keys_of(call)))
     results = aot.compile_in_subprocess(keys, list(ARCH_DEVICES.values()), extra_ld_path=folder)

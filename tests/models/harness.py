@@ -37,7 +37,7 @@ from torch.overrides import TorchFunctionMode
 from zoo import ModelCase
 
 import thunder_cudnn_safe as tcs
-from thunder_cudnn_safe import executor as tcs_executor
+from thunder_cudnn_safe.integration import executor as tcs_executor
 from thunder_cudnn_safe.telemetry import CopyReason
 from thunder_cudnn_safe.testing import error_bound
 

@@ -13,7 +13,7 @@ from harness import run_case
 from zoo import ModelCase, _hidden, _ids, _llm
 
 import thunder_cudnn_safe as tcs
-from thunder_cudnn_safe import varlen_dispatch
+from thunder_cudnn_safe.dispatch import packed as varlen_dispatch
 
 pytest.importorskip("transformers")
 

@@ -1,0 +1,8 @@
+"""Dispatch: the per-call loop both executors share (:mod:`.dispatcher`: plan -> bind -> cached graph ->
+runtime -> fallback if refused), with its routes that span two operator calls: packed sequences
+(:mod:`.packed`), dropout's forward/backward pairing (:mod:`.dropout`) and the CUDA-graph capture prebuild
+(:mod:`.capture`).
+
+May import every subpackage below it (runtimes, graphs, plan, rules, masks) and the plumbing; never
+thunder's registration (:mod:`~thunder_cudnn_safe.integration`), which calls it.
+"""

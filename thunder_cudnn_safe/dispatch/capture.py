@@ -1,0 +1,62 @@
+"""CUDA-graph capture: a warm-up builds every graph the captured step will run, on the thread that runs it.
+
+Under capture no mask pattern is recognized (:mod:`patterns`: a verdict is a host decision that replays,
+reading new masks from the same buffers, would not re-check), so a mask runs as its bias, whose graphs a
+warm-up that ran the pattern never built; a build inside the capture (heuristics, NVRTC, a module load)
+invalidates it. :func:`prebuild` builds them at warm-up, planned exactly as the capture will plan them
+(:func:`~thunder_cudnn_safe.plan.planner.capture_calls`: the defect workarounds included; a dropout forward's
+backward check too), and makes the calling thread's own copy of each (:mod:`per_thread`: a graph built on
+another thread is copied on first use, which must not be inside the capture). Nothing is bound or run; a
+refusal is remembered, and the captured call then runs on the torch fallback, as it would.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from thunder_cudnn_safe.dispatch import dropout
+from thunder_cudnn_safe.errors import ExecuteError, GraphBuildError
+from thunder_cudnn_safe.plan.calls import BackwardCall, ForwardCall, forward_of, memo_key
+from thunder_cudnn_safe.plan.keys import Target, TensorSig
+from thunder_cudnn_safe.plan.planner import capture_calls
+
+
+def prebuild(disp: Any, call: ForwardCall | BackwardCall, target: Target) -> None:
+    """Build (and copy for this thread) the graphs ``call`` would run under capture; once per signature and
+    thread (later calls do no lookup at all; ``clear_cache()`` forgets it with the graphs)."""
+    memo = ("capture", threading.get_ident()) + memo_key(call, target)
+    if disp.recipes.peek(memo) is not None:
+        return
+    calls = capture_calls(call, target)
+    keys = _keys(disp, call, calls[0]) if calls else ()
+    disp.recipes.put(memo, True)
+    for key in keys:
+        try:
+            disp.runtime.graph_for_this_thread(disp.cache.get_or_build(key, disp.runtime.build))
+        except (GraphBuildError, ExecuteError):
+            continue
+        if isinstance(call, ForwardCall) and call.dropout_p and call.need_stats:
+            dropout.backward_builds(disp, call, calls[0], key)
+
+
+def _keys(disp: Any, call: ForwardCall | BackwardCall, bias: ForwardCall | BackwardCall) -> tuple:
+    """The keys of the bias call's graphs. A backward's captured forward runs the bias too, and its O and stats
+    (the backward's inputs) are laid out as the bias forward lays them out, which a packed-sequence forward does
+    not: those are planned too, with dO as it comes and with dO in that O's layout (a grad_out made like O)."""
+    keys = [disp.recipe(bias).key]
+    if isinstance(call, BackwardCall):
+        fwd = forward_of(call)
+        fkey = disp.recipe(fwd).key
+        o, stats = _meta(fkey.o), _meta(fkey.stats)
+        like_bias_forward = bias._replace(out=o, stats=stats)
+        if disp.recipe(like_bias_forward).key != keys[0]:
+            keys += [disp.recipe(c).key for c in (like_bias_forward, like_bias_forward._replace(grad_out=o))]
+    return tuple(dict.fromkeys(keys))
+
+
+def _meta(sig: TensorSig) -> torch.Tensor:
+    """A tensor with ``sig``'s layout and no storage, to plan a recipe's key (never bound)."""
+    return torch.empty_strided(sig.shape, sig.stride, dtype=sig.dtype, device="meta")

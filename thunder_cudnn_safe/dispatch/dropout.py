@@ -1,0 +1,58 @@
+"""Dropout pairs a forward with its backward: only the runtime that drew a dropout mask can reproduce it.
+
+So a dropout forward runs in cuDNN only if cuDNN builds the backward that will run (:func:`backward_builds`,
+asked of the graph cache, through the key gate like every build); otherwise both run on the torch fallback,
+which draws its own mask from the same seed and offset (:mod:`handoff` marks the seed).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from thunder_cudnn_safe.errors import GraphBuildError
+from thunder_cudnn_safe.plan.calls import ForwardCall, signature, torch_deterministic
+from thunder_cudnn_safe.plan.keys import BackwardKey, ForwardKey
+from thunder_cudnn_safe.plan.planner import bias_too_large
+from thunder_cudnn_safe.plan.recipes import companion_backward_key
+from thunder_cudnn_safe.rules import cudnn_rules
+from thunder_cudnn_safe.rules.key_gate import RuleRefusal
+from thunder_cudnn_safe.telemetry import warn_once
+
+
+def backward_builds(disp: Any, call: ForwardCall, masked: ForwardCall, fkey: ForwardKey) -> bool:
+    """Whether the runtime builds the backward of a dropout forward (dO in O's layout), asked of the cache.
+
+    A float mask checks both with and without dBias: whether its gradient is used is known only
+    after dead-code elimination (with it, the mask runs as a bias even where the forward ran a pattern).
+    A mask whose bias would pass the int32 limit is claimed only without a gradient (:mod:`support`), and
+    its dBias backward could never run in cuDNN anyway: that graph is neither built nor asked for.
+    """
+    float_mask = call.attn_mask is not None and call.attn_mask.dtype != torch.bool and not bias_too_large(call)
+    deterministic = call.deterministic or torch_deterministic()  # as the backward will decide
+    for mask_grad in (False, True) if float_mask else (False,):
+        bcall = signature(call if mask_grad else masked)._replace(deterministic=deterministic)
+        companion = companion_backward_key(bcall, fkey, mask_grad)
+        try:
+            disp.cache.get_or_build(companion, disp.runtime.build)
+        except RuleRefusal as exc:
+            if mask_grad and exc.rule == cudnn_rules.DP_WORKSPACE.name:
+                continue  # judged at trace time, where the need for dBias is known (:mod:`support`)
+            _warn_refusal(disp, companion, exc)
+            return False
+        except GraphBuildError as exc:
+            _warn_refusal(disp, companion, exc)
+            return False
+    return True
+
+
+def _warn_refusal(disp: Any, companion: BackwardKey, exc: GraphBuildError) -> None:
+    warn_once(
+        ("fallback", disp.runtime.name, companion),
+        "cudnn_safe: %s refuses the backward graph of an attention call with dropout (%s), and only "
+        "cuDNN could reproduce its dropout mask: the forward runs on the torch fallback too. Shown once "
+        "per distinct graph.",
+        disp.runtime.name,
+        exc,
+    )

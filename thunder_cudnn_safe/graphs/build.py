@@ -1,0 +1,258 @@
+"""Build a cuDNN frontend graph from a key, and from nothing else.
+
+Every tensor is declared with the dims, strides and dtype in the key, read off the tensor bound to
+the same fixed uid (:class:`Uid`): the variant pack is a plain ``{uid: tensor}`` dict. Only API of
+every supported frontend is used: ``pygraph.sdpa`` / ``sdpa_backward`` (the
+``scaled_dot_product_flash_attention*`` aliases are gone from 1.27), a python-float ``attn_scale``.
+Causal is the diagonal band (top-left, right bound 0): ``use_causal_mask`` is deprecated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import threading
+from collections.abc import Hashable
+from typing import Any
+
+import torch
+
+from thunder_cudnn_safe import _compat, caches
+from thunder_cudnn_safe.plan.keys import BackwardKey, ForwardKey, TensorSig, Uid
+
+
+def cudnn_module() -> Any:
+    """The frontend module; raises if it cannot build graphs here."""
+    if _compat.FRONTEND.module is None:
+        raise RuntimeError(_compat.FRONTEND.frontend_problem)
+    return _compat.FRONTEND.module
+
+
+def cudnn_dtype(dtype: torch.dtype) -> Any:
+    """cuDNN's data type for a torch dtype, from the frontend's own table."""
+    cudnn_module()
+    from cudnn.datatypes import torch_to_cudnn_data_type
+
+    value = torch_to_cudnn_data_type(dtype)
+    if value is None:
+        raise TypeError(f"no cuDNN data type for {dtype}")
+    return value
+
+
+@functools.cache
+def _torch_dtypes_by_cudnn() -> dict:
+    cudnn_module()
+    from cudnn.datatypes import torch_to_cudnn_data_type
+
+    table = {}
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64, torch.bool):
+        value = torch_to_cudnn_data_type(dtype)
+        if value is not None:
+            table.setdefault(value, dtype)
+    return table
+
+
+def torch_dtype_of(cudnn_data_type: Any) -> torch.dtype | None:
+    """The torch dtype cuDNN's ``cudnn_data_type`` stands for (None if none), from the frontend's table."""
+    return _torch_dtypes_by_cudnn().get(cudnn_data_type)
+
+
+def _declare(graph: Any, uid: Uid, s: TensorSig) -> Any:
+    return graph.tensor(
+        name=uid.name, dim=list(s.shape), stride=list(s.stride), data_type=cudnn_dtype(s.dtype), uid=int(uid)
+    )
+
+
+def _mark_output(t: Any, uid: Uid, s: TensorSig) -> None:
+    t.set_output(True).set_dim(list(s.shape)).set_stride(list(s.stride)).set_data_type(cudnn_dtype(s.dtype))
+    t.set_uid(int(uid)).set_name(uid.name)
+
+
+_kernel_caches: dict[Hashable, Any] = {}
+#: Held while a kernel cache is made or a dynamic graph plans: the frontend does not promise it is thread-safe.
+_dynamic_lock = threading.RLock()
+
+
+def kernel_cache(target: Hashable, device_property: Any = None) -> Any:
+    """The process's cuDNN kernel cache for one device (a key's target; with a deviceless descriptor, that too)."""
+    scope = (target, None if device_property is None else device_property.serialize())
+    with _dynamic_lock:
+        if scope not in _kernel_caches:
+            _kernel_caches[scope] = cudnn_module().create_kernel_cache()
+        return _kernel_caches[scope]
+
+
+def build_plans(graph: Any, key: ForwardKey | BackwardKey) -> None:
+    """cuDNN's plans for a validated graph (heuristics A, then FALLBACK); a dynamic-shape graph under the lock."""
+    cudnn = cudnn_module()
+    with _dynamic_lock if getattr(key, "dynamic", False) else contextlib.nullcontext():
+        graph.build([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+
+
+def _new_graph(io_dtype: torch.dtype, handle: Any, device_property: Any = None, key: Any = None) -> Any:
+    cudnn = cudnn_module()
+    kwargs = {} if handle is None else {"handle": handle}
+    if getattr(key, "dynamic", False):
+        kwargs["is_dynamic_shape_enabled"] = True
+        # cuDNN's kernel cache is made by libcudnn itself; without one loadable (torch's CPU wheel) no plan is ever
+        # built, and the emulated runtime needs only the graph's declarations, so the graph goes without it.
+        if _compat.FRONTEND.backend_version is not None:
+            kwargs["kernel_cache"] = kernel_cache(key.target, device_property)
+    if device_property is not None:  # deviceless planning (runtimes/aot.py): no handle, the descriptor's GPU and SM
+        sm = json.loads(device_property.serialize())["deviceVer"] // 10
+        kwargs.update(device_property=device_property, sm_version=sm)
+    return cudnn.pygraph(
+        io_data_type=cudnn_dtype(io_dtype),
+        intermediate_data_type=cudnn.data_type.FLOAT,
+        compute_data_type=cudnn.data_type.FLOAT,
+        **kwargs,
+    )
+
+
+def _masking(graph: Any, key: ForwardKey | BackwardKey) -> dict[str, Any]:
+    """torch's ``is_causal`` (query i sees keys 0..i) as the frontend's top-left diagonal band, a
+    sliding window as its left bound (keep i - j < left), key padding as its padding mask."""
+    band: dict[str, Any] = {}
+    if key.causal:
+        band = {"diagonal_alignment": cudnn_module().diagonal_alignment.TOP_LEFT, "diagonal_band_right_bound": 0}
+    if key.left is not None:
+        band.update(
+            diagonal_alignment=cudnn_module().diagonal_alignment.TOP_LEFT, diagonal_band_left_bound=int(key.left)
+        )
+    if key.padded:
+        lens = TensorSig((key.q.shape[0], 1, 1, 1), (1, 1, 1, 1), torch.int32)
+        band.update(
+            use_padding_mask=True,
+            seq_len_q=_declare(graph, Uid.SEQ_LEN_Q, lens),
+            seq_len_kv=_declare(graph, Uid.SEQ_LEN_KV, lens),
+        )
+    return band
+
+
+def _ragged(graph: Any, key: ForwardKey | BackwardKey, tensors: dict[Uid, Any]) -> None:
+    """Packed sequences: each tensor's ragged offset ((N+1,1,1,1) int element offsets, bound per call);
+    the stats get one only where the key declares them ragged (sm80's backward refuses ragged stats)."""
+    if key.ragged is None:
+        return
+    for uid, t in tensors.items():
+        if uid == Uid.STATS and not key.ragged.stats:
+            continue
+        t.set_ragged_offset(_declare(graph, Uid[f"RAGGED_{uid.name}"], key.ragged.offsets))
+
+
+def attention_implementation(implementation: Any) -> Any:
+    """The frontend's ``attention_implementation`` for "auto" / "composite" / "unified" (or the enum itself);
+    None (the frontend's own choice) for None: the argument is then not passed at all."""
+    if implementation is None:
+        return None
+    enum_type = cudnn_module().attention_implementation
+    if isinstance(implementation, enum_type):
+        return implementation
+    try:
+        return enum_type.__members__[str(implementation).upper()]
+    except KeyError:
+        raise ValueError(
+            f"implementation must be one of {sorted(m.lower() for m in enum_type.__members__)} or None, "
+            f"got {implementation!r}"
+        ) from None
+
+
+def _dropout(graph: Any, key: ForwardKey | BackwardKey) -> tuple | None:
+    if not key.dropout_p:
+        return None
+    return (key.dropout_p, _declare(graph, Uid.SEED, key.seed), _declare(graph, Uid.OFFSET, key.offset))
+
+
+def build_forward_graph(
+    key: ForwardKey, handle: Any = None, *, implementation: Any = None, device_property: Any = None
+) -> Any:
+    """A validated forward graph (O, and the softmax stats unless ``key.stats`` is None) declaring exactly ``key``.
+
+    ``implementation`` ("composite", "unified", None: the frontend's choice) pins the SDPA implementation
+    (only the forward has one); ``device_property`` plans for that GPU without one (:mod:`aot`)."""
+    g = _new_graph(key.q.dtype, handle, device_property, key)
+    q, k, v = _declare(g, Uid.Q, key.q), _declare(g, Uid.K, key.k), _declare(g, Uid.V, key.v)
+    extra = {}
+    if key.bias is not None:
+        extra["bias"] = _declare(g, Uid.BIAS, key.bias)
+    dropout = _dropout(g, key)
+    if dropout is not None:
+        extra["dropout"] = dropout
+    impl = attention_implementation(implementation)
+    if impl is not None:
+        extra["implementation"] = impl
+    o, stats = g.sdpa(
+        q=q,
+        k=k,
+        v=v,
+        generate_stats=key.stats is not None,
+        attn_scale=float(key.scale),
+        name="cudnn_safe_sdpa_fwd",
+        **_masking(g, key),
+        **extra,
+    )
+    _mark_output(o, Uid.O, key.o)
+    if key.stats is not None:  # an inference forward writes no stats (nothing reads them)
+        _mark_output(stats, Uid.STATS, key.stats)
+    _ragged(g, key, {Uid.Q: q, Uid.K: k, Uid.V: v, Uid.O: o, **({Uid.STATS: stats} if key.stats is not None else {})})
+    g.validate()
+    return g
+
+
+def build_backward_graph(
+    key: BackwardKey, handle: Any = None, *, implementation: Any = None, device_property: Any = None
+) -> Any:
+    """A validated backward graph (dQ, dK, dV and optionally dBias) declaring exactly ``key``.
+
+    ``sdpa_backward`` has no implementation choice (its lowered node is composite): ``implementation``
+    may only be None, "auto" or "composite", for symmetry with :func:`build_forward_graph`."""
+    impl = attention_implementation(implementation)
+    if impl is not None and impl.name not in ("AUTO", "COMPOSITE"):
+        raise ValueError(f"sdpa_backward has no {impl.name} implementation; pass None, 'auto' or 'composite'")
+    g = _new_graph(key.q.dtype, handle, device_property)
+    q, k, v = _declare(g, Uid.Q, key.q), _declare(g, Uid.K, key.k), _declare(g, Uid.V, key.v)
+    o, d_o, stats = _declare(g, Uid.O, key.o), _declare(g, Uid.DO, key.d_o), _declare(g, Uid.STATS, key.stats)
+    extra: dict[str, Any] = {}
+    if key.bias is not None:
+        extra["bias"] = _declare(g, Uid.BIAS, key.bias)
+    if key.d_bias is not None:
+        extra["dBias"] = _declare(g, Uid.DBIAS, key.d_bias)
+    dropout = _dropout(g, key)
+    if dropout is not None:
+        extra["dropout"] = dropout
+    if key.deterministic:
+        extra["use_deterministic_algorithm"] = True
+    if key.ragged is not None:  # without it the backward workspace grows with N x S (notes, fact 6)
+        extra.update(max_total_seq_len_q=key.ragged.max_total, max_total_seq_len_kv=key.ragged.max_total)
+    dq, dk, dv = g.sdpa_backward(
+        q=q,
+        k=k,
+        v=v,
+        o=o,
+        dO=d_o,
+        stats=stats,
+        attn_scale=float(key.scale),
+        name="cudnn_safe_sdpa_bwd",
+        **_masking(g, key),
+        **extra,
+    )
+    _mark_output(dq, Uid.DQ, key.dq)
+    _mark_output(dk, Uid.DK, key.dk)
+    _mark_output(dv, Uid.DV, key.dv)
+    _ragged(
+        g,
+        key,
+        {Uid.Q: q, Uid.K: k, Uid.V: v, Uid.O: o, Uid.DO: d_o, Uid.STATS: stats, Uid.DQ: dq, Uid.DK: dk, Uid.DV: dv},
+    )
+    g.validate()
+    return g
+
+
+def clear_kernel_caches() -> None:
+    """Forget the dynamic-shape kernel caches (graphs already built keep theirs; new ones get new ones)."""
+    with _dynamic_lock:
+        _kernel_caches.clear()
+
+
+caches.register("dynamic-shape kernel caches", clear_kernel_caches)

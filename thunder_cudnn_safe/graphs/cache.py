@@ -1,0 +1,190 @@
+"""The process-wide cache of built graphs, with counters and a memory of refusals.
+
+A hit is one lookup. A miss builds under a per-key lock (one build per key, other keys in
+parallel). A refusal (cuDNN's judgment of the graph, or the key gate's) is remembered and raised
+again as it was; a transient failure (``GraphBuildError.definitive`` false: an out-of-memory or a
+CUDA error the frontend wrapped) is never remembered, so the next call with that key builds again
+(three transient failures used to become a refusal for the rest of the process).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Hashable
+from typing import Any, NamedTuple
+
+from thunder_cudnn_safe import caches, config
+from thunder_cudnn_safe.errors import GraphBuildError
+from thunder_cudnn_safe.lru import LRU
+
+
+class CacheInfo(NamedTuple):
+    hits: int
+    misses: int
+    builds: int
+    evictions: int
+    size: int
+    maxsize: int
+    build_seconds: float
+    #: Builds that raised (the graph was refused).
+    build_failures: int
+    #: Lookups answered by the memory of refusals (not rebuilt).
+    negative_hits: int
+    #: Calls served by the torch fallback after a runtime refused to build or execute.
+    fallbacks: int
+
+
+class CachedGraph(NamedTuple):
+    """What the cache holds for one key: the key it was built as (a refused dynamic-shape forward: the
+    static one), which implementation and plan cuDNN built, its workspace."""
+
+    key: Any
+    implementation: str | None
+    plan: str | None
+    workspace_size: int
+
+
+class GraphCache:
+    def __init__(self, maxsize: int | None = None) -> None:
+        maxsize = config.cache_size if maxsize is None else int(maxsize)
+        if maxsize < 1:
+            raise ValueError("cache size must be >= 1")
+        self._lock = threading.Lock()  # counters and per-key locks
+        self._graphs, self._refused = LRU(maxsize), LRU(maxsize)
+        self._key_locks: dict[Hashable, threading.Lock] = {}
+        self._zero()
+
+    def _zero(self) -> None:
+        self.misses = self.builds = self.build_failures = self.negative_hits = self.fallbacks = 0
+        self.build_seconds = 0.0
+
+    def _count(self, name: str, n: float = 1) -> None:
+        with self._lock:
+            setattr(self, name, getattr(self, name) + n)
+
+    @property
+    def hits(self) -> int:
+        return self._graphs.hits
+
+    def _known(self, key: Hashable, count: bool) -> Any:
+        """The built graph for ``key`` if cached (a counted hit takes one lock: the LRU's); raises
+        GraphBuildError if refused; else None."""
+        entry = self._graphs.get(key) if count else self._graphs.peek(key)
+        if entry is not None:
+            return entry
+        refusal = self._refused.get(key)
+        if refusal is not None:
+            count and self._count("negative_hits")
+            raise refusal.with_traceback(None)  # as it was (a key gate's RuleRefusal names its rule)
+        return None
+
+    def get_or_build(self, key: Hashable, build: Callable[[Hashable], Any]) -> Any:
+        """The built graph for ``key``, built once on a miss. Raises GraphBuildError."""
+        entry = self._graphs.get(key)  # a hit: one lookup under one lock
+        if entry is not None:
+            return entry
+        return self._refused_or_build(key, build)
+
+    def _refused_or_build(self, key: Hashable, build: Callable[[Hashable], Any]) -> Any:
+        entry = self._known(key, count=True)
+        if entry is not None:  # built by another thread since the first lookup
+            return entry
+        with self._lock:
+            self.misses += 1
+            key_lock = self._key_locks.setdefault(key, threading.Lock())
+        with key_lock:
+            try:
+                entry = self._known(key, count=False)  # another thread may have built it meanwhile
+                return entry if entry is not None else self._build(key, build)
+            finally:
+                with self._lock:
+                    self._key_locks.pop(key, None)
+
+    def _build(self, key: Hashable, build: Callable[[Hashable], Any]) -> Any:
+        start = time.perf_counter()
+        try:
+            entry = build(key)
+        except Exception as exc:
+            self._failed(key, exc)
+        self._count("build_seconds", time.perf_counter() - start)
+        self._count("builds")
+        self._graphs.put(key, entry)
+        return entry
+
+    def _failed(self, key: Hashable, exc: Exception) -> None:
+        """Remember a refusal (a transient failure is only counted) and raise it as GraphBuildError."""
+        self._count("build_failures")
+        error = exc if isinstance(exc, GraphBuildError) else GraphBuildError(f"{type(exc).__name__}: {exc}")
+        if error.definitive:
+            self._refused.put(key, error)
+        if error is exc:
+            raise error
+        raise error from exc
+
+    def record_fallback(self) -> None:
+        self._count("fallbacks")
+
+    def info(self) -> CacheInfo:
+        with self._lock:
+            return CacheInfo(
+                self.hits,
+                self.misses,
+                self.builds,
+                self._graphs.evictions,
+                len(self._graphs),
+                self._graphs.maxsize,
+                self.build_seconds,
+                self.build_failures,
+                self.negative_hits,
+                self.fallbacks,
+            )
+
+    def clear(self) -> None:
+        """Drop every graph and refusal; zero the counters."""
+        for lru in (self._graphs, self._refused):
+            lru.clear()
+        with self._lock:
+            self._zero()
+
+    def resize(self, maxsize: int) -> None:
+        if not isinstance(maxsize, int) or isinstance(maxsize, bool) or maxsize < 1:
+            raise ValueError(f"cache size must be a positive integer, got {maxsize!r}")
+        for lru in (self._graphs, self._refused):
+            lru.resize(maxsize)
+
+    def keys(self) -> list:
+        return [key for key, _ in self._graphs.items()]
+
+    def graphs(self) -> list[CachedGraph]:
+        """Every cached graph, least recently used first, with its implementation and plan."""
+        return [_cached(key, b) for key, b in self._graphs.items()]
+
+    def graph(self, key: Hashable) -> CachedGraph | None:
+        """The graph cached for ``key`` as asked (a hit not counted), or None."""
+        b = self._graphs.peek(key)
+        return None if b is None else _cached(key, b)
+
+
+def _cached(key: Hashable, b: Any) -> CachedGraph:
+    return CachedGraph(
+        getattr(b, "key", None) or key,
+        getattr(b, "implementation", None),
+        getattr(b, "plan", None),
+        int(getattr(b, "workspace_size", 0)),
+    )
+
+
+graph_cache = GraphCache()
+config.on_change("cache_size", graph_cache.resize)
+caches.register("graph cache (built graphs, refused builds, counters)", graph_cache.clear)
+
+
+def cache_info() -> CacheInfo:
+    """Counters of the process-wide graph cache (shared by both executors)."""
+    return graph_cache.info()
+
+
+def cached_graphs() -> list[CachedGraph]:
+    """The graphs in the process-wide cache: key, cuDNN SDPA implementation, execution plan, workspace bytes."""
+    return graph_cache.graphs()

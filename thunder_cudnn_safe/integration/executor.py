@@ -1,0 +1,295 @@
+"""Thunder registration: the only module that registers anything with thunder's executors.
+
+:func:`make_executor` wires one runtime into an ``OperatorExecutor`` claiming thunder's SDPA and
+:data:`~thunder_cudnn_safe.integration.gqa.sdpa_gqa` (``cudnn_safe_ex``: real cuDNN, ``emulated_ex``: the CPU
+emulation). Each operator's signature is its call value's (:class:`~thunder_cudnn_safe.plan.calls.ForwardCall`,
+``BackwardCall``), so an option added there reaches the trace, the metas and the dispatcher unedited.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import inspect
+from typing import Any, NamedTuple
+
+import thunder.core.dtypes as dtypes
+import thunder.torch as ltorch
+import torch
+from thunder.core.compile_data import get_compile_option
+from thunder.core.prims import OpTags
+from thunder.core.proxies import TensorProxy
+from thunder.core.transforms import get_grad, put_grad, put_grads
+from thunder.extend import OperatorExecutor, register_executor
+
+from thunder_cudnn_safe import caches, config
+from thunder_cudnn_safe._version import __version__
+from thunder_cudnn_safe.dispatch.dispatcher import Dispatcher
+from thunder_cudnn_safe.graphs.cache import CachedGraph
+from thunder_cudnn_safe.integration import gqa
+from thunder_cudnn_safe.masks.documents import DocumentPattern
+from thunder_cudnn_safe.masks.patterns import MaskPattern
+from thunder_cudnn_safe.plan.calls import BackwardCall, ForwardCall, backward_of, torch_deterministic
+from thunder_cudnn_safe.plan.layout import LayoutPolicy, same_size_except_heads
+from thunder_cudnn_safe.plan.planner import planned_keys
+from thunder_cudnn_safe.rules.support import Decline, not_supported_reasons, torch_dtype
+from thunder_cudnn_safe.runtimes import emulation
+from thunder_cudnn_safe.runtimes.cudnn_runtime import CudnnRuntime, Runtime
+
+_DOCS = {
+    "cudnn_safe_layout": "'preserve' declares and binds each tensor's own strides and copies only what cuDNN cannot "
+    "read; 'contiguous' copies every operand and grad_out to contiguous first.",
+    "cudnn_safe_deterministic": "use cuDNN's deterministic SDPA backward algorithm.",
+    "cudnn_safe_bwd_may_cat_grad_qkv": "allocate dq, dk, dv as slices of one buffer when their shapes allow.",
+    "cudnn_sdpa_bwd_may_cat_grad_qkv": "thunder's name for cudnn_safe_bwd_may_cat_grad_qkv.",
+}
+
+
+def _bool_option(default: bool, *names: str) -> bool:
+    """The first of ``names`` set as a compile option (a bool), else ``default`` (its config knob)."""
+    for name in names:
+        value = get_compile_option(name, _DOCS[name])
+        if value is not None:
+            if not isinstance(value, bool):
+                raise ValueError(f"compile option {names[0]} must be a bool, got {value!r}")
+            return value
+    return default
+
+
+def _call(
+    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False
+) -> ForwardCall:
+    """A thunder SDPA call (torch's signature) with this trace's compile options: the forward call value."""
+    layout = get_compile_option("cudnn_safe_layout", _DOCS["cudnn_safe_layout"])
+    layout = LayoutPolicy.parse(config.layout if layout is None else layout).value
+    cat = _bool_option(
+        config.bwd_may_cat_grad_qkv, "cudnn_safe_bwd_may_cat_grad_qkv", "cudnn_sdpa_bwd_may_cat_grad_qkv"
+    )
+    return ForwardCall(
+        query,
+        key,
+        value,
+        attn_mask,
+        dropout_p,
+        is_causal,
+        scale,
+        layout,
+        _bool_option(config.deterministic, "cudnn_safe_deterministic") or torch_deterministic(),
+        cat and same_size_except_heads(query, key, value),
+        bool(enable_gqa),
+    )
+
+
+def _gqa_call(*args, **kwargs) -> ForwardCall:
+    a = gqa.gqa_arguments(*args, **kwargs)
+    return _call(a.query, a.key, a.value, a.attn_mask, a.dropout_p, a.is_causal, scale=a.scale, enable_gqa=True)
+
+
+def reasons_for(runtime: Runtime, *args, **kwargs) -> list[Decline]:
+    """Why ``runtime``'s executor would not claim ``ForwardCall(*args, **kwargs)`` (tensors or proxies)."""
+    call = ForwardCall(*args, **kwargs)
+    problem = runtime.environment_problem()
+    device = call.query.device
+    target = None
+    if problem is None and getattr(device, "type", None) == runtime.device_type:
+        target = runtime.target(
+            torch.device(device.type, device.index) if device.index is not None else torch.device(device.type)
+        )
+    return not_supported_reasons(call, target, runtime.device_type, problem)
+
+
+def _fwd_meta(*args, **kwargs):
+    c = ForwardCall(*args, **kwargs)
+    b, h, lq, _ = c.query.shape
+    outputs = (TensorProxy(like=c.query, shape=(b, h, lq, c.value.shape[3])),)
+    if c.need_stats:
+        outputs += (TensorProxy(shape=(b, h, lq, 1), dtype=dtypes.float32, device=c.query.device, requires_grad=False),)
+    if c.dropout_p:
+        rng = TensorProxy(shape=(1, 1, 1, 1), dtype=dtypes.int64, device=c.query.device, requires_grad=False)
+        outputs += (rng, TensorProxy(like=rng))
+    return outputs
+
+
+def _bwd_meta(*args, **kwargs):
+    c = BackwardCall(*args, **kwargs)
+    if c.cat_grad_qkv:
+        b, hq, s, d = c.query.shape
+        grads = (TensorProxy(like=c.query, shape=(b, hq + c.key.shape[1] + c.value.shape[1], s, d)),)
+    else:
+        grads = (TensorProxy(like=c.query), TensorProxy(like=c.key), TensorProxy(like=c.value))
+    return grads + (TensorProxy(like=c.attn_mask),) if c.mask_grad else grads
+
+
+def _bwd_mask_meta(*args, **kwargs):
+    return TensorProxy(like=BackwardCall(*args, **kwargs).attn_mask)
+
+
+def _operator_signature(call_type) -> inspect.Signature:
+    """The call value's fields, keyword-only from ``scale`` on (as torch's SDPA), so traces name the options."""
+    params = list(inspect.signature(call_type).parameters.values())
+    n = call_type._fields.index("scale")
+    return inspect.Signature(params[:n] + [p.replace(kind=p.KEYWORD_ONLY) for p in params[n:]])
+
+
+_fwd_meta.__signature__ = _operator_signature(ForwardCall)
+_bwd_meta.__signature__ = _bwd_mask_meta.__signature__ = _operator_signature(BackwardCall)
+
+
+def _invoke(op, call: ForwardCall | BackwardCall):
+    """Call ``op`` with torch's SDPA arguments positional and ``scale`` onwards by keyword (traces name the options)."""
+    n = call._fields.index("scale")
+    return op(*call[:n], **dict(zip(call._fields[n:], call[n:])))
+
+
+#: True while thunder asks whether we claim a call whose backward follows (see :class:`_SdpaExecutor`).
+_BACKWARD_FOLLOWS = contextvars.ContextVar("thunder_cudnn_safe_backward_follows", default=False)
+
+
+class _SdpaExecutor(OperatorExecutor):
+    """thunder (0.2.6) asks ``can_execute_or_fuse`` only when it picks whose grad transform a call
+    gets (the autodiff and vjp transforms: a backward follows), and ``can_execute`` alone in the
+    execution pass (a call left there has no backward: inference). The checker reads which one
+    asks, so rules about the backward only do not decline inference forwards."""
+
+    def can_execute_or_fuse(self, bsym) -> bool:
+        token = _BACKWARD_FOLLOWS.set(True)
+        try:
+            return super().can_execute_or_fuse(bsym)
+        finally:
+            _BACKWARD_FOLLOWS.reset(token)
+
+
+def make_executor(name: str, runtime: Runtime) -> OperatorExecutor:
+    """An executor named ``name`` claiming SDPA through ``runtime``; registered with thunder."""
+    ex = _SdpaExecutor(name, version=__version__)
+    register_executor(ex)
+    ex.runtime, ex.dispatcher = runtime, Dispatcher(runtime)
+    caches.register(f"{name}'s pack-recipe memo (and capture prebuild memo)", ex.dispatcher.recipes.clear)
+    fwd = ex.register_operator(
+        f"{name}_sdpa_fwd", meta=_fwd_meta, fn=ex.dispatcher.forward, tags=(OpTags.DONT_AUTO_RECOMPUTE_IN_BACKWARD,)
+    )
+    bwd = ex.register_operator(f"{name}_sdpa_bwd", meta=_bwd_meta, fn=ex.dispatcher.backward)
+    bwd_mask = ex.register_operator(f"{name}_sdpa_bwd_mask", meta=_bwd_mask_meta, fn=ex.dispatcher.mask_gradient)
+    ex.sdpa_fwd, ex.sdpa_bwd = fwd, bwd
+
+    def grad_transform(call: ForwardCall):
+        results = _invoke(fwd, call)
+        out, stats = results[0], results[1]
+        seed, offset = (results[2], results[3]) if call.dropout_p else (None, None)
+        mask = call.attn_mask
+        float_mask = mask is not None and torch_dtype(mask.dtype) is not torch.bool
+        # A mask computed inside the function reports requires_grad=False on its proxy even when its
+        # gradient is needed: it gets a separate operator that dead-code elimination drops when unused.
+        mask_grad = float_mask and bool(getattr(mask, "requires_grad", False))
+        bcall = backward_of(call, get_grad(out), out, stats, seed, offset, mask_grad)
+        if float_mask and not mask_grad:
+            # Before the backward on purpose: used, it runs the one backward with dBias and the
+            # backward below returns its dQ, dK, dV (:mod:`handoff`); unused, thunder drops it.
+            put_grad(mask, _invoke(bwd_mask, bcall))
+        grads = _invoke(bwd, bcall)
+        if mask_grad:
+            put_grad(mask, grads[-1])
+            grads = grads[:-1]
+        if call.cat_grad_qkv:
+            grads = grads[0].split([call.query.shape[1], call.key.shape[1], call.value.shape[1]], dim=1)
+        put_grads((call.query, call.key, call.value), tuple(grads))
+        return out
+
+    def implementation(make_call) -> dict:
+        """The checker and transforms for a symbol whose call value ``make_call`` builds. Closures, not
+        lambdas capturing ``make_call`` as a default argument: thunder traces a grad transform's
+        signature, so such a default becomes a keyword argument of the symbol and thunder's functional
+        ``vjp`` fails on every claimed call ("argument layout mismatch")."""
+
+        def checker(*args, **kwargs) -> bool:
+            call = make_call(*args, **kwargs)._replace(need_stats=_BACKWARD_FOLLOWS.get())
+            return not reasons_for(runtime, *call)
+
+        def execution_transform(*args, **kwargs):
+            return _invoke(fwd, make_call(*args, **kwargs)._replace(need_stats=False))[0]
+
+        def grad(*args, **kwargs):
+            return grad_transform(make_call(*args, **kwargs))
+
+        return {"checker": checker, "execution_transform": execution_transform, "grad_transform": grad}
+
+    for symbol, make_call in ((ltorch.scaled_dot_product_attention, _call), (gqa.sdpa_gqa, _gqa_call)):
+        ex.register_implementation(symbol, **implementation(make_call))
+    return ex
+
+
+#: The stride-safe cuDNN SDPA executor for CUDA tensors.
+cudnn_safe_ex: OperatorExecutor = make_executor("cudnn_safe", CudnnRuntime())
+#: The emulated executor: claims SDPA on CPU tensors, runs the cuDNN path up to execute (:mod:`emulation`).
+emulated_ex: OperatorExecutor = make_executor("cudnn_safe_emulated", emulation.default_runtime)
+
+
+def explain(
+    query: Any, key: Any, value: Any, *args: Any, executor: OperatorExecutor | str | None = None, **kwargs: Any
+) -> list[Decline]:
+    """Why ``executor`` (default: ``cudnn_safe_ex``) would not claim this call; empty if it would.
+
+    Takes torch's SDPA arguments and :class:`~thunder_cudnn_safe.plan.calls.ForwardCall`'s options, on
+    tensors or thunder proxies (the checkers use the same function). Each reason is a
+    :class:`~thunder_cudnn_safe.rules.support.Decline`: a ``str`` with ``.code`` and ``.rule``.
+    """
+    call = ForwardCall(query, key, value, *args, **kwargs)
+    for field in ("query", "key", "value", "attn_mask"):
+        t = getattr(call, field)
+        if t is None and field == "attn_mask":
+            continue
+        if not all(hasattr(t, attr) for attr in ("shape", "dtype", "device")) or not hasattr(t.device, "type"):
+            raise TypeError(
+                f"explain(): {field} must be a torch tensor or a thunder TensorProxy, got {type(t).__name__}"
+            )
+    return reasons_for(
+        _resolve_executor(executor).runtime,
+        *call._replace(deterministic=bool(call.deterministic), enable_gqa=bool(call.enable_gqa)),
+    )
+
+
+class CallReport(NamedTuple):
+    """What :func:`describe` knows about one call."""
+
+    reasons: list[Decline]
+    forward: CachedGraph | None
+    backward: CachedGraph | None
+    #: The mask's recognized pattern ("causal", "causal+padding", ...), "bias", or None without a mask.
+    mask_pattern: str | None = None
+
+
+def describe(
+    query: Any, key: Any, value: Any, *args: Any, executor: OperatorExecutor | str | None = None, **kwargs: Any
+) -> CallReport:
+    """:func:`explain` plus, for a claimed call on real tensors, its cached forward graph and backward
+    graph for dO in O's layout (None where not built yet). The keys are planned as the executor plans
+    them, from the tensors' layouts: nothing is copied, built or drawn, and no kernel runs, except once
+    for a mask not seen before: recognizing its pattern runs its comparisons on the mask's device and
+    one host sync, exactly what the call's first run does (the verdict is cached for the call)."""
+    call = ForwardCall(query, key, value, *args, **kwargs)
+    reasons = explain(*call, executor=executor)
+    if reasons or not isinstance(query, torch.Tensor):
+        return CallReport(reasons, None, None)
+    ex = _resolve_executor(executor)
+    masked, fkey, bkey = planned_keys(call, ex.runtime.target(query.device))
+    pattern = None if call.attn_mask is None else _pattern_name(masked)
+    cache = ex.dispatcher.cache
+    return CallReport(reasons, cache.graph(fkey), None if bkey is None else cache.graph(bkey), pattern)
+
+
+def _pattern_name(masked: ForwardCall) -> str:
+    if isinstance(masked.attn_mask, MaskPattern | DocumentPattern):
+        return masked.attn_mask.name
+    if masked.attn_mask is None:
+        return "causal" if masked.is_causal else "all_kept"
+    return "bias"
+
+
+def _resolve_executor(executor: OperatorExecutor | str | None) -> OperatorExecutor:
+    if executor is None:
+        return cudnn_safe_ex
+    ours = {ex.name: ex for ex in (cudnn_safe_ex, emulated_ex)}
+    if isinstance(executor, str) and executor in ours:
+        return ours[executor]
+    if any(executor is ex for ex in ours.values()):
+        return executor
+    raise TypeError(f"explain(): executor must be one of {sorted(ours)} (object or name), got {executor!r}")

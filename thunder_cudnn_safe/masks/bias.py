@@ -1,0 +1,125 @@
+"""Masks converted to cuDNN's additive bias once per distinct mask, not once per call.
+
+Models pass the same mask to every layer and the backward gets it again: converting per call
+costs about 16 GiB of writes per step at an 8B-class shape. A conversion is keyed by the mask's
+*storage* object (the backward's saved mask is another tensor over it), data pointer, layout,
+dtype, ``_version`` (an in-place write converts again) and the current CUDA stream (:func:`stream_key`);
+entries are weak (a bias never outlives its mask's storage). Never used during CUDA-graph capture:
+a cached conversion would not be recorded, and every replay would read the warm-up step's mask
+(:func:`capture_may_follow`: the warm-up builds the graphs such a capture needs).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Hashable
+from typing import Any, NamedTuple
+
+import torch
+
+from thunder_cudnn_safe import caches, config
+from thunder_cudnn_safe.lru import LRU
+
+
+class MaskCacheInfo(NamedTuple):
+    hits: int
+    conversions: int
+    entries: int
+    #: Bytes of converted biases the cache keeps alive right now.
+    bytes_held: int
+
+
+def stream_key(t: torch.Tensor) -> int | None:
+    """The current stream of ``t``'s device (None off CUDA): part of every cache key, so a converted bias
+    or a pattern's length tensors are made on the stream that reads them. Used from another stream, a
+    cached tensor could be read before the kernel making it ran (no event orders the two streams), and
+    be freed and reused by the caching allocator while that stream still reads it (no ``record_stream``)."""
+    return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else None
+
+
+def capturing(t: torch.Tensor) -> bool:
+    """Whether ``t``'s stream is capturing a CUDA graph: no host-side decision may be reused."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def capture_may_follow(t: torch.Tensor, training: bool) -> bool:
+    """Whether a CUDA-graph capture may later record this call (not capturing now): then a call that
+    runs its mask as a pattern also builds the bias graph the capture will run (:mod:`dispatch`).
+
+    Under capture a mask always runs as its bias (a pattern verdict is a host decision the replays
+    would not re-check), and building a graph there (heuristics, an NVRTC compile, a module load)
+    invalidates the capture. A capture is preceded by warm-up runs outside it (thunder's
+    ``CUDAGraphTransform`` runs three, on its side stream): those prebuild. Assumed possible for
+    every training call (one more graph per layout, once per process) and for any call on a
+    non-default stream (torch's capture recipes warm up there); not for an inference forward on the
+    default stream, where generation meets a new length every token and would pay a build for each.
+    """
+    if not t.is_cuda or torch.cuda.is_current_stream_capturing():
+        return False
+    return training or torch.cuda.current_stream(t.device) != torch.cuda.default_stream(t.device)
+
+
+class ConvertedMasks:
+    def __init__(self, maxsize: int | None = None) -> None:
+        # converted biases and pattern verdicts remembered (a step uses one or a few masks); 0: off
+        self._lru = LRU(config.mask_cache_size if maxsize is None else maxsize)
+        self.hits = self.conversions = 0
+        #: keys of freed masks, appended by weakref callbacks without any lock (a callback can run
+        #: in a garbage collection while this thread holds the LRU's lock) and purged on the next use
+        self._dead: list[Hashable] = []
+
+    def get(self, mask: torch.Tensor, how: Hashable, convert: Callable[[], Any], count: bool = True) -> Any:
+        """The bias ``convert()`` makes from ``mask``, made once per distinct (mask, state, ``how``);
+        ``count``: in the hits and conversions (pattern verdicts are not conversions)."""
+        if self._lru.maxsize == 0 or mask.is_inference() or capturing(mask):
+            return convert()
+        while self._dead:
+            self._lru.pop(self._dead.pop())
+        storage = mask.untyped_storage()
+        key = (
+            id(storage),
+            mask.data_ptr(),
+            mask.shape,
+            mask.stride(),
+            mask.dtype,
+            mask._version,
+            how,
+            stream_key(mask),
+        )
+        entry = self._lru.get(key)
+        if entry is not None and entry[0]() is storage:
+            self.hits += count
+            return entry[1]
+        bias = convert()
+        self.conversions += count
+        self._lru.put(key, (weakref.ref(storage, lambda _, key=key: self._dead.append(key)), bias))
+        return bias
+
+    @property
+    def maxsize(self) -> int:
+        return self._lru.maxsize
+
+    def info(self) -> MaskCacheInfo:
+        entries = [bias for _, (ref, bias) in self._lru.items() if ref() is not None and isinstance(bias, torch.Tensor)]
+        return MaskCacheInfo(
+            self.hits, self.conversions, len(entries), sum(b.numel() * b.element_size() for b in entries)
+        )
+
+    def resize(self, maxsize: int) -> None:
+        if not isinstance(maxsize, int) or isinstance(maxsize, bool) or maxsize < 0:
+            raise ValueError(f"mask cache size must be a non-negative integer, got {maxsize!r}")
+        self._lru.resize(maxsize)
+
+    def clear(self) -> None:
+        self._lru.clear()
+        self.hits = self.conversions = 0
+
+
+converted_masks = ConvertedMasks(config.mask_cache_size)
+config.on_change("mask_cache_size", converted_masks.resize)
+caches.register("converted masks and mask-pattern verdicts", converted_masks.clear)
+
+
+def mask_cache_info() -> MaskCacheInfo:
+    """Hits, conversions, entries and bytes held by the converted-mask cache."""
+    return converted_masks.info()

@@ -1,0 +1,162 @@
+"""A call as one value: the operators' arguments (:class:`ForwardCall`, :class:`BackwardCall`), their
+signature and the memo key a dispatcher reads its recipe under.
+
+Kept apart from :mod:`recipes` (what a call is turned into) so that the executors, the handoff
+and :mod:`support` read a call without the pack machinery; nothing here allocates or binds.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import torch
+
+from thunder_cudnn_safe import config
+from thunder_cudnn_safe.masks.patterns import MaskPattern
+from thunder_cudnn_safe.plan.keys import Target
+from thunder_cudnn_safe.plan.layout import arg_sig
+from thunder_cudnn_safe.rules.cudnn_rules import ALIGNMENT_BYTES
+
+
+def torch_deterministic() -> bool:
+    """Whether ``torch.use_deterministic_algorithms(True)`` is on (not warn-only): cuDNN's deterministic
+    backward then runs."""
+    return torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled()
+
+
+class ForwardCall(NamedTuple):
+    """One SDPA forward: the forward operator's arguments (its thunder signature is this tuple's)."""
+
+    query: Any
+    key: Any
+    value: Any
+    attn_mask: Any = None
+    dropout_p: float = 0.0
+    is_causal: bool = False
+    scale: float | None = None
+    layout: str = "preserve"
+    #: the backward's options, known to the forward: a dropout forward checks the backward that will run
+    deterministic: bool = False
+    cat_grad_qkv: bool = False
+    enable_gqa: bool = False
+    #: False where no backward follows (thunder's execution transform: no_grad, inference): the
+    #: graph then writes no softmax stats, and the operator returns none
+    need_stats: bool = True
+
+
+class BackwardCall(NamedTuple):
+    """One SDPA backward: the backward operators' arguments (their thunder signature is this tuple's)."""
+
+    grad_out: Any
+    query: Any
+    key: Any
+    value: Any
+    attn_mask: Any
+    dropout_p: float
+    is_causal: bool
+    out: Any
+    stats: Any
+    seed: Any
+    offset: Any
+    scale: float | None = None
+    layout: str = "preserve"
+    deterministic: bool = False
+    cat_grad_qkv: bool = False
+    #: also return the mask's gradient (the backward graph computes dBias)
+    mask_grad: bool = False
+
+
+#: The options a forward and its backward share, by name (both call values carry them).
+SHARED = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "layout", "deterministic")
+
+
+def backward_of(
+    call: ForwardCall,
+    grad_out: Any,
+    out: Any,
+    stats: Any,
+    seed: Any = None,
+    offset: Any = None,
+    mask_grad: bool = False,
+) -> BackwardCall:
+    """The backward call of forward ``call`` (its shared fields by name), for ``grad_out`` and the forward's outputs."""
+    shared = {name: getattr(call, name) for name in SHARED}
+    return BackwardCall(
+        grad_out=grad_out,
+        out=out,
+        stats=stats,
+        seed=seed,
+        offset=offset,
+        cat_grad_qkv=call.cat_grad_qkv,
+        mask_grad=mask_grad,
+        **shared,
+    )
+
+
+def forward_of(call: BackwardCall) -> ForwardCall:
+    """The forward call a backward ``call`` is the backward of (its shared fields by name)."""
+    return ForwardCall(**{name: getattr(call, name) for name in SHARED}, cat_grad_qkv=call.cat_grad_qkv)
+
+
+def _arg_key(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.shape, x.stride(), x.dtype, x.data_ptr() % ALIGNMENT_BYTES == 0
+    return _pattern_sig(x)
+
+
+#: The fields of each call that are always tensors (the others: optional tensors, patterns or plain options).
+TENSOR_FIELDS = {
+    ForwardCall: ("query", "key", "value"),
+    BackwardCall: ("grad_out", "query", "key", "value", "out", "stats"),
+}
+#: Fields that may be a tensor, a mask pattern or None.
+MAYBE_TENSOR_FIELDS = ("attn_mask", "seed", "offset")
+
+
+def _compile_memo(call_type: type) -> Any:
+    """A straight-line ``memo(call, target, mode)`` for ``call_type``, derived from its fields (run on every call,
+    a graph-cache hit included, so no loop over fields): each tensor field's shape, strides and dtype, one
+    alignment test of all their base pointers, each optional tensor by :func:`_arg_key`, the other fields as
+    they are. A field added to the call value is in the memo key without an edit here."""
+    tensors = [f for f in call_type._fields if f in TENSOR_FIELDS[call_type]]
+    optional = [f for f in call_type._fields if f in MAYBE_TENSOR_FIELDS]
+    plain = [f for f in call_type._fields if f not in tensors and f not in optional]
+    parts = [f"c.{f}.shape, c.{f}.stride(), c.{f}.dtype" for f in tensors]
+    ptrs = " | ".join(f"c.{f}.data_ptr()" for f in tensors)
+    aligned = f"({ptrs}) % {ALIGNMENT_BYTES} == 0 or tuple(map(arg_key, ({', '.join('c.' + f for f in tensors)},)))"
+    maybe = [f"None if c.{f} is None else arg_key(c.{f})" for f in optional]
+    values = "(" + "".join(f"c.{f}, " for f in plain) + ")"
+    source = (
+        f"def memo(c, target, mode):\n    return (target, mode, {', '.join(parts)}, {aligned}, "
+        f"{', '.join(maybe)}, {values})"
+    )
+    env: dict[str, Any] = {"arg_key": _arg_key}
+    exec(compile(source, f"<thunder_cudnn_safe memo of {call_type.__name__}>", "exec"), env)
+    return env["memo"]
+
+
+_MEMOS = {call_type: _compile_memo(call_type) for call_type in TENSOR_FIELDS}
+
+
+def memo_key(call: ForwardCall | BackwardCall, target: Target) -> tuple:
+    """What :func:`signature` depends on, made on every call: tensor fields by layout, options as they are
+    (a forward's also the dynamic-shape mode its recipe reads, ``memo[1]``)."""
+    call_type = type(call)
+    return _MEMOS[call_type](call, target, config.dynamic_shapes if call_type is ForwardCall else call_type)
+
+
+def signature(call: ForwardCall | BackwardCall) -> ForwardCall | BackwardCall:
+    """The call with every tensor replaced by its :class:`ArgSig`: all a recipe depends on."""
+    return type(call)._make([arg_sig(x) if isinstance(x, torch.Tensor) else _pattern_sig(x) for x in call])
+
+
+def _pattern_sig(x: Any) -> Any:
+    if isinstance(x, MaskPattern) and (x.kv_lens is not None or x.full is not None):
+        return x._replace(q_lens=True, kv_lens=True, full=None)  # the lengths are bound per call, not in the recipe
+    return x
+
+
+def default_scale(head_dim: int, scale: float | None) -> float:
+    """torch's default softmax scale, 1/sqrt(d_qk), unless one is given."""
+    return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)

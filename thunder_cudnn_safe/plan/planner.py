@@ -1,0 +1,134 @@
+"""How a call runs, decided in one place: its :class:`Route` and the call as it runs (:class:`Plan`).
+
+The run path (:class:`~thunder_cudnn_safe.dispatch.dispatcher.Dispatcher`), ``describe()`` / ``aot.describe_target()``
+(:func:`~thunder_cudnn_safe.plan.planner.planned_keys`) and the CUDA-graph capture prebuild all ask :func:`plan`;
+no other module decides a route. What each route then binds is the recipes' (dense, pattern, bias) or the
+variable-length binder's (packed); every key they plan passes the key gate before a build
+(:mod:`~thunder_cudnn_safe.rules.key_gate`), whichever route made it.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, NamedTuple
+
+import torch
+
+from thunder_cudnn_safe.masks.documents import DocumentPattern
+from thunder_cudnn_safe.masks.patterns import MaskPattern, pattern_of
+from thunder_cudnn_safe.plan.calls import BackwardCall, ForwardCall
+from thunder_cudnn_safe.plan.keys import Target
+from thunder_cudnn_safe.rules.cudnn_rules import INT32_ELEMENT_LIMIT
+from thunder_cudnn_safe.rules.defect_routes import route as workaround
+
+
+class Route(str, enum.Enum):
+    """Which way a call runs."""
+
+    #: no mask (or ``is_causal``): the call as given
+    PLAIN = "plain"
+    #: a mask recognized as a pattern (:mod:`patterns`): cuDNN's own masking, no bias read
+    PATTERN = "pattern"
+    #: the mask bound as an additive bias
+    BIAS = "bias"
+    #: a mask that is no pattern whose bias would have 2**31 or more elements: the torch fallback, never cuDNN
+    OVERSIZED_BIAS = "oversized bias"
+    #: block-diagonal documents: variable-length attention (:mod:`varlen`); declined or refused, the bias
+    PACKED = "packed"
+    #: a known defect's documented workaround (:mod:`defect_routes`)
+    WORKAROUND = "workaround"
+
+
+class Plan(NamedTuple):
+    """A call's route and the call as that route runs it; ``given`` is the call as thunder made it."""
+
+    route: Route
+    call: Any
+    given: Any
+
+    @property
+    def recognized(self) -> bool:
+        """Whether a mask tensor runs as a pattern (or documents) now: under CUDA-graph capture it would run
+        as its bias, whose graphs a warm-up must build (:mod:`capture`)."""
+        return isinstance(self.given.attn_mask, torch.Tensor) and self.call.attn_mask is not self.given.attn_mask
+
+    def as_bias(self, target: Target, lens_device: Any = None) -> Plan:
+        """The plan with the mask as the bias it was given (a packed call declined; a call under capture)."""
+        return plan(self.given, target, recognize=False, lens_device=lens_device)
+
+
+def plan(call: ForwardCall | BackwardCall, target: Target, *, recognize: bool = True, lens_device: Any = None) -> Plan:
+    """How ``call`` runs on ``target``. ``recognize``: look for a mask pattern (not under capture, where the
+    mask runs as its bias; a backward computing the mask's gradient never does). ``lens_device``: where a
+    workaround's padding lengths are made (``"meta"`` to plan keys without running a kernel)."""
+    if call.attn_mask is None and call.query.shape[2] != 1:  # the common case, decided first: no mask, no decode
+        return Plan(Route.PLAIN, call, call)
+    masked = with_mask_pattern(call) if recognize and not getattr(call, "mask_grad", False) else call
+    if isinstance(masked.attn_mask, DocumentPattern):
+        return Plan(Route.PACKED, masked, call)
+    routed = workaround(masked, target, lens_device)
+    if routed is not masked:
+        return Plan(Route.WORKAROUND, routed, call)
+    if masked is not call:
+        return Plan(Route.PATTERN, masked, call)
+    if isinstance(call.attn_mask, torch.Tensor):
+        return Plan(Route.OVERSIZED_BIAS if bias_too_large(call) else Route.BIAS, call, call)
+    return Plan(Route.PLAIN, call, call)
+
+
+def with_mask_pattern(call: ForwardCall | BackwardCall) -> ForwardCall | BackwardCall:
+    """``call`` with a mask recognized as a pattern (:mod:`patterns`) replaced by it: by nothing when it
+    keeps every key (an inference forward: by padding keeping every key), by ``is_causal`` when causal."""
+    mask = call.attn_mask
+    if mask is None or isinstance(mask, MaskPattern) or call.is_causal:
+        return call
+    pattern = pattern_of(mask, call.query.shape[0], call.query.shape[2], call.key.shape[2])
+    if pattern is None:
+        return call
+    if isinstance(pattern, DocumentPattern):
+        return call._replace(attn_mask=pattern)
+    if pattern.full is not None and type(call) is ForwardCall and not call.need_stats:  # the decode steps' graph
+        return call._replace(attn_mask=pattern._replace(q_lens=pattern.full[0], kv_lens=pattern.full[1], full=None))
+    if pattern.left is None and pattern.kv_lens is None:
+        return call._replace(attn_mask=None, is_causal=pattern.right == 0)
+    return call._replace(attn_mask=pattern)
+
+
+def bias_too_large(call: ForwardCall | BackwardCall) -> bool:
+    """Whether ``call`` binds its mask as a bias whose broadcast (B, H, L, S) has 2**31 or more elements
+    (:data:`~thunder_cudnn_safe.rules.cudnn_rules.INT32_ELEMENT_LIMIT`, the rule :mod:`support` applies at trace
+    time to masks that cannot be patterns)."""
+    mask = call.attn_mask
+    if not isinstance(mask, torch.Tensor):
+        return False
+    b, h, lq, _ = call.query.shape
+    return b * h * lq * call.key.shape[2] >= INT32_ELEMENT_LIMIT
+
+
+def capture_calls(call: ForwardCall | BackwardCall, target: Target) -> tuple[Any, ...]:
+    """The calls ``call`` runs under CUDA-graph capture, whose graphs a warm-up must build: its mask as a bias
+    (no pattern under capture); none for an oversized bias (the fallback runs it, capture or not)."""
+    bias = plan(call, target, recognize=False)
+    return () if bias.route is Route.OVERSIZED_BIAS else (bias.call,)
+
+
+def planned_keys(call: ForwardCall, target: Target) -> tuple[ForwardCall, Any, Any]:
+    """The call as it runs (a pattern swapped in) and the keys of its forward and of its backward for dO in
+    O's layout, planned from layouts alone (nothing bound, built, drawn or run, except the recognition of a
+    mask not seen before: :func:`~thunder_cudnn_safe.describe`): for ``describe()`` and ``aot.describe_target()``."""
+    from thunder_cudnn_safe.plan import varlen
+    from thunder_cudnn_safe.plan.calls import signature
+    from thunder_cudnn_safe.plan.layout import LayoutPolicy
+    from thunder_cudnn_safe.plan.recipes import companion_backward_key, forward_recipe
+
+    mask = call.attn_mask
+    mask_grad = mask is not None and mask.dtype is not torch.bool and bool(mask.requires_grad)
+    call = call._replace(layout=LayoutPolicy.parse(call.layout).value, dropout_p=float(call.dropout_p))
+    p = plan(call, target, recognize=not mask_grad, lens_device="meta")  # lengths' values: no kernel fills them
+    if p.route is Route.PACKED:
+        planned = varlen.planned_keys(p.call, target)
+        if planned is not None:
+            return planned
+        p = p.as_bias(target, lens_device="meta")
+    fkey = forward_recipe(signature(p.call), target).key  # an inference forward has no backward:
+    return p.call, fkey, companion_backward_key(signature(p.call), fkey, mask_grad) if call.need_stats else None

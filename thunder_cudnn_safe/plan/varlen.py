@@ -1,0 +1,312 @@
+"""Packed sequences as cuDNN variable-length attention: documents, not a (B,1,T,T) bias.
+
+A :class:`~thunder_cudnn_safe.masks.documents.DocumentPattern` call runs as N sequences (all documents of
+all rows) of at most S tokens: cuDNN's padding mask with per-document lengths, and ragged offsets on
+every tensor (exclusive element offsets of each document's first token, libcudnn 9.19 / frontend 1.32,
+``shared/notes/packed-sequences.md``). Declared == bound holds as for strides: each tensor's declared
+(N, H, S, D) strides are its own head and token strides, its offsets ``start_token * token_stride``
+from its own strides. Only tokens-major memory is declared ragged (the backward's dQ accumulator is
+sized for one declared layout, so head-major offsets would be written out of bounds); another layout is
+copied tokens-major, counted. N and S are bucketed to powers of two (S at least 16, so the batch stride
+is a multiple of 16 bytes), extra sequences get length 0, and ``max_total_seq_len`` is B*T: one graph
+serves every packing of a row shape. Tokens outside every document get O = 0, stats = +inf and zero
+gradients, as eager (its fully masked rows) gives.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from thunder_cudnn_safe.masks.documents import DocumentPattern
+from thunder_cudnn_safe.plan.calls import backward_of, default_scale
+from thunder_cudnn_safe.plan.keys import BackwardKey, ForwardKey, Target, TensorSig, Uid
+from thunder_cudnn_safe.plan.layout import fused_grad_qkv, layout_problem, wants_fused_grad_qkv
+from thunder_cudnn_safe.plan.recipes import Bound
+from thunder_cudnn_safe.rules import cudnn_rules
+from thunder_cudnn_safe.rules.cudnn_rules import ALIGNMENT_BYTES
+from thunder_cudnn_safe.telemetry import CopyReason, copy_counter
+
+MIN_S_BUCKET = 16
+
+
+class RaggedSig(NamedTuple):
+    """The ragged part of a key: the offsets' declaration, ``max_total_seq_len``, whether stats are ragged."""
+
+    offsets: TensorSig
+    max_total: int
+    stats: bool
+
+
+def bucket(n: int, least: int = 1) -> int:
+    """The power of two >= max(n, least): one graph for every packing up to it."""
+    n = max(int(n), least)
+    return 1 << (n - 1).bit_length()
+
+
+def tokens_major(t: torch.Tensor) -> bool:
+    """Whether (B, H, T, D) ``t`` is tokens-major THD memory cuDNN can read ragged: each token's heads
+    inside one token stride, rows one after the other (row stride = T x token stride), strides and base
+    16-byte aligned, last dim contiguous."""
+    b, h, s, d = t.shape
+    sb, sh, st, sd = t.stride()
+    if layout_problem(t) is not None or (d > 1 and sd != 1) or (t.device.type != "meta" and t.data_ptr() % 16):
+        return False
+    if (st * t.element_size()) % ALIGNMENT_BYTES:
+        return False
+    return (h == 1 or sh >= d) and st >= (h - 1) * sh + d and (b == 1 or sb == s * st)
+
+
+def meta_like(t: torch.Tensor) -> torch.Tensor:
+    """A meta tensor with ``t``'s layout (planning without memory: :func:`describe`)."""
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+
+def _tokens_major_copy(t: torch.Tensor, name: str) -> torch.Tensor:
+    """``t`` copied into dense (B, T, H, D) memory viewed (B, H, T, D): one counted copy (none planned on meta)."""
+    buf = torch.empty((t.shape[0], t.shape[2], t.shape[1], t.shape[3]), dtype=t.dtype, device=t.device)
+    buf = buf.transpose(1, 2)
+    if t.device.type == "meta":
+        return buf
+    buf.copy_(t)
+    copy_counter.record(
+        name, CopyReason.RAGGED_LAYOUT, buf.numel() * buf.element_size(), (tuple(t.shape), t.stride(), str(t.dtype))
+    )
+    return buf
+
+
+def _operand(t: torch.Tensor, name: str) -> torch.Tensor:
+    return t if tokens_major(t) else _tokens_major_copy(t, name)
+
+
+def _empty_tokens_major(shape: tuple, dtype: torch.dtype, device: torch.device, fill: float = 0.0) -> torch.Tensor:
+    b, h, s, d = shape
+    return torch.full((b, s, h, d), fill, dtype=dtype, device=device).transpose(1, 2)
+
+
+def _declared(t: torch.Tensor, n: int, s: int) -> TensorSig:
+    """(N, H, S, D) with ``t``'s own head and token strides; the batch stride S x token stride is never stepped."""
+    _, h, _, d = t.shape
+    _, sh, st, _ = t.stride()
+    return TensorSig((n, h, s, d), (s * st, sh if h > 1 else d, st, 1), t.dtype)
+
+
+def _stats_sig(h: int, n: int, s: int) -> TensorSig:
+    return TensorSig((n, h, s, 1), (s * h, 1, h, 1), torch.float32)
+
+
+class _Shape(NamedTuple):
+    n: int
+    s: int
+    offsets: TensorSig
+
+
+def _shape(p: DocumentPattern, tensors: tuple[torch.Tensor, ...]) -> _Shape:
+    n, s = bucket(p.n_docs), bucket(p.max_len, MIN_S_BUCKET)
+    extent = max(t.stride(2) for t in tensors) * (p.rows * p.tokens + 1)
+    dtype = torch.int32 if extent < 2**31 else torch.int64
+    return _Shape(n, s, TensorSig((n + 1, 1, 1, 1), (1, 1, 1, 1), dtype))
+
+
+def _derived(p: DocumentPattern, what: tuple, make: Any) -> torch.Tensor:
+    """``make()``, kept with the pattern (one per distinct mask, shared by every layer); made fresh without."""
+    if p.derived is None:
+        return make()
+    if what not in p.derived:
+        p.derived[what] = make()
+    return p.derived[what]
+
+
+def _offsets(p: DocumentPattern, shape: _Shape, token_stride: int) -> torch.Tensor:
+    """(N+1,1,1,1) element offsets of each document's first token; unused sequences point past the buffer."""
+    return _derived(p, ("offsets", shape, token_stride), lambda: _make_offsets(p, shape, token_stride))
+
+
+def _make_offsets(p: DocumentPattern, shape: _Shape, token_stride: int) -> torch.Tensor:
+    out = torch.full((shape.n + 1,), p.rows * p.tokens * token_stride, dtype=torch.int64, device=p.starts.device)
+    out[: p.n_docs] = p.starts * token_stride
+    return out.to(shape.offsets.dtype).view(-1, 1, 1, 1)
+
+
+def _lens(p: DocumentPattern, shape: _Shape) -> torch.Tensor:
+    return _derived(p, ("lens", shape.n), lambda: _make_lens(p, shape))
+
+
+def _make_lens(p: DocumentPattern, shape: _Shape) -> torch.Tensor:
+    out = torch.zeros((shape.n,), dtype=torch.int32, device=p.lens.device)
+    out[: p.n_docs] = p.lens
+    return out.view(-1, 1, 1, 1)
+
+
+def decline(call: Any, target: Target, forward: bool) -> str | None:
+    """Why the varlen path does not take ``call`` (it then runs as a bias, as before), or None."""
+    p = call.attn_mask
+    q, k = call.query, call.key
+    if call.dropout_p and not cudnn_rules.VARLEN_NO_DROPOUT.holds(target):
+        return cudnn_rules.VARLEN_NO_DROPOUT.text
+    if not cudnn_rules.VARLEN_BACKEND.holds(target):
+        return cudnn_rules.VARLEN_BACKEND.text
+    if (not forward or call.need_stats) and not cudnn_rules.varlen_backward_holds(target):
+        return cudnn_rules.VARLEN_BACKWARD_ARCH.text
+    if q.dim() != 4 or q.shape[0] != p.rows or q.shape[2] != p.tokens or k.shape[2] != p.tokens:
+        return "the documents do not match the call's rows and tokens"
+    if q.shape[1] % k.shape[1]:
+        return "query heads are not a multiple of key heads"
+    return None  # every rule read off the planned keys (lengths, grid, dP workspace) is the key gate's
+
+
+def _pack_common(p: DocumentPattern, shape: _Shape, named: dict[Uid, torch.Tensor], stats: torch.Tensor | None):
+    pack: dict[Uid, torch.Tensor] = dict(named)
+    lens = _lens(p, shape)
+    pack[Uid.SEQ_LEN_Q] = pack[Uid.SEQ_LEN_KV] = lens
+    by_stride: dict[int, torch.Tensor] = {}
+    for uid, t in named.items():
+        st = t.stride(2)
+        if st not in by_stride:
+            by_stride[st] = _offsets(p, shape, st)
+        pack[Uid[f"RAGGED_{uid.name}"]] = by_stride[st]
+    if stats is not None:
+        pack[Uid.STATS] = stats
+        pack[Uid.RAGGED_STATS] = _offsets(p, shape, stats.stride(2))
+    return pack
+
+
+def bind_forward(call: Any, target: Target, dry: bool = False) -> Bound:
+    """The varlen forward of a :class:`DocumentPattern` call: key, pack and (O[, stats])."""
+    p: DocumentPattern = call.attn_mask
+    q, k, v = (_operand(t, n) for t, n in ((call.query, "query"), (call.key, "key"), (call.value, "value")))
+    shape = _shape(p, (q, k, v))
+    n, s = shape.n, shape.s
+    b, h, t, _ = q.shape
+    o = _empty_tokens_major((b, h, t, v.shape[3]), q.dtype, q.device)
+    stats = None
+    if call.need_stats:  # (B,H,T,1) tokens-major; +inf outside every document (the backward's P = 0 there)
+        stats = torch.full((b, t, h, 1), float("inf"), dtype=torch.float32, device=q.device).permute(0, 2, 1, 3)
+    pack = {} if dry else _pack_common(p, shape, {Uid.Q: q, Uid.K: k, Uid.V: v, Uid.O: o}, stats)
+    key = ForwardKey(
+        q=_declared(q, n, s),
+        k=_declared(k, n, s),
+        v=_declared(v, n, s),
+        o=_declared(o, n, s),
+        stats=None if stats is None else _stats_sig(h, n, s),
+        bias=None,
+        seed=None,
+        offset=None,
+        causal=p.causal,
+        dropout_p=0.0,
+        scale=default_scale(q.shape[3], call.scale),
+        layout="preserve",
+        target=target,
+        left=p.left,
+        padded=True,
+        ragged=RaggedSig(shape.offsets, p.rows * p.tokens, stats is not None),
+    )
+    return Bound(key, pack, (o,) if stats is None else (o, stats))
+
+
+def _stats_operand(stats: torch.Tensor) -> torch.Tensor:
+    b, h, t, _ = stats.shape
+    if stats.dtype == torch.float32 and tuple(stats.stride()) == (t * h, 1, h, 1) and not stats.data_ptr() % 16:
+        return stats
+    buf = torch.empty((b, t, h, 1), dtype=torch.float32, device=stats.device).permute(0, 2, 1, 3)
+    if stats.device.type == "meta":
+        return buf
+    buf.copy_(stats)
+    copy_counter.record(
+        "stats", CopyReason.RAGGED_LAYOUT, buf.numel() * 4, (tuple(stats.shape), stats.stride(), str(stats.dtype))
+    )
+    return buf
+
+
+def bind_backward(call: Any, target: Target, dry: bool = False) -> Bound:
+    """The varlen backward: key, pack and (dq, dk, dv) or (grad_qkv,) when fused."""
+    p: DocumentPattern = call.attn_mask
+    q, k, v = (_operand(t, n) for t, n in ((call.query, "query"), (call.key, "key"), (call.value, "value")))
+    o, d_o = _operand(call.out, "out"), _operand(call.grad_out, "grad_out")
+    stats = _stats_operand(call.stats)
+    b, h, t, d = q.shape
+    if wants_fused_grad_qkv(call):  # as every backward route returns it: one (B, Hq+Hk+Hv, T, D) buffer
+        shape, strides, starts = fused_grad_qkv(b, (h, k.shape[1], v.shape[1]), t, d, q.dtype)
+        buf = torch.empty_strided(shape, strides, dtype=q.dtype, device=q.device).zero_()
+        dq, dk, dv = (buf[:, a : a + x.shape[1]] for a, x in zip(starts, (q, k, v)))
+        outputs = (buf,)
+    else:
+        dq, dk, dv = (_empty_tokens_major(x.shape, x.dtype, x.device) for x in (q, k, v))
+        outputs = (dq, dk, dv)
+    named = {Uid.Q: q, Uid.K: k, Uid.V: v, Uid.O: o, Uid.DO: d_o, Uid.DQ: dq, Uid.DK: dk, Uid.DV: dv}
+    shape = _shape(p, tuple(named.values()))
+    n, s = shape.n, shape.s
+    pack = {} if dry else _pack_common(p, shape, named, stats)
+    dec = {uid: _declared(x, n, s) for uid, x in named.items()}
+    key = BackwardKey(
+        q=dec[Uid.Q],
+        k=dec[Uid.K],
+        v=dec[Uid.V],
+        o=dec[Uid.O],
+        d_o=dec[Uid.DO],
+        stats=_stats_sig(h, n, s),
+        bias=None,
+        d_bias=None,
+        seed=None,
+        offset=None,
+        dq=dec[Uid.DQ],
+        dk=dec[Uid.DK],
+        dv=dec[Uid.DV],
+        causal=p.causal,
+        dropout_p=0.0,
+        scale=default_scale(d, call.scale),
+        layout="preserve",
+        deterministic=bool(call.deterministic),
+        target=target,
+        left=p.left,
+        padded=True,
+        ragged=RaggedSig(shape.offsets, p.rows * p.tokens, True),
+    )
+    return Bound(key, pack, outputs)
+
+
+def planned_keys(call: Any, target: Any) -> tuple | None:
+    """(call, forward key, backward key for dO in O's layout) as the route would plan them, on meta tensors
+    (nothing copied, built or run), or None where it declines."""
+    if decline(call, target, forward=True) is not None:
+        return None
+    meta = call._replace(**{f: meta_like(getattr(call, f)) for f in ("query", "key", "value")})
+    fbound = bind_forward(meta, target, dry=True)
+    if not call.need_stats:
+        return call, fbound.key, None
+    o, stats = fbound.outputs
+    bcall = backward_of(meta._replace(attn_mask=call.attn_mask, dropout_p=0.0, is_causal=False), o, o, stats)
+    return call, fbound.key, bind_backward(bcall, target, dry=True).key
+
+
+class Work(NamedTuple):
+    """Per attention pass (forward, or backward: it recomputes the scores) of one layer."""
+
+    #: scores kept and computed (query-key pairs x query heads)
+    scores: int
+    #: mask bytes read: the bias, or the lengths and ragged offsets
+    mask_bytes: int
+
+
+def varlen_work(p: DocumentPattern, heads: int, ragged_tensors: int = 4) -> Work:
+    """What the variable-length graph of ``p`` computes and reads per pass: sum over documents of L(L+1)/2
+    (causal; L^2 not causal; a window of W: the band's pairs) scores per head, and the (N,1,1,1) int32 lengths
+    bound twice plus one (N+1,1,1,1) offset tensor per ragged tensor (Q, K, V, O). One host sync."""
+    lens = p.lens.to(torch.int64)
+    if not p.causal:
+        pairs = lens * lens
+    elif p.left is None:
+        pairs = lens * (lens + 1) // 2
+    else:
+        w = torch.clamp(lens, max=p.left)  # each query keeps min(i + 1, W) keys
+        pairs = w * (w + 1) // 2 + (lens - w) * p.left
+    n = bucket(p.n_docs)
+    offset_bytes = (n + 1) * (4 if p.rows * p.tokens < 2**31 else 8)
+    return Work(int(pairs.sum()) * heads, 2 * n * 4 + ragged_tensors * offset_bytes)
+
+
+def bias_work(rows: int, heads: int, tokens: int, bias_dtype: torch.dtype = torch.bfloat16) -> Work:
+    """What a bias graph computes and reads per pass for a (rows, 1, T, T) mask: every score of the T x T
+    square per head, and the (rows, 1, T, T) bias in the query dtype (broadcast over heads)."""
+    return Work(rows * heads * tokens * tokens, rows * tokens * tokens * bias_dtype.itemsize)

@@ -1,0 +1,816 @@
+"""Every cuDNN architecture and version rule the package relies on, one named entry each.
+
+These are the most safety-critical facts in the package: a rule claimed too widely sends
+cuDNN a graph it cannot run (a crash, or a refusal and a slow fallback); a rule claimed
+too narrowly costs speed. Each :class:`Rule` says what it allows or requires, where the
+fact comes from (a release note, a frontend check, a GPU measurement), and on which
+targets it holds. :mod:`support` (what we claim), :mod:`recipes` (what we bind),
+:mod:`emulation` (what the emulated cuDNN refuses) and the lowering sweep in the tests
+read the rules from here and nowhere else. Each rule's triggers sit in its entry: ``on_call`` read off
+a call at trace time (:func:`~thunder_cudnn_safe.rules.support.not_supported_reasons`, ``explain()``),
+``on_key`` read off a graph key before any build (:mod:`~thunder_cudnn_safe.rules.key_gate`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from thunder_cudnn_safe._env import DP_WORKSPACE_LIMIT_ENV
+from thunder_cudnn_safe.plan.keys import BackwardKey, Target
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One cuDNN fact: holds on targets with ``min_arch <= arch`` (and ``arch_major`` if set, or an arch
+    major in ``arch_majors`` if that is set) and ``min_backend <= cuDNN version < max_backend``, except
+    the versions in ``except_backends`` (a fixed release inside a bad window).
+
+    ``passes`` says which pass the fact is about: a rule about the backward only (``("backward",)``)
+    declines a call only when a backward follows it (:meth:`declines`); an inference forward is
+    unaffected. ``holds`` ignores it.
+
+    ``on_key`` is the rule's trigger read off a graph key (:mod:`~thunder_cudnn_safe.rules.key_gate`, the last
+    gate before any graph is built, whichever route planned the key): ``on_key(rule, key)`` says what in
+    the key breaks the rule, or None. Built with :func:`where_it_holds` (a defect: the trigger breaks it
+    where the rule holds) or :func:`unless_it_holds` (a capability: the trigger needs the rule to hold).
+    ``on_call`` is the same trigger read off a call at trace time (:class:`CallView`, the checker and
+    ``explain()``): ``on_call(rule, call)`` says what in the call the rule declines (a text, several, or
+    None), built with :func:`call_where_it_holds`, :func:`call_unless_it_holds` or :func:`call_on_target`;
+    one with neither wrapper judges every call, its target known or not. Each text becomes a
+    :class:`~thunder_cudnn_safe.rules.support.Decline` with ``code`` (a ``DeclineCode`` name; a :class:`Finding`
+    carries its own). ``fixed_in``: the first cuDNN version without the defect, named in a decline.
+    """
+
+    name: str
+    text: str
+    source: str
+    min_arch: tuple[int, int] = (0, 0)
+    arch_major: int | None = None
+    min_backend: int = 0
+    max_backend: int | None = None
+    arch_majors: tuple[int, ...] = ()
+    except_backends: tuple[int, ...] = ()
+    passes: tuple[str, ...] = ("forward", "backward")
+    on_key: Callable[[Rule, Any], str | None] | None = None
+    on_call: OnCall | None = None
+    fixed_in: int | None = None
+    code: str = "ARCH"
+
+    def holds(self, target: Target) -> bool:
+        arch, version = tuple(target.arch), int(target.backend_version)
+        if arch < self.min_arch or (self.arch_major is not None and arch[0] != self.arch_major):
+            return False
+        if self.arch_majors and arch[0] not in self.arch_majors:
+            return False
+        if version < self.min_backend or version in self.except_backends:
+            return False
+        return self.max_backend is None or version < self.max_backend
+
+    def declines(self, target: Target, backward_follows: bool) -> bool:
+        """Whether the rule holds for a call on ``target``: always for a forward fact, and for a
+        backward-only fact only when a backward follows (a training forward, whose stats and dropout
+        mask bind it to the backward of the same executor)."""
+        return self.holds(target) and (backward_follows or "forward" in self.passes)
+
+    def broken_by(self, key: Any) -> str | None:
+        """What in graph ``key`` breaks this rule on the key's own target, or None (no key trigger: None)."""
+        return None if self.on_key is None else self.on_key(self, key)
+
+    def broken_by_call(self, call: CallView) -> list[tuple[str, str]]:
+        """What in ``call`` this rule declines, as (``DeclineCode`` name, text) pairs (no call trigger: none)."""
+        found = None if self.on_call is None else self.on_call(self, call)
+        if found is None:
+            return []
+        return [
+            (f.code, f.text) if isinstance(f, Finding) else (self.code, f)
+            for f in ((found,) if isinstance(found, (str, Finding)) else found)
+        ]
+
+    @property
+    def upgrade_hint(self) -> str:
+        """Where a newer cuDNN fixes the defect: the version and how to get it (README, "A newer libcudnn")."""
+        if self.fixed_in is None:
+            return ""
+        major, minor, patch = self.fixed_in // 10000, self.fixed_in // 100 % 100, self.fixed_in % 100
+        return (
+            f" Fixed in cuDNN {major}.{minor}.{patch}: `pip install 'nvidia-cudnn-cu13>={major}.{minor}.{patch}'` "
+            "beside torch (README, 'A newer libcudnn')."
+        )
+
+
+def where_it_holds(trigger: Callable[[Any], str | None]) -> Callable[[Rule, Any], str | None]:
+    """A defect's key check: ``trigger(key)`` (what in the key meets the defect) breaks the rule where it holds."""
+    return lambda rule, key: trigger(key) if rule.holds(key.target) else None
+
+
+def unless_it_holds(trigger: Callable[[Any], str | None]) -> Callable[[Rule, Any], str | None]:
+    """A capability's key check: ``trigger(key)`` (what in the key needs it) breaks the rule where it does not hold."""
+    return lambda rule, key: None if rule.holds(key.target) else trigger(key)
+
+
+# -- what a key says (dims are (B or N, H, S, D); a ragged key's S is the bucketed longest document) -----
+def _backward(key: Any) -> bool:
+    return isinstance(key, BackwardKey)
+
+
+def _dense(key: Any) -> bool:
+    return key.ragged is None
+
+
+def _lengths(key: Any) -> tuple[int, int]:
+    return key.q.shape[2], key.k.shape[2]
+
+
+def _if(condition: bool, text: str) -> str | None:
+    return text if condition else None
+
+
+# -- what a call says at trace time (Rule.on_call) ------------------------------------------------------
+class CallView(NamedTuple):
+    """The plain facts of one SDPA forward call that the rules' trace-time triggers read (:mod:`support` reads
+    them off tensors or thunder proxies). ``target`` is None where the runtime cannot work here: only rules
+    that judge every call (no ``call_*`` wrapper) then decline."""
+
+    target: Target | None
+    batch: int
+    heads: int
+    kv_heads: int
+    v_heads: int
+    lq: int
+    s: int
+    d_qk: int
+    d_v: int
+    #: ``dropout_p`` where it is a number known at trace time (else 0.0)
+    dropout: float
+    #: ``is_causal is True``
+    causal: bool
+    has_mask: bool
+    #: the mask's gradient (dBias) may be needed
+    mask_grad: bool
+    deterministic: bool
+    #: a backward follows (``need_stats``)
+    training: bool
+    enable_gqa: bool
+    #: (name, element count) of query, key, value and output
+    elements: tuple[tuple[str, int], ...] = ()
+    #: a mask without a gradient may run as a pattern, never handed to cuDNN as a B*H*L*S bias
+    mask_patterns: bool = False
+
+    @property
+    def dropout_runs(self) -> bool:
+        return self.dropout > 0
+
+    @property
+    def dbias_or_dropout(self) -> bool:
+        """The backward computes dBias or draws a dropout mask."""
+        return self.dropout_runs or self.mask_grad
+
+
+class Finding(NamedTuple):
+    """A call trigger's text with its own ``DeclineCode`` name, for a rule whose declines carry several."""
+
+    code: str
+    text: str
+
+
+OnCall = Callable[[Rule, CallView], "str | Finding | Sequence[str | Finding] | None"]
+
+
+def call_on_target(trigger: OnCall) -> OnCall:
+    """A call check that needs the call's target (None where the runtime cannot work here: no decline)."""
+    return lambda rule, call: None if call.target is None else trigger(rule, call)
+
+
+def call_where_it_holds(trigger: OnCall) -> OnCall:
+    """A defect's call check: ``trigger`` applies where the rule declines the call (:meth:`Rule.declines`)."""
+    return call_on_target(lambda rule, call: trigger(rule, call) if rule.declines(call.target, call.training) else None)
+
+
+def call_unless_it_holds(trigger: OnCall) -> OnCall:
+    """A capability's call check: ``trigger`` applies where the rule does not hold."""
+    return call_on_target(lambda rule, call: None if rule.holds(call.target) else trigger(rule, call))
+
+
+def _sm(target: Target) -> str:
+    return f"sm{target.arch[0]}{target.arch[1]}"
+
+
+def _stated(rule: Rule, call: CallView, what: str = "") -> str:
+    """A decline naming the target, then ``what``, the rule's text and where a newer cuDNN fixes it."""
+    return f"{_sm(call.target)}, cuDNN {call.target.backend_version}: {what}{rule.text}.{rule.upgrade_hint}"
+
+
+def _silent(trigger: Callable[[CallView], str | None]) -> OnCall:
+    """A silent defect's call check (docs/known-cudnn-defects.md): ``trigger(call)`` says what meets it."""
+
+    def on_call(rule: Rule, call: CallView) -> str | None:
+        what = trigger(call)
+        return None if what is None else _stated(rule, call, f"{what}: {rule.name}: ")
+
+    return call_where_it_holds(on_call)
+
+
+def _no_engine(condition: Callable[[CallView], bool], what: str = "") -> OnCall:
+    """A call cuDNN refuses or builds no plan for (the compile sweep) where the rule holds: ``condition(call)``."""
+    return call_where_it_holds(lambda rule, call: _stated(rule, call, what) if condition(call) else None)
+
+
+def _head_dims(rule: Rule, call: CallView) -> list[str]:
+    """The head-dim rules, judged together as cuDNN does (HEAD_DIM_128, HEAD_DIM_256_TRAINING_HOPPER,
+    UNEQUAL_HEAD_DIMS, MLA_192_128_HOPPER): what in ``call`` ``rule`` declines."""
+    target, dims = call.target, (("query/key", call.d_qk), ("value", call.d_v))
+    found = [(HEAD_DIM_128, f"{name} head dim {d} is not a multiple of 8") for name, d in dims if d % 8]
+    if (call.d_qk, call.d_v) != (192, 128) or not mla_192_128(target):  # DeepSeek-style MLA heads pass
+        limit = head_dim_limit(target)
+        on = f"{_sm(target)} with cuDNN {target.backend_version}"
+        limit_rule = HEAD_DIM_256_TRAINING_HOPPER if limit > 128 else HEAD_DIM_128
+        found += [
+            (limit_rule, f"{name} head dim {d} exceeds {limit}, the limit for training on {on}")
+            for name, d in dims
+            if d > limit
+        ]
+        unequal = f"d_qk={call.d_qk} != d_v={call.d_v}"
+        if call.d_qk != call.d_v and not found:
+            if not UNEQUAL_HEAD_DIMS.holds(target):
+                found.append((UNEQUAL_HEAD_DIMS, f"{unequal} needs Hopper (sm90) or newer"))
+            elif max(call.d_qk, call.d_v) > 128:
+                found.append((MLA_192_128_HOPPER, f"{unequal}: above 128 only d_qk=192, d_v=128 is supported"))
+    return [text for r, text in found if r is rule]
+
+
+def _grouped_kv_heads(rule: Rule, call: CallView) -> str | Finding | None:
+    if not call.enable_gqa:
+        return None
+    hk, hv, h = call.kv_heads, call.v_heads, call.heads
+    if hk != hv or hk == 0 or h % hk:
+        return f"enable_gqa: key/value heads ({hk}, {hv}) must be equal and divide the query heads ({h})"
+    if call.target is not None and not rule.holds(call.target):
+        return Finding("ARCH", "grouped K/V heads need cuDNN flash attention (sm80+)")
+    return None
+
+
+def _deterministic_dbias_or_dropout(rule: Rule, call: CallView) -> str | None:
+    if not (call.deterministic and call.dbias_or_dropout):
+        return None
+    if DETERMINISTIC_BACKWARD_BLACKWELL_BEFORE_9_18.broken_by_call(call):
+        return None  # refused whatever it computes: that rule says so
+    return (
+        f"cudnn_safe_deterministic with {'dropout' if call.dropout_runs else 'a mask gradient'}: "
+        f"cuDNN's deterministic backward refuses dBias and dropout on {_sm(call.target)}"
+    )
+
+
+def _int32_sizes(rule: Rule, call: CallView) -> list[str]:
+    found = [
+        f"{name} has {n} elements; element offsets would overflow int32"
+        for name, n in call.elements
+        if n >= INT32_ELEMENT_LIMIT
+    ]
+    bias = call.batch * call.heads * call.lq * call.s
+    if call.has_mask and bias >= INT32_ELEMENT_LIMIT and (call.mask_grad or not call.mask_patterns):
+        found.append(
+            "the broadcast attention mask has more than 2**31 elements (int32 offsets)"
+            + (
+                ", and its gradient is computed, from it as a bias"
+                if call.mask_grad
+                else ", and it is bound as a bias (mask patterns or the mask cache are off)"
+            )
+        )
+    return found
+
+
+def _dp_workspace(rule: Rule, call: CallView) -> str | None:
+    need = _dp_need_over_budget(
+        call.target, call.batch, call.heads, call.lq, call.s, call.mask_grad, call.deterministic
+    )
+    if need is None:
+        return None
+    from thunder_cudnn_safe import config  # config reads this module's defaults
+
+    return (
+        f"{'the mask gradient (dBias)' if call.mask_grad else 'cudnn_safe_deterministic'} needs "
+        f"{need / 2**30:.1f} GiB of cuDNN dP workspace, over the {config.dp_workspace_limit / 2**30:.1f} GiB "
+        f"budget ({DP_WORKSPACE_LIMIT_ENV})"
+    )
+
+
+def dropout_in_range(p: float) -> bool:
+    """Whether ``dropout_p`` is in [0, 1) (NaN is not)."""
+    return 0.0 <= p < 1.0
+
+
+def _off_sixteenths(p: float) -> bool:
+    return p * 16 != math.floor(p * 16)
+
+
+def _tail_unmasked(s_q: int, s_kv: int, causal: bool, bias: bool) -> bool:
+    """:data:`HOPPER_BACKWARD_KV_TAIL_NAN`'s shape: s_kv % 128 == 64 unless the causal band masks the tail
+    (causal, no bias, s_q <= s_kv)."""
+    return s_kv % 128 == 64 and not (causal and not bias and s_q <= s_kv)
+
+
+def _over_grid(*extents: int) -> bool:
+    return max(extents) > GRID_LIMIT
+
+
+FLASH_ATTENTION = Rule(
+    "FLASH_ATTENTION",
+    "cuDNN fused flash attention (forward and backward) runs on Ampere (sm80) or newer",
+    "cuDNN developer guide, 'Fused Flash Attention' support surface",
+    min_arch=(8, 0),
+    on_call=call_unless_it_holds(
+        lambda rule, call: f"{_sm(call.target)}: cuDNN fused flash attention needs Ampere (sm80) or newer"
+    ),
+)
+HEAD_DIM_128 = Rule(
+    "HEAD_DIM_128",
+    "head dims up to 128, multiples of 8, for forward and backward",
+    "cuDNN developer guide, 'Fused Flash Attention' (d <= 128 on sm80+)",
+    min_arch=(8, 0),
+    on_call=call_on_target(_head_dims),
+    code="HEAD_DIM",
+)
+HEAD_DIM_256_TRAINING_HOPPER = Rule(
+    "HEAD_DIM_256_TRAINING_HOPPER",
+    "128 < head dim <= 256 for training (forward and backward) on Hopper",
+    "cuDNN 9.5.0 release notes; other architectures only gained d > 128 for the forward (9.10)",
+    arch_major=9,
+    min_backend=90500,
+    on_call=call_on_target(_head_dims),
+    code="HEAD_DIM",
+)
+UNEQUAL_HEAD_DIMS = Rule(
+    "UNEQUAL_HEAD_DIMS",
+    "d_qk != d_v (both <= 128) on Hopper or newer",
+    "cuDNN developer guide, 'Fused Flash Attention' (different QK and V head dims need sm90+)",
+    min_arch=(9, 0),
+    on_call=call_on_target(_head_dims),
+    code="HEAD_DIM",
+)
+MLA_192_128_HOPPER = Rule(
+    "MLA_192_128_HOPPER",
+    "d_qk=192, d_v=128 (DeepSeek-style MLA heads) on Hopper",
+    "cuDNN 9.5.0 release notes; lightning-thunder PR #2771",
+    arch_major=9,
+    min_backend=90500,
+    on_call=call_on_target(_head_dims),
+    code="HEAD_DIM",
+)
+MLA_192_128_BLACKWELL = Rule(
+    "MLA_192_128_BLACKWELL",
+    "d_qk=192, d_v=128 (DeepSeek-style MLA heads) on datacenter Blackwell (sm100/sm103)",
+    "cuDNN 9.11.0 release notes; lightning-thunder PR #2771; the lowering sweep: cuDNN 9.19's validate "
+    "refuses the backward on sm120 ('hidden_dim should be less than or equal to 128')",
+    arch_major=10,
+    min_backend=91100,
+)
+GROUPED_KV_HEADS = Rule(
+    "GROUPED_KV_HEADS",
+    "K and V may have H_kv heads where H_kv divides H_q (MQA/GQA), forward and backward; dK/dV come back "
+    "with H_kv heads",
+    "cuDNN developer guide, 'Fused Flash Attention' (h_k, h_v divide h_q); PyTorch's cuDNN attention uses it "
+    "since 2025; accepted by cuDNN 9.19's validate at sm80-sm120 (the lowering sweep)",
+    min_arch=(8, 0),
+    on_call=_grouped_kv_heads,
+    code="SHAPE",
+)
+BACKWARD_SEQ_1 = Rule(
+    "BACKWARD_SEQ_1",
+    "sdpa_backward refuses s_q = s_kv = 1 (the forward accepts it)",
+    "nvidia-cudnn-frontend 1.32 _sdpa_validate.py ('s_q = s_kv = 1 is not supported') and cuDNN 9.19's C++ "
+    "validate, on every arch (the lowering sweep)",
+    on_key=where_it_holds(
+        lambda key: _if(_backward(key) and _dense(key) and _lengths(key) == (1, 1), "a backward with s_q = s_kv = 1")
+    ),
+    on_call=call_where_it_holds(
+        lambda rule, call: _if(
+            call.lq == 1 and call.s == 1,
+            "query and key length are both 1: cuDNN's backward refuses s_q = s_kv = 1 (with dropout, the "
+            "forward's mask could then not be reproduced)",
+        )
+    ),
+    code="SHAPE",
+)
+DETERMINISTIC_BACKWARD_BLACKWELL = Rule(
+    "DETERMINISTIC_BACKWARD_BLACKWELL",
+    "the deterministic backward refuses dBias and dropout on datacenter Blackwell (sm100/sm103)",
+    "cuDNN 9.19 C++ validate: 'Deterministic algorithm is not supported on blackwell architecture when dbias, "
+    "rng/dropout, alibi is enabled' (the lowering sweep; sm120 accepts)",
+    arch_major=10,
+    on_key=where_it_holds(
+        lambda key: _if(
+            _backward(key) and key.deterministic and bool(key.dropout_p or key.d_bias),
+            "a deterministic backward with dropout or dBias",
+        )
+    ),
+    on_call=call_where_it_holds(_deterministic_dbias_or_dropout),
+)
+DETERMINISTIC_BACKWARD_BLACKWELL_BEFORE_9_18 = Rule(
+    "DETERMINISTIC_BACKWARD_BLACKWELL_BEFORE_9_18",
+    "the deterministic backward is refused on datacenter Blackwell (sm100/sm103) before cuDNN 9.18.0",
+    "nvidia-cudnn-frontend 1.32 include/cudnn_frontend/node/scaled_dot_product_flash_attention.h, "
+    "CompositeSDPABackwardNode pre-validation: is_deterministic_algorithm && prop_major == 10 && backend < 91800 "
+    "-> GRAPH_NOT_SUPPORTED 'Deterministic algorithm is not supported on blackwell architecture with cudnn version "
+    "below 9.18.0' (claimed, every call was refused at build time and ran on the fallback)",
+    arch_major=10,
+    max_backend=91800,
+    passes=("backward",),
+    on_key=where_it_holds(lambda key: _if(_backward(key) and key.deterministic, "a deterministic backward")),
+    on_call=_no_engine(lambda call: call.deterministic, "cudnn_safe_deterministic: "),
+    fixed_in=91800,
+)
+DETERMINISTIC_BIAS_BACKWARD_BLACKWELL = Rule(
+    "DETERMINISTIC_BIAS_BACKWARD_BLACKWELL",
+    "the deterministic backward with a bias (any attn_mask, without its gradient too) does not compile on "
+    "datacenter Blackwell (sm100/sm103)",
+    "the compile sweep (tests/test_cudnn_compile.py): cuDNN 9.19's engine 5 fails in NVRTC for sm100 "
+    "(INTERNAL_ERROR_COMPILATION_FAILED, 'identifier \"reg_s\" is undefined': a codegen defect); sm80/sm90 build it. "
+    "cuDNN 9.27 builds it for sm100 (the compile sweep's second cuDNN, .ci/second_cudnn.sh); 9.20-9.26 are untested "
+    "and stay declined",
+    arch_major=10,
+    max_backend=92700,
+    on_key=where_it_holds(
+        lambda key: _if(
+            _backward(key) and key.deterministic and key.bias is not None and not (key.dropout_p or key.d_bias),
+            "a deterministic backward with a bias",
+        )
+    ),
+    on_call=_no_engine(lambda call: call.deterministic and call.has_mask and not call.dbias_or_dropout),
+    fixed_in=92700,
+)
+DROPOUT_DBIAS_BLACKWELL = Rule(
+    "DROPOUT_DBIAS_BLACKWELL",
+    "dropout with a mask gradient (dBias) has no backward engine on datacenter Blackwell (sm100/sm103)",
+    "the compile sweep (tests/test_cudnn_compile.py): cuDNN 9.19's engines 1, 4, 7 refuse it for sm100 ('With dropout, "
+    "this engine only supports fprop inference under non matching device version and architecture'), no other "
+    "engine serves dBias; sm80/sm90 build it. Deviceless planning: a B200 run may lift it",
+    arch_major=10,
+    on_key=where_it_holds(
+        lambda key: _if(_backward(key) and bool(key.dropout_p) and key.d_bias is not None, "dropout with dBias")
+    ),
+    on_call=_no_engine(lambda call: call.dropout_runs and call.mask_grad),
+)
+_SQ_VECTORS = (
+    (
+        "a backward with an attn_mask when the key length is 1 has no engine: its bias (..., L, 1) is a third "
+        "'sq broadcasted vector' and these code paths take 2"
+    ),
+    (
+        "the compile sweep (tests/test_cudnn_compile.py), cuDNN 9.19: 'Only 2 sq broadcasted vectors are supported on "
+        "SM80' (its SM80 and SM120 code paths; an sm120 descriptor confirms it); sm90/sm100 build it"
+    ),
+)
+_BIAS_KEY_LENGTH_1 = where_it_holds(
+    lambda key: _if(_backward(key) and key.bias is not None and _lengths(key)[1] == 1, "a bias backward with s_kv = 1")
+)
+_BIAS_KEY_LENGTH_1_CALL = _no_engine(lambda call: call.has_mask and call.s == 1)
+BIAS_KEY_LENGTH_1_AMPERE = Rule(
+    "BIAS_KEY_LENGTH_1_AMPERE", *_SQ_VECTORS, arch_major=8, on_key=_BIAS_KEY_LENGTH_1, on_call=_BIAS_KEY_LENGTH_1_CALL
+)
+BIAS_KEY_LENGTH_1_SM120 = Rule(
+    "BIAS_KEY_LENGTH_1_SM120", *_SQ_VECTORS, arch_major=12, on_key=_BIAS_KEY_LENGTH_1, on_call=_BIAS_KEY_LENGTH_1_CALL
+)
+DBIAS_KEY_LENGTH_1_BLACKWELL = Rule(
+    "DBIAS_KEY_LENGTH_1_BLACKWELL",
+    "a mask gradient (dBias) when the key length is 1 has no backward engine on datacenter Blackwell (sm100/sm103)",
+    "the compile sweep, cuDNN 9.19: no engine config for sm100 ('This tile size is not supported for Blackwell "
+    "flash bprop'); sm90 builds it",
+    arch_major=10,
+    on_key=where_it_holds(
+        lambda key: _if(_backward(key) and key.d_bias is not None and _lengths(key)[1] == 1, "dBias with s_kv = 1")
+    ),
+    on_call=_no_engine(lambda call: call.mask_grad and call.s == 1),
+)
+DYNAMIC_SHAPE_FORWARD = Rule(
+    "DYNAMIC_SHAPE_FORWARD",
+    "an SDPA forward (not the backward) builds as a dynamic-shape graph whose kernel a kernel cache reuses "
+    "for new shapes",
+    "cudnn-frontend 1.18.0 release notes (cuDNN 9.18.1: dynamic shapes for SDPA fprop); the compile sweep: sm80, sm90, "
+    "sm100 plan every variant (causal, bias, padding, stats) and compile once for 64 lengths. cuDNN 9.27 refuses "
+    "every dynamic-shape SDPA graph ('This engine currently does not support dynamic shape' from each native SDPA "
+    "runtime-fusion engine, the compile sweep's second cuDNN); 9.20-9.26 are untested: a refused dynamic graph is "
+    "built static (runtime.build_with_ladder), so trying costs one refusal per topology",
+    min_arch=(8, 0),
+    min_backend=91801,
+    max_backend=92700,
+)
+DO_OWN_STRIDES = Rule(
+    "DO_OWN_STRIDES",
+    "sdpa_backward reads dO through its own declared strides (before 9.5.1 it assumed O's strides)",
+    "cuDNN 9.5.1 release notes; PyTorch's cuDNN attention warned about dO/O stride mismatch until then",
+    min_backend=90501,
+    on_key=unless_it_holds(
+        lambda key: _if(_backward(key) and tuple(key.d_o.stride) != tuple(key.o.stride), "dO strides other than O's")
+    ),
+)
+STATS_PACKED_ONLY = Rule(
+    "STATS_PACKED_ONLY",
+    "a non-ragged Stats input of sdpa_backward must be packed BHSD (exact strides, size-1 dims too)",
+    "nvidia-cudnn-frontend 1.32 sdpa_support_surface.h (checked before planning)",
+    max_backend=92600,
+    on_key=where_it_holds(
+        lambda key: _if(
+            _backward(key)
+            and not (key.ragged is not None and key.ragged.stats)
+            and tuple(key.stats.stride) != _packed(key.stats.shape),
+            "stats declared with other than packed BHSD strides",
+        )
+    ),
+    fixed_in=92600,
+)
+
+#: Layout rules every target shares (TMA-based kernels read from a base pointer through the
+#: declared strides); :mod:`layout` enforces them, the emulated runtime refuses their violation.
+ALIGNMENT_BYTES = 16
+INT32_ELEMENT_LIMIT = 2**31
+LAYOUT = Rule(
+    "LAYOUT",
+    f"inner stride 1, {ALIGNMENT_BYTES}-byte aligned base, other strides multiples of {ALIGNMENT_BYTES} bytes, "
+    f"non-overlapping positive strides, element offsets below 2**31",
+    "cuDNN developer guide (tensor descriptors for SDPA; TMA alignment on Hopper)",
+    on_key=where_it_holds(lambda key: _oversized(key)),
+    on_call=_int32_sizes,
+    code="INT32",
+)
+
+
+def head_dim_limit(target: Target) -> int:
+    """Largest head dim cuDNN supports for forward *and* backward on ``target``."""
+    return 256 if HEAD_DIM_256_TRAINING_HOPPER.holds(target) else 128
+
+
+def mla_192_128(target: Target) -> bool:
+    """Whether d_qk=192, d_v=128 is supported on ``target``."""
+    return MLA_192_128_HOPPER.holds(target) or MLA_192_128_BLACKWELL.holds(target)
+
+
+DP_WORKSPACE = Rule(
+    "DP_WORKSPACE",
+    "a backward with dBias, or deterministic (except on sm100's deterministic engine), materializes dP "
+    "in a workspace of B*H_q*pad64(S_q)*pad64(S_kv)*2 bytes: 8.6 GB at B=8, H=32, S=4096",
+    "cudnn_frontend 1.32 node/scaled_dot_product_flash_attention.h, CompositeSDPABackwardNode: "
+    "use_dp_workspace is forced for dBias and is_deterministic_algorithm; required_dp_workspace_bytes",
+    on_key=where_it_holds(lambda key: _dp_over_budget(key)),
+    on_call=call_where_it_holds(_dp_workspace),
+    code="WORKSPACE",
+)
+# The budget of :data:`DP_WORKSPACE` is the knob ``config.dp_workspace_limit`` (bytes; default 4 GiB).
+
+
+def dp_workspace_bytes(batch: int, heads_q: int, s_q: int, s_kv: int) -> int:
+    """The dP workspace of :data:`DP_WORKSPACE` (the frontend's own formula)."""
+    return batch * heads_q * (-(-s_q // 64) * 64) * (-(-s_kv // 64) * 64) * 2
+
+
+def needs_dp_workspace(target: Target, d_bias: bool, deterministic: bool) -> bool:
+    """Whether a backward materializes dP on ``target``."""
+    return d_bias or (deterministic and not DETERMINISTIC_BACKWARD_BLACKWELL.holds(target))
+
+
+# -- packed sequences (variable-length / ragged attention, :mod:`~thunder_cudnn_safe.plan.varlen`) ----------
+VARLEN_BACKEND = Rule(
+    "VARLEN_BACKEND",
+    "packed sequences run as variable-length attention (padding mask + ragged offsets) from cuDNN 9.19.0: "
+    "the version whose graphs were validated, planned and NVRTC-compiled for sm80/sm90/sm100",
+    "shared/notes/packed-sequences.md (libcudnn 9.19.0, frontend 1.32); THD below sm90 needs >= 9.18.1, "
+    "ragged + GQA backward >= 9.6 (cudnn-frontend scaled_dot_product_flash_attention.h)",
+    min_arch=(8, 0),
+    min_backend=91900,
+    on_key=unless_it_holds(lambda key: _if(not _dense(key), "a variable-length (ragged) graph")),
+)
+VARLEN_BACKWARD_ARCH = Rule(
+    "VARLEN_BACKWARD_ARCH",
+    "a variable-length backward reads ragged (tokens-major) stats, which sm80 and sm12x refuse ('Packed/ragged "
+    "LSE is not supported for bprop thd on SM8X and SM12X GPUs'; deterministic is refused there too): packed "
+    "sequences that need a backward run as variable-length attention on sm90 and sm100 only (sm80's dense-stats "
+    "backward ignores max_total_seq_len, its workspace grows with N*S: 3.2 GB for a Llama-8B step)",
+    "libcudnn 9.19 validate at sm80 (shared/notes/packed-sequences.md, fact 4)",
+    min_arch=(9, 0),
+    on_key=unless_it_holds(lambda key: _ragged_stats(key)),
+)
+VARLEN_BACKWARD_SM12X = Rule(
+    "VARLEN_BACKWARD_SM12X",
+    "sm12x refuses a ragged-stats variable-length backward, like sm80",
+    "cudnn-frontend 1.32 rule string 'bprop thd on SM8X and SM12X GPUs'",
+    arch_major=12,
+    on_key=where_it_holds(lambda key: _ragged_stats(key)),
+)
+VARLEN_NO_DROPOUT = Rule(
+    "VARLEN_NO_DROPOUT",
+    "packed sequences with dropout run as a bias: the variable-length dropout mask's numbering per document "
+    "is not verified against the emulated reference",
+    "this package (no GPU measurement of ragged dropout)",
+    min_backend=10**9,
+    on_key=unless_it_holds(lambda key: _if(not _dense(key) and bool(key.dropout_p), "a ragged graph with dropout")),
+)
+VARLEN_BATCH_STRIDE = Rule(
+    "VARLEN_BATCH_STRIDE",
+    "a ragged tensor's declared batch stride is never stepped but must be a multiple of 16 bytes (PyTorch's "
+    "INT_MAX is refused): the package declares S_bucket x token stride, S_bucket a power of two >= 16",
+    "libcudnn 9.19 validate, 'stride 2147483647 of dimension 0 ... not a multiple of the tensor's 16-byte alignment'",
+    on_key=where_it_holds(lambda key: _ragged_batch_stride(key)),
+)
+
+
+def varlen_backward_holds(target: Target) -> bool:
+    """Whether a variable-length backward (ragged stats) is accepted on ``target``."""
+    return VARLEN_BACKWARD_ARCH.holds(target) and not VARLEN_BACKWARD_SM12X.holds(target)
+
+
+# -- cuDNN defects that give wrong numbers without an error (docs/known-cudnn-defects.md) -------------
+# Each is decided at trace time from shapes, arch and version. Where the real trigger also depends on
+# the data (a very negative logsumexp), the rule guards the whole shape-level condition.
+BLACKWELL_DECODE = Rule(
+    "BLACKWELL_DECODE",
+    "cuDNN 9.19.0-9.25.0 (except 9.24.1) computes a wrong output for a single query (s_q == 1, decode) on "
+    "SM 10.x/11.x, forward and backward; the trigger also needs very negative scores (Qwen2.5-like data), "
+    "which trace time cannot see, so every s_q == 1 call is declined",
+    "pytorch/pytorch#193893 (open, 'module: correctness (silent)'), PR #194927: 'cuDNN SDPA decode is disabled "
+    "for cuDNN versions 9.19-9.25.0 (except 9.24.1) on SM 10.x and 11.x' (MHA.cpp, forward and backward)",
+    arch_majors=(10, 11),
+    min_backend=91900,
+    max_backend=92501,
+    except_backends=(92401,),
+    on_key=where_it_holds(lambda key: _if(_dense(key) and _lengths(key)[0] == 1, "a single query (s_q = 1)")),
+    on_call=_silent(lambda call: _if(call.lq == 1, "a single query (decode)")),
+    fixed_in=92501,
+)
+HOPPER_BACKWARD_KV_TAIL_NAN = Rule(
+    "HOPPER_BACKWARD_KV_TAIL_NAN",
+    "the sm90 flash backward (kernel sm90_flash_bprop_wgmma_f16_knob_26) leaves the padded half of the last "
+    "128-key tile unmasked when s_kv % 128 == 64: dQ is NaN for a query row whose logsumexp is below -88.7 "
+    "(e.g. a row masked with a finite minimum). The logsumexp is data, so every backward with s_kv % 128 == 64 "
+    "is declined unless torch's causal band masks the tail (is_causal, no mask tensor, s_q <= s_kv: causal is "
+    "clean in the report; with s_q > s_kv the band no longer covers the tail). The padding-mask workaround is "
+    "not verified for this defect. First bad version unknown (seen on 9.19 and 9.20), fixed in 9.26.0",
+    "pytorch/pytorch#196678 (regression since torch 2.11), PR #196861; NVIDIA/cudnn-frontend#628 (nvbug 6591137)",
+    arch_major=9,
+    max_backend=92600,
+    passes=("backward",),
+    on_key=where_it_holds(lambda key: _kv_tail(key)),
+    on_call=_silent(
+        lambda call: _if(
+            _tail_unmasked(call.lq, call.s, call.causal, call.has_mask),
+            f"key length {call.s} (% 128 == 64), in training",
+        )
+    ),
+    fixed_in=92600,
+)
+HOPPER_DECODE_BACKWARD_NAN = Rule(
+    "HOPPER_DECODE_BACKWARD_NAN",
+    "the sm90 backward with a single query (s_q == 1) gives NaN dK/dV when the logsumexp is very negative "
+    "(data: guarded for every s_q == 1 backward). The reporter's control, the padding mask at full lengths, is "
+    "clean: the backward (and its forward, so the pair matches) is built with it; a call with a mask tensor "
+    "(which runs as a bias, or as a pattern known only at run time) is declined. Seen on 9.25.1 and 9.26.0, "
+    "open; no earlier version was tested and the same Hopper flash backward serves them, so the route applies "
+    "on every version (the padded graph is one the package builds for padding masks anyway)",
+    "NVIDIA/cudnn-frontend#1072 (open): 'Enabling the padding mask with actual sequence lengths equal to the "
+    "full tensor lengths avoids the NaNs'",
+    arch_major=9,
+    passes=("backward",),
+    on_key=where_it_holds(
+        lambda key: _if(
+            _backward(key) and _dense(key) and _lengths(key)[0] == 1 and not key.padded,
+            "a backward with s_q = 1 without the padding mask",
+        )
+    ),
+    # without a mask tensor the backward is routed to the padding mask at full lengths (defect_routes)
+    on_call=_silent(lambda call: _if(call.lq == 1 and call.has_mask, "a single query with a mask tensor, in training")),
+)
+CAUSAL_DECODE_GQA = Rule(
+    "CAUSAL_DECODE_GQA",
+    "a causal decode forward (s_q == 1, is_causal) with H_q != H_kv gives a wrong result; no fixed version is "
+    "known, so it holds on every version",
+    "cuDNN 9.18.1 release notes, Known Issues ('Decode-phase scaled dot-product attention should usually be run "
+    "without causal masking ... if the layer has Q head count != K/V head count, the result ...')",
+    on_key=where_it_holds(
+        lambda key: _if(
+            _dense(key) and _lengths(key)[0] == 1 and key.causal and key.q.shape[1] != key.k.shape[1],
+            f"causal with s_q = 1 and {key.q.shape[1]} query / {key.k.shape[1]} key heads",
+        )
+    ),
+    on_call=_silent(
+        lambda call: _if(
+            call.lq == 1 and call.causal and call.kv_heads != call.heads,
+            f"causal decode with {call.heads} query and {call.kv_heads} key/value heads",
+        )
+    ),
+)
+BACKWARD_KEY_LENGTH_1 = Rule(
+    "BACKWARD_KEY_LENGTH_1",
+    "the backward is not supported with key/value length 1 (s_kv == 1, any s_q, with or without a mask); the "
+    "frontend refuses only s_q = s_kv = 1, so the rest builds: declined, as PyTorch does",
+    "cuDNN 9.18.1 release notes, Known Issues ('bprop is not supported when both key/value have sequence length "
+    "of 1'); PyTorch sdp_utils.cpp check_cudnn_tensor_shapes ('does not support key/value sequence length 1')",
+    passes=("backward",),
+    on_key=where_it_holds(
+        lambda key: _if(_backward(key) and _dense(key) and _lengths(key)[1] == 1, "a backward with s_kv = 1")
+    ),
+    on_call=_silent(lambda call: _if(call.s == 1, "key length 1, in training")),
+)
+DROPOUT_SIXTEENTHS = Rule(
+    "DROPOUT_SIXTEENTHS",
+    "some cuDNN SDPA kernels round dropout_p to a multiple of 1/16 silently: other values are declined",
+    "PyTorch sdp_utils.cpp check_cudnn_dropout, PR #174245 ('cuDNN dropout probability resolution is limited to 1/16')",
+    on_key=where_it_holds(lambda key: _if(_off_sixteenths(key.dropout_p), f"dropout_p = {key.dropout_p}")),
+    on_call=lambda rule, call: _if(
+        dropout_in_range(call.dropout) and _off_sixteenths(call.dropout),
+        f"dropout_p={call.dropout} is not a multiple of 1/16: {rule.text}",
+    ),
+    code="DROPOUT",
+)
+GRID_65535 = Rule(
+    "GRID_65535",
+    "batch size or head count above 65535 fails at execute (a grid dimension): declined at trace time",
+    "PyTorch PR #181235, PR #180718 and sdp_utils.cpp check_cudnn_tensor_shapes ('cuDNN SDPA does not support "
+    "batch size or num_heads greater than 65535')",
+    on_key=where_it_holds(
+        lambda key: _if(
+            _over_grid(key.q.shape[0], key.q.shape[1], key.k.shape[1]),
+            f"{'sequences' if key.ragged is not None else 'batch'} {key.q.shape[0]}, heads "
+            f"{key.q.shape[1]}/{key.k.shape[1]} (the limit is {GRID_LIMIT})",
+        )
+    ),
+    on_call=lambda rule, call: _if(
+        _over_grid(call.batch, call.heads, call.kv_heads),
+        f"batch {call.batch}, heads {call.heads}/{call.kv_heads}: {rule.text}",
+    ),
+    code="SHAPE",
+)
+#: The largest batch size and head count :data:`GRID_65535` allows.
+GRID_LIMIT = 65535
+
+
+def _packed(shape: tuple[int, ...]) -> tuple[int, ...]:
+    from thunder_cudnn_safe.plan.layout import packed_strides  # layout reads this module's constants
+
+    return packed_strides(shape)
+
+
+def _oversized(key: Any) -> str | None:
+    """A dense tensor whose declared elements reach 2**31 (cuDNN's int32 element offsets), e.g. a huge bias."""
+    if not _dense(key):
+        return None  # ragged tensors are addressed by their offsets (int64 where needed), not the batch stride
+    for name, sig in zip(key._fields, key):
+        if hasattr(sig, "stride") and hasattr(sig, "shape") and 0 not in sig.shape:
+            span = 1 + sum((n - 1) * s for n, s in zip(sig.shape, sig.stride))
+            if span >= INT32_ELEMENT_LIMIT:
+                return f"{name} spans {span} elements"
+    return None
+
+
+def _dp_need_over_budget(
+    target: Target, batch: int, heads_q: int, s_q: int, s_kv: int, d_bias: bool, deterministic: bool
+) -> int | None:
+    """The dP workspace (:data:`DP_WORKSPACE`) a backward needs where it is over the budget
+    (config.dp_workspace_limit), else None."""
+    if not needs_dp_workspace(target, d_bias, deterministic):
+        return None
+    from thunder_cudnn_safe import config  # config reads this module's defaults
+
+    need = dp_workspace_bytes(batch, heads_q, s_q, s_kv)
+    return need if need > config.dp_workspace_limit else None
+
+
+def _dp_over_budget(key: Any) -> str | None:
+    """A backward whose dP workspace (:data:`DP_WORKSPACE`) is over the budget (config.dp_workspace_limit)."""
+    if not _backward(key):
+        return None
+    need = _dp_need_over_budget(
+        key.target, key.q.shape[0], key.q.shape[1], *_lengths(key), key.d_bias is not None, key.deterministic
+    )
+    if need is None:
+        return None
+    from thunder_cudnn_safe import config
+
+    return f"the dP workspace of {need / 2**30:.2f} GiB is over the {config.dp_workspace_limit / 2**30:.2f} GiB budget"
+
+
+def _ragged_stats(key: Any) -> str | None:
+    """A ragged graph that reads or writes ragged stats: a backward, or a forward a backward follows."""
+    return _if(not _dense(key) and (_backward(key) or key.stats is not None), "ragged (tokens-major) stats")
+
+
+def _ragged_batch_stride(key: Any) -> str | None:
+    if _dense(key):
+        return None
+    for name, sig in zip(key._fields, key):
+        if hasattr(sig, "stride") and sig.dtype.is_floating_point and (sig.stride[0] * sig.dtype.itemsize) % 16:
+            return f"{name}'s declared batch stride {sig.stride[0]}"
+    return None
+
+
+def _kv_tail(key: Any) -> str | None:
+    """:data:`HOPPER_BACKWARD_KV_TAIL_NAN`'s shape: a backward with s_kv % 128 == 64 (a ragged key: the bucketed
+    longest document) unless the causal band masks the tail (causal, no bias, s_q <= s_kv)."""
+    s_q, s_kv = _lengths(key)
+    if not _backward(key) or not _tail_unmasked(s_q, s_kv, key.causal, key.bias is not None):
+        return None
+    return f"a backward declaring key length {s_kv} (% 128 == 64)" + ("" if _dense(key) else ", variable-length")
+
+
+#: Every rule, in the order they are defined; the key gate and ``explain()`` read this table.
+RULES: tuple[Rule, ...] = tuple(v for v in dict(globals()).values() if isinstance(v, Rule))

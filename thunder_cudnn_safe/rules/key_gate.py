@@ -1,0 +1,65 @@
+"""The last gate before any graph is built: every rule that can be read off a graph key, checked on the key.
+
+A rule must hold on every route (dense, mask pattern, packed sequences, a defect's workaround, the
+capture prebuild, a dropout forward's check of its backward, another thread's copy) by construction,
+not because each route remembers to check it. Every runtime builds through
+:func:`~thunder_cudnn_safe.runtimes.cudnn_runtime.build_with_ladder`, which asks :func:`check` first: a key that breaks
+a rule of :data:`~thunder_cudnn_safe.rules.cudnn_rules.RULES` on its own target (its declared lengths, causal
+band, ragged and padded flags, dropout, determinism, grid) is never built. The refusal is a definitive
+:class:`RuleRefusal`, so the graph cache remembers it and the call takes its route's decline path: a
+packed-sequence call runs as a bias, a dense call on the torch fallback (a dropout forward whose backward
+is refused falls back as a pair). Each refused key is counted once per rule in :func:`gate_info`.
+
+The trace-time checker (:mod:`support`) still declines what it can see; this gate catches what only the
+planned key shows (a ragged backward's bucketed key length, a K/V broadcast declared with one head, a
+prebuilt bias graph) and is the one place a new route cannot skip.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from thunder_cudnn_safe.errors import GraphBuildError
+from thunder_cudnn_safe.rules import cudnn_rules
+from thunder_cudnn_safe.telemetry import Counts
+
+_counts = Counts()
+
+
+class RuleRefusal(GraphBuildError):
+    """A key that breaks a known cuDNN rule on its target: never built. ``rule`` names the rule."""
+
+    def __init__(self, rule: cudnn_rules.Rule, what: str) -> None:
+        super().__init__(f"{rule.name} (key gate): {what}: {rule.text}", definitive=True)
+        self.rule = rule.name
+
+
+def violations(key: Any) -> list[tuple[cudnn_rules.Rule, str]]:
+    """Every rule ``key`` breaks on its own target, with what in the key breaks it. A key without a target (the
+    compile sweep's, judged for several GPUs at once) has none to judge: no rule is read off it."""
+    if key.target is None:
+        return []
+    found = []
+    for rule in cudnn_rules.RULES:
+        what = rule.broken_by(key)
+        if what is not None:
+            found.append((rule, what))
+    return found
+
+
+def check(key: Any) -> None:
+    """Raise :class:`RuleRefusal` (counted) if ``key`` breaks a rule; a key that breaks none passes."""
+    found = violations(key)
+    if found:
+        rule, what = found[0]
+        _counts.count(rule.name)
+        raise RuleRefusal(rule, what)
+
+
+def gate_info() -> dict[str, int]:
+    """Keys the gate refused, by rule name (each distinct key once: the graph cache remembers the refusal)."""
+    return _counts.info()
+
+
+def reset_gate_info() -> None:
+    _counts.reset()

@@ -1,0 +1,360 @@
+"""Why a call is or is not claimed: :func:`not_supported_reasons`, for real tensors and thunder proxies alike.
+
+The checkers claim a call exactly when it returns no reason; ``explain()`` returns its list. A declined
+call runs on another executor, so every rule errs towards declining: a decline costs speed, a wrong
+claim could crash inside cuDNN. Arch and version rules come from :mod:`cudnn_rules`, each
+:class:`Decline` (a ``str`` with a :class:`DeclineCode`) names the rule behind it.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from typing import Any
+
+import torch
+
+from thunder_cudnn_safe import config
+from thunder_cudnn_safe.masks.bias import converted_masks
+from thunder_cudnn_safe.plan.grad_need import mask_needs_grad
+from thunder_cudnn_safe.plan.keys import Target
+from thunder_cudnn_safe.rules import cudnn_rules
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+
+
+class DeclineCode(enum.Enum):
+    """What kind of reason a decline is (its text says the details)."""
+
+    ENVIRONMENT = "environment"
+    DEVICE = "device"
+    RANK = "rank"
+    DTYPE = "dtype"
+    SHAPE = "shape"
+    EMPTY = "empty"
+    INT32 = "int32"
+    ARCH = "arch"
+    HEAD_DIM = "head_dim"
+    MASK = "mask"
+    DROPOUT = "dropout"
+    SCALE = "scale"
+    CAUSAL = "causal"
+    WORKSPACE = "workspace"
+
+
+class Decline(str):
+    """A human-readable reason (a ``str``, as :func:`~thunder_cudnn_safe.explain` returns) with its
+    :class:`DeclineCode`.
+
+    ``rule`` names the :mod:`~thunder_cudnn_safe.rules.cudnn_rules` entry behind it, if any.
+    """
+
+    code: DeclineCode
+    rule: str | None
+
+    def __new__(cls, code: DeclineCode, text: str, rule: cudnn_rules.Rule | None = None) -> Decline:
+        self = super().__new__(cls, text)
+        self.code = code
+        self.rule = None if rule is None else rule.name
+        return self
+
+
+def torch_dtype(dtype: Any) -> torch.dtype | None:
+    """torch dtype of a torch or thunder dtype (None if unknown)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        from thunder.core import dtypes
+
+        return dtypes.to_torch_dtype(dtype)
+    except Exception:
+        return None
+
+
+def _value(x: Any) -> Any:
+    """Python value of a number or a thunder NumberProxy."""
+    if x is None or isinstance(x, (bool, int, float)):
+        return x
+    try:
+        from thunder.core.proxies import pyval
+
+        return pyval(x)
+    except Exception:
+        return x
+
+
+def _is_symbolic(x: Any) -> bool:
+    """A thunder NumberProxy whose value may change between calls of one trace."""
+    try:
+        from thunder.core.proxies import NumberProxy
+    except Exception:
+        return False
+    return isinstance(x, NumberProxy)
+
+
+def not_supported_reasons(
+    call: Any, target: Target | None, device_type: str, environment_problem: str | None = None
+) -> list[Decline]:
+    """Every reason the executor for ``device_type`` on ``target`` would not claim ``call``.
+
+    ``call`` is a :class:`~thunder_cudnn_safe.plan.calls.ForwardCall` of tensors or proxies; its
+    ``deterministic`` (the compile option) changes which backwards cuDNN builds, its
+    ``enable_gqa`` lets K/V have fewer heads, a divisor of the query's
+    (:data:`~thunder_cudnn_safe.rules.cudnn_rules.GROUPED_KV_HEADS`). ``environment_problem`` is why
+    the runtime cannot work here at all; ``target`` may then be None. The checks below come first,
+    then every rule of :data:`~thunder_cudnn_safe.rules.cudnn_rules.RULES` (:func:`rule_reasons`), then the
+    mask and the scalar arguments.
+    """
+    tensors = _tensors(call)
+    reasons = _environment_reasons(environment_problem) + _device_reasons(tensors, device_type)
+    rank = _rank_reasons(tensors)
+    if rank:
+        return reasons + rank  # nothing below can read the shapes
+    view = call_view(call, target)
+    return (
+        reasons
+        + _dtype_reasons(tensors)
+        + _shape_reasons(call)
+        + _empty_reasons(view)
+        + rule_reasons(view)
+        + _mask_reasons(call, view)
+        + _dropout_reasons(call.dropout_p)
+        + _scale_reasons(call.scale)
+        + _causal_reasons(call.is_causal)
+    )
+
+
+def rule_reasons(view: cudnn_rules.CallView) -> list[Decline]:
+    """What each rule of :data:`~thunder_cudnn_safe.rules.cudnn_rules.RULES` declines in the call (``Rule.on_call``),
+    in the table's order."""
+    return [
+        Decline(DeclineCode[code], text, rule) for rule in cudnn_rules.RULES for code, text in rule.broken_by_call(view)
+    ]
+
+
+def call_view(call: Any, target: Target | None) -> cudnn_rules.CallView:
+    """The plain facts of ``call`` (rank-4 query, key and value) the rules read."""
+    (b, h, lq, d_qk), (_, hk, s, dk), (bv, hv, sv, d_v) = _shapes(call)
+    p = _value(call.dropout_p)
+    return cudnn_rules.CallView(
+        target=target,
+        batch=b,
+        heads=h,
+        kv_heads=hk,
+        v_heads=hv,
+        lq=lq,
+        s=s,
+        d_qk=d_qk,
+        d_v=d_v,
+        dropout=float(p) if _is_number(p) else 0.0,
+        causal=_value(call.is_causal) is True,
+        has_mask=call.attn_mask is not None,
+        mask_grad=_mask_grad(call),
+        deterministic=bool(call.deterministic),
+        training=bool(getattr(call, "need_stats", True)),
+        enable_gqa=bool(call.enable_gqa),
+        elements=tuple(
+            (name, math.prod(shape))
+            for name, shape in (
+                ("query", (b, h, lq, d_qk)),
+                ("key", (b, hk, s, dk)),
+                ("value", (bv, hv, sv, d_v)),
+                ("output", (b, h, lq, d_v)),
+            )
+        ),
+        mask_patterns=_may_run_as_pattern(),
+    )
+
+
+def _tensors(call: Any) -> list[tuple[str, Any]]:
+    tensors = [("query", call.query), ("key", call.key), ("value", call.value)]
+    return tensors if call.attn_mask is None else [*tensors, ("attn_mask", call.attn_mask)]
+
+
+def _shapes(call: Any) -> list[tuple[int, ...]]:
+    return [tuple(int(x) for x in t.shape) for t in (call.query, call.key, call.value)]
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _mask_grad(call: Any) -> bool:
+    """Whether dBias runs: a float mask's gradient is needed (a leaf that requires grad, or a mask computed inside
+    the function from one, a learned position bias, which only the trace shows: :mod:`grad_need`)."""
+    mask = call.attn_mask
+    return mask is not None and (
+        bool(getattr(mask, "requires_grad", False))
+        or (
+            bool(getattr(call, "need_stats", True))
+            and torch_dtype(mask.dtype) is not torch.bool
+            and mask_needs_grad(mask)
+        )
+    )
+
+
+def _may_run_as_pattern() -> bool:
+    """Whether a mask without a gradient may run as a pattern (:mod:`patterns`), which never hands cuDNN the
+    B*H*L*S bias: the int32 rule then does not count it. Whether it *is* one is decided on its data at
+    run time; one that is not, too large for a bias, runs on the torch fallback
+    (:meth:`~thunder_cudnn_safe.dispatch.dispatcher.Dispatcher.run_oversized_bias`), never in cuDNN."""
+    return bool(config.mask_patterns) and converted_masks.maxsize > 0
+
+
+def _environment_reasons(problem: str | None) -> list[Decline]:
+    return [Decline(DeclineCode.ENVIRONMENT, problem)] if problem else []
+
+
+def _device_reasons(tensors: list[tuple[str, Any]], device_type: str) -> list[Decline]:
+    reasons = [
+        Decline(DeclineCode.DEVICE, f"{name} is on {t.device}, this executor runs on {device_type} tensors")
+        for name, t in tensors
+        if t.device.type != device_type
+    ]
+    if len({(t.device.type, t.device.index) for _, t in tensors}) > 1:
+        reasons.append(Decline(DeclineCode.DEVICE, "query, key, value (and attn_mask) are not all on the same device"))
+    return reasons
+
+
+def _rank_reasons(tensors: list[tuple[str, Any]]) -> list[Decline]:
+    ranks = [len(t.shape) for _, t in tensors[:3]]
+    if all(r == 4 for r in ranks):
+        return []
+    return [
+        Decline(
+            DeclineCode.RANK,
+            f"query/key/value ranks are {ranks}; cuDNN SDPA takes rank-4 (batch, heads, seq, dim) tensors",
+        )
+    ]
+
+
+def _dtype_reasons(tensors: list[tuple[str, Any]]) -> list[Decline]:
+    dts = [torch_dtype(t.dtype) for _, t in tensors[:3]]
+    if any(d not in SUPPORTED_DTYPES for d in dts):
+        return [
+            Decline(
+                DeclineCode.DTYPE,
+                f"dtypes {[str(d) for d in dts]}: cuDNN flash attention takes float16 or bfloat16 only",
+            )
+        ]
+    if len(set(dts)) > 1:
+        return [Decline(DeclineCode.DTYPE, f"query/key/value dtypes differ: {[str(d) for d in dts]}")]
+    return []
+
+
+def _shape_reasons(call: Any) -> list[Decline]:
+    """Shapes torch's SDPA rejects; grouped K/V heads (``enable_gqa``) are judged by
+    :data:`~thunder_cudnn_safe.rules.cudnn_rules.GROUPED_KV_HEADS`."""
+    (b, h, _, d_qk), (bk, hk, s, dk), (bv, hv, sv, _) = _shapes(call)
+    S = DeclineCode.SHAPE
+    reasons = []
+    if not (b == bk == bv):
+        reasons.append(Decline(S, f"batch sizes differ: query {b}, key {bk}, value {bv}"))
+    if dk != d_qk:
+        reasons.append(Decline(S, f"query head dim {d_qk} != key head dim {dk}"))
+    if s != sv:
+        reasons.append(Decline(S, f"key length {s} != value length {sv}"))
+    if not call.enable_gqa and (hk != hv or hk not in (1, h)):
+        reasons.append(
+            Decline(S, f"key/value heads ({hk}, {hv}) must both equal the query heads ({h}) or be 1 (broadcast)")
+        )
+    return reasons
+
+
+def _empty_reasons(view: cudnn_rules.CallView) -> list[Decline]:
+    if 0 not in (view.batch, view.heads, view.lq, view.s, view.d_qk, view.d_v):
+        return []
+    return [
+        Decline(
+            DeclineCode.EMPTY,
+            f"empty input (batch {view.batch}, heads {view.heads}, query length {view.lq}, key length {view.s}): "
+            "nothing for cuDNN to do",
+        )
+    ]
+
+
+def _mask_reasons(call: Any, view: cudnn_rules.CallView) -> list[Decline]:
+    """The mask's own reasons (its size is :data:`~thunder_cudnn_safe.rules.cudnn_rules.LAYOUT`'s); ``view.mask_grad``:
+    its gradient (dBias) may be needed (a leaf requiring grad, or computed from one inside the function)."""
+    attn_mask, mask_grad = call.attn_mask, view.mask_grad
+    if attn_mask is None:
+        return []
+    M = DeclineCode.MASK
+    reasons = []
+    if bool(_value(call.is_causal)):
+        reasons.append(
+            Decline(
+                DeclineCode.CAUSAL,
+                "is_causal=True together with an explicit attn_mask (torch rejects this combination)",
+            )
+        )
+    q_dtype, m_dtype = torch_dtype(call.query.dtype), torch_dtype(attn_mask.dtype)
+    if m_dtype is not torch.bool and not (m_dtype is not None and m_dtype.is_floating_point):
+        reasons.append(Decline(M, f"attn_mask dtype {m_dtype} is neither bool nor floating point"))
+    elif m_dtype not in (torch.bool, torch.float32, q_dtype):
+        reasons.append(
+            Decline(
+                M,
+                f"attn_mask dtype {m_dtype} is neither bool, float32 nor the query dtype {q_dtype} (torch rejects it)",
+            )
+        )
+    elif m_dtype is not torch.bool and m_dtype != q_dtype and mask_grad:
+        reasons.append(
+            Decline(
+                M, f"attn_mask of dtype {m_dtype} requires grad but cuDNN computes dBias in the query dtype {q_dtype}"
+            )
+        )
+    full = (view.batch, view.heads, view.lq, view.s)
+    shape = tuple(attn_mask.shape)
+    if not 2 <= len(shape) <= 4:
+        reasons.append(Decline(M, f"attn_mask has rank {len(shape)}; ranks 2 to 4 are supported"))
+    else:
+        padded = (1,) * (4 - len(shape)) + shape
+        for name, n, m in zip(("batch", "heads", "query length", "key length"), padded, full):
+            if n not in (1, m):
+                reasons.append(Decline(M, f"attn_mask {name} extent {n} does not broadcast to {m}"))
+    if getattr(attn_mask, "requires_grad", False) and m_dtype is torch.bool:
+        reasons.append(Decline(M, "a boolean attn_mask cannot require grad"))
+    elif mask_grad and len(shape) >= 2 and (shape[-2], shape[-1]) != full[2:]:
+        reasons.append(
+            Decline(
+                M,
+                "attn_mask requires grad and broadcasts over query or key positions: its gradient would be "
+                "summed from low-precision per-element dBias values, less accurate than eager",
+            )
+        )
+    return reasons
+
+
+def _dropout_reasons(dropout_p: Any) -> list[Decline]:
+    """dropout_p must be a number in [0, 1) known at trace time (its 1/16 steps are
+    :data:`~thunder_cudnn_safe.rules.cudnn_rules.DROPOUT_SIXTEENTHS`')."""
+    reasons = []
+    if _is_symbolic(dropout_p):
+        reasons.append(
+            Decline(
+                DeclineCode.DROPOUT,
+                "dropout_p is symbolic (cache='symbolic values'): whether dropout runs, and so the operator's "
+                "outputs, must be known at trace time",
+            )
+        )
+    p = _value(dropout_p)
+    if not _is_number(p):
+        reasons.append(Decline(DeclineCode.DROPOUT, f"dropout_p {p!r} is not a number known at trace time"))
+    elif not cudnn_rules.dropout_in_range(float(p)):
+        reasons.append(Decline(DeclineCode.DROPOUT, f"dropout_p={p} is outside [0, 1)"))
+    return reasons
+
+
+def _scale_reasons(scale: Any) -> list[Decline]:
+    sc = _value(scale)
+    if sc is None or (_is_number(sc) and math.isfinite(float(sc))):
+        return []
+    return [Decline(DeclineCode.SCALE, f"scale {sc!r} is not a finite number known at trace time")]
+
+
+def _causal_reasons(is_causal: Any) -> list[Decline]:
+    causal = _value(is_causal)
+    if isinstance(causal, bool):
+        return []
+    return [Decline(DeclineCode.CAUSAL, f"is_causal {causal!r} is not a bool known at trace time")]

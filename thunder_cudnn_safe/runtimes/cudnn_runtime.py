@@ -1,0 +1,310 @@
+"""Runtimes: ``build(key)`` once per key (the dispatcher caches it), ``execute(built, pack)`` per call.
+
+:class:`CudnnRuntime` (here) runs real cuDNN; :mod:`~thunder_cudnn_safe.runtimes.emulation` and
+:mod:`~thunder_cudnn_safe.runtimes.fallback` implement the same protocol. No runtime imports thunder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import torch
+
+from thunder_cudnn_safe import _compat, caches
+from thunder_cudnn_safe.errors import ExecuteError, GraphBuildError
+from thunder_cudnn_safe.graphs import build as graphs
+from thunder_cudnn_safe.graphs import plan_cache
+from thunder_cudnn_safe.graphs.lowering import implementation_of
+from thunder_cudnn_safe.lru import LRU
+from thunder_cudnn_safe.plan.keys import BackwardKey, ForwardKey, Target, TensorSig
+from thunder_cudnn_safe.rules import key_gate
+from thunder_cudnn_safe.runtimes.handles import HandlePool
+from thunder_cudnn_safe.runtimes.per_thread import PerThread
+
+
+class BuiltGraph(NamedTuple):
+    """A graph ready to execute, its workspace bytes, its key, the SDPA implementation and plan it got.
+
+    ``graph`` runs on the thread that built it; other threads run their own copies (``threads``,
+    :mod:`~thunder_cudnn_safe.runtimes.per_thread`), built with the same key and ``rung``."""
+
+    graph: Any
+    workspace_size: int
+    key: Any = None
+    implementation: str | None = None
+    plan: str | None = None
+    #: The implementation asked of the build (a rung of :data:`FORWARD_IMPLEMENTATIONS`), which a copy asks too.
+    rung: str | None = None
+    #: The graph each thread executes (:class:`~thunder_cudnn_safe.runtimes.per_thread.PerThread`);
+    #: None: ``graph`` everywhere.
+    threads: PerThread | None = None
+
+
+#: The forward's implementation ladder: the frontend's choice first, then the composite
+#: implementation, which the frontend accepts for every forward (the lowering sweep: pinned
+#: "unified" is refused for causal, masked and dropout forwards on cuDNN 9.19).
+FORWARD_IMPLEMENTATIONS: tuple[str | None, ...] = (None, "composite")
+
+
+#: Dynamic-shape forwards cuDNN refused, by topology (the key without sizes and strides): later
+#: shapes of the same topology go straight to a static graph instead of through the refusal again.
+_static_only = LRU(1024)
+
+#: Builds of another thread's copy of a built key tried in one call before the call is refused.
+COPY_ATTEMPTS = 3
+
+
+def forget_static_only() -> None:
+    """Forget which dynamic-shape topologies cuDNN refused: the next such forward tries dynamic again."""
+    _static_only.clear()
+
+
+caches.register("refused dynamic-shape topologies", forget_static_only)
+
+
+def build_with_ladder(key: Any, build_one: Callable[[Any, str | None], BuiltGraph]) -> BuiltGraph:
+    """``build_one(key, implementation)`` down :data:`FORWARD_IMPLEMENTATIONS` (a backward has no choice);
+    a dynamic-shape forward cuDNN refuses is built as the static graph of the same layouts. A key that
+    breaks a known cuDNN rule is never built (:func:`~thunder_cudnn_safe.rules.key_gate.check`, every runtime's
+    first step)."""
+    key_gate.check(key)
+    implementations = FORWARD_IMPLEMENTATIONS if isinstance(key, ForwardKey) else (None,)
+    topology = None
+    if getattr(key, "dynamic", False):
+        topology = tuple((f.dtype, f.shape[-1]) if isinstance(f, TensorSig) else f for f in key)
+    rungs = [key] if topology is None else [key, key._replace(dynamic=False)][topology in _static_only :]
+    ladder = [(rung, impl) for rung in rungs for impl in implementations]
+    for i, (rung, implementation) in enumerate(ladder):
+        if topology is not None and not rung.dynamic:
+            _static_only.put(topology, True)  # reached only once the dynamic graph was refused
+        try:
+            built = build_one(rung, implementation)
+        except GraphBuildError as exc:
+            if not exc.definitive or i == len(ladder) - 1:
+                raise
+        else:
+            return built._replace(rung=implementation, threads=PerThread(built.graph, built.workspace_size))
+    raise AssertionError("unreachable")
+
+
+class _FrontendRefusalFilter(logging.Filter):
+    """Moves frontend 1.32's own WARNING for a refused graph (logger ``cudnn.pygraph``) to DEBUG on
+    ours, on the building thread only: the dispatcher already warns once per refused key."""
+
+    MESSAGES = frozenset(
+        {
+            "backend could not build this graph, treating as a decline: %s",
+            "backend could not lower this graph, treating as a decline: %s",
+        }
+    )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._local = threading.local()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if getattr(self._local, "depth", 0) and record.msg in self.MESSAGES:
+            logging.getLogger("thunder_cudnn_safe").debug("cuDNN frontend: %s", record.getMessage())
+            return False
+        return True
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        self._local.depth = getattr(self._local, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            self._local.depth -= 1
+
+
+frontend_refusal_filter = _FrontendRefusalFilter()
+logging.getLogger("cudnn.pygraph").addFilter(frontend_refusal_filter)
+
+
+def is_definitive_refusal(exc: BaseException, graph: Any = None) -> bool:
+    """Whether a build failure is cuDNN's judgment of the graph (remember it) rather than transient.
+
+    Frontend 1.32's ``graph.build()`` also wraps a CUDA error or out-of-memory into
+    ``cudnnGraphNotSupportedError``, keeping the original in ``graph._backend_declined``. An
+    ill-formed graph (ValueError, TypeError, NotImplementedError) is refused for good too.
+    """
+    cudnn = graphs.cudnn_module()
+    if isinstance(exc, cudnn.cudnnGraphNotSupportedError):
+        declined = getattr(graph, "_backend_declined", None)
+        return declined is None or isinstance(declined, cudnn.cudnnGraphNotSupportedError)
+    return isinstance(exc, (ValueError, TypeError, NotImplementedError))
+
+
+def plan_name(graph: Any) -> str | None:
+    """The name of the execution plan a built frontend graph will run (frontend 1.32; None if unknown)."""
+    try:
+        index = int(getattr(graph, "_plan_index", 0) or 0)
+        return str(graph.get_plan_name_at_index(index))
+    except Exception:
+        return None
+
+
+class Runtime:
+    """The protocol every runtime implements."""
+
+    name: str = "abstract"
+    device_type: str = "cuda"
+
+    def environment_problem(self) -> str | None:
+        """Why this runtime cannot run anything here, or None."""
+        raise NotImplementedError
+
+    def target(self, device: torch.device) -> Target:
+        """Where graphs for ``device`` run (architecture and library versions go into every key)."""
+        raise NotImplementedError
+
+    def build(self, key: ForwardKey | BackwardKey) -> BuiltGraph:
+        """Everything that depends on the key alone; raises GraphBuildError on a refusal."""
+        raise NotImplementedError
+
+    def execute(self, built: BuiltGraph, pack: dict[int, torch.Tensor]) -> None:
+        """Run ``built`` on the tensors bound to its uids; raises ExecuteError on a refusal."""
+        raise NotImplementedError
+
+    def _build_one(self, key: ForwardKey | BackwardKey, implementation: str | None) -> BuiltGraph:
+        """One rung of :func:`build_with_ladder`: ``key``'s graph with ``implementation`` asked for."""
+        raise NotImplementedError
+
+    def free_memory(self) -> None:
+        """Release what the runtime's allocator caches before a transient failure is retried (CUDA: torch's cache)."""
+
+    def graph_for_this_thread(self, built: BuiltGraph) -> tuple[Any, int]:
+        """``built``'s graph and workspace bytes for the calling thread: the built one on the thread
+        that built it, this thread's own copy elsewhere (built on its first call here; cuDNN does not
+        promise that one execution plan may run from several threads:
+        :mod:`~thunder_cudnn_safe.runtimes.per_thread`)."""
+        if built.threads is None:
+            return built.graph, built.workspace_size
+
+        def copy() -> tuple[Any, int]:
+            # The key was built once: a failure here is transient (memory, a CUDA error). It is retried
+            # in place, since the call may have no other route (a dropout backward only cuDNN can
+            # reproduce); nothing is remembered, so a later call tries again.
+            for attempt in range(COPY_ATTEMPTS):
+                try:
+                    b = self._build_one(built.key, built.rung)
+                    return b.graph, b.workspace_size
+                except GraphBuildError as exc:
+                    if attempt == COPY_ATTEMPTS - 1:
+                        raise ExecuteError(f"cannot build this thread's copy of the graph: {exc.reason}") from exc
+                    self.free_memory()
+            raise AssertionError("unreachable")
+
+        return built.threads.get(copy)
+
+
+def is_forward(key: ForwardKey | BackwardKey) -> bool:
+    return isinstance(key, ForwardKey)
+
+
+def _create_handle(device_index: int) -> Any:
+    with torch.cuda.device(device_index):
+        return graphs.cudnn_module().create_handle()
+
+
+class CudnnRuntime(Runtime):
+    """Real cuDNN: per (thread, device) handles on torch's current stream, workspace from torch."""
+
+    name = "cudnn"
+    device_type = "cuda"
+
+    def __init__(self) -> None:
+        self._handles = HandlePool(_create_handle)
+        self._targets: dict[int, Target] = {}
+        self._targets_lock = threading.Lock()
+
+    def environment_problem(self) -> str | None:
+        if _compat.FRONTEND.module is None:
+            return _compat.FRONTEND.frontend_problem
+        if _compat.FRONTEND.backend_version is None:
+            return _compat.FRONTEND.backend_problem
+        if not torch.cuda.is_available():
+            return "CUDA is not available (no GPU or driver): real cuDNN cannot run here"
+        return None
+
+    def target(self, device: torch.device) -> Target:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        target = self._targets.get(index)
+        if target is None:
+            with self._targets_lock:
+                arch = tuple(torch.cuda.get_device_capability(index))
+                f = _compat.FRONTEND
+                target = self._targets[index] = Target(
+                    self.name, index, arch, int(f.backend_version), str(f.frontend_version)
+                )
+        return target
+
+    def free_memory(self) -> None:
+        torch.cuda.empty_cache()
+
+    def handle(self, device_index: int) -> Any:
+        """This thread's handle for the device (:mod:`~thunder_cudnn_safe.runtimes.handles`: lent per thread, reused
+        after the thread ends), bound to torch's current stream (or kernels race with the surrounding torch ops)."""
+        cudnn = graphs.cudnn_module()
+        handle = self._handles.get(device_index)
+        cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream(device_index).cuda_stream)
+        return handle
+
+    def build(self, key: ForwardKey | BackwardKey) -> BuiltGraph:
+        return build_with_ladder(key, self._build_one)
+
+    def _build_one(self, key: ForwardKey | BackwardKey, implementation: str | None) -> BuiltGraph:
+        cudnn = graphs.cudnn_module()
+        index = key.target.device_index
+        g = None
+        try:
+            handle = self.handle(index)
+            with torch.cuda.device(index), frontend_refusal_filter.active():
+
+                def device():  # computed only with a plan cache
+                    return plan_cache.device_descriptor(index)
+
+                hit = plan_cache.load(key, implementation, device, lambda: cudnn.pygraph(handle=handle), handle)
+                if hit is not None:
+                    return BuiltGraph(hit[0], key=key, **hit[1])
+                build = graphs.build_forward_graph if is_forward(key) else graphs.build_backward_graph
+                g = build(key, handle, implementation=implementation)
+                graphs.build_plans(g, key)
+                workspace = int(g.get_workspace_size())
+        except Exception as exc:
+            raise GraphBuildError(
+                f"cuDNN could not build this graph: {type(exc).__name__}: {exc}", is_definitive_refusal(exc, g)
+            ) from exc
+        built = BuiltGraph(g, workspace, key, implementation_of(g) if is_forward(key) else None, plan_name(g))
+        plan_cache.store(key, implementation, device, built)
+        return built
+
+    def execute(self, built: BuiltGraph, pack: dict[int, torch.Tensor]) -> None:
+        index = built.key.target.device_index
+        graph, workspace_size = self.graph_for_this_thread(built)
+        handle = self.handle(index)
+        try:
+            workspace = torch.empty(workspace_size, dtype=torch.uint8, device=torch.device("cuda", index))
+        except torch.OutOfMemoryError as exc:
+            raise ExecuteError(f"cannot allocate a {workspace_size}-byte cuDNN workspace: {exc}") from exc
+        # cuDNN also needs the current device set, not only the handle's device.
+        with torch.cuda.device(index):
+            execute_graph(built._replace(graph=graph, workspace_size=workspace_size), pack, workspace, handle)
+
+
+def execute_graph(built: BuiltGraph, pack: dict[int, torch.Tensor], workspace: torch.Tensor, handle: Any) -> None:
+    """A not-supported refusal becomes ExecuteError (the call falls back); any other failure (an illegal
+    address) may have left the device in an unknown state, so it propagates, naming the key."""
+    cudnn = graphs.cudnn_module()
+    try:
+        built.graph.execute(pack, workspace, handle=handle)
+    except (cudnn.cudnnGraphNotSupportedError, NotImplementedError) as exc:
+        raise ExecuteError(f"cuDNN refused to execute the graph: {type(exc).__name__}: {exc}") from exc
+    except Exception as exc:
+        raise RuntimeError(
+            f"cudnn_safe: cuDNN failed to execute the graph for key {built.key}: {type(exc).__name__}: {exc}"
+        ) from exc

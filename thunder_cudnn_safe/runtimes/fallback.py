@@ -1,0 +1,163 @@
+"""The torch fallback, a runtime like the others: float32 math from a key and its pack, for calls a
+runtime refused (training must neither die for that nor get a wrong number).
+
+It draws dropout's keep-mask from (seed, offset) as the emulation does, so a forward and backward
+that both fall back agree; the backward of a *cuDNN* dropout forward raises rather than return
+gradients for another mask (the dispatcher avoids that where it can).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from thunder_cudnn_safe.masks import bias as masks
+from thunder_cudnn_safe.plan.keys import BackwardKey, ForwardKey, Uid
+from thunder_cudnn_safe.runtimes import handoff, reference
+from thunder_cudnn_safe.runtimes.cudnn_runtime import BuiltGraph, Runtime, is_forward
+from thunder_cudnn_safe.telemetry import warn_once
+
+#: float32 score elements one chunk of the fallback materializes (about 1 GiB each of the few (B, H, L, S)
+#: temporaries): a call is computed a few batch elements at a time, so that a call sent here because its
+#: bias was too large for cuDNN (2**31 elements and more) does not need several times that in float32.
+CHUNK_SCORES = 2**28
+
+
+def _keep_mask(key: ForwardKey | BackwardKey, pack: dict) -> torch.Tensor | None:
+    """Dropout's keep-mask for the whole call, drawn from (seed, offset) as the emulation draws it.
+
+    Reading the seed is a host sync: under CUDA-graph capture it would fail the capture (or freeze one
+    step's seed into every replay), so a dropout call that reaches the fallback there is refused, naming why."""
+    if not key.dropout_p:
+        return None
+    q, k = pack[Uid.Q], pack[Uid.K]
+    if masks.capturing(q):
+        raise RuntimeError(
+            "cudnn_safe: an attention call with dropout ran on the torch fallback (cuDNN refused its graph) during "
+            "CUDA-graph capture; the fallback reads the dropout seed on the host, which a capture cannot record. "
+            "Capture this step with dropout_p=0, or without cudnn_safe for this call (see explain())."
+        )
+    seed, offset = (int(pack[uid].reshape(-1)[0]) for uid in (Uid.SEED, Uid.OFFSET))
+    return reference.dropout_keep_mask(
+        seed, offset, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), key.dropout_p, q.device
+    )
+
+
+def _scores(key: ForwardKey | BackwardKey, pack: dict, keep: torch.Tensor | None) -> reference.Scores:
+    """The key's masking and dropout (``keep``: the keep-mask of this pack's batch elements)."""
+    lens = pack[Uid.SEQ_LEN_KV].reshape(-1).long() if key.padded else None
+    return reference.Scores(
+        key.scale, _f32(pack, Uid.BIAS), 0 if key.causal else None, key.left, lens, key.dropout_p, keep
+    )
+
+
+#: uids whose tensors have the call's batch as their first dim (a bias and dBias only where not broadcast)
+_BATCHED = (Uid.Q, Uid.K, Uid.V, Uid.O, Uid.STATS, Uid.DO, Uid.DQ, Uid.DK, Uid.DV, Uid.SEQ_LEN_Q, Uid.SEQ_LEN_KV)
+
+
+def _chunks(pack: dict) -> list[tuple[int, int]]:
+    """Batch ranges of at most :data:`CHUNK_SCORES` score elements each (one range: the whole call)."""
+    q, k = pack[Uid.Q], pack[Uid.K]
+    b = q.shape[0]
+    step = max(1, CHUNK_SCORES // max(1, q.shape[1] * q.shape[2] * k.shape[2]))
+    return [(i, min(b, i + step)) for i in range(0, b, step)]
+
+
+def _batch_slice(pack: dict, start: int, stop: int) -> dict:
+    b = pack[Uid.Q].shape[0]
+    return {
+        uid: t[start:stop] if (uid in _BATCHED or uid in (Uid.BIAS, Uid.DBIAS)) and t.shape[0] == b > 1 else t
+        for uid, t in pack.items()
+    }
+
+
+def _f32(pack: dict, uid: Uid) -> torch.Tensor | None:
+    t = pack.get(uid)
+    return None if t is None else t.float()
+
+
+class FallbackRuntime(Runtime):
+    """Computes any key in torch float32 on the tensors' own device; never refuses a layout."""
+
+    name = "torch fallback"
+    device_type = "any"
+
+    def environment_problem(self) -> str | None:
+        return None
+
+    def build(self, key: ForwardKey | BackwardKey) -> BuiltGraph:
+        return BuiltGraph(None, 0, key)
+
+    def execute(self, built: BuiltGraph, pack: dict[int, torch.Tensor]) -> None:
+        key = built.key
+        if not is_forward(key) and key.dropout_p and not handoff.fell_back(pack[Uid.SEED]):
+            raise RuntimeError(
+                "cudnn_safe: cuDNN refused the backward graph of an attention call whose forward ran in cuDNN with "
+                "dropout; the dropout mask cuDNN used cannot be reproduced, so no gradient is returned rather than a "
+                "wrong one. Use dropout_p=0 for this call or exclude cudnn_safe from the executors."
+            )
+        keep, chunks = _keep_mask(key, pack), _chunks(pack)
+        d_bias = pack.get(Uid.DBIAS)
+        # a dBias broadcast over the batch sums every chunk's share (in float32, rounded once)
+        summed = None if d_bias is None or len(chunks) == 1 or d_bias.shape[0] > 1 else torch.zeros_like(d_bias.float())
+        for start, stop in chunks:
+            part = pack if len(chunks) == 1 else _batch_slice(pack, start, stop)
+            part_keep = None if keep is None else keep[start:stop]
+            share = self._execute(key, part, _scores(key, part, part_keep))
+            if summed is not None:
+                summed += share
+        if summed is not None:
+            d_bias.copy_(summed)
+        if is_forward(key) and key.dropout_p:
+            handoff.mark_fallback_seed(pack[Uid.SEED])
+
+    @staticmethod
+    def _execute(key: ForwardKey | BackwardKey, pack: dict, how: reference.Scores) -> torch.Tensor | None:
+        """One chunk (or the whole call): writes its outputs; returns a backward's float32 dBias share."""
+        q, k, v = _f32(pack, Uid.Q), _f32(pack, Uid.K), _f32(pack, Uid.V)
+        if is_forward(key):
+            o, lse = reference.attention_forward(q, k, v, how)
+            pack[Uid.O].copy_(o)
+            if Uid.STATS in pack:
+                pack[Uid.STATS].copy_(lse)
+            return None
+        o, d_o, stats = _f32(pack, Uid.O), _f32(pack, Uid.DO), _f32(pack, Uid.STATS)
+        gq, gk, gv, ds = reference.attention_backward(q, k, v, o, d_o, stats, how)
+        for uid, grad in ((Uid.DQ, gq), (Uid.DK, gk), (Uid.DV, gv)):
+            pack[uid].copy_(grad)
+        d_bias = pack.get(Uid.DBIAS)
+        if d_bias is None:
+            return None
+        share = reference.reduce_to_shape(ds, tuple(d_bias.shape))
+        d_bias.copy_(share)
+        return share
+
+
+#: The one fallback runtime every dispatcher uses.
+FALLBACK = FallbackRuntime()
+
+
+def run_oversized_bias(disp: Any, bound: Any) -> None:
+    """A mask claimed at trace time because it may be a pattern (:mod:`support`: the int32 rule counts
+    only masks bound as a bias) that is not one at run time: its broadcast bias would have 2**31 or
+    more elements, whose offsets overflow cuDNN's int32 element offsets. It never reaches cuDNN: the
+    torch fallback computes the call (float32, int64 indexing), warned once per layout.
+
+    A dropout backward whose forward ran in cuDNN cannot go there: only cuDNN reproduces its dropout mask.
+    That is a mask gradient thunder asked for although the mask was judged to need none at trace time
+    (:mod:`grad_need`), and it raises rather than return gradients for another dropout mask."""
+    key = bound.key
+    if isinstance(key, BackwardKey) and key.dropout_p and not handoff.fell_back(bound.pack[Uid.SEED]):
+        raise RuntimeError(
+            "cudnn_safe: the gradient of an attention mask whose bias has 2**31 or more elements was asked for "
+            "a call with dropout that ran in cuDNN as a mask pattern; cuDNN cannot bind that bias (int32 "
+            "offsets) and only cuDNN could reproduce its dropout mask. The mask was judged at trace time to need "
+            "no gradient: make it a tensor that requires grad, or pass is_causal=True instead of a causal mask."
+        )
+    warn_once(
+        ("fallback", "oversized bias", disp.runtime.name, bound.key),
+        "cudnn_safe: an attention mask that is no pattern cuDNN masks natively would be a bias of 2**31 or "
+        "more elements (int32 offsets); the call ran on the torch fallback. Shown once per distinct layout.",
+    )
+    disp.run_fallback(bound)
