@@ -1,14 +1,10 @@
 """Every cuDNN architecture and version rule the package relies on, one named entry each.
 
-These are the most safety-critical facts in the package: a rule claimed too widely sends
-cuDNN a graph it cannot run (a crash, or a refusal and a slow fallback); a rule claimed
-too narrowly costs speed. Each :class:`Rule` says what it allows or requires, where the
-fact comes from (a release note, a frontend check, a GPU measurement), and on which
-targets it holds. :mod:`support` (what we claim), :mod:`recipes` (what we bind),
-:mod:`emulation` (what the emulated cuDNN refuses) and the lowering sweep in the tests
-read the rules from here and nowhere else. Each rule's triggers sit in its entry: ``on_call`` read off
-a call at trace time (:func:`~thunder_cudnn_safe.rules.support.not_supported_reasons`, ``explain()``),
-``on_key`` read off a graph key before any build (:mod:`~thunder_cudnn_safe.rules.key_gate`).
+These are the most safety-critical facts in the package: a rule claimed too widely sends cuDNN a graph it
+cannot run (a crash, or a refusal and a slow fallback); a rule claimed too narrowly costs speed. Each
+:class:`Rule` says what it allows or requires, where the fact comes from (a release note, a frontend check,
+a GPU measurement), on which targets it holds and what triggers it; the checker, the key gate, recipes,
+emulation and the lowering sweep read the rules from here and nowhere else.
 """
 
 from __future__ import annotations
@@ -19,29 +15,17 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from thunder_cudnn_safe._env import DP_WORKSPACE_LIMIT_ENV
-from thunder_cudnn_safe.plan.keys import BackwardKey, Target
+from thunder_cudnn_safe.plan.keys import BackwardKey, Target, TensorSig
 
 
 @dataclass(frozen=True)
 class Rule:
-    """One cuDNN fact: holds on targets with ``min_arch <= arch`` (and ``arch_major`` if set, or an arch
-    major in ``arch_majors`` if that is set) and ``min_backend <= cuDNN version < max_backend``, except
-    the versions in ``except_backends`` (a fixed release inside a bad window).
-
-    ``passes`` says which pass the fact is about: a rule about the backward only (``("backward",)``)
-    declines a call only when a backward follows it (:meth:`declines`); an inference forward is
-    unaffected. ``holds`` ignores it.
-
-    ``on_key`` is the rule's trigger read off a graph key (:mod:`~thunder_cudnn_safe.rules.key_gate`, the last
-    gate before any graph is built, whichever route planned the key): ``on_key(rule, key)`` says what in
-    the key breaks the rule, or None. Built with :func:`where_it_holds` (a defect: the trigger breaks it
-    where the rule holds) or :func:`unless_it_holds` (a capability: the trigger needs the rule to hold).
-    ``on_call`` is the same trigger read off a call at trace time (:class:`CallView`, the checker and
-    ``explain()``): ``on_call(rule, call)`` says what in the call the rule declines (a text, several, or
-    None), built with :func:`call_where_it_holds`, :func:`call_unless_it_holds` or :func:`call_on_target`;
-    one with neither wrapper judges every call, its target known or not. Each text becomes a
-    :class:`~thunder_cudnn_safe.rules.support.Decline` with ``code`` (a ``DeclineCode`` name; a :class:`Finding`
-    carries its own). ``fixed_in``: the first cuDNN version without the defect, named in a decline.
+    """One cuDNN fact (docs/design.md, "Adding a rule"): it holds where ``min_arch <= arch`` (the major
+    ``arch_major``, or one in ``arch_majors``, where set) and ``min_backend <= cuDNN < max_backend``, except
+    ``except_backends`` (a fixed release inside a bad window). ``on_key(rule, key)`` and ``on_call(rule, call)``
+    say what in a graph key or a :class:`CallView` breaks it, or None (an ``on_call`` without a ``call_*``
+    wrapper judges every call, its target known or not); a call's text becomes a ``Decline`` with ``code``
+    (a ``DeclineCode`` name; a :class:`Finding` carries its own).
     """
 
     name: str
@@ -56,6 +40,7 @@ class Rule:
     passes: tuple[str, ...] = ("forward", "backward")
     on_key: Callable[[Rule, Any], str | None] | None = None
     on_call: OnCall | None = None
+    #: the first cuDNN version without the defect, named in a decline (:attr:`upgrade_hint`)
     fixed_in: int | None = None
     code: str = "ARCH"
 
@@ -70,9 +55,8 @@ class Rule:
         return self.max_backend is None or version < self.max_backend
 
     def declines(self, target: Target, backward_follows: bool) -> bool:
-        """Whether the rule holds for a call on ``target``: always for a forward fact, and for a
-        backward-only fact only when a backward follows (a training forward, whose stats and dropout
-        mask bind it to the backward of the same executor)."""
+        """Whether the rule holds for a call on ``target``; a backward-only fact (``passes``) only where a backward
+        follows (a training forward, whose stats and dropout mask bind it to the same executor's backward)."""
         return self.holds(target) and (backward_follows or "forward" in self.passes)
 
     def broken_by(self, key: Any) -> str | None:
@@ -94,10 +78,10 @@ class Rule:
         """Where a newer cuDNN fixes the defect: the version and how to get it (README, "A newer libcudnn")."""
         if self.fixed_in is None:
             return ""
-        major, minor, patch = self.fixed_in // 10000, self.fixed_in // 100 % 100, self.fixed_in % 100
+        version = f"{self.fixed_in // 10000}.{self.fixed_in // 100 % 100}.{self.fixed_in % 100}"
         return (
-            f" Fixed in cuDNN {major}.{minor}.{patch}: `pip install 'nvidia-cudnn-cu13>={major}.{minor}.{patch}'` "
-            "beside torch (README, 'A newer libcudnn')."
+            f" Fixed in cuDNN {version}: `pip install 'nvidia-cudnn-cu13>={version}'` beside torch "
+            "(README, 'A newer libcudnn')."
         )
 
 
@@ -126,6 +110,75 @@ def _lengths(key: Any) -> tuple[int, int]:
 
 def _if(condition: bool, text: str) -> str | None:
     return text if condition else None
+
+
+def _tensors(key: Any) -> list[tuple[str, TensorSig]]:
+    """(field name, declaration) of every tensor ``key`` declares."""
+    return [(name, sig) for name, sig in zip(key._fields, key) if isinstance(sig, TensorSig)]
+
+
+def _layout() -> Any:
+    from thunder_cudnn_safe.plan import layout  # layout reads this module's constants
+
+    return layout
+
+
+def _oversized(key: Any) -> str | None:
+    """A dense tensor whose declared elements reach 2**31 (cuDNN's int32 element offsets), e.g. a huge bias;
+    ragged tensors are addressed by their offsets (int64 where needed), not the batch stride."""
+    if not _dense(key):
+        return None
+    for name, sig in _tensors(key):
+        span = _layout().span_elements(sig.shape, sig.stride)
+        if span >= INT32_ELEMENT_LIMIT:
+            return f"{name} spans {span} elements"
+    return None
+
+
+def _ragged_stats(key: Any) -> str | None:
+    """A ragged graph that reads or writes ragged stats: a backward, or a forward a backward follows."""
+    return _if(not _dense(key) and (_backward(key) or key.stats is not None), "ragged (tokens-major) stats")
+
+
+def _ragged_batch_stride(key: Any) -> str | None:
+    if _dense(key):
+        return None
+    for name, sig in _tensors(key):
+        if sig.dtype.is_floating_point and (sig.stride[0] * sig.dtype.itemsize) % 16:
+            return f"{name}'s declared batch stride {sig.stride[0]}"
+    return None
+
+
+def _tail_unmasked(s_q: int, s_kv: int, causal: bool, bias: bool) -> bool:
+    """:data:`HOPPER_BACKWARD_KV_TAIL_NAN`'s shape (a ragged key's s_kv: the bucketed longest document)."""
+    return s_kv % 128 == 64 and not (causal and not bias and s_q <= s_kv)
+
+
+def _kv_tail(key: Any) -> str | None:
+    s_q, s_kv = _lengths(key)
+    if not _backward(key) or not _tail_unmasked(s_q, s_kv, key.causal, key.bias is not None):
+        return None
+    return f"a backward declaring key length {s_kv} (% 128 == 64)" + ("" if _dense(key) else ", variable-length")
+
+
+def _dp_over_budget(
+    target: Target, batch: int, heads_q: int, s_q: int, s_kv: int, d_bias: bool, deterministic: bool
+) -> tuple[float, float] | None:
+    """(need, budget) in GiB where the dP workspace (:data:`DP_WORKSPACE`) a backward materializes on ``target``
+    is over the budget (config.dp_workspace_limit); sm100's deterministic engine materializes none."""
+    if not (d_bias or (deterministic and not DETERMINISTIC_BACKWARD_BLACKWELL.holds(target))):
+        return None
+    from thunder_cudnn_safe import config  # config reads this module's defaults
+
+    need, limit = dp_workspace_bytes(batch, heads_q, s_q, s_kv), config.dp_workspace_limit
+    return (need / 2**30, limit / 2**30) if need > limit else None
+
+
+def _dp_key(key: Any) -> str | None:
+    if not _backward(key):
+        return None
+    over = _dp_over_budget(key.target, *key.q.shape[:2], *_lengths(key), key.d_bias is not None, key.deterministic)
+    return None if over is None else f"the dP workspace of {over[0]:.2f} GiB is over the {over[1]:.2f} GiB budget"
 
 
 # -- what a call says at trace time (Rule.on_call) ------------------------------------------------------
@@ -205,12 +258,9 @@ def _stated(rule: Rule, call: CallView, what: str = "") -> str:
 
 def _silent(trigger: Callable[[CallView], str | None]) -> OnCall:
     """A silent defect's call check (docs/known-cudnn-defects.md): ``trigger(call)`` says what meets it."""
-
-    def on_call(rule: Rule, call: CallView) -> str | None:
-        what = trigger(call)
-        return None if what is None else _stated(rule, call, f"{what}: {rule.name}: ")
-
-    return call_where_it_holds(on_call)
+    return call_where_it_holds(
+        lambda rule, call: None if (what := trigger(call)) is None else _stated(rule, call, f"{what}: {rule.name}: ")
+    )
 
 
 def _no_engine(condition: Callable[[CallView], bool], what: str = "") -> OnCall:
@@ -283,17 +333,12 @@ def _int32_sizes(rule: Rule, call: CallView) -> list[str]:
 
 
 def _dp_workspace(rule: Rule, call: CallView) -> str | None:
-    need = _dp_need_over_budget(
-        call.target, call.batch, call.heads, call.lq, call.s, call.mask_grad, call.deterministic
-    )
-    if need is None:
+    over = _dp_over_budget(call.target, call.batch, call.heads, call.lq, call.s, call.mask_grad, call.deterministic)
+    if over is None:
         return None
-    from thunder_cudnn_safe import config  # config reads this module's defaults
-
     return (
-        f"{'the mask gradient (dBias)' if call.mask_grad else 'cudnn_safe_deterministic'} needs "
-        f"{need / 2**30:.1f} GiB of cuDNN dP workspace, over the {config.dp_workspace_limit / 2**30:.1f} GiB "
-        f"budget ({DP_WORKSPACE_LIMIT_ENV})"
+        f"{'the mask gradient (dBias)' if call.mask_grad else 'cudnn_safe_deterministic'} needs {over[0]:.1f} GiB "
+        f"of cuDNN dP workspace, over the {over[1]:.1f} GiB budget ({DP_WORKSPACE_LIMIT_ENV})"
     )
 
 
@@ -306,16 +351,8 @@ def _off_sixteenths(p: float) -> bool:
     return p * 16 != math.floor(p * 16)
 
 
-def _tail_unmasked(s_q: int, s_kv: int, causal: bool, bias: bool) -> bool:
-    """:data:`HOPPER_BACKWARD_KV_TAIL_NAN`'s shape: s_kv % 128 == 64 unless the causal band masks the tail
-    (causal, no bias, s_q <= s_kv)."""
-    return s_kv % 128 == 64 and not (causal and not bias and s_q <= s_kv)
-
-
-def _over_grid(*extents: int) -> bool:
-    return max(extents) > GRID_LIMIT
-
-
+#: The head-dim rules are judged together (:func:`_head_dims`), as cuDNN does.
+_HEAD_DIM = dict(on_call=call_on_target(_head_dims), code="HEAD_DIM")
 FLASH_ATTENTION = Rule(
     "FLASH_ATTENTION",
     "cuDNN fused flash attention (forward and backward) runs on Ampere (sm80) or newer",
@@ -330,8 +367,7 @@ HEAD_DIM_128 = Rule(
     "head dims up to 128, multiples of 8, for forward and backward",
     "cuDNN developer guide, 'Fused Flash Attention' (d <= 128 on sm80+)",
     min_arch=(8, 0),
-    on_call=call_on_target(_head_dims),
-    code="HEAD_DIM",
+    **_HEAD_DIM,
 )
 HEAD_DIM_256_TRAINING_HOPPER = Rule(
     "HEAD_DIM_256_TRAINING_HOPPER",
@@ -339,16 +375,14 @@ HEAD_DIM_256_TRAINING_HOPPER = Rule(
     "cuDNN 9.5.0 release notes; other architectures only gained d > 128 for the forward (9.10)",
     arch_major=9,
     min_backend=90500,
-    on_call=call_on_target(_head_dims),
-    code="HEAD_DIM",
+    **_HEAD_DIM,
 )
 UNEQUAL_HEAD_DIMS = Rule(
     "UNEQUAL_HEAD_DIMS",
     "d_qk != d_v (both <= 128) on Hopper or newer",
     "cuDNN developer guide, 'Fused Flash Attention' (different QK and V head dims need sm90+)",
     min_arch=(9, 0),
-    on_call=call_on_target(_head_dims),
-    code="HEAD_DIM",
+    **_HEAD_DIM,
 )
 MLA_192_128_HOPPER = Rule(
     "MLA_192_128_HOPPER",
@@ -356,8 +390,7 @@ MLA_192_128_HOPPER = Rule(
     "cuDNN 9.5.0 release notes; lightning-thunder PR #2771",
     arch_major=9,
     min_backend=90500,
-    on_call=call_on_target(_head_dims),
-    code="HEAD_DIM",
+    **_HEAD_DIM,
 )
 MLA_192_128_BLACKWELL = Rule(
     "MLA_192_128_BLACKWELL",
@@ -453,26 +486,21 @@ DROPOUT_DBIAS_BLACKWELL = Rule(
     ),
     on_call=_no_engine(lambda call: call.dropout_runs and call.mask_grad),
 )
-_SQ_VECTORS = (
-    (
-        "a backward with an attn_mask when the key length is 1 has no engine: its bias (..., L, 1) is a third "
-        "'sq broadcasted vector' and these code paths take 2"
+#: One defect of two code paths (sm80's and sm120's), a rule each.
+_SQ_VECTORS = dict(
+    text="a backward with an attn_mask when the key length is 1 has no engine: its bias (..., L, 1) is a third "
+    "'sq broadcasted vector' and these code paths take 2",
+    source="the compile sweep (tests/test_cudnn_compile.py), cuDNN 9.19: 'Only 2 sq broadcasted vectors are supported "
+    "on SM80' (its SM80 and SM120 code paths; an sm120 descriptor confirms it); sm90/sm100 build it",
+    on_key=where_it_holds(
+        lambda key: _if(
+            _backward(key) and key.bias is not None and _lengths(key)[1] == 1, "a bias backward with s_kv = 1"
+        )
     ),
-    (
-        "the compile sweep (tests/test_cudnn_compile.py), cuDNN 9.19: 'Only 2 sq broadcasted vectors are supported on "
-        "SM80' (its SM80 and SM120 code paths; an sm120 descriptor confirms it); sm90/sm100 build it"
-    ),
+    on_call=_no_engine(lambda call: call.has_mask and call.s == 1),
 )
-_BIAS_KEY_LENGTH_1 = where_it_holds(
-    lambda key: _if(_backward(key) and key.bias is not None and _lengths(key)[1] == 1, "a bias backward with s_kv = 1")
-)
-_BIAS_KEY_LENGTH_1_CALL = _no_engine(lambda call: call.has_mask and call.s == 1)
-BIAS_KEY_LENGTH_1_AMPERE = Rule(
-    "BIAS_KEY_LENGTH_1_AMPERE", *_SQ_VECTORS, arch_major=8, on_key=_BIAS_KEY_LENGTH_1, on_call=_BIAS_KEY_LENGTH_1_CALL
-)
-BIAS_KEY_LENGTH_1_SM120 = Rule(
-    "BIAS_KEY_LENGTH_1_SM120", *_SQ_VECTORS, arch_major=12, on_key=_BIAS_KEY_LENGTH_1, on_call=_BIAS_KEY_LENGTH_1_CALL
-)
+BIAS_KEY_LENGTH_1_AMPERE = Rule("BIAS_KEY_LENGTH_1_AMPERE", arch_major=8, **_SQ_VECTORS)
+BIAS_KEY_LENGTH_1_SM120 = Rule("BIAS_KEY_LENGTH_1_SM120", arch_major=12, **_SQ_VECTORS)
 DBIAS_KEY_LENGTH_1_BLACKWELL = Rule(
     "DBIAS_KEY_LENGTH_1_BLACKWELL",
     "a mask gradient (dBias) when the key length is 1 has no backward engine on datacenter Blackwell (sm100/sm103)",
@@ -515,7 +543,7 @@ STATS_PACKED_ONLY = Rule(
         lambda key: _if(
             _backward(key)
             and not (key.ragged is not None and key.ragged.stats)
-            and tuple(key.stats.stride) != _packed(key.stats.shape),
+            and tuple(key.stats.stride) != _layout().packed_strides(key.stats.shape),
             "stats declared with other than packed BHSD strides",
         )
     ),
@@ -531,7 +559,7 @@ LAYOUT = Rule(
     f"inner stride 1, {ALIGNMENT_BYTES}-byte aligned base, other strides multiples of {ALIGNMENT_BYTES} bytes, "
     f"non-overlapping positive strides, element offsets below 2**31",
     "cuDNN developer guide (tensor descriptors for SDPA; TMA alignment on Hopper)",
-    on_key=where_it_holds(lambda key: _oversized(key)),
+    on_key=where_it_holds(_oversized),
     on_call=_int32_sizes,
     code="INT32",
 )
@@ -553,21 +581,15 @@ DP_WORKSPACE = Rule(
     "in a workspace of B*H_q*pad64(S_q)*pad64(S_kv)*2 bytes: 8.6 GB at B=8, H=32, S=4096",
     "cudnn_frontend 1.32 node/scaled_dot_product_flash_attention.h, CompositeSDPABackwardNode: "
     "use_dp_workspace is forced for dBias and is_deterministic_algorithm; required_dp_workspace_bytes",
-    on_key=where_it_holds(lambda key: _dp_over_budget(key)),
+    on_key=where_it_holds(_dp_key),
     on_call=call_where_it_holds(_dp_workspace),
     code="WORKSPACE",
 )
-# The budget of :data:`DP_WORKSPACE` is the knob ``config.dp_workspace_limit`` (bytes; default 4 GiB).
 
 
 def dp_workspace_bytes(batch: int, heads_q: int, s_q: int, s_kv: int) -> int:
     """The dP workspace of :data:`DP_WORKSPACE` (the frontend's own formula)."""
     return batch * heads_q * (-(-s_q // 64) * 64) * (-(-s_kv // 64) * 64) * 2
-
-
-def needs_dp_workspace(target: Target, d_bias: bool, deterministic: bool) -> bool:
-    """Whether a backward materializes dP on ``target``."""
-    return d_bias or (deterministic and not DETERMINISTIC_BACKWARD_BLACKWELL.holds(target))
 
 
 # -- packed sequences (variable-length / ragged attention, :mod:`~thunder_cudnn_safe.plan.varlen`) ----------
@@ -589,14 +611,14 @@ VARLEN_BACKWARD_ARCH = Rule(
     "backward ignores max_total_seq_len, its workspace grows with N*S: 3.2 GB for a Llama-8B step)",
     "libcudnn 9.19 validate at sm80 (shared/notes/packed-sequences.md, fact 4)",
     min_arch=(9, 0),
-    on_key=unless_it_holds(lambda key: _ragged_stats(key)),
+    on_key=unless_it_holds(_ragged_stats),
 )
 VARLEN_BACKWARD_SM12X = Rule(
     "VARLEN_BACKWARD_SM12X",
     "sm12x refuses a ragged-stats variable-length backward, like sm80",
     "cudnn-frontend 1.32 rule string 'bprop thd on SM8X and SM12X GPUs'",
     arch_major=12,
-    on_key=where_it_holds(lambda key: _ragged_stats(key)),
+    on_key=where_it_holds(_ragged_stats),
 )
 VARLEN_NO_DROPOUT = Rule(
     "VARLEN_NO_DROPOUT",
@@ -611,7 +633,7 @@ VARLEN_BATCH_STRIDE = Rule(
     "a ragged tensor's declared batch stride is never stepped but must be a multiple of 16 bytes (PyTorch's "
     "INT_MAX is refused): the package declares S_bucket x token stride, S_bucket a power of two >= 16",
     "libcudnn 9.19 validate, 'stride 2147483647 of dimension 0 ... not a multiple of the tensor's 16-byte alignment'",
-    on_key=where_it_holds(lambda key: _ragged_batch_stride(key)),
+    on_key=where_it_holds(_ragged_batch_stride),
 )
 
 
@@ -650,7 +672,7 @@ HOPPER_BACKWARD_KV_TAIL_NAN = Rule(
     arch_major=9,
     max_backend=92600,
     passes=("backward",),
-    on_key=where_it_holds(lambda key: _kv_tail(key)),
+    on_key=where_it_holds(_kv_tail),
     on_call=_silent(
         lambda call: _if(
             _tail_unmasked(call.lq, call.s, call.causal, call.has_mask),
@@ -729,87 +751,19 @@ GRID_65535 = Rule(
     "batch size or num_heads greater than 65535')",
     on_key=where_it_holds(
         lambda key: _if(
-            _over_grid(key.q.shape[0], key.q.shape[1], key.k.shape[1]),
+            max(key.q.shape[0], key.q.shape[1], key.k.shape[1]) > GRID_LIMIT,
             f"{'sequences' if key.ragged is not None else 'batch'} {key.q.shape[0]}, heads "
             f"{key.q.shape[1]}/{key.k.shape[1]} (the limit is {GRID_LIMIT})",
         )
     ),
     on_call=lambda rule, call: _if(
-        _over_grid(call.batch, call.heads, call.kv_heads),
+        max(call.batch, call.heads, call.kv_heads) > GRID_LIMIT,
         f"batch {call.batch}, heads {call.heads}/{call.kv_heads}: {rule.text}",
     ),
     code="SHAPE",
 )
 #: The largest batch size and head count :data:`GRID_65535` allows.
 GRID_LIMIT = 65535
-
-
-def _packed(shape: tuple[int, ...]) -> tuple[int, ...]:
-    from thunder_cudnn_safe.plan.layout import packed_strides  # layout reads this module's constants
-
-    return packed_strides(shape)
-
-
-def _oversized(key: Any) -> str | None:
-    """A dense tensor whose declared elements reach 2**31 (cuDNN's int32 element offsets), e.g. a huge bias."""
-    if not _dense(key):
-        return None  # ragged tensors are addressed by their offsets (int64 where needed), not the batch stride
-    for name, sig in zip(key._fields, key):
-        if hasattr(sig, "stride") and hasattr(sig, "shape") and 0 not in sig.shape:
-            span = 1 + sum((n - 1) * s for n, s in zip(sig.shape, sig.stride))
-            if span >= INT32_ELEMENT_LIMIT:
-                return f"{name} spans {span} elements"
-    return None
-
-
-def _dp_need_over_budget(
-    target: Target, batch: int, heads_q: int, s_q: int, s_kv: int, d_bias: bool, deterministic: bool
-) -> int | None:
-    """The dP workspace (:data:`DP_WORKSPACE`) a backward needs where it is over the budget
-    (config.dp_workspace_limit), else None."""
-    if not needs_dp_workspace(target, d_bias, deterministic):
-        return None
-    from thunder_cudnn_safe import config  # config reads this module's defaults
-
-    need = dp_workspace_bytes(batch, heads_q, s_q, s_kv)
-    return need if need > config.dp_workspace_limit else None
-
-
-def _dp_over_budget(key: Any) -> str | None:
-    """A backward whose dP workspace (:data:`DP_WORKSPACE`) is over the budget (config.dp_workspace_limit)."""
-    if not _backward(key):
-        return None
-    need = _dp_need_over_budget(
-        key.target, key.q.shape[0], key.q.shape[1], *_lengths(key), key.d_bias is not None, key.deterministic
-    )
-    if need is None:
-        return None
-    from thunder_cudnn_safe import config
-
-    return f"the dP workspace of {need / 2**30:.2f} GiB is over the {config.dp_workspace_limit / 2**30:.2f} GiB budget"
-
-
-def _ragged_stats(key: Any) -> str | None:
-    """A ragged graph that reads or writes ragged stats: a backward, or a forward a backward follows."""
-    return _if(not _dense(key) and (_backward(key) or key.stats is not None), "ragged (tokens-major) stats")
-
-
-def _ragged_batch_stride(key: Any) -> str | None:
-    if _dense(key):
-        return None
-    for name, sig in zip(key._fields, key):
-        if hasattr(sig, "stride") and sig.dtype.is_floating_point and (sig.stride[0] * sig.dtype.itemsize) % 16:
-            return f"{name}'s declared batch stride {sig.stride[0]}"
-    return None
-
-
-def _kv_tail(key: Any) -> str | None:
-    """:data:`HOPPER_BACKWARD_KV_TAIL_NAN`'s shape: a backward with s_kv % 128 == 64 (a ragged key: the bucketed
-    longest document) unless the causal band masks the tail (causal, no bias, s_q <= s_kv)."""
-    s_q, s_kv = _lengths(key)
-    if not _backward(key) or not _tail_unmasked(s_q, s_kv, key.causal, key.bias is not None):
-        return None
-    return f"a backward declaring key length {s_kv} (% 128 == 64)" + ("" if _dense(key) else ", variable-length")
 
 
 #: Every rule, in the order they are defined; the key gate and ``explain()`` read this table.

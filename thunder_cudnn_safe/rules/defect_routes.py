@@ -1,11 +1,9 @@
 """Calls that hit a known cuDNN defect with a documented workaround are built with the workaround.
 
-:data:`~thunder_cudnn_safe.rules.cudnn_rules.HOPPER_DECODE_BACKWARD_NAN` (NVIDIA/cudnn-frontend#1072): an sm90
-backward with a single query gives NaN dK/dV on very negative logsumexps; the same backward with
-cuDNN's padding mask at the full lengths is clean. So a training call with ``s_q == 1`` on sm90 runs
-its forward and backward with a padding pattern keeping every key (the lengths are the tensors'
-own, the numbers those of the unpadded graph). A mask tensor is declined at trace time
-(:mod:`support`), so only a call without one, or with a pattern that does not pad yet, is routed.
+:data:`~thunder_cudnn_safe.rules.cudnn_rules.HOPPER_DECODE_BACKWARD_NAN` (NVIDIA/cudnn-frontend#1072; its text
+says why): a training call with ``s_q == 1`` on sm90 runs its forward and backward with a padding pattern
+keeping every key (the lengths are the tensors' own, the numbers those of the unpadded graph). A mask tensor
+is declined at trace time, so only a call without one, or with a pattern that does not pad yet, is routed.
 """
 
 from __future__ import annotations
@@ -25,7 +23,8 @@ def route(
     ``lens_device``: where the padding lengths are made (default: the query's device; ``"meta"`` to plan
     keys without running anything, as :func:`~thunder_cudnn_safe.plan.planner.planned_keys` does)."""
     q, k = call.query, call.key
-    if q.shape[2] != 1 or not cudnn_rules.HOPPER_DECODE_BACKWARD_NAN.declines(target, _backward_follows(call)):
+    backward_follows = isinstance(call, BackwardCall) or bool(call.need_stats)
+    if q.shape[2] != 1 or not cudnn_rules.HOPPER_DECODE_BACKWARD_NAN.declines(target, backward_follows):
         return call
     mask = call.attn_mask
     if mask is None:
@@ -38,7 +37,3 @@ def route(
     q_lens = torch.ones((b, 1, 1, 1), dtype=torch.int32, device=device)
     kv_lens = torch.full((b, 1, 1, 1), k.shape[2], dtype=torch.int32, device=device)
     return call._replace(attn_mask=MaskPattern(right, left, q_lens, kv_lens), is_causal=False)
-
-
-def _backward_follows(call: ForwardCall | BackwardCall) -> bool:
-    return isinstance(call, BackwardCall) or bool(call.need_stats)

@@ -1,14 +1,12 @@
 """The last gate before any graph is built: every rule that can be read off a graph key, checked on the key.
 
-A rule must hold on every route (dense, mask pattern, packed sequences, a defect's workaround, the
-capture prebuild, a dropout forward's check of its backward, another thread's copy) by construction,
-not because each route remembers to check it. Every runtime builds through
-:func:`~thunder_cudnn_safe.runtimes.cudnn_runtime.build_with_ladder`, which asks :func:`check` first: a key that breaks
-a rule of :data:`~thunder_cudnn_safe.rules.cudnn_rules.RULES` on its own target (its declared lengths, causal
-band, ragged and padded flags, dropout, determinism, grid) is never built. The refusal is a definitive
-:class:`RuleRefusal`, so the graph cache remembers it and the call takes its route's decline path: a
-packed-sequence call runs as a bias, a dense call on the torch fallback (a dropout forward whose backward
-is refused falls back as a pair). Each refused key is counted once per rule in :func:`gate_info`.
+A rule must hold on every route (dense, mask pattern, packed sequences, a defect's workaround, the capture
+prebuild, a dropout forward's check of its backward, another thread's copy) by construction, not because
+each route remembers to check it. Every runtime builds through
+:func:`~thunder_cudnn_safe.runtimes.cudnn_runtime.build_with_ladder`, which asks :func:`check` first. A key
+that breaks a rule on its own target is never built: the refusal is a definitive :class:`RuleRefusal`, so the
+graph cache remembers it and the call takes its route's decline path (a packed-sequence call runs as a bias,
+a dense call on the torch fallback, a dropout forward whose backward is refused falls back as a pair).
 
 The trace-time checker (:mod:`support`) still declines what it can see; this gate catches what only the
 planned key shows (a ragged backward's bucketed key length, a K/V broadcast declared with one head, a
@@ -39,12 +37,7 @@ def violations(key: Any) -> list[tuple[cudnn_rules.Rule, str]]:
     compile sweep's, judged for several GPUs at once) has none to judge: no rule is read off it."""
     if key.target is None:
         return []
-    found = []
-    for rule in cudnn_rules.RULES:
-        what = rule.broken_by(key)
-        if what is not None:
-            found.append((rule, what))
-    return found
+    return [(rule, what) for rule in cudnn_rules.RULES if (what := rule.broken_by(key)) is not None]
 
 
 def check(key: Any) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -44,10 +45,7 @@ class DeclineCode(enum.Enum):
 
 class Decline(str):
     """A human-readable reason (a ``str``, as :func:`~thunder_cudnn_safe.explain` returns) with its
-    :class:`DeclineCode`.
-
-    ``rule`` names the :mod:`~thunder_cudnn_safe.rules.cudnn_rules` entry behind it, if any.
-    """
+    :class:`DeclineCode`; ``rule`` names the :mod:`~thunder_cudnn_safe.rules.cudnn_rules` entry behind it, if any."""
 
     code: DeclineCode
     rule: str | None
@@ -98,30 +96,28 @@ def not_supported_reasons(
     """Every reason the executor for ``device_type`` on ``target`` would not claim ``call``.
 
     ``call`` is a :class:`~thunder_cudnn_safe.plan.calls.ForwardCall` of tensors or proxies; its
-    ``deterministic`` (the compile option) changes which backwards cuDNN builds, its
-    ``enable_gqa`` lets K/V have fewer heads, a divisor of the query's
-    (:data:`~thunder_cudnn_safe.rules.cudnn_rules.GROUPED_KV_HEADS`). ``environment_problem`` is why
-    the runtime cannot work here at all; ``target`` may then be None. The checks below come first,
-    then every rule of :data:`~thunder_cudnn_safe.rules.cudnn_rules.RULES` (:func:`rule_reasons`), then the
-    mask and the scalar arguments.
+    ``deterministic`` (the compile option) changes which backwards cuDNN builds, its ``enable_gqa`` lets K/V have
+    fewer heads, a divisor of the query's. ``environment_problem`` is why the runtime cannot work here at all;
+    ``target`` may then be None. The checks below come first, then every rule of
+    :data:`~thunder_cudnn_safe.rules.cudnn_rules.RULES` (:func:`rule_reasons`), then the mask and the scalars.
     """
     tensors = _tensors(call)
-    reasons = _environment_reasons(environment_problem) + _device_reasons(tensors, device_type)
-    rank = _rank_reasons(tensors)
-    if rank:
-        return reasons + rank  # nothing below can read the shapes
+    reasons = [Decline(DeclineCode.ENVIRONMENT, environment_problem)] if environment_problem else []
+    reasons += _device_reasons(tensors, device_type)
+    ranks = [len(t.shape) for _, t in tensors[:3]]
+    if ranks != [4, 4, 4]:  # nothing below can read the shapes
+        text = f"query/key/value ranks are {ranks}; cuDNN SDPA takes rank-4 (batch, heads, seq, dim) tensors"
+        return [*reasons, Decline(DeclineCode.RANK, text)]
     view = call_view(call, target)
-    return (
-        reasons
-        + _dtype_reasons(tensors)
-        + _shape_reasons(call)
-        + _empty_reasons(view)
-        + rule_reasons(view)
-        + _mask_reasons(call, view)
-        + _dropout_reasons(call.dropout_p)
-        + _scale_reasons(call.scale)
-        + _causal_reasons(call.is_causal)
-    )
+    return [
+        *reasons,
+        *_dtype_reasons(tensors),
+        *_shape_reasons(call),
+        *_empty_reasons(view),
+        *rule_reasons(view),
+        *_mask_reasons(call, view),
+        *_scalar_reasons(call),
+    ]
 
 
 def rule_reasons(view: cudnn_rules.CallView) -> list[Decline]:
@@ -153,16 +149,15 @@ def call_view(call: Any, target: Target | None) -> cudnn_rules.CallView:
         deterministic=bool(call.deterministic),
         training=bool(getattr(call, "need_stats", True)),
         enable_gqa=bool(call.enable_gqa),
-        elements=tuple(
-            (name, math.prod(shape))
-            for name, shape in (
-                ("query", (b, h, lq, d_qk)),
-                ("key", (b, hk, s, dk)),
-                ("value", (bv, hv, sv, d_v)),
-                ("output", (b, h, lq, d_v)),
-            )
+        elements=(
+            ("query", b * h * lq * d_qk),
+            ("key", b * hk * s * dk),
+            ("value", bv * hv * sv * d_v),
+            ("output", b * h * lq * d_v),
         ),
-        mask_patterns=_may_run_as_pattern(),
+        # decided on the mask's data at run time; one too large for a bias that is not a pattern runs on the
+        # torch fallback (:meth:`~thunder_cudnn_safe.dispatch.dispatcher.Dispatcher.run_oversized_bias`)
+        mask_patterns=bool(config.mask_patterns) and converted_masks.maxsize > 0,
     )
 
 
@@ -183,178 +178,112 @@ def _mask_grad(call: Any) -> bool:
     """Whether dBias runs: a float mask's gradient is needed (a leaf that requires grad, or a mask computed inside
     the function from one, a learned position bias, which only the trace shows: :mod:`grad_need`)."""
     mask = call.attn_mask
-    return mask is not None and (
-        bool(getattr(mask, "requires_grad", False))
-        or (
-            bool(getattr(call, "need_stats", True))
-            and torch_dtype(mask.dtype) is not torch.bool
-            and mask_needs_grad(mask)
-        )
+    if mask is None:
+        return False
+    if getattr(mask, "requires_grad", False):
+        return True
+    return (
+        bool(getattr(call, "need_stats", True)) and torch_dtype(mask.dtype) is not torch.bool and mask_needs_grad(mask)
     )
 
 
-def _may_run_as_pattern() -> bool:
-    """Whether a mask without a gradient may run as a pattern (:mod:`patterns`), which never hands cuDNN the
-    B*H*L*S bias: the int32 rule then does not count it. Whether it *is* one is decided on its data at
-    run time; one that is not, too large for a bias, runs on the torch fallback
-    (:meth:`~thunder_cudnn_safe.dispatch.dispatcher.Dispatcher.run_oversized_bias`), never in cuDNN."""
-    return bool(config.mask_patterns) and converted_masks.maxsize > 0
-
-
-def _environment_reasons(problem: str | None) -> list[Decline]:
-    return [Decline(DeclineCode.ENVIRONMENT, problem)] if problem else []
-
-
-def _device_reasons(tensors: list[tuple[str, Any]], device_type: str) -> list[Decline]:
-    reasons = [
-        Decline(DeclineCode.DEVICE, f"{name} is on {t.device}, this executor runs on {device_type} tensors")
-        for name, t in tensors
-        if t.device.type != device_type
-    ]
+def _device_reasons(tensors: list[tuple[str, Any]], device_type: str) -> Iterator[Decline]:
+    for name, t in tensors:
+        if t.device.type != device_type:
+            yield Decline(DeclineCode.DEVICE, f"{name} is on {t.device}, this executor runs on {device_type} tensors")
     if len({(t.device.type, t.device.index) for _, t in tensors}) > 1:
-        reasons.append(Decline(DeclineCode.DEVICE, "query, key, value (and attn_mask) are not all on the same device"))
-    return reasons
+        yield Decline(DeclineCode.DEVICE, "query, key, value (and attn_mask) are not all on the same device")
 
 
-def _rank_reasons(tensors: list[tuple[str, Any]]) -> list[Decline]:
-    ranks = [len(t.shape) for _, t in tensors[:3]]
-    if all(r == 4 for r in ranks):
-        return []
-    return [
-        Decline(
-            DeclineCode.RANK,
-            f"query/key/value ranks are {ranks}; cuDNN SDPA takes rank-4 (batch, heads, seq, dim) tensors",
-        )
-    ]
-
-
-def _dtype_reasons(tensors: list[tuple[str, Any]]) -> list[Decline]:
+def _dtype_reasons(tensors: list[tuple[str, Any]]) -> Iterator[Decline]:
     dts = [torch_dtype(t.dtype) for _, t in tensors[:3]]
+    names = [str(d) for d in dts]
     if any(d not in SUPPORTED_DTYPES for d in dts):
-        return [
-            Decline(
-                DeclineCode.DTYPE,
-                f"dtypes {[str(d) for d in dts]}: cuDNN flash attention takes float16 or bfloat16 only",
-            )
-        ]
-    if len(set(dts)) > 1:
-        return [Decline(DeclineCode.DTYPE, f"query/key/value dtypes differ: {[str(d) for d in dts]}")]
-    return []
+        yield Decline(DeclineCode.DTYPE, f"dtypes {names}: cuDNN flash attention takes float16 or bfloat16 only")
+    elif len(set(dts)) > 1:
+        yield Decline(DeclineCode.DTYPE, f"query/key/value dtypes differ: {names}")
 
 
-def _shape_reasons(call: Any) -> list[Decline]:
+def _shape_reasons(call: Any) -> Iterator[Decline]:
     """Shapes torch's SDPA rejects; grouped K/V heads (``enable_gqa``) are judged by
     :data:`~thunder_cudnn_safe.rules.cudnn_rules.GROUPED_KV_HEADS`."""
     (b, h, _, d_qk), (bk, hk, s, dk), (bv, hv, sv, _) = _shapes(call)
     S = DeclineCode.SHAPE
-    reasons = []
     if not (b == bk == bv):
-        reasons.append(Decline(S, f"batch sizes differ: query {b}, key {bk}, value {bv}"))
+        yield Decline(S, f"batch sizes differ: query {b}, key {bk}, value {bv}")
     if dk != d_qk:
-        reasons.append(Decline(S, f"query head dim {d_qk} != key head dim {dk}"))
+        yield Decline(S, f"query head dim {d_qk} != key head dim {dk}")
     if s != sv:
-        reasons.append(Decline(S, f"key length {s} != value length {sv}"))
+        yield Decline(S, f"key length {s} != value length {sv}")
     if not call.enable_gqa and (hk != hv or hk not in (1, h)):
-        reasons.append(
-            Decline(S, f"key/value heads ({hk}, {hv}) must both equal the query heads ({h}) or be 1 (broadcast)")
-        )
-    return reasons
+        yield Decline(S, f"key/value heads ({hk}, {hv}) must both equal the query heads ({h}) or be 1 (broadcast)")
 
 
-def _empty_reasons(view: cudnn_rules.CallView) -> list[Decline]:
-    if 0 not in (view.batch, view.heads, view.lq, view.s, view.d_qk, view.d_v):
-        return []
-    return [
-        Decline(
+def _empty_reasons(view: cudnn_rules.CallView) -> Iterator[Decline]:
+    if 0 in (view.batch, view.heads, view.lq, view.s, view.d_qk, view.d_v):
+        yield Decline(
             DeclineCode.EMPTY,
             f"empty input (batch {view.batch}, heads {view.heads}, query length {view.lq}, key length {view.s}): "
             "nothing for cuDNN to do",
         )
-    ]
 
 
-def _mask_reasons(call: Any, view: cudnn_rules.CallView) -> list[Decline]:
+def _mask_reasons(call: Any, view: cudnn_rules.CallView) -> Iterator[Decline]:
     """The mask's own reasons (its size is :data:`~thunder_cudnn_safe.rules.cudnn_rules.LAYOUT`'s); ``view.mask_grad``:
     its gradient (dBias) may be needed (a leaf requiring grad, or computed from one inside the function)."""
     attn_mask, mask_grad = call.attn_mask, view.mask_grad
     if attn_mask is None:
-        return []
+        return
     M = DeclineCode.MASK
-    reasons = []
     if bool(_value(call.is_causal)):
-        reasons.append(
-            Decline(
-                DeclineCode.CAUSAL,
-                "is_causal=True together with an explicit attn_mask (torch rejects this combination)",
-            )
+        yield Decline(
+            DeclineCode.CAUSAL, "is_causal=True together with an explicit attn_mask (torch rejects this combination)"
         )
     q_dtype, m_dtype = torch_dtype(call.query.dtype), torch_dtype(attn_mask.dtype)
     if m_dtype is not torch.bool and not (m_dtype is not None and m_dtype.is_floating_point):
-        reasons.append(Decline(M, f"attn_mask dtype {m_dtype} is neither bool nor floating point"))
+        yield Decline(M, f"attn_mask dtype {m_dtype} is neither bool nor floating point")
     elif m_dtype not in (torch.bool, torch.float32, q_dtype):
-        reasons.append(
-            Decline(
-                M,
-                f"attn_mask dtype {m_dtype} is neither bool, float32 nor the query dtype {q_dtype} (torch rejects it)",
-            )
+        yield Decline(
+            M, f"attn_mask dtype {m_dtype} is neither bool, float32 nor the query dtype {q_dtype} (torch rejects it)"
         )
     elif m_dtype is not torch.bool and m_dtype != q_dtype and mask_grad:
-        reasons.append(
-            Decline(
-                M, f"attn_mask of dtype {m_dtype} requires grad but cuDNN computes dBias in the query dtype {q_dtype}"
-            )
+        yield Decline(
+            M, f"attn_mask of dtype {m_dtype} requires grad but cuDNN computes dBias in the query dtype {q_dtype}"
         )
     full = (view.batch, view.heads, view.lq, view.s)
     shape = tuple(attn_mask.shape)
     if not 2 <= len(shape) <= 4:
-        reasons.append(Decline(M, f"attn_mask has rank {len(shape)}; ranks 2 to 4 are supported"))
+        yield Decline(M, f"attn_mask has rank {len(shape)}; ranks 2 to 4 are supported")
     else:
         padded = (1,) * (4 - len(shape)) + shape
         for name, n, m in zip(("batch", "heads", "query length", "key length"), padded, full):
             if n not in (1, m):
-                reasons.append(Decline(M, f"attn_mask {name} extent {n} does not broadcast to {m}"))
+                yield Decline(M, f"attn_mask {name} extent {n} does not broadcast to {m}")
     if getattr(attn_mask, "requires_grad", False) and m_dtype is torch.bool:
-        reasons.append(Decline(M, "a boolean attn_mask cannot require grad"))
+        yield Decline(M, "a boolean attn_mask cannot require grad")
     elif mask_grad and len(shape) >= 2 and (shape[-2], shape[-1]) != full[2:]:
-        reasons.append(
-            Decline(
-                M,
-                "attn_mask requires grad and broadcasts over query or key positions: its gradient would be "
-                "summed from low-precision per-element dBias values, less accurate than eager",
-            )
+        yield Decline(
+            M,
+            "attn_mask requires grad and broadcasts over query or key positions: its gradient would be "
+            "summed from low-precision per-element dBias values, less accurate than eager",
         )
-    return reasons
 
 
-def _dropout_reasons(dropout_p: Any) -> list[Decline]:
-    """dropout_p must be a number in [0, 1) known at trace time (its 1/16 steps are
-    :data:`~thunder_cudnn_safe.rules.cudnn_rules.DROPOUT_SIXTEENTHS`')."""
-    reasons = []
-    if _is_symbolic(dropout_p):
-        reasons.append(
-            Decline(
-                DeclineCode.DROPOUT,
-                "dropout_p is symbolic (cache='symbolic values'): whether dropout runs, and so the operator's "
-                "outputs, must be known at trace time",
-            )
+def _scalar_reasons(call: Any) -> Iterator[Decline]:
+    """``dropout_p`` must be a number in [0, 1) known at trace time (its 1/16 steps are
+    :data:`~thunder_cudnn_safe.rules.cudnn_rules.DROPOUT_SIXTEENTHS`'), ``scale`` finite, ``is_causal`` a bool."""
+    if _is_symbolic(call.dropout_p):
+        yield Decline(
+            DeclineCode.DROPOUT,
+            "dropout_p is symbolic (cache='symbolic values'): whether dropout runs, and so the operator's "
+            "outputs, must be known at trace time",
         )
-    p = _value(dropout_p)
+    p, scale, causal = _value(call.dropout_p), _value(call.scale), _value(call.is_causal)
     if not _is_number(p):
-        reasons.append(Decline(DeclineCode.DROPOUT, f"dropout_p {p!r} is not a number known at trace time"))
+        yield Decline(DeclineCode.DROPOUT, f"dropout_p {p!r} is not a number known at trace time")
     elif not cudnn_rules.dropout_in_range(float(p)):
-        reasons.append(Decline(DeclineCode.DROPOUT, f"dropout_p={p} is outside [0, 1)"))
-    return reasons
-
-
-def _scale_reasons(scale: Any) -> list[Decline]:
-    sc = _value(scale)
-    if sc is None or (_is_number(sc) and math.isfinite(float(sc))):
-        return []
-    return [Decline(DeclineCode.SCALE, f"scale {sc!r} is not a finite number known at trace time")]
-
-
-def _causal_reasons(is_causal: Any) -> list[Decline]:
-    causal = _value(is_causal)
-    if isinstance(causal, bool):
-        return []
-    return [Decline(DeclineCode.CAUSAL, f"is_causal {causal!r} is not a bool known at trace time")]
+        yield Decline(DeclineCode.DROPOUT, f"dropout_p={p} is outside [0, 1)")
+    if scale is not None and not (_is_number(scale) and math.isfinite(float(scale))):
+        yield Decline(DeclineCode.SCALE, f"scale {scale!r} is not a finite number known at trace time")
+    if not isinstance(causal, bool):
+        yield Decline(DeclineCode.CAUSAL, f"is_causal {causal!r} is not a bool known at trace time")
