@@ -40,13 +40,12 @@ def _make_removed_method_stub(name: str):
     return stub
 
 
-def ensure_named_tensor_stubs() -> list[str]:
+def ensure_named_tensor_stubs() -> None:
     """Add placeholder ``torch.Tensor`` methods that torch >= 2.13 removed; idempotent."""
     for name in NAMED_TENSOR_METHODS:
         if not hasattr(torch.Tensor, name):
             setattr(torch.Tensor, name, _make_removed_method_stub(name))
             stubbed_named_tensor_methods.append(name)
-    return list(stubbed_named_tensor_methods)
 
 
 @dataclass(frozen=True)
@@ -93,10 +92,15 @@ WORKING_TORCH_RANGE = (
 )
 
 
+def major_minor(version: object) -> tuple[int, int]:
+    """(major, minor) of a version string such as ``"2.14.0a0+git4fee7d8"`` ((0, 0) if it has none)."""
+    match = re.match(r"\s*(\d+)\.(\d+)", str(version))
+    return (int(match.group(1)), int(match.group(2))) if match else (0, 0)
+
+
 def torch_version() -> tuple[int, int]:
     """(major, minor) of ``torch.__version__``, read at each call (a child process may patch it)."""
-    match = re.match(r"\s*(\d+)\.(\d+)", str(torch.__version__))
-    return (int(match.group(1)), int(match.group(2))) if match else (0, 0)
+    return major_minor(torch.__version__)
 
 
 def _is_torch_214_thunder_failure(exc: BaseException) -> bool:

@@ -2,9 +2,10 @@
 
 Each knob is a module attribute (``config.dynamic_shapes``) that the code reads where it uses it,
 so a read costs one attribute lookup and a change takes effect on the next call. Each has a
-default, an environment variable (read once, at import; an invalid value warns and keeps the
-default, so a typo never makes a training script unimportable), a parser for that variable's
-text, a check for values given in Python, and one sentence saying what it trades (:data:`KNOBS`).
+default, an environment variable (``THUNDER_CUDNN_SAFE_<NAME>``, read once, at import; an invalid
+value warns and keeps the default, so a typo never makes a training script unimportable), a parser
+for that variable's text, a check for values given in Python, and one sentence saying what it
+trades (:data:`KNOBS`).
 
 Change knobs with :func:`set` or, for a block of code, :func:`patch` (also a decorator); both
 validate first. Do not assign the attributes directly: some knobs also resize a cache (``set``
@@ -21,19 +22,17 @@ import os
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
-from thunder_cudnn_safe import _env
-from thunder_cudnn_safe._env import env_value, parse_arch, positive_int
+from thunder_cudnn_safe._env import env_value, knob_env, parse_arch
 
 DYNAMIC_SHAPE_MODES = ("off", "inference", "forward")
 LAYOUTS = ("preserve", "contiguous")
 
 
 class Knob(NamedTuple):
-    """One knob: its default, environment variable, parser and what it trades."""
+    """One knob: its default, parser and what it trades; its environment variable is :attr:`env`."""
 
     name: str
     default: Any
-    env: str
     #: the environment variable's text -> the value (raises ValueError when invalid)
     parse: Callable[[str], Any]
     #: a value given in Python -> the value (raises ValueError or TypeError when invalid)
@@ -43,25 +42,27 @@ class Knob(NamedTuple):
     #: what the knob trades, one sentence (README's knob table is made of these)
     trades: str
 
-
-def _int(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"expected an integer, got {value!r}")
-    return value
-
-
-def _non_negative(value: Any) -> int:
-    value = int(value) if isinstance(value, str) else _int(value)
-    if value < 0:
-        raise ValueError(f"expected an integer >= 0, got {value!r}")
-    return value
+    @property
+    def env(self) -> str:
+        """``THUNDER_CUDNN_SAFE_`` and the name in capitals."""
+        return knob_env(self.name)
 
 
-def _positive(value: Any) -> int:
-    value = positive_int(value) if isinstance(value, str) else _int(value)
-    if value < 1:
-        raise ValueError(f"expected an integer >= 1, got {value!r}")
-    return value
+def _kind(check: Callable[[Any], Any], expected: str) -> tuple[Callable, Callable, str]:
+    """A knob's kind, unpacked into its fields: ``(parse, check, expected)``. Except for the flags
+    (:data:`_FLAG`: ``0``/``1`` in the environment, a bool in Python), one function reads both."""
+    return check, check, expected
+
+
+def _integer(minimum: int, expected: str) -> tuple[Callable, Callable, str]:
+    def check(value: Any) -> int:
+        if isinstance(value, str):
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ValueError(f"expected an integer >= {minimum}, got {value!r}")
+        return value
+
+    return _kind(check, expected)
 
 
 def _seconds(value: Any) -> float:
@@ -84,14 +85,14 @@ def _bool(value: Any) -> bool:
     return value
 
 
-def _choice(choices: tuple[str, ...]) -> Callable[[Any], str]:
+def _choice(choices: tuple[str, ...]) -> tuple[Callable, Callable, str]:
     def parse(value: Any) -> str:
         text = str(getattr(value, "value", value)).strip().lower()
         if text not in choices:
             raise ValueError(f"expected one of {', '.join(choices)}, got {value!r}")
         return text
 
-    return parse
+    return _kind(parse, " or ".join(choices))
 
 
 def _directory(value: Any) -> str | None:
@@ -118,108 +119,79 @@ def _backend(value: Any) -> int:
     return value
 
 
+_FLAG = (_flag, _bool, "0 or 1")
+
 _KNOBS = (
     Knob(
         "cache_size",
         1024,
-        _env.CACHE_SIZE_ENV,
-        positive_int,
-        _positive,
-        "a positive integer",
+        *_integer(1, "a positive integer"),
         "memory for rebuilds: more layouts than this evict built graphs, which then rebuild (seconds each)",
     ),
     Knob(
         "mask_cache_size",
         16,
-        _env.MASK_CACHE_SIZE_ENV,
-        _non_negative,
-        _non_negative,
-        "a non-negative integer",
+        *_integer(0, "a non-negative integer"),
         "a kept copy per distinct converted mask for one conversion and pattern check per mask; "
         "0 converts on every call and recognizes no pattern",
     ),
     Knob(
         "mask_patterns",
         True,
-        _env.MASK_PATTERNS_ENV,
-        _flag,
-        _bool,
-        "0 or 1",
+        *_FLAG,
         "cuDNN's own causal/window/padding masking (no bias read, one host sync per distinct mask) "
         "against running every mask as the additive bias it was given",
     ),
     Knob(
         "dynamic_shapes",
         "inference",
-        _env.DYNAMIC_SHAPES_ENV,
-        _choice(DYNAMIC_SHAPE_MODES),
-        _choice(DYNAMIC_SHAPE_MODES),
-        " or ".join(DYNAMIC_SHAPE_MODES),
+        *_choice(DYNAMIC_SHAPE_MODES),
         "one compiled kernel for every length and batch size (no build per new length, as in generation) "
         "against a static graph per shape; never with dropout, never for the backward",
     ),
     Knob(
         "dp_workspace_limit",
         4 * 2**30,  # the budget of cudnn_rules.DP_WORKSPACE
-        _env.DP_WORKSPACE_LIMIT_ENV,
-        _non_negative,
-        _non_negative,
-        "a number of bytes >= 0",
+        *_integer(0, "a number of bytes >= 0"),
         "GPU memory for the dP workspace a dBias or deterministic backward needs, against declining "
         "such backwards to the fallback",
     ),
     Knob(
         "plan_cache_dir",
         None,
-        _env.PLAN_CACHE_DIR_ENV,
-        _directory,
-        _directory,
-        "a folder path",
+        *_kind(_directory, "a folder path"),
         "disk space and a file read at each first build for skipping cuDNN's plan build in later processes",
     ),
     Knob(
         "plan_cache_max_entries",
         2048,
-        _env.PLAN_CACHE_MAX_ENTRIES_ENV,
-        positive_int,
-        _positive,
-        "a positive integer",
+        *_integer(1, "a positive integer"),
         "plan files kept in plan_cache_dir (least recently used go first, from the next store) against "
         "rebuilding the plans of more layouts than this in later processes",
     ),
     Knob(
         "plan_cache_max_bytes",
         1 << 30,
-        _env.PLAN_CACHE_MAX_BYTES_ENV,
-        positive_int,
-        _positive,
-        "a positive number of bytes",
+        *_integer(1, "a positive number of bytes"),
         "disk space the plan files in plan_cache_dir may take (least recently used go first, from the next "
         "store) against rebuilding the plans evicted to stay under it",
     ),
     Knob(
         "aot_timeout",
         1200.0,
-        _env.AOT_TIMEOUT_ENV,
-        _seconds,
-        _seconds,
-        "a number of seconds >= 0 (0: no limit)",
+        *_kind(_seconds, "a number of seconds >= 0 (0: no limit)"),
         "how long an ahead-of-time compile child (aot.compile_in_subprocess, describe_target) may run before it "
         "is killed and its compile reported failed, against waiting forever on a hung NVRTC or driver stand-in",
     ),
     Knob(
         "emulated_arch",
         (9, 0),
-        _env.EMULATED_ARCH_ENV,
-        parse_arch,
-        _arch,
-        "an architecture like '9.0' or 'sm90'",
+        *_kind(_arch, "an architecture like '9.0' or 'sm90'"),
         "which GPU's rules the CPU emulation applies (its declines and graphs); never its numbers",
     ),
     Knob(
         "emulated_backend",
         91900,
-        _env.EMULATED_BACKEND_ENV,
         int,
         _backend,
         "an integer like 91900",
@@ -228,30 +200,21 @@ _KNOBS = (
     Knob(
         "layout",
         "preserve",
-        _env.LAYOUT_ENV,
-        _choice(LAYOUTS),
-        _choice(LAYOUTS),
-        " or ".join(LAYOUTS),
+        *_choice(LAYOUTS),
         "'preserve' binds each tensor's own strides and copies only what cuDNN cannot read; "
         "'contiguous' copies every operand and grad_out first (more memory traffic, one layout)",
     ),
     Knob(
         "deterministic",
         False,
-        _env.DETERMINISTIC_ENV,
-        _flag,
-        _bool,
-        "0 or 1",
+        *_FLAG,
         "a bitwise reproducible backward (cuDNN's deterministic algorithm: slower, needs dP workspace) "
         "against speed; torch.use_deterministic_algorithms(True) turns it on too",
     ),
     Knob(
         "bwd_may_cat_grad_qkv",
         False,
-        _env.BWD_MAY_CAT_GRAD_QKV_ENV,
-        _flag,
-        _bool,
-        "0 or 1",
+        *_FLAG,
         "dq, dk, dv as slices of one buffer (saves the copy when the model concatenated q, k, v) "
         "against three separate tensors",
     ),

@@ -19,7 +19,9 @@ from thunder_cudnn_safe.plan.keys import BackwardKey, ForwardKey
 
 #: The frontend version whose internals this module was written against (the package floor).
 MIN_FRONTEND = (1, 32)
-_REQUIRED_INTERNALS = ("_cpp_graph_kwargs", "_backend_handle_for_lowering", "_lower_to_cpp")
+#: Class attributes of pygraph this module overrides or calls (``_cpp_graph_kwargs``, an instance's, is checked by
+#: :func:`lower`).
+_REQUIRED_INTERNALS = ("_backend_handle_for_lowering", "_lower_to_cpp")
 
 
 class LoweringUnavailable(RuntimeError):
@@ -38,26 +40,17 @@ class Lowering(NamedTuple):
     sm_version: int
 
 
-def _frontend_version() -> tuple[int, ...]:
-    raw = str(getattr(_compat.FRONTEND.module, "__version__", "0"))
-    parts = []
-    for piece in raw.split(".")[:2]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        parts.append(int(digits) if digits else 0)
-    return tuple(parts)
-
-
 def lowering_problem() -> str | None:
     """Why graphs cannot be lowered here, or None when they can."""
     cudnn = _compat.FRONTEND.module
     if cudnn is None:
         return _compat.FRONTEND.frontend_problem or "nvidia-cudnn-frontend is not importable"
-    if _frontend_version() < MIN_FRONTEND:
+    if _compat.major_minor(getattr(cudnn, "__version__", "0")) < MIN_FRONTEND:
         return (
             f"nvidia-cudnn-frontend {cudnn.__version__} predates {MIN_FRONTEND[0]}.{MIN_FRONTEND[1]}, "
             "whose pygraph internals this module uses"
         )
-    missing = [name for name in _REQUIRED_INTERNALS if not hasattr(cudnn.pygraph, name) and name != "_cpp_graph_kwargs"]
+    missing = [name for name in _REQUIRED_INTERNALS if not hasattr(cudnn.pygraph, name)]
     if missing:
         return f"nvidia-cudnn-frontend {cudnn.__version__}'s pygraph lacks {missing}: its lowering internals moved"
     if not hasattr(getattr(cudnn, "_pybind_module", None), "backend_graph"):

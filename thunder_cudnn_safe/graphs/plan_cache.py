@@ -30,9 +30,8 @@ from thunder_cudnn_safe.telemetry import logger, warn_once
 MAGIC, FORMAT = b"TCSPLAN\0", 1
 _HEADER = struct.Struct("<8sI32s32sQ")  # magic, format, sha256(ident), sha256(payload), payload length
 STALE_TEMP_S = 3600  #: age after which a temp file is a dead writer's, removed on the next store
-_META = struct.Struct(
-    "<I"
-)  # length of the JSON meta (BuiltGraph's workspace_size, implementation, plan) before the blob
+#: a payload: the length of its JSON meta (BuiltGraph's workspace_size, implementation, plan), the meta, the plan
+_META = struct.Struct("<I")
 
 
 class PlanCacheInfo(NamedTuple):
@@ -56,7 +55,7 @@ class PlanCache:
         self.directory = Path(directory)
         self.max_entries = config.plan_cache_max_entries if max_entries is None else max_entries
         self.max_bytes = config.plan_cache_max_bytes if max_bytes is None else max_bytes
-        self.counts = dict.fromkeys(("loads", "stores", "rejected", "misses", "evicted"), 0)
+        self.counts = dict.fromkeys(PlanCacheInfo._fields[3:], 0)  # loads, stores, rejected, misses, evicted
 
     def path(self, ident: str) -> Path:
         return self.directory / f"{hashlib.sha256(ident.encode()).hexdigest()}.plan"
@@ -182,8 +181,9 @@ def _graphs_source() -> str:
     return hashlib.sha256(Path(graphs.__file__).read_bytes()).hexdigest()  # a changed graph builder invalidates
 
 
-def _ident(key: Any, rung: str | None, device: str) -> str:
+def _ident(key: Any, rung: str | None, device: str | Callable[[], str]) -> str:
     key = key._replace(target=None) if "target" in getattr(key, "_fields", ()) else key  # device and versions: below
+    device = device() if callable(device) else device
     f = _compat.FRONTEND
     return repr((key, rung, device, f.backend_version, f.frontend_version, __version__, _graphs_source()))
 
@@ -196,7 +196,7 @@ def load(
     ``new_graph()`` (with ``handle``); else None."""
     cache = active()
     try:
-        ident = cache and _ident(key, rung, device() if callable(device) else device)
+        ident = cache and _ident(key, rung, device)
         payload = cache and cache.get(ident)
     except Exception as exc:
         warn_once(("plan_cache", "load"), "plan cache: cannot read entries (%s: %s); building", type(exc).__name__, exc)
@@ -225,7 +225,7 @@ def store(key: Any, rung: str | None, device: str | Callable[[], str], built: An
         meta = json.dumps(
             {"workspace_size": built.workspace_size, "implementation": built.implementation, "plan": built.plan}
         ).encode()
-        cache.put(_ident(key, rung, device() if callable(device) else device), _META.pack(len(meta)) + meta + blob)
+        cache.put(_ident(key, rung, device), _META.pack(len(meta)) + meta + blob)
     except Exception as exc:
         logger.debug("plan cache: not storing the plan for %s: %s: %s", key, type(exc).__name__, exc)
 

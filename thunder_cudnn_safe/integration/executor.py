@@ -35,47 +35,37 @@ from thunder_cudnn_safe.rules.support import Decline, not_supported_reasons, tor
 from thunder_cudnn_safe.runtimes import emulation
 from thunder_cudnn_safe.runtimes.cudnn_runtime import CudnnRuntime, Runtime
 
-_DOCS = {
-    "cudnn_safe_layout": "'preserve' declares and binds each tensor's own strides and copies only what cuDNN cannot "
-    "read; 'contiguous' copies every operand and grad_out to contiguous first.",
-    "cudnn_safe_deterministic": "use cuDNN's deterministic SDPA backward algorithm.",
-    "cudnn_safe_bwd_may_cat_grad_qkv": "allocate dq, dk, dv as slices of one buffer when their shapes allow.",
-    "cudnn_sdpa_bwd_may_cat_grad_qkv": "thunder's name for cudnn_safe_bwd_may_cat_grad_qkv.",
+#: Each compile option and the knob it overrides for one ``thunder.jit`` (its default and description).
+_OPTIONS = {
+    "cudnn_safe_layout": "layout",
+    "cudnn_safe_deterministic": "deterministic",
+    "cudnn_safe_bwd_may_cat_grad_qkv": "bwd_may_cat_grad_qkv",
+    "cudnn_sdpa_bwd_may_cat_grad_qkv": "bwd_may_cat_grad_qkv",  # thunder's name for it
 }
 
 
-def _bool_option(default: bool, *names: str) -> bool:
-    """The first of ``names`` set as a compile option (a bool), else ``default`` (its config knob)."""
+def _option(*names: str) -> Any:
+    """The first of ``names`` set as a compile option (a bool where the knob is one), else the knob's value."""
+    knob = config.KNOBS[_OPTIONS[names[0]]]
     for name in names:
-        value = get_compile_option(name, _DOCS[name])
+        value = get_compile_option(name, knob.trades)
         if value is not None:
-            if not isinstance(value, bool):
+            if isinstance(knob.default, bool) and not isinstance(value, bool):
                 raise ValueError(f"compile option {names[0]} must be a bool, got {value!r}")
             return value
-    return default
+    return getattr(config, knob.name)
 
 
 def _call(
     query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False
 ) -> ForwardCall:
     """A thunder SDPA call (torch's signature) with this trace's compile options: the forward call value."""
-    layout = get_compile_option("cudnn_safe_layout", _DOCS["cudnn_safe_layout"])
-    layout = LayoutPolicy.parse(config.layout if layout is None else layout).value
-    cat = _bool_option(
-        config.bwd_may_cat_grad_qkv, "cudnn_safe_bwd_may_cat_grad_qkv", "cudnn_sdpa_bwd_may_cat_grad_qkv"
-    )
+    layout = LayoutPolicy.parse(_option("cudnn_safe_layout")).value
+    deterministic = _option("cudnn_safe_deterministic") or torch_deterministic()
+    cat = _option("cudnn_safe_bwd_may_cat_grad_qkv", "cudnn_sdpa_bwd_may_cat_grad_qkv")
+    cat = cat and same_size_except_heads(query, key, value)
     return ForwardCall(
-        query,
-        key,
-        value,
-        attn_mask,
-        dropout_p,
-        is_causal,
-        scale,
-        layout,
-        _bool_option(config.deterministic, "cudnn_safe_deterministic") or torch_deterministic(),
-        cat and same_size_except_heads(query, key, value),
-        bool(enable_gqa),
+        query, key, value, attn_mask, dropout_p, is_causal, scale, layout, deterministic, cat, bool(enable_gqa)
     )
 
 
@@ -88,12 +78,10 @@ def reasons_for(runtime: Runtime, *args, **kwargs) -> list[Decline]:
     """Why ``runtime``'s executor would not claim ``ForwardCall(*args, **kwargs)`` (tensors or proxies)."""
     call = ForwardCall(*args, **kwargs)
     problem = runtime.environment_problem()
-    device = call.query.device
+    device = call.query.device  # a torch or a thunder device
     target = None
     if problem is None and getattr(device, "type", None) == runtime.device_type:
-        target = runtime.target(
-            torch.device(device.type, device.index) if device.index is not None else torch.device(device.type)
-        )
+        target = runtime.target(torch.device(device.type, device.index))
     return not_supported_reasons(call, target, runtime.device_type, problem)
 
 
@@ -233,18 +221,14 @@ def explain(
     :class:`~thunder_cudnn_safe.rules.support.Decline`: a ``str`` with ``.code`` and ``.rule``.
     """
     call = ForwardCall(query, key, value, *args, **kwargs)
-    for field in ("query", "key", "value", "attn_mask"):
-        t = getattr(call, field)
+    for field, t in zip(("query", "key", "value", "attn_mask"), call):
         if t is None and field == "attn_mask":
             continue
         if not all(hasattr(t, attr) for attr in ("shape", "dtype", "device")) or not hasattr(t.device, "type"):
             raise TypeError(
                 f"explain(): {field} must be a torch tensor or a thunder TensorProxy, got {type(t).__name__}"
             )
-    return reasons_for(
-        _resolve_executor(executor).runtime,
-        *call._replace(deterministic=bool(call.deterministic), enable_gqa=bool(call.enable_gqa)),
-    )
+    return reasons_for(_resolve_executor(executor).runtime, *call)
 
 
 class CallReport(NamedTuple):
@@ -287,9 +271,8 @@ def _pattern_name(masked: ForwardCall) -> str:
 def _resolve_executor(executor: OperatorExecutor | str | None) -> OperatorExecutor:
     if executor is None:
         return cudnn_safe_ex
-    ours = {ex.name: ex for ex in (cudnn_safe_ex, emulated_ex)}
-    if isinstance(executor, str) and executor in ours:
-        return ours[executor]
-    if any(executor is ex for ex in ours.values()):
-        return executor
-    raise TypeError(f"explain(): executor must be one of {sorted(ours)} (object or name), got {executor!r}")
+    for ex in (cudnn_safe_ex, emulated_ex):
+        if executor is ex or executor == ex.name:  # an object must be ours itself: thunder compares executors by name
+            return ex
+    names = sorted((cudnn_safe_ex.name, emulated_ex.name))
+    raise TypeError(f"explain(): executor must be one of {names} (object or name), got {executor!r}")

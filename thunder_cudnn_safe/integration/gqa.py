@@ -9,7 +9,6 @@ installs :func:`torch_sdpa`: thunder's own translation without grouped heads, :d
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import thunder.core.dtypes as dtypes
@@ -61,20 +60,14 @@ def gqa_arguments(*args: Any, **kwargs: Any) -> GQAArgs:
 def _check_gqa_shapes(query: Any, key: Any, value: Any) -> tuple[int, int]:
     """Eager's checks for ``enable_gqa=True``; returns the repeat counts for key and value."""
     for name, t in (("query", query), ("key", key), ("value", value)):
-        utils.check(
-            t.ndim >= 3,
-            lambda name=name, t=t: (
+        if t.ndim < 3:
+            raise IndexError(
                 f"scaled_dot_product_attention(enable_gqa=True): {name} has {t.ndim} dims, needs >= 3 "
                 "(heads are dim -3)"
-            ),
-            IndexError,
-        )
+            )
     hq, hk, hv = query.shape[-3], key.shape[-3], value.shape[-3]
-    utils.check(
-        hk > 0 and hv > 0 and hq % hk == 0 and hq % hv == 0,
-        lambda: f"{_EAGER_HEADS_MESSAGE}query (query has {hq} heads, key {hk}, value {hv})",
-        RuntimeError,
-    )
+    if not (hk > 0 and hv > 0 and hq % hk == 0 and hq % hv == 0):
+        raise RuntimeError(f"{_EAGER_HEADS_MESSAGE}query (query has {hq} heads, key {hk}, value {hv})")
     return hq // hk, hq // hv
 
 
@@ -84,11 +77,8 @@ def sdpa_gqa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, 
     # The ThunderFX splitter hands constants over as static proxies (an IntegerProxy of bool type).
     utils.check(bool(enable_gqa), lambda: f"{GQA_SYMBOL_ID} needs enable_gqa=True, got {enable_gqa!r}")
     for name, t in (("query", query), ("key", key), ("value", value)):
-        utils.check(
-            dtypes.is_float_dtype(t.dtype),
-            lambda name=name, t=t: f"{name}.dtype={t.dtype} is expected to be a floating type",
-            ValueError,
-        )
+        if not dtypes.is_float_dtype(t.dtype):
+            raise ValueError(f"{name}.dtype={t.dtype} is expected to be a floating type")
     rep_k, rep_v = _check_gqa_shapes(query, key, value)
     if rep_k != 1:
         key = ltorch.repeat_interleave(key, rep_k, -3)
@@ -113,13 +103,8 @@ def _autocast_sdpa_gqa(*args, dtype, **kwargs):
     return sdpa_gqa(*a._replace(query=q, key=k, value=v))
 
 
-# thunder reads the torch -> thunder mapping in two places: thunder.torch's map (ThunderFX, examine) and
-# jit_ext's lookaside map (thunder.jit; copied from the first at import). Both must change and come back.
-_saved: dict[str, Any] | None = None
-
-
-def _lookaside(fn: Callable) -> Callable:
-    return ensure_recursive_proxies(interpreter_needs_wrap(record_source_loc_in_symbol_header(fn)))
+#: ``(mapping, key, thunder's own entry or None)`` for each entry :func:`register` replaced; None: not registered.
+_saved: list[tuple[dict, Any, Any]] | None = None
 
 
 def register() -> None:
@@ -127,31 +112,27 @@ def register() -> None:
     global _saved
     if _saved is not None:
         return
-    _saved = {
-        "map": ltorch._torch_to_thunder_function_map.get(_TORCH_SDPA),
-        "lookaside": _general_jit_lookaside_map.get(_TORCH_SDPA),
-        "autocast": autocast_impls.get(GQA_SYMBOL_ID),
-    }
-    ltorch._torch_to_thunder_function_map[_TORCH_SDPA] = torch_sdpa
-    _general_jit_lookaside_map[_TORCH_SDPA] = _lookaside(torch_sdpa)
-    autocast_impls[GQA_SYMBOL_ID] = _autocast_sdpa_gqa
-
-
-def _restore(mapping: dict, key: Any, value: Any) -> None:
-    if value is None:
-        mapping.pop(key, None)
-    else:
+    # thunder reads the torch -> thunder mapping in two places: thunder.torch's map (ThunderFX, examine) and
+    # jit_ext's lookaside map (thunder.jit; copied from the first at import). Both must change and come back.
+    lookaside = ensure_recursive_proxies(interpreter_needs_wrap(record_source_loc_in_symbol_header(torch_sdpa)))
+    ours = (
+        (ltorch._torch_to_thunder_function_map, _TORCH_SDPA, torch_sdpa),
+        (_general_jit_lookaside_map, _TORCH_SDPA, lookaside),
+        (autocast_impls, GQA_SYMBOL_ID, _autocast_sdpa_gqa),
+    )
+    _saved = [(mapping, key, mapping.get(key)) for mapping, key, _ in ours]
+    for mapping, key, value in ours:
         mapping[key] = value
 
 
 def unregister() -> None:
     """Put back thunder's own translation of ``F.scaled_dot_product_attention`` (idempotent)."""
     global _saved
-    if _saved is None:
-        return
-    _restore(ltorch._torch_to_thunder_function_map, _TORCH_SDPA, _saved["map"])
-    _restore(_general_jit_lookaside_map, _TORCH_SDPA, _saved["lookaside"])
-    _restore(autocast_impls, GQA_SYMBOL_ID, _saved["autocast"])
+    for mapping, key, theirs in _saved or ():
+        if theirs is None:
+            mapping.pop(key, None)
+        else:
+            mapping[key] = theirs
     _saved = None
 
 
@@ -170,8 +151,7 @@ def registered() -> bool:
 # dim of the result is [X's head dim, broadcast of n] (X's head outer, so head h reads X's head
 # h // n: torch's repeat_interleave, what enable_gqa means) and every other dim is X's own. A tile
 # (x.repeat(1, n, 1, 1): broadcast outer) gives [broadcast, X's head] and is rejected: it is not GQA.
-_Factor = tuple  # ("x", dim, size) | ("b", -1, size)
-_Dims = list  # list[list[_Factor]]
+_Dims = list  # list[list[factor]], a factor: ("x", dim, size) | ("b", -1, size)
 _VIEW_PRIMS = frozenset({prims.PrimIDs.BROADCAST_IN_DIM, prims.PrimIDs.RESHAPE, prims.PrimIDs.SHALLOW_COPY})
 
 
@@ -197,9 +177,7 @@ def _apply_broadcast_in_dim(dims: _Dims, in_shape, out_shape, bdims) -> _Dims | 
     for i, o in enumerate(bdims):
         if in_shape[i] == out_shape[o]:
             out[o] = list(dims[i])
-        elif in_shape[i] == 1:
-            out[o] = [("b", -1, out_shape[o])]
-        else:
+        elif in_shape[i] != 1:  # a size-1 dim expanded keeps the broadcast factor it was given above
             return None
     return out
 
@@ -231,24 +209,17 @@ def _leaf_prims(bsym: BoundSymbol) -> list[BoundSymbol]:
     return [leaf for sub in bsym.subsymbols for leaf in _leaf_prims(sub)]
 
 
-def _tensor_args(bsym: BoundSymbol) -> list[TensorProxy]:
-    return [a for a in bsym.flat_proxy_args if isinstance(a, TensorProxy)]
-
-
 def _view_chain(t: TensorProxy, producers) -> list[tuple[TensorProxy, list[BoundSymbol]]]:
     """``[(input, leaf prims), ...]``, farthest first, of the view-only bound symbols producing ``t``."""
     chain: list[tuple[TensorProxy, list[BoundSymbol]]] = []
-    current = t
-    while True:
-        bsym = producers.get(current, None)
-        if bsym is None:
-            break
-        inputs = _tensor_args(bsym)
+    bsym = producers.get(t, None)
+    while bsym is not None:
+        inputs = [a for a in bsym.flat_proxy_args if isinstance(a, TensorProxy)]
         leaves = _leaf_prims(bsym)
         if len(inputs) != 1 or not leaves or not all(leaf.sym.id in _VIEW_PRIMS for leaf in leaves):
             break
         chain.insert(0, (inputs[0], leaves))
-        current = inputs[0]
+        bsym = producers.get(inputs[0], None)
     return chain
 
 
@@ -292,11 +263,8 @@ def find_head_repeat(t: TensorProxy, producers) -> tuple[TensorProxy, int] | Non
     """``(X, n)`` when ``t`` is X repeated over head groups; the farthest such X wins (stacked repeats all go)."""
     chain = _view_chain(t, producers)
     for i, (base, _) in enumerate(chain):
-        leaves = [leaf for _, ls in chain[i:] for leaf in ls]
-        dims = _follow(base, leaves, t)
-        if dims is None:
-            continue
-        n = _head_repeat(base, dims, t)
+        dims = _follow(base, [leaf for _, leaves in chain[i:] for leaf in leaves], t)
+        n = None if dims is None else _head_repeat(base, dims, t)
         if n is not None:
             return base, n
     return None
@@ -316,7 +284,7 @@ class RepeatKVToGQA(Transform):
 
     def _plan(self, bsym: BoundSymbol, producers) -> GQAArgs | None:
         try:
-            call = _sdpa_arguments(*bsym.args, **bsym.kwargs)
+            call = GQAArgs(*bsym.args, **bsym.kwargs)  # thunder's SDPA: the same arguments, without enable_gqa
         except TypeError:
             return None
         q, k, v = call.query, call.key, call.value
@@ -333,10 +301,8 @@ class RepeatKVToGQA(Transform):
     def transform_traces_pre_prologue(
         self, prologue_trace: TraceCtx, computation_trace: TraceCtx, epilogue_trace: TraceCtx | None, **kwargs
     ):
-        from thunder.core.utils import producers as find_producers
-
         self.rewritten = 0
-        producers = find_producers(computation_trace)
+        producers = utils.producers(computation_trace)
         new_trace = from_trace(computation_trace)
         new_bsyms: list[BoundSymbol] = []
         for bsym in computation_trace.bound_symbols:
@@ -361,7 +327,3 @@ class RepeatKVToGQA(Transform):
         new_trace.bound_symbols = new_bsyms
         new_trace.set_provenance(TraceProvenance(f"RepeatKVToGQA ({self.rewritten} SDPA call(s) on un-repeated K/V)"))
         return prologue_trace, new_trace, epilogue_trace
-
-
-def _sdpa_arguments(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None) -> GQAArgs:
-    return GQAArgs(query, key, value, attn_mask, dropout_p, is_causal, scale, False)

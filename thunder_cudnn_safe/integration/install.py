@@ -41,7 +41,7 @@ def install(emulated: bool = False) -> list[Executor]:
     if not isinstance(emulated, bool):
         raise TypeError(f"install(emulated=...) must be a bool, got {emulated!r}")
     removed = _take_out_builtin()
-    if removed is not None and _removed_builtin is None:
+    if _removed_builtin is None:  # uninstall restores the first one taken out, where it was
         _removed_builtin = removed
     rest = [ex for ex in get_default_executors() if ex not in (cudnn_safe_ex, emulated_ex)]
     front = [cudnn_safe_ex] + ([emulated_ex] if emulated else [])

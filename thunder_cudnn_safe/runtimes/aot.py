@@ -56,30 +56,25 @@ _COMMON = {
     "cudaDeviceId": 0,
     "driverVer": 13000,
 }
-_FIELDS = (
-    "deviceVer",
-    "maxSharedMemoryPerBlockOptin",
-    "multiProcessorCount",
-    "l2CacheSize",
-    "totalGlobalMem",
-    "smClockRateKHz",
-    "memClockRateKHz",
-    "pciDeviceId",
-    "deviceName",
-)
-#: Memory bus width in bits. cuDNN 9.27's ``create_device_properties`` refuses a descriptor without it
-#: (CUDNN_STATUS_BAD_PARAM); 9.19 accepts the key and ignores it.
-_MEMORY_BUS_WIDTH = {"A100": 5120, "H100": 5120, "H200": 6144, "B200": 8192}
+_NAMES = ("A100", "H100", "H200", "B200")
+#: Each field that differs per device: its value on each of :data:`_NAMES`.
+_PER_DEVICE = {
+    "deviceVer": (800, 900, 900, 1000),
+    "maxSharedMemoryPerBlockOptin": (163 * 1024, 227 * 1024, 227 * 1024, 227 * 1024),
+    "multiProcessorCount": (108, 132, 132, 148),
+    "l2CacheSize": (40 * 2**20, 50 * 2**20, 50 * 2**20, 126 * 2**20),
+    "totalGlobalMem": (80 * 10**9, 80 * 10**9, 141 * 10**9, 180 * 10**9),
+    "smClockRateKHz": (1410000, 1980000, 1980000, 1965000),
+    "memClockRateKHz": (1593000, 2619000, 3201000, 3996000),
+    "pciDeviceId": (0x20B2, 0x2330, 0x2335, 0x2901),
+    "deviceName": ("NVIDIA A100-SXM4-80GB", "NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA B200"),
+    # cuDNN 9.27's create_device_properties refuses a descriptor without it (CUDNN_STATUS_BAD_PARAM); 9.19 ignores it
+    "memoryBusWidth": (5120, 5120, 6144, 8192),
+}
 #: Descriptors from public specifications (:data:`SOURCES`); scripts/gpu_check.sh saves a real
 #: device's (``create_device_properties(0).serialize()``) to replace them.
 DEVICES: dict[str, dict[str, Any]] = {
-    name: {**_COMMON, **dict(zip(_FIELDS, values)), "memoryBusWidth": _MEMORY_BUS_WIDTH[name]}
-    for name, values in {
-        "A100": (800, 163 * 1024, 108, 40 * 2**20, 80 * 10**9, 1410000, 1593000, 0x20B2, "NVIDIA A100-SXM4-80GB"),
-        "H100": (900, 227 * 1024, 132, 50 * 2**20, 80 * 10**9, 1980000, 2619000, 0x2330, "NVIDIA H100 80GB HBM3"),
-        "H200": (900, 227 * 1024, 132, 50 * 2**20, 141 * 10**9, 1980000, 3201000, 0x2335, "NVIDIA H200"),
-        "B200": (1000, 227 * 1024, 148, 126 * 2**20, 180 * 10**9, 1965000, 3996000, 0x2901, "NVIDIA B200"),
-    }.items()
+    name: {**_COMMON, **{field: values[i] for field, values in _PER_DEVICE.items()}} for i, name in enumerate(_NAMES)
 }
 SOURCES: dict[str, str] = {
     **dict.fromkeys(_COMMON, _CC),
@@ -239,7 +234,7 @@ def compile_in_subprocess(keys: list, devices: Any, *, extra_ld_path: Any = None
         except subprocess.TimeoutExpired as exc:  # subprocess.run has killed the child
             raise RuntimeError(
                 f"the compile process for {device} ran past its {limit:g} s limit (config.aot_timeout, "
-                f"THUNDER_CUDNN_SAFE_AOT_TIMEOUT) and was killed: {len(keys)} key(s) not compiled"
+                f"{config.KNOBS['aot_timeout'].env}) and was killed: {len(keys)} key(s) not compiled"
             ) from exc
         if proc.returncode:
             raise RuntimeError(
@@ -278,14 +273,12 @@ def describe_target(
 
     device = resolve_target(target)
     call = ForwardCall(query, key, value, *args, **kwargs)
-    call = call._replace(deterministic=bool(call.deterministic), enable_gqa=bool(call.enable_gqa))
     reasons = not_supported_reasons(call, target_of(device), query.device.type)
     if reasons:
         return TargetReport(device, reasons, None, None)
-    _, fkey, bkey = planned_keys(call, target_of(device))  # bkey None: an inference forward, no backward
-    results = compile_in_subprocess([k for k in (fkey, bkey) if k is not None], device, extra_ld_path=extra_ld_path)[
-        device
-    ]
+    _, fkey, bkey = planned_keys(call, target_of(device))
+    keys = [fkey] if bkey is None else [fkey, bkey]  # bkey None: an inference forward, no backward
+    results = compile_in_subprocess(keys, device, extra_ld_path=extra_ld_path)[device]
     return TargetReport(device, reasons, results[0], results[1] if bkey is not None else None)
 
 
