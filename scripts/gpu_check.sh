@@ -15,7 +15,7 @@
 #      streams   tests/test_streams.py             } compute-sanitizer --tool memcheck where it works,
 #      threads   tests/test_threads.py             } each with its own timeout
 #      capture   -k "capture or cuda_graph" over tests/
-#   4. defects   tests/test_gpu_defects.py (cuDNN's known silent defects)
+#   4. defects   the gpu-marked tests of tests/test_defect_rules.py (cuDNN's known silent defects)
 #   5. rest      the other gpu-marked tests (the layout zoo, GQA, ThunderFX, distributed, upstream/...)
 #      patch     upstream/cudnn_sdpa.patch applies to the carried thunder and compiles
 #      probe     scripts/probe_builtin_cudnn.py (thunder's built-in cuDNN executor with this frontend)
@@ -24,7 +24,8 @@
 #
 #   device tool: run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=560)
 #   here:        GPU_CHECK_DRY_RUN=1 bash scripts/gpu_check.sh   (no GPU: CUDA work skipped; every step's test
-#                selection is collected, the smoke test's assertions printed, test_gpu*.py run emulated)
+#                selection is collected, the smoke test's assertions printed, the smoke test and the gpu tests
+#                of six feature files run emulated: step `emulated`)
 #
 # Every step is guarded (one failing does not stop the others; only the environment check stops the run) and
 # has its own timeout, drawn from one budget so that the whole script, summary included, ends within
@@ -165,7 +166,7 @@ echo "order: install env | smoke | sanitizer packed streams threads capture | de
 gpu_pytest() {
   local name=$1 per_test=$2 sanitize=$3
   shift 3
-  local args=(-m gpu -p no:cacheprovider -p no:xdist "$@") runner=()
+  local args=(-m gpu -p no:cacheprovider -n 0 "$@") runner=()
   # shellcheck disable=SC2206  # word splitting of the user's extra args is intended
   [ -n "${GPU_CHECK_PYTEST_ARGS:-}" ] && args+=(${GPU_CHECK_PYTEST_ARGS})
   if [ "$DRY" = 1 ]; then
@@ -422,7 +423,7 @@ run_step capture 90 130 gpu_pytest capture 60 1 tests/ -k "capture or cuda_graph
   --continue-on-collection-errors
 
 # == 4. the regression tests for cuDNN's known silent defects =========================================
-run_step defects 120 60 gpu_pytest defects 90 0 tests/test_gpu_defects.py
+run_step defects 120 60 gpu_pytest defects 90 0 tests/test_defect_rules.py
 
 # == 5. the rest of the gpu-marked tests, the patch, the probe, the benchmarks ========================
 rest_tests() {
@@ -432,17 +433,21 @@ rest_tests() {
   # lacks) must not stop the GPU tests of the other modules. What steps 2-4 ran is left out.
   gpu_pytest rest 120 0 "${paths[@]}" --continue-on-collection-errors \
     --ignore=tests/test_gpu_smoke.py --ignore=tests/test_streams.py --ignore=tests/test_threads.py \
-    --ignore=tests/test_gpu_defects.py -k "not (capture or cuda_graph) and $REST_PACKED"
+    --ignore=tests/test_defect_rules.py -k "not (capture or cuda_graph) and $REST_PACKED"
 }
 export -f rest_tests
 export REST_PACKED
 run_step rest 240 30 rest_tests
 
-# Dry run only: rehearse the GPU test files' own logic on CPU against the emulated runtime
-# (same Python, same carried wheels; the emulation is not cuDNN).
+# Dry run only: rehearse the GPU tests' own logic on CPU against the emulated runtime (same Python, same carried
+# wheels; the emulation is not cuDNN): the smoke test, and the gpu-marked tests of the layout zoo, masks, the
+# checker, the compile options, the attention block and dynamic shapes, each in its feature's file (-m gpu: without
+# the conftest those files' CPU tests would lack their fixtures).
 emulated_tests() {
-  THUNDER_CUDNN_SAFE_GPU_TESTS_EMULATE=1 "$PY" -m pytest --noconftest tests/test_gpu_smoke.py tests/test_gpu.py -v \
-    -p no:cacheprovider -p no:xdist --show-capture=no -o log_level=WARNING -rf --junitxml="$OUT/gpu-emulated.xml" 2>&1 |
+  local files=(tests/test_gpu_smoke.py tests/test_support.py tests/test_accuracy_zoo.py tests/test_masks.py
+    tests/test_parity.py tests/test_module_block.py tests/test_dynamic_shapes.py)
+  THUNDER_CUDNN_SAFE_GPU_TESTS_EMULATE=1 "$PY" -m pytest --noconftest -m gpu "${files[@]}" -v \
+    -p no:cacheprovider -n 0 --show-capture=no -o log_level=WARNING -rf --junitxml="$OUT/gpu-emulated.xml" 2>&1 |
     tee -i "$OUT/gpu-emulated.log"
   return "${PIPESTATUS[0]}"
 }

@@ -1,16 +1,21 @@
 """Test seams: run calls through ``thunder.jit`` with an executor of ours and check them against
 float64 and eager under the accuracy rule; assert that cuDNN's path ran (claimed, graphs built, no
-fallback); make a runtime refuse, to exercise the fallback."""
+fallback); make a runtime refuse, to exercise the fallback. At the end, what the ``gpu``-marked tests of
+several feature files share: the device and executor they run on, and one call checked on real cuDNN."""
 
 from __future__ import annotations
 
 import contextlib
+import os
+from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 
+import thunder_cudnn_safe as tcs  # first: runs the compat steps before thunder is imported
 from thunder_cudnn_safe.testing import assert_close_to_reference
 
 EMULATED_OP = "cudnn_safe_emulated_sdpa"
@@ -213,3 +218,153 @@ def inject_failures(
         yield
     finally:
         del rt.build, rt.execute
+
+
+# -- the gpu-marked tests: real cuDNN (emulated with THUNDER_CUDNN_SAFE_GPU_TESTS_EMULATE=1) -----------------
+# Each gpu test sits in its feature's file and carries ``@pytest.mark.gpu`` and ``@needs_gpu``: tests/conftest.py
+# skips gpu-marked tests without CUDA, and ``needs_gpu`` does where the conftest is not loaded. They run on the
+# lent GPU machine through ``bash scripts/gpu_check.sh`` (docs/gpu.md), through ``thunder.jit`` with
+# ``cudnn_safe_ex`` first, against float64 eager.
+#: THUNDER_CUDNN_SAFE_GPU_TESTS_EMULATE=1: the gpu-marked tests run on CPU with the emulated executor, a check of
+#: the test code only (the emulation is not cuDNN): ``THUNDER_CUDNN_SAFE_GPU_TESTS_EMULATE=1 python -m pytest
+#: --noconftest -n 0 -m gpu FILES`` (without ``--noconftest`` the conftest's GPU skip applies). The CPU tests
+#: ignore it.
+EMULATE = os.environ.get("THUNDER_CUDNN_SAFE_GPU_TESTS_EMULATE") == "1"
+needs_gpu = pytest.mark.skipif(not EMULATE and not torch.cuda.is_available(), reason="needs a CUDA GPU with cuDNN")
+GPU_DEVICE, GPU_EXECUTOR = ("cpu", tcs.emulated_ex) if EMULATE else ("cuda", tcs.cudnn_safe_ex)
+GPU_FWD_OP, GPU_BWD_OP = f"{GPU_EXECUTOR.name}_sdpa_fwd", f"{GPU_EXECUTOR.name}_sdpa_bwd"
+F16, BF16 = torch.float16, torch.bfloat16
+
+
+def executors_ours() -> list:
+    """What the README tells users to pass."""
+    import thunder
+
+    return [GPU_EXECUTOR, *thunder.get_default_executors()]
+
+
+def executors_sdpaex() -> list:
+    """sdpaex first, without thunder's built-in cuDNN executor.
+
+    The built-in one builds its graphs with ``scaled_dot_product_flash_attention``,
+    which nvidia-cudnn-frontend 1.32 no longer has: if sdpaex declined a call, its
+    checker would raise instead of declining (gpu_check.sh records that separately).
+    """
+    import thunder
+
+    rest = [ex for ex in thunder.get_default_executors() if ex.name not in ("cudnn", "sdpa")]
+    sdpa_ex = thunder.sdpa_executor
+    return ([sdpa_ex] if sdpa_ex is not None else []) + rest
+
+
+def sdpa(q, k, v, mask=None, is_causal=False):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
+
+
+def relax(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A leaf with ``t``'s layout and values, its own autograd identity."""
+    if t is None or t.dtype == torch.bool:
+        return t
+    return t.detach().requires_grad_(t.requires_grad)
+
+
+def relax_contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t``'s values in a fresh contiguous leaf."""
+    if t is None or t.dtype == torch.bool:
+        return t
+    return t.detach().contiguous().requires_grad_(t.requires_grad)
+
+
+def _err(a: torch.Tensor, r: torch.Tensor) -> float:
+    return (a.double() - r.double()).abs().max().item() if r.numel() else 0.0
+
+
+def to64(t: torch.Tensor | None) -> torch.Tensor | None:
+    if t is None or t.dtype == torch.bool:
+        return t
+    return t.detach().double().requires_grad_(t.requires_grad)
+
+
+def forward_backward(f, q, k, v, mask, causal, grad_out):
+    out = f(q, k, v, mask, causal)
+    leaves = [t for t in (q, k, v, mask) if t is not None and t.requires_grad]
+    return out, torch.autograd.grad(out, leaves, grad_out)
+
+
+def check_sdpa_case(q, k, v, grad_out, mask=None, causal=False, *, allow_fallback=False, **jit_options):
+    """Run one case through the executor, eager low precision, float64 eager and sdpaex; check all.
+
+    What it checks, on real cuDNN:
+
+    * the executor claimed the forward and the backward (its operators are in
+      ``thunder.last_traces`` / ``thunder.last_backward_traces``) and cuDNN ran them (no
+      call went to the torch fallback, ``cache_info().fallbacks``);
+    * the output and every gradient satisfy the accuracy rule against float64 eager
+      (:func:`thunder_cudnn_safe.testing.assert_close_to_reference`, with eager
+      ``F.scaled_dot_product_attention`` on the same CUDA low-precision inputs as the
+      yardstick);
+    * its error is also within twice that of thunder's sdpaex (``thunder.sdpa_executor``,
+      torch's flash / memory-efficient kernels) on the same inputs, where sdpaex claims them
+      (it declines e.g. a last dim with stride 2; thunder's decomposition then runs). On the
+      emulated self-check sdpaex declines CPU tensors: there the comparison is with thunder's
+      torch decomposition.
+    """
+    import thunder
+
+    before = tcs.cache_info()
+    jf = thunder.jit(sdpa, executors=executors_ours(), **jit_options)
+    out, grads = forward_backward(jf, q, k, v, mask, causal, grad_out)
+    fwd, bwd = trace_text(jf)
+    assert GPU_FWD_OP in fwd, (
+        f"{GPU_EXECUTOR.name} did not claim the forward: {tcs.explain(q, k, v, mask, 0.0, causal)}"
+    )
+    assert GPU_BWD_OP in bwd, "the backward did not run on the executor"
+    fallbacks = tcs.cache_info().fallbacks - before.fallbacks
+    if not allow_fallback:
+        assert fallbacks == 0, f"{fallbacks} call(s) went to the torch fallback: cuDNN refused a graph"
+        assert tcs.cache_info().builds > 0, "no graph was ever built: nothing ran on cuDNN"
+
+    ref, ref_grads = forward_backward(sdpa, *map(to64, (q, k, v, mask)), causal, grad_out.double())
+    # The yardstick is eager torch in the same precision on the same values. On the same
+    # layout torch may pick its math backend (last-dim stride 2, misaligned base), which
+    # upcasts to float32 and is far more accurate than any fused kernel; on contiguous
+    # copies it picks flash / memory-efficient. Take the less accurate of the two, per
+    # tensor: "as accurate as one of torch's own low-precision paths on these values".
+    same = forward_backward(sdpa, *map(relax, (q, k, v, mask)), causal, grad_out)
+    contig = forward_backward(sdpa, *map(relax_contiguous, (q, k, v, mask)), causal, grad_out)
+    pairs = zip((same[0], *same[1]), (contig[0], *contig[1]), (ref, *ref_grads))
+    eager, *eager_grads = [a if _err(a, r) >= _err(b, r) else b for a, b, r in pairs]
+    js = thunder.jit(sdpa, executors=executors_sdpaex())
+    s_out, s_grads = forward_backward(js, *map(relax, (q, k, v, mask)), causal, grad_out)
+    # Compare with sdpaex only where it ran torch's fused (flash / memory-efficient)
+    # kernels: where it declines, thunder's decomposition runs instead, a different yardstick.
+    sdpaex_ran = "sdpaex_" in trace_text(js)[0] or "sdpafx_" in trace_text(js)[0]
+
+    names = ["out", "dq", "dk", "dv", "dmask"]
+    for name, ours, e, r, s in zip(names, (out, *grads), (eager, *eager_grads), (ref, *ref_grads), (s_out, *s_grads)):
+        assert_close_to_reference(ours, e, r, f"{name} vs float64 (eager rule)")
+        if sdpaex_ran:
+            assert_close_to_reference(ours, s, r, f"{name} vs float64 (2x sdpaex's error)")
+    return out, grads
+
+
+@contextlib.contextmanager
+def runtime_executions():
+    """Count the graphs the executor's runtime executes inside, by kind: "forward", "backward", "backward+dBias"."""
+    from thunder_cudnn_safe.plan.keys import BackwardKey
+
+    runtime = GPU_EXECUTOR.runtime
+    real = runtime.execute
+    counts: Counter = Counter()
+
+    def execute(built, pack):
+        key = built.key
+        kind = "backward" if isinstance(key, BackwardKey) else "forward"
+        counts[kind + ("+dBias" if getattr(key, "d_bias", None) is not None else "")] += 1
+        return real(built, pack)
+
+    runtime.execute = execute
+    try:
+        yield counts
+    finally:
+        del runtime.execute

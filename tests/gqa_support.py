@@ -1,5 +1,5 @@
-"""Grouped-query attention tensors in the layout zoo, for the GQA tests (tests/test_gqa.py, tests/test_gqa_gpu.py
-and test_graph_declarations.py). thunder_cudnn_safe.testing's zoo makes q, k and v with one head count;
+"""Grouped-query attention tensors in the layout zoo, for the GQA tests (tests/test_gqa.py, its CPU and its gpu
+tests, and test_graph_declarations.py). thunder_cudnn_safe.testing's zoo makes q, k and v with one head count;
 GQA needs q with H_q heads and k/v with H_kv heads in the same layout. The runner checks one call
 through thunder.jit with an executor of ours (emulated on CPU, cudnn_safe_ex on a GPU)."""
 

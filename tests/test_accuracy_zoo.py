@@ -1,9 +1,17 @@
-"""End to end through thunder.jit on the emulated executor: the layout zoo is numerically right."""
+"""End to end through thunder.jit on the emulated executor: the layout zoo is numerically right.
+
+The ``gpu``-marked tests at the end run the zoo on real cuDNN (skipped without CUDA; ``scripts/gpu_check.sh``'s
+rest step runs them) as a pairwise table of cases (each QKV layout twice, each grad_out layout four times, both
+dtypes, causal and not, head dims 64 and 128, L == S and L != S) rather than the full product, which the CPU tests
+above cover on the emulated runtime; each case is checked by ``checks.check_sdpa_case`` (claimed, no fallback,
+the accuracy rule against float64 eager and twice sdpaex's error). Self-check without a GPU:
+``THUNDER_CUDNN_SAFE_GPU_TESTS_EMULATE=1 python -m pytest --noconftest -n 0 -m gpu tests/test_accuracy_zoo.py``.
+"""
 
 import pytest
 import thunder
 import torch
-from checks import jit_sdpa, run_and_check
+from checks import BF16, F16, GPU_DEVICE, check_sdpa_case, jit_sdpa, needs_gpu, run_and_check
 
 import thunder_cudnn_safe as tcs
 from thunder_cudnn_safe.testing import GRAD_OUT_LAYOUTS, QKV_LAYOUTS, ZERO_COPY_GRAD_LAYOUTS, ZERO_COPY_QKV_LAYOUTS
@@ -112,3 +120,53 @@ def test_grad_mask_broadcast_over_positions_is_declined(fresh_cache):
     assert "cudnn_safe_emulated_sdpa" not in str(thunder.last_traces(jf)[-1])
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     torch.testing.assert_close(out, ref, atol=2e-3, rtol=2e-3)
+
+
+# -- on real cuDNN (gpu; emulated with THUNDER_CUDNN_SAFE_GPU_TESTS_EMULATE=1): the layout zoo, pairwise ------------
+#  qkv layout          grad_out layout  dtype causal  d    L    S
+ZOO = [
+    ("contiguous", "contiguous", F16, False, 64, 128, 128),
+    ("bshd_transposed", "transposed", BF16, True, 64, 96, 160),
+    ("sbhd", "zero_stride", F16, True, 128, 128, 128),
+    ("packed_qkv", "expanded", BF16, False, 128, 128, 128),
+    ("kv_broadcast_head", "contiguous", F16, False, 64, 96, 160),
+    ("size1_odd_strides", "transposed", BF16, True, 64, 128, 128),
+    ("lastdim_strided", "zero_stride", F16, True, 128, 96, 160),
+    ("misaligned", "expanded", BF16, False, 128, 128, 128),
+    ("contiguous", "zero_stride", BF16, True, 128, 96, 160),
+    ("bshd_transposed", "expanded", F16, False, 128, 128, 128),
+    ("sbhd", "contiguous", BF16, False, 64, 96, 160),
+    ("packed_qkv", "transposed", F16, True, 64, 128, 128),
+    ("kv_broadcast_head", "zero_stride", BF16, True, 128, 128, 128),
+    ("size1_odd_strides", "expanded", F16, False, 128, 96, 160),
+    ("lastdim_strided", "contiguous", BF16, False, 64, 128, 128),
+    ("misaligned", "transposed", F16, True, 64, 96, 160),
+]
+
+
+def _zoo_id(case) -> str:
+    qkv, grad, dtype, causal, d, lq, s = case
+    return f"{qkv}-{grad}-{str(dtype).removeprefix('torch.')}-{'causal' if causal else 'full'}-d{d}-{lq}x{s}"
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_zoo_table_covers_every_layout():
+    """Guard for the pairwise table above (runs wherever the GPU tests run)."""
+    assert {c[0] for c in ZOO} == set(QKV_LAYOUTS)
+    assert {c[1] for c in ZOO} == set(GRAD_OUT_LAYOUTS)
+    for qkv in QKV_LAYOUTS:
+        assert {c[2] for c in ZOO if c[0] == qkv} == {F16, BF16}, qkv
+    assert {(c[3], c[4], c[5] == c[6]) for c in ZOO} >= {
+        (c, d, eq) for c in (True, False) for d in (64, 128) for eq in (True, False)
+    }
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("case", ZOO, ids=_zoo_id)
+def test_layout_zoo(case):
+    qkv, grad, dtype, causal, d, lq, s = case
+    q, k, v = QKV_LAYOUTS[qkv](2, 4, lq, s, d, d, dtype, device=GPU_DEVICE)
+    grad_out = GRAD_OUT_LAYOUTS[grad]((q.shape[0], q.shape[1], q.shape[2], v.shape[3]), dtype, device=GPU_DEVICE)
+    check_sdpa_case(q, k, v, grad_out, causal=causal)

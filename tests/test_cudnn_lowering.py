@@ -17,7 +17,8 @@ mark must go. The forward's chosen SDPA implementation is counted per arch in th
 pytest summary.
 
 What this proves and what it does not: cuDNN's validation accepts every graph we claim;
-whether an engine exists and computes the right numbers needs a GPU (tests/test_gpu.py).
+whether an engine exists and computes the right numbers needs a GPU (the gpu-marked tests, e.g. the layout zoo in
+tests/test_accuracy_zoo.py).
 """
 
 from __future__ import annotations

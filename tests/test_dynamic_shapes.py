@@ -6,16 +6,20 @@ changes is the plan build: the kernel compiled for the first shape is reused for
 length and batch size. Which forwards are dynamic is a knob (``config.dynamic_shapes``); the
 backward never is. The compile-side proof (one kernel for many lengths) is in
 tests/test_cudnn_compile.py.
+
+The ``gpu``-marked test at the end runs decode forwards over new lengths on real cuDNN, as dynamic-shape and as
+static graphs (skipped without CUDA; ``scripts/gpu_check.sh``'s rest step runs it). Self-check without a GPU:
+``THUNDER_CUDNN_SAFE_GPU_TESTS_EMULATE=1 python -m pytest --noconftest -n 0 -m gpu tests/test_dynamic_shapes.py``.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
+import logging
 
 import pytest
+import thunder
 import torch
+from checks import BF16, GPU_DEVICE, executors_ours, needs_gpu, sdpa
 from test_graph_declarations import RecordingRuntime, declaration_mismatches
 
 import thunder_cudnn_safe as tcs
@@ -28,7 +32,7 @@ from thunder_cudnn_safe.plan import calls, recipes
 from thunder_cudnn_safe.plan.keys import BackwardKey, ForwardKey
 from thunder_cudnn_safe.runtimes import emulation
 from thunder_cudnn_safe.runtimes.cudnn_runtime import BuiltGraph, build_with_ladder
-from thunder_cudnn_safe.testing import QKV_LAYOUTS
+from thunder_cudnn_safe.testing import QKV_LAYOUTS, assert_close_to_reference
 
 
 @pytest.fixture
@@ -86,15 +90,17 @@ def test_the_knob_decides_per_call_and_the_plan_memo_follows_it(mode, setting, t
     assert [key.dynamic for key in _forward_keys(disp)][-1] is dynamic
 
 
-def test_invalid_mode_is_refused_and_env_typo_keeps_the_default():
+def test_invalid_mode_is_refused_and_env_typo_keeps_the_default(monkeypatch, caplog):
+    """``config.set`` refuses an unknown mode; the environment's value is parsed as at import (a typo warns and
+    keeps the default; tests/test_config.py checks that the environment reaches the package at import)."""
     with pytest.raises(ValueError):
         tcs.config.set(dynamic_shapes="always")
-    code = "import thunder_cudnn_safe as tcs; print(tcs.config.dynamic_shapes)"
     for raw, want in (("forward", "forward"), (" OFF ", "off"), ("sometimes", "inference")):
-        env = {**os.environ, "THUNDER_CUDNN_SAFE_DYNAMIC_SHAPES": raw}
-        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-        assert proc.stdout.strip().splitlines()[-1] == want, proc.stderr
-        assert ("THUNDER_CUDNN_SAFE_DYNAMIC_SHAPES must be" in proc.stderr) is (want == "inference")
+        monkeypatch.setenv("THUNDER_CUDNN_SAFE_DYNAMIC_SHAPES", raw)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="thunder_cudnn_safe"):
+            assert tcs.config.from_environment("dynamic_shapes") == want
+        assert ("THUNDER_CUDNN_SAFE_DYNAMIC_SHAPES must be" in caplog.text) is (want == "inference")
 
 
 def test_before_cudnn_9_18_1_no_forward_is_dynamic(mode):
@@ -180,3 +186,31 @@ def test_describe_an_inference_forward(fresh_cache):
     assert report.reasons == [] and report.mask_pattern == "padding" and report.backward is None
     assert report.forward is not None and report.forward.key.dynamic and report.forward.key.padded
     assert tcs.describe(q, k, k, mask, executor="cudnn_safe_emulated").mask_pattern == "all_kept"
+
+
+# -- on real cuDNN (gpu; emulated with THUNDER_CUDNN_SAFE_GPU_TESTS_EMULATE=1) -----------------------------------
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("setting", ["inference", "off"])
+def test_decode_over_new_lengths_with_dynamic_shape_graphs(setting):
+    """Decode forwards (no_grad) over 12 key lengths and 2 batch sizes: right numbers as dynamic-shape
+    graphs sharing one kernel cache and as static graphs; the build seconds go into the figure."""
+
+    with tcs.config.patch(dynamic_shapes=setting):
+        tcs.clear_cache()
+        jf = thunder.jit(sdpa, executors=executors_ours())
+        q = torch.randn(1, 1, 8, 128, device=GPU_DEVICE, dtype=BF16).transpose(1, 2)
+        with torch.no_grad():
+            for b, s in [(1, 64 + 48 * i) for i in range(12)] + [(3, 200), (3, 700)]:
+                k, v = (torch.randn(b, s, 8, 128, device=GPU_DEVICE, dtype=BF16).transpose(1, 2) for _ in range(2))
+                qb = q.expand(b, -1, -1, -1)
+                out = jf(qb, k, v)
+                ref = sdpa(qb.double(), k.double(), v.double())
+                assert_close_to_reference(
+                    out, sdpa(qb.float(), k.float(), v.float()).to(BF16), ref, f"decode S={s} B={b}"
+                )
+        info = tcs.cache_info()
+        keys = [g.key for g in tcs.cached_graphs()]
+        assert info.fallbacks == 0 and len(keys) == 14, (info, keys)
+        assert all(key.dynamic is (setting == "inference") for key in keys)
+        print(f"dynamic shapes {setting}: {info.builds} plans built in {info.build_seconds:.2f} s")

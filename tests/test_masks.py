@@ -2,21 +2,42 @@
 
 Each test failed before its fix (found by an independent adversarial review): a mask
 gradient silently dropped, NaN for rows whose every key is masked.
+
+The ``gpu``-marked test at the end runs an additive, a boolean and a mask with a gradient (dBias) on real cuDNN
+(skipped without CUDA; ``scripts/gpu_check.sh``'s rest step runs it), checked by ``checks.check_sdpa_case``.
+Self-check without a GPU: ``THUNDER_CUDNN_SAFE_GPU_TESTS_EMULATE=1 python -m pytest --noconftest -n 0 -m gpu
+tests/test_masks.py``.
 """
 
 import pytest
 import thunder
 import torch
 import torch.nn.functional as F
-from checks import assert_claimed, assert_claimed_in_traces, check_against_eager, jit_with_ours, on_the_runtime
+from checks import (
+    BF16,
+    F16,
+    GPU_DEVICE,
+    assert_claimed,
+    assert_claimed_in_traces,
+    check_against_eager,
+    check_sdpa_case,
+    jit_with_ours,
+    needs_gpu,
+    on_the_runtime,
+    runtime_executions,
+)
 
 import thunder_cudnn_safe as tcs
-from thunder_cudnn_safe.testing import assert_close_to_reference
+from thunder_cudnn_safe.testing import GRAD_OUT_LAYOUTS, QKV_LAYOUTS, assert_close_to_reference
 
 
 @pytest.fixture(autouse=True)
-def _masks_as_biases():
-    """These tests are about converting masks to biases: no mask is run as a pattern (issue 21)."""
+def _masks_as_biases(request):
+    """These tests are about converting masks to biases: no mask is run as a pattern (issue 21). The gpu test at
+    the end runs with the configuration as it is set."""
+    if request.node.get_closest_marker("gpu") is not None:
+        yield
+        return
     with tcs.config.patch(mask_patterns=False):
         yield
 
@@ -287,3 +308,42 @@ def test_fully_masked_rows_are_found_once_per_mask_not_per_forward(kind, fresh_c
     with on_the_runtime():
         out = disp.forward(q, k, v, mask, 0.0, False)[0]
     assert torch.equal(out[1, :, 9], torch.zeros_like(out[1, :, 9])) and torch.equal(out[0, :, 3], outs[0][0, :, 3])
+
+
+# -- on real cuDNN (gpu; emulated with THUNDER_CUDNN_SAFE_GPU_TESTS_EMULATE=1) -----------------------------------
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize(
+    "kind,dtype,mask_shape",
+    [
+        ("additive", F16, (2, 1, 96, 160)),
+        ("boolean", BF16, (96, 160)),
+        ("additive_grad", BF16, (1, 4, 96, 160)),
+    ],
+    ids=["additive-f16-B1LS", "boolean-bf16-LS", "additive_grad-bf16-1HLS"],
+)
+def test_mask(kind, dtype, mask_shape):
+    b, h, lq, s, d = 2, 4, 96, 160, 64
+    q, k, v = QKV_LAYOUTS["bshd_transposed"](b, h, lq, s, d, d, dtype, device=GPU_DEVICE)
+    if kind == "boolean":
+        mask = torch.rand(mask_shape, device=GPU_DEVICE) > 0.3
+        mask[..., 0] = True  # no fully masked row
+    else:
+        mask = torch.randn(mask_shape, dtype=dtype, device=GPU_DEVICE)
+        mask.requires_grad_(kind == "additive_grad")
+    grad_out = GRAD_OUT_LAYOUTS["transposed"]((b, h, lq, d), dtype, device=GPU_DEVICE)
+    # dBias support in cuDNN is narrow: a refused dBias graph may fall back to torch
+    # (still checked for accuracy); forward-only masks must run on cuDNN. Either way the
+    # forward runs on cuDNN, and only the dBias backward may fall back.
+    before = tcs.cache_info().fallbacks
+    with runtime_executions() as ran:
+        check_sdpa_case(q, k, v, grad_out, mask=mask, allow_fallback=(kind == "additive_grad"))
+    fell_back = tcs.cache_info().fallbacks - before
+    assert ran["forward"] == 1, f"the forward did not run on cuDNN: {dict(ran)}, {fell_back} fallbacks"
+    if kind == "additive_grad":
+        assert ran["backward+dBias"] == 1 or (fell_back == 1 and ran["backward"] == 0), (
+            f"the dBias backward neither ran on cuDNN nor was the one call that fell back: {dict(ran)}, "
+            f"{fell_back} fallbacks"
+        )
+    else:
+        assert ran["backward"] == 1 and fell_back == 0, dict(ran)

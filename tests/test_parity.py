@@ -1,11 +1,32 @@
-"""Parity with the built-in executor and beyond: fused dQKV, deterministic backward, MQA without copies, warn once."""
+"""Parity with the built-in executor and beyond: fused dQKV, deterministic backward, MQA without copies, warn once.
+
+The ``gpu``-marked tests at the end run the two compile options on real cuDNN (skipped without CUDA;
+``scripts/gpu_check.sh``'s rest step runs them): ``cudnn_safe_deterministic=True`` gives bitwise-repeatable
+backwards, ``cudnn_safe_bwd_may_cat_grad_qkv=True`` right gradients in slices of one buffer. Self-check without a
+GPU: ``THUNDER_CUDNN_SAFE_GPU_TESTS_EMULATE=1 python -m pytest --noconftest -n 0 -m gpu tests/test_parity.py``.
+"""
 
 import logging
 
 import pytest
 import thunder
 import torch
-from checks import assert_claimed, jit_sdpa, on_the_runtime, run_and_check
+from checks import (
+    BF16,
+    F16,
+    GPU_BWD_OP,
+    GPU_DEVICE,
+    assert_claimed,
+    check_sdpa_case,
+    executors_ours,
+    forward_backward,
+    jit_sdpa,
+    needs_gpu,
+    on_the_runtime,
+    run_and_check,
+    sdpa,
+    trace_text,
+)
 
 import thunder_cudnn_safe as tcs
 from thunder_cudnn_safe.dispatch.dispatcher import Dispatcher
@@ -13,7 +34,7 @@ from thunder_cudnn_safe.graphs import build as graphs
 from thunder_cudnn_safe.graphs.cache import GraphCache, graph_cache
 from thunder_cudnn_safe.plan.keys import BackwardKey
 from thunder_cudnn_safe.runtimes.emulation import EmulatedRuntime
-from thunder_cudnn_safe.testing import QKV_LAYOUTS
+from thunder_cudnn_safe.testing import GRAD_OUT_LAYOUTS, QKV_LAYOUTS
 
 
 @pytest.mark.parametrize("option", ["cudnn_safe_bwd_may_cat_grad_qkv", "cudnn_sdpa_bwd_may_cat_grad_qkv"])
@@ -118,3 +139,37 @@ def test_contiguous_policy_copies_are_counted_but_not_warned(caplog, fresh_cache
         disp.forward(q.detach(), k.detach(), v.detach(), layout="contiguous")
     assert not [r for r in caplog.records if r.name == "thunder_cudnn_safe"]
     assert tcs.copy_stats().copies == 3
+
+
+# -- on real cuDNN (gpu; emulated with THUNDER_CUDNN_SAFE_GPU_TESTS_EMULATE=1): the compile options --------------
+@pytest.mark.gpu
+@needs_gpu
+def test_deterministic_backward_is_bitwise_repeatable():
+    tcs.clear_cache()
+    dtype = F16
+    q, k, v = QKV_LAYOUTS["bshd_transposed"](2, 8, 512, 512, 128, 128, dtype, device=GPU_DEVICE)
+    grad_out = GRAD_OUT_LAYOUTS["transposed"]((2, 8, 512, 128), dtype, device=GPU_DEVICE)
+    jf = thunder.jit(sdpa, executors=executors_ours(), cudnn_safe_deterministic=True)
+    _, first = forward_backward(jf, q, k, v, None, False, grad_out)
+    _, second = forward_backward(jf, q, k, v, None, False, grad_out)
+    assert GPU_BWD_OP in trace_text(jf)[1]
+    for name, a, b in zip(("dq", "dk", "dv"), first, second):
+        assert torch.equal(a, b), f"{name} differs between two deterministic backward runs"
+    bwd_keys = [key for key in graph_cache.keys() if isinstance(key, BackwardKey)]
+    assert bwd_keys and all(key.deterministic for key in bwd_keys), bwd_keys
+    assert tcs.cache_info().fallbacks == 0
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_fused_dqkv_gives_right_gradients():
+    tcs.clear_cache()
+    b, h, s, d = 2, 8, 128, 64
+    q, k, v = QKV_LAYOUTS["packed_qkv"](b, h, s, s, d, d, BF16, device=GPU_DEVICE)
+    grad_out = GRAD_OUT_LAYOUTS["transposed"]((b, h, s, d), BF16, device=GPU_DEVICE)
+    check_sdpa_case(q, k, v, grad_out, causal=True, cudnn_safe_bwd_may_cat_grad_qkv=True)
+    bwd_keys = [key for key in graph_cache.keys() if isinstance(key, BackwardKey)]
+    assert bwd_keys, "no backward graph was built"
+    # dq, dk, dv were slices of one (B, 3H, S, D) buffer laid out BSHD: the seq stride spans 3H heads
+    for key in bwd_keys:
+        assert key.dq.stride[2] == key.dk.stride[2] == key.dv.stride[2] == 3 * h * d, key

@@ -4,7 +4,7 @@ and cold vs warm processes end to end through the deviceless compile path (aot, 
 What the end-to-end test proves: a second process restores every plan the first stored (CompileResult.loaded)
 with the same engine, kernels, workspace and plan name, faster than building; a corrupt entry and an entry
 cuDNN cannot deserialize are each warned about once, rebuilt and replaced. Not that a restored plan runs on
-a GPU (the GPU path, CudnnRuntime._build_one, needs one; tests/test_gpu.py would cover it).
+a GPU (the GPU path, CudnnRuntime._build_one, needs one; a gpu-marked test would cover it).
 """
 
 from __future__ import annotations

@@ -1,15 +1,34 @@
-"""Checker and explain(): reasons for tensors and thunder proxies alike; decline -> correct fallback."""
+"""Checker and explain(): reasons for tensors and thunder proxies alike; decline -> correct fallback.
+
+The ``gpu``-marked tests at the end (skipped without CUDA; ``scripts/gpu_check.sh``'s rest step runs them): on the
+GPU machine the executor reports no environment problem (and prints the versions it runs with), and a call it
+declines (float32) runs on the next executor of the README's list with eager's numbers. Self-check without a
+GPU: ``THUNDER_CUDNN_SAFE_GPU_TESTS_EMULATE=1 python -m pytest --noconftest -n 0 -m gpu tests/test_support.py``.
+"""
 
 import pytest
 import thunder
 import torch
-from checks import jit_sdpa
+from checks import (
+    GPU_DEVICE,
+    GPU_EXECUTOR,
+    GPU_FWD_OP,
+    executors_ours,
+    forward_backward,
+    jit_sdpa,
+    needs_gpu,
+    relax,
+    sdpa,
+    to64,
+    trace_text,
+)
 from thunder.core.proxies import TensorProxy
 from thunder.core.trace import detached_trace
 
 import thunder_cudnn_safe as tcs
 from thunder_cudnn_safe.integration.executor import reasons_for
 from thunder_cudnn_safe.runtimes.emulation import EmulatedRuntime
+from thunder_cudnn_safe.testing import GRAD_OUT_LAYOUTS, QKV_LAYOUTS, assert_close_to_reference
 
 
 def qkv(b=2, h=4, lq=16, s=16, d=64, dv=None, dtype=torch.float16, device="cpu"):
@@ -186,3 +205,42 @@ def test_describe_reports_the_cached_graphs_of_a_call_without_counting_copies(fr
     assert tcs.copy_stats() == copies, "describe() must not change the copy figures"
     declined = tcs.describe(*qkv(d=7), executor="cudnn_safe_emulated")
     assert declined.reasons and declined.forward is None
+
+
+# -- on real cuDNN (gpu; emulated with THUNDER_CUDNN_SAFE_GPU_TESTS_EMULATE=1) -----------------------------------
+@pytest.mark.gpu
+@needs_gpu
+def test_environment_reports_real_cudnn():
+    runtime = GPU_EXECUTOR.runtime
+    problem = runtime.environment_problem()
+    assert problem is None, problem
+    target = runtime.target(torch.device(GPU_DEVICE))
+    print(
+        f"device={torch.cuda.get_device_name() if GPU_DEVICE == 'cuda' else 'cpu (emulated)'} "
+        f"arch=sm{target.arch[0]}{target.arch[1]} cudnn_backend={target.backend_version} "
+        f"frontend={target.frontend_version} torch={torch.__version__} "
+        f"torch_cudnn={torch.backends.cudnn.version()} thunder={thunder.__version__} "
+        f"thunder_cudnn_safe={tcs.__version__}"
+    )
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_declined_call_runs_on_another_executor():
+    """float32 is declined; with the README's executor list the call must still run correctly.
+
+    On a GPU this also exercises thunder's built-in cuDNN executor, which comes next in
+    thunder's defaults whenever libcudnn loads: its checker must decline (or not be
+    reached), not raise.
+    """
+    dtype = torch.float32
+    q, k, v = QKV_LAYOUTS["bshd_transposed"](2, 4, 64, 64, 64, 64, dtype, device=GPU_DEVICE)
+    assert tcs.explain(q, k, v), "float32 should be declined"
+    grad_out = GRAD_OUT_LAYOUTS["transposed"]((2, 4, 64, 64), dtype, device=GPU_DEVICE)
+    jf = thunder.jit(sdpa, executors=executors_ours())
+    out, grads = forward_backward(jf, q, k, v, None, False, grad_out)
+    assert GPU_FWD_OP not in trace_text(jf)[0]
+    ref, ref_grads = forward_backward(sdpa, *map(to64, (q, k, v)), None, False, grad_out.double())
+    eager, eager_grads = forward_backward(sdpa, *map(relax, (q, k, v)), None, False, grad_out)
+    for name, ours, e, r in zip(("out", "dq", "dk", "dv"), (out, *grads), (eager, *eager_grads), (ref, *ref_grads)):
+        assert_close_to_reference(ours, e, r, name)
