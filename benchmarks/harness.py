@@ -51,6 +51,8 @@ class NoExecuteRuntime(Runtime):
         self.executes = 0
         #: When set to a list, execute appends (key, {uid: (shape, strides, dtype)}) of every call.
         self.record: list | None = None
+        if backend_version is None:
+            self.target = base.target  # the base's own, asked directly: no frame a real runtime does not have
 
     def environment_problem(self) -> str | None:
         return self.base.environment_problem()

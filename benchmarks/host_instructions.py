@@ -1,15 +1,18 @@
-"""Instructions per call on a graph-cache hit, this checkout vs another one (e.g. an older commit).
+"""Instructions per call on a graph-cache hit, against the allocation floor and another checkout.
 
+    python -m benchmarks.host_instructions [--calls 2000]                 # this checkout
     git worktree add /tmp/old de3af29
     python -m benchmarks.host_instructions --other /tmp/old [--calls 2000]
 
 Counts with ``valgrind --tool=callgrind``: repeatable whatever else the machine does, unlike wall
 time on a shared 2-core VM. Each checkout runs in its own process (``PYTHONPATH`` first): the
 emulated dispatcher's ``forward`` and ``backward`` on a cache hit with the runtime's execute a
-no-op, BSHD-transposed bf16 (2, 8, 128, 64) q/k/v, causal. ``os.getppid()`` marks where callgrind
-dumps (``--dump-before=os_getppid``), so the warm-up, the forward loop and the backward loop are
-counted apart. Both checkouts must accept ``Dispatcher(runtime).forward(q, k, v, None, 0.0, True)``
-and ``.backward(g, q, k, v, None, 0.0, True, o, stats, None, None)``.
+no-op, BSHD-transposed bf16 (2, 8, 128, 64) q/k/v, causal; then the host suite's allocation floor
+(``torch.empty_strided`` of out + stats, of dq + dk + dv, as ``host_suite`` times it), so "x floor" is
+the suite's ratio in instructions. ``os.getppid()`` marks where callgrind dumps
+(``--dump-before=os_getppid``), so the warm-up and each loop are counted apart. Both checkouts must
+accept ``Dispatcher(runtime).forward(q, k, v, None, 0.0, True)`` and
+``.backward(g, q, k, v, None, 0.0, True, o, stats, None, None)``.
 """
 
 from __future__ import annotations
@@ -46,11 +49,23 @@ os.getppid()
 for _ in range({calls}):
     d.backward(g, q, k, v, None, 0.0, True, o, st, None, None)
 os.getppid()
+for _ in range({calls}):
+    (
+        torch.empty_strided(o.shape, o.stride(), dtype=o.dtype),
+        torch.empty_strided(st.shape, st.stride(), dtype=torch.float32),
+    )
+os.getppid()
+for _ in range({calls}):
+    tuple(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype) for t in (q, k, v))
+os.getppid()
 """
 
+#: The loops of :data:`CHILD`, in the order of callgrind's dumps (dump 1 is the warm-up).
+LOOPS = ("forward", "backward", "floor forward", "floor backward")
 
-def count(checkout: Path, calls: int, work: Path) -> tuple[float, float]:
-    """(forward, backward) instructions per call for the package in ``checkout``."""
+
+def count(checkout: Path, calls: int, work: Path) -> dict[str, float]:
+    """Instructions per call of each loop of :data:`LOOPS` for the package in ``checkout``."""
     out = work / f"cg.{checkout.name}"
     env = {**os.environ, "PYTHONPATH": str(checkout)}
     subprocess.run(
@@ -64,6 +79,7 @@ def count(checkout: Path, calls: int, work: Path) -> tuple[float, float]:
             CHILD.format(calls=calls),
         ],
         env=env,
+        cwd=work,  # not the checkout this runs from: ``python -c`` puts its working directory first on sys.path
         check=True,
         capture_output=True,
     )
@@ -72,21 +88,27 @@ def count(checkout: Path, calls: int, work: Path) -> tuple[float, float]:
         text = Path(f"{out}.{part}").read_text(errors="replace")
         return int(re.search(r"^summary:\s*(\d+)", text, re.M).group(1))
 
-    return total(2) / calls, total(3) / calls
+    return {name: total(part) / calls for part, name in enumerate(LOOPS, start=2)}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--other", required=True, type=Path, help="another checkout of the package")
+    parser.add_argument("--other", type=Path, help="another checkout of the package, to compare with")
     parser.add_argument("--calls", type=int, default=2000)
     args = parser.parse_args()
     if shutil.which("valgrind") is None:
         parser.error("needs valgrind (Debian: apt-get install valgrind)")
     with tempfile.TemporaryDirectory() as work:
-        other = count(args.other.resolve(), args.calls, Path(work))
+        other = None if args.other is None else count(args.other.resolve(), args.calls, Path(work))
         this = count(ROOT, args.calls, Path(work))
-    for name, a, b in (("forward", other[0], this[0]), ("backward", other[1], this[1])):
-        print(f"{name}: {a / 1000:.1f}k instructions per call in {args.other}, {b / 1000:.1f}k here ({b / a:.2f}x)")
+    for name in ("forward", "backward"):
+        floor = this[f"floor {name}"]
+        line = f"{name}: {this[name] / 1000:.1f}k instructions per call here, {this[name] / floor:.2f}x the floor"
+        if other is not None:
+            was = other[name]
+            line += f"; {was / 1000:.1f}k in {args.other} ({was / other[f'floor {name}']:.2f}x the floor), "
+            line += f"{this[name] / was:.2f}x"
+        print(f"{line}; floor {floor / 1000:.1f}k")
     return 0
 
 

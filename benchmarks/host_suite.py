@@ -3,11 +3,12 @@
 * ``ours``: :meth:`Dispatcher.forward` / :meth:`Dispatcher.backward` of the package on
   a graph-cache hit, with the runtime's execute replaced by a no-op
   (:class:`benchmarks.harness.NoExecuteRuntime`), on q/k/v layouts that need no copy.
-  After the first call with given input layouts both take the product's steady-state
-  path (the key remembered for those layouts; outputs allocated with
-  ``torch.empty_strided`` from it). Everything the product does per call before
-  launching cuDNN is included: the layout signature, the remembered-key lookup, output
-  allocation, the graph-cache lookup, the variant pack.
+  After the first call with given input layouts both take the product's memo-hit path
+  (one memo lookup by the call's signature gives the pack recipe and the graph's cache
+  slot: no planning, no graph key made or hashed). Everything the product does per call
+  before launching cuDNN is included: the memo key (layout signature), the memo lookup,
+  output allocation and variant pack (the recipe's generated binder), marking the graph
+  used in the graph cache.
 * ``built-in``: what thunder 0.2.6's cuDNN executor does on *every* call before its
   cache lookup: construct one ``cudnn.pygraph``, declare Q/K/V (and O, dO, stats for the
   backward) and a pass-by-value scale, ``sdpa(...)`` / ``sdpa_backward(...)`` (the
@@ -42,9 +43,10 @@ TARGET_FWD_US = 10.0
 METHOD = (
     "Median wall time per call (perf_counter over batches of 10 calls, after warm-up), CPU tensors. 'ours': "
     "thunder_cudnn_safe Dispatcher.forward / .backward on a graph-cache hit with the runtime's execute replaced by a "
-    "no-op (harness), layouts that need no copy, steady-state path (key remembered for the input layouts), so the "
-    "number is pure host overhead (layout signature, remembered-key lookup, output allocation, graph-cache lookup, "
-    "variant pack). 'built-in': cudnn.pygraph construction + tensor declarations + "
+    "no-op (harness), layouts that need no copy, memo-hit path (one lookup by the call's signature gives the recipe "
+    "and the graph's cache slot), so the number is pure host overhead (memo key = layout signature, memo lookup, "
+    "output allocation + variant pack, marking the graph used). 'built-in': cudnn.pygraph construction + "
+    "tensor declarations + "
     "sdpa/sdpa_backward + output settings + validate() as thunder 0.2.6's cuDNN executor does per call before its "
     "cache lookup (graph.key(), which it calls next, needs a GPU driver in frontend 1.32 and is not timed: lower "
     "bound). 'floor': torch.empty_strided of the tensors any executor must allocate per call (out+stats / dq+dk+dv). "
@@ -131,12 +133,12 @@ def _case(qkv_layout: str, grad_layout: str, b=2, h=8, s=64, d=96, dtype=torch.f
 
 
 def _components(disp, q, k, v, g, out, stats, iters: int) -> list[dict[str, Any]]:
-    """Building blocks of a steady-state dispatch, each timed alone with the call's own tensors.
+    """Building blocks of a memo-hit dispatch, each timed alone with the call's own tensors.
 
     Which of them a cache-hit call really runs, and how often, is in the cProfile tables;
-    this list gives their unit prices. The layout signatures are built here the way
-    ``dispatch/dispatcher.py`` builds them for its remembered-key lookup. A block a future package
-    version no longer has is reported as an error, not a failure.
+    this list gives their unit prices. The memo key is made by :func:`memo_key`, the same
+    expression the dispatcher's entry points inline. A block a future package version no
+    longer has is reported as an error, not a failure.
     """
     device = q.device
     target = disp.runtime.target(device)
@@ -147,12 +149,14 @@ def _components(disp, q, k, v, g, out, stats, iters: int) -> list[dict[str, Any]
     fcall = ForwardCall(q, k, v)
     bcall = BackwardCall(g, q, k, v, None, 0.0, False, out, stats, None, None)
     fmemo = memo_key(fcall, target)
-    recipe = disp.recipes.peek(fmemo) or forward_recipe(signature(fcall), target)
+    entry = disp.recipes.peek(fmemo)
+    recipe = getattr(entry, "recipe", entry) or forward_recipe(signature(fcall), target)
+    slot = getattr(entry, "slot", None)
     steps = [
         ("runtime.target(device)", lambda: disp.runtime.target(device)),
         ("forward memo key (3 tensors' shape, strides, dtype, alignment; options)", lambda: memo_key(fcall, target)),
         ("backward memo key (6 tensors)", lambda: memo_key(bcall, target)),
-        ("recipe memo lookup (forward)", lambda: disp.recipes.peek(fmemo)),
+        ("memo lookup (forward: recipe and graph slot)", lambda: disp.recipes.peek(fmemo)),
         ("bind(recipe, call) (the recipe's compiled function: 2 allocations)", lambda: bind(recipe, fcall)),
         (
             "torch.empty_strided(out's shape, strides) (allocation)",
@@ -166,12 +170,16 @@ def _components(disp, q, k, v, g, out, stats, iters: int) -> list[dict[str, Any]
             "3x torch.empty_strided (dq, dk, dv)",
             lambda: tuple(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype) for t in (q, k, v)),
         ),
+        ("cache.touch(slot), forward (a memo hit: lock, move_to_end, count)", lambda: disp.cache.touch(slot)),
         (
-            "cache.get_or_build, forward hit (lock, hash + compare the key, move_to_end)",
+            "for reference, the full path: cache.get_or_build, forward hit (lock, hash + compare the key)",
             lambda: disp.cache.get_or_build(fkey, disp.runtime.build),
         ),
-        ("cache.get_or_build, backward hit", lambda: disp.cache.get_or_build(bkey, disp.runtime.build)),
-        ("hash(ForwardKey)", lambda: hash(fkey)),
+        (
+            "for reference, the full path: cache.get_or_build, backward hit",
+            lambda: disp.cache.get_or_build(bkey, disp.runtime.build),
+        ),
+        ("for reference: hash(ForwardKey)", lambda: hash(fkey)),
         (
             "for reference, a miss only: forward_recipe(signature) (builds and compiles)",
             lambda: forward_recipe(signature(fcall), target),
@@ -217,8 +225,12 @@ def run(*, quick: bool = False, iters: int | None = None, log=print) -> dict[str
         q, k, v, g = _case(ql, gl)
         disp = harness.make_dispatcher("cpu")
         out, stats, _ = harness.forward_backward(disp, q, k, v, g, "preserve")  # cold: builds both graphs
-        # Whether the dispatcher remembered the recipes for these layouts (its steady-state path).
-        kinds = [type(recipe.key).__name__ for _, recipe in disp.recipes.items()]
+        # Whether the dispatcher remembered these layouts' recipes and graphs (its memo-hit path).
+        kinds = [
+            type(entry.recipe.key).__name__
+            for _, entry in disp.recipes.items()
+            if getattr(entry, "slot", None) is not None and entry.slot.graph is not None
+        ]
         steady = {"fwd": "ForwardKey" in kinds, "bwd": "BackwardKey" in kinds}
         builds_before = disp.cache.info().builds
         harness.reset_copy_stats()
@@ -270,7 +282,9 @@ def run(*, quick: bool = False, iters: int | None = None, log=print) -> dict[str
         }
         log(
             f"host: {label}: ours fwd {ours_f:.1f} us, bwd {ours_b:.1f} us; built-in pygraph fwd {bi_f:.1f} us, "
-            f"bwd {bi_b:.1f} us; ratio {bi_f / ours_f:.1f}x / {bi_b / ours_b:.1f}x"
+            f"bwd {bi_b:.1f} us; ratio {bi_f / ours_f:.1f}x / {bi_b / ours_b:.1f}x; ours "
+            f"{results[label]['ratio_ours_over_floor_fwd']:.2f}x / {results[label]['ratio_ours_over_floor_bwd']:.2f}x "
+            "the allocation floor"
         )
         if label.startswith("bshd"):
             results[label]["building_blocks"] = _components(disp, q, k, v, g, out, stats, iters=max(500, iters // 4))
@@ -285,9 +299,9 @@ def markdown(suite: dict[str, Any]) -> str:
     head = (
         "| case | ours fwd us | ours bwd us | built-in pygraph fwd us | built-in pygraph bwd us | "
         "ratio fwd | ratio bwd "
-        "| alloc floor fwd / bwd us | steady-state path fwd / bwd | fwd <= 10 us |"
+        "| alloc floor fwd / bwd us | ours x floor fwd / bwd | memo-hit path fwd / bwd | fwd <= 10 us |"
     )
-    lines = [head, "|" + "---|" * 10]
+    lines = [head, "|" + "---|" * 11]
     for label, r in suite["cases"].items():
         t = r["timings"]
         steady = r.get("steady_state_path", {})
@@ -296,6 +310,7 @@ def markdown(suite: dict[str, Any]) -> str:
             f"| {t['builtin_fwd_pygraph']['median_us']:.1f} | {t['builtin_bwd_pygraph']['median_us']:.1f} "
             f"| {r['ratio_builtin_over_ours_fwd']:.1f}x | {r['ratio_builtin_over_ours_bwd']:.1f}x "
             f"| {t['floor_fwd_alloc']['median_us']:.1f} / {t['floor_bwd_alloc']['median_us']:.1f} "
+            f"| {r['ratio_ours_over_floor_fwd']:.2f}x / {r['ratio_ours_over_floor_bwd']:.2f}x "
             f"| {'yes' if steady.get('fwd') else 'no'} / {'yes' if steady.get('bwd') else 'no'} "
             f"| {'yes' if r['fwd_meets_target'] else 'no'} |"
         )
@@ -312,7 +327,7 @@ def markdown(suite: dict[str, Any]) -> str:
             "",
             f"### Where the time goes ({label})",
             "",
-            "Unit prices of the building blocks of a steady-state dispatch, each timed alone with "
+            "Unit prices of the building blocks of a memo-hit dispatch, each timed alone with "
             "the call's own tensors "
             "(which ones a cache-hit call runs, and how often, is in the cProfile tables below):",
             "",

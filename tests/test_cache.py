@@ -5,12 +5,13 @@ import gc
 import threading
 import weakref
 
+import checks
 import pytest
 import torch
+import torch.nn.functional as F
 
 import thunder_cudnn_safe as tcs
 from thunder_cudnn_safe import config
-from thunder_cudnn_safe._env import CACHE_SIZE_ENV
 from thunder_cudnn_safe.dispatch.dispatcher import Dispatcher
 from thunder_cudnn_safe.graphs import build as graphs
 from thunder_cudnn_safe.graphs.cache import GraphBuildError, GraphCache
@@ -93,11 +94,11 @@ def test_concurrent_misses_build_once():
 
 
 def test_env_var_sets_the_bound(monkeypatch):
-    monkeypatch.setenv(CACHE_SIZE_ENV, "7")
+    monkeypatch.setenv(config.KNOBS["cache_size"].env, "7")
     assert config.from_environment("cache_size") == 7
     with config.patch(cache_size=7):
         assert GraphCache().info().maxsize == 7  # a new cache takes the knob's bound
-    monkeypatch.setenv(CACHE_SIZE_ENV, "zero")
+    monkeypatch.setenv(config.KNOBS["cache_size"].env, "zero")
     assert config.from_environment("cache_size") == 1024  # a typo warns and keeps the default, never breaks the import
 
 
@@ -246,3 +247,269 @@ def test_cache_stays_bounded_under_10000_distinct_keys_and_releases_graphs(figur
         f"cache churn: {n} distinct keys, {info.builds} builds, max cache size {max_size} (bound {bound}), "
         f"{info.evictions} evictions, {live} graphs alive afterwards"
     )
+
+
+# -- the dispatcher's memo of graph-cache hits ---------------------------------------------------
+# A hit of a signature whose plan is the call as given (no mask, no dropout) reads the recipe and the graph's
+# cache slot from one memo: no planning, no graph key made or hashed. What it must still do, and when it must
+# let go, follows.
+def _memo_case(seed: int = 0, s: int = 16):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v, g = (torch.randn(1, s, 2, 32, generator=gen, dtype=torch.float16).transpose(1, 2) for _ in range(4))
+    return q, k, v, g
+
+
+def _recording(runtime, monkeypatch):
+    """``runtime.execute`` recording the key and (weakly) the graph each execution ran (the calling thread's)."""
+    ran = []
+    real = runtime.execute
+
+    def execute(built, pack):
+        ran.append((built.key, weakref.ref(runtime.graph_for_this_thread(built)[0])))
+        return real(built, pack)
+
+    monkeypatch.setattr(runtime, "execute", execute)
+    return ran
+
+
+def _sdpa_reference(q, k, v, g):
+    ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    out = F.scaled_dot_product_attention(*ref)
+    return (out, *torch.autograd.grad(out, ref, g.double()))
+
+
+def test_memo_hit_does_no_planning_and_hashes_no_key(monkeypatch):
+    """After the first call of a signature, forward and backward run from the memo: the planner and the recipe
+    builders are never reached, a graph key is hashed only where the most recent graph changes (marking it
+    used: ``OrderedDict.move_to_end`` finds the most recent key by identity), the graph cache still counts the
+    hits, and the numbers are those of the full path."""
+    from thunder_cudnn_safe.dispatch import dispatcher as dispatch_module
+    from thunder_cudnn_safe.plan.keys import BackwardKey, ForwardKey
+
+    q, k, v, g = _memo_case()
+    checks.assert_claimed(q, k, v)
+    disp = Dispatcher(EmulatedRuntime(), GraphCache(16))
+    first_out, stats = disp.forward(q, k, v)
+    first = (first_out, *disp.backward(g, q, k, v, None, 0.0, False, first_out, stats, None, None))
+    hashed = []
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("planned on a memo hit")
+
+    monkeypatch.setattr(dispatch_module, "plan", forbidden)
+    monkeypatch.setattr(dispatch_module, "forward_recipe", forbidden)
+    monkeypatch.setattr(dispatch_module, "backward_recipe", forbidden)
+    for key_type in (ForwardKey, BackwardKey):
+        monkeypatch.setattr(key_type, "__hash__", lambda key: hashed.append(key) or tuple.__hash__(key))
+    hits = disp.cache.info().hits
+    outs = [disp.forward(q, k, v) for _ in range(3)]
+    again = (outs[-1][0], *[disp.backward(g, q, k, v, None, 0.0, False, *outs[-1], None, None) for _ in range(3)][-1])
+    assert len(hashed) <= 2  # at most the first forward after the backward, the first backward after the forwards
+    assert disp.cache.info().hits == hits + 6 and disp.cache.info().builds == 2
+    monkeypatch.undo()
+    for a, b, ref in zip(first, again, _sdpa_reference(q, k, v, g)):
+        assert torch.equal(a, b) and (a.double() - ref).abs().max() < 2e-2
+
+
+def test_memo_hit_marks_its_graph_used():
+    """A memo hit keeps its graph the most recently used: the cache evicts another one at its bound."""
+    disp = Dispatcher(EmulatedRuntime(), GraphCache(2))
+    a, b, c = (_memo_case(i, s)[:3] for i, s in enumerate((8, 16, 24)))
+    checks.assert_claimed(*a)
+    disp.forward(*a)
+    disp.forward(*b)
+    disp.forward(*a)  # a memo hit: a is now the most recent
+    disp.forward(*c)  # evicts b, the least recently used
+    assert [key.q.shape[2] for key in disp.cache.keys()] == [8, 24]
+
+
+def test_memo_never_keeps_or_runs_an_evicted_graph():
+    """An evicted graph is released at once (the memo holds only its emptied slot) and the next call of its
+    signature builds and runs a new graph, not the evicted one."""
+    runtime = EmulatedRuntime()
+    disp = Dispatcher(runtime, GraphCache(1))
+    ran = _recording(runtime, pytest.MonkeyPatch())
+    a, b = _memo_case(0, 8)[:3], _memo_case(1, 16)[:3]
+    checks.assert_claimed(*a)
+    disp.forward(*a)
+    disp.forward(*a)
+    evicted = ran[-1][1]
+    assert evicted() is not None and evicted() is ran[0][1]()  # the second call ran the first one's graph
+    disp.forward(*b)  # evicts a's graph
+    gc.collect()
+    assert evicted() is None, "the memo kept an evicted graph alive"
+    disp.forward(*a)
+    assert disp.cache.info().builds == 3 and ran[-1][1]() is not None  # a new graph (the evicted one is gone)
+
+
+def test_clear_cache_forgets_the_memo(fresh_cache):
+    """clear_cache() drops the executor's memo with the graphs; a dispatcher of the process-wide cache that no
+    registry knows finds its slots emptied. Both build again on their next call."""
+    q, k, v, _ = _memo_case()
+    checks.assert_claimed(q, k, v)
+    own = Dispatcher(EmulatedRuntime())  # the process-wide graph cache, no registration of its memo
+    for disp in (tcs.emulated_ex.dispatcher, own):
+        disp.forward(q, k, v)
+        disp.forward(q, k, v)
+    assert tcs.cache_info().builds == 1
+    tcs.clear_cache()
+    assert len(tcs.emulated_ex.dispatcher.recipes) == 0
+    with checks.on_the_runtime():
+        own.forward(q, k, v)
+        tcs.emulated_ex.dispatcher.forward(q, k, v)
+    assert tcs.cache_info().builds == 1 and tcs.cache_info().hits == 1
+
+
+def test_a_config_change_forgets_every_memo(monkeypatch):
+    """config.set / config.patch of any knob empties every dispatcher's memo, so the next call of each
+    signature plans again with the new value; a knob planning reads today (the dynamic-shape mode, the
+    emulated target) also changes the key, so the hit after it runs the new graph."""
+    from thunder_cudnn_safe.dispatch import dispatcher as dispatch_module
+
+    runtime = tcs.runtimes.emulation.default_runtime  # the runtime whose target follows the config
+    disp = Dispatcher(runtime, GraphCache(16))
+    ran = _recording(runtime, monkeypatch)
+    q, k, v, _ = _memo_case()
+    checks.assert_claimed(q, k, v, need_stats=False)
+    planned = []
+    real_plan = dispatch_module.plan
+    monkeypatch.setattr(dispatch_module, "plan", lambda call, target: planned.append(1) or real_plan(call, target))
+    disp.forward(q, k, v, need_stats=False)
+    disp.forward(q, k, v, need_stats=False)
+    assert len(planned) == 1 and len(disp.recipes)
+    with tcs.config.patch(dp_workspace_limit=2**20):  # no key reads it: the memo goes all the same
+        assert len(disp.recipes) == 0
+        disp.forward(q, k, v, need_stats=False)
+    assert len(planned) == 2
+    assert ran[-1][0].dynamic is True  # an inference forward on sm90, cuDNN 9.19: one graph for every length
+    with tcs.config.patch(dynamic_shapes="off"):
+        disp.forward(q, k, v, need_stats=False)
+        disp.forward(q, k, v, need_stats=False)
+        assert ran[-1][0].dynamic is False
+    with tcs.config.patch(emulated_backend=90400):
+        disp.forward(q, k, v, need_stats=False)
+        disp.forward(q, k, v, need_stats=False)
+        assert ran[-1][0].target.backend_version == 90400
+    disp.forward(q, k, v, need_stats=False)
+    assert ran[-1][0].dynamic is True and ran[-1][0].target.backend_version == 91900
+
+
+def test_a_memo_hit_runs_each_threads_own_graph(monkeypatch):
+    """A signature remembered on one thread is a memo hit on another, which still runs its own copy of the
+    graph (runtimes/per_thread.py), built there once."""
+    runtime = EmulatedRuntime()
+    disp = Dispatcher(runtime, GraphCache(16))
+    ran = _recording(runtime, monkeypatch)
+    q, k, v, _ = _memo_case()
+    checks.assert_claimed(q, k, v)
+    disp.forward(q, k, v)
+    misses = []
+    real = disp._forward
+    monkeypatch.setattr(disp, "_forward", lambda *a: misses.append(a) or real(*a))
+    results = []
+    thread = threading.Thread(target=lambda: results.append([disp.forward(q, k, v)[0] for _ in range(2)]))
+    thread.start()
+    thread.join()
+    (built,) = [disp.cache._graphs.peek(key) for key in disp.cache.keys()]
+    assert misses == [] and built.threads.copies == 1
+    assert ran[0][1]() is built.graph and ran[1][1]() is ran[2][1]() and ran[1][1]() is not built.graph
+    assert torch.equal(results[0][0], disp.forward(q, k, v)[0])
+
+
+def test_masked_and_dropout_calls_are_never_served_by_the_memo(monkeypatch):
+    """A mask's route follows its values (a pattern or its bias), read per call; a dropout forward asks
+    whether its backward builds on every call: neither is remembered, so writing a causal mask over with a
+    random bias in place runs the bias, not the causal graph."""
+    from thunder_cudnn_safe.dispatch import dropout
+
+    disp = Dispatcher(EmulatedRuntime(), GraphCache(16))
+    q, k, v, _ = _memo_case()
+    mask = torch.ones(16, 16, dtype=torch.float16).tril().log()  # 0 / -inf: causal
+    checks.assert_claimed(q, k, v, mask)
+    for values in (None, torch.randn(16, 16, dtype=torch.float16)):
+        if values is not None:
+            mask.copy_(values)
+        for _ in range(2):
+            out = disp.forward(q, k, v, mask)[0]
+            ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask.double())
+            assert (out.double() - ref).abs().max() < 2e-2
+    asked = []
+    real = dropout.backward_builds
+    monkeypatch.setattr(dropout, "backward_builds", lambda *a: asked.append(1) or real(*a))
+    for _ in range(3):
+        disp.forward(q, k, v, None, 0.25, False)
+    assert len(asked) == 3
+    assert all(entry.slot is None for _, entry in disp.recipes.items())
+
+
+def test_a_memo_hit_still_copies_counts_and_falls_back(fresh_cache, monkeypatch, caplog):
+    """A memo hit binds with the recipe's own function (a layout cuDNN cannot read is copied and counted on
+    every call) and a runtime's refusal to execute runs the torch fallback, counted, as on the full path."""
+    runtime = EmulatedRuntime()
+    disp = Dispatcher(runtime, GraphCache(16))
+    q, k, v, _ = _memo_case()
+    strided = torch.randn(1, 2, 16, 64, dtype=torch.float16)[..., ::2]  # last dim strided: copied
+    checks.assert_claimed(strided, k, v)
+    for _ in range(3):
+        disp.forward(strided, k, v)
+    assert tcs.copy_stats().copies == 3
+    real = runtime.execute
+
+    def refuse(built, pack):
+        raise tcs.errors.ExecuteError("refused for the test")
+
+    monkeypatch.setattr(runtime, "execute", refuse)
+    out = disp.forward(strided, k, v)[0]
+    assert "refused for the test" in caplog.text  # warned once per key, as on the full path
+    monkeypatch.setattr(runtime, "execute", real)
+    ref = F.scaled_dot_product_attention(strided.double(), k.double(), v.double())
+    assert disp.cache.info().fallbacks == 1 and (out.double() - ref).abs().max() < 2e-2
+    disp.forward(strided, k, v)
+    assert disp.cache.info().fallbacks == 1 and tcs.copy_stats().copies == 5
+
+
+def test_a_refused_key_is_never_remembered_or_built(fresh_cache):
+    """A key the key gate refuses (a deterministic backward over the dP workspace budget) falls back on every
+    call, each counted, and is never built: no memo holds a graph for it."""
+    from thunder_cudnn_safe.plan.keys import BackwardKey
+
+    disp = Dispatcher(EmulatedRuntime(), GraphCache(16))
+    q, k, v, g = _memo_case()
+    out, stats = disp.forward(q, k, v)
+    with tcs.config.patch(dp_workspace_limit=0):
+        for i in range(3):
+            disp.backward(g, q, k, v, None, 0.0, False, out, stats, None, None, deterministic=True)
+            assert disp.cache.info().fallbacks == i + 1
+        backward = [entry.slot for _, entry in disp.recipes.items() if isinstance(entry.recipe.key, BackwardKey)]
+        assert backward == [None]
+    info = disp.cache.info()
+    assert info.builds == 1 and info.build_failures == 1 and info.negative_hits == 2
+    assert tcs.gate_info().get("DP_WORKSPACE", 0) >= 1
+
+
+def test_outputs_made_with_empty_like_get_exactly_the_declared_strides():
+    """A recipe allocates an output with ``empty_like(operand)`` (cheaper per call than ``empty_strided``) only
+    where the operand has the output's very layout and is dense: aten then keeps its strides. Checked here on
+    every zoo layout in every dim order (size-1 dims with odd strides, stride 0, strided last dims included),
+    and end to end: each bound output has the strides its graph declares."""
+    import itertools
+
+    from thunder_cudnn_safe.plan.calls import ForwardCall, signature
+    from thunder_cudnn_safe.plan.layout import ArgSig
+    from thunder_cudnn_safe.plan.recipes import _dense, bind, forward_recipe
+    from thunder_cudnn_safe.runtimes.emulation import emulated_target
+    from thunder_cudnn_safe.testing import QKV_LAYOUTS
+
+    dense = 0
+    for make in QKV_LAYOUTS.values():
+        q, k, v = make(2, 4, 8, 8, 16, 16, torch.float16)
+        for t, order in itertools.product((q, k, v), itertools.permutations(range(4))):
+            t = t.permute(order)
+            if _dense(ArgSig(t.shape, t.stride(), t.dtype, True)):
+                dense += 1
+                assert torch.empty_like(t).stride() == t.stride(), (t.shape, t.stride())
+        recipe = forward_recipe(signature(ForwardCall(q, k, v)), emulated_target())
+        bound = bind(recipe, ForwardCall(q, k, v))
+        for uid, declared in ((4, recipe.key.o), (5, recipe.key.stats)):
+            assert (bound.pack[uid].shape, bound.pack[uid].stride()) == (declared.shape, declared.stride)
+    assert dense > 50 and "empty_like" in str(recipe)

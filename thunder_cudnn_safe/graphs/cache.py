@@ -1,10 +1,15 @@
 """The process-wide cache of built graphs, with counters and a memory of refusals.
 
-A hit is one lookup. A miss builds under a per-key lock (one build per key, other keys in
-parallel). A refusal (cuDNN's judgment of the graph, or the key gate's) is remembered and raised
-again as it was; a transient failure (``GraphBuildError.definitive`` false: an out-of-memory or a
-CUDA error the frontend wrapped) is never remembered, so the next call with that key builds again
-(three transient failures used to become a refusal for the rest of the process).
+A hit is one lookup. A dispatcher's memo of graph-cache hits holds a :class:`Slot` per remembered key
+(``GraphCache.slot``) and reads the graph through ``GraphCache.touch``: counted and marked used like
+a hit, the key not hashed again; an evicted or cleared graph leaves its slot empty, so no memo keeps it
+alive or runs it.
+
+A miss builds under a per-key lock (one build per key, other keys in parallel). A refusal (cuDNN's
+judgment of the graph, or the key gate's) is remembered and raised again as it was; a transient failure
+(``GraphBuildError.definitive`` false: an out-of-memory or a CUDA error the frontend wrapped) is never
+remembered, so the next call with that key builds again (three transient failures used to become a
+refusal for the rest of the process).
 """
 
 from __future__ import annotations
@@ -45,13 +50,84 @@ class CachedGraph(NamedTuple):
     workspace_size: int
 
 
+class Slot:
+    """A memo's handle on one cached key: ``graph`` while the cache holds the key, None once it is evicted
+    or cleared (set under the cache's lock, so ``GraphCache.touch`` never hands out a graph it dropped)."""
+
+    __slots__ = ("key", "graph")
+
+    def __init__(self, key: Hashable, graph: Any) -> None:
+        self.key, self.graph = key, graph
+
+
+class _Graphs(LRU):
+    """The built graphs by key, and the :class:`Slot` of each key a memo asked for (:meth:`slot`), emptied when
+    the key leaves: evicted at the bound, popped, dropped or cleared."""
+
+    def __init__(self, maxsize: int) -> None:
+        super().__init__(maxsize)
+        self._slots: dict[Hashable, Slot] = {}
+
+    def slot(self, key: Hashable) -> Slot | None:
+        """``key``'s slot (made on the first ask), or None if ``key`` is not cached."""
+        with self._lock:
+            graph = self._data.get(key)
+            if graph is None:
+                return None
+            slot = self._slots.get(key)
+            if slot is None or slot.graph is not graph:
+                slot = self._slots[key] = Slot(key, graph)
+            return slot
+
+    def touch(self, slot: Slot) -> Any:
+        """``slot``'s graph, counted as a hit and marked most recently used as :meth:`get` would, or None if the
+        key left. ``move_to_end`` compares the most recent key by identity first, so a key hit again (a training
+        step's layers) is not even hashed (a graph key hashes its every layout)."""
+        with self._lock:
+            graph = slot.graph
+            if graph is not None:
+                self._data.move_to_end(slot.key)  # present: every way out of the cache empties its slot first
+                self.hits += 1
+            return graph
+
+    def _release(self, key: Hashable) -> None:
+        slot = self._slots.pop(key, None)
+        if slot is not None:
+            slot.graph = None
+
+    def _trim(self) -> None:  # LRU's, emptying each evicted key's slot (under the lock, like every caller)
+        while len(self._data) > self.maxsize:
+            key, _ = self._data.popitem(last=False)
+            self.evictions += 1
+            self._release(key)
+
+    def pop(self, key: Hashable, default: Any = None) -> Any:
+        with self._lock:
+            self._release(key)
+            return self._data.pop(key, default)
+
+    def remove_if(self, predicate: Callable[[Hashable], bool]) -> None:
+        with self._lock:
+            for key in [k for k in self._data if predicate(k)]:
+                del self._data[key]
+                self._release(key)
+
+    def clear(self) -> None:  # LRU's, emptying every slot under the same lock
+        with self._lock:
+            for key in list(self._slots):
+                self._release(key)
+            self._data.clear()
+            self.evictions = self.hits = 0
+
+
 class GraphCache:
     def __init__(self, maxsize: int | None = None) -> None:
         maxsize = config.cache_size if maxsize is None else int(maxsize)
         if maxsize < 1:
             raise ValueError("cache size must be >= 1")
         self._lock = threading.Lock()  # counters and per-key locks
-        self._graphs, self._refused = LRU(maxsize), LRU(maxsize)
+        self._graphs, self._refused = _Graphs(maxsize), LRU(maxsize)
+        self.slot, self.touch = self._graphs.slot, self._graphs.touch  # a memo's (:class:`_Graphs`), no frame more
         self._key_locks: dict[Hashable, threading.Lock] = {}
         self._zero()
 

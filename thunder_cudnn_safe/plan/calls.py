@@ -18,11 +18,19 @@ from thunder_cudnn_safe.plan.keys import Target
 from thunder_cudnn_safe.plan.layout import arg_sig
 from thunder_cudnn_safe.rules.cudnn_rules import ALIGNMENT_BYTES
 
+#: torch's switches behind ``torch.are_deterministic_algorithms_enabled()`` and
+#: ``torch.is_deterministic_algorithms_warn_only_enabled()``, read without those Python wrappers (every backward
+#: asks, a memo hit included); the wrappers themselves where a torch lacks the names.
+_DETERMINISTIC = getattr(torch._C, "_get_deterministic_algorithms", torch.are_deterministic_algorithms_enabled)
+_WARN_ONLY = getattr(
+    torch._C, "_get_deterministic_algorithms_warn_only", torch.is_deterministic_algorithms_warn_only_enabled
+)
+
 
 def torch_deterministic() -> bool:
     """Whether ``torch.use_deterministic_algorithms(True)`` is on (not warn-only): cuDNN's deterministic
     backward then runs."""
-    return torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled()
+    return _DETERMINISTIC() and not _WARN_ONLY()
 
 
 class ForwardCall(NamedTuple):
@@ -99,7 +107,8 @@ def forward_of(call: BackwardCall) -> ForwardCall:
     return ForwardCall(**{name: getattr(call, name) for name in SHARED}, cat_grad_qkv=call.cat_grad_qkv)
 
 
-def _arg_key(x: Any) -> Any:
+def arg_key(x: Any) -> Any:
+    """An optional field's part of the memo key: a tensor's layout and alignment, a pattern's signature."""
     if isinstance(x, torch.Tensor):
         return x.shape, x.stride(), x.dtype, x.data_ptr() % ALIGNMENT_BYTES == 0
     return _pattern_sig(x)
@@ -114,24 +123,38 @@ TENSOR_FIELDS = {
 MAYBE_TENSOR_FIELDS = ("attn_mask", "seed", "offset")
 
 
-def _compile_memo(call_type: type) -> Any:
-    """A straight-line ``memo(call, target, mode)`` for ``call_type``, derived from its fields (run on every call,
-    a graph-cache hit included, so no loop over fields): each tensor field's shape, strides and dtype, one
-    alignment test of all their base pointers, each optional tensor by :func:`_arg_key`, the other fields as
-    they are. A field added to the call value is in the memo key without an edit here."""
+def memo_source(call_type: type, ref: Any) -> str:
+    """The source of ``call_type``'s memo key as one tuple expression, derived from its fields; ``ref(field)`` is
+    the source that reads a field (``c.query`` in :func:`memo_key`; a bare parameter in the dispatcher's entry
+    points, which make the key before any call value exists). Free names: ``target`` and
+    :func:`memo_globals`'s.
+
+    The target, then a forward's dynamic-shape mode (its recipe reads it: ``memo[1]``; a backward's call type
+    there), each tensor field's shape, strides and dtype, one alignment test of all their base pointers (the
+    per-tensor tests only when one fails), each optional tensor by :func:`arg_key`, the other fields as they
+    are. Run on every call, a graph-cache hit included, so no loop over fields; a field added to the call
+    value is in the key without an edit here."""
     tensors = [f for f in call_type._fields if f in TENSOR_FIELDS[call_type]]
     optional = [f for f in call_type._fields if f in MAYBE_TENSOR_FIELDS]
     plain = [f for f in call_type._fields if f not in tensors and f not in optional]
-    parts = [f"c.{f}.shape, c.{f}.stride(), c.{f}.dtype" for f in tensors]
-    ptrs = " | ".join(f"c.{f}.data_ptr()" for f in tensors)
-    aligned = f"({ptrs}) % {ALIGNMENT_BYTES} == 0 or tuple(map(arg_key, ({', '.join('c.' + f for f in tensors)},)))"
-    maybe = [f"None if c.{f} is None else arg_key(c.{f})" for f in optional]
-    values = "(" + "".join(f"c.{f}, " for f in plain) + ")"
-    source = (
-        f"def memo(c, target, mode):\n    return (target, mode, {', '.join(parts)}, {aligned}, "
-        f"{', '.join(maybe)}, {values})"
-    )
-    env: dict[str, Any] = {"arg_key": _arg_key}
+    mode = "config.dynamic_shapes" if call_type is ForwardCall else "call_type"
+    parts = [f"{ref(f)}.shape, {ref(f)}.stride(), {ref(f)}.dtype" for f in tensors]
+    ptrs = " | ".join(f"{ref(f)}.data_ptr()" for f in tensors)
+    aligned = f"({ptrs}) % {ALIGNMENT_BYTES} == 0 or tuple(map(arg_key, ({', '.join(ref(f) for f in tensors)},)))"
+    maybe = [f"None if {ref(f)} is None else arg_key({ref(f)})" for f in optional]
+    values = "".join(f"{ref(f)}, " for f in plain)
+    return f"(target, {mode}, {', '.join(parts)}, {aligned}, {', '.join(maybe)}, {values})"
+
+
+def memo_globals(call_type: type) -> dict[str, Any]:
+    """The names :func:`memo_source`'s expression reads besides ``target`` and the fields."""
+    return {"arg_key": arg_key, "config": config, "call_type": call_type}
+
+
+def _compile_memo(call_type: type) -> Any:
+    """A straight-line ``memo(call, target)`` for ``call_type`` (:func:`memo_source`)."""
+    source = f"def memo(c, target):\n    return {memo_source(call_type, lambda f: 'c.' + f)}"
+    env = memo_globals(call_type)
     exec(compile(source, f"<thunder_cudnn_safe memo of {call_type.__name__}>", "exec"), env)
     return env["memo"]
 
@@ -141,9 +164,8 @@ _MEMOS = {call_type: _compile_memo(call_type) for call_type in TENSOR_FIELDS}
 
 def memo_key(call: ForwardCall | BackwardCall, target: Target) -> tuple:
     """What :func:`signature` depends on, made on every call: tensor fields by layout, options as they are
-    (a forward's also the dynamic-shape mode its recipe reads, ``memo[1]``)."""
-    call_type = type(call)
-    return _MEMOS[call_type](call, target, config.dynamic_shapes if call_type is ForwardCall else call_type)
+    (:func:`memo_source`)."""
+    return _MEMOS[type(call)](call, target)
 
 
 def signature(call: ForwardCall | BackwardCall) -> ForwardCall | BackwardCall:

@@ -18,7 +18,7 @@ import torch
 from thunder_cudnn_safe import config
 from thunder_cudnn_safe.masks.bias import converted_masks
 from thunder_cudnn_safe.masks.patterns import MaskPattern
-from thunder_cudnn_safe.plan.calls import BackwardCall, ForwardCall, backward_of, default_scale
+from thunder_cudnn_safe.plan.calls import TENSOR_FIELDS, BackwardCall, ForwardCall, backward_of, default_scale
 from thunder_cudnn_safe.plan.keys import RNG_SIG, BackwardKey, ForwardKey, Target, TensorSig, Uid
 from thunder_cudnn_safe.plan.layout import (
     ArgSig,
@@ -85,25 +85,57 @@ class PackRecipe(NamedTuple):
         return f"# {type(self.key).__name__} recipe: {len(self.steps)} steps\n{self.source}"
 
 
-def _recipe(key: ForwardKey | BackwardKey, steps: list[Step], outputs: tuple[int, ...], n_args: int) -> PackRecipe:
-    run, source = _compile(key, steps, outputs, n_args)
+def _recipe(key: ForwardKey | BackwardKey, steps: list[Step], outputs: tuple[int, ...], call: tuple) -> PackRecipe:
+    run, source = _compile(key, steps, outputs, call)
     return PackRecipe(key, tuple(steps), tuple(outputs), run, source)
 
 
+def _like(call: tuple, fill: TensorSig) -> int | None:
+    """The index of an operand of the call signature ``call`` that ``torch.empty_like`` turns into exactly
+    ``fill``'s layout, or None: one with ``fill``'s shape, dtype and very strides, dense and non-overlapping
+    (:func:`_dense`), which aten's ``empty_like`` (preserve format, the same code on CPU and CUDA) allocates with
+    those strides. The memo key holds each operand's shape, strides and dtype, so this holds for every call
+    the recipe binds.
+
+    ``empty_like(operand)`` parses no shape or strides, so it costs about two thirds of an ``empty_strided``
+    (a memo hit's largest cost is its allocations)."""
+    operands = TENSOR_FIELDS.get(type(call), ())  # the call's own tensors (on the query's device), not a mask
+    for i, a in enumerate(call):
+        if call._fields[i] in operands and (tuple(a.shape), tuple(a.stride), a.dtype) == tuple(fill) and _dense(a):
+            return i
+    return None
+
+
+def _dense(a: ArgSig) -> bool:
+    """Whether ``a``'s elements fill its span exactly once (``TensorImpl::is_non_overlapping_and_dense``: size-1
+    dims aside, the strides in increasing order are the running products of the sizes); never for no element."""
+    if 0 in a.shape:
+        return False
+    expected = 1
+    for size, stride in sorted(((n, st) for n, st in zip(a.shape, a.stride) if n != 1), key=lambda d: d[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def _compile(
-    key: ForwardKey | BackwardKey, steps: list[Step], outputs: tuple[int, ...], n_args: int
+    key: ForwardKey | BackwardKey, steps: list[Step], outputs: tuple[int, ...], call: tuple
 ) -> tuple[Callable, str]:
-    """``steps`` as the source of one straight-line function, compiled once per recipe; returns the
-    function and its source.
+    """``steps`` as the source of one straight-line function, compiled once per recipe (``call``: the
+    signature it binds); returns the function and its source.
 
     :func:`bind` runs on every call, a graph-cache hit included, and an interpreted loop over the
     steps cost as much as the allocations it makes. Value ``v<i>`` is the call's field i, then step
-    i - n_args's tensor; a tensor bound as it is gets no line, a fresh buffer is one
+    i - n_args's tensor; a tensor bound as it is gets no line, a fresh buffer is one ``empty_like`` of an
+    argument with its layout (:func:`_like`: O of a query in any layout, dQ/dK/dV) or else one
     ``empty_strided`` with its shape and strides as constants, every other step calls :func:`_step`.
     A comment names the uid each value is bound to (``str(recipe)`` prints the source).
     """
+    n_args = len(call)
     env: dict[str, Any] = {
         "empty_strided": torch.empty_strided,
+        "empty_like": torch.empty_like,
         "run_step": _step,
         "new": tuple.__new__,
         "Bound": Bound,
@@ -118,7 +150,10 @@ def _compile(
             names.append(names[s.src])
         else:
             names.append(f"v{i}")
-            if s.src is None and not s.draw and not s.zero:
+            like = None if s.src is not None or s.draw or s.zero else _like(call, s.fill)
+            if like is not None:
+                expr = f"empty_like({names[like]})"
+            elif s.src is None and not s.draw and not s.zero:
                 env[f"d{i}"] = s.fill.dtype
                 expr = f"empty_strided({tuple(s.fill.shape)!r}, {tuple(s.fill.stride)!r}, dtype=d{i}, device=device)"
             else:
@@ -249,7 +284,7 @@ def forward_recipe(call: ForwardCall, target: Target, dynamic_shapes: str | None
         padded=padded,
         dynamic=dynamic and cudnn_rules.DYNAMIC_SHAPE_FORWARD.holds(target),
     )
-    return _recipe(key, p.steps, tuple(outputs), len(call))
+    return _recipe(key, p.steps, tuple(outputs), call)
 
 
 def backward_recipe(call: BackwardCall, target: Target) -> PackRecipe:
@@ -300,7 +335,7 @@ def backward_recipe(call: BackwardCall, target: Target) -> PackRecipe:
         left=left,
         padded=padded,
     )
-    return _recipe(key, p.steps, outputs, len(call))
+    return _recipe(key, p.steps, outputs, call)
 
 
 def _causal(call: ForwardCall | BackwardCall) -> bool:

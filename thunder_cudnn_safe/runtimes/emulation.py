@@ -232,8 +232,8 @@ class EmulatedRuntime(Runtime):
         return None
 
     def target(self, device: torch.device) -> Target:
-        target = self._target
-        if target is None or (target.arch, target.backend_version) != (self.arch, self.backend_version):
+        target = self._target  # asked on every call, a memo hit included: no tuple made to compare
+        if target is None or target.backend_version != self.backend_version or target.arch != self.arch:
             target = self._target = Target(
                 self.name, -1, tuple(self.arch), self.backend_version, str(_compat.FRONTEND.frontend_version)
             )
