@@ -8,7 +8,7 @@ mutates the package when ``THUNDER_CUDNN_SAFE_MUTATION`` is set:
   ``assert_claimed``);
 * ``refuse``: both runtimes refuse every graph build, so every call runs on the torch fallback.
 
-This script runs each listed file once per mutation (one pytest process each, ``-p no:xdist``), prints a
+This script runs each listed file once per mutation (one pytest process each, ``-n 0``), prints a
 table of failed/passed/skipped counts per file and mutation, and exits 1 if any file passes entirely
 under a mutation (no test failed: nothing in it noticed) or ran no test, else 0. ``--baseline`` also
 runs each file without a mutation, where every test must pass (a failure there exits 1 too).
@@ -49,7 +49,7 @@ def run_file(path: str, mutation: str | None, extra: list[str], timeout: float) 
         env[MUTATION_ENV] = mutation
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.xml"
-        cmd = [sys.executable, "-m", "pytest", "-p", "no:xdist", "-q", "-p", "no:cacheprovider"]
+        cmd = [sys.executable, "-m", "pytest", "-n", "0", "-q", "-p", "no:cacheprovider"]
         cmd += [f"--junitxml={report}", *extra, path]
         try:
             proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)

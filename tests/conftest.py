@@ -8,16 +8,25 @@ import torch
 import thunder_cudnn_safe as tcs
 
 _FIGURES: list[str] = []
+#: The name under which a test's figures travel on its report (from an xdist worker to the controller too).
+_FIGURE = "thunder_cudnn_safe figure"
 
 
 @pytest.fixture
-def figure():
+def figure(request):
     """Report a figure a test established (cases tried, builds per key...) in the run's summary."""
 
     def report(text: str) -> None:
-        _FIGURES.append(text)
+        request.node.user_properties.append((_FIGURE, text))
 
     return report
+
+
+def pytest_runtest_logreport(report):
+    """Collect figures where the summary is written: the teardown report carries every property of the test,
+    and with ``-n`` it reaches the controlling process, which writes the summary."""
+    if report.when == "teardown":
+        _FIGURES.extend(text for name, text in report.user_properties if name == _FIGURE)
 
 
 def pytest_terminal_summary(terminalreporter):

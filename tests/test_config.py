@@ -160,9 +160,15 @@ def test_compile_option_defaults_come_from_config():
 
 def test_environment_reaches_the_package_at_import():
     code = "import thunder_cudnn_safe as t; print(t.config.values())"
-    env = {**os.environ, "THUNDER_CUDNN_SAFE_LAYOUT": "contiguous", "THUNDER_CUDNN_SAFE_MASK_PATTERNS": "0"}
+    env = {
+        **os.environ,
+        "THUNDER_CUDNN_SAFE_LAYOUT": "contiguous",
+        "THUNDER_CUDNN_SAFE_MASK_PATTERNS": "0",
+        "THUNDER_CUDNN_SAFE_DYNAMIC_SHAPES": " OFF ",
+    }
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert "'layout': 'contiguous'" in proc.stdout and "'mask_patterns': False" in proc.stdout
+    assert "'dynamic_shapes': 'off'" in proc.stdout
 
 
 def test_clear_cache_clears_every_cache_and_says_which(caplog):
