@@ -7,7 +7,7 @@ tensor's values (:func:`memoizable`: no mask, no dropout), the memo also holds t
 graph it ran, so a hit binds (the recipe's generated function) and executes: no planning, no graph key made
 or hashed. Anything else, or a slot the graph cache emptied (evicted, cleared), takes the full path, which
 remembers the slot again. ``config.set`` / ``config.patch`` of any knob empties every memo
-(:func:`forget_memos`); ``clear_cache()`` empties the executors' (registered as their pack-recipe memo) and
+(:func:`forget_memos`); ``clear_cache()`` empties the executors' (registered as their dispatch memo) and
 every slot of the process-wide graph cache. Graphs stay per thread: a hit's runtime executes the calling
 thread's copy (:mod:`~thunder_cudnn_safe.runtimes.per_thread`).
 
