@@ -513,3 +513,59 @@ def test_outputs_made_with_empty_like_get_exactly_the_declared_strides():
         for uid, declared in ((4, recipe.key.o), (5, recipe.key.stats)):
             assert (bound.pack[uid].shape, bound.pack[uid].stride()) == (declared.shape, declared.stride)
     assert dense > 50 and "empty_like" in str(recipe)
+
+
+def _gqa_case(seed: int = 0):
+    """Four query heads over one key/value head, BSHD-strided, fp16."""
+    gen = torch.Generator().manual_seed(seed)
+    q, g = (torch.randn(1, 16, 4, 32, generator=gen, dtype=torch.float16).transpose(1, 2) for _ in range(2))
+    k, v = (torch.randn(1, 16, 1, 32, generator=gen, dtype=torch.float16).transpose(1, 2) for _ in range(2))
+    return q, k, v, g
+
+
+@pytest.mark.parametrize("option", ["deterministic", "torch_deterministic_mode", "cat_grad_qkv", "enable_gqa"])
+def test_options_of_a_plain_call_are_served_by_the_memo(option, monkeypatch, request):
+    """The deterministic backward (asked for, or switched on by torch's deterministic mode), the fused dQKV
+    gradient and grouped K/V heads are plain calls: from the second call on, forward and backward run from the
+    memo (no planning), with the options the full path ran, and give the same numbers."""
+    from thunder_cudnn_safe.dispatch import dispatcher as dispatch_module
+    from thunder_cudnn_safe.plan.keys import BackwardKey
+
+    if option == "enable_gqa":
+        q, k, v, g = _gqa_case()
+    else:
+        q, k, v, g = _memo_case()
+    fwd_opts = {
+        "deterministic": dict(deterministic=True),
+        "torch_deterministic_mode": {},
+        "cat_grad_qkv": dict(cat_grad_qkv=True),
+        "enable_gqa": dict(enable_gqa=True),
+    }[option]
+    bwd_opts = {k_: val for k_, val in fwd_opts.items() if k_ != "enable_gqa"}
+    if option == "torch_deterministic_mode":
+        mode = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+        torch.use_deterministic_algorithms(True)
+        request.addfinalizer(lambda: torch.use_deterministic_algorithms(mode[0], warn_only=mode[1]))
+    disp = Dispatcher(EmulatedRuntime(), GraphCache(16))
+
+    def step():
+        out, stats = disp.forward(q, k, v, None, 0.0, False, **fwd_opts)
+        return (out, *disp.backward(g, q, k, v, None, 0.0, False, out, stats, None, None, **bwd_opts))
+
+    first = step()
+    keys = [entry.recipe.key for _, entry in disp.recipes.items()]
+    (bwd_key,) = [key for key in keys if isinstance(key, BackwardKey)]
+    assert bwd_key.deterministic is (option in ("deterministic", "torch_deterministic_mode"))
+    assert len(first) == (2 if option == "cat_grad_qkv" else 4)  # (out, grad_qkv) where dQKV is fused
+    assert bwd_key.k.shape[1] == (1 if option == "enable_gqa" else 2)
+    assert all(entry.slot is not None for _, entry in disp.recipes.items()), "a plain call's graph was not remembered"
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("planned on a memo hit")
+
+    monkeypatch.setattr(dispatch_module, "plan", forbidden)
+    builds = disp.cache.info().builds
+    again = step()
+    assert disp.cache.info().builds == builds
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)

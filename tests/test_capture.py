@@ -170,6 +170,45 @@ def test_a_capture_after_warm_up_builds_nothing(name, mask, shape, dropout_p, fr
         assert_close_to_reference(a, e, r, n)
 
 
+def test_a_capture_of_a_plain_call_runs_from_the_memo_and_builds_nothing(fresh_cache, monkeypatch):
+    """A call without a mask or dropout is a memo hit after its first step (no planning): under capture it runs
+    the graphs the warm-up built, the backward on autograd's thread its own copy made there at warm-up, with
+    no build, no cache miss and no fallback, and the numbers of the warm-up."""
+    from thunder_cudnn_safe.dispatch import dispatcher as dispatch_module
+
+    disp = tcs.emulated_ex.dispatcher
+    q, k, v = _qkv_l_s(2, 2, 16, 16)
+    g = torch.randn_like(q)
+    autograd_thread = ThreadPoolExecutor(max_workers=1)
+
+    def step():
+        out, stats = disp.forward(q, k, v, None, 0.0, True)
+        return out, autograd_thread.submit(disp.backward, g, q, k, v, None, 0.0, True, out, stats, None, None).result()
+
+    for _ in range(3):
+        warm = step()
+    built = []
+    real = disp.runtime._build_one
+    monkeypatch.setattr(disp.runtime, "_build_one", lambda key, impl: (built.append(key), real(key, impl))[1])
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("planned under capture: not a memo hit")
+
+    monkeypatch.setattr(dispatch_module, "plan", forbidden)
+    before = tcs.cache_info()
+    with _Capture(monkeypatch):
+        out, grads = step()
+    autograd_thread.shutdown()
+    after = tcs.cache_info()
+    assert built == [] and (after.builds, after.misses, after.fallbacks) == (
+        before.builds,
+        before.misses,
+        before.fallbacks,
+    )
+    assert after.hits == before.hits + 2
+    assert torch.equal(out, warm[0]) and all(torch.equal(a, b) for a, b in zip(grads, warm[1]))
+
+
 def test_the_capture_prebuild_costs_later_calls_no_cache_lookup(fresh_cache, monkeypatch):
     """The prebuild runs once per signature: the second and later training steps with the same pattern
     look up only the graphs they run (hits per step stay those of a step without the prebuild)."""
