@@ -231,6 +231,8 @@ def inject_failures(
 #: ignore it.
 EMULATE = os.environ.get("THUNDER_CUDNN_SAFE_GPU_TESTS_EMULATE") == "1"
 needs_gpu = pytest.mark.skipif(not EMULATE and not torch.cuda.is_available(), reason="needs a CUDA GPU with cuDNN")
+#: a gpu test of CUDA itself (streams, handles): skipped under the emulated self-check too
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (streams, handles): not emulated")
 GPU_DEVICE, GPU_EXECUTOR = ("cpu", tcs.emulated_ex) if EMULATE else ("cuda", tcs.cudnn_safe_ex)
 GPU_FWD_OP, GPU_BWD_OP = f"{GPU_EXECUTOR.name}_sdpa_fwd", f"{GPU_EXECUTOR.name}_sdpa_bwd"
 F16, BF16 = torch.float16, torch.bfloat16

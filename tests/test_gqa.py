@@ -1014,14 +1014,15 @@ def fresh():
     tcs.clear_cache()
 
 
-# (layout, H_q, H_kv, L, S, D, grad_out layout, dtype, mask, causal)
+# (layout, H_q, H_kv, L, S, D, grad_out layout, dtype, mask, causal). No case trains with S % 128 == 64 unless
+# causal without a mask: HOPPER_BACKWARD_KV_TAIL_NAN declines those on sm90 before cuDNN 9.26 (the H200 runs 9.19).
 GPU_CASES = [
     ("contiguous", 8, 4, 128, 128, 64, "contiguous", F16, None, True),
     ("bshd_transposed", 8, 2, 128, 256, 128, "transposed", BF16, None, False),
-    ("sbhd", 16, 2, 64, 64, 64, "contiguous", BF16, "bool", False),
+    ("sbhd", 16, 2, 64, 80, 64, "contiguous", BF16, "bool", False),
     ("packed_qkv", 8, 1, 128, 128, 128, "transposed", F16, None, True),
     ("kv_broadcast_head", 8, 2, 64, 96, 64, "zero_stride", F16, "additive", False),
-    ("lastdim_strided", 8, 4, 64, 64, 64, "expanded", BF16, None, False),
+    ("lastdim_strided", 8, 4, 64, 112, 64, "expanded", BF16, None, False),
     ("misaligned", 32, 8, 64, 64, 128, "contiguous", BF16, None, True),
     ("bshd_transposed", 32, 4, 96, 40, 128, "transposed", F16, "additive", False),
 ]
@@ -1066,7 +1067,8 @@ def test_tiny_llama_thunderfx_repeat_kv_rewritten_on_cudnn(fresh):
     )
     config._attn_implementation = "sdpa"
     model = transformers.LlamaForCausalLM(config).to(device=GPU_DEVICE, dtype=BF16)
-    ids = torch.randint(0, 128, (2, 64), device=GPU_DEVICE)
+    # 96 tokens: a mask tensor at S % 128 == 64 is declined on sm90 before cuDNN 9.26 (HOPPER_BACKWARD_KV_TAIL_NAN)
+    ids = torch.randint(0, 128, (2, 96), device=GPU_DEVICE)
     backend = ThunderCompiler(
         executors=[GPU_EXECUTOR, *thunder.get_default_executors()], transforms=[tcs.RepeatKVToGQA()]
     )

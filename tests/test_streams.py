@@ -8,7 +8,7 @@ stream (:func:`thunder_cudnn_safe.masks.bias.stream_key`).
 
 import pytest
 import torch
-from checks import assert_claimed, on_the_runtime
+from checks import assert_claimed, needs_cuda, on_the_runtime
 
 import thunder_cudnn_safe as tcs
 
@@ -55,6 +55,7 @@ def test_cached_conversions_and_patterns_are_per_stream(fresh_cache, monkeypatch
 
 
 @pytest.mark.gpu
+@needs_cuda
 def test_cached_conversions_on_two_cuda_streams(fresh_cache):
     q, k, v = (torch.randn(1, 2, 16, 64, dtype=torch.float16, device="cuda") for _ in range(3))
     mask = torch.ones(1, 1, 16, 16, dtype=torch.bool, device="cuda").tril()

@@ -180,6 +180,7 @@ def test_a_copy_that_fails_to_build_falls_back(monkeypatch):
 
 
 @pytest.mark.gpu
+@checks.needs_cuda
 def test_gpu_threads_run_their_own_graphs_and_handles():
     """On CUDA: two threads run the same keys concurrently, each on its own stream, with its own graph
     copy and handle; the numbers match the float64 reference."""
