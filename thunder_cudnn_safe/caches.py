@@ -37,9 +37,8 @@ def clear_cache() -> list[str]:
     """Clear every in-memory cache the package keeps and zero the graph counters; returns (and logs at
     INFO) the names of what it cleared. Later calls rebuild what they need."""
     with _lock:
-        caches = list(_registry.items())
-    for _, clear in caches:
+        caches = dict(_registry)
+    for clear in caches.values():
         clear()
-    names = [name for name, _ in caches]
-    logger.info("clear_cache cleared: %s", "; ".join(names))
-    return names
+    logger.info("clear_cache cleared: %s", "; ".join(caches))
+    return list(caches)

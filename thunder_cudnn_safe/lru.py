@@ -11,7 +11,8 @@ from typing import Any
 
 
 class LRU:
-    """A map of at most ``maxsize`` entries; adding one more evicts the least recently used."""
+    """A map of at most ``maxsize`` entries; adding one more evicts the least recently used. ``peek`` is ``get``
+    without marking the entry used: the bare dict read (no lock, no frame of its own), for the per-call memos."""
 
     def __init__(self, maxsize: int) -> None:
         self._lock = threading.Lock()
@@ -21,6 +22,10 @@ class LRU:
         self.evictions = 0
         #: ``get`` calls that found their key (counted under the same lock: a hit takes one lock)
         self.hits = 0
+        self.peek: Callable[..., Any] = self._data.get  # the same dict for the LRU's life (cleared in place)
+
+    def on_evict(self, key: Hashable) -> None:
+        """A subclass's hook, run under the lock for each key that leaves: evicted, popped, removed or cleared."""
 
     def get(self, key: Hashable, default: Any = None) -> Any:
         with self._lock:
@@ -30,10 +35,6 @@ class LRU:
                 self.hits += 1
             return value
 
-    def peek(self, key: Hashable, default: Any = None) -> Any:
-        """``get`` without marking the entry used: no lock (one dict read), for the per-call plan memo."""
-        return self._data.get(key, default)
-
     def put(self, key: Hashable, value: Any) -> None:
         with self._lock:
             self._data[key] = value
@@ -42,6 +43,7 @@ class LRU:
 
     def pop(self, key: Hashable, default: Any = None) -> Any:
         with self._lock:
+            self.on_evict(key)
             return self._data.pop(key, default)
 
     def remove_if(self, predicate: Callable[[Hashable], bool]) -> None:
@@ -49,6 +51,7 @@ class LRU:
         with self._lock:
             for key in [k for k in self._data if predicate(k)]:
                 del self._data[key]
+                self.on_evict(key)
 
     def resize(self, maxsize: int) -> None:
         with self._lock:
@@ -57,6 +60,8 @@ class LRU:
 
     def clear(self) -> None:
         with self._lock:
+            for key in self._data:
+                self.on_evict(key)
             self._data.clear()
             self.evictions = self.hits = 0
 
@@ -73,5 +78,6 @@ class LRU:
 
     def _trim(self) -> None:
         while len(self._data) > self.maxsize:
-            self._data.popitem(last=False)
+            key, _ = self._data.popitem(last=False)
             self.evictions += 1
+            self.on_evict(key)

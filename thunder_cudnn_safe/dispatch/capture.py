@@ -20,7 +20,7 @@ import torch
 from thunder_cudnn_safe.dispatch import dropout
 from thunder_cudnn_safe.errors import ExecuteError, GraphBuildError
 from thunder_cudnn_safe.plan.calls import BackwardCall, ForwardCall, forward_of, memo_key
-from thunder_cudnn_safe.plan.keys import Target, TensorSig
+from thunder_cudnn_safe.plan.keys import Target
 from thunder_cudnn_safe.plan.planner import capture_calls
 
 
@@ -31,7 +31,7 @@ def prebuild(disp: Any, call: ForwardCall | BackwardCall, target: Target) -> Non
     if disp.recipes.peek(memo) is not None:
         return
     calls = capture_calls(call, target)
-    keys = _keys(disp, call, calls[0]) if calls else ()
+    keys = _keys(disp, call, calls[0], target) if calls else ()
     disp.recipes.put(memo, True)
     for key in keys:
         try:
@@ -42,21 +42,17 @@ def prebuild(disp: Any, call: ForwardCall | BackwardCall, target: Target) -> Non
             dropout.backward_builds(disp, call, calls[0], key)
 
 
-def _keys(disp: Any, call: ForwardCall | BackwardCall, bias: ForwardCall | BackwardCall) -> tuple:
+def _keys(disp: Any, call: ForwardCall | BackwardCall, bias: ForwardCall | BackwardCall, target: Target) -> tuple:
     """The keys of the bias call's graphs. A backward's captured forward runs the bias too, and its O and stats
     (the backward's inputs) are laid out as the bias forward lays them out, which a packed-sequence forward does
     not: those are planned too, with dO as it comes and with dO in that O's layout (a grad_out made like O)."""
-    keys = [disp.recipe(bias).key]
+    keys = [disp.memo(bias, target).recipe.key]
     if isinstance(call, BackwardCall):
-        fwd = forward_of(call)
-        fkey = disp.recipe(fwd).key
-        o, stats = _meta(fkey.o), _meta(fkey.stats)
+        fkey = disp.memo(forward_of(call), target).recipe.key
+        # O and stats as the bias forward lays them out, with no storage: to plan a recipe's key (never bound)
+        o, stats = (torch.empty_strided(s.shape, s.stride, dtype=s.dtype, device="meta") for s in (fkey.o, fkey.stats))
         like_bias_forward = bias._replace(out=o, stats=stats)
-        if disp.recipe(like_bias_forward).key != keys[0]:
-            keys += [disp.recipe(c).key for c in (like_bias_forward, like_bias_forward._replace(grad_out=o))]
+        if disp.memo(like_bias_forward, target).recipe.key != keys[0]:
+            grad_out_like_o = like_bias_forward._replace(grad_out=o)
+            keys += [disp.memo(c, target).recipe.key for c in (like_bias_forward, grad_out_like_o)]
     return tuple(dict.fromkeys(keys))
-
-
-def _meta(sig: TensorSig) -> torch.Tensor:
-    """A tensor with ``sig``'s layout and no storage, to plan a recipe's key (never bound)."""
-    return torch.empty_strided(sig.shape, sig.stride, dtype=sig.dtype, device="meta")

@@ -13,7 +13,7 @@ import torch
 
 from thunder_cudnn_safe.errors import GraphBuildError
 from thunder_cudnn_safe.plan.calls import ForwardCall, signature, torch_deterministic
-from thunder_cudnn_safe.plan.keys import BackwardKey, ForwardKey
+from thunder_cudnn_safe.plan.keys import ForwardKey
 from thunder_cudnn_safe.plan.planner import bias_too_large
 from thunder_cudnn_safe.plan.recipes import companion_backward_key
 from thunder_cudnn_safe.rules import cudnn_rules
@@ -36,23 +36,16 @@ def backward_builds(disp: Any, call: ForwardCall, masked: ForwardCall, fkey: For
         companion = companion_backward_key(bcall, fkey, mask_grad)
         try:
             disp.cache.get_or_build(companion, disp.runtime.build)
-        except RuleRefusal as exc:
-            if mask_grad and exc.rule == cudnn_rules.DP_WORKSPACE.name:
-                continue  # judged at trace time, where the need for dBias is known (:mod:`support`)
-            _warn_refusal(disp, companion, exc)
-            return False
         except GraphBuildError as exc:
-            _warn_refusal(disp, companion, exc)
+            if mask_grad and isinstance(exc, RuleRefusal) and exc.rule == cudnn_rules.DP_WORKSPACE.name:
+                continue  # judged at trace time, where the need for dBias is known (:mod:`support`)
+            warn_once(
+                ("fallback", disp.runtime.name, companion),
+                "cudnn_safe: %s refuses the backward graph of an attention call with dropout (%s), and only "
+                "cuDNN could reproduce its dropout mask: the forward runs on the torch fallback too. Shown once "
+                "per distinct graph.",
+                disp.runtime.name,
+                exc,
+            )
             return False
     return True
-
-
-def _warn_refusal(disp: Any, companion: BackwardKey, exc: GraphBuildError) -> None:
-    warn_once(
-        ("fallback", disp.runtime.name, companion),
-        "cudnn_safe: %s refuses the backward graph of an attention call with dropout (%s), and only "
-        "cuDNN could reproduce its dropout mask: the forward runs on the torch fallback too. Shown once "
-        "per distinct graph.",
-        disp.runtime.name,
-        exc,
-    )

@@ -27,24 +27,6 @@ def reset_varlen_info() -> None:
     _counts.reset()
 
 
-def _run(disp: Any, bound: Any) -> bool:
-    refusal = disp.refusal(bound)
-    if refusal is None:
-        return True
-    if isinstance(refusal, RuleRefusal):  # the planned key breaks a known cuDNN rule: never built, the bias runs
-        _counts.count(f"declined: {refusal.rule} (key gate)")
-        return False
-    _counts.count(f"refused: {type(refusal).__name__}")
-    warn_once(
-        ("varlen", disp.runtime.name, bound.key),
-        "cudnn_safe: %s refused a variable-length (packed sequences) graph (%s); the call runs with its "
-        "mask as a bias. Shown once per distinct graph.",
-        disp.runtime.name,
-        refusal,
-    )
-    return False
-
-
 def run(disp: Any, call: Any) -> tuple[torch.Tensor, ...] | None:
     """A :class:`~thunder_cudnn_safe.masks.documents.DocumentPattern` call's outputs as variable-length attention: a
     forward's (O[, stats]), a backward's (dq, dk, dv) or (grad_qkv,); None where declined by a named rule
@@ -56,7 +38,19 @@ def run(disp: Any, call: Any) -> tuple[torch.Tensor, ...] | None:
         _counts.count(f"declined: {reason}")
         return None
     bound = (varlen.bind_forward if forward else varlen.bind_backward)(call, target)
-    if not _run(disp, bound):
+    refusal = disp.refusal(bound)
+    if isinstance(refusal, RuleRefusal):  # the planned key breaks a known cuDNN rule: never built, the bias runs
+        _counts.count(f"declined: {refusal.rule} (key gate)")
+        return None
+    if refusal is not None:
+        _counts.count(f"refused: {type(refusal).__name__}")
+        warn_once(
+            ("varlen", disp.runtime.name, bound.key),
+            "cudnn_safe: %s refused a variable-length (packed sequences) graph (%s); the call runs with its "
+            "mask as a bias. Shown once per distinct graph.",
+            disp.runtime.name,
+            refusal,
+        )
         return None
     _counts.count("forward" if forward else "backward")
     return bound.outputs

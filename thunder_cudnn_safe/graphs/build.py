@@ -41,21 +41,13 @@ def cudnn_dtype(dtype: torch.dtype) -> Any:
 
 
 @functools.cache
-def _torch_dtypes_by_cudnn() -> dict:
+def torch_dtype_of(cudnn_data_type: Any) -> torch.dtype | None:
+    """The torch dtype cuDNN's ``cudnn_data_type`` stands for (None if none), from the frontend's table."""
     cudnn_module()
     from cudnn.datatypes import torch_to_cudnn_data_type
 
-    table = {}
-    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64, torch.bool):
-        value = torch_to_cudnn_data_type(dtype)
-        if value is not None:
-            table.setdefault(value, dtype)
-    return table
-
-
-def torch_dtype_of(cudnn_data_type: Any) -> torch.dtype | None:
-    """The torch dtype cuDNN's ``cudnn_data_type`` stands for (None if none), from the frontend's table."""
-    return _torch_dtypes_by_cudnn().get(cudnn_data_type)
+    dtypes = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64, torch.bool)
+    return next((dtype for dtype in dtypes if torch_to_cudnn_data_type(dtype) == cudnn_data_type), None)
 
 
 def _declare(graph: Any, uid: Uid, s: TensorSig) -> Any:
@@ -90,7 +82,7 @@ def build_plans(graph: Any, key: ForwardKey | BackwardKey) -> None:
         graph.build([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
 
 
-def _new_graph(io_dtype: torch.dtype, handle: Any, device_property: Any = None, key: Any = None) -> Any:
+def _new_graph(key: ForwardKey | BackwardKey, handle: Any, device_property: Any) -> Any:
     cudnn = cudnn_module()
     kwargs = {} if handle is None else {"handle": handle}
     if getattr(key, "dynamic", False):
@@ -103,42 +95,49 @@ def _new_graph(io_dtype: torch.dtype, handle: Any, device_property: Any = None, 
         sm = json.loads(device_property.serialize())["deviceVer"] // 10
         kwargs.update(device_property=device_property, sm_version=sm)
     return cudnn.pygraph(
-        io_data_type=cudnn_dtype(io_dtype),
+        io_data_type=cudnn_dtype(key.q.dtype),
         intermediate_data_type=cudnn.data_type.FLOAT,
         compute_data_type=cudnn.data_type.FLOAT,
         **kwargs,
     )
 
 
-def _masking(graph: Any, key: ForwardKey | BackwardKey) -> dict[str, Any]:
-    """torch's ``is_causal`` (query i sees keys 0..i) as the frontend's top-left diagonal band, a
-    sliding window as its left bound (keep i - j < left), key padding as its padding mask."""
-    band: dict[str, Any] = {}
+def _options(graph: Any, key: ForwardKey | BackwardKey) -> dict[str, Any]:
+    """What forward and backward declare alike: the bias (and a backward's dBias), dropout, and the masking:
+    torch's ``is_causal`` (query i sees keys 0..i) as the frontend's top-left diagonal band, a sliding window as
+    its left bound (keep i - j < left), key padding as its padding mask."""
+    extra: dict[str, Any] = {}
+    if key.bias is not None:
+        extra["bias"] = _declare(graph, Uid.BIAS, key.bias)
+    if getattr(key, "d_bias", None) is not None:
+        extra["dBias"] = _declare(graph, Uid.DBIAS, key.d_bias)
+    if key.dropout_p:
+        extra["dropout"] = (key.dropout_p, _declare(graph, Uid.SEED, key.seed), _declare(graph, Uid.OFFSET, key.offset))
+    if key.causal or key.left is not None:
+        extra["diagonal_alignment"] = cudnn_module().diagonal_alignment.TOP_LEFT
     if key.causal:
-        band = {"diagonal_alignment": cudnn_module().diagonal_alignment.TOP_LEFT, "diagonal_band_right_bound": 0}
+        extra["diagonal_band_right_bound"] = 0
     if key.left is not None:
-        band.update(
-            diagonal_alignment=cudnn_module().diagonal_alignment.TOP_LEFT, diagonal_band_left_bound=int(key.left)
-        )
+        extra["diagonal_band_left_bound"] = int(key.left)
     if key.padded:
         lens = TensorSig((key.q.shape[0], 1, 1, 1), (1, 1, 1, 1), torch.int32)
-        band.update(
-            use_padding_mask=True,
-            seq_len_q=_declare(graph, Uid.SEQ_LEN_Q, lens),
-            seq_len_kv=_declare(graph, Uid.SEQ_LEN_KV, lens),
+        extra["use_padding_mask"] = True
+        extra["seq_len_q"], extra["seq_len_kv"] = (
+            _declare(graph, uid, lens) for uid in (Uid.SEQ_LEN_Q, Uid.SEQ_LEN_KV)
         )
-    return band
+    return extra
 
 
-def _ragged(graph: Any, key: ForwardKey | BackwardKey, tensors: dict[Uid, Any]) -> None:
-    """Packed sequences: each tensor's ragged offset ((N+1,1,1,1) int element offsets, bound per call);
-    the stats get one only where the key declares them ragged (sm80's backward refuses ragged stats)."""
-    if key.ragged is None:
-        return
-    for uid, t in tensors.items():
-        if uid == Uid.STATS and not key.ragged.stats:
-            continue
-        t.set_ragged_offset(_declare(graph, Uid[f"RAGGED_{uid.name}"], key.ragged.offsets))
+def _validated(graph: Any, key: ForwardKey | BackwardKey, tensors: dict[Uid, Any]) -> Any:
+    """``graph`` validated, packed sequences first given each tensor's ragged offset ((N+1,1,1,1) int element
+    offsets, bound per call); the stats get one only where the key declares them ragged (sm80's backward refuses
+    ragged stats)."""
+    if key.ragged is not None:
+        for uid, t in tensors.items():
+            if uid != Uid.STATS or key.ragged.stats:
+                t.set_ragged_offset(_declare(graph, Uid[f"RAGGED_{uid.name}"], key.ragged.offsets))
+    graph.validate()
+    return graph
 
 
 def attention_implementation(implementation: Any) -> Any:
@@ -158,12 +157,6 @@ def attention_implementation(implementation: Any) -> Any:
         ) from None
 
 
-def _dropout(graph: Any, key: ForwardKey | BackwardKey) -> tuple | None:
-    if not key.dropout_p:
-        return None
-    return (key.dropout_p, _declare(graph, Uid.SEED, key.seed), _declare(graph, Uid.OFFSET, key.offset))
-
-
 def build_forward_graph(
     key: ForwardKey, handle: Any = None, *, implementation: Any = None, device_property: Any = None
 ) -> Any:
@@ -171,14 +164,9 @@ def build_forward_graph(
 
     ``implementation`` ("composite", "unified", None: the frontend's choice) pins the SDPA implementation
     (only the forward has one); ``device_property`` plans for that GPU without one (:mod:`aot`)."""
-    g = _new_graph(key.q.dtype, handle, device_property, key)
+    g = _new_graph(key, handle, device_property)
     q, k, v = _declare(g, Uid.Q, key.q), _declare(g, Uid.K, key.k), _declare(g, Uid.V, key.v)
-    extra = {}
-    if key.bias is not None:
-        extra["bias"] = _declare(g, Uid.BIAS, key.bias)
-    dropout = _dropout(g, key)
-    if dropout is not None:
-        extra["dropout"] = dropout
+    extra = _options(g, key)
     impl = attention_implementation(implementation)
     if impl is not None:
         extra["implementation"] = impl
@@ -189,15 +177,12 @@ def build_forward_graph(
         generate_stats=key.stats is not None,
         attn_scale=float(key.scale),
         name="cudnn_safe_sdpa_fwd",
-        **_masking(g, key),
         **extra,
     )
     _mark_output(o, Uid.O, key.o)
     if key.stats is not None:  # an inference forward writes no stats (nothing reads them)
         _mark_output(stats, Uid.STATS, key.stats)
-    _ragged(g, key, {Uid.Q: q, Uid.K: k, Uid.V: v, Uid.O: o, **({Uid.STATS: stats} if key.stats is not None else {})})
-    g.validate()
-    return g
+    return _validated(g, key, {Uid.Q: q, Uid.K: k, Uid.V: v, Uid.O: o, **({Uid.STATS: stats} if key.stats else {})})
 
 
 def build_backward_graph(
@@ -210,17 +195,10 @@ def build_backward_graph(
     impl = attention_implementation(implementation)
     if impl is not None and impl.name not in ("AUTO", "COMPOSITE"):
         raise ValueError(f"sdpa_backward has no {impl.name} implementation; pass None, 'auto' or 'composite'")
-    g = _new_graph(key.q.dtype, handle, device_property)
+    g = _new_graph(key, handle, device_property)
     q, k, v = _declare(g, Uid.Q, key.q), _declare(g, Uid.K, key.k), _declare(g, Uid.V, key.v)
     o, d_o, stats = _declare(g, Uid.O, key.o), _declare(g, Uid.DO, key.d_o), _declare(g, Uid.STATS, key.stats)
-    extra: dict[str, Any] = {}
-    if key.bias is not None:
-        extra["bias"] = _declare(g, Uid.BIAS, key.bias)
-    if key.d_bias is not None:
-        extra["dBias"] = _declare(g, Uid.DBIAS, key.d_bias)
-    dropout = _dropout(g, key)
-    if dropout is not None:
-        extra["dropout"] = dropout
+    extra = _options(g, key)
     if key.deterministic:
         extra["use_deterministic_algorithm"] = True
     if key.ragged is not None:  # without it the backward workspace grows with N x S (notes, fact 6)
@@ -234,19 +212,12 @@ def build_backward_graph(
         stats=stats,
         attn_scale=float(key.scale),
         name="cudnn_safe_sdpa_bwd",
-        **_masking(g, key),
         **extra,
     )
-    _mark_output(dq, Uid.DQ, key.dq)
-    _mark_output(dk, Uid.DK, key.dk)
-    _mark_output(dv, Uid.DV, key.dv)
-    _ragged(
-        g,
-        key,
-        {Uid.Q: q, Uid.K: k, Uid.V: v, Uid.O: o, Uid.DO: d_o, Uid.STATS: stats, Uid.DQ: dq, Uid.DK: dk, Uid.DV: dv},
-    )
-    g.validate()
-    return g
+    grads = {Uid.DQ: dq, Uid.DK: dk, Uid.DV: dv}
+    for uid, t in grads.items():
+        _mark_output(t, uid, getattr(key, uid.name.lower()))
+    return _validated(g, key, {Uid.Q: q, Uid.K: k, Uid.V: v, Uid.O: o, Uid.DO: d_o, Uid.STATS: stats, **grads})
 
 
 def clear_kernel_caches() -> None:

@@ -1,9 +1,8 @@
 """The process-wide cache of built graphs, with counters and a memory of refusals.
 
 A hit is one lookup. A dispatcher's memo of graph-cache hits holds a :class:`Slot` per remembered key
-(``GraphCache.slot``) and reads the graph through ``GraphCache.touch``: counted and marked used like
-a hit, the key not hashed again; an evicted or cleared graph leaves its slot empty, so no memo keeps it
-alive or runs it.
+(``GraphCache.slot``) and reads the graph through ``GraphCache.touch`` (a hit, the key not hashed again); an
+evicted or cleared graph leaves its slot empty, so no memo keeps it alive or runs it.
 
 A miss builds under a per-key lock (one build per key, other keys in parallel). A refusal (cuDNN's
 judgment of the graph, or the key gate's) is remembered and raised again as it was; a transient failure
@@ -62,7 +61,7 @@ class Slot:
 
 class _Graphs(LRU):
     """The built graphs by key, and the :class:`Slot` of each key a memo asked for (:meth:`slot`), emptied when
-    the key leaves: evicted at the bound, popped, dropped or cleared."""
+    the key leaves (:meth:`~thunder_cudnn_safe.lru.LRU.on_evict`: evicted at the bound, popped, dropped or cleared)."""
 
     def __init__(self, maxsize: int) -> None:
         super().__init__(maxsize)
@@ -71,7 +70,7 @@ class _Graphs(LRU):
     def slot(self, key: Hashable) -> Slot | None:
         """``key``'s slot (made on the first ask), or None if ``key`` is not cached."""
         with self._lock:
-            graph = self._data.get(key)
+            graph = self.peek(key)
             if graph is None:
                 return None
             slot = self._slots.get(key)
@@ -90,34 +89,10 @@ class _Graphs(LRU):
                 self.hits += 1
             return graph
 
-    def _release(self, key: Hashable) -> None:
+    def on_evict(self, key: Hashable) -> None:
         slot = self._slots.pop(key, None)
         if slot is not None:
             slot.graph = None
-
-    def _trim(self) -> None:  # LRU's, emptying each evicted key's slot (under the lock, like every caller)
-        while len(self._data) > self.maxsize:
-            key, _ = self._data.popitem(last=False)
-            self.evictions += 1
-            self._release(key)
-
-    def pop(self, key: Hashable, default: Any = None) -> Any:
-        with self._lock:
-            self._release(key)
-            return self._data.pop(key, default)
-
-    def remove_if(self, predicate: Callable[[Hashable], bool]) -> None:
-        with self._lock:
-            for key in [k for k in self._data if predicate(k)]:
-                del self._data[key]
-                self._release(key)
-
-    def clear(self) -> None:  # LRU's, emptying every slot under the same lock
-        with self._lock:
-            for key in list(self._slots):
-                self._release(key)
-            self._data.clear()
-            self.evictions = self.hits = 0
 
 
 class GraphCache:
@@ -132,16 +107,12 @@ class GraphCache:
         self._zero()
 
     def _zero(self) -> None:
-        self.misses = self.builds = self.build_failures = self.negative_hits = self.fallbacks = 0
-        self.build_seconds = 0.0
+        self._counts = dict.fromkeys(("misses", "builds", "build_failures", "negative_hits", "fallbacks"), 0)
+        self._counts["build_seconds"] = 0.0
 
     def _count(self, name: str, n: float = 1) -> None:
         with self._lock:
-            setattr(self, name, getattr(self, name) + n)
-
-    @property
-    def hits(self) -> int:
-        return self._graphs.hits
+            self._counts[name] += n
 
     def _known(self, key: Hashable, count: bool) -> Any:
         """The built graph for ``key`` if cached (a counted hit takes one lock: the LRU's); raises
@@ -158,16 +129,12 @@ class GraphCache:
     def get_or_build(self, key: Hashable, build: Callable[[Hashable], Any]) -> Any:
         """The built graph for ``key``, built once on a miss. Raises GraphBuildError."""
         entry = self._graphs.get(key)  # a hit: one lookup under one lock
+        if entry is None:
+            entry = self._known(key, count=True)  # refused, or built by another thread since the first lookup
         if entry is not None:
             return entry
-        return self._refused_or_build(key, build)
-
-    def _refused_or_build(self, key: Hashable, build: Callable[[Hashable], Any]) -> Any:
-        entry = self._known(key, count=True)
-        if entry is not None:  # built by another thread since the first lookup
-            return entry
         with self._lock:
-            self.misses += 1
+            self._counts["misses"] += 1
             key_lock = self._key_locks.setdefault(key, threading.Lock())
         with key_lock:
             try:
@@ -181,40 +148,26 @@ class GraphCache:
         start = time.perf_counter()
         try:
             entry = build(key)
-        except Exception as exc:
-            self._failed(key, exc)
+        except Exception as exc:  # raised as GraphBuildError; a refusal is remembered, a transient failure only counted
+            self._count("build_failures")
+            error = exc if isinstance(exc, GraphBuildError) else GraphBuildError(f"{type(exc).__name__}: {exc}")
+            if error.definitive:
+                self._refused.put(key, error)
+            if error is exc:
+                raise
+            raise error from exc
         self._count("build_seconds", time.perf_counter() - start)
         self._count("builds")
         self._graphs.put(key, entry)
         return entry
 
-    def _failed(self, key: Hashable, exc: Exception) -> None:
-        """Remember a refusal (a transient failure is only counted) and raise it as GraphBuildError."""
-        self._count("build_failures")
-        error = exc if isinstance(exc, GraphBuildError) else GraphBuildError(f"{type(exc).__name__}: {exc}")
-        if error.definitive:
-            self._refused.put(key, error)
-        if error is exc:
-            raise error
-        raise error from exc
-
     def record_fallback(self) -> None:
         self._count("fallbacks")
 
     def info(self) -> CacheInfo:
+        g = self._graphs
         with self._lock:
-            return CacheInfo(
-                self.hits,
-                self.misses,
-                self.builds,
-                self._graphs.evictions,
-                len(self._graphs),
-                self._graphs.maxsize,
-                self.build_seconds,
-                self.build_failures,
-                self.negative_hits,
-                self.fallbacks,
-            )
+            return CacheInfo(hits=g.hits, evictions=g.evictions, size=len(g), maxsize=g.maxsize, **self._counts)
 
     def clear(self) -> None:
         """Drop every graph and refusal; zero the counters."""

@@ -130,16 +130,14 @@ def lower(graph: Any, sm_version: int) -> Lowering:
     # Instance-level overrides: the C++ graph gets sm_version, and no handle is made.
     graph._cpp_graph_kwargs = {**graph._cpp_graph_kwargs, "sm_version": sm}
     graph._backend_handle_for_lowering = lambda cpp_kwargs: None
+    stage, implementation = "validate", None
     try:
         cpp = graph._lower_to_cpp()  # the lowering itself may reject an attribute
         cpp.validate()
-    except Exception as exc:
-        return Lowering(False, _unless_broken_install(exc), "validate", None, sm)
-    implementation = implementation_of(cpp)
-    try:
+        stage, implementation = "build_operation_graph", implementation_of(cpp)
         cpp.build_operation_graph()
     except Exception as exc:
-        return Lowering(False, _unless_broken_install(exc), "build_operation_graph", implementation, sm)
+        return Lowering(False, _unless_broken_install(exc), stage, implementation, sm)
     return Lowering(True, None, None, implementation, sm)
 
 

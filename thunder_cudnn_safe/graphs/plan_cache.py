@@ -22,6 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import torch
+
 from thunder_cudnn_safe import _compat, config
 from thunder_cudnn_safe._version import __version__
 from thunder_cudnn_safe.graphs import build as graphs
@@ -147,16 +149,13 @@ _active: PlanCache | None = None
 _active_dir: str | None = None
 
 
-def _bound(field: str) -> Callable[[int], None]:
-    def rebound(value: int) -> None:  # the plan cache in use takes a changed bound (evicting at its next store)
-        if _active is not None:
-            setattr(_active, field, value)
-
-    return rebound
+def _rebound(field: str, value: int) -> None:
+    if _active is not None:  # the plan cache in use takes a changed bound (evicting at its next store)
+        setattr(_active, field, value)
 
 
-config.on_change("plan_cache_max_entries", _bound("max_entries"))
-config.on_change("plan_cache_max_bytes", _bound("max_bytes"))
+for _field in ("max_entries", "max_bytes"):
+    config.on_change(f"plan_cache_{_field}", functools.partial(_rebound, _field))
 
 
 def active() -> PlanCache | None:
@@ -222,10 +221,8 @@ def store(key: Any, rung: str | None, device: str | Callable[[], str], built: An
         return
     try:
         blob = bytes(built.graph.serialize(as_bytes=True))
-        meta = json.dumps(
-            {"workspace_size": built.workspace_size, "implementation": built.implementation, "plan": built.plan}
-        ).encode()
-        cache.put(_ident(key, rung, device), _META.pack(len(meta)) + meta + blob)
+        meta = json.dumps({field: getattr(built, field) for field in ("workspace_size", "implementation", "plan")})
+        cache.put(_ident(key, rung, device), _META.pack(len(meta)) + meta.encode() + blob)
     except Exception as exc:
         logger.debug("plan cache: not storing the plan for %s: %s: %s", key, type(exc).__name__, exc)
 
@@ -237,7 +234,5 @@ def device_descriptor(index: int) -> str:
     try:
         return str(graphs.cudnn_module().create_device_properties(index).serialize())
     except Exception:
-        import torch
-
         p = torch.cuda.get_device_properties(index)
         return repr((p.name, p.major, p.minor, p.total_memory, p.multi_processor_count, torch.version.cuda))
