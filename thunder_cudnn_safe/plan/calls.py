@@ -163,8 +163,7 @@ _MEMOS = {call_type: _compile_memo(call_type) for call_type in TENSOR_FIELDS}
 
 
 def memo_key(call: ForwardCall | BackwardCall, target: Target) -> tuple:
-    """What :func:`signature` depends on, made on every call: tensor fields by layout, options as they are
-    (:func:`memo_source`)."""
+    """What :func:`signature` depends on, made on every call (:func:`memo_source`)."""
     return _MEMOS[type(call)](call, target)
 
 

@@ -32,14 +32,10 @@ import torch
 
 def mask_needs_grad(mask: Any) -> bool:
     """Whether the gradient of ``mask`` (a tensor or a thunder proxy) may be needed by a backward."""
-    if isinstance(mask, torch.Tensor):
+    if isinstance(mask, torch.Tensor) or bool(getattr(mask, "requires_grad", False)):
         return bool(mask.requires_grad)
-    if bool(getattr(mask, "requires_grad", False)):
-        return True
     name = getattr(mask, "name", None)
-    if name is None:
-        return False
-    trace = _defining_trace(name)
+    trace = None if name is None else _defining_trace(name)
     return trace is not None and name in _grad_carrying(trace)
 
 
@@ -54,14 +50,11 @@ def _defining_trace(name: str) -> Any:
     except Exception:
         return None
     frame = sys._getframe(1)
-    seen: set[int] = set()
     while frame is not None:
         for value in (frame.f_locals.get("self"), frame.f_locals.get("trace")):
             trace = value.trace if isinstance(value, TraceSubstitutionProcessor) else value
-            if isinstance(trace, TraceCtx) and id(trace) not in seen:
-                seen.add(id(trace))
-                if name in _defined(trace):
-                    return trace
+            if isinstance(trace, TraceCtx) and name in _defined(trace):  # (_defined is cached per trace)
+                return trace
         frame = frame.f_back
     return None
 

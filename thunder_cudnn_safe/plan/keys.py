@@ -14,31 +14,11 @@ import torch
 class Uid(enum.IntEnum):
     """Fixed uids of every tensor the SDPA graphs bind."""
 
-    Q = 1
-    K = 2
-    V = 3
-    O = 4
-    STATS = 5
-    BIAS = 6
-    SEED = 7
-    OFFSET = 8
-    DO = 9
-    DQ = 10
-    DK = 11
-    DV = 12
-    DBIAS = 13
-    SEQ_LEN_Q = 14
-    SEQ_LEN_KV = 15
+    Q, K, V, O, STATS, BIAS, SEED, OFFSET = range(1, 9)
+    DO, DQ, DK, DV, DBIAS = range(9, 14)
+    SEQ_LEN_Q, SEQ_LEN_KV = 14, 15
     #: ragged offsets of packed sequences (:mod:`~thunder_cudnn_safe.plan.varlen`), one per ragged tensor
-    RAGGED_Q = 16
-    RAGGED_K = 17
-    RAGGED_V = 18
-    RAGGED_O = 19
-    RAGGED_STATS = 20
-    RAGGED_DO = 21
-    RAGGED_DQ = 22
-    RAGGED_DK = 23
-    RAGGED_DV = 24
+    RAGGED_Q, RAGGED_K, RAGGED_V, RAGGED_O, RAGGED_STATS, RAGGED_DO, RAGGED_DQ, RAGGED_DK, RAGGED_DV = range(16, 25)
 
 
 class TensorSig(NamedTuple):
@@ -118,3 +98,16 @@ class BackwardKey(NamedTuple):
     left: int | None = None
     padded: bool = False
     ragged: Any = None
+
+
+#: Each key type's tensor fields, by the uid each declares (a field is named after its uid: ``d_o`` is ``Uid.DO``).
+_FIELD_UIDS = {
+    kind: {f: Uid[u] for f in kind._fields if (u := f.replace("_", "").upper()) in Uid.__members__}
+    for kind in (ForwardKey, BackwardKey)
+}
+
+
+def key_of(kind: type, sigs: dict[Uid, TensorSig], **options: Any) -> ForwardKey | BackwardKey:
+    """A ``kind`` key declaring ``sigs[uid]`` for each tensor field (None for a uid not bound); ``options``: the
+    other fields."""
+    return kind(**{f: sigs.get(uid) for f, uid in _FIELD_UIDS[kind].items()}, **options)

@@ -9,6 +9,7 @@ values, so layout decisions are a pure function of the arguments' signatures.
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -61,25 +62,17 @@ def canonical_strides(shape: Sequence[int], strides: Sequence[int]) -> tuple[int
 
 def packed_strides(shape: Sequence[int]) -> tuple[int, ...]:
     """Row-major strides, size-1 dims included (torch's contiguous strides)."""
-    strides, acc = [], 1
-    for n in reversed(tuple(shape)):
-        strides.append(acc)
-        acc *= n
-    return tuple(reversed(strides))
+    return tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
 
 
 def is_contiguous(shape: Sequence[int], strides: Sequence[int]) -> bool:
     """torch's ``is_contiguous`` from shape and strides (size-1 dims and empty tensors ignored)."""
-    if 0 in shape:
-        return True
-    return all(n == 1 or s == p for n, s, p in zip(shape, strides, packed_strides(shape)))
+    return 0 in shape or all(n == 1 or s == p for n, s, p in zip(shape, strides, packed_strides(shape)))
 
 
 def span_elements(shape: Sequence[int], strides: Sequence[int]) -> int:
     """Elements between the first and one past the last element addressed."""
-    if 0 in shape:
-        return 0
-    return 1 + sum((n - 1) * s for n, s in zip(shape, strides))
+    return 0 if 0 in shape else 1 + sum((n - 1) * s for n, s in zip(shape, strides))
 
 
 def layout_problem(a: ArgSig | torch.Tensor) -> CopyReason | None:
@@ -127,11 +120,8 @@ def dense_strides(shape: Sequence[int], order: Sequence[int], dtype: torch.dtype
     inner = max((pos for pos, n in enumerate(alloc) if n > 1), default=None)
     if inner is not None:
         alloc[inner] = -(-alloc[inner] // multiple) * multiple
-    strides, acc = [0] * len(shape), 1
-    for pos in reversed(range(len(order))):
-        strides[order[pos]] = acc
-        acc *= alloc[pos]
-    return canonical_strides(shape, strides)
+    strides = {dim: math.prod(alloc[pos + 1 :]) for pos, dim in enumerate(order)}
+    return canonical_strides(shape, [strides[dim] for dim in range(len(shape))])
 
 
 def strides_like(shape: Sequence[int], like: ArgSig, policy: LayoutPolicy) -> tuple[int, ...]:

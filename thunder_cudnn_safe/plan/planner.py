@@ -10,14 +10,18 @@ variable-length binder's (packed); every key they plan passes the key gate befor
 from __future__ import annotations
 
 import enum
+import math
 from typing import Any, NamedTuple
 
 import torch
 
 from thunder_cudnn_safe.masks.documents import DocumentPattern
 from thunder_cudnn_safe.masks.patterns import MaskPattern, pattern_of
-from thunder_cudnn_safe.plan.calls import BackwardCall, ForwardCall
+from thunder_cudnn_safe.plan import varlen
+from thunder_cudnn_safe.plan.calls import BackwardCall, ForwardCall, signature
 from thunder_cudnn_safe.plan.keys import Target
+from thunder_cudnn_safe.plan.layout import LayoutPolicy
+from thunder_cudnn_safe.plan.recipes import companion_backward_key, forward_recipe
 from thunder_cudnn_safe.rules.cudnn_rules import INT32_ELEMENT_LIMIT
 from thunder_cudnn_safe.rules.defect_routes import route as workaround
 
@@ -98,11 +102,8 @@ def bias_too_large(call: ForwardCall | BackwardCall) -> bool:
     """Whether ``call`` binds its mask as a bias whose broadcast (B, H, L, S) has 2**31 or more elements
     (:data:`~thunder_cudnn_safe.rules.cudnn_rules.INT32_ELEMENT_LIMIT`, the rule :mod:`support` applies at trace
     time to masks that cannot be patterns)."""
-    mask = call.attn_mask
-    if not isinstance(mask, torch.Tensor):
-        return False
-    b, h, lq, _ = call.query.shape
-    return b * h * lq * call.key.shape[2] >= INT32_ELEMENT_LIMIT
+    scores = math.prod(call.query.shape[:3]) * call.key.shape[2]  # (B, H, L) queries x S keys
+    return isinstance(call.attn_mask, torch.Tensor) and scores >= INT32_ELEMENT_LIMIT
 
 
 def capture_calls(call: ForwardCall | BackwardCall, target: Target) -> tuple[Any, ...]:
@@ -116,11 +117,6 @@ def planned_keys(call: ForwardCall, target: Target) -> tuple[ForwardCall, Any, A
     """The call as it runs (a pattern swapped in) and the keys of its forward and of its backward for dO in
     O's layout, planned from layouts alone (nothing bound, built, drawn or run, except the recognition of a
     mask not seen before: :func:`~thunder_cudnn_safe.describe`): for ``describe()`` and ``aot.describe_target()``."""
-    from thunder_cudnn_safe.plan import varlen
-    from thunder_cudnn_safe.plan.calls import signature
-    from thunder_cudnn_safe.plan.layout import LayoutPolicy
-    from thunder_cudnn_safe.plan.recipes import companion_backward_key, forward_recipe
-
     mask = call.attn_mask
     mask_grad = mask is not None and mask.dtype is not torch.bool and bool(mask.requires_grad)
     call = call._replace(layout=LayoutPolicy.parse(call.layout).value, dropout_p=float(call.dropout_p))

@@ -10,6 +10,7 @@ A recipe is not cuDNN's execution plan (that is ``CachedGraph.plan``, :mod:`plan
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -19,7 +20,7 @@ from thunder_cudnn_safe import config
 from thunder_cudnn_safe.masks.bias import converted_masks
 from thunder_cudnn_safe.masks.patterns import MaskPattern
 from thunder_cudnn_safe.plan.calls import TENSOR_FIELDS, BackwardCall, ForwardCall, backward_of, default_scale
-from thunder_cudnn_safe.plan.keys import RNG_SIG, BackwardKey, ForwardKey, Target, TensorSig, Uid
+from thunder_cudnn_safe.plan.keys import RNG_SIG, BackwardKey, ForwardKey, Target, TensorSig, Uid, key_of
 from thunder_cudnn_safe.plan.layout import (
     ArgSig,
     LayoutPolicy,
@@ -77,17 +78,11 @@ class PackRecipe(NamedTuple):
     #: the generated source of ``run``, for a reader (``str(recipe)``); never read on a call
     source: str = ""
 
-    def __str__(self) -> str:
-        return self.describe()
-
     def describe(self) -> str:
         """The key's kind and the generated straight-line function, as :func:`_compile` wrote it."""
         return f"# {type(self.key).__name__} recipe: {len(self.steps)} steps\n{self.source}"
 
-
-def _recipe(key: ForwardKey | BackwardKey, steps: list[Step], outputs: tuple[int, ...], call: tuple) -> PackRecipe:
-    run, source = _compile(key, steps, outputs, call)
-    return PackRecipe(key, tuple(steps), tuple(outputs), run, source)
+    __str__ = describe
 
 
 def _like(call: tuple, fill: TensorSig) -> int | None:
@@ -100,30 +95,20 @@ def _like(call: tuple, fill: TensorSig) -> int | None:
     ``empty_like(operand)`` parses no shape or strides, so it costs about two thirds of an ``empty_strided``
     (a memo hit's largest cost is its allocations)."""
     operands = TENSOR_FIELDS.get(type(call), ())  # the call's own tensors (on the query's device), not a mask
-    for i, a in enumerate(call):
-        if call._fields[i] in operands and (tuple(a.shape), tuple(a.stride), a.dtype) == tuple(fill) and _dense(a):
-            return i
-    return None
+    matches = (i for i, f in enumerate(call._fields) if f in operands and call[i][:3] == fill and _dense(call[i]))
+    return next(matches, None)
 
 
 def _dense(a: ArgSig) -> bool:
     """Whether ``a``'s elements fill its span exactly once (``TensorImpl::is_non_overlapping_and_dense``: size-1
     dims aside, the strides in increasing order are the running products of the sizes); never for no element."""
-    if 0 in a.shape:
-        return False
-    expected = 1
-    for size, stride in sorted(((n, st) for n, st in zip(a.shape, a.stride) if n != 1), key=lambda d: d[1]):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
+    real = sorted((st, n) for n, st in zip(a.shape, a.stride) if n != 1)
+    return 0 not in a.shape and all(st == math.prod(n for _, n in real[:i]) for i, (st, _) in enumerate(real))
 
 
-def _compile(
-    key: ForwardKey | BackwardKey, steps: list[Step], outputs: tuple[int, ...], call: tuple
-) -> tuple[Callable, str]:
-    """``steps`` as the source of one straight-line function, compiled once per recipe (``call``: the
-    signature it binds); returns the function and its source.
+def _compile(key: ForwardKey | BackwardKey, steps: list[Step], outputs: tuple[int, ...], call: tuple) -> PackRecipe:
+    """The recipe of ``steps``: they become the source of one straight-line function, compiled once per recipe
+    (``call``: the signature it binds).
 
     :func:`bind` runs on every call, a graph-cache hit included, and an interpreted loop over the
     steps cost as much as the allocations it makes. Value ``v<i>`` is the call's field i, then step
@@ -150,10 +135,11 @@ def _compile(
             names.append(names[s.src])
         else:
             names.append(f"v{i}")
-            like = None if s.src is not None or s.draw or s.zero else _like(call, s.fill)
+            fresh = s.src is None and not s.draw and not s.zero  # a buffer nothing fills before cuDNN writes it
+            like = _like(call, s.fill) if fresh else None
             if like is not None:
                 expr = f"empty_like({names[like]})"
-            elif s.src is None and not s.draw and not s.zero:
+            elif fresh:
                 env[f"d{i}"] = s.fill.dtype
                 expr = f"empty_strided({tuple(s.fill.shape)!r}, {tuple(s.fill.stride)!r}, dtype=d{i}, device=device)"
             else:
@@ -166,7 +152,7 @@ def _compile(
     lines.append(f"    return new(Bound, (key, {{{', '.join(pack)}}}, ({''.join(names[i] + ', ' for i in outputs)})))")
     source = "\n".join(lines)
     exec(compile(source, "<thunder_cudnn_safe recipe>", "exec"), env)
-    return env["bind"], source
+    return PackRecipe(key, tuple(steps), tuple(outputs), env["bind"], source)
 
 
 class _RecipeBuilder:
@@ -174,6 +160,9 @@ class _RecipeBuilder:
         self.call, self.policy = call, policy
         self.steps: list[Step] = []
         self.sigs: dict[Uid, TensorSig] = {}
+        #: a mask pattern's band left bound and padding mask (:meth:`masking`)
+        self.left: int | None = None
+        self.padded = False
 
     def add(self, step: Step, sig: TensorSig) -> int:
         self.steps.append(step)
@@ -181,201 +170,147 @@ class _RecipeBuilder:
             self.sigs[step.uid] = sig
         return len(self.call) + len(self.steps) - 1
 
-    def new(
-        self, uid: Uid | None, shape: tuple, strides: tuple, dtype: torch.dtype, draw: bool = False, zero: bool = False
-    ) -> int:
+    def new(self, uid: Uid | None, sig: TensorSig, draw: bool = False, zero: bool = False) -> int:
         """A fresh output buffer."""
-        sig = TensorSig(tuple(shape), tuple(strides), dtype)
         return self.add(Step(uid, None, fill=sig, draw=draw, zero=zero), sig)
 
-    def operand(self, uid: Uid, src: int, name: str, a: ArgSig, view: tuple | None = None) -> TensorSig:
-        """An input as is (canonical size-1 strides), or a counted copy in its own order if cuDNN cannot read it."""
-        reason = copy_reason(a, self.policy)
+    def operand(self, uid: Uid, field: str, a: ArgSig | None = None, viewed: bool = False) -> TensorSig:
+        """The call's ``field`` as is (canonical size-1 strides), or a counted copy in its own order if cuDNN cannot
+        read it; ``a``, ``viewed``: read through ``a``'s shape and strides instead of its own."""
+        src = self.call._fields.index(field)
+        a = self.call[src] if a is None else a
+        shape, reason = tuple(a.shape), copy_reason(a, self.policy)
         if reason is not None:
-            fill = TensorSig(tuple(a.shape), strides_like(a.shape, a, self.policy), a.dtype)
-            self.add(Step(uid, src, view, fill, reason, name), fill)
+            fill = TensorSig(shape, strides_like(a.shape, a, self.policy), a.dtype)
+            self.add(Step(uid, src, (shape, tuple(a.stride), 0) if viewed else None, fill, reason, field), fill)
             return fill
         canon = canonical_strides(a.shape, a.stride)
-        if canon != tuple(a.stride) or view is not None:
-            view = (tuple(a.shape), canon, 0 if view is None else view[2])
-        self.add(Step(uid, src, view), TensorSig(tuple(a.shape), canon, a.dtype))
+        view = (shape, canon, 0) if viewed or canon != tuple(a.stride) else None
+        self.add(Step(uid, src, view), TensorSig(shape, canon, a.dtype))
         return self.sigs[uid]
 
-    def masking(
-        self, src: int, a: Any, q_dtype: torch.dtype, lq: int, s: int, needs_grad: bool
-    ) -> tuple[int | None, bool]:
-        """The mask as a bias (:meth:`mask`) or a pattern's seq-len tensors; returns the band's left bound
-        and whether it pads."""
+    def masking(self, needs_grad: bool) -> None:
+        """A mask pattern's seq-len tensors (its band in :attr:`left` and :attr:`padded`), or the additive bias for
+        ``attn_mask``: (1|B, 1|H, L, S) in the query dtype. Batch/head dims broadcast with stride 0 are declared of
+        size 1 unless the mask needs a per-element gradient; a boolean mask, another dtype or one broadcast over
+        positions is converted (once per distinct mask)."""
+        a, src, q = self.call.attn_mask, self.call._fields.index("attn_mask"), self.sigs[Uid.Q]
         if isinstance(a, MaskPattern):
-            if a.kv_lens is not None:
-                lens = TensorSig(RNG_SIG.shape, RNG_SIG.stride, torch.int32)
+            self.left, self.padded = a.left, a.kv_lens is not None
+            if self.padded:
+                lens = TensorSig((q.shape[0], 1, 1, 1), (1, 1, 1, 1), torch.int32)
                 for uid, field in ((Uid.SEQ_LEN_Q, "q_lens"), (Uid.SEQ_LEN_KV, "kv_lens")):
-                    self.add(Step(uid, src, field=field), lens._replace(shape=(self.call.query.shape[0], 1, 1, 1)))
-            return a.left, a.kv_lens is not None
-        if a is not None:
-            self.mask(src, a, q_dtype, lq, s, needs_grad)
-        return None, False
-
-    def mask(self, src: int, a: ArgSig, q_dtype: torch.dtype, lq: int, s: int, needs_grad: bool) -> TensorSig:
-        """The additive bias for ``attn_mask``: (1|B, 1|H, L, S) in the query dtype. Batch/head dims broadcast
-        with stride 0 are declared of size 1 unless the mask needs a per-element gradient; a boolean mask,
-        another dtype or one broadcast over positions is converted (once per distinct mask)."""
+                    self.add(Step(uid, src, field=field), lens)
+            return
+        if a is None:
+            return
         shape, strides = [1] * (4 - len(a.shape)) + list(a.shape), [0] * (4 - len(a.shape)) + list(a.stride)
         for d in (0, 1):
             if not needs_grad and shape[d] > 1 and strides[d] == 0:
                 shape[d] = 1
         shape, strides = tuple(shape), canonical_strides(shape, strides)
         view = None if (shape, strides) == (tuple(a.shape), tuple(a.stride)) else (shape, strides, 0)
-        viewed = ArgSig(shape, strides, a.dtype, a.aligned)
-        full = (shape[0], shape[1], lq, s)
-        if a.dtype == torch.bool or shape != full or a.dtype != q_dtype:
-            reason = (
-                CopyReason.BOOL_MASK
-                if a.dtype == torch.bool
-                else CopyReason.MASK_DTYPE
-                if a.dtype != q_dtype
-                else CopyReason.MASK_BROADCAST
-            )
-            fill = TensorSig(full, dense_strides(full, range(4), q_dtype), q_dtype)
+        full = (shape[0], shape[1], q.shape[2], self.sigs[Uid.K].shape[2])
+        if a.dtype != q.dtype or shape != full:  # (a boolean mask never has the query dtype)
+            reasons = {torch.bool: CopyReason.BOOL_MASK, q.dtype: CopyReason.MASK_BROADCAST}
+            fill = TensorSig(full, dense_strides(full, range(4), q.dtype), q.dtype)
+            reason = reasons.get(a.dtype, CopyReason.MASK_DTYPE)
             self.add(Step(Uid.BIAS, src, view, fill, reason, "attn_mask", shared=not needs_grad), fill)
-            return fill
-        return self.operand(Uid.BIAS, src, "attn_mask", viewed, view)
+        else:
+            self.operand(Uid.BIAS, "attn_mask", ArgSig(shape, strides, a.dtype, a.aligned), view is not None)
+
+    def stats(self) -> None:
+        """Softmax stats declared exactly packed float32 (:data:`cudnn_rules.STATS_PACKED_ONLY`); foreign stats
+        are copied."""
+        a = self.call.stats
+        sig = TensorSig(tuple(a.shape), packed_strides(a.shape), torch.float32)
+        if a.dtype != torch.float32 or not is_contiguous(a.shape, a.stride) or not a.aligned:
+            self.add(Step(Uid.STATS, 8, None, sig, CopyReason.STATS_LAYOUT, "stats"), sig)
+        else:
+            self.add(Step(Uid.STATS, 8, None if tuple(a.stride) == sig.stride else (sig.shape, sig.stride, 0)), sig)
+
+    def grad_out(self, o: TensorSig, target: Target) -> None:
+        """dO in its own layout where cuDNN reads it, else one copy in exactly O's strides: cuDNN < 9.5.1
+        assumed dO has O's strides (:data:`~thunder_cudnn_safe.rules.cudnn_rules.DO_OWN_STRIDES`)."""
+        a = self.call.grad_out
+        reason = copy_reason(a, self.policy)
+        own = self.policy is LayoutPolicy.CONTIGUOUS or cudnn_rules.DO_OWN_STRIDES.holds(target)
+        if reason is None and (own or canonical_strides(a.shape, a.stride) == o.stride):
+            self.operand(Uid.DO, "grad_out")
+        else:
+            self.add(Step(Uid.DO, 0, None, o, CopyReason.DO_LIKE_O if reason is None else reason, "grad_out"), o)
+
+    def cat_grad_qkv(self, q: TensorSig, k: TensorSig, v: TensorSig) -> int:
+        """dq, dk, dv as head slices of one buffer (:func:`~thunder_cudnn_safe.plan.layout.fused_grad_qkv`)."""
+        shape, strides, starts = fused_grad_qkv(q.shape[0], (q.shape[1], k.shape[1], v.shape[1]), *q.shape[2:], q.dtype)
+        buf = self.new(None, TensorSig(shape, strides, q.dtype), zero=self.padded)
+        for uid, t, start in zip((Uid.DQ, Uid.DK, Uid.DV), (q, k, v), starts):
+            view = (tuple(t.shape), canonical_strides(t.shape, strides), start * strides[1])
+            self.add(Step(uid, buf, view), TensorSig(view[0], view[1], q.dtype))
+        return buf
+
+    def recipe(self, kind: type, target: Target, outputs: tuple[int, ...], **options: Any) -> PackRecipe:
+        """The recipe of the steps so far, under the key declaring their layouts and the options both keys read
+        off the call (a pattern keeping no key right of the diagonal is causal)."""
+        c = self.call
+        key = key_of(
+            kind,
+            self.sigs,
+            causal=bool(c.is_causal) or (isinstance(c.attn_mask, MaskPattern) and c.attn_mask.right == 0),
+            dropout_p=float(c.dropout_p),
+            scale=default_scale(self.sigs[Uid.Q].shape[3], c.scale),
+            layout=self.policy.value,
+            target=target,
+            left=self.left,
+            padded=self.padded,
+            **options,
+        )
+        return _compile(key, self.steps, outputs, c)
 
 
 def forward_recipe(call: ForwardCall, target: Target, dynamic_shapes: str | None = None) -> PackRecipe:
     p = _RecipeBuilder(call, LayoutPolicy.parse(call.layout))
-    q = p.operand(Uid.Q, 0, "query", call.query)
+    q = p.operand(Uid.Q, "query")
     k, v = call.key, call.value
-    if p.policy is LayoutPolicy.PRESERVE and k.shape[1] > 1 and k.stride[1] == 0 and v.stride[1] == 0:
-        # cuDNN broadcasts one K/V head over the query heads: an expanded pair is declared with one head.
+    one_head = p.policy is LayoutPolicy.PRESERVE and k.shape[1] > 1 and k.stride[1] == 0 and v.stride[1] == 0
+    if one_head:  # cuDNN broadcasts one K/V head over the query heads: an expanded pair is declared with one head.
         k, v = (a._replace(shape=(a.shape[0], 1, *a.shape[2:])) for a in (k, v))
-        k = p.operand(Uid.K, 1, "key", k, (k.shape, k.stride, 0))
-        v = p.operand(Uid.V, 2, "value", v, (v.shape, v.stride, 0))
-    else:
-        k, v = p.operand(Uid.K, 1, "key", k), p.operand(Uid.V, 2, "value", v)
-    b, h, lq, d = q.shape
-    left, padded = p.masking(3, call.attn_mask, q.dtype, lq, k.shape[2], needs_grad=False)
+    k, v = p.operand(Uid.K, "key", k, one_head), p.operand(Uid.V, "value", v, one_head)
+    p.masking(needs_grad=False)
+    b, h, lq, _ = q.shape
     out_shape = (b, h, lq, v.shape[3])
-    outputs = [p.new(Uid.O, out_shape, strides_like(out_shape, q, p.policy), q.dtype)]
+    outputs = [p.new(Uid.O, TensorSig(out_shape, strides_like(out_shape, q, p.policy), q.dtype))]
     if call.need_stats:
-        outputs.append(p.new(Uid.STATS, (b, h, lq, 1), packed_strides((b, h, lq, 1)), torch.float32))
+        outputs.append(p.new(Uid.STATS, TensorSig((b, h, lq, 1), packed_strides((b, h, lq, 1)), torch.float32)))
     if call.dropout_p:
-        outputs += [
-            p.new(uid, RNG_SIG.shape, RNG_SIG.stride, RNG_SIG.dtype, draw=True) for uid in (Uid.SEED, Uid.OFFSET)
-        ]
-    s = p.sigs
+        outputs += [p.new(uid, RNG_SIG, draw=True) for uid in (Uid.SEED, Uid.OFFSET)]
     mode = config.dynamic_shapes if dynamic_shapes is None else dynamic_shapes  # the memo key's, read once per call
     dynamic = not call.dropout_p and (mode == "forward" or mode == "inference" and not call.need_stats)
-    key = ForwardKey(
-        q=q,
-        k=k,
-        v=v,
-        o=s[Uid.O],
-        stats=s.get(Uid.STATS),
-        bias=s.get(Uid.BIAS),
-        seed=s.get(Uid.SEED),
-        offset=s.get(Uid.OFFSET),
-        causal=_causal(call),
-        dropout_p=float(call.dropout_p),
-        scale=default_scale(d, call.scale),
-        layout=p.policy.value,
-        target=target,
-        left=left,
-        padded=padded,
-        dynamic=dynamic and cudnn_rules.DYNAMIC_SHAPE_FORWARD.holds(target),
-    )
-    return _recipe(key, p.steps, tuple(outputs), call)
+    dynamic = dynamic and cudnn_rules.DYNAMIC_SHAPE_FORWARD.holds(target)
+    return p.recipe(ForwardKey, target, tuple(outputs), dynamic=dynamic)
 
 
 def backward_recipe(call: BackwardCall, target: Target) -> PackRecipe:
     p = _RecipeBuilder(call, LayoutPolicy.parse(call.layout))
-    q, k, v = (
-        p.operand(uid, i, name, call[i])
-        for uid, i, name in ((Uid.Q, 1, "query"), (Uid.K, 2, "key"), (Uid.V, 3, "value"))
-    )
-    o = p.operand(Uid.O, 7, "out", call.out)
-    _stats(p, call.stats)
-    _grad_out(p, call.grad_out, o, target)
-    left, padded = p.masking(4, call.attn_mask, q.dtype, q.shape[2], k.shape[2], needs_grad=call.mask_grad)
+    q, k, v, o = (p.operand(uid, f) for uid, f in ((Uid.Q, "query"), (Uid.K, "key"), (Uid.V, "value"), (Uid.O, "out")))
+    p.stats()
+    p.grad_out(o, target)
+    p.masking(needs_grad=call.mask_grad)
     if call.mask_grad:
         bias = p.sigs[Uid.BIAS]
-        p.new(Uid.DBIAS, bias.shape, dense_strides(bias.shape, range(4), bias.dtype), bias.dtype)
+        p.new(Uid.DBIAS, bias._replace(stride=dense_strides(bias.shape, range(4), bias.dtype)))
     if call.dropout_p:
         for uid, i in ((Uid.SEED, 9), (Uid.OFFSET, 10)):
             a = call[i]
             p.add(Step(uid, i), TensorSig(tuple(a.shape), tuple(a.stride), a.dtype))
     if wants_fused_grad_qkv(call):
-        outputs = (_cat_grad_qkv(p, q, k, v, padded),)
+        outputs = (p.cat_grad_qkv(q, k, v),)
     else:
         outputs = tuple(
-            p.new(uid, t.shape, strides_like(t.shape, t, p.policy), t.dtype, zero=padded and uid != Uid.DQ)
+            p.new(uid, t._replace(stride=strides_like(t.shape, t, p.policy)), zero=p.padded and uid != Uid.DQ)
             for uid, t in ((Uid.DQ, q), (Uid.DK, k), (Uid.DV, v))
         )
-    s = p.sigs
-    key = BackwardKey(
-        q=q,
-        k=k,
-        v=v,
-        o=o,
-        d_o=s[Uid.DO],
-        stats=s[Uid.STATS],
-        bias=s.get(Uid.BIAS),
-        d_bias=s.get(Uid.DBIAS),
-        seed=s.get(Uid.SEED),
-        offset=s.get(Uid.OFFSET),
-        dq=s[Uid.DQ],
-        dk=s[Uid.DK],
-        dv=s[Uid.DV],
-        causal=_causal(call),
-        dropout_p=float(call.dropout_p),
-        scale=default_scale(q.shape[3], call.scale),
-        layout=p.policy.value,
-        deterministic=bool(call.deterministic),
-        target=target,
-        left=left,
-        padded=padded,
-    )
-    return _recipe(key, p.steps, outputs, call)
-
-
-def _causal(call: ForwardCall | BackwardCall) -> bool:
-    return bool(call.is_causal) or (isinstance(call.attn_mask, MaskPattern) and call.attn_mask.right == 0)
-
-
-def _stats(p: _RecipeBuilder, a: ArgSig) -> None:
-    """Softmax stats declared exactly packed float32 (:data:`cudnn_rules.STATS_PACKED_ONLY`); foreign stats
-    are copied."""
-    packed = packed_strides(a.shape)
-    if a.dtype != torch.float32 or not is_contiguous(a.shape, a.stride) or not a.aligned:
-        fill = TensorSig(tuple(a.shape), packed, torch.float32)
-        p.add(Step(Uid.STATS, 8, None, fill, CopyReason.STATS_LAYOUT, "stats"), fill)
-        return
-    view = None if tuple(a.stride) == packed else (tuple(a.shape), packed, 0)
-    p.add(Step(Uid.STATS, 8, view), TensorSig(tuple(a.shape), packed, a.dtype))
-
-
-def _grad_out(p: _RecipeBuilder, a: ArgSig, o: TensorSig, target: Target) -> None:
-    """dO in its own layout where cuDNN reads it, else one copy in exactly O's strides: cuDNN < 9.5.1
-    assumed dO has O's strides (:data:`~thunder_cudnn_safe.rules.cudnn_rules.DO_OWN_STRIDES`)."""
-    reason = copy_reason(a, p.policy)
-    if reason is None and (
-        p.policy is LayoutPolicy.CONTIGUOUS
-        or cudnn_rules.DO_OWN_STRIDES.holds(target)
-        or canonical_strides(a.shape, a.stride) == o.stride
-    ):
-        p.operand(Uid.DO, 0, "grad_out", a)
-        return
-    p.add(Step(Uid.DO, 0, None, o, CopyReason.DO_LIKE_O if reason is None else reason, "grad_out"), o)
-
-
-def _cat_grad_qkv(p: _RecipeBuilder, q: TensorSig, k: TensorSig, v: TensorSig, zero: bool) -> int:
-    """dq, dk, dv as head slices of one buffer (:func:`~thunder_cudnn_safe.plan.layout.fused_grad_qkv`)."""
-    shape, strides, starts = fused_grad_qkv(q.shape[0], (q.shape[1], k.shape[1], v.shape[1]), *q.shape[2:], q.dtype)
-    buf = p.new(None, shape, strides, q.dtype, zero=zero)
-    for uid, t, start in zip((Uid.DQ, Uid.DK, Uid.DV), (q, k, v), starts):
-        view = (tuple(t.shape), canonical_strides(t.shape, strides), start * strides[1])
-        p.add(Step(uid, buf, view), TensorSig(view[0], view[1], q.dtype))
-    return buf
+    return p.recipe(BackwardKey, target, outputs, deterministic=bool(call.deterministic))
 
 
 def companion_backward_key(call: ForwardCall, fkey: ForwardKey, mask_grad: bool) -> BackwardKey:
@@ -393,9 +328,7 @@ def bind(recipe: PackRecipe, call: ForwardCall | BackwardCall) -> Bound:
 
 def _step(step: Step, src: Any, device: torch.device) -> torch.Tensor:
     """A step that views, copies, converts a mask or draws random numbers; ``src``: the value it reads."""
-    t = src
-    if step.field is not None:
-        t = getattr(t, step.field)
+    t = src if step.field is None else getattr(src, step.field)
     if step.view is not None:
         t = t.as_strided(step.view[0], step.view[1], t.storage_offset() + step.view[2])
     if step.fill is None:
@@ -411,7 +344,7 @@ def _fill(step: Step, src: torch.Tensor | None, device: torch.device) -> torch.T
         return torch.randint(0, 2**62, f.shape, dtype=f.dtype, device=device)
     buf = torch.empty_strided(f.shape, f.stride, dtype=f.dtype, device=device)
     if src is not None:
-        _copy_into(buf, src, step.name, step.reason)
+        counted_copy(buf, src, step.name, step.reason)
     elif step.zero:
         buf.zero_()
     return buf
@@ -421,7 +354,7 @@ _BF16_MAX = torch.finfo(torch.bfloat16).max
 _FP16_MAX = torch.finfo(torch.float16).max
 
 
-def _copy_into(buf: torch.Tensor, src: torch.Tensor, name: str, reason: CopyReason) -> None:
+def counted_copy(buf: torch.Tensor, src: torch.Tensor, name: str, reason: CopyReason) -> None:
     """One counted copy; a boolean mask becomes 0 / -inf in one pass (no temporary the size of the scores)."""
     if src.dtype == torch.bool:
         zero = torch.zeros((), dtype=buf.dtype, device=buf.device)
@@ -456,7 +389,7 @@ def with_grad_out_like_o(bound: Bound) -> Bound:
     """``bound`` with dO copied into O's exact strides (a refused dropout backward retries with it)."""
     o, d_o = bound.pack[Uid.O], bound.pack[Uid.DO]
     copy = torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device=o.device)
-    _copy_into(copy, d_o, "grad_out", CopyReason.DO_REFUSED)
+    counted_copy(copy, d_o, "grad_out", CopyReason.DO_REFUSED)
     return Bound(bound.key._replace(d_o=bound.key.o), {**bound.pack, Uid.DO: copy}, bound.outputs)
 
 

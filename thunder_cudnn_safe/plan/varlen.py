@@ -21,12 +21,12 @@ import torch
 
 from thunder_cudnn_safe.masks.documents import DocumentPattern
 from thunder_cudnn_safe.plan.calls import backward_of, default_scale
-from thunder_cudnn_safe.plan.keys import BackwardKey, ForwardKey, Target, TensorSig, Uid
+from thunder_cudnn_safe.plan.keys import BackwardKey, ForwardKey, Target, TensorSig, Uid, key_of
 from thunder_cudnn_safe.plan.layout import fused_grad_qkv, layout_problem, wants_fused_grad_qkv
-from thunder_cudnn_safe.plan.recipes import Bound
+from thunder_cudnn_safe.plan.recipes import Bound, counted_copy
 from thunder_cudnn_safe.rules import cudnn_rules
 from thunder_cudnn_safe.rules.cudnn_rules import ALIGNMENT_BYTES
-from thunder_cudnn_safe.telemetry import CopyReason, copy_counter
+from thunder_cudnn_safe.telemetry import CopyReason
 
 MIN_S_BUCKET = 16
 
@@ -50,34 +50,25 @@ def tokens_major(t: torch.Tensor) -> bool:
     inside one token stride, rows one after the other (row stride = T x token stride), strides and base
     16-byte aligned, last dim contiguous."""
     b, h, s, d = t.shape
-    sb, sh, st, sd = t.stride()
-    if layout_problem(t) is not None or (d > 1 and sd != 1) or (t.device.type != "meta" and t.data_ptr() % 16):
-        return False
-    if (st * t.element_size()) % ALIGNMENT_BYTES:
-        return False
-    return (h == 1 or sh >= d) and st >= (h - 1) * sh + d and (b == 1 or sb == s * st)
+    sb, sh, st, _ = t.stride()  # (a unit last stride and an aligned base are layout_problem's tests)
+    aligned = layout_problem(t) is None and (st * t.element_size()) % ALIGNMENT_BYTES == 0
+    return aligned and (h == 1 or sh >= d) and st >= (h - 1) * sh + d and (b == 1 or sb == s * st)
 
 
-def meta_like(t: torch.Tensor) -> torch.Tensor:
-    """A meta tensor with ``t``'s layout (planning without memory: :func:`describe`)."""
-    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-
-
-def _tokens_major_copy(t: torch.Tensor, name: str) -> torch.Tensor:
-    """``t`` copied into dense (B, T, H, D) memory viewed (B, H, T, D): one counted copy (none planned on meta)."""
-    buf = torch.empty((t.shape[0], t.shape[2], t.shape[1], t.shape[3]), dtype=t.dtype, device=t.device)
+def _tokens_major_copy(t: torch.Tensor, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``t`` copied (as ``dtype``) into dense (B, T, H, D) memory viewed (B, H, T, D): one counted copy (none
+    planned on meta)."""
+    buf = torch.empty((t.shape[0], t.shape[2], t.shape[1], t.shape[3]), dtype=dtype or t.dtype, device=t.device)
     buf = buf.transpose(1, 2)
-    if t.device.type == "meta":
-        return buf
-    buf.copy_(t)
-    copy_counter.record(
-        name, CopyReason.RAGGED_LAYOUT, buf.numel() * buf.element_size(), (tuple(t.shape), t.stride(), str(t.dtype))
-    )
+    if t.device.type != "meta":
+        counted_copy(buf, t, name, CopyReason.RAGGED_LAYOUT)
     return buf
 
 
-def _operand(t: torch.Tensor, name: str) -> torch.Tensor:
-    return t if tokens_major(t) else _tokens_major_copy(t, name)
+def _operands(call: Any, *fields: str) -> list[torch.Tensor]:
+    """The call's ``fields``, each as it is where tokens-major, else copied tokens-major."""
+    tensors = [getattr(call, f) for f in fields]
+    return [t if tokens_major(t) else _tokens_major_copy(t, f) for t, f in zip(tensors, fields)]
 
 
 def _empty_tokens_major(shape: tuple, dtype: torch.dtype, device: torch.device, fill: float = 0.0) -> torch.Tensor:
@@ -86,14 +77,11 @@ def _empty_tokens_major(shape: tuple, dtype: torch.dtype, device: torch.device, 
 
 
 def _declared(t: torch.Tensor, n: int, s: int) -> TensorSig:
-    """(N, H, S, D) with ``t``'s own head and token strides; the batch stride S x token stride is never stepped."""
+    """(N, H, S, D) with ``t``'s own head and token strides; the batch stride S x token stride is never stepped
+    (the stats: (N, H, S, 1) float32, tokens-major)."""
     _, h, _, d = t.shape
     _, sh, st, _ = t.stride()
     return TensorSig((n, h, s, d), (s * st, sh if h > 1 else d, st, 1), t.dtype)
-
-
-def _stats_sig(h: int, n: int, s: int) -> TensorSig:
-    return TensorSig((n, h, s, 1), (s * h, 1, h, 1), torch.float32)
 
 
 class _Shape(NamedTuple):
@@ -109,32 +97,25 @@ def _shape(p: DocumentPattern, tensors: tuple[torch.Tensor, ...]) -> _Shape:
     return _Shape(n, s, TensorSig((n + 1, 1, 1, 1), (1, 1, 1, 1), dtype))
 
 
-def _derived(p: DocumentPattern, what: tuple, make: Any) -> torch.Tensor:
-    """``make()``, kept with the pattern (one per distinct mask, shared by every layer); made fresh without."""
+def _derived(p: DocumentPattern, make: Any, *args: Any) -> torch.Tensor:
+    """``make(p, *args)``, kept with the pattern (one per distinct mask, shared by every layer); made fresh without."""
     if p.derived is None:
-        return make()
+        return make(p, *args)
+    what = (make.__name__, *args)
     if what not in p.derived:
-        p.derived[what] = make()
+        p.derived[what] = make(p, *args)
     return p.derived[what]
 
 
 def _offsets(p: DocumentPattern, shape: _Shape, token_stride: int) -> torch.Tensor:
     """(N+1,1,1,1) element offsets of each document's first token; unused sequences point past the buffer."""
-    return _derived(p, ("offsets", shape, token_stride), lambda: _make_offsets(p, shape, token_stride))
-
-
-def _make_offsets(p: DocumentPattern, shape: _Shape, token_stride: int) -> torch.Tensor:
     out = torch.full((shape.n + 1,), p.rows * p.tokens * token_stride, dtype=torch.int64, device=p.starts.device)
     out[: p.n_docs] = p.starts * token_stride
     return out.to(shape.offsets.dtype).view(-1, 1, 1, 1)
 
 
-def _lens(p: DocumentPattern, shape: _Shape) -> torch.Tensor:
-    return _derived(p, ("lens", shape.n), lambda: _make_lens(p, shape))
-
-
-def _make_lens(p: DocumentPattern, shape: _Shape) -> torch.Tensor:
-    out = torch.zeros((shape.n,), dtype=torch.int32, device=p.lens.device)
+def _lens(p: DocumentPattern, n: int) -> torch.Tensor:
+    out = torch.zeros((n,), dtype=torch.int32, device=p.lens.device)
     out[: p.n_docs] = p.lens
     return out.view(-1, 1, 1, 1)
 
@@ -156,76 +137,49 @@ def decline(call: Any, target: Target, forward: bool) -> str | None:
     return None  # every rule read off the planned keys (lengths, grid, dP workspace) is the key gate's
 
 
-def _pack_common(p: DocumentPattern, shape: _Shape, named: dict[Uid, torch.Tensor], stats: torch.Tensor | None):
-    pack: dict[Uid, torch.Tensor] = dict(named)
-    lens = _lens(p, shape)
-    pack[Uid.SEQ_LEN_Q] = pack[Uid.SEQ_LEN_KV] = lens
-    by_stride: dict[int, torch.Tensor] = {}
-    for uid, t in named.items():
-        st = t.stride(2)
-        if st not in by_stride:
-            by_stride[st] = _offsets(p, shape, st)
-        pack[Uid[f"RAGGED_{uid.name}"]] = by_stride[st]
-    if stats is not None:
-        pack[Uid.STATS] = stats
-        pack[Uid.RAGGED_STATS] = _offsets(p, shape, stats.stride(2))
-    return pack
-
-
-def bind_forward(call: Any, target: Target, dry: bool = False) -> Bound:
-    """The varlen forward of a :class:`DocumentPattern` call: key, pack and (O[, stats])."""
+def _bound(kind: type, call: Any, target: Target, named: dict, shape: _Shape, dry: bool, **options: Any) -> tuple:
+    """The key declaring the ``named`` tensors as N ragged sequences of S tokens, and unless ``dry`` the pack
+    binding them, the lengths and each tensor's offsets."""
     p: DocumentPattern = call.attn_mask
-    q, k, v = (_operand(t, n) for t, n in ((call.query, "query"), (call.key, "key"), (call.value, "value")))
-    shape = _shape(p, (q, k, v))
-    n, s = shape.n, shape.s
-    b, h, t, _ = q.shape
-    o = _empty_tokens_major((b, h, t, v.shape[3]), q.dtype, q.device)
-    stats = None
-    if call.need_stats:  # (B,H,T,1) tokens-major; +inf outside every document (the backward's P = 0 there)
-        stats = torch.full((b, t, h, 1), float("inf"), dtype=torch.float32, device=q.device).permute(0, 2, 1, 3)
-    pack = {} if dry else _pack_common(p, shape, {Uid.Q: q, Uid.K: k, Uid.V: v, Uid.O: o}, stats)
-    key = ForwardKey(
-        q=_declared(q, n, s),
-        k=_declared(k, n, s),
-        v=_declared(v, n, s),
-        o=_declared(o, n, s),
-        stats=None if stats is None else _stats_sig(h, n, s),
-        bias=None,
-        seed=None,
-        offset=None,
+    key = key_of(
+        kind,
+        {uid: _declared(x, shape.n, shape.s) for uid, x in named.items()},
         causal=p.causal,
         dropout_p=0.0,
-        scale=default_scale(q.shape[3], call.scale),
+        scale=default_scale(call.query.shape[3], call.scale),
         layout="preserve",
         target=target,
         left=p.left,
         padded=True,
-        ragged=RaggedSig(shape.offsets, p.rows * p.tokens, stats is not None),
+        ragged=RaggedSig(shape.offsets, p.rows * p.tokens, Uid.STATS in named),
+        **options,
     )
-    return Bound(key, pack, (o,) if stats is None else (o, stats))
+    if dry:
+        return key, {}
+    lens = _derived(p, _lens, shape.n)
+    offsets = {st: _derived(p, _offsets, shape, st) for st in {t.stride(2) for t in named.values()}}
+    ragged = {Uid[f"RAGGED_{uid.name}"]: offsets[t.stride(2)] for uid, t in named.items()}
+    return key, {**named, Uid.SEQ_LEN_Q: lens, Uid.SEQ_LEN_KV: lens, **ragged}
 
 
-def _stats_operand(stats: torch.Tensor) -> torch.Tensor:
-    b, h, t, _ = stats.shape
-    if stats.dtype == torch.float32 and tuple(stats.stride()) == (t * h, 1, h, 1) and not stats.data_ptr() % 16:
-        return stats
-    buf = torch.empty((b, t, h, 1), dtype=torch.float32, device=stats.device).permute(0, 2, 1, 3)
-    if stats.device.type == "meta":
-        return buf
-    buf.copy_(stats)
-    copy_counter.record(
-        "stats", CopyReason.RAGGED_LAYOUT, buf.numel() * 4, (tuple(stats.shape), stats.stride(), str(stats.dtype))
-    )
-    return buf
+def bind_forward(call: Any, target: Target, dry: bool = False) -> Bound:
+    """The varlen forward of a :class:`DocumentPattern` call: key, pack and (O[, stats])."""
+    q, k, v = _operands(call, "query", "key", "value")
+    b, h, t, _ = q.shape
+    named = {Uid.Q: q, Uid.K: k, Uid.V: v, Uid.O: _empty_tokens_major((b, h, t, v.shape[3]), q.dtype, q.device)}
+    if call.need_stats:  # (B,H,T,1) tokens-major; +inf outside every document (the backward's P = 0 there)
+        named[Uid.STATS] = _empty_tokens_major((b, h, t, 1), torch.float32, q.device, float("inf"))
+    key, pack = _bound(ForwardKey, call, target, named, _shape(call.attn_mask, (q, k, v)), dry)
+    return Bound(key, pack, tuple(named[uid] for uid in (Uid.O, Uid.STATS) if uid in named))
 
 
 def bind_backward(call: Any, target: Target, dry: bool = False) -> Bound:
     """The varlen backward: key, pack and (dq, dk, dv) or (grad_qkv,) when fused."""
-    p: DocumentPattern = call.attn_mask
-    q, k, v = (_operand(t, n) for t, n in ((call.query, "query"), (call.key, "key"), (call.value, "value")))
-    o, d_o = _operand(call.out, "out"), _operand(call.grad_out, "grad_out")
-    stats = _stats_operand(call.stats)
+    q, k, v, o, d_o = _operands(call, "query", "key", "value", "out", "grad_out")
+    stats = call.stats
     b, h, t, d = q.shape
+    if stats.dtype != torch.float32 or tuple(stats.stride()) != (t * h, 1, h, 1) or stats.data_ptr() % 16:
+        stats = _tokens_major_copy(stats, "stats", torch.float32)
     if wants_fused_grad_qkv(call):  # as every backward route returns it: one (B, Hq+Hk+Hv, T, D) buffer
         shape, strides, starts = fused_grad_qkv(b, (h, k.shape[1], v.shape[1]), t, d, q.dtype)
         buf = torch.empty_strided(shape, strides, dtype=q.dtype, device=q.device).zero_()
@@ -234,35 +188,9 @@ def bind_backward(call: Any, target: Target, dry: bool = False) -> Bound:
     else:
         dq, dk, dv = (_empty_tokens_major(x.shape, x.dtype, x.device) for x in (q, k, v))
         outputs = (dq, dk, dv)
-    named = {Uid.Q: q, Uid.K: k, Uid.V: v, Uid.O: o, Uid.DO: d_o, Uid.DQ: dq, Uid.DK: dk, Uid.DV: dv}
-    shape = _shape(p, tuple(named.values()))
-    n, s = shape.n, shape.s
-    pack = {} if dry else _pack_common(p, shape, named, stats)
-    dec = {uid: _declared(x, n, s) for uid, x in named.items()}
-    key = BackwardKey(
-        q=dec[Uid.Q],
-        k=dec[Uid.K],
-        v=dec[Uid.V],
-        o=dec[Uid.O],
-        d_o=dec[Uid.DO],
-        stats=_stats_sig(h, n, s),
-        bias=None,
-        d_bias=None,
-        seed=None,
-        offset=None,
-        dq=dec[Uid.DQ],
-        dk=dec[Uid.DK],
-        dv=dec[Uid.DV],
-        causal=p.causal,
-        dropout_p=0.0,
-        scale=default_scale(d, call.scale),
-        layout="preserve",
-        deterministic=bool(call.deterministic),
-        target=target,
-        left=p.left,
-        padded=True,
-        ragged=RaggedSig(shape.offsets, p.rows * p.tokens, True),
-    )
+    named = {Uid.Q: q, Uid.K: k, Uid.V: v, Uid.O: o, Uid.DO: d_o, Uid.STATS: stats, Uid.DQ: dq, Uid.DK: dk, Uid.DV: dv}
+    shape = _shape(call.attn_mask, tuple(named.values()))  # (the stats' token stride, H, is never the largest)
+    key, pack = _bound(BackwardKey, call, target, named, shape, dry, deterministic=bool(call.deterministic))
     return Bound(key, pack, outputs)
 
 
@@ -271,12 +199,13 @@ def planned_keys(call: Any, target: Any) -> tuple | None:
     (nothing copied, built or run), or None where it declines."""
     if decline(call, target, forward=True) is not None:
         return None
-    meta = call._replace(**{f: meta_like(getattr(call, f)) for f in ("query", "key", "value")})
+    qkv = ((f, getattr(call, f)) for f in ("query", "key", "value"))  # their layouts, without memory
+    meta = call._replace(**{f: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta") for f, t in qkv})
     fbound = bind_forward(meta, target, dry=True)
     if not call.need_stats:
         return call, fbound.key, None
     o, stats = fbound.outputs
-    bcall = backward_of(meta._replace(attn_mask=call.attn_mask, dropout_p=0.0, is_causal=False), o, o, stats)
+    bcall = backward_of(meta._replace(dropout_p=0.0, is_causal=False), o, o, stats)
     return call, fbound.key, bind_backward(bcall, target, dry=True).key
 
 
