@@ -12,6 +12,7 @@ the calling process never loads a driver library, nor the tests' stand-in.
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import os
 import pickle
@@ -23,20 +24,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from thunder_cudnn_safe import _compat, config
+from thunder_cudnn_safe import config
 from thunder_cudnn_safe._env import parse_arch
 from thunder_cudnn_safe.errors import GraphBuildError
 from thunder_cudnn_safe.graphs import build as graphs
-from thunder_cudnn_safe.graphs import plan_cache
 from thunder_cudnn_safe.plan.keys import Target
-from thunder_cudnn_safe.runtimes.cudnn_runtime import (
-    BuiltGraph,
-    build_with_ladder,
-    frontend_refusal_filter,
-    is_definitive_refusal,
-    is_forward,
-    plan_name,
-)
+from thunder_cudnn_safe.runtimes.cudnn_runtime import build_graph, build_with_ladder, cudnn_target
 
 _CC = "CUDA C++ Programming Guide, 'Technical Specifications per Compute Capability' (8.0, 9.0, 10.0)"
 # shared by compute capabilities 8.0, 9.0, 10.0 (_CC); the last three are placeholders
@@ -113,10 +106,7 @@ def resolve_target(target: Any) -> str:
 
 def target_of(device: str) -> Target:
     """The key :class:`~thunder_cudnn_safe.plan.keys.Target` of ``device`` with this cuDNN."""
-    sm = DEVICES[device]["deviceVer"] // 10
-    return Target(
-        "cudnn", 0, divmod(sm, 10), int(_compat.FRONTEND.backend_version), str(_compat.FRONTEND.frontend_version)
-    )
+    return cudnn_target("cudnn", 0, divmod(DEVICES[device]["deviceVer"] // 10, 10))
 
 
 class CompileResult(NamedTuple):
@@ -160,25 +150,9 @@ def compile_key(key: Any, device: str) -> CompileResult:
     support check, plans; forwards down its implementation ladder), in this process."""
     cudnn = graphs.cudnn_module()
     props, start = cudnn.create_device_properties(json.dumps(DEVICES[device])), time.perf_counter()
-    descriptor, loaded = "aot " + props.serialize(), []  # its own entries: BuiltGraph.implementation is the rung here
-
-    def build_one(key: Any, implementation: str | None) -> BuiltGraph:
-        g = None
-        try:
-            with frontend_refusal_filter.active():
-                hit = plan_cache.load(key, implementation, descriptor, lambda: cudnn.pygraph(device_property=props))
-                if hit is not None:
-                    loaded.append(key)
-                    return BuiltGraph(hit[0], key=key, **hit[1])
-                build = graphs.build_forward_graph if is_forward(key) else graphs.build_backward_graph
-                g = build(key, implementation=implementation, device_property=props)
-                graphs.build_plans(g, key)
-                built = BuiltGraph(g, int(g.get_workspace_size()), key, implementation, plan_name(g))
-                plan_cache.store(key, implementation, descriptor, built)
-                return built
-        except Exception as exc:
-            raise GraphBuildError(f"{type(exc).__name__}: {exc}", is_definitive_refusal(exc, g)) from exc
-
+    descriptor, loaded = "aot " + props.serialize(), []  # its own plan cache entries
+    place = {"device_property": props}
+    build_one = functools.partial(build_graph, device=descriptor, placement=lambda: place, prefix="", loaded=loaded)
     try:
         b = build_with_ladder(key, build_one)
     except GraphBuildError as exc:
@@ -194,7 +168,7 @@ def compile_key(key: Any, device: str) -> CompileResult:
         kernels,
         b.workspace_size,
         b.plan,
-        b.implementation == "composite",
+        b.rung == "composite",
         None,
         time.perf_counter() - start,
         bool(loaded),
@@ -272,14 +246,13 @@ def describe_target(
     from thunder_cudnn_safe.rules.support import not_supported_reasons
 
     device = resolve_target(target)
-    call = ForwardCall(query, key, value, *args, **kwargs)
-    reasons = not_supported_reasons(call, target_of(device), query.device.type)
+    call, on = ForwardCall(query, key, value, *args, **kwargs), target_of(device)
+    reasons = not_supported_reasons(call, on, query.device.type)
     if reasons:
         return TargetReport(device, reasons, None, None)
-    _, fkey, bkey = planned_keys(call, target_of(device))
-    keys = [fkey] if bkey is None else [fkey, bkey]  # bkey None: an inference forward, no backward
+    keys = [k for k in planned_keys(call, on)[1:] if k is not None]  # no backward key: an inference forward
     results = compile_in_subprocess(keys, device, extra_ld_path=extra_ld_path)[device]
-    return TargetReport(device, reasons, results[0], results[1] if bkey is not None else None)
+    return TargetReport(device, reasons, results[0], results[1] if len(results) > 1 else None)
 
 
 def _main() -> None:

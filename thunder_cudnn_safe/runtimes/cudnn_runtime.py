@@ -1,8 +1,5 @@
-"""Runtimes: ``build(key)`` once per key (the dispatcher caches it), ``execute(built, pack)`` per call.
-
-:class:`CudnnRuntime` (here) runs real cuDNN; :mod:`~thunder_cudnn_safe.runtimes.emulation` and
-:mod:`~thunder_cudnn_safe.runtimes.fallback` implement the same protocol. No runtime imports thunder.
-"""
+"""The protocol every runtime implements (:class:`Runtime`: ``build(key)`` once per key, which the dispatcher
+caches, and ``execute(built, pack)`` per call) and :class:`CudnnRuntime`, real cuDNN. No runtime imports thunder."""
 
 from __future__ import annotations
 
@@ -27,10 +24,8 @@ from thunder_cudnn_safe.runtimes.per_thread import PerThread
 
 
 class BuiltGraph(NamedTuple):
-    """A graph ready to execute, its workspace bytes, its key, the SDPA implementation and plan it got.
-
-    ``graph`` runs on the thread that built it; other threads run their own copies (``threads``,
-    :mod:`~thunder_cudnn_safe.runtimes.per_thread`), built with the same key and ``rung``."""
+    """A graph ready to execute (on the thread that built it), its workspace bytes, its key, the SDPA
+    implementation and plan it got."""
 
     graph: Any
     workspace_size: int
@@ -51,19 +46,13 @@ FORWARD_IMPLEMENTATIONS: tuple[str | None, ...] = (None, "composite")
 
 
 #: Dynamic-shape forwards cuDNN refused, by topology (the key without sizes and strides): later
-#: shapes of the same topology go straight to a static graph instead of through the refusal again.
+#: shapes of the same topology go straight to a static graph instead of through the refusal again
+#: (until cleared: the next such forward tries dynamic again).
 _static_only = LRU(1024)
+caches.register("refused dynamic-shape topologies", _static_only.clear)
 
 #: Builds of another thread's copy of a built key tried in one call before the call is refused.
 COPY_ATTEMPTS = 3
-
-
-def forget_static_only() -> None:
-    """Forget which dynamic-shape topologies cuDNN refused: the next such forward tries dynamic again."""
-    _static_only.clear()
-
-
-caches.register("refused dynamic-shape topologies", forget_static_only)
 
 
 def build_with_ladder(key: Any, build_one: Callable[[Any, str | None], BuiltGraph]) -> BuiltGraph:
@@ -96,15 +85,9 @@ class _FrontendRefusalFilter(logging.Filter):
     ours, on the building thread only: the dispatcher already warns once per refused key."""
 
     MESSAGES = frozenset(
-        {
-            "backend could not build this graph, treating as a decline: %s",
-            "backend could not lower this graph, treating as a decline: %s",
-        }
+        f"backend could not {verb} this graph, treating as a decline: %s" for verb in ("build", "lower")
     )
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._local = threading.local()
+    _local = threading.local()  # one instance: frontend_refusal_filter
 
     def filter(self, record: logging.LogRecord) -> bool:
         if getattr(self._local, "depth", 0) and record.msg in self.MESSAGES:
@@ -139,13 +122,52 @@ def is_definitive_refusal(exc: BaseException, graph: Any = None) -> bool:
     return isinstance(exc, (ValueError, TypeError, NotImplementedError))
 
 
-def plan_name(graph: Any) -> str | None:
-    """The name of the execution plan a built frontend graph will run (frontend 1.32; None if unknown)."""
+def cudnn_target(runtime: str, device_index: int, arch: Any, backend_version: int | None = None) -> Target:
+    """The :class:`~thunder_cudnn_safe.plan.keys.Target` of graphs for ``arch`` with this frontend and
+    ``backend_version`` (default: this libcudnn's)."""
+    f = _compat.FRONTEND
+    backend = f.backend_version if backend_version is None else backend_version
+    return Target(runtime, device_index, tuple(arch), int(backend), str(f.frontend_version))
+
+
+def build_graph(
+    key: ForwardKey | BackwardKey,
+    implementation: str | None,
+    device: str | Callable[[], str],
+    placement: Callable[[], dict],
+    where: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    *,
+    prefix: str = "cuDNN could not build this graph: ",
+    loaded: list | None = None,
+) -> BuiltGraph:
+    """One rung of :func:`build_with_ladder` in cuDNN, on a GPU or for a GPU descriptor (:mod:`.aot`):
+    the plan cache's entry for (``key``, ``implementation``, ``device``: a descriptor, or a function giving
+    one) if any (``key`` appended to ``loaded``), else a new build stored there. ``placement()`` gives the
+    graphs' ``handle`` or ``device_property``, inside ``where()``; any failure is a GraphBuildError."""
+    cudnn = graphs.cudnn_module()
+    g = None
     try:
-        index = int(getattr(graph, "_plan_index", 0) or 0)
-        return str(graph.get_plan_name_at_index(index))
+        place = placement()
+        handle = (place["handle"],) if "handle" in place else ()
+        with where(), frontend_refusal_filter.active():
+            hit = plan_cache.load(key, implementation, device, lambda: cudnn.pygraph(**place), *handle)
+            if hit is not None:
+                if loaded is not None:
+                    loaded.append(key)
+                return BuiltGraph(hit[0], key=key, **hit[1])
+            build = graphs.build_forward_graph if isinstance(key, ForwardKey) else graphs.build_backward_graph
+            g = build(key, implementation=implementation, **place)
+            graphs.build_plans(g, key)
+            workspace = int(g.get_workspace_size())
+    except Exception as exc:
+        raise GraphBuildError(f"{prefix}{type(exc).__name__}: {exc}", is_definitive_refusal(exc, g)) from exc
+    try:  # the name of the execution plan the graph will run (frontend 1.32; None if unknown)
+        plan = str(g.get_plan_name_at_index(int(getattr(g, "_plan_index", 0) or 0)))
     except Exception:
-        return None
+        plan = None
+    built = BuiltGraph(g, workspace, key, implementation_of(g) if isinstance(key, ForwardKey) else None, plan)
+    plan_cache.store(key, implementation, device, built)
+    return built
 
 
 class Runtime:
@@ -163,8 +185,9 @@ class Runtime:
         raise NotImplementedError
 
     def build(self, key: ForwardKey | BackwardKey) -> BuiltGraph:
-        """Everything that depends on the key alone; raises GraphBuildError on a refusal."""
-        raise NotImplementedError
+        """Everything that depends on the key alone; raises GraphBuildError on a refusal. A graph runtime's
+        is :func:`build_with_ladder` over :meth:`_build_one`."""
+        return build_with_ladder(key, self._build_one)
 
     def execute(self, built: BuiltGraph, pack: dict[int, torch.Tensor]) -> None:
         """Run ``built`` on the tensors bound to its uids; raises ExecuteError on a refusal."""
@@ -178,10 +201,8 @@ class Runtime:
         """Release what the runtime's allocator caches before a transient failure is retried (CUDA: torch's cache)."""
 
     def graph_for_this_thread(self, built: BuiltGraph) -> tuple[Any, int]:
-        """``built``'s graph and workspace bytes for the calling thread: the built one on the thread
-        that built it, this thread's own copy elsewhere (built on its first call here; cuDNN does not
-        promise that one execution plan may run from several threads:
-        :mod:`~thunder_cudnn_safe.runtimes.per_thread`)."""
+        """``built``'s graph and workspace bytes for the calling thread (another thread's copy is built on its
+        first call: :mod:`~thunder_cudnn_safe.runtimes.per_thread`)."""
         if built.threads is None:
             return built.graph, built.workspace_size
 
@@ -202,10 +223,6 @@ class Runtime:
         return built.threads.get(copy)
 
 
-def is_forward(key: ForwardKey | BackwardKey) -> bool:
-    return isinstance(key, ForwardKey)
-
-
 def _create_handle(device_index: int) -> Any:
     with torch.cuda.device(device_index):
         return graphs.cudnn_module().create_handle()
@@ -220,12 +237,9 @@ class CudnnRuntime(Runtime):
     def __init__(self) -> None:
         self._handles = HandlePool(_create_handle)
         self._targets: dict[int, Target] = {}
-        self._targets_lock = threading.Lock()
 
     def environment_problem(self) -> str | None:
-        if _compat.FRONTEND.module is None:
-            return _compat.FRONTEND.frontend_problem
-        if _compat.FRONTEND.backend_version is None:
+        if _compat.FRONTEND.backend_problem is not None:  # no libcudnn, or no frontend (the same problem)
             return _compat.FRONTEND.backend_problem
         if not torch.cuda.is_available():
             return "CUDA is not available (no GPU or driver): real cuDNN cannot run here"
@@ -234,13 +248,8 @@ class CudnnRuntime(Runtime):
     def target(self, device: torch.device) -> Target:
         index = device.index if device.index is not None else torch.cuda.current_device()
         target = self._targets.get(index)
-        if target is None:
-            with self._targets_lock:
-                arch = tuple(torch.cuda.get_device_capability(index))
-                f = _compat.FRONTEND
-                target = self._targets[index] = Target(
-                    self.name, index, arch, int(f.backend_version), str(f.frontend_version)
-                )
+        if target is None:  # two threads racing here compute equal targets
+            target = self._targets[index] = cudnn_target(self.name, index, torch.cuda.get_device_capability(index))
         return target
 
     def free_memory(self) -> None:
@@ -254,34 +263,15 @@ class CudnnRuntime(Runtime):
         cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream(device_index).cuda_stream)
         return handle
 
-    def build(self, key: ForwardKey | BackwardKey) -> BuiltGraph:
-        return build_with_ladder(key, self._build_one)
-
     def _build_one(self, key: ForwardKey | BackwardKey, implementation: str | None) -> BuiltGraph:
-        cudnn = graphs.cudnn_module()
         index = key.target.device_index
-        g = None
-        try:
-            handle = self.handle(index)
-            with torch.cuda.device(index), frontend_refusal_filter.active():
-
-                def device():  # computed only with a plan cache
-                    return plan_cache.device_descriptor(index)
-
-                hit = plan_cache.load(key, implementation, device, lambda: cudnn.pygraph(handle=handle), handle)
-                if hit is not None:
-                    return BuiltGraph(hit[0], key=key, **hit[1])
-                build = graphs.build_forward_graph if is_forward(key) else graphs.build_backward_graph
-                g = build(key, handle, implementation=implementation)
-                graphs.build_plans(g, key)
-                workspace = int(g.get_workspace_size())
-        except Exception as exc:
-            raise GraphBuildError(
-                f"cuDNN could not build this graph: {type(exc).__name__}: {exc}", is_definitive_refusal(exc, g)
-            ) from exc
-        built = BuiltGraph(g, workspace, key, implementation_of(g) if is_forward(key) else None, plan_name(g))
-        plan_cache.store(key, implementation, device, built)
-        return built
+        return build_graph(
+            key,
+            implementation,
+            lambda: plan_cache.device_descriptor(index),  # computed only with a plan cache
+            lambda: {"handle": self.handle(index)},
+            lambda: torch.cuda.device(index),
+        )
 
     def execute(self, built: BuiltGraph, pack: dict[int, torch.Tensor]) -> None:
         index = built.key.target.device_index

@@ -9,6 +9,7 @@ torch tensor), so a declared/bound mismatch gives the same wrong numbers here as
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -20,7 +21,7 @@ from thunder_cudnn_safe.plan.keys import BackwardKey, ForwardKey, Target
 from thunder_cudnn_safe.plan.layout import span_elements
 from thunder_cudnn_safe.rules.cudnn_rules import ALIGNMENT_BYTES
 from thunder_cudnn_safe.runtimes import emulation_ragged, reference
-from thunder_cudnn_safe.runtimes.cudnn_runtime import BuiltGraph, Runtime, build_with_ladder, frontend_refusal_filter
+from thunder_cudnn_safe.runtimes.cudnn_runtime import BuiltGraph, Runtime, cudnn_target, frontend_refusal_filter
 
 
 def _torch_dtype_of(cudnn_dtype: Any) -> torch.dtype:
@@ -98,24 +99,21 @@ class _Bindings:
             raise EmulationError(f"{port} (uid {uid}) is missing from the variant pack")
         return self.pack[uid]
 
+    def view(self, port: str, t: Any, role: str | None = None) -> torch.Tensor:
+        """The memory bound to ``t`` through its declared view."""
+        return declared_view(self._bound(port, t), t, role or port)
+
     def read(self, port: str, *, required: bool = True) -> torch.Tensor | None:
         t = self.node.inputs.get(port)
-        if t is None:
-            if required:
-                raise EmulationError(f"the graph has no {port} input")
-            return None
-        return declared_view(self._bound(port, t), t, port)
-
-    def read_output(self, port: str) -> torch.Tensor:
-        """What an output's memory holds now, through its declared view."""
-        t = self.node.outputs[port]
-        return declared_view(self._bound(port, t), t, port)
+        if t is None and required:
+            raise EmulationError(f"the graph has no {port} input")
+        return None if t is None else self.view(port, t)
 
     def write(self, port: str, value: torch.Tensor) -> None:
         t = self.node.outputs.get(port)
         if t is None or t.get_is_virtual():
             return
-        view = declared_view(self._bound(port, t), t, port)
+        view = self.view(port, t)
         if tuple(view.shape) != tuple(value.shape):
             raise EmulationError(
                 f"{port}: declared dims {list(view.shape)} but the result has shape {list(value.shape)}"
@@ -124,32 +122,25 @@ class _Bindings:
 
 
 def _scale(b: _Bindings) -> float:
-    params = b.node.params
-    value = params.get("attn_scale")
-    if value is None:
-        t = b.node.inputs.get("attn_scale")
-        if t is None:
+    value = b.node.params.get("attn_scale")
+    if value is None:  # else an input tensor, passed by value or bound
+        value = b.node.inputs.get("attn_scale")
+        if value is None:
             return 1.0
-        if getattr(t, "pass_by_value", None) is not None:
-            return float(t.pass_by_value)
-        return float(b.read("attn_scale").reshape(-1)[0])
+        if getattr(value, "pass_by_value", None) is not None:
+            return float(value.pass_by_value)
     if hasattr(value, "get_uid"):
-        return float(declared_view(b.pack[int(value.get_uid())], value, "attn_scale").reshape(-1)[0])
+        return float(b.view("attn_scale", value).reshape(-1)[0])
     return float(value)
 
 
-def _dropout(b: _Bindings, shape: tuple[int, ...]) -> tuple[float, torch.Tensor | None]:
-    p = float(b.node.params.get("dropout_0") or 0.0)
-    if not p:
-        return 0.0, None
-    seed, offset = (int(b.read(port).reshape(-1)[0]) for port in ("dropout_1", "dropout_2"))
-    return p, reference.dropout_keep_mask(seed, offset, shape, p, torch.device("cpu"))
-
-
-def _check_params(node: Any) -> None:
-    unknown = sorted(k for k, v in node.params.items() if k not in _KNOWN_PARAMS and v not in (None, False))
+def _check_params(node: Any, ragged: bool) -> None:
+    known = _KNOWN_PARAMS | emulation_ragged.RAGGED_PARAMS if ragged else _KNOWN_PARAMS
+    unknown = sorted(k for k, v in node.params.items() if k not in known and v not in (None, False))
     if unknown:
-        raise EmulationError(f"the emulated runtime does not implement the SDPA attributes {unknown}")
+        raise EmulationError(
+            f"the emulated runtime does not implement the {'ragged ' * ragged}SDPA attributes {unknown}"
+        )
 
 
 def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -174,40 +165,38 @@ def emulate(graph: Any, pack: dict) -> None:
     if len(nodes) != 1:
         raise EmulationError(f"the emulated runtime runs single-node SDPA graphs, got {len(nodes)} nodes")
     node = nodes[0]
-    if emulation_ragged.is_ragged(node):  # packed sequences: read and write through the ragged offsets
-        b = _Bindings(node, pack)
-        return emulation_ragged.emulate_ragged(node, b, declared_view, _band(node), _scale(b), _KNOWN_PARAMS)
-    _check_params(node)
+    ragged = emulation_ragged.is_ragged(node)  # packed sequences: read and written through the ragged offsets
+    _check_params(node, ragged)
     kind = getattr(node.node_type, "name", str(node.node_type))
+    if kind not in ("SDPA", "SDPA_BWD"):
+        raise EmulationError(f"the emulated runtime does not implement {'ragged ' * ragged}{kind} nodes")
     b = _Bindings(node, pack)
-    io_q = b.read("q")
-    q, k, v = _f32(io_q), _f32(b.read("k")), _f32(b.read("v"))
+    if ragged:
+        return emulation_ragged.emulate_ragged(node, kind == "SDPA", b, reference.Scores(_scale(b), None, *_band(node)))
+    read = functools.cache(lambda port: _f32(b.read(port)))
+    q, k, v = read("q"), read("k"), read("v")
     if q.shape[1] % k.shape[1] or k.shape[1] != v.shape[1]:
         raise EmulationError(f"declared heads q={q.shape[1]} k={k.shape[1]} v={v.shape[1]} do not group")
-    p, keep = _dropout(b, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]))
+    p, keep = float(node.params.get("dropout_0") or 0.0), None
+    if p:
+        seed, offset = (int(b.read(port).reshape(-1)[0]) for port in ("dropout_1", "dropout_2"))
+        keep = reference.dropout_keep_mask(seed, offset, (*q.shape[:3], k.shape[2]), p, torch.device("cpu"))
     how = reference.Scores(_scale(b), _f32(b.read("bias", required=False)), *_band(node), _padding(b, q), p, keep)
-    if kind == "SDPA":
-        o, stats = reference.attention_forward(q, k, v, how)
-        b.write("O", o)
-        b.write("Stats", stats)
-    elif kind == "SDPA_BWD":
-        o, d_o, stats = _f32(b.read("o")), _f32(b.read("dO")), _f32(b.read("stats"))
-        # Grouped heads: per-query-head dK/dV partials are declared in the I/O dtype, then added
-        # (cudnn_frontend CompositeSDPABackwardNode: dK_fullhead / dV_fullhead, reduction ADD).
-        dq, dk, dv, ds = reference.attention_backward(q, k, v, o, d_o, stats, how, partials=io_q.dtype)
-        if how.kv_lens is not None:  # like cuDNN's padding mask: dK/dV rows of keys past seq_len_kv are not written
-            # Each with its own shape: D_v may differ from D_qk (MLA's 192/128), so dV's mask is not dK's.
-            valid = torch.arange(k.shape[2]).view(1, 1, -1, 1) < how.kv_lens.view(-1, 1, 1, 1).cpu()
-            dk, dv = (
-                torch.where(valid.expand_as(g), g, _f32(b.read_output(port))) for g, port in ((dk, "dK"), (dv, "dV"))
-            )
-        for port, value in (("dQ", dq), ("dK", dk), ("dV", dv)):
-            b.write(port, value)
-        d_bias = node.outputs.get("dBias")
-        if d_bias is not None:
-            b.write("dBias", reference.reduce_to_shape(ds, tuple(int(x) for x in d_bias.get_dim())))
-    else:
-        raise EmulationError(f"the emulated runtime does not implement {kind} nodes")
+
+    def write(port: str, value: torch.Tensor) -> None:
+        if how.kv_lens is not None and port in ("dK", "dV"):
+            # Like cuDNN's padding mask: dK/dV rows of keys past seq_len_kv are not written (each with its
+            # own shape: D_v may differ from D_qk, MLA's 192/128).
+            valid = torch.arange(value.shape[2]).view(1, 1, -1, 1) < how.kv_lens.view(-1, 1, 1, 1).cpu()
+            value = torch.where(valid.expand_as(value), value, _f32(b.view(port, node.outputs[port])))
+        b.write(port, value)
+
+    # Grouped heads: per-query-head dK/dV partials are declared in the I/O dtype, then added
+    # (cudnn_frontend CompositeSDPABackwardNode: dK_fullhead / dV_fullhead, reduction ADD).
+    ds = reference.attend(kind == "SDPA", read, write, how, partials=b.read("q").dtype)
+    d_bias = node.outputs.get("dBias")
+    if ds is not None and d_bias is not None:
+        b.write("dBias", reference.reduce_to_shape(ds, tuple(int(x) for x in d_bias.get_dim())))
 
 
 class EmulatedRuntime(Runtime):
@@ -217,11 +206,8 @@ class EmulatedRuntime(Runtime):
     device_type = "cpu"
 
     def __init__(self, arch: tuple[int, int] | None = None, backend_version: int | None = None) -> None:
-        if arch is None:
-            arch = config.emulated_arch
-        if backend_version is None:
-            backend_version = config.emulated_backend
-        self.arch, self.backend_version = arch, int(backend_version)
+        self.arch = config.emulated_arch if arch is None else arch
+        self.backend_version = int(config.emulated_backend if backend_version is None else backend_version)
         self._target: Target | None = None
 
     def environment_problem(self) -> str | None:
@@ -234,16 +220,11 @@ class EmulatedRuntime(Runtime):
     def target(self, device: torch.device) -> Target:
         target = self._target  # asked on every call, a memo hit included: no tuple made to compare
         if target is None or target.backend_version != self.backend_version or target.arch != self.arch:
-            target = self._target = Target(
-                self.name, -1, tuple(self.arch), self.backend_version, str(_compat.FRONTEND.frontend_version)
-            )
+            target = self._target = cudnn_target(self.name, -1, self.arch, self.backend_version)
         return target
 
-    def build(self, key: ForwardKey | BackwardKey) -> BuiltGraph:
-        # The real frontend's refusal of non-packed stats (STATS_PACKED_ONLY) is the key gate's, for both runtimes.
-        return build_with_ladder(key, self._build_one)
-
     def _build_one(self, key: ForwardKey | BackwardKey, implementation: str | None) -> BuiltGraph:
+        # The real frontend's refusal of non-packed stats (STATS_PACKED_ONLY) is the key gate's, for both runtimes.
         cudnn = graphs.cudnn_module()
         build = graphs.build_forward_graph if isinstance(key, ForwardKey) else graphs.build_backward_graph
         try:

@@ -15,7 +15,7 @@ import torch
 from thunder_cudnn_safe.masks import bias as masks
 from thunder_cudnn_safe.plan.keys import BackwardKey, ForwardKey, Uid
 from thunder_cudnn_safe.runtimes import handoff, reference
-from thunder_cudnn_safe.runtimes.cudnn_runtime import BuiltGraph, Runtime, is_forward
+from thunder_cudnn_safe.runtimes.cudnn_runtime import BuiltGraph, Runtime
 from thunder_cudnn_safe.telemetry import warn_once
 
 #: float32 score elements one chunk of the fallback materializes (about 1 GiB each of the few (B, H, L, S)
@@ -39,17 +39,7 @@ def _keep_mask(key: ForwardKey | BackwardKey, pack: dict) -> torch.Tensor | None
             "Capture this step with dropout_p=0, or without cudnn_safe for this call (see explain())."
         )
     seed, offset = (int(pack[uid].reshape(-1)[0]) for uid in (Uid.SEED, Uid.OFFSET))
-    return reference.dropout_keep_mask(
-        seed, offset, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]), key.dropout_p, q.device
-    )
-
-
-def _scores(key: ForwardKey | BackwardKey, pack: dict, keep: torch.Tensor | None) -> reference.Scores:
-    """The key's masking and dropout (``keep``: the keep-mask of this pack's batch elements)."""
-    lens = pack[Uid.SEQ_LEN_KV].reshape(-1).long() if key.padded else None
-    return reference.Scores(
-        key.scale, _f32(pack, Uid.BIAS), 0 if key.causal else None, key.left, lens, key.dropout_p, keep
-    )
+    return reference.dropout_keep_mask(seed, offset, (*q.shape[:3], k.shape[2]), key.dropout_p, q.device)
 
 
 #: uids whose tensors have the call's batch as their first dim (a bias and dBias only where not broadcast)
@@ -58,18 +48,9 @@ _BATCHED = (Uid.Q, Uid.K, Uid.V, Uid.O, Uid.STATS, Uid.DO, Uid.DQ, Uid.DK, Uid.D
 
 def _chunks(pack: dict) -> list[tuple[int, int]]:
     """Batch ranges of at most :data:`CHUNK_SCORES` score elements each (one range: the whole call)."""
-    q, k = pack[Uid.Q], pack[Uid.K]
-    b = q.shape[0]
-    step = max(1, CHUNK_SCORES // max(1, q.shape[1] * q.shape[2] * k.shape[2]))
+    (b, h, lq, _), lk = pack[Uid.Q].shape, pack[Uid.K].shape[2]
+    step = max(1, CHUNK_SCORES // max(1, h * lq * lk))
     return [(i, min(b, i + step)) for i in range(0, b, step)]
-
-
-def _batch_slice(pack: dict, start: int, stop: int) -> dict:
-    b = pack[Uid.Q].shape[0]
-    return {
-        uid: t[start:stop] if (uid in _BATCHED or uid in (Uid.BIAS, Uid.DBIAS)) and t.shape[0] == b > 1 else t
-        for uid, t in pack.items()
-    }
 
 
 def _f32(pack: dict, uid: Uid) -> torch.Tensor | None:
@@ -91,43 +72,43 @@ class FallbackRuntime(Runtime):
 
     def execute(self, built: BuiltGraph, pack: dict[int, torch.Tensor]) -> None:
         key = built.key
-        if not is_forward(key) and key.dropout_p and not handoff.fell_back(pack[Uid.SEED]):
+        if isinstance(key, BackwardKey) and key.dropout_p and not handoff.fell_back(pack[Uid.SEED]):
             raise RuntimeError(
                 "cudnn_safe: cuDNN refused the backward graph of an attention call whose forward ran in cuDNN with "
                 "dropout; the dropout mask cuDNN used cannot be reproduced, so no gradient is returned rather than a "
                 "wrong one. Use dropout_p=0 for this call or exclude cudnn_safe from the executors."
             )
-        keep, chunks = _keep_mask(key, pack), _chunks(pack)
-        d_bias = pack.get(Uid.DBIAS)
+        keep, chunks, b, d_bias = _keep_mask(key, pack), _chunks(pack), pack[Uid.Q].shape[0], pack.get(Uid.DBIAS)
         # a dBias broadcast over the batch sums every chunk's share (in float32, rounded once)
         summed = None if d_bias is None or len(chunks) == 1 or d_bias.shape[0] > 1 else torch.zeros_like(d_bias.float())
         for start, stop in chunks:
-            part = pack if len(chunks) == 1 else _batch_slice(pack, start, stop)
-            part_keep = None if keep is None else keep[start:stop]
-            share = self._execute(key, part, _scores(key, part, part_keep))
+            part = {
+                uid: t[start:stop] if (uid in _BATCHED or uid in (Uid.BIAS, Uid.DBIAS)) and t.shape[0] == b > 1 else t
+                for uid, t in pack.items()
+            }
+            share = self._execute(key, part, None if keep is None else keep[start:stop])
             if summed is not None:
                 summed += share
         if summed is not None:
             d_bias.copy_(summed)
-        if is_forward(key) and key.dropout_p:
+        if isinstance(key, ForwardKey) and key.dropout_p:
             handoff.mark_fallback_seed(pack[Uid.SEED])
 
     @staticmethod
-    def _execute(key: ForwardKey | BackwardKey, pack: dict, how: reference.Scores) -> torch.Tensor | None:
-        """One chunk (or the whole call): writes its outputs; returns a backward's float32 dBias share."""
-        q, k, v = _f32(pack, Uid.Q), _f32(pack, Uid.K), _f32(pack, Uid.V)
-        if is_forward(key):
-            o, lse = reference.attention_forward(q, k, v, how)
-            pack[Uid.O].copy_(o)
-            if Uid.STATS in pack:
-                pack[Uid.STATS].copy_(lse)
-            return None
-        o, d_o, stats = _f32(pack, Uid.O), _f32(pack, Uid.DO), _f32(pack, Uid.STATS)
-        gq, gk, gv, ds = reference.attention_backward(q, k, v, o, d_o, stats, how)
-        for uid, grad in ((Uid.DQ, gq), (Uid.DK, gk), (Uid.DV, gv)):
-            pack[uid].copy_(grad)
+    def _execute(key: ForwardKey | BackwardKey, pack: dict, keep: torch.Tensor | None) -> torch.Tensor | None:
+        """One chunk (or the whole call; ``keep``: its dropout keep-mask): writes its outputs; returns a
+        backward's float32 dBias share."""
+        lens = pack[Uid.SEQ_LEN_KV].reshape(-1).long() if key.padded else None
+        bias, causal = _f32(pack, Uid.BIAS), 0 if key.causal else None
+        how = reference.Scores(key.scale, bias, causal, key.left, lens, key.dropout_p, keep)
+
+        def write(port: str, value: torch.Tensor) -> None:
+            if port != "Stats" or Uid.STATS in pack:  # an inference forward has no stats
+                pack[Uid[port.upper()]].copy_(value)
+
+        ds = reference.attend(isinstance(key, ForwardKey), lambda port: _f32(pack, Uid[port.upper()]), write, how)
         d_bias = pack.get(Uid.DBIAS)
-        if d_bias is None:
+        if ds is None or d_bias is None:
             return None
         share = reference.reduce_to_shape(ds, tuple(d_bias.shape))
         d_bias.copy_(share)

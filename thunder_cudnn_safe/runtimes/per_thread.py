@@ -39,12 +39,9 @@ from typing import Any
 
 
 class PerThread:
-    """The graph (and its workspace bytes) each thread executes for one built key.
-
-    The thread that built the key gets the built graph; any other thread gets ``replicate()``'s, built
-    the first time that thread asks. A ``threading.local`` holds them: a thread's copy goes when the
-    thread ends or when this object goes (its cache entry evicted or cleared).
-    """
+    """The graph (and its workspace bytes) each thread executes for one built key: the built one on the
+    building thread, ``replicate()``'s elsewhere, in a ``threading.local``: a copy goes with its thread or
+    with this object (its cache entry evicted or cleared)."""
 
     def __init__(self, graph: Any, workspace_size: int) -> None:
         self._local = threading.local()

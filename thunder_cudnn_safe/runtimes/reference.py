@@ -7,6 +7,7 @@ stats shows up as wrong gradients. K/V may have fewer heads than Q (MQA / GQA).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -57,10 +58,9 @@ def _scores(q: torch.Tensor, k: torch.Tensor, how: Scores) -> torch.Tensor:
         s = s + how.bias
     if how.right is None and how.left is None and how.kv_lens is None:
         return s
-    lq, lk = s.shape[-2], s.shape[-1]
-    i = torch.arange(lq, device=s.device).view(lq, 1)
-    j = torch.arange(lk, device=s.device).view(1, lk)
-    masked = torch.zeros(lq, lk, dtype=torch.bool, device=s.device)
+    i = torch.arange(s.shape[-2], device=s.device).view(-1, 1)
+    j = torch.arange(s.shape[-1], device=s.device)
+    masked = torch.zeros(s.shape[-2:], dtype=torch.bool, device=s.device)
     if how.right is not None:
         masked |= j > i + how.right
     if how.left is not None:
@@ -116,6 +116,27 @@ def attention_backward(
     dq = torch.matmul(ds, _expand_heads(k, heads)) * how.scale
     dk = _reduce_heads(torch.matmul(ds.transpose(-2, -1), q) * how.scale, k.shape[1], partials)
     return dq, dk, dv, ds
+
+
+def attend(
+    forward: bool,
+    read: Callable[[str], torch.Tensor],
+    write: Callable[[str, torch.Tensor], None],
+    how: Scores,
+    partials: torch.dtype | None = None,
+) -> torch.Tensor | None:
+    """A forward (O, Stats) or backward (dQ, dK, dV) from the float32 tensors ``read(port)`` gives for the
+    graph's ports (q, k, v; o, dO, stats), each result given to ``write(port, value)``; a backward returns dS."""
+    q, k, v = read("q"), read("k"), read("v")
+    if forward:
+        o, stats = attention_forward(q, k, v, how)
+        write("O", o)
+        write("Stats", stats)
+        return None
+    dq, dk, dv, ds = attention_backward(q, k, v, read("o"), read("dO"), read("stats"), how, partials=partials)
+    for port, value in (("dQ", dq), ("dK", dk), ("dV", dv)):
+        write(port, value)
+    return ds
 
 
 def reduce_to_shape(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
