@@ -60,9 +60,9 @@ def capture_may_follow(t: torch.Tensor, training: bool) -> bool:
 
 
 class ConvertedMasks:
-    def __init__(self, maxsize: int | None = None) -> None:
+    def __init__(self) -> None:
         # converted biases and pattern verdicts remembered (a step uses one or a few masks); 0: off
-        self._lru = LRU(config.mask_cache_size if maxsize is None else maxsize)
+        self._lru = LRU(config.mask_cache_size)
         self.hits = self.conversions = 0
         #: keys of freed masks, appended by weakref callbacks without any lock (a callback can run
         #: in a garbage collection while this thread holds the LRU's lock) and purged on the next use
@@ -101,25 +101,15 @@ class ConvertedMasks:
 
     def info(self) -> MaskCacheInfo:
         entries = [bias for _, (ref, bias) in self._lru.items() if ref() is not None and isinstance(bias, torch.Tensor)]
-        return MaskCacheInfo(
-            self.hits, self.conversions, len(entries), sum(b.numel() * b.element_size() for b in entries)
-        )
-
-    def resize(self, maxsize: int) -> None:
-        if not isinstance(maxsize, int) or isinstance(maxsize, bool) or maxsize < 0:
-            raise ValueError(f"mask cache size must be a non-negative integer, got {maxsize!r}")
-        self._lru.resize(maxsize)
+        return MaskCacheInfo(self.hits, self.conversions, len(entries), sum(b.nbytes for b in entries))
 
     def clear(self) -> None:
         self._lru.clear()
         self.hits = self.conversions = 0
 
 
-converted_masks = ConvertedMasks(config.mask_cache_size)
-config.on_change("mask_cache_size", converted_masks.resize)
+converted_masks = ConvertedMasks()
+config.on_change("mask_cache_size", converted_masks._lru.resize)  # the knob validates the size
 caches.register("converted masks and mask-pattern verdicts", converted_masks.clear)
-
-
-def mask_cache_info() -> MaskCacheInfo:
-    """Hits, conversions, entries and bytes held by the converted-mask cache."""
-    return converted_masks.info()
+#: ``mask_cache_info()``: hits, conversions, entries and bytes held by the converted-mask cache.
+mask_cache_info = converted_masks.info

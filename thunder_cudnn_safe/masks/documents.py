@@ -47,46 +47,47 @@ class DocumentPattern(NamedTuple):
         return "documents" + ("+causal" if self.causal else "") + ("+window" if self.left is not None else "")
 
 
-def _keep(mask: torch.Tensor) -> torch.Tensor:
-    """The mask as booleans (True = kept); a float mask keeps 0 and masks -inf or <= its lowest finite value."""
-    if mask.dtype == torch.bool:
-        return mask
-    return mask == 0
+def as_4d(mask: torch.Tensor, lq: int, s: int) -> torch.Tensor | None:
+    """``mask`` with its missing leading dims as 1 (4-D), or None where its last two are not (lq, s) or are empty."""
+    if mask.dim() < 2 or tuple(mask.shape[-2:]) != (lq, s) or 0 in (lq, s):
+        return None
+    return mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+
+
+def kept_runs(m: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """What both recognizers read off mask ``m`` (no host sync): ``valid`` (a float mask keeps 0 and masks only
+    with -inf or values <= its dtype's lowest finite value), then each row's count of kept keys and its first
+    and last kept key (by argmax: temporaries of a few bytes per mask element)."""
+    if m.dtype == torch.bool:
+        keep, valid = m, torch.ones((), dtype=torch.bool, device=m.device)
+    else:
+        keep = m == 0
+        valid = (keep | (m <= torch.finfo(m.dtype).min)).all()
+    k8 = keep.view(torch.uint8)
+    return valid, keep.sum(-1), k8.argmax(-1), m.shape[-1] - 1 - k8.flip(-1).argmax(-1)
 
 
 def recognize_documents(mask: torch.Tensor, batch: int, lq: int, s: int) -> DocumentPattern | None:
-    """``mask`` (broadcastable to (batch, H, lq, s)) as documents, or None; one host sync.
-
-    Only square masks (lq == s: a packed row attends to itself) whose head dim is 1 or broadcast.
-    """
+    """``mask`` (broadcastable to (batch, H, lq, s)) as documents, or None; one host sync. Only square masks
+    (lq == s: a packed row attends to itself) whose head dim is 1 or broadcast."""
     checked = document_checks(mask, batch, lq, s)
     return None if checked is None else document_verdict(checked[0].tolist(), checked[1], batch, lq)
 
 
 def document_checks(mask: torch.Tensor, batch: int, lq: int, s: int) -> tuple[torch.Tensor, tuple] | None:
     """The device half of :func:`recognize_documents`, no host sync: (the checks as a 1-D int64 tensor, the
-    state :func:`document_verdict` needs), or None where the shape alone rules documents out. The caller
-    synchronizes the checks, possibly with another recognizer's (:mod:`patterns`: one sync per mask)."""
-    if mask.dim() < 2 or tuple(mask.shape[-2:]) != (lq, s) or lq != s or lq == 0:
-        return None
-    m = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
-    if m.shape[0] not in (1, batch) or (m.shape[1] > 1 and m.stride(1) != 0):
+    state :func:`document_verdict` needs), or None where the shape alone rules documents out."""
+    m = as_4d(mask, lq, s) if lq == s else None
+    if m is None or m.shape[0] not in (1, batch) or (m.shape[1] > 1 and m.stride(1) != 0):
         return None  # per-head masks are not documents
     m = m[:, 0]
-    keep = _keep(m)
-    k8 = keep.view(torch.uint8) if keep.dtype == torch.bool else keep.to(torch.uint8)
-    count = keep.sum(-1)  # (Bm, T)
-    valid = torch.ones((), dtype=torch.bool, device=m.device)
+    valid, count, lo, hi = kept_runs(m)  # count: (Bm, T)
     if m.dtype != torch.bool:
         # a row masked with finite lowest values is not dead: eager averages V over it (its scores tie),
         # while a token outside every document gets 0; only a row of -inf is outside (safe softmax: 0)
-        dead = torch.isneginf(m).all(-1) | (count > 0)
-        valid = (keep | (m <= torch.finfo(m.dtype).min)).all() & dead.all()
-    lo, hi = k8.argmax(-1), s - 1 - k8.flip(-1).argmax(-1)
+        valid = valid & (torch.isneginf(m).all(-1) | (count > 0)).all()
     row = torch.arange(lq, device=m.device).expand_as(lo)
     cov = count > 0
-    runs = (~cov | (hi - lo + 1 == count)).all()
-    prefix = (cov[:, :-1] | ~cov[:, 1:]).all() if lq > 1 else valid
     first = cov & (lo == row)  # a row whose run starts at itself starts a document
     start = torch.cummax(torch.where(first, row, torch.zeros_like(row)), dim=-1).values
     # one past each document's last token: the next start, or the first token outside every document
@@ -99,16 +100,15 @@ def document_checks(mask: torch.Tensor, batch: int, lq: int, s: int) -> tuple[to
     checks = torch.stack(
         [
             valid,
-            runs,
-            prefix,
+            (~cov | (hi - lo + 1 == count)).all(),  # every row keeping a key keeps one run
+            (cov[:, :-1] | ~cov[:, 1:]).all(),  # rows keeping no key are a suffix
             (~cov | ((hi == row) & (lo == start))).all(),  # causal, no window
             (~cov | ((hi == row) & (lo == causal_lo))).all(),  # causal, window
             (~cov | ((hi == end - 1) & (lo == start))).all(),  # not causal
             cov.any(),
         ]
     ).to(torch.int64)
-    n_per_row = first.sum(-1)
-    stats = torch.cat([checks, window.view(1), doc_len.amax().view(1), n_per_row.sum().view(1)])
+    stats = torch.cat([checks, window.view(1), doc_len.amax().view(1), first.sum().view(1)])
     return stats, (first, doc_len, m.shape[0], m.device)
 
 
@@ -116,27 +116,19 @@ def document_verdict(values: list[int], state: tuple, batch: int, lq: int) -> Do
     """The host half of :func:`recognize_documents`: the pattern from the synchronized checks, or None."""
     first, doc_len, mask_rows, device = state
     valid, runs, prefix, causal, windowed, full, any_kept, window, max_len, n_row_docs = values
-    if not (valid and runs and prefix and any_kept):
+    if not (valid and runs and prefix and any_kept and (causal or windowed or full)):
         return None
-    if causal:
-        is_causal, left = True, None
-    elif windowed:
-        is_causal, left = True, int(window)
-        if left >= max_len:
-            left = None  # a window at least as wide as every document changes nothing
-    elif full:
-        is_causal, left = False, None
-    else:
-        return None
-    rows = batch
+    is_causal = bool(causal or windowed)
+    # a window at least as wide as every document changes nothing
+    left = int(window) if windowed and not causal and window < max_len else None
     if mask_rows == 1 and batch > 1:
         first, doc_len = first.expand(batch, lq), doc_len.expand(batch, lq)
         n_row_docs *= batch
     flat = first.reshape(-1)
     index = torch.where(flat, flat.cumsum(0) - 1, torch.full_like(flat, n_row_docs, dtype=torch.int64))
-    tokens = torch.arange(rows * lq, device=device)
+    tokens = torch.arange(batch * lq, device=device)
     starts = torch.zeros(n_row_docs + 1, dtype=torch.int64, device=device).scatter_(0, index, tokens)
     lens = torch.zeros(n_row_docs + 1, dtype=torch.int64, device=device).scatter_(0, index, doc_len.reshape(-1))
     return DocumentPattern(
-        is_causal, left, int(n_row_docs), int(max_len), rows, lq, starts[:-1], lens[:-1].to(torch.int32), {}
+        is_causal, left, int(n_row_docs), int(max_len), batch, lq, starts[:-1], lens[:-1].to(torch.int32), {}
     )

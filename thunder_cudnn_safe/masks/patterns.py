@@ -20,7 +20,7 @@ import torch
 
 from thunder_cudnn_safe import config
 from thunder_cudnn_safe.masks.bias import capturing, converted_masks
-from thunder_cudnn_safe.masks.documents import DocumentPattern, document_checks, document_verdict
+from thunder_cudnn_safe.masks.documents import DocumentPattern, as_4d, document_checks, document_verdict, kept_runs
 from thunder_cudnn_safe.telemetry import Counts
 
 
@@ -38,42 +38,25 @@ class MaskPattern(NamedTuple):
 
     @property
     def name(self) -> str:
-        parts = [
-            p
-            for p, on in (
-                ("causal", self.right == 0),
-                ("window", self.left is not None),
-                ("padding", self.kv_lens is not None),
-            )
-            if on
-        ]
-        return "+".join(parts) or "all_kept"
+        parts = {"causal": self.right == 0, "window": self.left is not None, "padding": self.kv_lens is not None}
+        return "+".join(part for part, on in parts.items() if on) or "all_kept"
 
 
 _NOT_A_PATTERN = "bias"
-
-
 _counts = Counts()
+#: ``mask_pattern_info()``: how many distinct masks were recognized as each pattern ("bias": none), since the last
+#: ``reset_mask_pattern_info()``.
+mask_pattern_info, reset_mask_pattern_info = _counts.info, _counts.reset
 
 
-def mask_pattern_info() -> dict[str, int]:
-    """How many distinct masks were recognized as each pattern ("bias": none), since the last reset."""
-    return _counts.info()
-
-
-def reset_mask_pattern_info() -> None:
-    _counts.reset()
+def patterns_on() -> bool:
+    """Whether masks may run as patterns: ``config.mask_patterns``, and the mask cache (keeping verdicts) on."""
+    return bool(config.mask_patterns) and converted_masks.maxsize > 0
 
 
 def pattern_of(mask: torch.Tensor, batch: int, lq: int, s: int) -> MaskPattern | None:
     """``mask``'s pattern for a (batch, H, lq, s) call, or None (a bias): cached per distinct mask."""
-    if (
-        not config.mask_patterns
-        or capturing(mask)
-        or mask.is_inference()
-        or converted_masks.maxsize == 0
-        or mask.requires_grad
-    ):
+    if not patterns_on() or capturing(mask) or mask.is_inference() or mask.requires_grad:
         return None
     verdict = converted_masks.get(mask, ("pattern", batch, lq, s), lambda: _recognize(mask, batch, lq, s), count=False)
     return None if verdict == _NOT_A_PATTERN else verdict
@@ -96,20 +79,11 @@ def recognize(mask: torch.Tensor, batch: int, lq: int, s: int, extra: torch.Tens
 
     ``extra`` (1-D int64 on the mask's device, for a mask of this shape) is synchronized in the same host
     sync: (pattern, its values) is then returned.
-
-    Temporaries are a few bytes per mask element (the per-row first and last kept key by argmax).
     """
-    if mask.dim() < 2 or tuple(mask.shape[-2:]) != (lq, s) or lq == 0 or s == 0:
+    m = as_4d(mask, lq, s)
+    if m is None:
         return None
-    m = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
-    if m.dtype == torch.bool:
-        keep, valid = m, torch.ones((), dtype=torch.bool, device=m.device)
-    else:
-        keep = m == 0
-        valid = (keep | (m <= torch.finfo(m.dtype).min)).all()
-    k8 = keep.view(torch.uint8)
-    count = keep.sum(-1)
-    lo, hi = k8.argmax(-1), s - 1 - k8.flip(-1).argmax(-1)  # first and last kept key of each row
+    valid, count, lo, hi = kept_runs(m)
     n = hi.amax(dim=(1, 2), keepdim=True) + 1  # kept keys per batch element, if it pads
     row = torch.arange(lq, device=m.device)
     window = (row - lo + 1).amax()

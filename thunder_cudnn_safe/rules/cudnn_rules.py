@@ -59,19 +59,11 @@ class Rule:
         follows (a training forward, whose stats and dropout mask bind it to the same executor's backward)."""
         return self.holds(target) and (backward_follows or "forward" in self.passes)
 
-    def broken_by(self, key: Any) -> str | None:
-        """What in graph ``key`` breaks this rule on the key's own target, or None (no key trigger: None)."""
-        return None if self.on_key is None else self.on_key(self, key)
-
     def broken_by_call(self, call: CallView) -> list[tuple[str, str]]:
         """What in ``call`` this rule declines, as (``DeclineCode`` name, text) pairs (no call trigger: none)."""
         found = None if self.on_call is None else self.on_call(self, call)
-        if found is None:
-            return []
-        return [
-            (f.code, f.text) if isinstance(f, Finding) else (self.code, f)
-            for f in ((found,) if isinstance(found, (str, Finding)) else found)
-        ]
+        found = () if found is None else (found,) if isinstance(found, (str, Finding)) else found
+        return [(f.code, f.text) if isinstance(f, Finding) else (self.code, f) for f in found]
 
     @property
     def upgrade_hint(self) -> str:
@@ -112,8 +104,13 @@ def _if(condition: bool, text: str) -> str | None:
     return text if condition else None
 
 
+def _in_backward(condition: Callable[[Any], bool], what: str) -> Callable[[Rule, Any], str | None]:
+    """A backward defect's key check: ``what`` breaks the rule where it holds, in a backward key that meets
+    ``condition``."""
+    return where_it_holds(lambda key: _if(_backward(key) and condition(key), what))
+
+
 def _tensors(key: Any) -> list[tuple[str, TensorSig]]:
-    """(field name, declaration) of every tensor ``key`` declares."""
     return [(name, sig) for name, sig in zip(key._fields, key) if isinstance(sig, TensorSig)]
 
 
@@ -128,11 +125,8 @@ def _oversized(key: Any) -> str | None:
     ragged tensors are addressed by their offsets (int64 where needed), not the batch stride."""
     if not _dense(key):
         return None
-    for name, sig in _tensors(key):
-        span = _layout().span_elements(sig.shape, sig.stride)
-        if span >= INT32_ELEMENT_LIMIT:
-            return f"{name} spans {span} elements"
-    return None
+    spans = ((name, _layout().span_elements(sig.shape, sig.stride)) for name, sig in _tensors(key))
+    return next((f"{name} spans {span} elements" for name, span in spans if span >= INT32_ELEMENT_LIMIT), None)
 
 
 def _ragged_stats(key: Any) -> str | None:
@@ -184,8 +178,7 @@ def _dp_key(key: Any) -> str | None:
 # -- what a call says at trace time (Rule.on_call) ------------------------------------------------------
 class CallView(NamedTuple):
     """The plain facts of one SDPA forward call that the rules' trace-time triggers read (:mod:`support` reads
-    them off tensors or thunder proxies). ``target`` is None where the runtime cannot work here: only rules
-    that judge every call (no ``call_*`` wrapper) then decline."""
+    them off tensors or thunder proxies); ``target`` is None where the runtime cannot work here."""
 
     target: Target | None
     batch: int
@@ -321,14 +314,12 @@ def _int32_sizes(rule: Rule, call: CallView) -> list[str]:
     ]
     bias = call.batch * call.heads * call.lq * call.s
     if call.has_mask and bias >= INT32_ELEMENT_LIMIT and (call.mask_grad or not call.mask_patterns):
-        found.append(
-            "the broadcast attention mask has more than 2**31 elements (int32 offsets)"
-            + (
-                ", and its gradient is computed, from it as a bias"
-                if call.mask_grad
-                else ", and it is bound as a bias (mask patterns or the mask cache are off)"
-            )
+        how = (
+            "its gradient is computed, from it as a bias"
+            if call.mask_grad
+            else "it is bound as a bias (mask patterns or the mask cache are off)"
         )
+        found.append(f"the broadcast attention mask has more than 2**31 elements (int32 offsets), and {how}")
     return found
 
 
@@ -351,8 +342,7 @@ def _off_sixteenths(p: float) -> bool:
     return p * 16 != math.floor(p * 16)
 
 
-#: The head-dim rules are judged together (:func:`_head_dims`), as cuDNN does.
-_HEAD_DIM = dict(on_call=call_on_target(_head_dims), code="HEAD_DIM")
+_HEAD_DIM = dict(on_call=call_on_target(_head_dims), code="HEAD_DIM")  # judged together, as cuDNN does
 FLASH_ATTENTION = Rule(
     "FLASH_ATTENTION",
     "cuDNN fused flash attention (forward and backward) runs on Ampere (sm80) or newer",
@@ -415,9 +405,7 @@ BACKWARD_SEQ_1 = Rule(
     "sdpa_backward refuses s_q = s_kv = 1 (the forward accepts it)",
     "nvidia-cudnn-frontend 1.32 _sdpa_validate.py ('s_q = s_kv = 1 is not supported') and cuDNN 9.19's C++ "
     "validate, on every arch (the lowering sweep)",
-    on_key=where_it_holds(
-        lambda key: _if(_backward(key) and _dense(key) and _lengths(key) == (1, 1), "a backward with s_q = s_kv = 1")
-    ),
+    on_key=_in_backward(lambda key: _dense(key) and _lengths(key) == (1, 1), "a backward with s_q = s_kv = 1"),
     on_call=call_where_it_holds(
         lambda rule, call: _if(
             call.lq == 1 and call.s == 1,
@@ -433,11 +421,9 @@ DETERMINISTIC_BACKWARD_BLACKWELL = Rule(
     "cuDNN 9.19 C++ validate: 'Deterministic algorithm is not supported on blackwell architecture when dbias, "
     "rng/dropout, alibi is enabled' (the lowering sweep; sm120 accepts)",
     arch_major=10,
-    on_key=where_it_holds(
-        lambda key: _if(
-            _backward(key) and key.deterministic and bool(key.dropout_p or key.d_bias),
-            "a deterministic backward with dropout or dBias",
-        )
+    on_key=_in_backward(
+        lambda key: key.deterministic and bool(key.dropout_p or key.d_bias),
+        "a deterministic backward with dropout or dBias",
     ),
     on_call=call_where_it_holds(_deterministic_dbias_or_dropout),
 )
@@ -451,7 +437,7 @@ DETERMINISTIC_BACKWARD_BLACKWELL_BEFORE_9_18 = Rule(
     arch_major=10,
     max_backend=91800,
     passes=("backward",),
-    on_key=where_it_holds(lambda key: _if(_backward(key) and key.deterministic, "a deterministic backward")),
+    on_key=_in_backward(lambda key: key.deterministic, "a deterministic backward"),
     on_call=_no_engine(lambda call: call.deterministic, "cudnn_safe_deterministic: "),
     fixed_in=91800,
 )
@@ -465,11 +451,9 @@ DETERMINISTIC_BIAS_BACKWARD_BLACKWELL = Rule(
     "and stay declined",
     arch_major=10,
     max_backend=92700,
-    on_key=where_it_holds(
-        lambda key: _if(
-            _backward(key) and key.deterministic and key.bias is not None and not (key.dropout_p or key.d_bias),
-            "a deterministic backward with a bias",
-        )
+    on_key=_in_backward(
+        lambda key: key.deterministic and key.bias is not None and not (key.dropout_p or key.d_bias),
+        "a deterministic backward with a bias",
     ),
     on_call=_no_engine(lambda call: call.deterministic and call.has_mask and not call.dbias_or_dropout),
     fixed_in=92700,
@@ -481,9 +465,7 @@ DROPOUT_DBIAS_BLACKWELL = Rule(
     "this engine only supports fprop inference under non matching device version and architecture'), no other "
     "engine serves dBias; sm80/sm90 build it. Deviceless planning: a B200 run may lift it",
     arch_major=10,
-    on_key=where_it_holds(
-        lambda key: _if(_backward(key) and bool(key.dropout_p) and key.d_bias is not None, "dropout with dBias")
-    ),
+    on_key=_in_backward(lambda key: bool(key.dropout_p) and key.d_bias is not None, "dropout with dBias"),
     on_call=_no_engine(lambda call: call.dropout_runs and call.mask_grad),
 )
 #: One defect of two code paths (sm80's and sm120's), a rule each.
@@ -492,11 +474,7 @@ _SQ_VECTORS = dict(
     "'sq broadcasted vector' and these code paths take 2",
     source="the compile sweep (tests/test_cudnn_compile.py), cuDNN 9.19: 'Only 2 sq broadcasted vectors are supported "
     "on SM80' (its SM80 and SM120 code paths; an sm120 descriptor confirms it); sm90/sm100 build it",
-    on_key=where_it_holds(
-        lambda key: _if(
-            _backward(key) and key.bias is not None and _lengths(key)[1] == 1, "a bias backward with s_kv = 1"
-        )
-    ),
+    on_key=_in_backward(lambda key: key.bias is not None and _lengths(key)[1] == 1, "a bias backward with s_kv = 1"),
     on_call=_no_engine(lambda call: call.has_mask and call.s == 1),
 )
 BIAS_KEY_LENGTH_1_AMPERE = Rule("BIAS_KEY_LENGTH_1_AMPERE", arch_major=8, **_SQ_VECTORS)
@@ -507,9 +485,7 @@ DBIAS_KEY_LENGTH_1_BLACKWELL = Rule(
     "the compile sweep, cuDNN 9.19: no engine config for sm100 ('This tile size is not supported for Blackwell "
     "flash bprop'); sm90 builds it",
     arch_major=10,
-    on_key=where_it_holds(
-        lambda key: _if(_backward(key) and key.d_bias is not None and _lengths(key)[1] == 1, "dBias with s_kv = 1")
-    ),
+    on_key=_in_backward(lambda key: key.d_bias is not None and _lengths(key)[1] == 1, "dBias with s_kv = 1"),
     on_call=_no_engine(lambda call: call.mask_grad and call.s == 1),
 )
 DYNAMIC_SHAPE_FORWARD = Rule(
@@ -539,13 +515,12 @@ STATS_PACKED_ONLY = Rule(
     "a non-ragged Stats input of sdpa_backward must be packed BHSD (exact strides, size-1 dims too)",
     "nvidia-cudnn-frontend 1.32 sdpa_support_surface.h (checked before planning)",
     max_backend=92600,
-    on_key=where_it_holds(
-        lambda key: _if(
-            _backward(key)
-            and not (key.ragged is not None and key.ragged.stats)
-            and tuple(key.stats.stride) != _layout().packed_strides(key.stats.shape),
-            "stats declared with other than packed BHSD strides",
-        )
+    on_key=_in_backward(
+        lambda key: (
+            not (key.ragged is not None and key.ragged.stats)
+            and tuple(key.stats.stride) != _layout().packed_strides(key.stats.shape)
+        ),
+        "stats declared with other than packed BHSD strides",
     ),
     fixed_in=92600,
 )
@@ -693,11 +668,9 @@ HOPPER_DECODE_BACKWARD_NAN = Rule(
     "full tensor lengths avoids the NaNs'",
     arch_major=9,
     passes=("backward",),
-    on_key=where_it_holds(
-        lambda key: _if(
-            _backward(key) and _dense(key) and _lengths(key)[0] == 1 and not key.padded,
-            "a backward with s_q = 1 without the padding mask",
-        )
+    on_key=_in_backward(
+        lambda key: _dense(key) and _lengths(key)[0] == 1 and not key.padded,
+        "a backward with s_q = 1 without the padding mask",
     ),
     # without a mask tensor the backward is routed to the padding mask at full lengths (defect_routes)
     on_call=_silent(lambda call: _if(call.lq == 1 and call.has_mask, "a single query with a mask tensor, in training")),
@@ -728,9 +701,7 @@ BACKWARD_KEY_LENGTH_1 = Rule(
     "cuDNN 9.18.1 release notes, Known Issues ('bprop is not supported when both key/value have sequence length "
     "of 1'); PyTorch sdp_utils.cpp check_cudnn_tensor_shapes ('does not support key/value sequence length 1')",
     passes=("backward",),
-    on_key=where_it_holds(
-        lambda key: _if(_backward(key) and _dense(key) and _lengths(key)[1] == 1, "a backward with s_kv = 1")
-    ),
+    on_key=_in_backward(lambda key: _dense(key) and _lengths(key)[1] == 1, "a backward with s_kv = 1"),
     on_call=_silent(lambda call: _if(call.s == 1, "key length 1, in training")),
 )
 DROPOUT_SIXTEENTHS = Rule(

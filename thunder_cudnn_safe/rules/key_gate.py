@@ -37,22 +37,17 @@ def violations(key: Any) -> list[tuple[cudnn_rules.Rule, str]]:
     compile sweep's, judged for several GPUs at once) has none to judge: no rule is read off it."""
     if key.target is None:
         return []
-    return [(rule, what) for rule in cudnn_rules.RULES if (what := rule.broken_by(key)) is not None]
+    return [(rule, what) for rule in cudnn_rules.RULES if rule.on_key and (what := rule.on_key(rule, key)) is not None]
 
 
 def check(key: Any) -> None:
     """Raise :class:`RuleRefusal` (counted) if ``key`` breaks a rule; a key that breaks none passes."""
-    found = violations(key)
-    if found:
+    if found := violations(key):
         rule, what = found[0]
         _counts.count(rule.name)
         raise RuleRefusal(rule, what)
 
 
-def gate_info() -> dict[str, int]:
-    """Keys the gate refused, by rule name (each distinct key once: the graph cache remembers the refusal)."""
-    return _counts.info()
-
-
-def reset_gate_info() -> None:
-    _counts.reset()
+#: ``gate_info()``: keys the gate refused, by rule name (each distinct key once: the graph cache remembers the
+#: refusal), since the last ``reset_gate_info()``.
+gate_info, reset_gate_info = _counts.info, _counts.reset

@@ -14,9 +14,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from thunder.core import dtypes
+from thunder.core.proxies import NumberProxy, pyval
 
-from thunder_cudnn_safe import config
-from thunder_cudnn_safe.masks.bias import converted_masks
+from thunder_cudnn_safe.masks.patterns import patterns_on
 from thunder_cudnn_safe.plan.grad_need import mask_needs_grad
 from thunder_cudnn_safe.plan.keys import Target
 from thunder_cudnn_safe.rules import cudnn_rules
@@ -59,35 +60,18 @@ class Decline(str):
 
 def torch_dtype(dtype: Any) -> torch.dtype | None:
     """torch dtype of a torch or thunder dtype (None if unknown)."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
     try:
-        from thunder.core import dtypes
-
         return dtypes.to_torch_dtype(dtype)
     except Exception:
         return None
 
 
 def _value(x: Any) -> Any:
-    """Python value of a number or a thunder NumberProxy."""
-    if x is None or isinstance(x, (bool, int, float)):
-        return x
+    """Python value of a number or a thunder NumberProxy (anything else, None too, as it is)."""
     try:
-        from thunder.core.proxies import pyval
-
         return pyval(x)
     except Exception:
         return x
-
-
-def _is_symbolic(x: Any) -> bool:
-    """A thunder NumberProxy whose value may change between calls of one trace."""
-    try:
-        from thunder.core.proxies import NumberProxy
-    except Exception:
-        return False
-    return isinstance(x, NumberProxy)
 
 
 def not_supported_reasons(
@@ -98,10 +82,11 @@ def not_supported_reasons(
     ``call`` is a :class:`~thunder_cudnn_safe.plan.calls.ForwardCall` of tensors or proxies; its
     ``deterministic`` (the compile option) changes which backwards cuDNN builds, its ``enable_gqa`` lets K/V have
     fewer heads, a divisor of the query's. ``environment_problem`` is why the runtime cannot work here at all;
-    ``target`` may then be None. The checks below come first, then every rule of
-    :data:`~thunder_cudnn_safe.rules.cudnn_rules.RULES` (:func:`rule_reasons`), then the mask and the scalars.
+    ``target`` may then be None.
     """
-    tensors = _tensors(call)
+    tensors = [("query", call.query), ("key", call.key), ("value", call.value)]
+    if call.attn_mask is not None:
+        tensors.append(("attn_mask", call.attn_mask))
     reasons = [Decline(DeclineCode.ENVIRONMENT, environment_problem)] if environment_problem else []
     reasons += _device_reasons(tensors, device_type)
     ranks = [len(t.shape) for _, t in tensors[:3]]
@@ -157,13 +142,8 @@ def call_view(call: Any, target: Target | None) -> cudnn_rules.CallView:
         ),
         # decided on the mask's data at run time; one too large for a bias that is not a pattern runs on the
         # torch fallback (:meth:`~thunder_cudnn_safe.dispatch.dispatcher.Dispatcher.run_oversized_bias`)
-        mask_patterns=bool(config.mask_patterns) and converted_masks.maxsize > 0,
+        mask_patterns=patterns_on(),
     )
-
-
-def _tensors(call: Any) -> list[tuple[str, Any]]:
-    tensors = [("query", call.query), ("key", call.key), ("value", call.value)]
-    return tensors if call.attn_mask is None else [*tensors, ("attn_mask", call.attn_mask)]
 
 
 def _shapes(call: Any) -> list[tuple[int, ...]]:
@@ -180,11 +160,8 @@ def _mask_grad(call: Any) -> bool:
     mask = call.attn_mask
     if mask is None:
         return False
-    if getattr(mask, "requires_grad", False):
-        return True
-    return (
-        bool(getattr(call, "need_stats", True)) and torch_dtype(mask.dtype) is not torch.bool and mask_needs_grad(mask)
-    )
+    needed = bool(getattr(call, "need_stats", True)) and torch_dtype(mask.dtype) is not torch.bool
+    return bool(getattr(mask, "requires_grad", False)) or (needed and mask_needs_grad(mask))
 
 
 def _device_reasons(tensors: list[tuple[str, Any]], device_type: str) -> Iterator[Decline]:
@@ -229,8 +206,7 @@ def _empty_reasons(view: cudnn_rules.CallView) -> Iterator[Decline]:
 
 
 def _mask_reasons(call: Any, view: cudnn_rules.CallView) -> Iterator[Decline]:
-    """The mask's own reasons (its size is :data:`~thunder_cudnn_safe.rules.cudnn_rules.LAYOUT`'s); ``view.mask_grad``:
-    its gradient (dBias) may be needed (a leaf requiring grad, or computed from one inside the function)."""
+    """The mask's own reasons (its size is :data:`~thunder_cudnn_safe.rules.cudnn_rules.LAYOUT`'s)."""
     attn_mask, mask_grad = call.attn_mask, view.mask_grad
     if attn_mask is None:
         return
@@ -272,7 +248,7 @@ def _mask_reasons(call: Any, view: cudnn_rules.CallView) -> Iterator[Decline]:
 def _scalar_reasons(call: Any) -> Iterator[Decline]:
     """``dropout_p`` must be a number in [0, 1) known at trace time (its 1/16 steps are
     :data:`~thunder_cudnn_safe.rules.cudnn_rules.DROPOUT_SIXTEENTHS`'), ``scale`` finite, ``is_causal`` a bool."""
-    if _is_symbolic(call.dropout_p):
+    if isinstance(call.dropout_p, NumberProxy):  # its value may change between calls of one trace
         yield Decline(
             DeclineCode.DROPOUT,
             "dropout_p is symbolic (cache='symbolic values'): whether dropout runs, and so the operator's "
