@@ -7,11 +7,9 @@ Every layout declared to cuDNN is read off the tensor bound to it (README.md).
 
 Importing this package changes thunder, in this order:
 
-1. the compat steps of :mod:`thunder_cudnn_safe._compat`, before thunder is imported: on torch >= 2.13,
-   placeholder ``torch.Tensor`` named-tensor methods (thunder's op tables name them); without libcudnn,
-   the cuDNN frontend is hidden from thunder's own import (its cuDNN executor would raise there);
-   on torch >= 2.14 thunder's own import fails (Lightning-AI/lightning-thunder#2833), and importing this
-   package raises an ImportError naming torch's version, that issue and the torch versions that work;
+1. the compat steps of :mod:`thunder_cudnn_safe._compat`, before thunder is imported (torch >= 2.13's
+   named-tensor placeholders, the cuDNN frontend hidden from thunder without libcudnn; on torch >= 2.14,
+   where thunder's own import fails, an ImportError naming torch's version, the issue and what works);
 2. two executors are registered with thunder (``cudnn_safe_ex``, ``emulated_ex``), not made default
    (:func:`install` does that);
 3. :func:`~thunder_cudnn_safe.integration.install.drop_broken_builtin_cudnn_executor`: thunder's built-in ``"cudnn"``
@@ -45,8 +43,6 @@ from thunder_cudnn_safe.rules.support import Decline, DeclineCode  # noqa: E402
 from thunder_cudnn_safe.telemetry import CopyReason, CopyStats, copy_stats, reset_copy_stats  # noqa: E402
 
 drop_broken_builtin_cudnn_executor()
-# enable_gqa traces under thunder.jit and stays in thunder's region under ThunderFX (see integration/gqa.py);
-# gqa.unregister() undoes it.
 gqa.register()
 
 __all__ = [

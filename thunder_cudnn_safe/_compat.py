@@ -103,31 +103,9 @@ def torch_version() -> tuple[int, int]:
     return major_minor(torch.__version__)
 
 
-def _is_torch_214_thunder_failure(exc: BaseException) -> bool:
-    """Whether ``exc``, raised by ``import thunder``, is thunder's failure on torch >= 2.14 (#2833):
-    ``AttributeError: 'builtin_function_or_method' object has no attribute '__func__'`` raised by
-    ``Function.apply.__func__`` in thunder/core/jit_ext.py. Any other error is not translated."""
-    return (
-        torch_version() >= FIRST_TORCH_THUNDER_CANNOT_IMPORT
-        and isinstance(exc, AttributeError)
-        and "__func__" in str(exc)
-    )
-
-
-def _thunder_distribution_version() -> str:
-    try:
-        return importlib.metadata.version("lightning-thunder")
-    except importlib.metadata.PackageNotFoundError:
-        return "(version unknown)"
-
-
 def prepare_and_import_thunder() -> ModuleType:
-    """Run every compat step, then import thunder (or return the already imported module).
-
-    On torch >= 2.14 thunder's own import fails (:data:`THUNDER_TORCH_214_ISSUE`): that failure is
-    raised as an :class:`ImportError` saying so, chained to thunder's error. Any other error of
-    thunder's import propagates unchanged.
-    """
+    """Run every compat step, then import thunder (or return the already imported module). Only thunder's
+    failure on torch >= 2.14 becomes an ImportError (chained to it); any other error propagates unchanged."""
     ensure_named_tensor_stubs()
     if "thunder" in sys.modules:
         return sys.modules["thunder"]
@@ -138,10 +116,17 @@ def prepare_and_import_thunder() -> ModuleType:
     try:
         return importlib.import_module("thunder")
     except Exception as exc:
-        if not _is_torch_214_thunder_failure(exc):
+        # Only thunder's failure on torch >= 2.14 (#2833) is translated: ``AttributeError: 'builtin_function_or_method'
+        # object has no attribute '__func__'``, raised by ``Function.apply.__func__`` in thunder/core/jit_ext.py.
+        is_2833 = isinstance(exc, AttributeError) and "__func__" in str(exc)
+        if not is_2833 or torch_version() < FIRST_TORCH_THUNDER_CANNOT_IMPORT:
             raise
+        try:
+            thunder_version = importlib.metadata.version("lightning-thunder")
+        except importlib.metadata.PackageNotFoundError:
+            thunder_version = "(version unknown)"
         raise ImportError(
-            f"thunder_cudnn_safe cannot be imported: lightning-thunder {_thunder_distribution_version()} fails in "
+            f"thunder_cudnn_safe cannot be imported: lightning-thunder {thunder_version} fails in "
             f"its own import on torch {torch.__version__} ({type(exc).__name__}: {exc}); this is "
             f"{THUNDER_TORCH_214_ISSUE} (open; thunder main fails the same way), which no compat step here "
             f"can work around. {WORKING_TORCH_RANGE}. Install torch>=2.9.1,<2.12 (e.g. torch==2.11.0) for "
@@ -149,11 +134,10 @@ def prepare_and_import_thunder() -> ModuleType:
             name="thunder",
         ) from exc
     finally:
-        if hide:
-            if saved is not None:
-                sys.modules["cudnn"] = saved
-            else:
-                sys.modules.pop("cudnn", None)
+        if hide and saved is not None:
+            sys.modules["cudnn"] = saved
+        elif hide:
+            sys.modules.pop("cudnn", None)
 
 
 def builtin_cudnn_sdpa_problem() -> str | None:

@@ -1,16 +1,12 @@
-"""Environment variables: one parser for every knob the package reads at import (the knobs
-themselves are in :mod:`thunder_cudnn_safe.config`). A typo must never make
-the package (and a training script) unimportable: an invalid value warns and keeps the default.
-"""
+"""Environment variables: one parser for every knob the package reads at import (the knobs themselves
+are in :mod:`thunder_cudnn_safe.config`); an invalid value warns and keeps the default."""
 
 from __future__ import annotations
 
 import logging
 import os
 from collections.abc import Callable
-from typing import TypeVar
-
-T = TypeVar("T")
+from typing import Any
 
 
 def knob_env(knob: str) -> str:
@@ -22,7 +18,7 @@ def knob_env(knob: str) -> str:
 DP_WORKSPACE_LIMIT_ENV = knob_env("dp_workspace_limit")
 
 
-def env_value(name: str, default: T, parse: Callable[[str], T], expected: str) -> T:
+def env_value(name: str, default: Any, parse: Callable[[str], Any], expected: str) -> Any:
     """``parse(os.environ[name])``, or ``default`` when unset, empty or invalid (``parse`` raises ValueError;
     the warning says a valid value is ``expected``)."""
     raw = os.environ.get(name)

@@ -44,7 +44,6 @@ class Knob(NamedTuple):
 
     @property
     def env(self) -> str:
-        """``THUNDER_CUDNN_SAFE_`` and the name in capitals."""
         return knob_env(self.name)
 
 
@@ -232,21 +231,8 @@ def from_environment(name: str) -> Any:
     return env_value(k.env, k.default, k.parse, k.expected)
 
 
-# The knobs themselves (module attributes; read them as ``config.<name>``).
-cache_size: int = from_environment("cache_size")
-mask_cache_size: int = from_environment("mask_cache_size")
-mask_patterns: bool = from_environment("mask_patterns")
-dynamic_shapes: str = from_environment("dynamic_shapes")
-dp_workspace_limit: int = from_environment("dp_workspace_limit")
-plan_cache_dir: str | None = from_environment("plan_cache_dir")
-plan_cache_max_entries: int = from_environment("plan_cache_max_entries")
-plan_cache_max_bytes: int = from_environment("plan_cache_max_bytes")
-aot_timeout: float = from_environment("aot_timeout")
-emulated_arch: tuple[int, int] = from_environment("emulated_arch")
-emulated_backend: int = from_environment("emulated_backend")
-layout: str = from_environment("layout")
-deterministic: bool = from_environment("deterministic")
-bwd_may_cat_grad_qkv: bool = from_environment("bwd_may_cat_grad_qkv")
+# The knobs themselves, one module attribute per knob of KNOBS (read them as ``config.<name>``).
+globals().update({name: from_environment(name) for name in KNOBS})
 
 
 def on_change(name: str, hook: Callable[[Any], None]) -> None:

@@ -47,18 +47,8 @@ class CopyReason(str, enum.Enum):
     def avoidable(self) -> bool:
         """Whether a user could avoid this copy by passing another layout (worth a warning); copies asked
         for (policy "contiguous") or made unavoidable by ordinary code are counted silently."""
-        return self not in _UNAVOIDABLE
+        return self.name not in ("BROADCAST", "POLICY_CONTIGUOUS", "BOOL_MASK", "MASK_DTYPE", "MASK_BROADCAST")
 
-
-_UNAVOIDABLE = frozenset(
-    {
-        CopyReason.BROADCAST,
-        CopyReason.POLICY_CONTIGUOUS,
-        CopyReason.BOOL_MASK,
-        CopyReason.MASK_DTYPE,
-        CopyReason.MASK_BROADCAST,
-    }
-)
 
 _warned = LRU(WARN_ONCE_LIMIT)
 
@@ -90,14 +80,11 @@ class CopyStats(NamedTuple):
 class _CopyCounter:
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._copies = self._bytes = 0
         self._by_reason: dict[tuple[str, CopyReason], list[int]] = {}
 
     def record(self, operand: str, reason: CopyReason, nbytes: int, signature: tuple) -> None:
         """Count one copy; warn once per distinct (operand, reason, layout) if the copy was avoidable."""
         with self._lock:
-            self._copies += 1
-            self._bytes += nbytes
             entry = self._by_reason.setdefault((operand, reason), [0, 0])
             entry[0] += 1
             entry[1] += nbytes
@@ -111,28 +98,22 @@ class _CopyCounter:
                 reason.value,
             )
 
-    def snapshot(self) -> CopyStats:
-        with self._lock:
-            return CopyStats(self._copies, self._bytes, {k: tuple(v) for k, v in self._by_reason.items()})
-
-    def reset(self) -> None:
-        with self._lock:
-            self._copies = self._bytes = 0
-            self._by_reason.clear()
-        forget_warnings("copy")
-
 
 copy_counter = _CopyCounter()
 
 
 def copy_stats() -> CopyStats:
     """Copies made by layout normalization (count, bytes, and per operand and reason)."""
-    return copy_counter.snapshot()
+    with copy_counter._lock:
+        by_reason = {k: tuple(v) for k, v in copy_counter._by_reason.items()}
+    return CopyStats(sum(c for c, _ in by_reason.values()), sum(b for _, b in by_reason.values()), by_reason)
 
 
 def reset_copy_stats() -> None:
     """Zero the copy counters and forget which layouts were already warned about."""
-    copy_counter.reset()
+    with copy_counter._lock:
+        copy_counter._by_reason.clear()
+    forget_warnings("copy")
 
 
 class Counts:

@@ -35,43 +35,31 @@ from thunder_cudnn_safe.rules.support import Decline, not_supported_reasons, tor
 from thunder_cudnn_safe.runtimes import emulation
 from thunder_cudnn_safe.runtimes.cudnn_runtime import CudnnRuntime, Runtime
 
-#: Each compile option and the knob it overrides for one ``thunder.jit`` (its default and description).
-_OPTIONS = {
-    "cudnn_safe_layout": "layout",
-    "cudnn_safe_deterministic": "deterministic",
-    "cudnn_safe_bwd_may_cat_grad_qkv": "bwd_may_cat_grad_qkv",
-    "cudnn_sdpa_bwd_may_cat_grad_qkv": "bwd_may_cat_grad_qkv",  # thunder's name for it
-}
 
-
-def _option(*names: str) -> Any:
-    """The first of ``names`` set as a compile option (a bool where the knob is one), else the knob's value."""
-    knob = config.KNOBS[_OPTIONS[names[0]]]
-    for name in names:
+def _option(knob_name: str, *aliases: str) -> Any:
+    """Compile option ``cudnn_safe_<knob_name>`` or the first of ``aliases`` set for this jit, else the knob."""
+    knob, option = config.KNOBS[knob_name], f"cudnn_safe_{knob_name}"
+    for name in (option, *aliases):
         value = get_compile_option(name, knob.trades)
         if value is not None:
             if isinstance(knob.default, bool) and not isinstance(value, bool):
-                raise ValueError(f"compile option {names[0]} must be a bool, got {value!r}")
+                raise ValueError(f"compile option {option} must be a bool, got {value!r}")
             return value
-    return getattr(config, knob.name)
+    return getattr(config, knob_name)
 
 
-def _call(
-    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False
-) -> ForwardCall:
-    """A thunder SDPA call (torch's signature) with this trace's compile options: the forward call value."""
-    layout = LayoutPolicy.parse(_option("cudnn_safe_layout")).value
-    deterministic = _option("cudnn_safe_deterministic") or torch_deterministic()
-    cat = _option("cudnn_safe_bwd_may_cat_grad_qkv", "cudnn_sdpa_bwd_may_cat_grad_qkv")
-    cat = cat and same_size_except_heads(query, key, value)
-    return ForwardCall(
-        query, key, value, attn_mask, dropout_p, is_causal, scale, layout, deterministic, cat, bool(enable_gqa)
-    )
+def _call(*args, **kwargs) -> ForwardCall:
+    """A thunder SDPA call (its arguments bind as the call value's) with this trace's compile options."""
+    call = ForwardCall(*args, **kwargs)
+    layout = LayoutPolicy.parse(_option("layout")).value
+    deterministic = _option("deterministic") or torch_deterministic()
+    cat = _option("bwd_may_cat_grad_qkv", "cudnn_sdpa_bwd_may_cat_grad_qkv")
+    cat = cat and same_size_except_heads(call.query, call.key, call.value)
+    return call._replace(layout=layout, deterministic=deterministic, cat_grad_qkv=cat, enable_gqa=bool(call.enable_gqa))
 
 
 def _gqa_call(*args, **kwargs) -> ForwardCall:
-    a = gqa.gqa_arguments(*args, **kwargs)
-    return _call(a.query, a.key, a.value, a.attn_mask, a.dropout_p, a.is_causal, scale=a.scale, enable_gqa=True)
+    return _call(*gqa.gqa_arguments(*args, **kwargs)._replace(enable_gqa=True))
 
 
 def reasons_for(runtime: Runtime, *args, **kwargs) -> list[Decline]:
@@ -161,29 +149,6 @@ def make_executor(name: str, runtime: Runtime) -> OperatorExecutor:
     bwd_mask = ex.register_operator(f"{name}_sdpa_bwd_mask", meta=_bwd_mask_meta, fn=ex.dispatcher.mask_gradient)
     ex.sdpa_fwd, ex.sdpa_bwd = fwd, bwd
 
-    def grad_transform(call: ForwardCall):
-        results = _invoke(fwd, call)
-        out, stats = results[0], results[1]
-        seed, offset = (results[2], results[3]) if call.dropout_p else (None, None)
-        mask = call.attn_mask
-        float_mask = mask is not None and torch_dtype(mask.dtype) is not torch.bool
-        # A mask computed inside the function reports requires_grad=False on its proxy even when its
-        # gradient is needed: it gets a separate operator that dead-code elimination drops when unused.
-        mask_grad = float_mask and bool(getattr(mask, "requires_grad", False))
-        bcall = backward_of(call, get_grad(out), out, stats, seed, offset, mask_grad)
-        if float_mask and not mask_grad:
-            # Before the backward on purpose: used, it runs the one backward with dBias and the
-            # backward below returns its dQ, dK, dV (:mod:`handoff`); unused, thunder drops it.
-            put_grad(mask, _invoke(bwd_mask, bcall))
-        grads = _invoke(bwd, bcall)
-        if mask_grad:
-            put_grad(mask, grads[-1])
-            grads = grads[:-1]
-        if call.cat_grad_qkv:
-            grads = grads[0].split([call.query.shape[1], call.key.shape[1], call.value.shape[1]], dim=1)
-        put_grads((call.query, call.key, call.value), tuple(grads))
-        return out
-
     def implementation(make_call) -> dict:
         """The checker and transforms for a symbol whose call value ``make_call`` builds. Closures, not
         lambdas capturing ``make_call`` as a default argument: thunder traces a grad transform's
@@ -197,10 +162,30 @@ def make_executor(name: str, runtime: Runtime) -> OperatorExecutor:
         def execution_transform(*args, **kwargs):
             return _invoke(fwd, make_call(*args, **kwargs)._replace(need_stats=False))[0]
 
-        def grad(*args, **kwargs):
-            return grad_transform(make_call(*args, **kwargs))
+        def grad_transform(*args, **kwargs):
+            call = make_call(*args, **kwargs)
+            out, stats, *rng = _invoke(fwd, call)  # rng: (seed, offset) with dropout
+            seed, offset = rng or (None, None)
+            mask = call.attn_mask
+            float_mask = mask is not None and torch_dtype(mask.dtype) is not torch.bool
+            # A mask computed inside the function reports requires_grad=False on its proxy even when its
+            # gradient is needed: it gets a separate operator that dead-code elimination drops when unused.
+            mask_grad = float_mask and bool(getattr(mask, "requires_grad", False))
+            bcall = backward_of(call, get_grad(out), out, stats, seed, offset, mask_grad)
+            if float_mask and not mask_grad:
+                # Before the backward on purpose: used, it runs the one backward with dBias and the
+                # backward below returns its dQ, dK, dV (:mod:`handoff`); unused, thunder drops it.
+                put_grad(mask, _invoke(bwd_mask, bcall))
+            grads = _invoke(bwd, bcall)
+            if mask_grad:
+                put_grad(mask, grads[-1])
+                grads = grads[:-1]
+            if call.cat_grad_qkv:
+                grads = grads[0].split([call.query.shape[1], call.key.shape[1], call.value.shape[1]], dim=1)
+            put_grads((call.query, call.key, call.value), tuple(grads))
+            return out
 
-        return {"checker": checker, "execution_transform": execution_transform, "grad_transform": grad}
+        return {"checker": checker, "execution_transform": execution_transform, "grad_transform": grad_transform}
 
     for symbol, make_call in ((ltorch.scaled_dot_product_attention, _call), (gqa.sdpa_gqa, _gqa_call)):
         ex.register_implementation(symbol, **implementation(make_call))
@@ -224,9 +209,8 @@ def explain(
     """
     call = ForwardCall(query, key, value, *args, **kwargs)
     for field, t in zip(("query", "key", "value", "attn_mask"), call):
-        if t is None and field == "attn_mask":
-            continue
-        if not all(hasattr(t, attr) for attr in ("shape", "dtype", "device")) or not hasattr(t.device, "type"):
+        is_tensor = all(hasattr(t, attr) for attr in ("shape", "dtype", "device")) and hasattr(t.device, "type")
+        if not is_tensor and (t is not None or field != "attn_mask"):
             raise TypeError(
                 f"explain(): {field} must be a torch tensor or a thunder TensorProxy, got {type(t).__name__}"
             )
@@ -257,17 +241,16 @@ def describe(
         return CallReport(reasons, None, None)
     ex = _resolve_executor(executor)
     masked, fkey, bkey = planned_keys(call, ex.runtime.target(query.device))
-    pattern = None if call.attn_mask is None else _pattern_name(masked)
+    if call.attn_mask is None:
+        pattern = None
+    elif isinstance(masked.attn_mask, MaskPattern | DocumentPattern):
+        pattern = masked.attn_mask.name
+    elif masked.attn_mask is None:  # the mask was recognized as causal or as keeping everything
+        pattern = "causal" if masked.is_causal else "all_kept"
+    else:
+        pattern = "bias"
     cache = ex.dispatcher.cache
     return CallReport(reasons, cache.graph(fkey), None if bkey is None else cache.graph(bkey), pattern)
-
-
-def _pattern_name(masked: ForwardCall) -> str:
-    if isinstance(masked.attn_mask, MaskPattern | DocumentPattern):
-        return masked.attn_mask.name
-    if masked.attn_mask is None:
-        return "causal" if masked.is_causal else "all_kept"
-    return "bias"
 
 
 def _resolve_executor(executor: OperatorExecutor | str | None) -> OperatorExecutor:

@@ -9,7 +9,7 @@ installs :func:`torch_sdpa`: thunder's own translation without grouped heads, :d
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import thunder.core.dtypes as dtypes
 import thunder.core.prims as prims
@@ -29,32 +29,20 @@ from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, tracectx
 from thunder.core.transform_common import Transform
 from thunder.transforms.autocast import autocast_impls, maybe_downcast_to
 
+from thunder_cudnn_safe.plan.calls import ForwardCall
+
 GQA_SYMBOL_ID = "cudnn_safe.sdpa_gqa"
 
 # Eager's message (aten/src/ATen/native/transformers/attention.cpp, torch 2.11) is cut short after
 # "in "; we give the same text as its prefix so `match=` on eager's message matches ours too.
 _EAGER_HEADS_MESSAGE = "Number of heads in key and value must divide the number of heads in "
 
-_TORCH_SDPA = torch.nn.functional.scaled_dot_product_attention
 
-
-class GQAArgs(NamedTuple):
-    """The arguments of one :data:`sdpa_gqa` call (K/V keep their H_kv heads)."""
-
-    query: Any
-    key: Any
-    value: Any
-    attn_mask: Any = None
-    dropout_p: Any = 0.0
-    is_causal: Any = False
-    scale: Any = None
-    enable_gqa: bool = True
-
-
-def gqa_arguments(*args: Any, **kwargs: Any) -> GQAArgs:
-    """The arguments of a :data:`sdpa_gqa` call, positional or keyword alike."""
-    a = GQAArgs(*args, **kwargs)
-    return a._replace(enable_gqa=bool(a.enable_gqa))
+def gqa_arguments(
+    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=True
+) -> ForwardCall:
+    """The arguments of a :data:`sdpa_gqa` call, positional or keyword alike, as the forward's call value."""
+    return ForwardCall(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa=bool(enable_gqa))
 
 
 def _check_gqa_shapes(query: Any, key: Any, value: Any) -> tuple[int, int]:
@@ -89,10 +77,8 @@ def sdpa_gqa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, 
 
 def torch_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
     """thunder's translation of ``F.scaled_dot_product_attention`` once registered (eager's signature)."""
-    if enable_gqa:
-        rep_k, rep_v = _check_gqa_shapes(query, key, value)
-        if rep_k != 1 or rep_v != 1:
-            return sdpa_gqa(query, key, value, attn_mask, dropout_p, is_causal, scale, True)
+    if enable_gqa and _check_gqa_shapes(query, key, value) != (1, 1):
+        return sdpa_gqa(query, key, value, attn_mask, dropout_p, is_causal, scale, True)
     return ltorch.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale)
 
 
@@ -100,7 +86,7 @@ def _autocast_sdpa_gqa(*args, dtype, **kwargs):
     """Autocast rule, the same as thunder's for plain SDPA (q, k, v downcast; the mask untouched)."""
     a = gqa_arguments(*args, **kwargs)
     q, k, v = maybe_downcast_to(dtype, (a.query, a.key, a.value))
-    return sdpa_gqa(*a._replace(query=q, key=k, value=v))
+    return sdpa_gqa(q, k, v, *a[3:7], a.enable_gqa)  # a[3:7]: attn_mask, dropout_p, is_causal, scale
 
 
 #: ``(mapping, key, thunder's own entry or None)`` for each entry :func:`register` replaced; None: not registered.
@@ -115,9 +101,10 @@ def register() -> None:
     # thunder reads the torch -> thunder mapping in two places: thunder.torch's map (ThunderFX, examine) and
     # jit_ext's lookaside map (thunder.jit; copied from the first at import). Both must change and come back.
     lookaside = ensure_recursive_proxies(interpreter_needs_wrap(record_source_loc_in_symbol_header(torch_sdpa)))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
     ours = (
-        (ltorch._torch_to_thunder_function_map, _TORCH_SDPA, torch_sdpa),
-        (_general_jit_lookaside_map, _TORCH_SDPA, lookaside),
+        (ltorch._torch_to_thunder_function_map, sdpa, torch_sdpa),
+        (_general_jit_lookaside_map, sdpa, lookaside),
         (autocast_impls, GQA_SYMBOL_ID, _autocast_sdpa_gqa),
     )
     _saved = [(mapping, key, mapping.get(key)) for mapping, key, _ in ours]
@@ -148,28 +135,11 @@ def registered() -> bool:
 # Instead of matching each spelling, the chain of those prims is followed symbolically: every dim of
 # a tensor is a list of factors, each either a dim of the base tensor X ("x", i, size) or a broadcast
 # ("b", size) whose index is not read. A repeat over head groups is exactly the case where the head
-# dim of the result is [X's head dim, broadcast of n] (X's head outer, so head h reads X's head
+# dim of the result is [X's head dim, broadcasts of n in all] (X's head outer, so head h reads X's head
 # h // n: torch's repeat_interleave, what enable_gqa means) and every other dim is X's own. A tile
 # (x.repeat(1, n, 1, 1): broadcast outer) gives [broadcast, X's head] and is rejected: it is not GQA.
 _Dims = list  # list[list[factor]], a factor: ("x", dim, size) | ("b", -1, size)
 _VIEW_PRIMS = frozenset({prims.PrimIDs.BROADCAST_IN_DIM, prims.PrimIDs.RESHAPE, prims.PrimIDs.SHALLOW_COPY})
-
-
-def _initial_dims(shape: tuple[int, ...]) -> _Dims:
-    return [[("x", i, s)] if s != 1 else [] for i, s in enumerate(shape)]
-
-
-def _merge_broadcasts(dims: _Dims) -> _Dims:
-    merged = []
-    for factors in dims:
-        out: list = []
-        for f in factors:
-            if f[0] == "b" and out and out[-1][0] == "b":
-                out[-1] = ("b", -1, out[-1][2] * f[2])
-            else:
-                out.append(f)
-        merged.append(out)
-    return merged
 
 
 def _apply_broadcast_in_dim(dims: _Dims, in_shape, out_shape, bdims) -> _Dims | None:
@@ -186,14 +156,12 @@ def _apply_reshape(dims: _Dims, out_shape) -> _Dims | None:
     flat = [f for factors in dims for f in factors]
     out: _Dims = []
     for size in out_shape:
-        group: list = []
-        product = 1
+        group, product = [], 1
         while product < size:
             if not flat:
                 return None
-            f = flat.pop(0)
-            group.append(f)
-            product *= f[2]
+            group.append(flat.pop(0))
+            product *= group[-1][2]
         if product != size:  # the reshape splits a factor: not a pattern we can see through
             return None
         out.append(group)
@@ -204,8 +172,7 @@ def _leaf_prims(bsym: BoundSymbol) -> list[BoundSymbol]:
     """The primitives ``bsym`` lowers to that produce tensors (metadata queries such as ``prims.shape``
     are left out)."""
     if not bsym.subsymbols:
-        has_tensor_out = any(isinstance(o, TensorProxy) for o in bsym.flat_proxy_outs)
-        return [bsym] if has_tensor_out else []
+        return [bsym] if any(isinstance(o, TensorProxy) for o in bsym.flat_proxy_outs) else []
     return [leaf for sub in bsym.subsymbols for leaf in _leaf_prims(sub)]
 
 
@@ -223,13 +190,14 @@ def _view_chain(t: TensorProxy, producers) -> list[tuple[TensorProxy, list[Bound
     return chain
 
 
-def _follow(base: TensorProxy, leaves: list[BoundSymbol], result: TensorProxy) -> _Dims | None:
-    """The factors of ``result``'s dims as a function of ``base``, through a linear chain of view prims."""
-    if any(s == 0 for s in base.shape):
+def _head_repeat(base: TensorProxy, leaves: list[BoundSymbol], result: TensorProxy) -> int | None:
+    """n if ``result`` is ``base`` repeat_interleave'd n times (n > 1) over dim -3 through ``leaves``, a linear
+    chain of view prims, else None."""
+    if base.ndim != result.ndim or base.ndim < 3 or 0 in base.shape:
         return None
-    dims = _initial_dims(tuple(base.shape))
-    current = base
-    for leaf in leaves:
+    own: _Dims = [[("x", i, s)] if s != 1 else [] for i, s in enumerate(base.shape)]  # base's own dims
+    dims, current = own, base
+    for leaf in leaves:  # the factors of each tensor's dims as a function of base's
         args = leaf.args
         if not args or not isinstance(args[0], TensorProxy) or args[0].name != current.name:
             return None
@@ -240,31 +208,19 @@ def _follow(base: TensorProxy, leaves: list[BoundSymbol], result: TensorProxy) -
         if dims is None:
             return None
         current = leaf.output
-    if current.name != result.name:
-        return None
-    return _merge_broadcasts(dims)
-
-
-def _head_repeat(base: TensorProxy, dims: _Dims, result: TensorProxy) -> int | None:
-    """n if ``result`` is ``base`` repeat_interleave'd n times (n > 1) over dim -3, else None."""
-    if base.ndim != result.ndim or base.ndim < 3:
-        return None
     h = base.ndim - 3
-    hb, hr = base.shape[h], result.shape[h]
-    if hr % hb or hr == hb:
+    repeat = dims[h][len(own[h]) :]  # after X's head: broadcasts (sizes > 1) whose product is n
+    expected = own[:h] + [own[h] + repeat] + own[h + 1 :]  # every other dim X's own
+    if current.name != result.name or not repeat or any(f[0] != "b" for f in repeat) or dims != expected:
         return None
-    n = hr // hb
-    expected = _initial_dims(tuple(base.shape))
-    expected[h] = expected[h] + [("b", -1, n)]
-    return n if dims == expected else None
+    return result.shape[h] // base.shape[h]
 
 
 def find_head_repeat(t: TensorProxy, producers) -> tuple[TensorProxy, int] | None:
     """``(X, n)`` when ``t`` is X repeated over head groups; the farthest such X wins (stacked repeats all go)."""
     chain = _view_chain(t, producers)
     for i, (base, _) in enumerate(chain):
-        dims = _follow(base, [leaf for _, leaves in chain[i:] for leaf in leaves], t)
-        n = None if dims is None else _head_repeat(base, dims, t)
+        n = _head_repeat(base, [leaf for _, leaves in chain[i:] for leaf in leaves], t)
         if n is not None:
             return base, n
     return None
@@ -278,25 +234,17 @@ class RepeatKVToGQA(Transform):
     key and value repeat H_kv heads by the same n > 1 (repeat_interleave order) into the query's heads.
     """
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.rewritten = 0  # SDPA calls rewritten by the last application (for tests and explain)
+    rewritten = 0  # SDPA calls rewritten by the last application (for tests and explain)
 
-    def _plan(self, bsym: BoundSymbol, producers) -> GQAArgs | None:
-        try:
-            call = GQAArgs(*bsym.args, **bsym.kwargs)  # thunder's SDPA: the same arguments, without enable_gqa
-        except TypeError:
-            return None
+    def _plan(self, bsym: BoundSymbol, producers) -> ForwardCall | None:
+        call = gqa_arguments(*bsym.args, **bsym.kwargs)  # thunder's SDPA: the same arguments, without enable_gqa
         q, k, v = call.query, call.key, call.value
         if not all(isinstance(t, TensorProxy) for t in (q, k, v)) or q.ndim < 3:
             return None
-        found_k, found_v = find_head_repeat(k, producers), find_head_repeat(v, producers)
-        if found_k is None or found_v is None:
+        (base_k, n_k), (base_v, n_v) = (find_head_repeat(t, producers) or (None, None) for t in (k, v))
+        if n_k is None or n_k != n_v or base_k.shape[-3] != base_v.shape[-3] or q.shape[-3] != k.shape[-3]:
             return None
-        (base_k, n_k), (base_v, n_v) = found_k, found_v
-        if n_k != n_v or base_k.shape[-3] != base_v.shape[-3] or q.shape[-3] != k.shape[-3]:
-            return None
-        return call._replace(key=base_k, value=base_v, enable_gqa=True)
+        return call._replace(key=base_k, value=base_v)
 
     def transform_traces_pre_prologue(
         self, prologue_trace: TraceCtx, computation_trace: TraceCtx, epilogue_trace: TraceCtx | None, **kwargs
@@ -312,15 +260,12 @@ class RepeatKVToGQA(Transform):
                 continue
             with tracectx(new_trace):
                 new_trace.push_scope([])
-                out = sdpa_gqa(*plan)
+                out = sdpa_gqa(*plan[:7], True)  # torch's SDPA arguments, query to scale
                 (gqa_bsym,) = new_trace.pop_scope()
             # Keep the original output proxy so every consumer (and the return) is untouched.
             gqa_bsym = gqa_bsym.from_bsym_swap_proxies({variableify(out): bsym.output}, skip_inputs=True)
-            new_bsyms.append(
-                gqa_bsym.from_bsym(
-                    header=bsym.header, source_filename=bsym.source_filename, source_positions=bsym.source_positions
-                )
-            )
+            source = {name: getattr(bsym, name) for name in ("header", "source_filename", "source_positions")}
+            new_bsyms.append(gqa_bsym.from_bsym(**source))
             self.rewritten += 1
         if not self.rewritten:
             return prologue_trace, computation_trace, epilogue_trace

@@ -30,9 +30,7 @@ def _take_out_builtin() -> tuple[int, Executor] | None:
 
 def drop_broken_builtin_cudnn_executor() -> bool:
     """Remove thunder's built-in ``"cudnn"`` executor from the defaults if it cannot work; True if removed."""
-    if builtin_cudnn_sdpa_problem() is None:
-        return False
-    return _take_out_builtin() is not None
+    return builtin_cudnn_sdpa_problem() is not None and _take_out_builtin() is not None
 
 
 def install(emulated: bool = False) -> list[Executor]:
@@ -55,7 +53,7 @@ def uninstall() -> list[Executor]:
     if _removed_builtin is not None:
         index, builtin = _removed_builtin
         if builtin not in current:
-            current.insert(min(index, len(current)), builtin)
+            current.insert(index, builtin)  # list.insert appends where fewer executors are left
         _removed_builtin = None
     return set_default_executors(current)
 
