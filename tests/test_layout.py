@@ -208,3 +208,42 @@ def test_copied_grad_out_gets_o_exact_strides(grad_layout, fresh_cache):
     d_o, o = bound[-1][Uid.DO], bound[-1][Uid.O]
     assert d_o.stride() == o.stride(), (d_o.stride(), o.stride())
     assert torch.equal(d_o, g)
+
+
+# -- torch's lazy negation bit: cuDNN reads memory, not the view's values ------------------------------------
+@pytest.mark.parametrize("role", ["query", "key", "value", "attn_mask", "grad_out", "out"])
+def test_a_neg_bit_tensor_is_copied_never_bound_as_is(role, fresh_cache):
+    """``torch._neg_view`` (and ``complex32.conj().imag``) gives a tensor whose values are its memory negated
+    lazily: cuDNN, reading through the data pointer, would see the un-negated memory. Every operand with the bit
+    is copied (``NEG_BIT``), also when the same layout without it was remembered first (the memo key holds the
+    bit); the emulated runtime refuses a bound neg-bit tensor, as a bug in what we bound."""
+    from thunder_cudnn_safe.dispatch.dispatcher import Dispatcher
+    from thunder_cudnn_safe.graphs.cache import GraphCache
+    from thunder_cudnn_safe.runtimes.emulation import EmulatedRuntime
+
+    gen = torch.Generator().manual_seed(0)
+    plain = {
+        name: torch.randn(1, 2, 16, 32, generator=gen, dtype=torch.float16)
+        for name in ("query", "key", "value", "grad_out")
+    }
+    plain["attn_mask"] = torch.randn(1, 2, 16, 16, generator=gen, dtype=torch.float16)
+    disp = Dispatcher(EmulatedRuntime(), GraphCache(16))
+
+    def step(t):
+        q, k, v, m, g = (t[n] for n in ("query", "key", "value", "attn_mask", "grad_out"))
+        out, stats = disp.forward(q, k, v, m)
+        if role == "out":
+            out = torch._neg_view(out.neg())  # the same values, negated lazily
+        return (out, *disp.backward(g, q, k, v, m, 0.0, False, out, stats, None, None))
+
+    first = step(plain)  # the layout without the bit is remembered first
+    lazy = dict(plain)
+    if role != "out":
+        lazy[role] = torch._neg_view(plain[role].neg())
+        assert lazy[role].is_neg() and torch.equal(lazy[role], plain[role])
+    tcs.reset_copy_stats()
+    again = step(lazy)
+    copied = {name for name, reason in tcs.copy_stats().by_reason if reason is tcs.CopyReason.NEG_BIT}
+    assert role in copied, tcs.copy_stats()
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)

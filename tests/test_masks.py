@@ -167,9 +167,14 @@ def _count_backward_executions(runtime):
     return counts
 
 
-def test_a_used_mask_gradient_costs_no_second_backward(fresh_cache):
+@pytest.mark.parametrize("torch_deterministic", [False, True], ids=["default", "torch-deterministic-mode"])
+def test_a_used_mask_gradient_costs_no_second_backward(torch_deterministic, fresh_cache, request):
     """T5/Swin-style learned bias in 3 layers: one cuDNN backward per layer computes dQ, dK, dV and dBias
-    together (it used to run the backward graph twice per layer: once without, once with dBias)."""
+    together (it used to run the backward graph twice per layer: once without, once with dBias). Also with
+    torch's deterministic mode on: the backward turns deterministic on, and the kept gradients were kept under
+    the call without it, so they never matched and every layer ran its backward again."""
+    mode = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    request.addfinalizer(lambda: torch.use_deterministic_algorithms(mode[0], warn_only=mode[1]))
     h, n, layers = 2, 16, 3
     idx = (torch.arange(n)[None, :] - torch.arange(n)[:, None]).clamp(-7, 7) + 7
     q = torch.randn(1, h, n, 32, dtype=torch.float16, requires_grad=True)
@@ -186,7 +191,12 @@ def test_a_used_mask_gradient_costs_no_second_backward(fresh_cache):
     counts = _count_backward_executions(runtime)
     try:
         jf = jit_with_ours(f)
-        check_against_eager(jf, (q, w), torch.randn(1, h, n, 32, dtype=torch.float16), f, [q, w])
+        g = torch.randn(1, h, n, 32, dtype=torch.float16)
+        if torch_deterministic:  # switched on after thunder traced the step: the backward turns it on per call
+            check_against_eager(jf, (q, w), g, f, [q, w])
+            torch.use_deterministic_algorithms(True)
+            counts.clear()
+        check_against_eager(jf, (q, w), g, f, [q, w])
     finally:
         del runtime.execute
     assert len(counts) == layers, f"{len(counts)} backward executions for {layers} attention layers"

@@ -28,6 +28,7 @@ class CopyReason(str, enum.Enum):
     NEGATIVE_STRIDE = "a negative stride on a dimension of size > 1"
     LAST_DIM_STRIDE = "last-dim stride is not 1 (cuDNN needs 1)"
     MISALIGNED = "base address is not 16-byte aligned"
+    NEG_BIT = "a lazy negation bit (torch's neg view): cuDNN reads the memory, not the negated values"
     STRIDE_ALIGNMENT = "a stride is not a multiple of 16 bytes"
     OVERLAP = "overlapping strides (aliased elements)"
     INT32_OFFSETS = "element offsets overflow int32"

@@ -236,6 +236,8 @@ class Dispatcher:
         """The gradient of a mask computed inside the traced function (thunder keeps this call only when
         it is used): one backward with dBias, keeping dQ, dK, dV for the next backward call (:mod:`handoff`)."""
         call = BackwardCall(*args, **kwargs)._replace(mask_grad=True)
+        if not call.deterministic and torch_deterministic():  # as the backward will: the kept grads must match
+            call = call._replace(deterministic=True)
         grads = self.backward(*call)
         handoff.keep_gradients(call, grads[:-1])
         return grads[-1]

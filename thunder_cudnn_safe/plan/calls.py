@@ -108,9 +108,9 @@ def forward_of(call: BackwardCall) -> ForwardCall:
 
 
 def arg_key(x: Any) -> Any:
-    """An optional field's part of the memo key: a tensor's layout and alignment, a pattern's signature."""
+    """An optional field's part of the memo key: a tensor's layout, alignment and neg bit, a pattern's signature."""
     if isinstance(x, torch.Tensor):
-        return x.shape, x.stride(), x.dtype, x.data_ptr() % ALIGNMENT_BYTES == 0
+        return x.shape, x.stride(), x.dtype, x.data_ptr() % ALIGNMENT_BYTES == 0, x.is_neg()
     return _pattern_sig(x)
 
 
@@ -130,9 +130,9 @@ def memo_source(call_type: type, ref: Any) -> str:
     :func:`memo_globals`'s.
 
     The target, then a forward's dynamic-shape mode (its recipe reads it: ``memo[1]``; a backward's call type
-    there), each tensor field's shape, strides and dtype, one alignment test of all their base pointers (the
-    per-tensor tests only when one fails), each optional tensor by :func:`arg_key`, the other fields as they
-    are. Run on every call, a graph-cache hit included, so no loop over fields; a field added to the call
+    there), each tensor field's shape, strides and dtype, one alignment test of all their base pointers and
+    neg bits (the per-tensor tests only when one fails), each optional tensor by :func:`arg_key`, the other
+    fields as they are. Run on every call, a graph-cache hit included, so no loop over fields; a field added to the call
     value is in the key without an edit here."""
     tensors = [f for f in call_type._fields if f in TENSOR_FIELDS[call_type]]
     optional = [f for f in call_type._fields if f in MAYBE_TENSOR_FIELDS]
@@ -140,7 +140,9 @@ def memo_source(call_type: type, ref: Any) -> str:
     mode = "config.dynamic_shapes" if call_type is ForwardCall else "call_type"
     parts = [f"{ref(f)}.shape, {ref(f)}.stride(), {ref(f)}.dtype" for f in tensors]
     ptrs = " | ".join(f"{ref(f)}.data_ptr()" for f in tensors)
-    aligned = f"({ptrs}) % {ALIGNMENT_BYTES} == 0 or tuple(map(arg_key, ({', '.join(ref(f) for f in tensors)},)))"
+    negs = " or ".join(f"{ref(f)}.is_neg()" for f in tensors)
+    each = ", ".join(map(ref, tensors))
+    aligned = f"(({ptrs}) % {ALIGNMENT_BYTES} == 0 and not ({negs})) or tuple(map(arg_key, ({each},)))"
     maybe = [f"None if {ref(f)} is None else arg_key({ref(f)})" for f in optional]
     values = "".join(f"{ref(f)}, " for f in plain)
     return f"(target, {mode}, {', '.join(parts)}, {aligned}, {', '.join(maybe)}, {values})"

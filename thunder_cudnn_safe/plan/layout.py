@@ -37,16 +37,20 @@ class LayoutPolicy(str, enum.Enum):
 
 
 class ArgSig(NamedTuple):
-    """What layout decisions read of a tensor argument: shape, strides, dtype, base alignment."""
+    """What layout decisions read of a tensor argument: shape, strides, dtype, base alignment, and torch's lazy
+    negation bit (``torch._neg_view``, ``conj().imag``): cuDNN reads the memory through the data pointer, so a
+    neg-bit tensor bound as is gives un-negated values, silently (a conjugate bit needs a complex dtype, which
+    the checker declines)."""
 
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     dtype: torch.dtype
     aligned: bool = True
+    neg: bool = False
 
 
 def arg_sig(t: torch.Tensor) -> ArgSig:
-    return ArgSig(t.shape, t.stride(), t.dtype, t.data_ptr() % ALIGNMENT_BYTES == 0)
+    return ArgSig(t.shape, t.stride(), t.dtype, t.data_ptr() % ALIGNMENT_BYTES == 0, t.is_neg())
 
 
 def canonical_strides(shape: Sequence[int], strides: Sequence[int]) -> tuple[int, ...]:
@@ -79,6 +83,8 @@ def layout_problem(a: ArgSig | torch.Tensor) -> CopyReason | None:
     """Why cuDNN cannot read ``a`` through its own strides, or None if it can."""
     if isinstance(a, torch.Tensor):
         a = arg_sig(a)
+    if a.neg:
+        return CopyReason.NEG_BIT
     shape, strides = tuple(a.shape), tuple(a.stride)
     real = sorted((s, n) for n, s in zip(shape, strides) if n != 1)
     if real and real[0][0] == 0:

@@ -217,7 +217,7 @@ class _RecipeBuilder:
             reason = reasons.get(a.dtype, CopyReason.MASK_DTYPE)
             self.add(Step(Uid.BIAS, src, view, fill, reason, "attn_mask", shared=not needs_grad), fill)
         else:
-            self.operand(Uid.BIAS, "attn_mask", ArgSig(shape, strides, a.dtype, a.aligned), view is not None)
+            self.operand(Uid.BIAS, "attn_mask", ArgSig(shape, strides, a.dtype, a.aligned, a.neg), view is not None)
 
     def stats(self) -> None:
         """Softmax stats declared exactly packed float32 (:data:`cudnn_rules.STATS_PACKED_ONLY`); foreign stats

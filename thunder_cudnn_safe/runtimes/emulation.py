@@ -46,6 +46,8 @@ def declared_view(bound: torch.Tensor, declared: Any, role: str) -> torch.Tensor
         raise EmulationError(f"{role} (uid {declared.get_uid()}): base address is not {ALIGNMENT_BYTES}-byte aligned")
     if any(s < 0 for s in strides):
         raise EmulationError(f"{role}: negative declared stride {strides}")
+    if bound.is_neg():  # cuDNN reads the memory, not torch's lazily negated values: a bug in what we bound
+        raise EmulationError(f"{role} (uid {declared.get_uid()}): bound with torch's lazy negation bit")
     storage_elems = bound.untyped_storage().nbytes() // bound.element_size()
     end = bound.storage_offset() + span_elements(dims, strides)
     if end > storage_elems:
