@@ -64,6 +64,19 @@ def test_environment_parse_and_invalid_value_warns(name, monkeypatch, caplog):
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
+def test_the_environment_accepts_no_value_the_setter_refuses(name):
+    """An environment text parses to a value config.set would take too (THUNDER_CUDNN_SAFE_EMULATED_BACKEND=0
+    was parsed by plain int, so the emulation ran with cuDNN "version 0", which config.set refuses)."""
+    knob = config.KNOBS[name]
+    for text in ("0", "-1", "-0.5", "1", "7", "0.5", "nan", "inf", "x", "sm90", "none", CASES[name][0]):
+        try:
+            parsed = knob.parse(text)
+        except ValueError:
+            continue
+        assert knob.check(parsed) == parsed, (name, text)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
 def test_setter_validates_and_patch_restores(name):
     _, _, _, good, bad = CASES[name]
     before = getattr(config, name)

@@ -191,9 +191,7 @@ _KNOBS = (
     Knob(
         "emulated_backend",
         91900,
-        int,
-        _backend,
-        "an integer like 91900",
+        *_kind(_backend, "an integer like 91900"),
         "which cuDNN version's rules the CPU emulation applies; never its numbers",
     ),
     Knob(
