@@ -14,7 +14,7 @@ from thunder_cudnn_safe.dispatch.dispatcher import Dispatcher
 from thunder_cudnn_safe.graphs import build as graphs
 from thunder_cudnn_safe.graphs.cache import GraphCache
 from thunder_cudnn_safe.plan.keys import TensorSig, Uid
-from thunder_cudnn_safe.runtimes.emulation import EmulatedRuntime, _torch_dtype_of
+from thunder_cudnn_safe.runtimes.emulation import EmulatedRuntime
 from thunder_cudnn_safe.testing import GRAD_OUT_LAYOUTS, QKV_LAYOUTS
 
 
@@ -42,7 +42,7 @@ def declaration_mismatches(graph, pack) -> list[str]:
             problems.append(f"{port} (uid {uid}) declared but not bound")
             continue
         bound = pack[uid]
-        want = (tuple(t.get_dim()), tuple(t.get_stride()), _torch_dtype_of(t.get_data_type()))
+        want = (tuple(t.get_dim()), tuple(t.get_stride()), graphs.torch_dtype_of(t.get_data_type()))
         have = (tuple(bound.shape), tuple(bound.stride()), bound.dtype)
         if want != have:
             problems.append(f"{port} (uid {uid}): declared {want}, bound {have}")

@@ -62,8 +62,9 @@ from upstream_patch_support import (
 )
 
 import thunder_cudnn_safe  # noqa: F401  (compat steps, then thunder)
+from thunder_cudnn_safe.graphs.build import torch_dtype_of
 from thunder_cudnn_safe.runtimes import reference
-from thunder_cudnn_safe.runtimes.emulation import EmulationError, _torch_dtype_of
+from thunder_cudnn_safe.runtimes.emulation import EmulationError
 from thunder_cudnn_safe.testing import assert_close_to_reference
 
 try:
@@ -191,7 +192,7 @@ def _declaration_mismatches(graph, pack):
             if bound is None:
                 problems.append(f"{port}: declared but not bound")
                 continue
-            want = (tuple(t.get_dim()), tuple(t.get_stride()), _torch_dtype_of(t.get_data_type()))
+            want = (tuple(t.get_dim()), tuple(t.get_stride()), torch_dtype_of(t.get_data_type()))
             have = (tuple(bound.shape), tuple(bound.stride()), bound.dtype)
             if want != have:
                 problems.append(f"{port}: declared {want}, bound {have}")

@@ -7,7 +7,7 @@ is at most twice eager PyTorch's own in the same precision, plus a small floor (
 
 from __future__ import annotations
 
-import math
+import functools
 from collections.abc import Callable
 
 import torch
@@ -22,21 +22,23 @@ def _randn(*shape, dtype, device, gen=None):
     return torch.randn(*shape, dtype=dtype, device=device, generator=gen)
 
 
+def _qkv(lq, s, d, dv, dtype, device, make):
+    """Leaves q, k, v: ``make(randn, tokens, head_dim)`` for (L, D), (S, D) and (S, D_v) in turn."""
+    randn = functools.partial(_randn, dtype=dtype, device=device)
+    return tuple(_leaf(make(randn, n, dd)) for n, dd in ((lq, d), (s, d), (s, dv)))
+
+
 def make_contiguous(b, h, lq, s, d, dv, dtype, device="cpu"):
-    return tuple(
-        _leaf(_randn(*shp, dtype=dtype, device=device)) for shp in ((b, h, lq, d), (b, h, s, d), (b, h, s, dv))
-    )
+    return _qkv(lq, s, d, dv, dtype, device, lambda randn, n, dd: randn(b, h, n, dd))
 
 
 def make_bshd(b, h, lq, s, d, dv, dtype, device="cpu"):
     """BSHD storage viewed as BHSD through transpose(1, 2): the diffusers / HF layout."""
-    shapes = ((b, lq, h, d), (b, s, h, d), (b, s, h, dv))
-    return tuple(_leaf(_randn(*shp, dtype=dtype, device=device).transpose(1, 2)) for shp in shapes)
+    return _qkv(lq, s, d, dv, dtype, device, lambda randn, n, dd: randn(b, n, h, dd).transpose(1, 2))
 
 
 def make_sbhd(b, h, lq, s, d, dv, dtype, device="cpu"):
-    shapes = ((lq, b, h, d), (s, b, h, d), (s, b, h, dv))
-    return tuple(_leaf(_randn(*shp, dtype=dtype, device=device).permute(1, 2, 0, 3)) for shp in shapes)
+    return _qkv(lq, s, d, dv, dtype, device, lambda randn, n, dd: randn(n, b, h, dd).permute(1, 2, 0, 3))
 
 
 def make_packed_qkv(b, h, lq, s, d, dv, dtype, device="cpu"):
@@ -57,27 +59,19 @@ def make_kv_broadcast_head(b, h, lq, s, d, dv, dtype, device="cpu"):
 
 def make_size1_odd_strides(b, h, lq, s, d, dv, dtype, device="cpu"):
     """Batch and heads of size 1 carrying arbitrary strides (7 and 13)."""
-
-    def one(n, dd):
-        base = _randn(n * dd + 16, dtype=dtype, device=device)
-        return _leaf(base.as_strided((1, 1, n, dd), (7, 13, dd, 1)))
-
-    return one(lq, d), one(s, d), one(s, dv)
+    return _qkv(
+        lq, s, d, dv, dtype, device, lambda randn, n, dd: randn(n * dd + 16).as_strided((1, 1, n, dd), (7, 13, dd, 1))
+    )
 
 
 def make_lastdim_strided(b, h, lq, s, d, dv, dtype, device="cpu"):
     """Last-dim stride 2 (a ``[..., ::2]`` slice): cuDNN cannot read it, the executor must copy."""
-    shapes = ((b, h, lq, 2 * d), (b, h, s, 2 * d), (b, h, s, 2 * dv))
-    return tuple(_leaf(_randn(*shp, dtype=dtype, device=device)[..., ::2]) for shp in shapes)
+    return _qkv(lq, s, d, dv, dtype, device, lambda randn, n, dd: randn(b, h, n, 2 * dd)[..., ::2])
 
 
 def make_misaligned(b, h, lq, s, d, dv, dtype, device="cpu"):
     """Base pointer one element past a 16-byte boundary (odd storage offset)."""
-
-    def one(*shape):
-        return _leaf(_randn(math.prod(shape) + 1, dtype=dtype, device=device)[1:].view(*shape))
-
-    return one(b, h, lq, d), one(b, h, s, d), one(b, h, s, dv)
+    return _qkv(lq, s, d, dv, dtype, device, lambda randn, n, dd: randn(b * h * n * dd + 1)[1:].view(b, h, n, dd))
 
 
 QKV_LAYOUTS: dict[str, Callable] = {
@@ -131,12 +125,15 @@ ZERO_COPY_GRAD_LAYOUTS = ("contiguous", "transposed")
 _FLOOR = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float32: 2.0**-20}
 
 
+def _max_abs(t: torch.Tensor) -> float:
+    return t.detach().abs().max().item() if t.numel() else 0.0
+
+
 def error_bound(eager: torch.Tensor, reference: torch.Tensor, factor: float = 2.0, floor: float = 0.0) -> float:
     """``factor`` x eager's max error to the float64 reference, plus a floor of a few ulps (and ``floor``)."""
     ref = reference.double()
-    eager_err = (eager.double() - ref).abs().max().item() if ref.numel() else 0.0
-    ulps = _FLOOR.get(eager.dtype, 1e-6) * max(1.0, ref.abs().max().item() if ref.numel() else 1.0)
-    return factor * eager_err + ulps + floor
+    eager_err = _max_abs(eager.double() - ref) if ref.numel() else 0.0
+    return factor * eager_err + _FLOOR.get(eager.dtype, 1e-6) * max(1.0, _max_abs(ref)) + floor
 
 
 def flash_backward_floor(
@@ -148,8 +145,7 @@ def flash_backward_floor(
     cancels (a constant grad_out), O's rounding is the whole gradient: about
     eps * scale * |dO| * |O| * sqrt(D_v) * |other| * sqrt(rows). This floor is 4x that estimate.
     """
-    eps = _FLOOR.get(dtype, 1e-6)
-    mag = lambda t: t.detach().abs().max().item() if t.numel() else 0.0  # noqa: E731
+    eps, mag = _FLOOR.get(dtype, 1e-6), _max_abs
     return 4 * eps * abs(scale) * mag(grad_out) * mag(out) * out.shape[-1] ** 0.5 * mag(other) * max(1, rows) ** 0.5
 
 
@@ -163,8 +159,7 @@ def assert_close_to_reference(
 ) -> float:
     """Assert the accuracy rule for one tensor; returns the candidate's max error."""
     assert candidate.shape == reference.shape, f"{what}: shape {tuple(candidate.shape)} != {tuple(reference.shape)}"
-    ref = reference.double()
-    err = (candidate.double() - ref).abs().max().item() if ref.numel() else 0.0
+    err = _max_abs(candidate.double() - reference.double())
     bound = error_bound(eager, reference, factor, floor)
     assert err <= bound, (
         f"{what}: error {err:.3g} to the float64 reference exceeds {bound:.3g} (eager {eager.dtype} x{factor} + floor)"

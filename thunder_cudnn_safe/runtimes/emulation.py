@@ -5,6 +5,13 @@ through the dims, strides and dtype the *graph's own tensors* declare (never our
 torch tensor), so a declared/bound mismatch gives the same wrong numbers here as on a GPU.
 :data:`default_runtime` poses as sm90 with cuDNN 9.19 unless told otherwise
 (``config.set(emulated_arch=..., emulated_backend=...)``).
+
+Variable-length (ragged) SDPA is read and written as cuDNN does with a padding mask and ragged offsets
+(cudnn-frontend test_mhas.py's reference): sequence n of a ragged tensor declared (N, H, S, D) with strides
+(_, h_stride, s_stride, 1) starts ``offset[n]`` *elements* past the bound data pointer and holds ``seq_len[n]``
+tokens; the batch stride is never stepped. Each sequence is its own attention problem (the band is top-left per
+sequence). Nothing past a sequence's length is read or written. Offsets and lengths come from the bound offset
+tensors, so a wrong offset reads the wrong tokens here as on a GPU; one reaching outside the bound storage is refused.
 """
 
 from __future__ import annotations
@@ -20,22 +27,17 @@ from thunder_cudnn_safe.graphs import build as graphs
 from thunder_cudnn_safe.plan.keys import BackwardKey, ForwardKey, Target
 from thunder_cudnn_safe.plan.layout import span_elements
 from thunder_cudnn_safe.rules.cudnn_rules import ALIGNMENT_BYTES
-from thunder_cudnn_safe.runtimes import emulation_ragged, reference
+from thunder_cudnn_safe.runtimes import reference
 from thunder_cudnn_safe.runtimes.cudnn_runtime import BuiltGraph, Runtime, cudnn_target, frontend_refusal_filter
-
-
-def _torch_dtype_of(cudnn_dtype: Any) -> torch.dtype:
-    dtype = graphs.torch_dtype_of(cudnn_dtype)
-    if dtype is None:
-        raise EmulationError(f"the emulated runtime has no torch dtype for cuDNN data type {cudnn_dtype}")
-    return dtype
 
 
 def declared_view(bound: torch.Tensor, declared: Any, role: str) -> torch.Tensor:
     """``bound``'s memory seen through ``declared``'s dims and strides, from its data pointer."""
     dims = [int(x) for x in declared.get_dim()]
     strides = [int(x) for x in declared.get_stride()]
-    dtype = _torch_dtype_of(declared.get_data_type())
+    dtype = graphs.torch_dtype_of(declared.get_data_type())
+    if dtype is None:
+        raise EmulationError(f"the emulated runtime has no torch dtype for cuDNN data type {declared.get_data_type()}")
     if bound.dtype != dtype:
         raise EmulationError(
             f"{role} (uid {declared.get_uid()}) is declared {dtype} but the bound tensor is {bound.dtype}"
@@ -136,19 +138,6 @@ def _scale(b: _Bindings) -> float:
     return float(value)
 
 
-def _check_params(node: Any, ragged: bool) -> None:
-    known = _KNOWN_PARAMS | emulation_ragged.RAGGED_PARAMS if ragged else _KNOWN_PARAMS
-    unknown = sorted(k for k, v in node.params.items() if k not in known and v not in (None, False))
-    if unknown:
-        raise EmulationError(
-            f"the emulated runtime does not implement the {'ragged ' * ragged}SDPA attributes {unknown}"
-        )
-
-
-def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.float()
-
-
 def _padding(b: _Bindings, q: torch.Tensor) -> torch.Tensor | None:
     """Keys kept per batch element by cuDNN's padding mask; queries must all be valid (seq_len_q = L)."""
     if not b.node.params.get("use_padding_mask"):
@@ -167,15 +156,22 @@ def emulate(graph: Any, pack: dict) -> None:
     if len(nodes) != 1:
         raise EmulationError(f"the emulated runtime runs single-node SDPA graphs, got {len(nodes)} nodes")
     node = nodes[0]
-    ragged = emulation_ragged.is_ragged(node)  # packed sequences: read and written through the ragged offsets
-    _check_params(node, ragged)
+    # packed sequences: any tensor with a ragged offset, read and written through the offsets
+    ports = [*node.inputs.values(), *node.outputs.values()]
+    ragged = any(t is not None and getattr(t, "ragged_offset", None) is not None for t in ports)
+    known = _KNOWN_PARAMS | {"max_total_seq_len_q", "max_total_seq_len_kv"} if ragged else _KNOWN_PARAMS
+    unknown = sorted(k for k, v in node.params.items() if k not in known and v not in (None, False))
+    if unknown:
+        raise EmulationError(
+            f"the emulated runtime does not implement the {'ragged ' * ragged}SDPA attributes {unknown}"
+        )
     kind = getattr(node.node_type, "name", str(node.node_type))
     if kind not in ("SDPA", "SDPA_BWD"):
         raise EmulationError(f"the emulated runtime does not implement {'ragged ' * ragged}{kind} nodes")
     b = _Bindings(node, pack)
     if ragged:
-        return emulation_ragged.emulate_ragged(node, kind == "SDPA", b, reference.Scores(_scale(b), None, *_band(node)))
-    read = functools.cache(lambda port: _f32(b.read(port)))
+        return _emulate_ragged(node, kind == "SDPA", b)
+    read = functools.cache(b.read)  # attend converts to float32
     q, k, v = read("q"), read("k"), read("v")
     if q.shape[1] % k.shape[1] or k.shape[1] != v.shape[1]:
         raise EmulationError(f"declared heads q={q.shape[1]} k={k.shape[1]} v={v.shape[1]} do not group")
@@ -183,22 +179,102 @@ def emulate(graph: Any, pack: dict) -> None:
     if p:
         seed, offset = (int(b.read(port).reshape(-1)[0]) for port in ("dropout_1", "dropout_2"))
         keep = reference.dropout_keep_mask(seed, offset, (*q.shape[:3], k.shape[2]), p, torch.device("cpu"))
-    how = reference.Scores(_scale(b), _f32(b.read("bias", required=False)), *_band(node), _padding(b, q), p, keep)
+    how = reference.Scores(_scale(b), b.read("bias", required=False), *_band(node), _padding(b, q), p, keep)
 
     def write(port: str, value: torch.Tensor) -> None:
         if how.kv_lens is not None and port in ("dK", "dV"):
             # Like cuDNN's padding mask: dK/dV rows of keys past seq_len_kv are not written (each with its
             # own shape: D_v may differ from D_qk, MLA's 192/128).
             valid = torch.arange(value.shape[2]).view(1, 1, -1, 1) < how.kv_lens.view(-1, 1, 1, 1).cpu()
-            value = torch.where(valid.expand_as(value), value, _f32(b.view(port, node.outputs[port])))
+            value = torch.where(valid.expand_as(value), value, b.view(port, node.outputs[port]).float())
         b.write(port, value)
 
+    d_bias = node.outputs.get("dBias")
     # Grouped heads: per-query-head dK/dV partials are declared in the I/O dtype, then added
     # (cudnn_frontend CompositeSDPABackwardNode: dK_fullhead / dV_fullhead, reduction ADD).
-    ds = reference.attend(kind == "SDPA", read, write, how, partials=b.read("q").dtype)
-    d_bias = node.outputs.get("dBias")
-    if ds is not None and d_bias is not None:
-        b.write("dBias", reference.reduce_to_shape(ds, tuple(int(x) for x in d_bias.get_dim())))
+    shape = None if d_bias is None else tuple(int(x) for x in d_bias.get_dim())
+    reference.attend(kind == "SDPA", read, write, how, q.dtype, shape)
+
+
+#: The ports holding one sequence's keys (the others hold its queries).
+_KV_PORTS = {"k", "v", "dK", "dV"}
+
+
+def _offsets(b: _Bindings, port: str, t: Any) -> list[int] | None:
+    off = getattr(t, "ragged_offset", None)
+    return None if off is None else [int(x) for x in b.view(port, off, f"{port} ragged offset").reshape(-1).tolist()]
+
+
+def _tokens(t: Any, length: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shape (H, length, D) and strides of ``length`` tokens of one sequence of ``t``."""
+    dims, strides = [int(x) for x in t.get_dim()], [int(x) for x in t.get_stride()]
+    return (dims[1], length, dims[3]), tuple(strides[1:])
+
+
+def _check_reach(port: str, n: int, offset: int, length: int, end: int, limit: int, beyond: str) -> None:
+    if offset < 0 or end > limit:
+        raise EmulationError(
+            f"{port}: sequence {n} at ragged offset {offset} with {length} tokens reaches element {end}, {beyond}"
+        )
+
+
+def _sequence(b: _Bindings, port: str, t: Any, n: int, length: int) -> torch.Tensor:
+    """Sequence ``n`` (its first ``length`` tokens) of ``port`` through ``t``'s declaration: (H, length, D)."""
+    dims = [int(x) for x in t.get_dim()]
+    offsets = _offsets(b, port, t)
+    if length > dims[2]:
+        raise EmulationError(f"{port}: sequence {n} has {length} tokens, more than the declared {dims[2]}")
+    if offsets is None:  # a dense (padded) tensor: batch entry n
+        return b.view(port, t)[n, :, :length]
+    if len(offsets) != dims[0] + 1:
+        raise EmulationError(f"{port}: {len(offsets)} ragged offsets for {dims[0]} sequences (need N+1)")
+    bound = b._bound(port, t)
+    if bound.data_ptr() % 16:
+        raise EmulationError(f"{port}: base address is not 16-byte aligned")
+    start, (shape, stride) = bound.storage_offset() + offsets[n], _tokens(t, length)
+    end, storage = start + span_elements(shape, stride), bound.untyped_storage().nbytes() // bound.element_size()
+    _check_reach(port, n, offsets[n], length, end, storage, f"outside the {storage}-element storage")
+    return torch.as_strided(bound, shape, stride, start)
+
+
+def _check_accumulator(node: Any, b: _Bindings, t: Any, n: int, length: int) -> None:
+    """cuDNN's fp32 dQ accumulator carries dQ's strides and offsets but is sized for max_total_seq_len_q
+    tokens of one declared layout (frontend 1.32, "sized THD dQ_accum"): a sequence reaching past it
+    would be written out of bounds on a GPU, so it is refused here."""
+    total = node.params.get("max_total_seq_len_q")
+    off = None if t is None else _offsets(b, "dQ", t)
+    if total is None or off is None:
+        return
+    end, sized = (span_elements(*_tokens(t, tokens)) for tokens in (length, int(total)))
+    what = f"past the dQ accumulator cuDNN sizes for max_total_seq_len_q = {total} tokens ({sized} elements)"
+    _check_reach("dQ", n, off[n], length, off[n] + end, sized, what)
+
+
+def _emulate_ragged(node: Any, forward: bool, b: _Bindings) -> None:
+    """Run a ragged SDPA forward or backward node one sequence at a time, in fp32."""
+    how = reference.Scores(_scale(b), None, *_band(node))
+    if not node.params.get("use_padding_mask"):
+        raise EmulationError("ragged offsets need the padding mask (cuDNN refuses them without)")
+    if any(node.inputs.get(p) is not None for p in ("bias", "dropout_1")) or node.params.get("dropout_0"):
+        raise EmulationError("the emulated runtime implements ragged SDPA without bias or dropout only")
+    lens_q, lens_kv = ([int(x) for x in b.read(port).reshape(-1).tolist()] for port in ("seq_len_q", "seq_len_kv"))
+    io_dtype = b._bound("q", node.inputs["q"]).dtype
+    outs = {p: t for p, t in node.outputs.items() if t is not None and not t.get_is_virtual()}
+
+    def read(port: str, n: int, lengths: tuple[int, int]) -> torch.Tensor:
+        return _sequence(b, port, node.inputs[port], n, lengths[port in _KV_PORTS]).unsqueeze(0)
+
+    def write(port: str, value: torch.Tensor, n: int, lengths: tuple[int, int]) -> None:
+        if port in outs:
+            _sequence(b, port, outs[port], n, lengths[port in _KV_PORTS]).copy_(value.squeeze(0))
+
+    for n, lengths in enumerate(zip(lens_q, lens_kv, strict=True)):
+        if lengths[0] == 0:
+            continue
+        if not forward:
+            _check_accumulator(node, b, outs.get("dQ"), n, lengths[0])
+        where = {"n": n, "lengths": lengths}
+        reference.attend(forward, functools.partial(read, **where), functools.partial(write, **where), how, io_dtype)
 
 
 class EmulatedRuntime(Runtime):

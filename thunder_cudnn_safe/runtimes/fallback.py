@@ -53,11 +53,6 @@ def _chunks(pack: dict) -> list[tuple[int, int]]:
     return [(i, min(b, i + step)) for i in range(0, b, step)]
 
 
-def _f32(pack: dict, uid: Uid) -> torch.Tensor | None:
-    t = pack.get(uid)
-    return None if t is None else t.float()
-
-
 class FallbackRuntime(Runtime):
     """Computes any key in torch float32 on the tensors' own device; never refuses a layout."""
 
@@ -99,20 +94,15 @@ class FallbackRuntime(Runtime):
         """One chunk (or the whole call; ``keep``: its dropout keep-mask): writes its outputs; returns a
         backward's float32 dBias share."""
         lens = pack[Uid.SEQ_LEN_KV].reshape(-1).long() if key.padded else None
-        bias, causal = _f32(pack, Uid.BIAS), 0 if key.causal else None
-        how = reference.Scores(key.scale, bias, causal, key.left, lens, key.dropout_p, keep)
+        causal, d_bias = 0 if key.causal else None, pack.get(Uid.DBIAS)
+        how = reference.Scores(key.scale, pack.get(Uid.BIAS), causal, key.left, lens, key.dropout_p, keep)
 
         def write(port: str, value: torch.Tensor) -> None:
             if port != "Stats" or Uid.STATS in pack:  # an inference forward has no stats
                 pack[Uid[port.upper()]].copy_(value)
 
-        ds = reference.attend(isinstance(key, ForwardKey), lambda port: _f32(pack, Uid[port.upper()]), write, how)
-        d_bias = pack.get(Uid.DBIAS)
-        if ds is None or d_bias is None:
-            return None
-        share = reference.reduce_to_shape(ds, tuple(d_bias.shape))
-        d_bias.copy_(share)
-        return share
+        shape = None if d_bias is None else tuple(d_bias.shape)
+        return reference.attend(isinstance(key, ForwardKey), lambda p: pack[Uid[p.upper()]], write, how, None, shape)
 
 
 #: The one fallback runtime every dispatcher uses.

@@ -1,34 +1,15 @@
 """One executable graph per thread for each cached key: cuDNN promises no more.
 
-What is shared between threads, and why each part is safe:
-
-- the **graph cache** entry (a :class:`~thunder_cudnn_safe.runtimes.cudnn_runtime.BuiltGraph`: its key, workspace size,
-  implementation and plan name) is shared: plain values, looked up under the cache's locks;
-- the **frontend pygraph and the cuDNN execution plan inside it are not**. cuDNN documents one
-  guarantee only (developer guide, "Odds and Ends > Thread Safety"): the library "is thread-safe ...
-  so long as the threads do not share the same cuDNN handle simultaneously". It says nothing about
-  executing one execution plan from several threads; cuDNN told PyTorch that the backend API "has
-  known thread-safety limitations when ExecutionPlans are shared (or even shallow copied) across
-  threads" (pytorch/pytorch#103939, after #103793: concurrent ``cudnnBackendExecute`` hung), and
-  PyTorch's cuDNN SDPA keeps its graph caches ``thread_local`` for that reason
-  (aten/src/ATen/native/cudnn/MHA.cpp). The frontend 1.32 pygraph also keeps Python state it fills
-  on first execute (``_compiled_plans``: a Python engine's JIT plan, compiled for the caller's
-  context). So the thread that built a graph executes it, and every other thread (autograd's device
-  thread running a forward again under checkpointing, server threads) builds its own copy of the
-  same key once (the persistent plan cache, when on, makes that a load), kept for as long as both
-  the thread and the cache entry live;
-- the **handle** is per (thread, device) and re-bound to torch's current stream on every call
-  (:meth:`~thunder_cudnn_safe.runtimes.cudnn_runtime.CudnnRuntime.handle`). On autograd's device thread the current
-  stream is the one the engine set for the backward node (the forward's stream), so the backward runs
-  where torch's own backward ops run;
-- the **workspace** is allocated per call from torch's caching allocator on the current stream, and
-  the **variant pack** is built per call: neither is shared.
-
-In a training step thunder runs forwards on the calling thread and backwards on autograd's thread:
-each graph is built by the one thread that runs it, and no copy is built, with one exception: a
-dropout forward builds its backward on the forward's thread (only cuDNN reproduces its dropout mask,
-so the forward checks that the backward builds first), and autograd's thread then builds its own
-copy of that backward once per process (a second plan build; the persistent plan cache makes it a load).
+The graph cache entry (a :class:`~thunder_cudnn_safe.runtimes.cudnn_runtime.BuiltGraph`: plain values) is
+shared; the frontend pygraph and the cuDNN execution plan inside it are not. cuDNN documents thread safety
+only "so long as the threads do not share the same cuDNN handle simultaneously", told PyTorch that execution
+plans shared "(or even shallow copied) across threads" have known limitations (pytorch/pytorch#103939:
+concurrent ``cudnnBackendExecute`` hung), and the frontend 1.32 pygraph fills Python state on first execute
+(``_compiled_plans``, compiled for the caller's context). So the thread that built a graph executes it, and
+every other thread builds its own copy of the same key once (a load with the persistent plan cache).
+A training step builds no copy, except autograd's thread's copy of a dropout backward (built first on the
+forward's thread, since only cuDNN reproduces its dropout mask). Handles, workspaces, variant packs and the
+rest: docs/design.md, "Threads".
 """
 
 from __future__ import annotations

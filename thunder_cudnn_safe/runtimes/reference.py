@@ -39,7 +39,7 @@ class Scores(NamedTuple):
     """How the scores S = scale * Q K^T are masked and dropped, as a cuDNN graph declares it."""
 
     scale: float
-    #: additive bias broadcast to (B, H, L, S)
+    #: additive bias broadcast to (B, H, L, S), any float dtype (added in float32)
     bias: torch.Tensor | None = None
     #: the diagonal band, top-left aligned: keep key j for query i when j <= i + right and
     #: i - j < left (causal is right=0, a sliding window of w keys adds left=w); None: unbounded
@@ -55,19 +55,16 @@ class Scores(NamedTuple):
 def _scores(q: torch.Tensor, k: torch.Tensor, how: Scores) -> torch.Tensor:
     s = torch.matmul(q, _expand_heads(k, q.shape[1]).transpose(-2, -1)) * how.scale
     if how.bias is not None:
-        s = s + how.bias
-    if how.right is None and how.left is None and how.kv_lens is None:
-        return s
+        s = s + how.bias.float()
     i = torch.arange(s.shape[-2], device=s.device).view(-1, 1)
     j = torch.arange(s.shape[-1], device=s.device)
-    masked = torch.zeros(s.shape[-2:], dtype=torch.bool, device=s.device)
-    if how.right is not None:
-        masked |= j > i + how.right
+    if how.right is not None:  # s is this function's own tensor: masked in place
+        s.masked_fill_(j > i + how.right, float("-inf"))
     if how.left is not None:
-        masked |= i - j >= how.left
+        s.masked_fill_(i - j >= how.left, float("-inf"))
     if how.kv_lens is not None:
-        masked = masked | (j >= how.kv_lens.to(s.device).view(-1, 1, 1, 1))
-    return s.masked_fill(masked, float("-inf"))
+        s.masked_fill_(j >= how.kv_lens.to(s.device).view(-1, 1, 1, 1), float("-inf"))
+    return s
 
 
 def attention_forward(
@@ -124,19 +121,24 @@ def attend(
     write: Callable[[str, torch.Tensor], None],
     how: Scores,
     partials: torch.dtype | None = None,
+    d_bias_shape: tuple[int, ...] | None = None,
 ) -> torch.Tensor | None:
-    """A forward (O, Stats) or backward (dQ, dK, dV) from the float32 tensors ``read(port)`` gives for the
-    graph's ports (q, k, v; o, dO, stats), each result given to ``write(port, value)``; a backward returns dS."""
-    q, k, v = read("q"), read("k"), read("v")
+    """A forward (O, Stats) or backward (dQ, dK, dV; dBias if ``d_bias_shape``) in float32 from the tensors
+    ``read(port)`` gives for the graph's ports (q, k, v; o, dO, stats), each result given to
+    ``write(port, value)``; returns the dBias written, if any."""
+    q, k, v = (read(port).float() for port in ("q", "k", "v"))
     if forward:
         o, stats = attention_forward(q, k, v, how)
         write("O", o)
         write("Stats", stats)
         return None
-    dq, dk, dv, ds = attention_backward(q, k, v, read("o"), read("dO"), read("stats"), how, partials=partials)
-    for port, value in (("dQ", dq), ("dK", dk), ("dV", dv)):
-        write(port, value)
-    return ds
+    o, d_o, stats = (read(port).float() for port in ("o", "dO", "stats"))
+    dq, dk, dv, ds = attention_backward(q, k, v, o, d_o, stats, how, partials=partials)
+    d_bias = None if d_bias_shape is None else reduce_to_shape(ds, d_bias_shape)
+    for port, value in (("dQ", dq), ("dK", dk), ("dV", dv), ("dBias", d_bias)):
+        if value is not None:
+            write(port, value)
+    return d_bias
 
 
 def reduce_to_shape(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
