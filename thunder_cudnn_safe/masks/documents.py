@@ -91,8 +91,7 @@ def document_checks(mask: torch.Tensor, batch: int, lq: int, s: int) -> tuple[to
     first = cov & (lo == row)  # a row whose run starts at itself starts a document
     start = torch.cummax(torch.where(first, row, torch.zeros_like(row)), dim=-1).values
     # one past each document's last token: the next start, or the first token outside every document
-    ends = torch.where(first | ~cov, row, torch.full_like(row, lq))
-    ends = torch.cat([ends[:, 1:], torch.full_like(ends[:, :1], lq)], dim=-1)
+    ends = torch.nn.functional.pad(torch.where(first | ~cov, row, lq)[:, 1:], (0, 1), value=lq)  # shifted left
     end = ends.flip(-1).cummin(-1).values.flip(-1)
     window = torch.where(cov, row - lo + 1, torch.zeros_like(row)).amax()
     doc_len = torch.where(first, end - row, torch.zeros_like(row))

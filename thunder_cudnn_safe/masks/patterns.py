@@ -106,16 +106,11 @@ def recognize(mask: torch.Tensor, batch: int, lq: int, s: int, extra: torch.Tens
 
 def _pattern_from(values: list[int], n: torch.Tensor, m: torch.Tensor, batch: int, lq: int, s: int) -> Any:
     valid, runs, full, causal, padded, causal_padded, no_left, windowed, window = values
-    if not (valid and runs):
+    if not (valid and runs and (no_left or (windowed and lq <= s))):  # cuDNN 9.19 refuses a left bound with L > S
         return None
     if lq == 1:  # one query keeping key 0 only: padding, not a causal band (cudnn_rules.CAUSAL_DECODE_GQA)
         causal = causal_padded = 0
-    if no_left:
-        left = None
-    elif windowed and lq <= s:  # cuDNN 9.19 refuses a left bound with L > S
-        left = int(window)
-    else:
-        return None
+    left = None if no_left else int(window)
     lens = n.reshape(-1, 1, 1, 1).expand(batch, 1, 1, 1).to(torch.int32).contiguous()
     q_lens = torch.full((batch, 1, 1, 1), lq, dtype=torch.int32, device=m.device)
     if full and left is None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from thunder_cudnn_safe._env import DP_WORKSPACE_LIMIT_ENV
@@ -21,14 +21,13 @@ from thunder_cudnn_safe.plan.keys import BackwardKey, Target, TensorSig
 @dataclass(frozen=True)
 class Rule:
     """One cuDNN fact (docs/design.md, "Adding a rule"): it holds where ``min_arch <= arch`` (the major
-    ``arch_major``, or one in ``arch_majors``, where set) and ``min_backend <= cuDNN < max_backend``, except
-    ``except_backends`` (a fixed release inside a bad window). ``on_key(rule, key)`` and ``on_call(rule, call)``
-    say what in a graph key or a :class:`CallView` breaks it, or None (an ``on_call`` without a ``call_*``
-    wrapper judges every call, its target known or not); a call's text becomes a ``Decline`` with ``code``
-    (a ``DeclineCode`` name; a :class:`Finding` carries its own).
+    ``arch_major``, or one in ``arch_majors``, where set) and ``min_backend <= cuDNN < max_backend`` (``fixed_in``
+    where unset), except ``except_backends`` (a fixed release inside a bad window). ``on_key(rule, key)`` and
+    ``on_call(rule, call)`` say what in a graph key or a :class:`CallView` breaks it, or None (an ``on_call``
+    without a ``call_*`` wrapper judges every call, its target known or not); a call's text becomes a ``Decline``
+    with ``code`` (a ``DeclineCode`` name; a :class:`Finding` carries its own).
     """
 
-    name: str
     text: str
     source: str
     min_arch: tuple[int, int] = (0, 0)
@@ -40,19 +39,21 @@ class Rule:
     passes: tuple[str, ...] = ("forward", "backward")
     on_key: Callable[[Rule, Any], str | None] | None = None
     on_call: OnCall | None = None
-    #: the first cuDNN version without the defect, named in a decline (:attr:`upgrade_hint`)
+    #: the first cuDNN version without the defect, named in a decline (:attr:`upgrade_hint`); it ends the window
     fixed_in: int | None = None
     code: str = "ARCH"
+    #: the variable the rule is bound to in this module, set as :data:`RULES` is collected
+    name: str = field(default="", init=False)
 
     def holds(self, target: Target) -> bool:
         arch, version = tuple(target.arch), int(target.backend_version)
-        if arch < self.min_arch or (self.arch_major is not None and arch[0] != self.arch_major):
-            return False
-        if self.arch_majors and arch[0] not in self.arch_majors:
-            return False
-        if version < self.min_backend or version in self.except_backends:
-            return False
-        return self.max_backend is None or version < self.max_backend
+        return (
+            arch >= self.min_arch
+            and self.arch_major in (None, arch[0])
+            and (not self.arch_majors or arch[0] in self.arch_majors)
+            and self.min_backend <= version < (self.max_backend or self.fixed_in or math.inf)
+            and version not in self.except_backends
+        )
 
     def declines(self, target: Target, backward_follows: bool) -> bool:
         """Whether the rule holds for a call on ``target``; a backward-only fact (``passes``) only where a backward
@@ -105,8 +106,7 @@ def _if(condition: bool, text: str) -> str | None:
 
 
 def _in_backward(condition: Callable[[Any], bool], what: str) -> Callable[[Rule, Any], str | None]:
-    """A backward defect's key check: ``what`` breaks the rule where it holds, in a backward key that meets
-    ``condition``."""
+    """A backward defect's key check: ``what`` where the rule holds, in a backward key that meets ``condition``."""
     return where_it_holds(lambda key: _if(_backward(key) and condition(key), what))
 
 
@@ -206,13 +206,9 @@ class CallView(NamedTuple):
     mask_patterns: bool = False
 
     @property
-    def dropout_runs(self) -> bool:
-        return self.dropout > 0
-
-    @property
     def dbias_or_dropout(self) -> bool:
         """The backward computes dBias or draws a dropout mask."""
-        return self.dropout_runs or self.mask_grad
+        return self.dropout > 0 or self.mask_grad
 
 
 class Finding(NamedTuple):
@@ -268,13 +264,9 @@ def _head_dims(rule: Rule, call: CallView) -> list[str]:
     found = [(HEAD_DIM_128, f"{name} head dim {d} is not a multiple of 8") for name, d in dims if d % 8]
     if (call.d_qk, call.d_v) != (192, 128) or not mla_192_128(target):  # DeepSeek-style MLA heads pass
         limit = head_dim_limit(target)
-        on = f"{_sm(target)} with cuDNN {target.backend_version}"
         limit_rule = HEAD_DIM_256_TRAINING_HOPPER if limit > 128 else HEAD_DIM_128
-        found += [
-            (limit_rule, f"{name} head dim {d} exceeds {limit}, the limit for training on {on}")
-            for name, d in dims
-            if d > limit
-        ]
+        on = f"the limit for training on {_sm(target)} with cuDNN {target.backend_version}"
+        found += [(limit_rule, f"{name} head dim {d} exceeds {limit}, {on}") for name, d in dims if d > limit]
         unequal = f"d_qk={call.d_qk} != d_v={call.d_v}"
         if call.d_qk != call.d_v and not found:
             if not UNEQUAL_HEAD_DIMS.holds(target):
@@ -301,7 +293,7 @@ def _deterministic_dbias_or_dropout(rule: Rule, call: CallView) -> str | None:
     if DETERMINISTIC_BACKWARD_BLACKWELL_BEFORE_9_18.broken_by_call(call):
         return None  # refused whatever it computes: that rule says so
     return (
-        f"cudnn_safe_deterministic with {'dropout' if call.dropout_runs else 'a mask gradient'}: "
+        f"cudnn_safe_deterministic with {'dropout' if call.dropout > 0 else 'a mask gradient'}: "
         f"cuDNN's deterministic backward refuses dBias and dropout on {_sm(call.target)}"
     )
 
@@ -344,7 +336,6 @@ def _off_sixteenths(p: float) -> bool:
 
 _HEAD_DIM = dict(on_call=call_on_target(_head_dims), code="HEAD_DIM")  # judged together, as cuDNN does
 FLASH_ATTENTION = Rule(
-    "FLASH_ATTENTION",
     "cuDNN fused flash attention (forward and backward) runs on Ampere (sm80) or newer",
     "cuDNN developer guide, 'Fused Flash Attention' support surface",
     min_arch=(8, 0),
@@ -353,14 +344,12 @@ FLASH_ATTENTION = Rule(
     ),
 )
 HEAD_DIM_128 = Rule(
-    "HEAD_DIM_128",
     "head dims up to 128, multiples of 8, for forward and backward",
     "cuDNN developer guide, 'Fused Flash Attention' (d <= 128 on sm80+)",
     min_arch=(8, 0),
     **_HEAD_DIM,
 )
 HEAD_DIM_256_TRAINING_HOPPER = Rule(
-    "HEAD_DIM_256_TRAINING_HOPPER",
     "128 < head dim <= 256 for training (forward and backward) on Hopper",
     "cuDNN 9.5.0 release notes; other architectures only gained d > 128 for the forward (9.10)",
     arch_major=9,
@@ -368,14 +357,12 @@ HEAD_DIM_256_TRAINING_HOPPER = Rule(
     **_HEAD_DIM,
 )
 UNEQUAL_HEAD_DIMS = Rule(
-    "UNEQUAL_HEAD_DIMS",
     "d_qk != d_v (both <= 128) on Hopper or newer",
     "cuDNN developer guide, 'Fused Flash Attention' (different QK and V head dims need sm90+)",
     min_arch=(9, 0),
     **_HEAD_DIM,
 )
 MLA_192_128_HOPPER = Rule(
-    "MLA_192_128_HOPPER",
     "d_qk=192, d_v=128 (DeepSeek-style MLA heads) on Hopper",
     "cuDNN 9.5.0 release notes; lightning-thunder PR #2771",
     arch_major=9,
@@ -383,7 +370,6 @@ MLA_192_128_HOPPER = Rule(
     **_HEAD_DIM,
 )
 MLA_192_128_BLACKWELL = Rule(
-    "MLA_192_128_BLACKWELL",
     "d_qk=192, d_v=128 (DeepSeek-style MLA heads) on datacenter Blackwell (sm100/sm103)",
     "cuDNN 9.11.0 release notes; lightning-thunder PR #2771; the lowering sweep: cuDNN 9.19's validate "
     "refuses the backward on sm120 ('hidden_dim should be less than or equal to 128')",
@@ -391,7 +377,6 @@ MLA_192_128_BLACKWELL = Rule(
     min_backend=91100,
 )
 GROUPED_KV_HEADS = Rule(
-    "GROUPED_KV_HEADS",
     "K and V may have H_kv heads where H_kv divides H_q (MQA/GQA), forward and backward; dK/dV come back "
     "with H_kv heads",
     "cuDNN developer guide, 'Fused Flash Attention' (h_k, h_v divide h_q); PyTorch's cuDNN attention uses it "
@@ -401,7 +386,6 @@ GROUPED_KV_HEADS = Rule(
     code="SHAPE",
 )
 BACKWARD_SEQ_1 = Rule(
-    "BACKWARD_SEQ_1",
     "sdpa_backward refuses s_q = s_kv = 1 (the forward accepts it)",
     "nvidia-cudnn-frontend 1.32 _sdpa_validate.py ('s_q = s_kv = 1 is not supported') and cuDNN 9.19's C++ "
     "validate, on every arch (the lowering sweep)",
@@ -416,7 +400,6 @@ BACKWARD_SEQ_1 = Rule(
     code="SHAPE",
 )
 DETERMINISTIC_BACKWARD_BLACKWELL = Rule(
-    "DETERMINISTIC_BACKWARD_BLACKWELL",
     "the deterministic backward refuses dBias and dropout on datacenter Blackwell (sm100/sm103)",
     "cuDNN 9.19 C++ validate: 'Deterministic algorithm is not supported on blackwell architecture when dbias, "
     "rng/dropout, alibi is enabled' (the lowering sweep; sm120 accepts)",
@@ -428,21 +411,18 @@ DETERMINISTIC_BACKWARD_BLACKWELL = Rule(
     on_call=call_where_it_holds(_deterministic_dbias_or_dropout),
 )
 DETERMINISTIC_BACKWARD_BLACKWELL_BEFORE_9_18 = Rule(
-    "DETERMINISTIC_BACKWARD_BLACKWELL_BEFORE_9_18",
     "the deterministic backward is refused on datacenter Blackwell (sm100/sm103) before cuDNN 9.18.0",
     "nvidia-cudnn-frontend 1.32 include/cudnn_frontend/node/scaled_dot_product_flash_attention.h, "
     "CompositeSDPABackwardNode pre-validation: is_deterministic_algorithm && prop_major == 10 && backend < 91800 "
     "-> GRAPH_NOT_SUPPORTED 'Deterministic algorithm is not supported on blackwell architecture with cudnn version "
     "below 9.18.0' (claimed, every call was refused at build time and ran on the fallback)",
     arch_major=10,
-    max_backend=91800,
     passes=("backward",),
     on_key=_in_backward(lambda key: key.deterministic, "a deterministic backward"),
     on_call=_no_engine(lambda call: call.deterministic, "cudnn_safe_deterministic: "),
     fixed_in=91800,
 )
 DETERMINISTIC_BIAS_BACKWARD_BLACKWELL = Rule(
-    "DETERMINISTIC_BIAS_BACKWARD_BLACKWELL",
     "the deterministic backward with a bias (any attn_mask, without its gradient too) does not compile on "
     "datacenter Blackwell (sm100/sm103)",
     "the compile sweep (tests/test_cudnn_compile.py): cuDNN 9.19's engine 5 fails in NVRTC for sm100 "
@@ -450,7 +430,6 @@ DETERMINISTIC_BIAS_BACKWARD_BLACKWELL = Rule(
     "cuDNN 9.27 builds it for sm100 (the compile sweep's second cuDNN, .ci/second_cudnn.sh); 9.20-9.26 are untested "
     "and stay declined",
     arch_major=10,
-    max_backend=92700,
     on_key=_in_backward(
         lambda key: key.deterministic and key.bias is not None and not (key.dropout_p or key.d_bias),
         "a deterministic backward with a bias",
@@ -459,14 +438,13 @@ DETERMINISTIC_BIAS_BACKWARD_BLACKWELL = Rule(
     fixed_in=92700,
 )
 DROPOUT_DBIAS_BLACKWELL = Rule(
-    "DROPOUT_DBIAS_BLACKWELL",
     "dropout with a mask gradient (dBias) has no backward engine on datacenter Blackwell (sm100/sm103)",
     "the compile sweep (tests/test_cudnn_compile.py): cuDNN 9.19's engines 1, 4, 7 refuse it for sm100 ('With dropout, "
     "this engine only supports fprop inference under non matching device version and architecture'), no other "
     "engine serves dBias; sm80/sm90 build it. Deviceless planning: a B200 run may lift it",
     arch_major=10,
     on_key=_in_backward(lambda key: bool(key.dropout_p) and key.d_bias is not None, "dropout with dBias"),
-    on_call=_no_engine(lambda call: call.dropout_runs and call.mask_grad),
+    on_call=_no_engine(lambda call: call.dropout > 0 and call.mask_grad),
 )
 #: One defect of two code paths (sm80's and sm120's), a rule each.
 _SQ_VECTORS = dict(
@@ -477,10 +455,9 @@ _SQ_VECTORS = dict(
     on_key=_in_backward(lambda key: key.bias is not None and _lengths(key)[1] == 1, "a bias backward with s_kv = 1"),
     on_call=_no_engine(lambda call: call.has_mask and call.s == 1),
 )
-BIAS_KEY_LENGTH_1_AMPERE = Rule("BIAS_KEY_LENGTH_1_AMPERE", arch_major=8, **_SQ_VECTORS)
-BIAS_KEY_LENGTH_1_SM120 = Rule("BIAS_KEY_LENGTH_1_SM120", arch_major=12, **_SQ_VECTORS)
+BIAS_KEY_LENGTH_1_AMPERE = Rule(arch_major=8, **_SQ_VECTORS)
+BIAS_KEY_LENGTH_1_SM120 = Rule(arch_major=12, **_SQ_VECTORS)
 DBIAS_KEY_LENGTH_1_BLACKWELL = Rule(
-    "DBIAS_KEY_LENGTH_1_BLACKWELL",
     "a mask gradient (dBias) when the key length is 1 has no backward engine on datacenter Blackwell (sm100/sm103)",
     "the compile sweep, cuDNN 9.19: no engine config for sm100 ('This tile size is not supported for Blackwell "
     "flash bprop'); sm90 builds it",
@@ -489,7 +466,6 @@ DBIAS_KEY_LENGTH_1_BLACKWELL = Rule(
     on_call=_no_engine(lambda call: call.mask_grad and call.s == 1),
 )
 DYNAMIC_SHAPE_FORWARD = Rule(
-    "DYNAMIC_SHAPE_FORWARD",
     "an SDPA forward (not the backward) builds as a dynamic-shape graph whose kernel a kernel cache reuses "
     "for new shapes",
     "cudnn-frontend 1.18.0 release notes (cuDNN 9.18.1: dynamic shapes for SDPA fprop); the compile sweep: sm80, sm90, "
@@ -502,7 +478,6 @@ DYNAMIC_SHAPE_FORWARD = Rule(
     max_backend=92700,
 )
 DO_OWN_STRIDES = Rule(
-    "DO_OWN_STRIDES",
     "sdpa_backward reads dO through its own declared strides (before 9.5.1 it assumed O's strides)",
     "cuDNN 9.5.1 release notes; PyTorch's cuDNN attention warned about dO/O stride mismatch until then",
     min_backend=90501,
@@ -511,10 +486,8 @@ DO_OWN_STRIDES = Rule(
     ),
 )
 STATS_PACKED_ONLY = Rule(
-    "STATS_PACKED_ONLY",
     "a non-ragged Stats input of sdpa_backward must be packed BHSD (exact strides, size-1 dims too)",
     "nvidia-cudnn-frontend 1.32 sdpa_support_surface.h (checked before planning)",
-    max_backend=92600,
     on_key=_in_backward(
         lambda key: (
             not (key.ragged is not None and key.ragged.stats)
@@ -530,7 +503,6 @@ STATS_PACKED_ONLY = Rule(
 ALIGNMENT_BYTES = 16
 INT32_ELEMENT_LIMIT = 2**31
 LAYOUT = Rule(
-    "LAYOUT",
     f"inner stride 1, {ALIGNMENT_BYTES}-byte aligned base, other strides multiples of {ALIGNMENT_BYTES} bytes, "
     f"non-overlapping positive strides, element offsets below 2**31",
     "cuDNN developer guide (tensor descriptors for SDPA; TMA alignment on Hopper)",
@@ -551,7 +523,6 @@ def mla_192_128(target: Target) -> bool:
 
 
 DP_WORKSPACE = Rule(
-    "DP_WORKSPACE",
     "a backward with dBias, or deterministic (except on sm100's deterministic engine), materializes dP "
     "in a workspace of B*H_q*pad64(S_q)*pad64(S_kv)*2 bytes: 8.6 GB at B=8, H=32, S=4096",
     "cudnn_frontend 1.32 node/scaled_dot_product_flash_attention.h, CompositeSDPABackwardNode: "
@@ -569,7 +540,6 @@ def dp_workspace_bytes(batch: int, heads_q: int, s_q: int, s_kv: int) -> int:
 
 # -- packed sequences (variable-length / ragged attention, :mod:`~thunder_cudnn_safe.plan.varlen`) ----------
 VARLEN_BACKEND = Rule(
-    "VARLEN_BACKEND",
     "packed sequences run as variable-length attention (padding mask + ragged offsets) from cuDNN 9.19.0: "
     "the version whose graphs were validated, planned and NVRTC-compiled for sm80/sm90/sm100",
     "shared/notes/packed-sequences.md (libcudnn 9.19.0, frontend 1.32); THD below sm90 needs >= 9.18.1, "
@@ -579,7 +549,6 @@ VARLEN_BACKEND = Rule(
     on_key=unless_it_holds(lambda key: _if(not _dense(key), "a variable-length (ragged) graph")),
 )
 VARLEN_BACKWARD_ARCH = Rule(
-    "VARLEN_BACKWARD_ARCH",
     "a variable-length backward reads ragged (tokens-major) stats, which sm80 and sm12x refuse ('Packed/ragged "
     "LSE is not supported for bprop thd on SM8X and SM12X GPUs'; deterministic is refused there too): packed "
     "sequences that need a backward run as variable-length attention on sm90 and sm100 only (sm80's dense-stats "
@@ -589,14 +558,12 @@ VARLEN_BACKWARD_ARCH = Rule(
     on_key=unless_it_holds(_ragged_stats),
 )
 VARLEN_BACKWARD_SM12X = Rule(
-    "VARLEN_BACKWARD_SM12X",
     "sm12x refuses a ragged-stats variable-length backward, like sm80",
     "cudnn-frontend 1.32 rule string 'bprop thd on SM8X and SM12X GPUs'",
     arch_major=12,
     on_key=where_it_holds(_ragged_stats),
 )
 VARLEN_NO_DROPOUT = Rule(
-    "VARLEN_NO_DROPOUT",
     "packed sequences with dropout run as a bias: the variable-length dropout mask's numbering per document "
     "is not verified against the emulated reference",
     "this package (no GPU measurement of ragged dropout)",
@@ -604,7 +571,6 @@ VARLEN_NO_DROPOUT = Rule(
     on_key=unless_it_holds(lambda key: _if(not _dense(key) and bool(key.dropout_p), "a ragged graph with dropout")),
 )
 VARLEN_BATCH_STRIDE = Rule(
-    "VARLEN_BATCH_STRIDE",
     "a ragged tensor's declared batch stride is never stepped but must be a multiple of 16 bytes (PyTorch's "
     "INT_MAX is refused): the package declares S_bucket x token stride, S_bucket a power of two >= 16",
     "libcudnn 9.19 validate, 'stride 2147483647 of dimension 0 ... not a multiple of the tensor's 16-byte alignment'",
@@ -621,7 +587,6 @@ def varlen_backward_holds(target: Target) -> bool:
 # Each is decided at trace time from shapes, arch and version. Where the real trigger also depends on
 # the data (a very negative logsumexp), the rule guards the whole shape-level condition.
 BLACKWELL_DECODE = Rule(
-    "BLACKWELL_DECODE",
     "cuDNN 9.19.0-9.25.0 (except 9.24.1) computes a wrong output for a single query (s_q == 1, decode) on "
     "SM 10.x/11.x, forward and backward; the trigger also needs very negative scores (Qwen2.5-like data), "
     "which trace time cannot see, so every s_q == 1 call is declined",
@@ -629,14 +594,12 @@ BLACKWELL_DECODE = Rule(
     "for cuDNN versions 9.19-9.25.0 (except 9.24.1) on SM 10.x and 11.x' (MHA.cpp, forward and backward)",
     arch_majors=(10, 11),
     min_backend=91900,
-    max_backend=92501,
     except_backends=(92401,),
     on_key=where_it_holds(lambda key: _if(_dense(key) and _lengths(key)[0] == 1, "a single query (s_q = 1)")),
     on_call=_silent(lambda call: _if(call.lq == 1, "a single query (decode)")),
     fixed_in=92501,
 )
 HOPPER_BACKWARD_KV_TAIL_NAN = Rule(
-    "HOPPER_BACKWARD_KV_TAIL_NAN",
     "the sm90 flash backward (kernel sm90_flash_bprop_wgmma_f16_knob_26) leaves the padded half of the last "
     "128-key tile unmasked when s_kv % 128 == 64: dQ is NaN for a query row whose logsumexp is below -88.7 "
     "(e.g. a row masked with a finite minimum). The logsumexp is data, so every backward with s_kv % 128 == 64 "
@@ -645,7 +608,6 @@ HOPPER_BACKWARD_KV_TAIL_NAN = Rule(
     "not verified for this defect. First bad version unknown (seen on 9.19 and 9.20), fixed in 9.26.0",
     "pytorch/pytorch#196678 (regression since torch 2.11), PR #196861; NVIDIA/cudnn-frontend#628 (nvbug 6591137)",
     arch_major=9,
-    max_backend=92600,
     passes=("backward",),
     on_key=where_it_holds(_kv_tail),
     on_call=_silent(
@@ -657,7 +619,6 @@ HOPPER_BACKWARD_KV_TAIL_NAN = Rule(
     fixed_in=92600,
 )
 HOPPER_DECODE_BACKWARD_NAN = Rule(
-    "HOPPER_DECODE_BACKWARD_NAN",
     "the sm90 backward with a single query (s_q == 1) gives NaN dK/dV when the logsumexp is very negative "
     "(data: guarded for every s_q == 1 backward). The reporter's control, the padding mask at full lengths, is "
     "clean: the backward (and its forward, so the pair matches) is built with it; a call with a mask tensor "
@@ -676,7 +637,6 @@ HOPPER_DECODE_BACKWARD_NAN = Rule(
     on_call=_silent(lambda call: _if(call.lq == 1 and call.has_mask, "a single query with a mask tensor, in training")),
 )
 CAUSAL_DECODE_GQA = Rule(
-    "CAUSAL_DECODE_GQA",
     "a causal decode forward (s_q == 1, is_causal) with H_q != H_kv gives a wrong result; no fixed version is "
     "known, so it holds on every version",
     "cuDNN 9.18.1 release notes, Known Issues ('Decode-phase scaled dot-product attention should usually be run "
@@ -695,7 +655,6 @@ CAUSAL_DECODE_GQA = Rule(
     ),
 )
 BACKWARD_KEY_LENGTH_1 = Rule(
-    "BACKWARD_KEY_LENGTH_1",
     "the backward is not supported with key/value length 1 (s_kv == 1, any s_q, with or without a mask); the "
     "frontend refuses only s_q = s_kv = 1, so the rest builds: declined, as PyTorch does",
     "cuDNN 9.18.1 release notes, Known Issues ('bprop is not supported when both key/value have sequence length "
@@ -705,7 +664,6 @@ BACKWARD_KEY_LENGTH_1 = Rule(
     on_call=_silent(lambda call: _if(call.s == 1, "key length 1, in training")),
 )
 DROPOUT_SIXTEENTHS = Rule(
-    "DROPOUT_SIXTEENTHS",
     "some cuDNN SDPA kernels round dropout_p to a multiple of 1/16 silently: other values are declined",
     "PyTorch sdp_utils.cpp check_cudnn_dropout, PR #174245 ('cuDNN dropout probability resolution is limited to 1/16')",
     on_key=where_it_holds(lambda key: _if(_off_sixteenths(key.dropout_p), f"dropout_p = {key.dropout_p}")),
@@ -716,7 +674,6 @@ DROPOUT_SIXTEENTHS = Rule(
     code="DROPOUT",
 )
 GRID_65535 = Rule(
-    "GRID_65535",
     "batch size or head count above 65535 fails at execute (a grid dimension): declined at trace time",
     "PyTorch PR #181235, PR #180718 and sdp_utils.cpp check_cudnn_tensor_shapes ('cuDNN SDPA does not support "
     "batch size or num_heads greater than 65535')",
@@ -737,5 +694,10 @@ GRID_65535 = Rule(
 GRID_LIMIT = 65535
 
 
-#: Every rule, in the order they are defined; the key gate and ``explain()`` read this table.
-RULES: tuple[Rule, ...] = tuple(v for v in dict(globals()).values() if isinstance(v, Rule))
+def _named(name: str, rule: Rule) -> Rule:
+    object.__setattr__(rule, "name", name)  # (frozen: named once, here)
+    return rule
+
+
+#: Every rule in definition order, each named after its variable; the key gate and ``explain()`` read this table.
+RULES: tuple[Rule, ...] = tuple(_named(name, v) for name, v in dict(globals()).items() if isinstance(v, Rule))

@@ -84,9 +84,8 @@ def not_supported_reasons(
     fewer heads, a divisor of the query's. ``environment_problem`` is why the runtime cannot work here at all;
     ``target`` may then be None.
     """
-    tensors = [("query", call.query), ("key", call.key), ("value", call.value)]
-    if call.attn_mask is not None:
-        tensors.append(("attn_mask", call.attn_mask))
+    named = zip(("query", "key", "value", "attn_mask"), (call.query, call.key, call.value, call.attn_mask))
+    tensors = [(name, t) for name, t in named if t is not None]
     reasons = [Decline(DeclineCode.ENVIRONMENT, environment_problem)] if environment_problem else []
     reasons += _device_reasons(tensors, device_type)
     ranks = [len(t.shape) for _, t in tensors[:3]]
@@ -98,7 +97,6 @@ def not_supported_reasons(
         *reasons,
         *_dtype_reasons(tensors),
         *_shape_reasons(call),
-        *_empty_reasons(view),
         *rule_reasons(view),
         *_mask_reasons(call, view),
         *_scalar_reasons(call),
@@ -182,9 +180,9 @@ def _dtype_reasons(tensors: list[tuple[str, Any]]) -> Iterator[Decline]:
 
 
 def _shape_reasons(call: Any) -> Iterator[Decline]:
-    """Shapes torch's SDPA rejects; grouped K/V heads (``enable_gqa``) are judged by
+    """Shapes torch's SDPA rejects, and an empty input; grouped K/V heads (``enable_gqa``) are judged by
     :data:`~thunder_cudnn_safe.rules.cudnn_rules.GROUPED_KV_HEADS`."""
-    (b, h, _, d_qk), (bk, hk, s, dk), (bv, hv, sv, _) = _shapes(call)
+    (b, h, lq, d_qk), (bk, hk, s, dk), (bv, hv, sv, d_v) = _shapes(call)
     S = DeclineCode.SHAPE
     if not (b == bk == bv):
         yield Decline(S, f"batch sizes differ: query {b}, key {bk}, value {bv}")
@@ -194,14 +192,10 @@ def _shape_reasons(call: Any) -> Iterator[Decline]:
         yield Decline(S, f"key length {s} != value length {sv}")
     if not call.enable_gqa and (hk != hv or hk not in (1, h)):
         yield Decline(S, f"key/value heads ({hk}, {hv}) must both equal the query heads ({h}) or be 1 (broadcast)")
-
-
-def _empty_reasons(view: cudnn_rules.CallView) -> Iterator[Decline]:
-    if 0 in (view.batch, view.heads, view.lq, view.s, view.d_qk, view.d_v):
+    if 0 in (b, h, lq, s, d_qk, d_v):
         yield Decline(
             DeclineCode.EMPTY,
-            f"empty input (batch {view.batch}, heads {view.heads}, query length {view.lq}, key length {view.s}): "
-            "nothing for cuDNN to do",
+            f"empty input (batch {b}, heads {h}, query length {lq}, key length {s}): nothing for cuDNN to do",
         )
 
 
