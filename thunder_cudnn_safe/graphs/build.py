@@ -19,7 +19,10 @@ from typing import Any
 import torch
 
 from thunder_cudnn_safe import _compat, caches
-from thunder_cudnn_safe.plan.keys import BackwardKey, ForwardKey, TensorSig, Uid
+from thunder_cudnn_safe.plan.keys import _FIELD_UIDS, BackwardKey, ForwardKey, TensorSig, Uid
+
+#: Each uid's key field (a backward key has every field a forward key has).
+_FIELDS = {uid: field for field, uid in _FIELD_UIDS[BackwardKey].items()}
 
 
 def cudnn_module() -> Any:
@@ -43,22 +46,14 @@ def cudnn_dtype(dtype: torch.dtype) -> Any:
 @functools.cache
 def torch_dtype_of(cudnn_data_type: Any) -> torch.dtype | None:
     """The torch dtype cuDNN's ``cudnn_data_type`` stands for (None if none), from the frontend's table."""
-    cudnn_module()
-    from cudnn.datatypes import torch_to_cudnn_data_type
-
     dtypes = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64, torch.bool)
-    return next((dtype for dtype in dtypes if torch_to_cudnn_data_type(dtype) == cudnn_data_type), None)
+    return next((dtype for dtype in dtypes if cudnn_dtype(dtype) == cudnn_data_type), None)
 
 
 def _declare(graph: Any, uid: Uid, s: TensorSig) -> Any:
     return graph.tensor(
         name=uid.name, dim=list(s.shape), stride=list(s.stride), data_type=cudnn_dtype(s.dtype), uid=int(uid)
     )
-
-
-def _mark_output(t: Any, uid: Uid, s: TensorSig) -> None:
-    t.set_output(True).set_dim(list(s.shape)).set_stride(list(s.stride)).set_data_type(cudnn_dtype(s.dtype))
-    t.set_uid(int(uid)).set_name(uid.name)
 
 
 _kernel_caches: dict[Hashable, Any] = {}
@@ -122,22 +117,8 @@ def _options(graph: Any, key: ForwardKey | BackwardKey) -> dict[str, Any]:
     if key.padded:
         lens = TensorSig((key.q.shape[0], 1, 1, 1), (1, 1, 1, 1), torch.int32)
         extra["use_padding_mask"] = True
-        extra["seq_len_q"], extra["seq_len_kv"] = (
-            _declare(graph, uid, lens) for uid in (Uid.SEQ_LEN_Q, Uid.SEQ_LEN_KV)
-        )
+        extra.update({uid.name.lower(): _declare(graph, uid, lens) for uid in (Uid.SEQ_LEN_Q, Uid.SEQ_LEN_KV)})
     return extra
-
-
-def _validated(graph: Any, key: ForwardKey | BackwardKey, tensors: dict[Uid, Any]) -> Any:
-    """``graph`` validated, packed sequences first given each tensor's ragged offset ((N+1,1,1,1) int element
-    offsets, bound per call); the stats get one only where the key declares them ragged (sm80's backward refuses
-    ragged stats)."""
-    if key.ragged is not None:
-        for uid, t in tensors.items():
-            if uid != Uid.STATS or key.ragged.stats:
-                t.set_ragged_offset(_declare(graph, Uid[f"RAGGED_{uid.name}"], key.ragged.offsets))
-    graph.validate()
-    return graph
 
 
 def attention_implementation(implementation: Any) -> Any:
@@ -157,6 +138,43 @@ def attention_implementation(implementation: Any) -> Any:
         ) from None
 
 
+#: Each direction's SDPA node: the frontend's op, its tensor arguments (name -> uid), its outputs, its name.
+_NODES = {
+    ForwardKey: ("sdpa", {"q": Uid.Q, "k": Uid.K, "v": Uid.V}, (Uid.O, Uid.STATS), "cudnn_safe_sdpa_fwd"),
+    BackwardKey: (
+        "sdpa_backward",
+        {"q": Uid.Q, "k": Uid.K, "v": Uid.V, "o": Uid.O, "dO": Uid.DO, "stats": Uid.STATS},
+        (Uid.DQ, Uid.DK, Uid.DV),
+        "cudnn_safe_sdpa_bwd",
+    ),
+}
+
+
+def _sdpa_graph(key: ForwardKey | BackwardKey, handle: Any, device_property: Any, **extra: Any) -> Any:
+    """A validated graph declaring exactly ``key``: its SDPA node (:data:`_NODES`) with ``extra`` and the
+    :func:`_options`, each output the key declares marked as the tensor bound to its uid; packed sequences give each
+    tensor its ragged offset ((N+1,1,1,1) int element offsets, bound per call), the stats only where the key
+    declares them ragged (sm80's backward refuses ragged stats)."""
+    op, inputs, outputs, name = _NODES[type(key)]
+    g = _new_graph(key, handle, device_property)
+    tensors = {uid: _declare(g, uid, getattr(key, _FIELDS[uid])) for uid in inputs.values()}
+    args = {arg: tensors[uid] for arg, uid in inputs.items()}
+    if op == "sdpa":  # an inference forward writes no stats (nothing reads them)
+        args["generate_stats"] = key.stats is not None
+    results = getattr(g, op)(**args, attn_scale=float(key.scale), name=name, **_options(g, key), **extra)
+    for uid, t in zip(outputs, results):
+        s = getattr(key, _FIELDS[uid])
+        if s is not None:
+            t.set_output(True).set_dim(list(s.shape)).set_stride(list(s.stride)).set_data_type(cudnn_dtype(s.dtype))
+            tensors[uid] = t.set_uid(int(uid)).set_name(uid.name)
+    if key.ragged is not None:
+        for uid, t in tensors.items():
+            if uid != Uid.STATS or key.ragged.stats:
+                t.set_ragged_offset(_declare(g, Uid[f"RAGGED_{uid.name}"], key.ragged.offsets))
+    g.validate()
+    return g
+
+
 def build_forward_graph(
     key: ForwardKey, handle: Any = None, *, implementation: Any = None, device_property: Any = None
 ) -> Any:
@@ -164,25 +182,8 @@ def build_forward_graph(
 
     ``implementation`` ("composite", "unified", None: the frontend's choice) pins the SDPA implementation
     (only the forward has one); ``device_property`` plans for that GPU without one (:mod:`aot`)."""
-    g = _new_graph(key, handle, device_property)
-    q, k, v = _declare(g, Uid.Q, key.q), _declare(g, Uid.K, key.k), _declare(g, Uid.V, key.v)
-    extra = _options(g, key)
     impl = attention_implementation(implementation)
-    if impl is not None:
-        extra["implementation"] = impl
-    o, stats = g.sdpa(
-        q=q,
-        k=k,
-        v=v,
-        generate_stats=key.stats is not None,
-        attn_scale=float(key.scale),
-        name="cudnn_safe_sdpa_fwd",
-        **extra,
-    )
-    _mark_output(o, Uid.O, key.o)
-    if key.stats is not None:  # an inference forward writes no stats (nothing reads them)
-        _mark_output(stats, Uid.STATS, key.stats)
-    return _validated(g, key, {Uid.Q: q, Uid.K: k, Uid.V: v, Uid.O: o, **({Uid.STATS: stats} if key.stats else {})})
+    return _sdpa_graph(key, handle, device_property, **({} if impl is None else {"implementation": impl}))
 
 
 def build_backward_graph(
@@ -195,29 +196,10 @@ def build_backward_graph(
     impl = attention_implementation(implementation)
     if impl is not None and impl.name not in ("AUTO", "COMPOSITE"):
         raise ValueError(f"sdpa_backward has no {impl.name} implementation; pass None, 'auto' or 'composite'")
-    g = _new_graph(key, handle, device_property)
-    q, k, v = _declare(g, Uid.Q, key.q), _declare(g, Uid.K, key.k), _declare(g, Uid.V, key.v)
-    o, d_o, stats = _declare(g, Uid.O, key.o), _declare(g, Uid.DO, key.d_o), _declare(g, Uid.STATS, key.stats)
-    extra = _options(g, key)
-    if key.deterministic:
-        extra["use_deterministic_algorithm"] = True
+    extra: dict[str, Any] = {"use_deterministic_algorithm": True} if key.deterministic else {}
     if key.ragged is not None:  # without it the backward workspace grows with N x S (notes, fact 6)
         extra.update(max_total_seq_len_q=key.ragged.max_total, max_total_seq_len_kv=key.ragged.max_total)
-    dq, dk, dv = g.sdpa_backward(
-        q=q,
-        k=k,
-        v=v,
-        o=o,
-        dO=d_o,
-        stats=stats,
-        attn_scale=float(key.scale),
-        name="cudnn_safe_sdpa_bwd",
-        **extra,
-    )
-    grads = {Uid.DQ: dq, Uid.DK: dk, Uid.DV: dv}
-    for uid, t in grads.items():
-        _mark_output(t, uid, getattr(key, uid.name.lower()))
-    return _validated(g, key, {Uid.Q: q, Uid.K: k, Uid.V: v, Uid.O: o, Uid.DO: d_o, Uid.STATS: stats, **grads})
+    return _sdpa_graph(key, handle, device_property, **extra)
 
 
 def clear_kernel_caches() -> None:

@@ -104,11 +104,7 @@ class GraphCache:
         self._graphs, self._refused = _Graphs(maxsize), LRU(maxsize)
         self.slot, self.touch = self._graphs.slot, self._graphs.touch  # a memo's (:class:`_Graphs`), no frame more
         self._key_locks: dict[Hashable, threading.Lock] = {}
-        self._zero()
-
-    def _zero(self) -> None:
-        self._counts = dict.fromkeys(("misses", "builds", "build_failures", "negative_hits", "fallbacks"), 0)
-        self._counts["build_seconds"] = 0.0
+        self.clear()  # the counters
 
     def _count(self, name: str, n: float = 1) -> None:
         with self._lock:
@@ -165,6 +161,7 @@ class GraphCache:
         self._count("fallbacks")
 
     def info(self) -> CacheInfo:
+        """The counters, and the size and bound."""
         g = self._graphs
         with self._lock:
             return CacheInfo(hits=g.hits, evictions=g.evictions, size=len(g), maxsize=g.maxsize, **self._counts)
@@ -174,11 +171,10 @@ class GraphCache:
         for lru in (self._graphs, self._refused):
             lru.clear()
         with self._lock:
-            self._zero()
+            self._counts = dict.fromkeys(("misses", "builds", "build_failures", "negative_hits", "fallbacks"), 0)
+            self._counts["build_seconds"] = 0.0
 
-    def resize(self, maxsize: int) -> None:
-        if not isinstance(maxsize, int) or isinstance(maxsize, bool) or maxsize < 1:
-            raise ValueError(f"cache size must be a positive integer, got {maxsize!r}")
+    def resize(self, maxsize: int) -> None:  # config.cache_size's hook: the knob is checked before any hook runs
         for lru in (self._graphs, self._refused):
             lru.resize(maxsize)
 
@@ -186,7 +182,7 @@ class GraphCache:
         return [key for key, _ in self._graphs.items()]
 
     def graphs(self) -> list[CachedGraph]:
-        """Every cached graph, least recently used first, with its implementation and plan."""
+        """Every cached graph, least recently used first: key, cuDNN SDPA implementation, execution plan, workspace."""
         return [_cached(key, b) for key, b in self._graphs.items()]
 
     def graph(self, key: Hashable) -> CachedGraph | None:
@@ -207,13 +203,4 @@ def _cached(key: Hashable, b: Any) -> CachedGraph:
 graph_cache = GraphCache()
 config.on_change("cache_size", graph_cache.resize)
 caches.register("graph cache (built graphs, refused builds, counters)", graph_cache.clear)
-
-
-def cache_info() -> CacheInfo:
-    """Counters of the process-wide graph cache (shared by both executors)."""
-    return graph_cache.info()
-
-
-def cached_graphs() -> list[CachedGraph]:
-    """The graphs in the process-wide cache: key, cuDNN SDPA implementation, execution plan, workspace bytes."""
-    return graph_cache.graphs()
+cache_info, cached_graphs = graph_cache.info, graph_cache.graphs  # the process-wide cache's, shared by both executors

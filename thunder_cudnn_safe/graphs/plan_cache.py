@@ -136,7 +136,7 @@ class PlanCache:
                     tmp.unlink()
         entries = self.scan()
         total = sum(size for _, size, _ in entries)
-        for _, size, p in entries[: max(0, len(entries) - 1)]:  # never the newest
+        for _, size, p in entries[:-1]:  # never the newest
             if len(entries) <= self.max_entries and total <= self.max_bytes:
                 break
             p.unlink(missing_ok=True)
@@ -149,21 +149,15 @@ _active: PlanCache | None = None
 _active_dir: str | None = None
 
 
-def _rebound(field: str, value: int) -> None:
-    if _active is not None:  # the plan cache in use takes a changed bound (evicting at its next store)
-        setattr(_active, field, value)
-
-
-for _field in ("max_entries", "max_bytes"):
-    config.on_change(f"plan_cache_{_field}", functools.partial(_rebound, _field))
-
-
 def active() -> PlanCache | None:
-    """The plan cache of ``config.plan_cache_dir`` (None: off), made on first use after each change."""
+    """The plan cache of ``config.plan_cache_dir`` (None: off), made on first use after each change; it takes
+    the bounds' knobs as they are now (a changed bound evicts at its next store)."""
     global _active, _active_dir
     directory = config.plan_cache_dir
     if directory != _active_dir:
         _active, _active_dir = (None if directory is None else PlanCache(directory)), directory
+    if _active is not None:
+        _active.max_entries, _active.max_bytes = config.plan_cache_max_entries, config.plan_cache_max_bytes
     return _active
 
 
@@ -188,11 +182,11 @@ def _ident(key: Any, rung: str | None, device: str | Callable[[], str]) -> str:
 
 
 def load(
-    key: Any, rung: str | None, device: str | Callable[[], str], new_graph: Callable[[], Any], *handle: Any
+    key: Any, rung: str | None, device: str | Callable[[], str], new_graph: Callable[[], Any], handle: Any = None
 ) -> tuple[Any, dict] | None:
     """``(graph, meta)`` for ``BuiltGraph(graph, key=key, **meta)``: the stored plan of ``key`` built at
     ladder rung ``rung`` for ``device`` (a descriptor, or a function giving one) deserialized into
-    ``new_graph()`` (with ``handle``); else None."""
+    ``new_graph()`` (with ``handle``, if any); else None."""
     cache = active()
     try:
         ident = cache and _ident(key, rung, device)
@@ -206,7 +200,7 @@ def load(
         (n,) = _META.unpack_from(payload)
         meta = json.loads(payload[_META.size : _META.size + n])
         graph = new_graph()
-        graph.deserialize(*handle, payload[_META.size + n :])
+        graph.deserialize(*(() if handle is None else (handle,)), payload[_META.size + n :])
         if int(graph.get_workspace_size()) != meta["workspace_size"]:
             raise ValueError(f"workspace {graph.get_workspace_size()} != {meta['workspace_size']}")
     except Exception as exc:

@@ -133,16 +133,19 @@ class CompileResult(NamedTuple):
         return self.reason is None
 
 
-def _backend_engine(blob: bytes) -> dict:
-    """The ``engine`` record (engineId, knobChoices, payload.kernels) of a serialized backend plan:
-    UBJSON whose ``cudnn_backend_data`` is a length-prefixed JSON string."""
+def _backend_engine(graph: Any) -> tuple[int | None, dict, tuple[str, ...]]:
+    """engineId, knobChoices and kernel names of the ``engine`` record of a graph's serialized backend plan (UBJSON
+    whose ``cudnn_backend_data`` is a length-prefixed JSON string); none for a frontend Python engine's."""
+    blob = b"" if getattr(graph, "selected_engine", None) else bytes(graph.serialize(as_bytes=True))
     i = blob.find(b"cudnn_backend_data") + 18
     if i < 18 or blob[i : i + 1] != b"S":
-        return {}
+        return None, {}, ()
     fmt = {b"i": ">b", b"U": ">B", b"I": ">h", b"l": ">i", b"L": ">q"}[blob[i + 1 : i + 2]]
     start = i + 2 + struct.calcsize(fmt)
     (n,) = struct.unpack(fmt, blob[i + 2 : start])
-    return json.loads(blob[start : start + n]).get("engine", {})
+    engine = json.loads(blob[start : start + n]).get("engine", {})
+    kernels = tuple(k.get("kernelName", "?") for k in engine.get("payload", {}).get("kernels", ()))
+    return engine.get("engineId"), engine.get("knobChoices", {}), kernels
 
 
 def compile_key(key: Any, device: str) -> CompileResult:
@@ -157,15 +160,9 @@ def compile_key(key: Any, device: str) -> CompileResult:
         b = build_with_ladder(key, build_one)
     except GraphBuildError as exc:
         return CompileResult(device, None, {}, (), None, None, False, exc.reason, time.perf_counter() - start)
-    engine = (
-        {} if getattr(b.graph, "selected_engine", None) else _backend_engine(bytes(b.graph.serialize(as_bytes=True)))
-    )
-    kernels = tuple(k.get("kernelName", "?") for k in engine.get("payload", {}).get("kernels", ()))
     return CompileResult(
         device,
-        engine.get("engineId"),
-        engine.get("knobChoices", {}),
-        kernels,
+        *_backend_engine(b.graph),
         b.workspace_size,
         b.plan,
         b.rung == "composite",
@@ -199,7 +196,6 @@ def compile_in_subprocess(keys: list, devices: Any, *, extra_ld_path: Any = None
         try:
             proc = subprocess.run(
                 [sys.executable, "-m", __name__],
-                check=False,
                 input=pickle.dumps((list(keys), [device])),
                 capture_output=True,
                 env=env,

@@ -72,12 +72,10 @@ def build_with_ladder(key: Any, build_one: Callable[[Any, str | None], BuiltGrap
             _static_only.put(topology, True)  # reached only once the dynamic graph was refused
         try:
             built = build_one(rung, implementation)
-        except GraphBuildError as exc:
-            if not exc.definitive or i == len(ladder) - 1:
-                raise
-        else:
             return built._replace(rung=implementation, threads=PerThread(built.graph, built.workspace_size))
-    raise AssertionError("unreachable")
+        except GraphBuildError as exc:
+            if not exc.definitive or i == len(ladder) - 1:  # the last rung's refusal is the key's
+                raise
 
 
 class _FrontendRefusalFilter(logging.Filter):
@@ -148,9 +146,8 @@ def build_graph(
     g = None
     try:
         place = placement()
-        handle = (place["handle"],) if "handle" in place else ()
         with where(), frontend_refusal_filter.active():
-            hit = plan_cache.load(key, implementation, device, lambda: cudnn.pygraph(**place), *handle)
+            hit = plan_cache.load(key, implementation, device, lambda: cudnn.pygraph(**place), place.get("handle"))
             if hit is not None:
                 if loaded is not None:
                     loaded.append(key)
@@ -161,10 +158,9 @@ def build_graph(
             workspace = int(g.get_workspace_size())
     except Exception as exc:
         raise GraphBuildError(f"{prefix}{type(exc).__name__}: {exc}", is_definitive_refusal(exc, g)) from exc
-    try:  # the name of the execution plan the graph will run (frontend 1.32; None if unknown)
+    plan = None  # the name of the execution plan the graph will run (frontend 1.32; None if unknown)
+    with contextlib.suppress(Exception):
         plan = str(g.get_plan_name_at_index(int(getattr(g, "_plan_index", 0) or 0)))
-    except Exception:
-        plan = None
     built = BuiltGraph(g, workspace, key, implementation_of(g) if isinstance(key, ForwardKey) else None, plan)
     plan_cache.store(key, implementation, device, built)
     return built
@@ -185,8 +181,7 @@ class Runtime:
         raise NotImplementedError
 
     def build(self, key: ForwardKey | BackwardKey) -> BuiltGraph:
-        """Everything that depends on the key alone; raises GraphBuildError on a refusal. A graph runtime's
-        is :func:`build_with_ladder` over :meth:`_build_one`."""
+        """Everything that depends on the key alone; raises GraphBuildError on a refusal."""
         return build_with_ladder(key, self._build_one)
 
     def execute(self, built: BuiltGraph, pack: dict[int, torch.Tensor]) -> None:
@@ -218,7 +213,6 @@ class Runtime:
                     if attempt == COPY_ATTEMPTS - 1:
                         raise ExecuteError(f"cannot build this thread's copy of the graph: {exc.reason}") from exc
                     self.free_memory()
-            raise AssertionError("unreachable")
 
         return built.threads.get(copy)
 
@@ -232,7 +226,6 @@ class CudnnRuntime(Runtime):
     """Real cuDNN: per (thread, device) handles on torch's current stream, workspace from torch."""
 
     name = "cudnn"
-    device_type = "cuda"
 
     def __init__(self) -> None:
         self._handles = HandlePool(_create_handle)

@@ -28,10 +28,7 @@ class _Kept:
     def __init__(self, call: BackwardCall, grads: tuple) -> None:
         self.refs = tuple((weakref.ref(x), x._version) if isinstance(x, torch.Tensor) else (None, x) for x in call)
         self.grads: tuple | None = grads
-        weakref.finalize(call.grad_out, self._drop)
-
-    def _drop(self) -> None:
-        self.grads = None
+        weakref.finalize(call.grad_out, setattr, self, "grads", None)  # dropped when grad_out is freed
 
     def matches(self, call: BackwardCall) -> bool:
         return all(
