@@ -487,6 +487,23 @@ def test_a_refused_key_is_never_remembered_or_built(fresh_cache):
     assert tcs.gate_info().get("DP_WORKSPACE", 0) >= 1
 
 
+def test_a_budget_refusal_is_forgotten_when_the_budget_changes(fresh_cache):
+    """The key gate's DP_WORKSPACE refusal holds for the budget it was judged under: once
+    ``config.dp_workspace_limit`` is raised again, the same deterministic backward is built and runs in cuDNN
+    (it stayed on the fallback, a negative hit, until ``clear_cache()``); other refusals stay remembered."""
+    disp = Dispatcher(EmulatedRuntime(), GraphCache(16))
+    q, k, v, g = _memo_case()
+    out, stats = disp.forward(q, k, v)
+    with tcs.config.patch(dp_workspace_limit=0):
+        disp.backward(g, q, k, v, None, 0.0, False, out, stats, None, None, deterministic=True)
+    assert disp.cache.info().fallbacks == 1 and tcs.gate_info().get("DP_WORKSPACE", 0) >= 1
+    disp.cache._refused.put("another key", GraphBuildError("refused by cuDNN", definitive=True))
+    disp.backward(g, q, k, v, None, 0.0, False, out, stats, None, None, deterministic=True)
+    info = disp.cache.info()
+    assert info.fallbacks == 1 and info.builds == 2 and info.negative_hits == 0, info
+    assert [key for key, _ in disp.cache._refused.items()] == ["another key"]
+
+
 def test_outputs_made_with_empty_like_get_exactly_the_declared_strides():
     """A recipe allocates an output with ``empty_like(operand)`` (cheaper per call than ``empty_strided``) only
     where the operand has the output's very layout and is dense: aten then keeps its strides. Checked here on

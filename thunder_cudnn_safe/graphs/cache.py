@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
 
@@ -105,6 +106,7 @@ class GraphCache:
         self.slot, self.touch = self._graphs.slot, self._graphs.touch  # a memo's (:class:`_Graphs`), no frame more
         self._key_locks: dict[Hashable, threading.Lock] = {}
         self.clear()  # the counters
+        _caches.add(self)
 
     def _count(self, name: str, n: float = 1) -> None:
         with self._lock:
@@ -174,6 +176,10 @@ class GraphCache:
             self._counts = dict.fromkeys(("misses", "builds", "build_failures", "negative_hits", "fallbacks"), 0)
             self._counts["build_seconds"] = 0.0
 
+    def forget_refusals(self, rule: str) -> None:
+        """Forget the key gate's refusals by ``rule``: its verdict on a key changed with a knob."""
+        self._refused.remove_if(lambda key: getattr(self._refused.peek(key), "rule", None) == rule)
+
     def resize(self, maxsize: int) -> None:  # config.cache_size's hook: the knob is checked before any hook runs
         for lru in (self._graphs, self._refused):
             lru.resize(maxsize)
@@ -200,7 +206,20 @@ def _cached(key: Hashable, b: Any) -> CachedGraph:
     )
 
 
+#: Every graph cache alive (the process-wide one, and any a dispatcher was given).
+_caches: weakref.WeakSet[GraphCache] = weakref.WeakSet()
+
+
+def _dp_budget_changed(_: int) -> None:
+    """A DP_WORKSPACE refusal holds for the budget it was judged under: remembered past a raised
+    ``config.dp_workspace_limit``, it kept the call on the fallback until ``clear_cache()``. A lowered budget
+    applies to keys not built yet (``clear_cache()`` drops the built ones)."""
+    for cache in list(_caches):
+        cache.forget_refusals("DP_WORKSPACE")
+
+
 graph_cache = GraphCache()
 config.on_change("cache_size", graph_cache.resize)
+config.on_change("dp_workspace_limit", _dp_budget_changed)
 caches.register("graph cache (built graphs, refused builds, counters)", graph_cache.clear)
 cache_info, cached_graphs = graph_cache.info, graph_cache.graphs  # the process-wide cache's, shared by both executors
