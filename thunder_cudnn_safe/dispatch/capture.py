@@ -4,9 +4,9 @@ Under capture no mask pattern is recognized (:mod:`patterns`: a verdict is a hos
 reading new masks from the same buffers, would not re-check), so a mask runs as its bias, whose graphs a
 warm-up that ran the pattern never built; a build inside the capture (heuristics, NVRTC, a module load)
 invalidates it. :func:`prebuild` builds them at warm-up, planned exactly as the capture will plan them
-(:func:`~thunder_cudnn_safe.plan.planner.capture_calls`: the defect workarounds included; a dropout forward's
-backward check too), and makes the calling thread's own copy of each (:mod:`per_thread`: a graph built on
-another thread is copied on first use, which must not be inside the capture). Nothing is bound or run; a
+(:func:`~thunder_cudnn_safe.plan.planner.plan` without recognition: the defect workarounds included; a dropout
+forward's backward check too), and makes the calling thread's own copy of each (:mod:`per_thread`: a graph built
+on another thread is copied on first use, which must not be inside the capture). Nothing is bound or run; a
 refusal is remembered, and the captured call then runs on the torch fallback, as it would.
 """
 
@@ -21,7 +21,7 @@ from thunder_cudnn_safe.dispatch import dropout
 from thunder_cudnn_safe.errors import ExecuteError, GraphBuildError
 from thunder_cudnn_safe.plan.calls import BackwardCall, ForwardCall, forward_of, memo_key
 from thunder_cudnn_safe.plan.keys import Target
-from thunder_cudnn_safe.plan.planner import capture_calls
+from thunder_cudnn_safe.plan.planner import Route, plan
 
 
 def prebuild(disp: Any, call: ForwardCall | BackwardCall, target: Target) -> None:
@@ -30,8 +30,8 @@ def prebuild(disp: Any, call: ForwardCall | BackwardCall, target: Target) -> Non
     memo = ("capture", threading.get_ident()) + memo_key(call, target)
     if disp.recipes.peek(memo) is not None:
         return
-    calls = capture_calls(call, target)
-    keys = _keys(disp, call, calls[0], target) if calls else ()
+    bias = plan(call, target, recognize=False)  # no pattern under capture; an oversized bias: the fallback runs it
+    keys = () if bias.route is Route.OVERSIZED_BIAS else _keys(disp, call, bias.call, target)
     disp.recipes.put(memo, True)
     for key in keys:
         try:
@@ -39,7 +39,7 @@ def prebuild(disp: Any, call: ForwardCall | BackwardCall, target: Target) -> Non
         except (GraphBuildError, ExecuteError):
             continue
         if isinstance(call, ForwardCall) and call.dropout_p and call.need_stats:
-            dropout.backward_builds(disp, call, calls[0], key)
+            dropout.backward_builds(disp, call, bias.call, key)
 
 
 def _keys(disp: Any, call: ForwardCall | BackwardCall, bias: ForwardCall | BackwardCall, target: Target) -> tuple:

@@ -33,7 +33,6 @@ from thunder_cudnn_safe.masks import bias as masks
 from thunder_cudnn_safe.plan.calls import (
     BackwardCall,
     ForwardCall,
-    memo_globals,
     memo_key,
     memo_source,
     signature,
@@ -80,35 +79,32 @@ def _entry_point(call_type: type, miss: str) -> Callable:
     (given the arguments as a plain tuple: it only unpacks them) and the cache's mark of use; no call value
     made, no memo-key function, no planning, no graph key hashed (``GraphCache.touch``). A backward turns on
     ``deterministic`` first where torch's deterministic algorithms are on, as the full path always did."""
-    fields, defaults = call_type._fields, call_type._field_defaults
-    env = {**memo_globals(call_type), **{f"default_{f}": v for f, v in defaults.items()}}
+    fields, defaults, name = call_type._fields, call_type._field_defaults, miss[1:]
+    memo, env = memo_source(call_type, lambda f: f)
+    env.update({f"default_{f}": v for f, v in defaults.items()})
     env.update(new=tuple.__new__, refusals=(GraphBuildError, ExecuteError), torch_deterministic=torch_deterministic)
     assert not set(fields) & {"self", "device", "target", "memo", "args", "entry", "built", "bound", "exc"}
     params = ", ".join(f"{f}=default_{f}" if f in defaults else f for f in fields)
-    lines = [f"def {miss[1:]}(self, {params}):"]
-    if call_type is BackwardCall:
-        lines += ["    if not deterministic and torch_deterministic():", "        deterministic = True"]
-    lines += [
-        "    device = query.device",
-        "    target = self.runtime.target(device)",
-        f"    memo = {memo_source(call_type, lambda f: f)}",
-        f"    args = ({''.join(f + ', ' for f in fields)})",
-        "    entry = self.recipes.peek(memo)",
-        "    if entry is not None and entry.slot is not None:",
-        "        built = self.cache.touch(entry.slot)",
-        "        if built is not None:",
-        "            bound = entry.run(args, device)",
-        "            try:",
-        "                self.runtime.execute(built, bound.pack)",
-        "            except refusals as exc:",
-        "                self.refused(bound, exc)",
-        "            return bound.outputs",
-        f"    return self.{miss}(new(call_type, args), target, memo, entry)",
-    ]
-    source = "\n".join(lines)
-    exec(compile(source, f"<thunder_cudnn_safe Dispatcher.{miss[1:]}>", "exec"), env)
-    fn = env[miss[1:]]
-    fn.__qualname__, fn.__module__, fn.source = f"Dispatcher.{miss[1:]}", __name__, source
+    det = "    if not deterministic and torch_deterministic():\n        deterministic = True\n"
+    source = f"""def {name}(self, {params}):
+{det if call_type is BackwardCall else ""}    device = query.device
+    target = self.runtime.target(device)
+    memo = {memo}
+    args = ({"".join(f + ", " for f in fields)})
+    entry = self.recipes.peek(memo)
+    if entry is not None and entry.slot is not None:
+        built = self.cache.touch(entry.slot)
+        if built is not None:
+            bound = entry.run(args, device)
+            try:
+                self.runtime.execute(built, bound.pack)
+            except refusals as exc:
+                self.refused(bound, exc)
+            return bound.outputs
+    return self.{miss}(new(call_type, args), target, memo, entry)"""
+    exec(compile(source, f"<thunder_cudnn_safe Dispatcher.{name}>", "exec"), env)
+    fn = env[name]
+    fn.__qualname__, fn.__module__, fn.source = f"Dispatcher.{name}", __name__, source
     return fn
 
 
@@ -172,8 +168,7 @@ class Dispatcher:
         entry = self.recipes.peek(memo)
         if entry is None:
             sig = signature(call)  # a forward memo is (target, dynamic-shape mode, ...): the recipe uses that mode
-            forward = isinstance(call, ForwardCall)
-            entry = Memo(forward_recipe(sig, memo[0], memo[1]) if forward else backward_recipe(sig, memo[0]))
+            entry = Memo(forward_recipe(sig, *memo[:2]) if type(sig) is ForwardCall else backward_recipe(sig, memo[0]))
             self.recipes.put(memo, entry)
         return entry
 

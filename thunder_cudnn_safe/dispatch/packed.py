@@ -16,15 +16,9 @@ from thunder_cudnn_safe.rules.key_gate import RuleRefusal
 from thunder_cudnn_safe.telemetry import Counts, warn_once
 
 _counts = Counts()
-
-
-def varlen_info() -> dict[str, int]:
-    """Calls run as variable-length attention ("forward", "backward"), and declines or refusals by reason."""
-    return _counts.info()
-
-
-def reset_varlen_info() -> None:
-    _counts.reset()
+#: ``varlen_info()``: calls run as variable-length attention ("forward", "backward"), and declines or refusals by
+#: reason, since the last ``reset_varlen_info()``.
+varlen_info, reset_varlen_info = _counts.info, _counts.reset
 
 
 def run(disp: Any, call: Any) -> tuple[torch.Tensor, ...] | None:

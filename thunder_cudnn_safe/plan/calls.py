@@ -75,8 +75,8 @@ class BackwardCall(NamedTuple):
     mask_grad: bool = False
 
 
-#: The options a forward and its backward share, by name (both call values carry them).
-SHARED = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "layout", "deterministic")
+#: The fields a forward and its backward share, by name (both call values carry them).
+SHARED = tuple(f for f in ForwardCall._fields if f in BackwardCall._fields)
 
 
 def backward_of(
@@ -89,22 +89,13 @@ def backward_of(
     mask_grad: bool = False,
 ) -> BackwardCall:
     """The backward call of forward ``call`` (its shared fields by name), for ``grad_out`` and the forward's outputs."""
-    shared = {name: getattr(call, name) for name in SHARED}
-    return BackwardCall(
-        grad_out=grad_out,
-        out=out,
-        stats=stats,
-        seed=seed,
-        offset=offset,
-        cat_grad_qkv=call.cat_grad_qkv,
-        mask_grad=mask_grad,
-        **shared,
-    )
+    both = {name: getattr(call, name) for name in SHARED}
+    return BackwardCall(grad_out=grad_out, out=out, stats=stats, seed=seed, offset=offset, mask_grad=mask_grad, **both)
 
 
 def forward_of(call: BackwardCall) -> ForwardCall:
     """The forward call a backward ``call`` is the backward of (its shared fields by name)."""
-    return ForwardCall(**{name: getattr(call, name) for name in SHARED}, cat_grad_qkv=call.cat_grad_qkv)
+    return ForwardCall(**{name: getattr(call, name) for name in SHARED})
 
 
 def arg_key(x: Any) -> Any:
@@ -123,11 +114,11 @@ TENSOR_FIELDS = {
 MAYBE_TENSOR_FIELDS = ("attn_mask", "seed", "offset")
 
 
-def memo_source(call_type: type, ref: Any) -> str:
-    """The source of ``call_type``'s memo key as one tuple expression, derived from its fields; ``ref(field)`` is
-    the source that reads a field (``c.query`` in :func:`memo_key`; a bare parameter in the dispatcher's entry
-    points, which make the key before any call value exists). Free names: ``target`` and
-    :func:`memo_globals`'s.
+def memo_source(call_type: type, ref: Any) -> tuple[str, dict[str, Any]]:
+    """The source of ``call_type``'s memo key as one tuple expression, derived from its fields, and the globals it
+    reads besides ``target`` and the fields; ``ref(field)`` is the source that reads a field (``c.query`` in
+    :func:`memo_key`; a bare parameter in the dispatcher's entry points, which make the key before any call value
+    exists).
 
     The target, then a forward's dynamic-shape mode (its recipe reads it: ``memo[1]``; a backward's call type
     there), each tensor field's shape, strides and dtype, one alignment test of all their base pointers and
@@ -145,18 +136,14 @@ def memo_source(call_type: type, ref: Any) -> str:
     aligned = f"(({ptrs}) % {ALIGNMENT_BYTES} == 0 and not ({negs})) or tuple(map(arg_key, ({each},)))"
     maybe = [f"None if {ref(f)} is None else arg_key({ref(f)})" for f in optional]
     values = "".join(f"{ref(f)}, " for f in plain)
-    return f"(target, {mode}, {', '.join(parts)}, {aligned}, {', '.join(maybe)}, {values})"
-
-
-def memo_globals(call_type: type) -> dict[str, Any]:
-    """The names :func:`memo_source`'s expression reads besides ``target`` and the fields."""
-    return {"arg_key": arg_key, "config": config, "call_type": call_type}
+    names = {"arg_key": arg_key, "config": config, "call_type": call_type}
+    return f"(target, {mode}, {', '.join(parts)}, {aligned}, {', '.join(maybe)}, {values})", names
 
 
 def _compile_memo(call_type: type) -> Any:
     """A straight-line ``memo(call, target)`` for ``call_type`` (:func:`memo_source`)."""
-    source = f"def memo(c, target):\n    return {memo_source(call_type, lambda f: 'c.' + f)}"
-    env = memo_globals(call_type)
+    expr, env = memo_source(call_type, lambda f: "c." + f)
+    source = f"def memo(c, target):\n    return {expr}"
     exec(compile(source, f"<thunder_cudnn_safe memo of {call_type.__name__}>", "exec"), env)
     return env["memo"]
 

@@ -70,8 +70,7 @@ class ForwardKey(NamedTuple):
     #: built with dynamic shapes and the target's kernel cache (:func:`~thunder_cudnn_safe.graphs.build.kernel_cache`):
     #: a new length or batch size reuses a compiled kernel; the layouts declared are still this key's
     dynamic: bool = False
-    #: packed sequences (:mod:`~thunder_cudnn_safe.plan.varlen`): a
-    #: :class:`~thunder_cudnn_safe.plan.varlen.RaggedSig`, or None
+    #: packed sequences: a :class:`~thunder_cudnn_safe.plan.varlen.RaggedSig`, or None
     ragged: Any = None
 
 
@@ -101,7 +100,7 @@ class BackwardKey(NamedTuple):
 
 
 #: Each key type's tensor fields, by the uid each declares (a field is named after its uid: ``d_o`` is ``Uid.DO``).
-_FIELD_UIDS = {
+FIELD_UIDS = {
     kind: {f: Uid[u] for f in kind._fields if (u := f.replace("_", "").upper()) in Uid.__members__}
     for kind in (ForwardKey, BackwardKey)
 }
@@ -110,4 +109,4 @@ _FIELD_UIDS = {
 def key_of(kind: type, sigs: dict[Uid, TensorSig], **options: Any) -> ForwardKey | BackwardKey:
     """A ``kind`` key declaring ``sigs[uid]`` for each tensor field (None for a uid not bound); ``options``: the
     other fields."""
-    return kind(**{f: sigs.get(uid) for f, uid in _FIELD_UIDS[kind].items()}, **options)
+    return kind(**{f: sigs.get(uid) for f, uid in FIELD_UIDS[kind].items()}, **options)

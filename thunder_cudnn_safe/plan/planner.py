@@ -106,13 +106,6 @@ def bias_too_large(call: ForwardCall | BackwardCall) -> bool:
     return isinstance(call.attn_mask, torch.Tensor) and scores >= INT32_ELEMENT_LIMIT
 
 
-def capture_calls(call: ForwardCall | BackwardCall, target: Target) -> tuple[Any, ...]:
-    """The calls ``call`` runs under CUDA-graph capture, whose graphs a warm-up must build: its mask as a bias
-    (no pattern under capture); none for an oversized bias (the fallback runs it, capture or not)."""
-    bias = plan(call, target, recognize=False)
-    return () if bias.route is Route.OVERSIZED_BIAS else (bias.call,)
-
-
 def planned_keys(call: ForwardCall, target: Target) -> tuple[ForwardCall, Any, Any]:
     """The call as it runs (a pattern swapped in) and the keys of its forward and of its backward for dO in
     O's layout, planned from layouts alone (nothing bound, built, drawn or run, except the recognition of a

@@ -71,8 +71,6 @@ class PackRecipe(NamedTuple):
 
     key: ForwardKey | BackwardKey
     steps: tuple[Step, ...]
-    #: indices of the values the operator returns
-    outputs: tuple[int, ...]
     #: ``steps`` as one function ``(call, device) -> Bound`` (:func:`_compile`)
     run: Callable[[tuple, torch.device], Bound]
     #: the generated source of ``run``, for a reader (``str(recipe)``); never read on a call
@@ -152,7 +150,7 @@ def _compile(key: ForwardKey | BackwardKey, steps: list[Step], outputs: tuple[in
     lines.append(f"    return new(Bound, (key, {{{', '.join(pack)}}}, ({''.join(names[i] + ', ' for i in outputs)})))")
     source = "\n".join(lines)
     exec(compile(source, "<thunder_cudnn_safe recipe>", "exec"), env)
-    return PackRecipe(key, tuple(steps), tuple(outputs), env["bind"], source)
+    return PackRecipe(key, tuple(steps), env["bind"], source)
 
 
 class _RecipeBuilder:
@@ -205,9 +203,8 @@ class _RecipeBuilder:
         if a is None:
             return
         shape, strides = [1] * (4 - len(a.shape)) + list(a.shape), [0] * (4 - len(a.shape)) + list(a.stride)
-        for d in (0, 1):
-            if not needs_grad and shape[d] > 1 and strides[d] == 0:
-                shape[d] = 1
+        if not needs_grad:
+            shape[:2] = [1 if n > 1 and st == 0 else n for n, st in zip(shape, strides[:2])]
         shape, strides = tuple(shape), canonical_strides(shape, strides)
         view = None if (shape, strides) == (tuple(a.shape), tuple(a.stride)) else (shape, strides, 0)
         full = (shape[0], shape[1], q.shape[2], self.sigs[Uid.K].shape[2])
@@ -301,8 +298,7 @@ def backward_recipe(call: BackwardCall, target: Target) -> PackRecipe:
         p.new(Uid.DBIAS, bias._replace(stride=dense_strides(bias.shape, range(4), bias.dtype)))
     if call.dropout_p:
         for uid, i in ((Uid.SEED, 9), (Uid.OFFSET, 10)):
-            a = call[i]
-            p.add(Step(uid, i), TensorSig(tuple(a.shape), tuple(a.stride), a.dtype))
+            p.add(Step(uid, i), TensorSig(tuple(call[i].shape), tuple(call[i].stride), call[i].dtype))
     if wants_fused_grad_qkv(call):
         outputs = (p.cat_grad_qkv(q, k, v),)
     else:
