@@ -240,6 +240,28 @@ def test_head_major_inputs_are_copied_tokens_major_and_counted(fresh_cache):
     assert copies.copies >= 3 and any("tokens-major" in str(r) for r in copies.by_reason), copies
 
 
+@pytest.mark.parametrize("role", ["query", "key", "value", "grad_out"])
+def test_a_neg_bit_operand_of_packed_documents_is_copied(role, fresh_cache):
+    """A lazily negated operand (``torch._neg_view``) on the packed route is copied (``NEG_BIT``) as on the
+    dense one: the ragged offsets are bound to the copy, which holds the values, not the un-negated memory."""
+    disp = _dispatcher()
+    mask = rows([[4, 3, 5], [6, 6]], 12)
+    named = dict(zip(("query", "key", "value"), _qkv(2, 4, 2, 12)))
+    d_o = torch.randn(2, 4, 12, 64, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    named["grad_out"] = d_o.transpose(1, 2).contiguous().transpose(1, 2)  # tokens-major, as O
+    lazy = dict(named, **{role: torch._neg_view(named[role].neg())})
+    assert lazy[role].is_neg() and torch.equal(lazy[role], named[role])
+    varlen_dispatch.reset_varlen_info()
+    tcs.reset_copy_stats()
+    q, k, v, g = (lazy[n] for n in ("query", "key", "value", "grad_out"))
+    out, stats = disp.forward(q, k, v, mask, 0.0, False, enable_gqa=True)
+    grads = disp.backward(g, q, k, v, mask, 0.0, False, out, stats, None, None)
+    assert varlen_dispatch.varlen_info() == {"forward": 1, "backward": 1} and disp.cache.info().fallbacks == 0
+    copied = {name for name, reason in tcs.copy_stats().by_reason if reason is tcs.CopyReason.NEG_BIT}
+    assert role in copied, tcs.copy_stats()
+    _assert_close(out, grads, *_eager(mask, *(named[n] for n in ("query", "key", "value", "grad_out"))))
+
+
 def test_one_graph_serves_varying_packings():
     """N and S are bucketed (powers of two): rows packed differently share the forward and backward graph."""
     disp = _dispatcher()
@@ -497,6 +519,27 @@ def test_more_than_32768_documents_decline_to_the_bias_not_a_grid_crash():
     disp.runtime._build_one = lambda key, impl: built.append(key)  # never reached: the gate refuses first
     assert varlen_dispatch.run(disp, ForwardCall(q, q, q, p)) is None
     assert built == [] and varlen_dispatch.varlen_info() == {"declined: GRID_65535 (key gate)": 1}
+
+
+@pytest.mark.parametrize("need_stats", [False, True])
+def test_the_forward_offsets_are_int64_where_only_o_overflows_int32(need_stats):
+    """With d_v > d and fewer K/V heads, O's token stride (Hq x d_v) is the largest: 2**23 tokens keep Q, K,
+    V's element offsets under 2**31 (32, 8, 64 per token), O's (256 per token) go past it. The forward chose
+    the offsets' dtype from Q, K, V alone, so O's offsets were declared int32 and would wrap. Planned on meta
+    tensors: no memory."""
+    from thunder_cudnn_safe.masks.documents import DocumentPattern
+    from thunder_cudnn_safe.plan.calls import ForwardCall
+
+    t, half = 2**23, 2**22
+    QKV_HD = ((4, 8), (1, 8), (1, 64))  # (heads, head dim) of Q, K, V
+    p = DocumentPattern(False, None, 2, half, 1, t, torch.tensor([0, half]), torch.tensor([half, half]).int(), None)
+    q, k, v = (torch.empty(1, t, h, d, dtype=torch.bfloat16, device="meta").transpose(1, 2) for h, d in QKV_HD)
+    assert max(x.stride(2) for x in (q, k, v)) * (t + 1) < 2**31 <= 256 * (t + 1)
+    target = _dispatcher().runtime.target(torch.device("cpu"))
+    call = ForwardCall(q, k, v, p, need_stats=need_stats, enable_gqa=True)
+    _, fkey, bkey = varlen.planned_keys(call, target)
+    assert fkey.o.stride[2] == 256 and fkey.ragged.offsets.dtype == torch.int64
+    assert bkey is None if not need_stats else bkey.ragged.offsets.dtype == torch.int64
 
 
 # -- defects an adversarial review found (issue 30), each reproduced ------------------------------

@@ -57,18 +57,18 @@ def tokens_major(t: torch.Tensor) -> bool:
 
 def _tokens_major_copy(t: torch.Tensor, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``t`` copied (as ``dtype``) into dense (B, T, H, D) memory viewed (B, H, T, D): one counted copy (none
-    planned on meta)."""
+    planned on meta), counted by what cuDNN could not read: ``layout_problem``'s reason (a lazily negated or
+    misaligned ``t``), else ``RAGGED_LAYOUT`` (a layout dense attention reads, ragged offsets cannot)."""
     buf = torch.empty((t.shape[0], t.shape[2], t.shape[1], t.shape[3]), dtype=dtype or t.dtype, device=t.device)
     buf = buf.transpose(1, 2)
     if t.device.type != "meta":
-        counted_copy(buf, t, name, CopyReason.RAGGED_LAYOUT)
+        counted_copy(buf, t, name, layout_problem(t) or CopyReason.RAGGED_LAYOUT)
     return buf
 
 
 def _operands(call: Any, *fields: str) -> list[torch.Tensor]:
     """The call's ``fields``, each as it is where tokens-major, else copied tokens-major."""
-    tensors = [getattr(call, f) for f in fields]
-    return [t if tokens_major(t) else _tokens_major_copy(t, f) for t, f in zip(tensors, fields)]
+    return [t if tokens_major(t := getattr(call, f)) else _tokens_major_copy(t, f) for f in fields]
 
 
 def _empty_tokens_major(shape: tuple, dtype: torch.dtype, device: torch.device, fill: float = 0.0) -> torch.Tensor:
@@ -84,19 +84,6 @@ def _declared(t: torch.Tensor, n: int, s: int) -> TensorSig:
     return TensorSig((n, h, s, d), (s * st, sh if h > 1 else d, st, 1), t.dtype)
 
 
-class _Shape(NamedTuple):
-    n: int
-    s: int
-    offsets: TensorSig
-
-
-def _shape(p: DocumentPattern, tensors: tuple[torch.Tensor, ...]) -> _Shape:
-    n, s = bucket(p.n_docs), bucket(p.max_len, MIN_S_BUCKET)
-    extent = max(t.stride(2) for t in tensors) * (p.rows * p.tokens + 1)
-    dtype = torch.int32 if extent < 2**31 else torch.int64
-    return _Shape(n, s, TensorSig((n + 1, 1, 1, 1), (1, 1, 1, 1), dtype))
-
-
 def _derived(p: DocumentPattern, make: Any, *args: Any) -> torch.Tensor:
     """``make(p, *args)``, kept with the pattern (one per distinct mask, shared by every layer); made fresh without."""
     if p.derived is None:
@@ -107,23 +94,19 @@ def _derived(p: DocumentPattern, make: Any, *args: Any) -> torch.Tensor:
     return p.derived[what]
 
 
-def _offsets(p: DocumentPattern, shape: _Shape, token_stride: int) -> torch.Tensor:
+def _offsets(p: DocumentPattern, sig: TensorSig, token_stride: int) -> torch.Tensor:
     """(N+1,1,1,1) element offsets of each document's first token; unused sequences point past the buffer."""
-    out = torch.full((shape.n + 1,), p.rows * p.tokens * token_stride, dtype=torch.int64, device=p.starts.device)
-    out[: p.n_docs] = p.starts * token_stride
-    return out.to(shape.offsets.dtype).view(-1, 1, 1, 1)
+    past = p.starts.new_full((sig.shape[0] - p.n_docs,), p.rows * p.tokens * token_stride)
+    return torch.cat([p.starts * token_stride, past]).to(sig.dtype).view(sig.shape)
 
 
 def _lens(p: DocumentPattern, n: int) -> torch.Tensor:
-    out = torch.zeros((n,), dtype=torch.int32, device=p.lens.device)
-    out[: p.n_docs] = p.lens
-    return out.view(-1, 1, 1, 1)
+    return torch.cat([p.lens, p.lens.new_zeros(n - p.n_docs)]).view(-1, 1, 1, 1)
 
 
 def decline(call: Any, target: Target, forward: bool) -> str | None:
     """Why the varlen path does not take ``call`` (it then runs as a bias, as before), or None."""
-    p = call.attn_mask
-    q, k = call.query, call.key
+    p, q, k = call.attn_mask, call.query, call.key
     if call.dropout_p and not cudnn_rules.VARLEN_NO_DROPOUT.holds(target):
         return cudnn_rules.VARLEN_NO_DROPOUT.text
     if not cudnn_rules.VARLEN_BACKEND.holds(target):
@@ -137,13 +120,17 @@ def decline(call: Any, target: Target, forward: bool) -> str | None:
     return None  # every rule read off the planned keys (lengths, grid, dP workspace) is the key gate's
 
 
-def _bound(kind: type, call: Any, target: Target, named: dict, shape: _Shape, dry: bool, **options: Any) -> tuple:
+def _bound(kind: type, call: Any, target: Target, named: dict, dry: bool, **options: Any) -> tuple:
     """The key declaring the ``named`` tensors as N ragged sequences of S tokens, and unless ``dry`` the pack
-    binding them, the lengths and each tensor's offsets."""
+    binding them, the lengths and each tensor's offsets (int64 where any named tensor's could step past int32:
+    O's token stride, H_q x d_v, may be the largest)."""
     p: DocumentPattern = call.attn_mask
+    n, s = bucket(p.n_docs), bucket(p.max_len, MIN_S_BUCKET)
+    extent = max(t.stride(2) for t in named.values()) * (p.rows * p.tokens + 1)
+    offsets = TensorSig((n + 1, 1, 1, 1), (1, 1, 1, 1), torch.int32 if extent < 2**31 else torch.int64)
     key = key_of(
         kind,
-        {uid: _declared(x, shape.n, shape.s) for uid, x in named.items()},
+        {uid: _declared(x, n, s) for uid, x in named.items()},
         causal=p.causal,
         dropout_p=0.0,
         scale=default_scale(call.query.shape[3], call.scale),
@@ -151,14 +138,14 @@ def _bound(kind: type, call: Any, target: Target, named: dict, shape: _Shape, dr
         target=target,
         left=p.left,
         padded=True,
-        ragged=RaggedSig(shape.offsets, p.rows * p.tokens, Uid.STATS in named),
+        ragged=RaggedSig(offsets, p.rows * p.tokens, Uid.STATS in named),
         **options,
     )
     if dry:
         return key, {}
-    lens = _derived(p, _lens, shape.n)
-    offsets = {st: _derived(p, _offsets, shape, st) for st in {t.stride(2) for t in named.values()}}
-    ragged = {Uid[f"RAGGED_{uid.name}"]: offsets[t.stride(2)] for uid, t in named.items()}
+    lens = _derived(p, _lens, n)
+    by_stride = {st: _derived(p, _offsets, offsets, st) for st in {t.stride(2) for t in named.values()}}
+    ragged = {Uid[f"RAGGED_{uid.name}"]: by_stride[t.stride(2)] for uid, t in named.items()}
     return key, {**named, Uid.SEQ_LEN_Q: lens, Uid.SEQ_LEN_KV: lens, **ragged}
 
 
@@ -169,7 +156,7 @@ def bind_forward(call: Any, target: Target, dry: bool = False) -> Bound:
     named = {Uid.Q: q, Uid.K: k, Uid.V: v, Uid.O: _empty_tokens_major((b, h, t, v.shape[3]), q.dtype, q.device)}
     if call.need_stats:  # (B,H,T,1) tokens-major; +inf outside every document (the backward's P = 0 there)
         named[Uid.STATS] = _empty_tokens_major((b, h, t, 1), torch.float32, q.device, float("inf"))
-    key, pack = _bound(ForwardKey, call, target, named, _shape(call.attn_mask, (q, k, v)), dry)
+    key, pack = _bound(ForwardKey, call, target, named, dry)
     return Bound(key, pack, tuple(named[uid] for uid in (Uid.O, Uid.STATS) if uid in named))
 
 
@@ -189,8 +176,7 @@ def bind_backward(call: Any, target: Target, dry: bool = False) -> Bound:
         dq, dk, dv = (_empty_tokens_major(x.shape, x.dtype, x.device) for x in (q, k, v))
         outputs = (dq, dk, dv)
     named = {Uid.Q: q, Uid.K: k, Uid.V: v, Uid.O: o, Uid.DO: d_o, Uid.STATS: stats, Uid.DQ: dq, Uid.DK: dk, Uid.DV: dv}
-    shape = _shape(call.attn_mask, tuple(named.values()))  # (the stats' token stride, H, is never the largest)
-    key, pack = _bound(BackwardKey, call, target, named, shape, dry, deterministic=bool(call.deterministic))
+    key, pack = _bound(BackwardKey, call, target, named, dry, deterministic=bool(call.deterministic))
     return Bound(key, pack, outputs)
 
 
@@ -225,11 +211,9 @@ def varlen_work(p: DocumentPattern, heads: int, ragged_tensors: int = 4) -> Work
     lens = p.lens.to(torch.int64)
     if not p.causal:
         pairs = lens * lens
-    elif p.left is None:
-        pairs = lens * (lens + 1) // 2
-    else:
-        w = torch.clamp(lens, max=p.left)  # each query keeps min(i + 1, W) keys
-        pairs = w * (w + 1) // 2 + (lens - w) * p.left
+    else:  # each query keeps min(i + 1, W) keys (W = L without a window)
+        w = lens if p.left is None else torch.clamp(lens, max=p.left)
+        pairs = w * (w + 1) // 2 + (lens - w) * (p.left or 0)
     n = bucket(p.n_docs)
     offset_bytes = (n + 1) * (4 if p.rows * p.tokens < 2**31 else 8)
     return Work(int(pairs.sum()) * heads, 2 * n * 4 + ragged_tensors * offset_bytes)
