@@ -79,3 +79,19 @@ def test_readme_map_matches_the_tree():
     section = readme.split("## Map of the repository", 1)[1].split("```", 2)[1]
     for name in ALLOWED:
         assert f"  {name}/" in section, f"README's map lacks {name}/"
+
+
+#: The longest class or function the package allows itself (issue 35: a unit a newcomer can read whole).
+UNIT_LINE_LIMIT = 120
+
+
+def test_no_class_or_function_is_over_the_unit_limit():
+    """Every class and function, docstring included, is at most UNIT_LINE_LIMIT lines (``Dispatcher`` was 129)."""
+    over = [
+        f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.end_lineno - node.lineno + 1 > UNIT_LINE_LIMIT
+    ]
+    assert not over, over

@@ -70,7 +70,7 @@ def memoizable(p: Plan, call: ForwardCall | BackwardCall) -> bool:
     return p.route is Route.PLAIN and call.attn_mask is None and not call.dropout_p
 
 
-def _entry_point(call_type: type, miss: str) -> Callable:
+def _entry_point(call_type: type, miss: str, doc: str) -> Callable:
     """``Dispatcher.forward`` / ``.backward``: the call type's fields as parameters (with its defaults), the memo
     key made from them (:func:`~thunder_cudnn_safe.plan.calls.memo_source`), and on a hit of a remembered slot
     bind, execute (a refusal: :meth:`Dispatcher.refused`), return; anything else goes to ``miss``, the full path.
@@ -104,7 +104,7 @@ def _entry_point(call_type: type, miss: str) -> Callable:
     return self.{miss}(new(call_type, args), target, memo, entry)"""
     exec(compile(source, f"<thunder_cudnn_safe Dispatcher.{name}>", "exec"), env)
     fn = env[name]
-    fn.__qualname__, fn.__module__, fn.source = f"Dispatcher.{name}", __name__, source
+    fn.__qualname__, fn.__module__, fn.__doc__, fn.source = f"Dispatcher.{name}", __name__, doc, source
     return fn
 
 
@@ -119,10 +119,8 @@ class Dispatcher:
         with _live_lock:
             _live.add(self)
 
-    forward = _entry_point(ForwardCall, "_forward")
-    forward.__doc__ = """O and stats (none when ``need_stats`` is False), then the dropout seed and offset."""
-    backward = _entry_point(BackwardCall, "_backward")
-    backward.__doc__ = """(dq, dk, dv), or (grad_qkv,) when fused, then the mask's gradient when ``mask_grad``."""
+    forward = _entry_point(ForwardCall, "_forward", "O and stats (if ``need_stats``), then dropout's seed and offset.")
+    backward = _entry_point(BackwardCall, "_backward", "(dq, dk, dv) or (grad_qkv,) fused, then dBias with mask_grad.")
 
     def refusal(self, bound: Bound) -> GraphBuildError | ExecuteError | None:
         """Execute ``bound`` on the runtime (its graph built once); the runtime's refusal, or None if it ran."""
@@ -179,13 +177,7 @@ class Dispatcher:
     def _forward(self, call: ForwardCall, target: Target, memo: tuple, entry: Memo | None) -> tuple:
         p, bound, outputs = self._full(call, target, memo, entry)
         if bound is not None and p.call.attn_mask is not None and Uid.BIAS in bound.pack:
-            # Eager's "safe softmax" for a query row whose every key is masked with -inf: zeros, no gradient. A flash
-            # kernel gives NaN there (poisoning dV of the whole batch element). The dead rows are set to 0 and their
-            # stats to +inf, so the backward recomputes P = 0 for them. No host synchronization.
-            dead = _fully_masked_rows(p.call.attn_mask, bound.pack[Uid.BIAS])
-            bound.outputs[0].masked_fill_(dead, 0.0)
-            if Uid.STATS in bound.pack:
-                bound.pack[Uid.STATS].masked_fill_(dead, float("inf"))
+            _zero_fully_masked_rows(p.call.attn_mask, bound)
         return outputs
 
     def _backward(self, call: BackwardCall, target: Target, memo: tuple, entry: Memo | None) -> tuple:
@@ -229,10 +221,10 @@ class Dispatcher:
 
     def mask_gradient(self, *args, **kwargs) -> torch.Tensor:
         """The gradient of a mask computed inside the traced function (thunder keeps this call only when
-        it is used): one backward with dBias, keeping dQ, dK, dV for the next backward call (:mod:`handoff`)."""
+        it is used): one backward with dBias, keeping dQ, dK, dV for the next backward call (:mod:`handoff`), whose
+        call they must match: deterministic where torch's deterministic mode is on, as ``backward()`` makes it."""
         call = BackwardCall(*args, **kwargs)._replace(mask_grad=True)
-        if not call.deterministic and torch_deterministic():  # as the backward will: the kept grads must match
-            call = call._replace(deterministic=True)
+        call = call._replace(deterministic=call.deterministic or torch_deterministic())
         grads = self.backward(*call)
         handoff.keep_gradients(call, grads[:-1])
         return grads[-1]
@@ -256,6 +248,16 @@ def forget_memos(_value: Any = None) -> None:
 
 for _knob in config.KNOBS:
     config.on_change(_knob, forget_memos)
+
+
+def _zero_fully_masked_rows(mask: torch.Tensor, bound: Bound) -> None:
+    """Eager's "safe softmax" for a query row whose every key is masked with -inf: zeros, no gradient. A flash
+    kernel gives NaN there (poisoning dV of the whole batch element). The dead rows of a forward run with a bias
+    are set to 0 and their stats to +inf, so the backward recomputes P = 0 for them. No host synchronization."""
+    dead = _fully_masked_rows(mask, bound.pack[Uid.BIAS])
+    bound.outputs[0].masked_fill_(dead, 0.0)
+    if Uid.STATS in bound.pack:
+        bound.pack[Uid.STATS].masked_fill_(dead, float("inf"))
 
 
 def _fully_masked_rows(mask: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
