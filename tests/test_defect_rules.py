@@ -391,6 +391,59 @@ def test_every_rule_read_off_a_call_is_named_by_explain(rule):
     assert rule in CALL_TRIGGERS[rule](), rule
 
 
+#: The facts about cuDNN's backward alone (``passes=("backward",)``); the sm80/sm120 bias rules with key length 1
+#: are not among them: their forward is not shown to have an engine (the compile sweep built backwards only).
+BACKWARD_ONLY = [
+    "BACKWARD_SEQ_1",
+    "DETERMINISTIC_BACKWARD_BLACKWELL",
+    "DETERMINISTIC_BACKWARD_BLACKWELL_BEFORE_9_18",
+    "DROPOUT_DBIAS_BLACKWELL",
+    "DBIAS_KEY_LENGTH_1_BLACKWELL",
+    "DP_WORKSPACE",
+    "HOPPER_BACKWARD_KV_TAIL_NAN",
+    "HOPPER_DECODE_BACKWARD_NAN",
+    "BACKWARD_KEY_LENGTH_1",
+]
+
+
+def test_the_backward_only_rules_are_these():
+    assert [r.name for r in cudnn_rules.RULES if r.passes == ("backward",)] == BACKWARD_ONLY
+
+
+@pytest.mark.parametrize("rule", BACKWARD_ONLY)
+def test_a_backward_only_rule_leaves_the_inference_forward_claimed(rule, monkeypatch):
+    """A fact about cuDNN's backward (``passes=("backward",)``) declines the training call CALL_TRIGGERS makes,
+    never the same call's forward without a backward (BACKWARD_SEQ_1, DP_WORKSPACE and the Blackwell dBias /
+    deterministic rules declined inference forwards too, a needless fallback). libcudnn's own validate and
+    build_operation_graph accept that forward's graph at the rule's architecture."""
+    from thunder_cudnn_safe.graphs import lowering
+    from thunder_cudnn_safe.plan.calls import ForwardCall
+    from thunder_cudnn_safe.plan.planner import planned_keys
+
+    explain, seen = tcs.explain, []
+
+    def inference(*args, **kwargs):
+        kwargs["need_stats"] = False
+        seen.append((args, kwargs))
+        return explain(*args, **kwargs)
+
+    monkeypatch.setattr(tcs, "explain", inference)
+    assert rule not in CALL_TRIGGERS[rule](), rule
+    monkeypatch.undo()
+    assert rule in CALL_TRIGGERS[rule](), rule  # the training call: declined
+    problem = lowering.lowering_problem()
+    if problem is not None:
+        pytest.skip(f"cannot lower graphs here: {problem}")
+    (args, kwargs), target = seen[-1], tcs.emulated_ex.runtime.target(torch.device("cpu"))
+    kwargs.pop("executor")
+    if not isinstance(args[0], torch.Tensor):  # a proxy call (a layout rule) has no tensors to plan
+        return
+    _, forward, backward = planned_keys(ForwardCall(*args, **kwargs), target)
+    assert backward is None
+    verdict = lowering.lower_key(forward, target.arch[0] * 10 + target.arch[1])
+    assert verdict.ok, verdict
+
+
 def test_a_rule_without_a_trigger_is_listed_with_why():
     untriggered = {r.name for r in cudnn_rules.RULES if r.on_call is None and r.on_key is None}
     assert untriggered == set(NO_TRIGGER)

@@ -167,8 +167,9 @@ def test_rules_the_lowering_sweep_found():
     from thunder_cudnn_safe.rules.support import DeclineCode
 
     hopper = EmulatedRuntime(arch=(9, 0), backend_version=91900)
-    seq1 = reasons_for(hopper, *qkv(lq=1, s=1), need_stats=False)  # training adds BACKWARD_KEY_LENGTH_1
-    assert [r.rule for r in seq1] == [cudnn_rules.BACKWARD_SEQ_1.name] and seq1[0].code is DeclineCode.SHAPE
+    seq1 = reasons_for(hopper, *qkv(lq=1, s=1))  # in training; the inference forward lowers and is claimed
+    assert [r.rule for r in seq1] == [cudnn_rules.BACKWARD_SEQ_1.name, cudnn_rules.BACKWARD_KEY_LENGTH_1.name]
+    assert seq1[0].code is DeclineCode.SHAPE and reasons_for(hopper, *qkv(lq=1, s=1), need_stats=False) == []
     assert reasons_for(hopper, *qkv(lq=1, s=16)) == [] and reasons_for(hopper, *qkv(lq=16, s=1), need_stats=False) == []
     consumer_blackwell = EmulatedRuntime(arch=(12, 0), backend_version=91900)
     assert any("exceeds 128" in r for r in reasons_for(consumer_blackwell, *qkv(d=192, dv=128)))

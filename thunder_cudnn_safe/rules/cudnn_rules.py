@@ -389,6 +389,7 @@ BACKWARD_SEQ_1 = Rule(
     "sdpa_backward refuses s_q = s_kv = 1 (the forward accepts it)",
     "nvidia-cudnn-frontend 1.32 _sdpa_validate.py ('s_q = s_kv = 1 is not supported') and cuDNN 9.19's C++ "
     "validate, on every arch (the lowering sweep)",
+    passes=("backward",),
     on_key=_in_backward(lambda key: _dense(key) and _lengths(key) == (1, 1), "a backward with s_q = s_kv = 1"),
     on_call=call_where_it_holds(
         lambda rule, call: _if(
@@ -404,6 +405,7 @@ DETERMINISTIC_BACKWARD_BLACKWELL = Rule(
     "cuDNN 9.19 C++ validate: 'Deterministic algorithm is not supported on blackwell architecture when dbias, "
     "rng/dropout, alibi is enabled' (the lowering sweep; sm120 accepts)",
     arch_major=10,
+    passes=("backward",),
     on_key=_in_backward(
         lambda key: key.deterministic and bool(key.dropout_p or key.d_bias),
         "a deterministic backward with dropout or dBias",
@@ -443,6 +445,7 @@ DROPOUT_DBIAS_BLACKWELL = Rule(
     "this engine only supports fprop inference under non matching device version and architecture'), no other "
     "engine serves dBias; sm80/sm90 build it. Deviceless planning: a B200 run may lift it",
     arch_major=10,
+    passes=("backward",),
     on_key=_in_backward(lambda key: bool(key.dropout_p) and key.d_bias is not None, "dropout with dBias"),
     on_call=_no_engine(lambda call: call.dropout > 0 and call.mask_grad),
 )
@@ -462,6 +465,7 @@ DBIAS_KEY_LENGTH_1_BLACKWELL = Rule(
     "the compile sweep, cuDNN 9.19: no engine config for sm100 ('This tile size is not supported for Blackwell "
     "flash bprop'); sm90 builds it",
     arch_major=10,
+    passes=("backward",),
     on_key=_in_backward(lambda key: key.d_bias is not None and _lengths(key)[1] == 1, "dBias with s_kv = 1"),
     on_call=_no_engine(lambda call: call.mask_grad and call.s == 1),
 )
@@ -527,6 +531,7 @@ DP_WORKSPACE = Rule(
     "in a workspace of B*H_q*pad64(S_q)*pad64(S_kv)*2 bytes: 8.6 GB at B=8, H=32, S=4096",
     "cudnn_frontend 1.32 node/scaled_dot_product_flash_attention.h, CompositeSDPABackwardNode: "
     "use_dp_workspace is forced for dBias and is_deterministic_algorithm; required_dp_workspace_bytes",
+    passes=("backward",),
     on_key=where_it_holds(_dp_key),
     on_call=call_where_it_holds(_dp_workspace),
     code="WORKSPACE",
