@@ -100,6 +100,9 @@ def test_env_var_sets_the_bound(monkeypatch):
         assert GraphCache().info().maxsize == 7  # a new cache takes the knob's bound
     monkeypatch.setenv(config.KNOBS["cache_size"].env, "zero")
     assert config.from_environment("cache_size") == 1024  # a typo warns and keeps the default, never breaks the import
+    for bad in (0, -1, True, "8"):  # resized directly too, a bound is checked before any entry goes
+        with pytest.raises(ValueError, match="positive integer"):
+            GraphCache(4).resize(bad)
 
 
 def test_public_cache_api(fresh_cache):

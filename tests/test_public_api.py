@@ -38,6 +38,17 @@ def test_every_exported_name_exists():
     assert len(set(tcs.__all__)) == len(tcs.__all__)
 
 
+def test_every_exported_function_is_named_and_documented_as_itself():
+    """``help(tcs.varlen_info)`` shows the function's own name and docstring, not a counter method's
+    (``Counts.info``) or the graph cache's ``info``: exported functions are functions of their own."""
+    import inspect
+
+    functions = {name: getattr(tcs, name) for name in tcs.__all__ if callable(getattr(tcs, name))}
+    functions = {name: f for name, f in functions.items() if not inspect.isclass(f)}
+    wrong = [name for name, f in functions.items() if getattr(f, "__name__", None) != name or not inspect.getdoc(f)]
+    assert wrong == [], wrong
+
+
 def test_every_readme_name_is_importable():
     dotted = set(re.findall(r"\bthunder_cudnn_safe\.([A-Za-z_]\w*)", README))
     api = {m.removesuffix("()") for m in re.findall(r"`([A-Za-z_]\w*(?:\(\))?)`", _section("Public API"))} - FOREIGN

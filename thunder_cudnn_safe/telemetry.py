@@ -9,7 +9,7 @@ import collections
 import enum
 import logging
 import threading
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import NamedTuple
 
 from thunder_cudnn_safe import caches
@@ -135,6 +135,21 @@ class Counts:
     def reset(self) -> None:
         with self._lock:
             self._counts.clear()
+
+    def public(self, name: str, doc: str) -> tuple[Callable[[], dict[str, int]], Callable[[], None]]:
+        """``name()``, these counts (documented ``doc``), and ``reset_<name>()``: functions of their own, so that
+        ``help()`` shows their names and docs, not this class's."""
+
+        def info() -> dict[str, int]:
+            return self.info()
+
+        def reset() -> None:
+            self.reset()
+
+        info.__name__, info.__qualname__, info.__doc__ = name, name, doc
+        reset.__name__ = reset.__qualname__ = f"reset_{name}"
+        reset.__doc__ = f"Zero :func:`{name}`'s counts."
+        return info, reset
 
 
 caches.register("fallback warnings shown once", lambda: forget_warnings("fallback"))

@@ -16,9 +16,9 @@ from thunder_cudnn_safe.rules.key_gate import RuleRefusal
 from thunder_cudnn_safe.telemetry import Counts, warn_once
 
 _counts = Counts()
-#: ``varlen_info()``: calls run as variable-length attention ("forward", "backward"), and declines or refusals by
-#: reason, since the last ``reset_varlen_info()``.
-varlen_info, reset_varlen_info = _counts.info, _counts.reset
+varlen_info, reset_varlen_info = _counts.public(
+    "varlen_info", 'Calls run as variable-length attention ("forward", "backward"), and declines or refusals by reason.'
+)
 
 
 def run(disp: Any, call: Any) -> tuple[torch.Tensor, ...] | None:

@@ -106,7 +106,8 @@ class GraphCache:
         self.slot, self.touch = self._graphs.slot, self._graphs.touch  # a memo's (:class:`_Graphs`), no frame more
         self._key_locks: dict[Hashable, threading.Lock] = {}
         self.clear()  # the counters
-        _caches.add(self)
+        with _caches_lock:
+            _caches.add(self)
 
     def _count(self, name: str, n: float = 1) -> None:
         with self._lock:
@@ -180,7 +181,9 @@ class GraphCache:
         """Forget the key gate's refusals by ``rule``: its verdict on a key changed with a knob."""
         self._refused.remove_if(lambda key: getattr(self._refused.peek(key), "rule", None) == rule)
 
-    def resize(self, maxsize: int) -> None:  # config.cache_size's hook: the knob is checked before any hook runs
+    def resize(self, maxsize: int) -> None:
+        if not isinstance(maxsize, int) or isinstance(maxsize, bool) or maxsize < 1:
+            raise ValueError(f"cache size must be a positive integer, got {maxsize!r}")
         for lru in (self._graphs, self._refused):
             lru.resize(maxsize)
 
@@ -208,13 +211,16 @@ def _cached(key: Hashable, b: Any) -> CachedGraph:
 
 #: Every graph cache alive (the process-wide one, and any a dispatcher was given).
 _caches: weakref.WeakSet[GraphCache] = weakref.WeakSet()
+_caches_lock = threading.Lock()  # a WeakSet must not grow while another thread iterates it
 
 
 def _dp_budget_changed(_: int) -> None:
     """A DP_WORKSPACE refusal holds for the budget it was judged under: remembered past a raised
     ``config.dp_workspace_limit``, it kept the call on the fallback until ``clear_cache()``. A lowered budget
     applies to keys not built yet (``clear_cache()`` drops the built ones)."""
-    for cache in list(_caches):
+    with _caches_lock:
+        alive = list(_caches)
+    for cache in alive:
         cache.forget_refusals("DP_WORKSPACE")
 
 
@@ -222,4 +228,13 @@ graph_cache = GraphCache()
 config.on_change("cache_size", graph_cache.resize)
 config.on_change("dp_workspace_limit", _dp_budget_changed)
 caches.register("graph cache (built graphs, refused builds, counters)", graph_cache.clear)
-cache_info, cached_graphs = graph_cache.info, graph_cache.graphs  # the process-wide cache's, shared by both executors
+
+
+def cache_info() -> CacheInfo:
+    """Counters of the process-wide graph cache (shared by both executors)."""
+    return graph_cache.info()
+
+
+def cached_graphs() -> list[CachedGraph]:
+    """The graphs in the process-wide cache: key, cuDNN SDPA implementation, execution plan, workspace bytes."""
+    return graph_cache.graphs()

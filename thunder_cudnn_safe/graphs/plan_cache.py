@@ -162,6 +162,7 @@ def active() -> PlanCache | None:
 
 
 def plan_cache_info() -> PlanCacheInfo:
+    """The persistent plan cache's folder, entries, bytes and counters (None and zeros while it is off)."""
     cache = active()
     if cache is None:
         return PlanCacheInfo(None, 0, 0, 0, 0, 0, 0, 0)

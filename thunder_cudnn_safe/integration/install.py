@@ -59,4 +59,5 @@ def uninstall() -> list[Executor]:
 
 
 def installed() -> bool:
+    """Whether ``cudnn_safe_ex`` is among thunder's default executors."""
     return cudnn_safe_ex in get_default_executors()

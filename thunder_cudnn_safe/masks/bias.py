@@ -111,5 +111,8 @@ class ConvertedMasks:
 converted_masks = ConvertedMasks()
 config.on_change("mask_cache_size", converted_masks._lru.resize)  # the knob validates the size
 caches.register("converted masks and mask-pattern verdicts", converted_masks.clear)
-#: ``mask_cache_info()``: hits, conversions, entries and bytes held by the converted-mask cache.
-mask_cache_info = converted_masks.info
+
+
+def mask_cache_info() -> MaskCacheInfo:
+    """Hits, conversions, entries and bytes held by the converted-mask cache."""
+    return converted_masks.info()

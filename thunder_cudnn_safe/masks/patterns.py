@@ -44,9 +44,9 @@ class MaskPattern(NamedTuple):
 
 _NOT_A_PATTERN = "bias"
 _counts = Counts()
-#: ``mask_pattern_info()``: how many distinct masks were recognized as each pattern ("bias": none), since the last
-#: ``reset_mask_pattern_info()``.
-mask_pattern_info, reset_mask_pattern_info = _counts.info, _counts.reset
+mask_pattern_info, reset_mask_pattern_info = _counts.public(
+    "mask_pattern_info", 'How many distinct masks were recognized as each pattern ("bias": none) since a reset.'
+)
 
 
 def patterns_on() -> bool:

@@ -48,6 +48,6 @@ def check(key: Any) -> None:
         raise RuleRefusal(rule, what)
 
 
-#: ``gate_info()``: keys the gate refused, by rule name (each distinct key once: the graph cache remembers the
-#: refusal), since the last ``reset_gate_info()``.
-gate_info, reset_gate_info = _counts.info, _counts.reset
+gate_info, reset_gate_info = _counts.public(
+    "gate_info", "Keys the gate refused, by rule name (each distinct key once: the graph cache remembers the refusal)."
+)
