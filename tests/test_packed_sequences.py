@@ -240,6 +240,17 @@ def test_head_major_inputs_are_copied_tokens_major_and_counted(fresh_cache):
     assert copies.copies >= 3 and any("tokens-major" in str(r) for r in copies.by_reason), copies
 
 
+def test_a_tokens_major_operand_past_int32_elements_is_bound_as_it_is():
+    """2**27 tokens of 16 elements span 2**31 elements: the dense route's INT32_OFFSETS, but ragged tensors are
+    addressed through their (int64) offsets and a copy would have the same strides, so it is bound as is (it was
+    copied: 4 GiB per operand in a long-context batch). Planned on meta tensors: no memory."""
+    from thunder_cudnn_safe.plan.layout import layout_problem
+
+    q = torch.empty(1, 2**27, 1, 16, dtype=torch.bfloat16, device="meta").transpose(1, 2)
+    assert layout_problem(q) is tcs.CopyReason.INT32_OFFSETS and varlen.tokens_major(q)
+    assert not varlen.tokens_major(q.transpose(1, 2).contiguous().transpose(1, 2)[..., ::2])  # still refused
+
+
 @pytest.mark.parametrize("role", ["query", "key", "value", "grad_out"])
 def test_a_neg_bit_operand_of_packed_documents_is_copied(role, fresh_cache):
     """A lazily negated operand (``torch._neg_view``) on the packed route is copied (``NEG_BIT``) as on the

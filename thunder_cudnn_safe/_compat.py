@@ -35,8 +35,7 @@ def _make_removed_method_stub(name: str):
             "thunder_cudnn_safe only added a placeholder so that thunder can be imported"
         )
 
-    stub.__name__ = name
-    stub.__qualname__ = f"Tensor.{name}"
+    stub.__name__, stub.__qualname__ = name, f"Tensor.{name}"
     return stub
 
 

@@ -51,7 +51,8 @@ def tokens_major(t: torch.Tensor) -> bool:
     16-byte aligned, last dim contiguous."""
     b, h, s, d = t.shape
     sb, sh, st, _ = t.stride()  # (a unit last stride and an aligned base are layout_problem's tests)
-    aligned = layout_problem(t) is None and (st * t.element_size()) % ALIGNMENT_BYTES == 0
+    # no copy for a span past int32 elements: ragged tensors are addressed by (int64) offsets, a copy has these strides
+    aligned = layout_problem(t) in (None, CopyReason.INT32_OFFSETS) and (st * t.element_size()) % ALIGNMENT_BYTES == 0
     return aligned and (h == 1 or sh >= d) and st >= (h - 1) * sh + d and (b == 1 or sb == s * st)
 
 
