@@ -14,6 +14,11 @@ class GraphBuildError(RuntimeError):
         self.reason = reason
         self.definitive = definitive
 
+    def holds(self, key: object) -> bool:
+        """Whether the refusal still holds for ``key`` when the cache finds it remembered: cuDNN's judgment of a
+        graph does for good (a key-gate refusal judges again: a rule may read a knob)."""
+        return True
+
 
 class ExecuteError(RuntimeError):
     """The runtime refused to run a built graph (no engine, workspace allocation, ...)."""

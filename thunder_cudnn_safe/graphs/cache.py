@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import threading
 import time
-import weakref
 from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
 
@@ -106,8 +105,6 @@ class GraphCache:
         self.slot, self.touch = self._graphs.slot, self._graphs.touch  # a memo's (:class:`_Graphs`), no frame more
         self._key_locks: dict[Hashable, threading.Lock] = {}
         self.clear()  # the counters
-        with _caches_lock:
-            _caches.add(self)
 
     def _count(self, name: str, n: float = 1) -> None:
         with self._lock:
@@ -120,7 +117,9 @@ class GraphCache:
         if entry is not None:
             return entry
         refusal = self._refused.get(key)
-        if refusal is not None:
+        if refusal is not None and not refusal.holds(key):  # a key-gate refusal a changed knob lifted
+            self._refused.pop(key)
+        elif refusal is not None:
             count and self._count("negative_hits")
             raise refusal.with_traceback(None)  # as it was (a key gate's RuleRefusal names its rule)
         return None
@@ -177,10 +176,6 @@ class GraphCache:
             self._counts = dict.fromkeys(("misses", "builds", "build_failures", "negative_hits", "fallbacks"), 0)
             self._counts["build_seconds"] = 0.0
 
-    def forget_refusals(self, rule: str) -> None:
-        """Forget the key gate's refusals by ``rule``: its verdict on a key changed with a knob."""
-        self._refused.remove_if(lambda key: getattr(self._refused.peek(key), "rule", None) == rule)
-
     def resize(self, maxsize: int) -> None:
         if not isinstance(maxsize, int) or isinstance(maxsize, bool) or maxsize < 1:
             raise ValueError(f"cache size must be a positive integer, got {maxsize!r}")
@@ -209,24 +204,8 @@ def _cached(key: Hashable, b: Any) -> CachedGraph:
     )
 
 
-#: Every graph cache alive (the process-wide one, and any a dispatcher was given).
-_caches: weakref.WeakSet[GraphCache] = weakref.WeakSet()
-_caches_lock = threading.Lock()  # a WeakSet must not grow while another thread iterates it
-
-
-def _dp_budget_changed(_: int) -> None:
-    """A DP_WORKSPACE refusal holds for the budget it was judged under: remembered past a raised
-    ``config.dp_workspace_limit``, it kept the call on the fallback until ``clear_cache()``. A lowered budget
-    applies to keys not built yet (``clear_cache()`` drops the built ones)."""
-    with _caches_lock:
-        alive = list(_caches)
-    for cache in alive:
-        cache.forget_refusals("DP_WORKSPACE")
-
-
 graph_cache = GraphCache()
 config.on_change("cache_size", graph_cache.resize)
-config.on_change("dp_workspace_limit", _dp_budget_changed)
 caches.register("graph cache (built graphs, refused builds, counters)", graph_cache.clear)
 
 

@@ -31,6 +31,11 @@ class RuleRefusal(GraphBuildError):
         super().__init__(f"{rule.name} (key gate): {what}: {rule.text}", definitive=True)
         self.rule = rule.name
 
+    def holds(self, key: Any) -> bool:
+        """Whether ``key`` still breaks the rule: DP_WORKSPACE reads ``config.dp_workspace_limit``, and a refusal
+        remembered past a raised budget kept the backward on the fallback until ``clear_cache()``."""
+        return any(rule.name == self.rule for rule, _ in violations(key))
+
 
 def violations(key: Any) -> list[tuple[cudnn_rules.Rule, str]]:
     """Every rule ``key`` breaks on its own target, with what in the key breaks it. A key without a target (the
