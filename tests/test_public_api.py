@@ -96,3 +96,23 @@ def test_readme_rules_are_entries_of_cudnn_rules():
     """``cudnn_rules.X`` in README is a rule users can compare ``Decline.rule`` with."""
     for name in set(re.findall(r"cudnn_rules\.([A-Z_0-9]+)\b", README)):
         assert hasattr(tcs.cudnn_rules, name), name
+
+
+def test_every_counter_is_described_in_one_place():
+    """Each public counter (``*_info``, and ``copy_stats``, ``cached_graphs``) is described in docs/counters.md,
+    with what it returns, and nowhere else: docs/design.md had a copy of README's counters that lacked
+    ``varlen_info``, ``gate_info`` and ``plan_cache_info``."""
+    root = Path(__file__).resolve().parents[1]
+    counters = (root / "docs" / "counters.md").read_text()
+    names = [n for n in tcs.__all__ if n.endswith("_info") and not n.startswith("reset_")]
+    names += ["copy_stats", "cached_graphs"]
+    assert {"varlen_info", "gate_info", "plan_cache_info", "cache_info"} <= set(names)
+    assert [n for n in names if f"`{n}()` ->" not in counters] == []
+    elsewhere = [
+        f"{path.relative_to(root)}: {n}"
+        for path in (root / "README.md", *sorted((root / "docs").glob("*.md")))
+        if path.name != "counters.md"
+        for n in names
+        if f"`{n}()` ->" in path.read_text()
+    ]
+    assert elsewhere == [], f"counters described outside docs/counters.md: {elsewhere}"

@@ -1,7 +1,7 @@
 """Thunder's default executors: make plain ``thunder.jit(model)`` use ours (and undo it).
 
 At import, :func:`drop_broken_builtin_cudnn_executor` removes thunder's built-in ``"cudnn"``
-executor where it cannot work (README, "Guarantees and limits"). :func:`install` puts
+executor where it cannot work (docs/guarantees.md, "Limits"). :func:`install` puts
 ``cudnn_safe_ex`` first and takes the built-in one out, so the two never compete for SDPA;
 :func:`uninstall` puts it back where it was. Both are idempotent.
 """

@@ -75,7 +75,7 @@ def attention_forward(
     # As cuDNN's forward: unnormalized exp(s - rowmax), divided by the row sum at the end,
     # stats = rowmax + log(rowsum). (With scores near -3e38, e.g. a row fully masked with
     # torch.finfo(bf16).min, log(rowsum) is absorbed in float32: the forward still averages
-    # V, but stats cannot reproduce P in the backward; see README "Guarantees and limits".)
+    # V, but stats cannot reproduce P in the backward; see docs/guarantees.md, "Limits".)
     m = s.amax(dim=-1, keepdim=True)
     p = torch.exp(s - m)
     rowsum = p.sum(dim=-1, keepdim=True)
