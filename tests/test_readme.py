@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import thunder
+import thunder.extend
 import torch
 import torch.nn.functional as F
 
@@ -74,11 +75,14 @@ def _executors_listed(block: str, ns: dict) -> None:
 def _install_then_uninstall(block: str, ns: dict) -> None:
     defaults = thunder.get_default_executors()
     states = []
-    for statement in ast.parse(block).body:
-        exec(compile(ast.Module([statement], []), "README.md", "exec"), ns)
-        states.append(tcs.installed())
-    assert states == [True, False]
-    assert thunder.get_default_executors() == defaults
+    try:
+        for statement in ast.parse(block).body:
+            exec(compile(ast.Module([statement], []), "README.md", "exec"), ns)
+            states.append(tcs.installed())
+        assert states == [True, False]
+        assert thunder.get_default_executors() == defaults
+    finally:  # a failed block leaves thunder's defaults as other tests expect them
+        thunder.extend.set_default_executors(defaults)
 
 
 def _explains(block: str, ns: dict) -> None:
