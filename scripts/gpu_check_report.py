@@ -1,9 +1,12 @@
 #!/usr/bin/env python3
 """Summary and packing step of scripts/gpu_check.sh (standard library only).
 
-    python3 scripts/gpu_check_report.py --out OUT --work WORK --steps STEPS.tsv [--no-pack]
+    python3 scripts/gpu_check_report.py --out OUT --results RESULTS --steps STEPS.tsv [--quiet]
 
-* writes ``OUT/summary.md``: date, GPU, driver, torch / CUDA / cuDNN / frontend /
+gpu_check.sh runs it after every step, so a run cut off at any point still returns what it had. The steps
+write into RESULTS (a work folder); OUT gets, rewritten whole each time:
+
+* ``OUT/summary.md``: date, GPU, driver, torch / CUDA / cuDNN / frontend /
   thunder versions (what benchmarks/results/ records), the environment verdict (which
   libcudnn files the process loaded, the tiny graph, what stopped the run), one row per
   step, per test step (smoke, packed, streams, threads, capture, defects, rest) the counts
@@ -11,17 +14,16 @@
   wrote one, what its log (``gpu-STEP.log``) shows had run, and compute-sanitizer's error
   count; the built-in cuDNN executor probe and the benchmark headline (the suite's Markdown
   report, if any); prints it too. All steps' JUnit XML is merged into ``OUT/gpu-tests.xml``;
-* keeps OUT within what the device tool brings back (not with ``--no-pack``, which
-  gpu_check.sh uses after every step so that a summary exists however far the run got):
-  at most 8 files, each at most 16 MiB and 2 folders deep, names of letters, digits, '.',
-  '_' and '-' only, 64 MiB in all. Files beyond that are packed, by priority, into
-  ``OUT/rest.tar.gz``.
+* ``OUT/env.json`` (a copy) and ``OUT/rest.tar.gz``: every file of RESULTS (step logs and JUnit XML, the device
+  descriptor, the probe, the benchmark), written to a temporary name and renamed, so a run killed while packing
+  leaves the previous tarball. Beside ``OUT/gpu_check.log`` (the console) that is five files, within what the
+  device tool brings back (at most 16 MiB each: the largest results are left out of the tarball, and named,
+  until it fits).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
@@ -32,19 +34,10 @@ import tarfile
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-MAX_FILES = 8
-MAX_FILE = 16 * 2**20
-MAX_TOTAL = 60 * 2**20  # 64 MiB limit, with room to spare
-MAX_DEPTH = 2  # folders below OUT
-NAME_OK = re.compile(r"^[A-Za-z0-9._-]+$")
+MAX_FILE = 16 * 2**20  # the device tool's limit per file
 # The test steps of gpu_check.sh, in its order: each leaves gpu-STEP.log and (if pytest finished) gpu-STEP.xml.
 # `emulated` is the dry run's rehearsal on CPU.
 TEST_STEPS = ["smoke", "packed", "streams", "threads", "capture", "defects", "rest", "emulated"]
-# What to keep first when OUT holds too many files: the summary, the whole console log and
-# the merged JUnit XML; then the benchmark reports; last what those already contain.
-FIRST = ["summary.md", "gpu_check.log", "gpu-tests.xml", "env.json"]
-LAST = ["device_properties.json", "builtin_cudnn_probe.json"]
-LAST += [f"gpu-{step}.xml" for step in TEST_STEPS] + [f"gpu-{step}.log" for step in TEST_STEPS]
 RESULT = re.compile(r"^(\S+::\S+?)(?: <- \S+)? (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
 STARTED = re.compile(r"^(\S+::\S+)\s*$")
 SANITIZER_SUMMARY = re.compile(r"=+ ERROR SUMMARY: (\d+) error")
@@ -134,27 +127,27 @@ def _probe_lines(probe: dict | None) -> list[str]:
     return lines
 
 
-def _bench_lines(out: Path) -> list[str]:
-    bench = out / "bench"
+def _bench_lines(results: Path) -> list[str]:
+    bench = results / "bench"
     if not bench.is_dir():
         return ["(no benchmark output)"]
     files = sorted(p for p in bench.rglob("*") if p.is_file())
-    lines = ["files: " + ", ".join(str(p.relative_to(out)) for p in files)]
+    lines = ["files (in rest.tar.gz): " + ", ".join(str(p.relative_to(results)) for p in files)]
     mds = [p for p in files if p.suffix == ".md"]
     if mds:
         text = mds[0].read_text(errors="replace").splitlines()
-        lines += ["", f"{mds[0].relative_to(out)} (first 60 lines):", ""] + text[:60]
+        lines += ["", f"{mds[0].relative_to(results)} (first 60 lines):", ""] + text[:60]
     return lines
 
 
-def _merge_junit(out: Path) -> Path | None:
+def _merge_junit(results: Path, out: Path) -> Path | None:
     """One ``gpu-tests.xml`` holding every GPU test step's suites (named ``STEP:...``; not the dry run's emulated
     rehearsal), or None if no step wrote one."""
     merged = ET.Element("testsuites")
     for step in TEST_STEPS:
         if step == "emulated":
             continue
-        path = out / f"gpu-{step}.xml"
+        path = results / f"gpu-{step}.xml"
         if not path.exists():
             continue
         try:
@@ -201,13 +194,13 @@ def _log_progress(path: Path) -> dict | None:
     }
 
 
-def _test_step_lines(out: Path, rows: list[list[str]]) -> list[str]:
+def _test_step_lines(results: Path, rows: list[list[str]]) -> list[str]:
     records = {row[0]: row for row in rows}
     lines = []
     for step in TEST_STEPS:
         row = records.get(step)
-        log = _log_progress(out / f"gpu-{step}.log")
-        junit = _junit(out / f"gpu-{step}.xml")
+        log = _log_progress(results / f"gpu-{step}.log")
+        junit = _junit(results / f"gpu-{step}.xml")
         if row is None and log is None and junit is None:
             continue
         status = f"{row[1]} in {row[3]} s" if row else "no record"
@@ -259,11 +252,11 @@ def _env_lines(env: dict) -> list[str]:
     return lines
 
 
-def write_summary(out: Path, work: Path, steps_path: Path) -> str:
-    env = _load_json(out / "env.json") or {}
-    probe = _load_json(work / "builtin_cudnn_probe.json")
+def write_summary(out: Path, results: Path, steps_path: Path) -> str:
+    env = _load_json(results / "env.json") or {}
+    probe = _load_json(results / "builtin_cudnn_probe.json")
     rows = _steps(steps_path)
-    merged = _merge_junit(out)
+    merged = _merge_junit(results, out)
     junit = _junit(merged) if merged else None
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     md = [f"# GPU check, {now}", ""]
@@ -293,93 +286,53 @@ def write_summary(out: Path, work: Path, steps_path: Path) -> str:
             f"{junit['skipped']} skipped of {junit['tests']} in {junit['time']:.1f}s (gpu-tests.xml)",
             "",
         ]
-    md += _test_step_lines(out, rows)
+    md += _test_step_lines(results, rows)
     md += ["", "## thunder's built-in cuDNN executor with this frontend", ""] + _probe_lines(probe)
-    md += ["", "## GPU benchmark suite", ""] + _bench_lines(out)
+    md += ["", "## GPU benchmark suite", ""] + _bench_lines(results)
     text = "\n".join(md) + "\n"
     (out / "summary.md").write_text(text)
     return text
 
 
-def _rank(rel: str) -> tuple:
-    if rel in FIRST:
-        return (0, FIRST.index(rel), rel)
-    if rel in LAST:
-        return (2, LAST.index(rel), rel)
-    ext_rank = {".md": 0, ".json": 1, ".csv": 2, ".png": 3}.get(os.path.splitext(rel)[1], 4)
-    return (1, ext_rank, rel)
-
-
-def pack(out: Path, work: Path) -> list[str]:
-    """Keep OUT within the device tool's limits; return notes on what was packed or dropped."""
-    probe = work / "builtin_cudnn_probe.json"
-    if probe.exists() and not (out / probe.name).exists():
-        shutil.copy(probe, out / probe.name)
-    files = sorted(
-        (p for p in out.rglob("*") if p.is_file() or p.is_symlink()), key=lambda p: _rank(str(p.relative_to(out)))
-    )
-    keep, rest, total = [], [], 0
-    for p in files:
-        rel = p.relative_to(out)
-        ok = (
-            p.is_file()
-            and not p.is_symlink()
-            and len(rel.parts) - 1 <= MAX_DEPTH
-            and all(NAME_OK.match(part) for part in rel.parts)
-            and p.stat().st_size <= MAX_FILE
-            and total + p.stat().st_size <= MAX_TOTAL
-        )
-        if ok and len(keep) < MAX_FILES:
-            keep.append(p)
-            total += p.stat().st_size
-        else:
-            rest.append(p)
+def pack(out: Path, results: Path) -> list[str]:
+    """OUT/env.json (a copy) and OUT/rest.tar.gz (every file of ``results``, the largest left out until it fits the
+    device tool's 16 MiB per file), replaced atomically; notes on what was left out."""
+    if (results / "env.json").is_file():
+        shutil.copy(results / "env.json", out / "env.json.tmp")
+        os.replace(out / "env.json.tmp", out / "env.json")
+    packed = sorted(p for p in results.rglob("*") if p.is_file() and not p.is_symlink())
     notes = []
-    if not rest:
-        return notes
-    # The tarball takes one slot: move the lowest-priority kept file into it if all 8 are used.
-    if len(keep) == MAX_FILES:
-        rest.insert(0, keep.pop())
-    tar_path = out / "rest.tar.gz"
-    budget = min(MAX_FILE, MAX_TOTAL - sum(p.stat().st_size for p in keep))
-    packed = list(rest)
+    tmp = out / "rest.tar.gz.tmp"
     while True:
-        with tarfile.open(tar_path, "w:gz") as tar:
+        with tarfile.open(tmp, "w:gz") as tar:
             for p in packed:
-                tar.add(p, arcname=str(p.relative_to(out)))
-        if tar_path.stat().st_size <= budget or not packed:
+                tar.add(p, arcname=str(p.relative_to(results)))
+        if tmp.stat().st_size <= MAX_FILE or not packed:
             break
         dropped = max(packed, key=lambda p: p.stat().st_size)
         packed.remove(dropped)
-        notes.append(f"dropped {dropped.relative_to(out)} ({dropped.stat().st_size} bytes): too large to bring back")
-    for p in rest:
-        p.unlink()
-    for d in sorted((d for d in out.rglob("*") if d.is_dir()), key=lambda d: -len(d.parts)):
-        with contextlib.suppress(OSError):
-            d.rmdir()
-    notes.insert(
-        0, f"packed {len(packed)} file(s) into rest.tar.gz: " + ", ".join(str(p.relative_to(out)) for p in packed)
-    )
+        size = dropped.stat().st_size
+        notes.append(f"left out {dropped.relative_to(results)} ({size} bytes): too large to bring back")
+    os.replace(tmp, out / "rest.tar.gz")
     return notes
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--work", type=Path, required=True)
+    ap.add_argument("--results", type=Path, required=True)
     ap.add_argument("--steps", type=Path, required=True)
-    ap.add_argument("--no-pack", action="store_true", help="write summary.md only (gpu_check.sh, after each step)")
+    ap.add_argument("--quiet", action="store_true", help="print nothing (gpu_check.sh, after each step)")
     args = ap.parse_args()
-    text = write_summary(args.out, args.work, args.steps)
-    if args.no_pack:
-        return 0
-    notes = pack(args.out, args.work)
+    text = write_summary(args.out, args.results, args.steps)
+    notes = pack(args.out, args.results)
     if notes:
         with open(args.out / "summary.md", "a") as f:
             f.write("\n## Packing\n\n" + "\n".join(f"- {n}" for n in notes) + "\n")
-    print(text + ("\n".join(notes) + "\n" if notes else ""))
-    kept = sorted(str(p.relative_to(args.out)) for p in args.out.rglob("*") if p.is_file())
-    print(f"$OUT holds {len(kept)} file(s): {', '.join(kept)}")
+    if not args.quiet:
+        print(text + ("\n".join(notes) + "\n" if notes else ""))
+        kept = sorted(str(p.relative_to(args.out)) for p in args.out.rglob("*") if p.is_file())
+        print(f"$OUT holds {len(kept)} file(s): {', '.join(kept)}")
     return 0
 
 

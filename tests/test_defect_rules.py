@@ -136,7 +136,7 @@ def test_hopper_kv_tail_property(tiles, rest, version):
 
 # -- S3: Hopper single-query backward: routed to the padding mask at full lengths --------------------
 def test_hopper_decode_backward_is_routed_not_declined(fresh_cache):
-    tcs.config.set(emulated_arch=H100, emulated_backend=92600)
+    tcs.config.set(emulated_arch=H100, emulated_backend=92501)  # below 9.26: HOPPER_DECODE_BACKWARD_CRASH
     q, k, v = qkv(b=2, h=4, lq=1, s=128, hk=2)
     assert tcs.explain(q, k, v, executor=tcs.emulated_ex, enable_gqa=True) == []
     disp = tcs.emulated_ex.dispatcher
@@ -149,6 +149,25 @@ def test_hopper_decode_backward_is_routed_not_declined(fresh_cache):
     assert (out.double() - ref).abs().max() < 5e-3
     describe = tcs.describe(q, k, v, executor=tcs.emulated_ex, enable_gqa=True)
     assert describe.forward.key.padded and describe.backward.key.padded
+
+
+def test_hopper_decode_backward_is_declined_from_9_26_padded_or_not(fresh_cache):
+    """cudnn-frontend#1071: cuDNN 9.26 segfaults planning an sm90 backward with s_q = 1, and whether the padded graph
+    of the #1072 route avoids it is unknown: the training call is declined, its inference forward claimed, and a
+    backward dispatched anyway is refused by the key gate (never built: planning it could kill the process)."""
+    from thunder_cudnn_safe.rules import key_gate
+
+    tcs.config.set(emulated_arch=H100, emulated_backend=92600)
+    q, k, v = qkv(b=1, h=1, lq=1, s=128, d=64, dtype=torch.bfloat16)  # the report's shape
+    assert [r.rule for r in tcs.explain(q, k, v, executor=tcs.emulated_ex)] == ["HOPPER_DECODE_BACKWARD_CRASH"]
+    assert tcs.explain(q, k, v, executor=tcs.emulated_ex, need_stats=False) == []
+    disp = tcs.emulated_ex.dispatcher
+    key_gate.reset_gate_info()
+    out, stats = disp.forward(q, k, v, None, 0.0, False)
+    disp.backward(torch.randn_like(out), q, k, v, None, 0.0, False, out, stats, None, None)
+    assert key_gate.gate_info() == {"HOPPER_DECODE_BACKWARD_CRASH": 1}
+    assert not any(isinstance(key, BackwardKey) for key in graph_cache.keys())
+    assert tcs.cache_info().fallbacks == 1
 
 
 @pytest.mark.parametrize("arch,lq,need_stats", [(A100, 1, True), (B200, 1, True), (H100, 2, True), (H100, 1, False)])
@@ -373,6 +392,7 @@ CALL_TRIGGERS = {
     "BLACKWELL_DECODE": lambda: rules_on(B200, 91900, *qkv(lq=1, s=64)),
     "HOPPER_BACKWARD_KV_TAIL_NAN": lambda: rules_on(H100, 91900, *qkv(s=64)),
     "HOPPER_DECODE_BACKWARD_NAN": lambda: rules_on(H100, 92600, *qkv(lq=1, s=16), BOOL_MASK[:1]),
+    "HOPPER_DECODE_BACKWARD_CRASH": lambda: rules_on(H100, 92600, *qkv(lq=1, s=16)),
     "CAUSAL_DECODE_GQA": lambda: rules_on(A100, 92600, *qkv(hk=2, lq=1, s=64), None, 0.0, True, enable_gqa=True),
     "BACKWARD_KEY_LENGTH_1": lambda: rules_on(H100, 92600, *qkv(s=1)),
     "DROPOUT_SIXTEENTHS": lambda: rules_on(H100, 92600, *qkv(), None, 0.1),
@@ -402,6 +422,7 @@ BACKWARD_ONLY = [
     "DP_WORKSPACE",
     "HOPPER_BACKWARD_KV_TAIL_NAN",
     "HOPPER_DECODE_BACKWARD_NAN",
+    "HOPPER_DECODE_BACKWARD_CRASH",
     "BACKWARD_KEY_LENGTH_1",
 ]
 

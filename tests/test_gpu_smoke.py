@@ -211,14 +211,19 @@ def test_a_captured_dropout_training_step_builds_nothing_after_the_first_call(mo
 
 # -- (d) two Python threads at once ---------------------------------------------------------
 def test_two_threads_run_forward_backward_concurrently_on_cudnn():
-    """Two Python threads call one thunder.jit function at once, fwd+bwd on their own tensors: both threads'
-    out/dq/dk/dv match the float64 reference under the accuracy rule, no fallback, no thread hangs."""
+    """Two Python threads call one thunder.jit function at once, each on its own CUDA stream, fwd+bwd on their own
+    tensors: both threads' out/dq/dk/dv match the float64 reference under the accuracy rule, no fallback, no thread
+    hangs. Two streams, as a server's threads have them: a graph, handle or workspace bound to one thread's stream
+    and read on the other's would race there, not on one shared stream."""
     tcs.clear_cache()
     jf = jit(sdpa_causal)
     before = tcs.cache_info()
     forward_backward(jf, *inputs(20))  # compiles and builds on this thread; the threads run their own copies
     assert_ran_on_cudnn(before, tcs.cache_info(), "warm-up")
     work = {i: inputs(21 + i) for i in range(2)}
+    made_on = torch.cuda.current_stream() if torch.cuda.is_available() else None
+    streams = [torch.cuda.Stream() for _ in range(2)] if made_on is not None else [None, None]
+    ran_on: dict[int, int] = {}
     results: dict[int, tuple] = {}
     errors: list[BaseException] = []
     barrier = threading.Barrier(2)
@@ -226,9 +231,14 @@ def test_two_threads_run_forward_backward_concurrently_on_cudnn():
     def run(i: int) -> None:
         try:
             barrier.wait(timeout=30)
-            got = forward_backward(jf, *work[i])
-            if torch.cuda.is_available():
-                torch.cuda.current_stream().synchronize()
+            if streams[i] is None:  # the emulated self-check: no CUDA stream
+                results[i] = forward_backward(jf, *work[i])
+                return
+            with torch.cuda.stream(streams[i]):
+                streams[i].wait_stream(made_on)  # the inputs were made on the main thread's stream
+                ran_on[i] = torch.cuda.current_stream().cuda_stream
+                got = forward_backward(jf, *work[i])
+            streams[i].synchronize()
             results[i] = got
         except BaseException as exc:  # re-raised on the main thread
             errors.append(exc)
@@ -242,5 +252,7 @@ def test_two_threads_run_forward_backward_concurrently_on_cudnn():
     if errors:
         raise errors[0]
     assert_ran_on_cudnn(before, tcs.cache_info(), "two threads")
+    if made_on is not None:
+        assert len(set(ran_on.values()) | {made_on.cuda_stream}) == 3, f"not two streams of their own: {ran_on}"
     for i, (leaves, grad_out) in work.items():
         assert_accurate(sdpa_causal, leaves, grad_out, results[i], f"thread {i}")

@@ -17,7 +17,8 @@ from thunder_cudnn_safe.dispatch.dispatcher import Dispatcher
 from thunder_cudnn_safe.errors import GraphBuildError
 from thunder_cudnn_safe.graphs.cache import GraphCache
 from thunder_cudnn_safe.masks import bias as masks
-from thunder_cudnn_safe.plan.keys import BackwardKey, ForwardKey
+from thunder_cudnn_safe.plan import varlen
+from thunder_cudnn_safe.plan.keys import BackwardKey, ForwardKey, TensorSig
 from thunder_cudnn_safe.rules import cudnn_rules, key_gate
 from thunder_cudnn_safe.runtimes.emulation import EmulatedRuntime
 
@@ -26,6 +27,8 @@ SILENT_DEFECT_RULES = (
     "BLACKWELL_DECODE",
     "HOPPER_BACKWARD_KV_TAIL_NAN",
     "HOPPER_DECODE_BACKWARD_NAN",
+    "HOPPER_DECODE_BACKWARD_CRASH",
+    "VARLEN_WINDOW_BACKWARD_FRONTEND_BLACKWELL",
     "CAUSAL_DECODE_GQA",
     "BACKWARD_KEY_LENGTH_1",
     "DROPOUT_SIXTEENTHS",
@@ -138,9 +141,11 @@ def _key(**changes):
         ("DO_OWN_STRIDES", "old_do"),
         ("STATS_PACKED_ONLY", "stats"),
         ("DP_WORKSPACE", "det"),
+        ("HOPPER_DECODE_BACKWARD_CRASH", "q1_padded_9_26"),
+        ("VARLEN_WINDOW_BACKWARD_FRONTEND_BLACKWELL", "ragged_window_sm100"),
     ],
 )
-def test_a_key_that_breaks_a_rule_is_refused_by_name_and_counted(rule, changes):
+def test_a_key_that_breaks_a_rule_is_refused_by_name_and_counted(rule, changes, monkeypatch):
     key = _key()
     if changes == "q1k1":
         key = key._replace(q=key.q._replace(shape=(1, 2, 1, 32)), k=key.k._replace(shape=(1, 2, 1, 32)))
@@ -156,6 +161,13 @@ def test_a_key_that_breaks_a_rule_is_refused_by_name_and_counted(rule, changes):
         key = key._replace(stats=key.stats._replace(stride=(32, 1, 2, 1)))
     elif changes == "det":
         key = key._replace(deterministic=True)
+    elif changes == "q1_padded_9_26":  # the #1072 route's padded graph is declined too (cudnn-frontend#1071)
+        key = key._replace(q=key.q._replace(shape=(1, 2, 1, 32)), padded=True)
+        key = key._replace(target=key.target._replace(backend_version=92600))
+    elif changes == "ragged_window_sm100":  # the frontend's own kernels offered (cudnn-frontend#536)
+        monkeypatch.setenv(cudnn_rules.FRONTEND_OWN_ENGINES_ENV, "1")
+        ragged = varlen.RaggedSig(TensorSig((3, 1, 1, 1), (1, 1, 1, 1), torch.int32), 32, True)
+        key = key._replace(ragged=ragged, left=4, causal=True, target=key.target._replace(arch=(10, 0)))
     else:
         key = key._replace(**changes)
     key_gate.reset_gate_info()
@@ -164,6 +176,43 @@ def test_a_key_that_breaks_a_rule_is_refused_by_name_and_counted(rule, changes):
         GraphCache().get_or_build(key, runtime.build)
     assert refused.value.rule == rule and refused.value.definitive
     assert key_gate.gate_info() == {rule: 1}
+
+
+@pytest.mark.parametrize("frontend_engines", ["0", "1"])
+def test_a_packed_window_backward_on_sm100_runs_as_a_bias_where_the_frontend_serves_it(frontend_engines, monkeypatch):
+    """cudnn-frontend#536 (NaN dQ from the frontend's own THD + window backward on sm100): with frontend 1.32's own
+    backward rows offered (CUDNN_FRONTEND_ENABLE_FROST_ENGINES=1) the ragged windowed backward key is refused by the
+    gate and the backward runs as a bias; without them libcudnn serves it and it runs variable-length. The gradients
+    are eager's either way."""
+    monkeypatch.setenv(cudnn_rules.FRONTEND_OWN_ENGINES_ENV, frontend_engines)
+    disp = Dispatcher(EmulatedRuntime(arch=(10, 0), backend_version=91900), GraphCache())
+    q, k, v = _qkv(1, 2, 100, 100)
+    mask = _documents([40, 50], 100) & (torch.arange(100)[:, None] - torch.arange(100)[None, :] < 8)
+    varlen_dispatch.reset_varlen_info()
+    grads = _step(disp, q, k, v, mask)
+    refused = frontend_engines == "1"
+    expected = {"declined: VARLEN_WINDOW_BACKWARD_FRONTEND_BLACKWELL (key gate)": 1} if refused else {"backward": 1}
+    assert varlen_dispatch.varlen_info() == {"forward": 1, **expected}
+    assert all(torch.isfinite(g).all() for g in grads)
+    ragged_backward = [key for key in disp.cache.keys() if isinstance(key, BackwardKey) and key.ragged is not None]
+    assert (ragged_backward == []) == refused and all(key.left == 8 for key in ragged_backward)
+
+
+@pytest.mark.parametrize(
+    "enabled, frontend, refused", [("0", "1.32.0", False), ("1", "1.32.0", True), ("0", "1.33.0", True)]
+)
+def test_the_frontend_window_rule_reads_the_switch_and_the_frontend(enabled, frontend, refused, monkeypatch):
+    """Frontend 1.32 offers its own sm100 d<=256 backward only when asked; another frontend's offering is unread."""
+    monkeypatch.setenv(cudnn_rules.FRONTEND_OWN_ENGINES_ENV, enabled)
+    ragged = varlen.RaggedSig(TensorSig((3, 1, 1, 1), (1, 1, 1, 1), torch.int32), 32, True)
+    key = _key()
+    key = key._replace(ragged=ragged, left=4, target=key.target._replace(arch=(10, 0), frontend_version=frontend))
+
+    def names(k):
+        return [rule.name for rule, _ in key_gate.violations(k)]
+
+    assert ("VARLEN_WINDOW_BACKWARD_FRONTEND_BLACKWELL" in names(key)) == refused
+    assert "VARLEN_WINDOW_BACKWARD_FRONTEND_BLACKWELL" not in names(key._replace(left=None))
 
 
 def test_a_refusal_is_remembered_as_it_was():

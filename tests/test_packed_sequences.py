@@ -682,6 +682,15 @@ GPU_CASES = {  # name: (documents per row given T, window, causal, query/KV head
 }
 
 
+def test_the_gpu_cases_bind_empty_sequences():
+    """cudnn-frontend#944 (a sequence of length 0 before cuDNN 9.25) is a GPU-script check, not a rule
+    (docs/known-cudnn-defects.md): N is bucketed to a power of two, so most cases below bind sequences of length 0
+    beside real documents, and the packed step runs them on the GPU's cuDNN 9.19 under compute-sanitizer, against
+    eager. A table edited to powers of two only would silently drop that check."""
+    empty = {name: varlen.bucket(n) - n for name, (docs, *_) in GPU_CASES.items() for n in [sum(map(len, docs(2048)))]}
+    assert sum(1 for extra in empty.values() if extra) >= 3, empty
+
+
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("case", list(GPU_CASES))

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import re
 import time
 import traceback
 from collections import Counter
@@ -33,11 +32,11 @@ from typing import Any
 import thunder
 import torch
 import torch.nn.functional as F
+from checks import count_checker_calls, error_text, same_failure
 from torch.overrides import TorchFunctionMode
 from zoo import ModelCase
 
 import thunder_cudnn_safe as tcs
-from thunder_cudnn_safe.integration import executor as tcs_executor
 from thunder_cudnn_safe.telemetry import CopyReason
 from thunder_cudnn_safe.testing import error_bound
 
@@ -90,37 +89,6 @@ def count_graph_executions(ex=tcs.emulated_ex):
         yield counts
     finally:
         del runtime.execute
-
-
-@contextlib.contextmanager
-def count_checker_calls():
-    """Count the calls to ``executor.reasons_for`` (what our checkers ask), whatever it is now (a mutation
-    of tests/conftest.py included): zero means thunder never asked our executor about a call."""
-    inner = tcs_executor.reasons_for
-    calls = [0]
-
-    def reasons_for(*args, **kwargs):
-        calls[0] += 1
-        return inner(*args, **kwargs)
-
-    tcs_executor.reasons_for = reasons_for
-    try:
-        yield calls
-    finally:
-        tcs_executor.reasons_for = inner
-
-
-def _error_text(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
-
-
-def same_failure(ours: str, default: str) -> bool:
-    """Whether two recorded errors are one failure (type and message; object addresses aside)."""
-
-    def norm(text: str) -> str:
-        return re.sub(r"0x[0-9a-fA-F]+", "0x?", text)
-
-    return norm(ours) == norm(default)
 
 
 def _has_dbias(key) -> bool:
@@ -225,7 +193,7 @@ def _compile_and_measure(frontend, model, inputs, output, grad, executors, ours:
         after = tcs.cache_info()
         stats = tcs.copy_stats()
     except Exception as exc:  # recorded, then judged against thunder without us
-        rec["error"] = _error_text(exc)
+        rec["error"] = error_text(exc)
         rec["traceback"] = traceback.format_exc()[-2000:]
         return rec
     rec["result"] = result

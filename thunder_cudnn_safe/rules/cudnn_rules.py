@@ -10,6 +10,7 @@ emulation and the lowering sweep read the rules from here and nowhere else.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -582,6 +583,32 @@ VARLEN_BATCH_STRIDE = Rule(
     on_key=where_it_holds(_ragged_batch_stride),
 )
 
+#: The frontend's opt-in switch for its own Python (CuTe-DSL) engines; the frontend reads it at every planning.
+FRONTEND_OWN_ENGINES_ENV = "CUDNN_FRONTEND_ENABLE_FROST_ENGINES"
+
+
+def _frontend_own_backward(key: Any) -> bool:
+    """Whether the frontend may serve a ragged backward with its own kernels: frontend 1.32 offers its sm100 d128 and
+    d256 backward rows (THD, window) only with :data:`FRONTEND_OWN_ENGINES_ENV` set (cudnn/engines/manifest.py,
+    ``opt_in=True``); another frontend's offering is unread."""
+    enabled = os.environ.get(FRONTEND_OWN_ENGINES_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
+    return enabled or not str(key.target.frontend_version).startswith("1.32.")
+
+
+VARLEN_WINDOW_BACKWARD_FRONTEND_BLACKWELL = Rule(
+    "the frontend's own (Python, CuTe-DSL) variable-length backward with a sliding window gives NaN dQ on "
+    "datacenter Blackwell (sm100/sm103); a packed windowed backward is declined there (it runs as a bias) wherever "
+    "the frontend may serve it with its own kernels: with CUDNN_FRONTEND_ENABLE_FROST_ENGINES set, or a frontend "
+    "other than 1.32 (libcudnn's engines serve it otherwise; fix version not stated)",
+    "NVIDIA/cudnn-frontend#536 (closed 2026-08-10; SM100, cuDNN 9.25.1, cutlass-dsl 4.6: THD + sliding window "
+    "backward, NaN in most of dQ)",
+    arch_major=10,
+    on_key=_in_backward(
+        lambda key: not _dense(key) and key.left is not None and _frontend_own_backward(key),
+        "a variable-length backward with a window the frontend may serve with its own kernels",
+    ),
+)
+
 
 def varlen_backward_holds(target: Target) -> bool:
     """Whether a variable-length backward (ragged stats) is accepted on ``target``."""
@@ -629,7 +656,8 @@ HOPPER_DECODE_BACKWARD_NAN = Rule(
     "clean: the backward (and its forward, so the pair matches) is built with it; a call with a mask tensor "
     "(which runs as a bias, or as a pattern known only at run time) is declined. Seen on 9.25.1 and 9.26.0, "
     "open; no earlier version was tested and the same Hopper flash backward serves them, so the route applies "
-    "on every version (the padded graph is one the package builds for padding masks anyway)",
+    "on every version (the padded graph is one the package builds for padding masks anyway) below 9.26, where "
+    "HOPPER_DECODE_BACKWARD_CRASH declines the call",
     "NVIDIA/cudnn-frontend#1072 (open): 'Enabling the padding mask with actual sequence lengths equal to the "
     "full tensor lengths avoids the NaNs'",
     arch_major=9,
@@ -640,6 +668,19 @@ HOPPER_DECODE_BACKWARD_NAN = Rule(
     ),
     # without a mask tensor the backward is routed to the padding mask at full lengths (defect_routes)
     on_call=_silent(lambda call: _if(call.lq == 1 and call.has_mask, "a single query with a mask tensor, in training")),
+)
+HOPPER_DECODE_BACKWARD_CRASH = Rule(
+    "cuDNN 9.26 kills the process (a segfault in create_execution_plans) planning the sm90 backward of a single "
+    "query (reported at B = H = 1, s_kv = 128, d = 64, bf16, not causal); whether HOPPER_DECODE_BACKWARD_NAN's "
+    "padded graph avoids it is unknown, and a crash cannot fall back, so every sm90 backward with s_q == 1 is "
+    "declined from 9.26.0 on (no fixed version known)",
+    "NVIDIA/cudnn-frontend#1071 (open, H200, cuDNN 9.26.0.51, frontend 1.26); frontend 1.32 guards no backward "
+    "graph from the backend's planner (cudnn/engines/manifest.py: backend_guard is the SDPA forward's only)",
+    arch_major=9,
+    min_backend=92600,
+    passes=("backward",),
+    on_key=_in_backward(lambda key: _dense(key) and _lengths(key)[0] == 1, "a backward with s_q = 1, padded or not"),
+    on_call=_no_engine(lambda call: call.lq == 1, "a single query, in training: "),
 )
 CAUSAL_DECODE_GQA = Rule(
     "a causal decode forward (s_q == 1, is_causal) with H_q != H_kv gives a wrong result; no fixed version is "
