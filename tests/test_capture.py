@@ -15,6 +15,7 @@ tests/test_gpu_smoke.py.
 from __future__ import annotations
 
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -207,6 +208,65 @@ def test_a_capture_of_a_plain_call_runs_from_the_memo_and_builds_nothing(fresh_c
     )
     assert after.hits == before.hits + 2
     assert torch.equal(out, warm[0]) and all(torch.equal(a, b) for a, b in zip(grads, warm[1]))
+
+
+def _builds_during(monkeypatch, disp, fn):
+    """The keys ``disp``'s runtime built (a first build or a thread's copy) while ``fn()`` ran."""
+    built = []
+    real = disp.runtime._build_one
+    monkeypatch.setattr(disp.runtime, "_build_one", lambda key, impl: (built.append(key), real(key, impl))[1])
+    try:
+        fn()
+    finally:
+        monkeypatch.setattr(disp.runtime, "_build_one", real)
+    return built
+
+
+def test_a_thread_that_reuses_a_dead_threads_ident_prebuilds_its_own_copies(fresh_cache, monkeypatch):
+    """CPython gives a new thread the ident of one that ended. The prebuild's mark is the thread's own: a
+    thread started after another one's warm-up and capture (the same ident, as the test checks) warms up
+    its own copies of the bias graphs, so its capture builds nothing either."""
+    monkeypatch.setattr(masks, "capture_may_follow", lambda t, training: True)
+    disp = tcs.emulated_ex.dispatcher
+    q, k, v = _qkv_l_s(2, 2, 16, 16)
+    mask = causal(16, 16)
+    idents, built = [], []
+
+    def warm_up_then_capture():
+        idents.append(threading.get_ident())
+        for _ in range(3):
+            _step(disp, q, k, v, mask)
+        with _Capture(monkeypatch):
+            built.append(_builds_during(monkeypatch, disp, lambda: _step(disp, q, k, v, mask)))
+
+    for _ in range(4):  # one after another: each starts after the last one ended
+        thread = threading.Thread(target=warm_up_then_capture)
+        thread.start()
+        thread.join()
+    assert len(built) == 4
+    assert len(set(idents)) < len(idents), f"no ident was reused ({idents}): the case is not reached"
+    assert built == [[]] * 4, f"built during a capture: {built}"
+
+
+def test_a_graph_the_cache_evicted_is_prebuilt_again_before_a_capture(fresh_cache, monkeypatch):
+    """Generation between training steps can fill the graph cache and evict the graphs a warm-up prebuilt.
+    The prebuild's mark goes with them: the next warm-up builds them again, and the capture builds nothing
+    (the issue's repro: a cache of 3, a training forward with a causal mask, three other layouts)."""
+    monkeypatch.setattr(masks, "capture_may_follow", lambda t, training: True)
+    disp = tcs.emulated_ex.dispatcher
+    q, k, v = _qkv_l_s(2, 2, 16, 16)
+    mask = causal(16, 16)
+    with tcs.config.patch(cache_size=3):
+        for _ in range(3):
+            disp.forward(q, k, v, mask)
+        for s in (24, 32, 40):  # three other layouts: every graph of the warm-up is evicted
+            disp.forward(*_qkv_l_s(2, 2, s, s))
+        assert all(g.key.q.shape[2] != 16 for g in tcs.cached_graphs())
+        for _ in range(3):
+            disp.forward(q, k, v, mask)
+        with _Capture(monkeypatch):
+            built = _builds_during(monkeypatch, disp, lambda: disp.forward(q, k, v, mask))
+    assert built == [], f"built during the capture: {built}"
 
 
 def test_the_capture_prebuild_costs_later_calls_no_cache_lookup(fresh_cache, monkeypatch):

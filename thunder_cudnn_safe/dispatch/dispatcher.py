@@ -114,8 +114,8 @@ class Dispatcher:
 
     def __init__(self, runtime: Runtime, cache: GraphCache = graph_cache) -> None:
         self.runtime, self.cache = runtime, cache
-        #: memo key -> :class:`Memo` (and the capture prebuild's marks, :mod:`capture`); a hit reads it by ``peek``
-        self.recipes = LRU(RECIPE_MEMO_SIZE)
+        #: memo key -> :class:`Memo` (a hit reads it by ``peek``); what the capture prebuild built, per thread
+        self.recipes, self.capture_marks = LRU(RECIPE_MEMO_SIZE), capture.Marks(RECIPE_MEMO_SIZE)
         with _live_lock:
             _live.add(self)
 
@@ -236,7 +236,7 @@ _live_lock = threading.Lock()
 
 
 def forget_memos(_value: Any = None) -> None:
-    """Empty every dispatcher's memo (recipes and remembered slots): each signature plans again on its next
+    """Empty every dispatcher's memo (recipes, remembered slots, capture marks): each signature plans again on its next
     call. Run on every ``config.set`` / ``config.patch`` of any knob, before the value changes (the hook
     protocol): the memo key holds what planning reads today (target, dynamic-shape mode), so this is for
     a knob a later planner reads, at the cost of one full path per signature after a change."""
@@ -244,6 +244,7 @@ def forget_memos(_value: Any = None) -> None:
         live = list(_live)
     for disp in live:
         disp.recipes.clear()
+        disp.capture_marks.clear()
 
 
 for _knob in config.KNOBS:

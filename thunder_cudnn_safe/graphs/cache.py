@@ -159,6 +159,10 @@ class GraphCache:
         self._graphs.put(key, entry)
         return entry
 
+    def remembers(self, key: Hashable) -> bool:
+        """Whether a refusal of ``key`` is remembered (not counted; not judged again)."""
+        return key in self._refused
+
     def record_fallback(self) -> None:
         self._count("fallbacks")
 
