@@ -81,7 +81,7 @@ def prebuild(disp: Any, call: ForwardCall | BackwardCall, target: Target) -> Non
             continue
         slots.append(disp.cache.slot(key))
         if isinstance(call, ForwardCall) and call.dropout_p and call.need_stats:
-            dropout.backward_builds(disp, call, bias.call, key)
+            dropout.backward_builds(disp, call, bias.call, disp.memo(bias.call, target))
     if complete and None not in slots:  # None: a later key of this call evicted it (a cache smaller than a step)
         disp.capture_marks.put(memo, tuple(slots), tuple(refused))
 

@@ -52,21 +52,23 @@ RECIPE_MEMO_SIZE = 4096
 
 class Memo:
     """What a dispatcher remembers for one call signature: its pack recipe and, for a :func:`memoizable`
-    call, ``slot``: the graph cache's :class:`~thunder_cudnn_safe.graphs.cache.Slot` of the graph it ran."""
+    call, ``slot``: the graph cache's :class:`~thunder_cudnn_safe.graphs.cache.Slot` of the graph it ran;
+    for a dropout forward, ``dropout``: whether its backward builds (:func:`.dropout.backward_builds`)."""
 
-    __slots__ = ("recipe", "run", "slot")
+    __slots__ = ("recipe", "run", "slot", "dropout")
 
     def __init__(self, recipe: PackRecipe) -> None:
         self.recipe, self.run = recipe, recipe.run
         self.slot: Slot | None = None
+        self.dropout: dict | None = None
 
 
 def memoizable(p: Plan, call: ForwardCall | BackwardCall) -> bool:
     """Whether a hit of ``call``'s signature may skip planning and run the graph it ran: the plan is the call
     as given (a plain route is; no mask: a mask's route follows its values, read per call; not a decode step's
-    workaround), with no dropout (a forward asks whether its backward builds on every call, a backward whether its
-    forward fell back) and so no mask gradient (a mask gradient's recipe needs a mask). Everything else the run
-    path decides follows from the memo key."""
+    workaround), with no dropout (a forward falls back where its backward does not build: its memo's answer, read
+    on the full path; a backward asks whether its forward fell back) and so no mask gradient (a mask gradient's
+    recipe needs a mask). Everything else the run path decides follows from the memo key."""
     return p.route is Route.PLAIN and call.attn_mask is None and not call.dropout_p
 
 
@@ -211,7 +213,7 @@ class Dispatcher:
         bound = entry.run(p.call, p.call.query.device)
         if p.route is Route.OVERSIZED_BIAS:
             fallback.run_oversized_bias(self, bound)
-        elif dropout_forward and not dropout.backward_builds(self, call, p.call, bound.key):
+        elif dropout_forward and not dropout.backward_builds(self, call, p.call, entry):
             self.run_fallback(bound)
         else:
             self.run(bound)
