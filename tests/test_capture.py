@@ -360,6 +360,30 @@ def test_mask_conversion_is_not_reused_while_capturing(fresh_cache, monkeypatch)
     assert torch.equal(out1, out2) and (out1.float() - ref).abs().max() < 1e-2
 
 
+def test_a_float32_mask_with_fp16_queries_is_refused_under_capture_without_a_host_sync(fresh_cache, monkeypatch):
+    """Converting a float32 mask for fp16 queries checks, on the host, for rows only the conversion kills. Under
+    capture no conversion is cached, so that check was a host sync on every captured call (failing the capture)
+    and could not judge what the replays read: the call is refused, naming the capture, with no tensor read on
+    the host. Outside capture the same mask converts and runs."""
+    disp = tcs.emulated_ex.dispatcher
+    q, k, v = (torch.randn(1, 2, 16, 64, dtype=torch.float16) for _ in range(3))
+    m = torch.zeros(1, 1, 16, 16)
+    m[..., 5, :8] = torch.finfo(torch.float32).min  # a row with keys left: fine outside capture
+    out, _ = disp.forward(q, k, v, m)
+    read = []
+    for name in ("__bool__", "item", "__int__", "__float__", "tolist"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda t, *a, _r=real, _n=name: read.append(_n) or _r(t, *a))
+    refusal = None
+    with _Capture(monkeypatch):
+        try:
+            disp.forward(q, k, v, m)
+        except RuntimeError as exc:
+            refusal = str(exc)
+    assert read == [], f"read on the host under capture: {read}"
+    assert refusal is not None and "during CUDA-graph capture" in refusal
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_graph_replay_reads_each_steps_mask(fresh_cache):
