@@ -507,6 +507,31 @@ def test_a_budget_refusal_is_forgotten_when_the_budget_changes(fresh_cache):
     assert [key for key, _ in disp.cache._refused.items()] == ["another key"]
 
 
+def test_a_lowered_budget_applies_to_graphs_already_built(fresh_cache):
+    """A deterministic backward built under the default dP budget kept running in cuDNN after
+    ``config.dp_workspace_limit`` was lowered below its need: the graph cache now judges its graphs again after
+    a knob changes, drops the one the key gate refuses, and the call falls back; the budget raised again, it is
+    built and runs in cuDNN."""
+    from thunder_cudnn_safe.plan.keys import BackwardKey, ForwardKey
+
+    disp = Dispatcher(EmulatedRuntime(), GraphCache(16))
+    q, k, v, g = _memo_case()
+    out, stats = disp.forward(q, k, v)
+
+    def backward():
+        disp.backward(g, q, k, v, None, 0.0, False, out, stats, None, None, deterministic=True)
+        return disp.cache.info()
+
+    assert (backward().fallbacks, backward().builds) == (0, 2)
+    with tcs.config.patch(dp_workspace_limit=0):
+        info = backward()
+        assert info.fallbacks == 1 and tcs.gate_info().get("DP_WORKSPACE", 0) >= 1, info
+        assert not any(isinstance(key, BackwardKey) for key in disp.cache.keys())
+        assert any(isinstance(key, ForwardKey) for key in disp.cache.keys()), "a graph the gate admits stays"
+    info = backward()
+    assert (info.fallbacks, info.builds) == (1, 3), info
+
+
 def test_outputs_made_with_empty_like_get_exactly_the_declared_strides():
     """A recipe allocates an output with ``empty_like(operand)`` (cheaper per call than ``empty_strided``) only
     where the operand has the output's very layout and is dense: aten then keeps its strides. Checked here on

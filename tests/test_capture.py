@@ -339,6 +339,33 @@ def test_cuda_graph_transform_builds_nothing_while_capturing(kind, fresh_cache, 
     assert built_capturing and not any(built_capturing), "a graph was built while a stream captured"
 
 
+def test_a_copy_retried_under_capture_frees_no_memory(monkeypatch):
+    """Another thread's copy of a graph is retried after a transient failure, releasing torch's cached memory
+    first: ``torch.cuda.empty_cache()``, a device-wide synchronization that would invalidate a capture. It is
+    skipped while this thread's stream captures (and still done outside one)."""
+    from thunder_cudnn_safe.errors import GraphBuildError
+    from thunder_cudnn_safe.runtimes.cudnn_runtime import BuiltGraph, CudnnRuntime
+    from thunder_cudnn_safe.runtimes.per_thread import PerThread
+
+    freed, capturing = [], [True]
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: freed.append(capturing[0]))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    runtime = CudnnRuntime()
+    for capturing[0] in (True, False):
+        failures = [GraphBuildError("out of memory", definitive=False)]
+        built = BuiltGraph("graph", 0, "key", threads=PerThread("graph", 0))
+
+        def build_one(key, implementation, failures=failures):
+            if failures:
+                raise failures.pop()
+            return BuiltGraph("copy", 0, key)
+
+        monkeypatch.setattr(runtime, "_build_one", build_one)
+        copied = ThreadPoolExecutor(max_workers=1).submit(runtime.graph_for_this_thread, built).result()
+        assert copied == ("copy", 0)
+    assert freed == [False], f"empty_cache while capturing: {freed}"
+
+
 # -- no cached mask conversion under capture ----------------------------------------------------
 def test_mask_conversion_is_not_reused_while_capturing(fresh_cache, monkeypatch):
     """While the stream captures, each call converts its mask again (the conversion kernel is then
