@@ -262,6 +262,23 @@ def _memo_case(seed: int = 0, s: int = 16):
     return q, k, v, g
 
 
+def test_a_hot_signature_outlives_more_new_signatures_than_the_memo_holds(fresh_cache):
+    """The dispatch memo evicted first in, first out: a hit never refreshed an entry, so after 4,096 new
+    signatures (decode lengths, say) the hottest training signature was planned again. A hit now marks its
+    entry, which an eviction spares: interleaved with three times the memo's size of new signatures, the hot
+    one stays the same memo entry throughout, every call of it a hit."""
+    disp = Dispatcher(EmulatedRuntime(), GraphCache(64))
+    disp.recipes.resize(8)
+    hot = _memo_case()[:3]
+    disp.forward(*hot)
+    ((_, entry),) = disp.recipes.items()
+    for s in range(17, 17 + 3 * 8):
+        disp.forward(*_memo_case(s=s)[:3])
+        assert any(e is entry for _, e in disp.recipes.items()), f"evicted after {s - 16} new signatures"
+        disp.forward(*hot)
+    assert disp.recipes.evictions >= 2 * 8 and len(disp.recipes) == 8
+
+
 def _recording(runtime, monkeypatch):
     """``runtime.execute`` recording the key and (weakly) the graph each execution ran (the calling thread's)."""
     ran = []

@@ -55,12 +55,21 @@ class Memo:
     call, ``slot``: the graph cache's :class:`~thunder_cudnn_safe.graphs.cache.Slot` of the graph it ran;
     for a dropout forward, ``dropout``: whether its backward builds (:func:`.dropout.backward_builds`)."""
 
-    __slots__ = ("recipe", "run", "slot", "dropout")
+    __slots__ = ("recipe", "run", "slot", "dropout", "used")
 
     def __init__(self, recipe: PackRecipe) -> None:
         self.recipe, self.run = recipe, recipe.run
         self.slot: Slot | None = None
         self.dropout: dict | None = None
+        #: read since the memo last passed it at an eviction (set by every read: :func:`spare`)
+        self.used = False
+
+
+def spare(entry: Memo) -> bool:
+    """Whether the dispatch memo keeps ``entry`` at an eviction: it was read since the memo last passed it (a
+    hit sets ``used``; the LRU's second chance, so the hottest signatures outlive any number of new ones)."""
+    used, entry.used = entry.used, False
+    return used
 
 
 def memoizable(p: Plan, call: ForwardCall | BackwardCall) -> bool:
@@ -78,7 +87,8 @@ def _entry_point(call_type: type, miss: str, doc: str) -> Callable:
     bind, execute (a refusal: :meth:`Dispatcher.refused`), return; anything else goes to ``miss``, the full path.
 
     Generated, like the recipes' binders, because it runs on every call: a hit is this frame, the binder's
-    (given the arguments as a plain tuple: it only unpacks them) and the cache's mark of use; no call value
+    (given the arguments as a plain tuple: it only unpacks them) and the memo's and the cache's marks of use
+    (the memo's: one flag on the entry, :func:`spare`); no call value
     made, no memo-key function, no planning, no graph key hashed (``GraphCache.touch``). A backward turns on
     ``deterministic`` first where torch's deterministic algorithms are on, as the full path always did."""
     fields, defaults, name = call_type._fields, call_type._field_defaults, miss[1:]
@@ -94,15 +104,17 @@ def _entry_point(call_type: type, miss: str, doc: str) -> Callable:
     memo = {memo}
     args = ({"".join(f + ", " for f in fields)})
     entry = self.recipes.peek(memo)
-    if entry is not None and entry.slot is not None:
-        built = self.cache.touch(entry.slot)
-        if built is not None:
-            bound = entry.run(args, device)
-            try:
-                self.runtime.execute(built, bound.pack)
-            except refusals as exc:
-                self.refused(bound, exc)
-            return bound.outputs
+    if entry is not None:
+        entry.used = True
+        if entry.slot is not None:
+            built = self.cache.touch(entry.slot)
+            if built is not None:
+                bound = entry.run(args, device)
+                try:
+                    self.runtime.execute(built, bound.pack)
+                except refusals as exc:
+                    self.refused(bound, exc)
+                return bound.outputs
     return self.{miss}(new(call_type, args), target, memo, entry)"""
     exec(compile(source, f"<thunder_cudnn_safe Dispatcher.{name}>", "exec"), env)
     fn = env[name]
@@ -117,7 +129,7 @@ class Dispatcher:
     def __init__(self, runtime: Runtime, cache: GraphCache = graph_cache) -> None:
         self.runtime, self.cache = runtime, cache
         #: memo key -> :class:`Memo` (a hit reads it by ``peek``); what the capture prebuild built, per thread
-        self.recipes, self.capture_marks = LRU(RECIPE_MEMO_SIZE), capture.Marks(RECIPE_MEMO_SIZE)
+        self.recipes, self.capture_marks = LRU(RECIPE_MEMO_SIZE, spare), capture.Marks(RECIPE_MEMO_SIZE)
         with _live_lock:
             _live.add(self)
 
@@ -196,9 +208,8 @@ class Dispatcher:
     def _full(
         self, call: ForwardCall | BackwardCall, target: Target, memo: tuple, entry: Memo | None
     ) -> tuple[Plan, Bound | None, tuple]:
-        """Not a memo hit: the plan, its capture prebuild where a capture may follow, then the variable-length
-        route's outputs (declined or refused: the plan of its mask as a bias; no bound call), or the planned call
-        bound (by the memo looked up unless the plan changed the call) and run; a :func:`memoizable` one's slot kept."""
+        """Not a memo hit: the plan, its capture prebuild where a capture may follow, then the packed route's outputs
+        (declined or refused: its mask as a bias), or the planned call bound and run (a memoizable one's slot kept)."""
         dropout_forward = isinstance(call, ForwardCall) and call.dropout_p and call.need_stats
         p = plan(call, target)
         if p.recognized and masks.capture_may_follow(call.query, isinstance(call, BackwardCall) or call.need_stats):
@@ -210,6 +221,7 @@ class Dispatcher:
             p = p.as_bias(target)
         if p.call is not call or entry is None:
             entry = self.memo(p.call, target, memo if p.call is call else None)
+            entry.used = True
         bound = entry.run(p.call, p.call.query.device)
         if p.route is Route.OVERSIZED_BIAS:
             fallback.run_oversized_bias(self, bound)
