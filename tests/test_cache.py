@@ -262,6 +262,23 @@ def _memo_case(seed: int = 0, s: int = 16):
     return q, k, v, g
 
 
+def test_a_hot_signature_outlives_more_new_signatures_than_the_memo_holds(fresh_cache):
+    """The dispatch memo evicted first in, first out: a hit never refreshed an entry, so after 4,096 new
+    signatures (decode lengths, say) the hottest training signature was planned again. A hit now marks its
+    entry, which an eviction spares: interleaved with three times the memo's size of new signatures, the hot
+    one stays the same memo entry throughout, every call of it a hit."""
+    disp = Dispatcher(EmulatedRuntime(), GraphCache(64))
+    disp.recipes.resize(8)
+    hot = _memo_case()[:3]
+    disp.forward(*hot)
+    ((_, entry),) = disp.recipes.items()
+    for s in range(17, 17 + 3 * 8):
+        disp.forward(*_memo_case(s=s)[:3])
+        assert any(e is entry for _, e in disp.recipes.items()), f"evicted after {s - 16} new signatures"
+        disp.forward(*hot)
+    assert disp.recipes.evictions >= 2 * 8 and len(disp.recipes) == 8
+
+
 def _recording(runtime, monkeypatch):
     """``runtime.execute`` recording the key and (weakly) the graph each execution ran (the calling thread's)."""
     ran = []
@@ -505,6 +522,31 @@ def test_a_budget_refusal_is_forgotten_when_the_budget_changes(fresh_cache):
     info = disp.cache.info()
     assert info.fallbacks == 1 and info.builds == 2 and info.negative_hits == 0, info
     assert [key for key, _ in disp.cache._refused.items()] == ["another key"]
+
+
+def test_a_lowered_budget_applies_to_graphs_already_built(fresh_cache):
+    """A deterministic backward built under the default dP budget kept running in cuDNN after
+    ``config.dp_workspace_limit`` was lowered below its need: the graph cache now judges its graphs again after
+    a knob changes, drops the one the key gate refuses, and the call falls back; the budget raised again, it is
+    built and runs in cuDNN."""
+    from thunder_cudnn_safe.plan.keys import BackwardKey, ForwardKey
+
+    disp = Dispatcher(EmulatedRuntime(), GraphCache(16))
+    q, k, v, g = _memo_case()
+    out, stats = disp.forward(q, k, v)
+
+    def backward():
+        disp.backward(g, q, k, v, None, 0.0, False, out, stats, None, None, deterministic=True)
+        return disp.cache.info()
+
+    assert (backward().fallbacks, backward().builds) == (0, 2)
+    with tcs.config.patch(dp_workspace_limit=0):
+        info = backward()
+        assert info.fallbacks == 1 and tcs.gate_info().get("DP_WORKSPACE", 0) >= 1, info
+        assert not any(isinstance(key, BackwardKey) for key in disp.cache.keys())
+        assert any(isinstance(key, ForwardKey) for key in disp.cache.keys()), "a graph the gate admits stays"
+    info = backward()
+    assert (info.fallbacks, info.builds) == (1, 3), info
 
 
 def test_outputs_made_with_empty_like_get_exactly_the_declared_strides():

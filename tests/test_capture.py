@@ -15,6 +15,7 @@ tests/test_gpu_smoke.py.
 from __future__ import annotations
 
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -209,6 +210,65 @@ def test_a_capture_of_a_plain_call_runs_from_the_memo_and_builds_nothing(fresh_c
     assert torch.equal(out, warm[0]) and all(torch.equal(a, b) for a, b in zip(grads, warm[1]))
 
 
+def _builds_during(monkeypatch, disp, fn):
+    """The keys ``disp``'s runtime built (a first build or a thread's copy) while ``fn()`` ran."""
+    built = []
+    real = disp.runtime._build_one
+    monkeypatch.setattr(disp.runtime, "_build_one", lambda key, impl: (built.append(key), real(key, impl))[1])
+    try:
+        fn()
+    finally:
+        monkeypatch.setattr(disp.runtime, "_build_one", real)
+    return built
+
+
+def test_a_thread_that_reuses_a_dead_threads_ident_prebuilds_its_own_copies(fresh_cache, monkeypatch):
+    """CPython gives a new thread the ident of one that ended. The prebuild's mark is the thread's own: a
+    thread started after another one's warm-up and capture (the same ident, as the test checks) warms up
+    its own copies of the bias graphs, so its capture builds nothing either."""
+    monkeypatch.setattr(masks, "capture_may_follow", lambda t, training: True)
+    disp = tcs.emulated_ex.dispatcher
+    q, k, v = _qkv_l_s(2, 2, 16, 16)
+    mask = causal(16, 16)
+    idents, built = [], []
+
+    def warm_up_then_capture():
+        idents.append(threading.get_ident())
+        for _ in range(3):
+            _step(disp, q, k, v, mask)
+        with _Capture(monkeypatch):
+            built.append(_builds_during(monkeypatch, disp, lambda: _step(disp, q, k, v, mask)))
+
+    for _ in range(4):  # one after another: each starts after the last one ended
+        thread = threading.Thread(target=warm_up_then_capture)
+        thread.start()
+        thread.join()
+    assert len(built) == 4
+    assert len(set(idents)) < len(idents), f"no ident was reused ({idents}): the case is not reached"
+    assert built == [[]] * 4, f"built during a capture: {built}"
+
+
+def test_a_graph_the_cache_evicted_is_prebuilt_again_before_a_capture(fresh_cache, monkeypatch):
+    """Generation between training steps can fill the graph cache and evict the graphs a warm-up prebuilt.
+    The prebuild's mark goes with them: the next warm-up builds them again, and the capture builds nothing
+    (the issue's repro: a cache of 3, a training forward with a causal mask, three other layouts)."""
+    monkeypatch.setattr(masks, "capture_may_follow", lambda t, training: True)
+    disp = tcs.emulated_ex.dispatcher
+    q, k, v = _qkv_l_s(2, 2, 16, 16)
+    mask = causal(16, 16)
+    with tcs.config.patch(cache_size=3):
+        for _ in range(3):
+            disp.forward(q, k, v, mask)
+        for s in (24, 32, 40):  # three other layouts: every graph of the warm-up is evicted
+            disp.forward(*_qkv_l_s(2, 2, s, s))
+        assert all(g.key.q.shape[2] != 16 for g in tcs.cached_graphs())
+        for _ in range(3):
+            disp.forward(q, k, v, mask)
+        with _Capture(monkeypatch):
+            built = _builds_during(monkeypatch, disp, lambda: disp.forward(q, k, v, mask))
+    assert built == [], f"built during the capture: {built}"
+
+
 def test_the_capture_prebuild_costs_later_calls_no_cache_lookup(fresh_cache, monkeypatch):
     """The prebuild runs once per signature: the second and later training steps with the same pattern
     look up only the graphs they run (hits per step stay those of a step without the prebuild)."""
@@ -279,6 +339,33 @@ def test_cuda_graph_transform_builds_nothing_while_capturing(kind, fresh_cache, 
     assert built_capturing and not any(built_capturing), "a graph was built while a stream captured"
 
 
+def test_a_copy_retried_under_capture_frees_no_memory(monkeypatch):
+    """Another thread's copy of a graph is retried after a transient failure, releasing torch's cached memory
+    first: ``torch.cuda.empty_cache()``, a device-wide synchronization that would invalidate a capture. It is
+    skipped while this thread's stream captures (and still done outside one)."""
+    from thunder_cudnn_safe.errors import GraphBuildError
+    from thunder_cudnn_safe.runtimes.cudnn_runtime import BuiltGraph, CudnnRuntime
+    from thunder_cudnn_safe.runtimes.per_thread import PerThread
+
+    freed, capturing = [], [True]
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: freed.append(capturing[0]))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    runtime = CudnnRuntime()
+    for capturing[0] in (True, False):
+        failures = [GraphBuildError("out of memory", definitive=False)]
+        built = BuiltGraph("graph", 0, "key", threads=PerThread("graph", 0))
+
+        def build_one(key, implementation, failures=failures):
+            if failures:
+                raise failures.pop()
+            return BuiltGraph("copy", 0, key)
+
+        monkeypatch.setattr(runtime, "_build_one", build_one)
+        copied = ThreadPoolExecutor(max_workers=1).submit(runtime.graph_for_this_thread, built).result()
+        assert copied == ("copy", 0)
+    assert freed == [False], f"empty_cache while capturing: {freed}"
+
+
 # -- no cached mask conversion under capture ----------------------------------------------------
 def test_mask_conversion_is_not_reused_while_capturing(fresh_cache, monkeypatch):
     """While the stream captures, each call converts its mask again (the conversion kernel is then
@@ -298,6 +385,30 @@ def test_mask_conversion_is_not_reused_while_capturing(fresh_cache, monkeypatch)
     assert tcs.mask_cache_info().hits == before.hits + 1
     ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), mask)
     assert torch.equal(out1, out2) and (out1.float() - ref).abs().max() < 1e-2
+
+
+def test_a_float32_mask_with_fp16_queries_is_refused_under_capture_without_a_host_sync(fresh_cache, monkeypatch):
+    """Converting a float32 mask for fp16 queries checks, on the host, for rows only the conversion kills. Under
+    capture no conversion is cached, so that check was a host sync on every captured call (failing the capture)
+    and could not judge what the replays read: the call is refused, naming the capture, with no tensor read on
+    the host. Outside capture the same mask converts and runs."""
+    disp = tcs.emulated_ex.dispatcher
+    q, k, v = (torch.randn(1, 2, 16, 64, dtype=torch.float16) for _ in range(3))
+    m = torch.zeros(1, 1, 16, 16)
+    m[..., 5, :8] = torch.finfo(torch.float32).min  # a row with keys left: fine outside capture
+    out, _ = disp.forward(q, k, v, m)
+    read = []
+    for name in ("__bool__", "item", "__int__", "__float__", "tolist"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda t, *a, _r=real, _n=name: read.append(_n) or _r(t, *a))
+    refusal = None
+    with _Capture(monkeypatch):
+        try:
+            disp.forward(q, k, v, m)
+        except RuntimeError as exc:
+            refusal = str(exc)
+    assert read == [], f"read on the host under capture: {read}"
+    assert refusal is not None and "during CUDA-graph capture" in refusal
 
 
 @pytest.mark.gpu

@@ -81,6 +81,37 @@ def test_dropout_forward_prechecks_the_backward_that_will_run(variant, fresh_cac
     assert all(torch.isfinite(t).all() for t in grads)
 
 
+@pytest.mark.parametrize("mask", ["none", "float"])
+def test_a_repeated_dropout_forward_compiles_nothing_and_looks_up_only_its_graph(mask, fresh_cache, monkeypatch):
+    """Whether a dropout forward's backward builds is asked once per signature and kept with its memo: a
+    repeated forward compiles no backward recipe (about 0.7 ms a call, more with a float mask) and looks up only
+    the graph it runs, still in cuDNN."""
+    from thunder_cudnn_safe.plan import recipes
+
+    disp = Dispatcher(EmulatedRuntime(), GraphCache(16))
+    q, k, v = (T(2, 2, 16, 64) for _ in range(3))
+    m = torch.randn(2, 1, 16, 16, dtype=torch.float16) if mask == "float" else None
+    disp.forward(q, k, v, m, 0.25, False)
+    first = disp.cache.info()
+    assert first.builds == (3 if mask == "float" else 2) and first.fallbacks == 0  # the forward, its backward(s)
+    compiled = []
+    real = recipes._compile
+    monkeypatch.setattr(recipes, "_compile", lambda *a: compiled.append(a[0]) or real(*a))
+    for _ in range(3):
+        disp.forward(q, k, v, m, 0.25, False)
+    info = disp.cache.info()
+    assert compiled == [], "a repeated dropout forward compiled a recipe"
+    assert (info.builds, info.misses, info.fallbacks) == (first.builds, first.misses, 0)
+    assert info.hits == first.hits + 3, "a repeated dropout forward looked up more than its own graph"
+    was, was_warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        disp.forward(q, k, v, m, 0.25, False)  # the deterministic backward will run: asked again
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=was_warn)
+    assert compiled and disp.cache.info().builds > info.builds
+
+
 def test_dropout_forward_falls_back_when_cudnn_refuses_its_backward(fresh_cache):
     """L = S = 1 with dropout: cuDNN takes the forward, refuses the backward. The forward used to run
     in cuDNN, and the backward then raised (the fallback cannot reproduce cuDNN's mask)."""

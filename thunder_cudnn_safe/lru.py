@@ -12,12 +12,18 @@ from typing import Any
 
 class LRU:
     """A map of at most ``maxsize`` entries; adding one more evicts the least recently used. ``peek`` is ``get``
-    without marking the entry used: the bare dict read (no lock, no frame of its own), for the per-call memos."""
+    without marking the entry used: the bare dict read (no lock, no frame of its own), for the per-call memos,
+    whose readers mark a use on the value itself (``second_chance``)."""
 
-    def __init__(self, maxsize: int) -> None:
+    def __init__(self, maxsize: int, second_chance: Callable[[Any], bool] | None = None) -> None:
         self._lock = threading.Lock()
         self._data: OrderedDict[Hashable, Any] = OrderedDict()
         self.maxsize = maxsize
+        #: For a map read by ``peek`` (which marks nothing): ``second_chance(value)`` says whether the value was
+        #: used since it was last put or spared (and resets that), and a used one is moved to the most recent
+        #: end instead of evicted (the CLOCK approximation of least recently used: a hit costs its reader one
+        #: flag set, no lock, no hash; an eviction passes each used entry at most once).
+        self._second_chance = second_chance
         #: entries dropped to respect the bound (not by pop/clear)
         self.evictions = 0
         #: ``get`` calls that found their key (counted under the same lock: a hit takes one lock)
@@ -78,6 +84,9 @@ class LRU:
 
     def _trim(self) -> None:
         while len(self._data) > self.maxsize:
-            key, _ = self._data.popitem(last=False)
+            key, value = self._data.popitem(last=False)
+            if self._second_chance is not None and self._second_chance(value):
+                self._data[key] = value  # used since it was last passed: spared, now the most recent
+                continue
             self.evictions += 1
             self.on_evict(key)

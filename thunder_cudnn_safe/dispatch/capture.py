@@ -8,6 +8,10 @@ invalidates it. :func:`prebuild` builds them at warm-up, planned exactly as the 
 forward's backward check too), and makes the calling thread's own copy of each (:mod:`per_thread`: a graph built
 on another thread is copied on first use, which must not be inside the capture). Nothing is bound or run; a
 refusal is remembered, and the captured call then runs on the torch fallback, as it would.
+
+The prebuild runs once per signature and thread, remembered by :class:`Marks`; a mark dies with what it marks:
+with its thread (a new thread given a dead one's ident, which CPython reuses, prebuilds its own copies) and with
+any graph it holds (the cache evicting or clearing one voids the mark, so the next warm-up builds it again).
 """
 
 from __future__ import annotations
@@ -19,27 +23,67 @@ import torch
 
 from thunder_cudnn_safe.dispatch import dropout
 from thunder_cudnn_safe.errors import ExecuteError, GraphBuildError
+from thunder_cudnn_safe.lru import LRU
 from thunder_cudnn_safe.plan.calls import BackwardCall, ForwardCall, forward_of, memo_key
 from thunder_cudnn_safe.plan.keys import Target
 from thunder_cudnn_safe.plan.planner import Route, plan
 
 
+class Marks:
+    """A dispatcher's prebuild marks: per thread (a ``threading.local``, so a thread's marks go with it; a mark
+    keyed by ``threading.get_ident()`` outlived its thread and was found by the next thread given that ident),
+    each mark the graph-cache :class:`~thunder_cudnn_safe.graphs.cache.Slot` of every graph it built and copied
+    for the thread (and the keys refused). A mark holds while every slot holds its graph and every refusal is
+    still remembered: an evicted graph empties its slot (its thread copies go with its entry), so the mark
+    of a graph the cache dropped is void. Bounded per thread like the dispatch memo; :meth:`clear` forgets
+    every thread's (a knob changed: the capture may plan other keys)."""
+
+    def __init__(self, maxsize: int) -> None:
+        self.maxsize = maxsize
+        self._local = threading.local()
+
+    def clear(self) -> None:
+        self._local = threading.local()  # every thread's marks go with the old one
+
+    def _mine(self) -> LRU:
+        local = self._local
+        marks = getattr(local, "marks", None)
+        if marks is None:
+            marks = local.marks = LRU(self.maxsize)
+        return marks
+
+    def holds(self, memo: tuple, cache: Any) -> bool:
+        """Whether this thread prebuilt ``memo``'s graphs and the cache still holds all of them."""
+        mark = self._mine().peek(memo)
+        return mark is not None and all(s.graph is not None for s in mark[0]) and all(map(cache.remembers, mark[1]))
+
+    def put(self, memo: tuple, slots: tuple, refused: tuple) -> None:
+        self._mine().put(memo, (slots, refused))
+
+
 def prebuild(disp: Any, call: ForwardCall | BackwardCall, target: Target) -> None:
     """Build (and copy for this thread) the graphs ``call`` would run under capture; once per signature and
-    thread (later calls do no lookup at all; ``clear_cache()`` forgets it with the graphs)."""
-    memo = ("capture", threading.get_ident()) + memo_key(call, target)
-    if disp.recipes.peek(memo) is not None:
+    thread while the cache holds them (a later call reads its mark's slots, no cache lookup)."""
+    memo = memo_key(call, target)
+    if disp.capture_marks.holds(memo, disp.cache):
         return
     bias = plan(call, target, recognize=False)  # no pattern under capture; an oversized bias: the fallback runs it
     keys = () if bias.route is Route.OVERSIZED_BIAS else _keys(disp, call, bias.call, target)
-    disp.recipes.put(memo, True)
+    slots, refused, complete = [], [], True
     for key in keys:
         try:
             disp.runtime.graph_for_this_thread(disp.cache.get_or_build(key, disp.runtime.build))
-        except (GraphBuildError, ExecuteError):
+        except GraphBuildError:
+            refused.append(key)
             continue
+        except ExecuteError:  # this thread's copy failed (transient): no mark, the next warm-up tries again
+            complete = False
+            continue
+        slots.append(disp.cache.slot(key))
         if isinstance(call, ForwardCall) and call.dropout_p and call.need_stats:
-            dropout.backward_builds(disp, call, bias.call, key)
+            dropout.backward_builds(disp, call, bias.call, disp.memo(bias.call, target))
+    if complete and None not in slots:  # None: a later key of this call evicted it (a cache smaller than a step)
+        disp.capture_marks.put(memo, tuple(slots), tuple(refused))
 
 
 def _keys(disp: Any, call: ForwardCall | BackwardCall, bias: ForwardCall | BackwardCall, target: Target) -> tuple:

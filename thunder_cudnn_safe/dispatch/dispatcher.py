@@ -52,21 +52,32 @@ RECIPE_MEMO_SIZE = 4096
 
 class Memo:
     """What a dispatcher remembers for one call signature: its pack recipe and, for a :func:`memoizable`
-    call, ``slot``: the graph cache's :class:`~thunder_cudnn_safe.graphs.cache.Slot` of the graph it ran."""
+    call, ``slot``: the graph cache's :class:`~thunder_cudnn_safe.graphs.cache.Slot` of the graph it ran;
+    for a dropout forward, ``dropout``: whether its backward builds (:func:`.dropout.backward_builds`)."""
 
-    __slots__ = ("recipe", "run", "slot")
+    __slots__ = ("recipe", "run", "slot", "dropout", "used")
 
     def __init__(self, recipe: PackRecipe) -> None:
         self.recipe, self.run = recipe, recipe.run
         self.slot: Slot | None = None
+        self.dropout: dict | None = None
+        #: read since the memo last passed it at an eviction (set by every read: :func:`spare`)
+        self.used = False
+
+
+def spare(entry: Memo) -> bool:
+    """Whether the dispatch memo keeps ``entry`` at an eviction: it was read since the memo last passed it (a
+    hit sets ``used``; the LRU's second chance, so the hottest signatures outlive any number of new ones)."""
+    used, entry.used = entry.used, False
+    return used
 
 
 def memoizable(p: Plan, call: ForwardCall | BackwardCall) -> bool:
     """Whether a hit of ``call``'s signature may skip planning and run the graph it ran: the plan is the call
     as given (a plain route is; no mask: a mask's route follows its values, read per call; not a decode step's
-    workaround), with no dropout (a forward asks whether its backward builds on every call, a backward whether its
-    forward fell back) and so no mask gradient (a mask gradient's recipe needs a mask). Everything else the run
-    path decides follows from the memo key."""
+    workaround), with no dropout (a forward falls back where its backward does not build: its memo's answer, read
+    on the full path; a backward asks whether its forward fell back) and so no mask gradient (a mask gradient's
+    recipe needs a mask). Everything else the run path decides follows from the memo key."""
     return p.route is Route.PLAIN and call.attn_mask is None and not call.dropout_p
 
 
@@ -76,7 +87,8 @@ def _entry_point(call_type: type, miss: str, doc: str) -> Callable:
     bind, execute (a refusal: :meth:`Dispatcher.refused`), return; anything else goes to ``miss``, the full path.
 
     Generated, like the recipes' binders, because it runs on every call: a hit is this frame, the binder's
-    (given the arguments as a plain tuple: it only unpacks them) and the cache's mark of use; no call value
+    (given the arguments as a plain tuple: it only unpacks them) and the memo's and the cache's marks of use
+    (the memo's: one flag on the entry, :func:`spare`); no call value
     made, no memo-key function, no planning, no graph key hashed (``GraphCache.touch``). A backward turns on
     ``deterministic`` first where torch's deterministic algorithms are on, as the full path always did."""
     fields, defaults, name = call_type._fields, call_type._field_defaults, miss[1:]
@@ -92,15 +104,17 @@ def _entry_point(call_type: type, miss: str, doc: str) -> Callable:
     memo = {memo}
     args = ({"".join(f + ", " for f in fields)})
     entry = self.recipes.peek(memo)
-    if entry is not None and entry.slot is not None:
-        built = self.cache.touch(entry.slot)
-        if built is not None:
-            bound = entry.run(args, device)
-            try:
-                self.runtime.execute(built, bound.pack)
-            except refusals as exc:
-                self.refused(bound, exc)
-            return bound.outputs
+    if entry is not None:
+        entry.used = True
+        if entry.slot is not None:
+            built = self.cache.touch(entry.slot)
+            if built is not None:
+                bound = entry.run(args, device)
+                try:
+                    self.runtime.execute(built, bound.pack)
+                except refusals as exc:
+                    self.refused(bound, exc)
+                return bound.outputs
     return self.{miss}(new(call_type, args), target, memo, entry)"""
     exec(compile(source, f"<thunder_cudnn_safe Dispatcher.{name}>", "exec"), env)
     fn = env[name]
@@ -114,8 +128,8 @@ class Dispatcher:
 
     def __init__(self, runtime: Runtime, cache: GraphCache = graph_cache) -> None:
         self.runtime, self.cache = runtime, cache
-        #: memo key -> :class:`Memo` (and the capture prebuild's marks, :mod:`capture`); a hit reads it by ``peek``
-        self.recipes = LRU(RECIPE_MEMO_SIZE)
+        #: memo key -> :class:`Memo` (a hit reads it by ``peek``); what the capture prebuild built, per thread
+        self.recipes, self.capture_marks = LRU(RECIPE_MEMO_SIZE, spare), capture.Marks(RECIPE_MEMO_SIZE)
         with _live_lock:
             _live.add(self)
 
@@ -194,9 +208,8 @@ class Dispatcher:
     def _full(
         self, call: ForwardCall | BackwardCall, target: Target, memo: tuple, entry: Memo | None
     ) -> tuple[Plan, Bound | None, tuple]:
-        """Not a memo hit: the plan, its capture prebuild where a capture may follow, then the variable-length
-        route's outputs (declined or refused: the plan of its mask as a bias; no bound call), or the planned call
-        bound (by the memo looked up unless the plan changed the call) and run; a :func:`memoizable` one's slot kept."""
+        """Not a memo hit: the plan, its capture prebuild where a capture may follow, then the packed route's outputs
+        (declined or refused: its mask as a bias), or the planned call bound and run (a memoizable one's slot kept)."""
         dropout_forward = isinstance(call, ForwardCall) and call.dropout_p and call.need_stats
         p = plan(call, target)
         if p.recognized and masks.capture_may_follow(call.query, isinstance(call, BackwardCall) or call.need_stats):
@@ -208,10 +221,11 @@ class Dispatcher:
             p = p.as_bias(target)
         if p.call is not call or entry is None:
             entry = self.memo(p.call, target, memo if p.call is call else None)
+            entry.used = True
         bound = entry.run(p.call, p.call.query.device)
         if p.route is Route.OVERSIZED_BIAS:
             fallback.run_oversized_bias(self, bound)
-        elif dropout_forward and not dropout.backward_builds(self, call, p.call, bound.key):
+        elif dropout_forward and not dropout.backward_builds(self, call, p.call, entry):
             self.run_fallback(bound)
         else:
             self.run(bound)
@@ -236,7 +250,7 @@ _live_lock = threading.Lock()
 
 
 def forget_memos(_value: Any = None) -> None:
-    """Empty every dispatcher's memo (recipes and remembered slots): each signature plans again on its next
+    """Empty every dispatcher's memo (recipes, remembered slots, capture marks): each signature plans again on its next
     call. Run on every ``config.set`` / ``config.patch`` of any knob, before the value changes (the hook
     protocol): the memo key holds what planning reads today (target, dynamic-shape mode), so this is for
     a knob a later planner reads, at the cost of one full path per signature after a change."""
@@ -244,6 +258,7 @@ def forget_memos(_value: Any = None) -> None:
         live = list(_live)
     for disp in live:
         disp.recipes.clear()
+        disp.capture_marks.clear()
 
 
 for _knob in config.KNOBS:

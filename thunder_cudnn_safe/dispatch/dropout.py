@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from thunder_cudnn_safe.errors import GraphBuildError
-from thunder_cudnn_safe.plan.calls import ForwardCall, signature, torch_deterministic
+from thunder_cudnn_safe.plan.calls import ForwardCall, arg_key, signature, torch_deterministic
 from thunder_cudnn_safe.plan.keys import ForwardKey
 from thunder_cudnn_safe.plan.planner import bias_too_large
 from thunder_cudnn_safe.plan.recipes import companion_backward_key
@@ -21,8 +21,19 @@ from thunder_cudnn_safe.rules.key_gate import RuleRefusal
 from thunder_cudnn_safe.telemetry import warn_once
 
 
-def backward_builds(disp: Any, call: ForwardCall, masked: ForwardCall, fkey: ForwardKey) -> bool:
-    """Whether the runtime builds the backward of a dropout forward (dO in O's layout), asked of the cache.
+def backward_builds(disp: Any, call: ForwardCall, masked: ForwardCall, entry: Any) -> bool:
+    """Whether the runtime builds the backward of a dropout forward (dO in O's layout), asked of the cache once
+    per signature: the answer is kept with ``entry``, the :class:`~thunder_cudnn_safe.dispatch.dispatcher.Memo`
+    ``masked`` binds by (its key is the forward's), per what else it depends on (the deterministic mode the
+    backward will read; a float mask's layout, which a pattern swapped out of ``masked``). A repeated forward
+    compiles no backward recipe and looks nothing up; ``config`` changes and ``clear_cache()`` empty the memo,
+    and a transient failure is not kept (the next call asks again).
+
+    Asking builds the backward graph on the forward's thread: a build is cuDNN's only complete verdict
+    (validation passes graphs whose plans then fail), and the forward must know it before it draws a mask only
+    cuDNN can reproduce. The built graph stays cached, because the backward's thread copies it from that entry
+    (the same implementation asked: :mod:`~thunder_cudnn_safe.runtimes.per_thread`), and the forward's thread
+    runs it itself where the backward runs on the calling thread (CPU tensors, a reentrant backward).
 
     A float mask checks both with and without dBias: whether its gradient is used is known only
     after dead-code elimination (with it, the mask runs as a bias even where the forward ran a pattern).
@@ -31,6 +42,20 @@ def backward_builds(disp: Any, call: ForwardCall, masked: ForwardCall, fkey: For
     """
     float_mask = call.attn_mask is not None and call.attn_mask.dtype != torch.bool and not bias_too_large(call)
     deterministic = call.deterministic or torch_deterministic()  # as the backward will decide
+    asked = (deterministic, arg_key(call.attn_mask) if float_mask else None)
+    answers = entry.dropout if entry.dropout is not None else {}
+    known = answers.get(asked)
+    if known is None:
+        known, definitive = _ask(disp, call, masked, entry.recipe.key, float_mask, deterministic)
+        if definitive:
+            entry.dropout = {**answers, asked: known}  # replaced whole: a reader never sees it half made
+    return known
+
+
+def _ask(
+    disp: Any, call: ForwardCall, masked: ForwardCall, fkey: ForwardKey, float_mask: bool, deterministic: bool
+) -> tuple[bool, bool]:
+    """Whether every backward a dropout forward may run builds, and whether that answer is for good."""
     for mask_grad in (False, True) if float_mask else (False,):
         bcall = signature(call if mask_grad else masked)._replace(deterministic=deterministic)
         companion = companion_backward_key(bcall, fkey, mask_grad)
@@ -47,5 +72,5 @@ def backward_builds(disp: Any, call: ForwardCall, masked: ForwardCall, fkey: For
                 disp.runtime.name,
                 exc,
             )
-            return False
-    return True
+            return False, exc.definitive
+    return True, True

@@ -4,6 +4,11 @@ A hit is one lookup. A dispatcher's memo of graph-cache hits holds a :class:`Slo
 (``GraphCache.slot``) and reads the graph through ``GraphCache.touch`` (a hit, the key not hashed again); an
 evicted or cleared graph leaves its slot empty, so no memo keeps it alive or runs it.
 
+A built graph is judged again after a knob changes (:meth:`GraphCache.get_or_build` sweeps at its first lookup
+after one): a key-gate rule may read a knob (DP_WORKSPACE's ``config.dp_workspace_limit``), and a graph built
+under a larger budget stayed in use after the budget was lowered. A graph whose key the gate now refuses is
+dropped (its slots emptied), so the next call builds again and meets the refusal.
+
 A miss builds under a per-key lock (one build per key, other keys in parallel). A refusal (cuDNN's
 judgment of the graph, or the key gate's) is remembered and raised again as it was; a transient failure
 (``GraphBuildError.definitive`` false: an out-of-memory or a CUDA error the frontend wrapped) is never
@@ -21,6 +26,18 @@ from typing import Any, NamedTuple
 from thunder_cudnn_safe import caches, config
 from thunder_cudnn_safe.errors import GraphBuildError
 from thunder_cudnn_safe.lru import LRU
+
+#: Knob changes so far (every knob's hook counts, before the value changes): a cache sweeps its graphs at its
+#: first lookup after one (:meth:`GraphCache._sweep`), under the new value.
+_knob_changes = [0]
+
+
+def _knob_changed(_value: Any) -> None:
+    _knob_changes[0] += 1
+
+
+for _knob in config.KNOBS:
+    config.on_change(_knob, _knob_changed)
 
 
 class CacheInfo(NamedTuple):
@@ -126,6 +143,8 @@ class GraphCache:
 
     def get_or_build(self, key: Hashable, build: Callable[[Hashable], Any]) -> Any:
         """The built graph for ``key``, built once on a miss. Raises GraphBuildError."""
+        if self._swept != _knob_changes[0]:
+            self._sweep()
         entry = self._graphs.get(key)  # a hit: one lookup under one lock
         if entry is None:
             entry = self._known(key, count=True)  # refused, or built by another thread since the first lookup
@@ -159,6 +178,17 @@ class GraphCache:
         self._graphs.put(key, entry)
         return entry
 
+    def _sweep(self) -> None:
+        """Drop every graph the key gate no longer admits under today's knobs (``admitted()`` of a built graph:
+        :class:`~thunder_cudnn_safe.runtimes.cudnn_runtime.BuiltGraph`, the layer that knows the gate)."""
+        self._swept = _knob_changes[0]
+        graphs = self._graphs
+        graphs.remove_if(lambda key: not getattr(graphs.peek(key), "admitted", lambda: True)())
+
+    def remembers(self, key: Hashable) -> bool:
+        """Whether a refusal of ``key`` is remembered (not counted; not judged again)."""
+        return key in self._refused
+
     def record_fallback(self) -> None:
         self._count("fallbacks")
 
@@ -173,6 +203,7 @@ class GraphCache:
         for lru in (self._graphs, self._refused):
             lru.clear()
         with self._lock:
+            self._swept = _knob_changes[0]
             self._counts = dict.fromkeys(("misses", "builds", "build_failures", "negative_hits", "fallbacks"), 0)
             self._counts["build_seconds"] = 0.0
 

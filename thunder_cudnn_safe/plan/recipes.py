@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import torch
 
 from thunder_cudnn_safe import config
+from thunder_cudnn_safe.masks import bias as mask_bias
 from thunder_cudnn_safe.masks.bias import converted_masks
 from thunder_cudnn_safe.masks.patterns import MaskPattern
 from thunder_cudnn_safe.plan.calls import TENSOR_FIELDS, BackwardCall, ForwardCall, backward_of, default_scale
@@ -364,7 +365,16 @@ def counted_copy(buf: torch.Tensor, src: torch.Tensor, name: str, reason: CopyRe
         # fp16 has no value that absorbs the scores: finite values below -65504 become -inf. That changes
         # nothing for a row with another key left, but a row masked everywhere by them would come out 0
         # where eager averages V: a silently wrong number, so it is refused here (once per distinct mask:
-        # the conversion is cached). Direct operator calls only; thunder.jit refuses the dtype mix.
+        # the conversion is cached). Direct operator calls only; thunder.jit refuses the dtype mix. Under
+        # CUDA-graph capture the check would be a host sync on every captured call (no conversion is cached
+        # there) and could not judge the masks replays read: refused, naming why.
+        if mask_bias.capturing(src):
+            raise RuntimeError(
+                f"cudnn_safe: a {src.dtype} attention mask with float16 queries cannot be converted during "
+                "CUDA-graph capture: float16 turns its finite values below -65504 into -inf, which would make a "
+                "row masked everywhere 0 where eager averages V, and checking that reads the mask on the host, "
+                "which a capture cannot record. Capture with a float16, boolean or -inf mask, or bfloat16 queries."
+            )
         buf.copy_(src.expand(buf.shape))
         newly_dead = torch.isneginf(buf).all(dim=-1) & ~torch.isneginf(src).all(dim=-1)
         if bool(newly_dead.any()):

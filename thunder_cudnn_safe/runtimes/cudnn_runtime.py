@@ -38,6 +38,11 @@ class BuiltGraph(NamedTuple):
     #: None: ``graph`` everywhere.
     threads: PerThread | None = None
 
+    def admitted(self) -> bool:
+        """Whether the key gate still admits the key this was built as, under today's knobs (a rule may read
+        one: DP_WORKSPACE's budget); the graph cache drops a graph it no longer admits."""
+        return self.key is None or not key_gate.violations(self.key)
+
 
 #: The forward's implementation ladder: the frontend's choice first, then the composite
 #: implementation, which the frontend accepts for every forward (the lowering sweep: pinned
@@ -246,7 +251,10 @@ class CudnnRuntime(Runtime):
         return target
 
     def free_memory(self) -> None:
-        torch.cuda.empty_cache()
+        """torch's cached blocks released, except while this thread's stream captures a CUDA graph:
+        ``empty_cache()`` frees device memory, a device-wide synchronization that would invalidate the capture."""
+        if not torch.cuda.is_current_stream_capturing():
+            torch.cuda.empty_cache()
 
     def handle(self, device_index: int) -> Any:
         """This thread's handle for the device (:mod:`~thunder_cudnn_safe.runtimes.handles`: lent per thread, reused
