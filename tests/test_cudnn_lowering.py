@@ -73,6 +73,11 @@ class Call(NamedTuple):
     documents: tuple[tuple[int, ...], ...] | None = None
     doc_causal: bool = True
     doc_window: int | None = None
+    #: prefill against a KV cache (issue 42): a causal mask aligned bottom-right (L < S), its window, the valid
+    #: keys of each batch element (key padding: the band then aligns to each n_b)
+    bottom_right: bool = False
+    br_window: int | None = None
+    br_lens: tuple[int, ...] | None = None
 
 
 def _calls() -> list[Call]:
@@ -179,7 +184,36 @@ def _calls() -> list[Call]:
     calls.append(Call("decode-train-mqa", shape=(2, 4, 1, 128, 64, 64), kv_heads=1))
     calls.append(Call("decode-train-causal", shape=(2, 4, 1, 128, 64, 64), causal=True))
     calls += _document_calls()
+    calls += _bottom_right_calls()
     return calls
+
+
+def _bottom_right_calls() -> list[Call]:
+    """Prefill against a KV cache (issue 42): causal masks aligned bottom-right, run as cuDNN's bottom-right band
+    (with dropout, which the frontend refuses beside it, as a bias)."""
+    shape, br = (2, 2, 16, 48, 64, 64), dict(mask_bool=True, bottom_right=True)
+    return [
+        Call("bottom-right-causal", shape=shape, **br),
+        Call("bottom-right-window", "bshd_transposed", "transposed", torch.bfloat16, shape=shape, br_window=7, **br),
+        Call("bottom-right-padding", shape=shape, br_lens=(40, 48), **br),
+        Call("bottom-right-window-padding", shape=shape, br_window=7, br_lens=(40, 48), **br),
+        Call("bottom-right-gqa", shape=(2, 4, 16, 48, 64, 64), kv_heads=2, **br),
+        Call("bottom-right-deterministic", shape=shape, deterministic=True, **br),
+        Call("bottom-right-fused-dqkv", shape=shape, cat_grad_qkv=True, **br),
+        Call("bottom-right-float", shape=(2, 2, 100, 300, 128, 128), mask_bool=False, bottom_right=True),
+        Call("bottom-right-dropout", shape=shape, dropout=0.125, **br),
+    ]
+
+
+def bottom_right_mask(call: Call) -> torch.Tensor:
+    """``call``'s bottom-right causal mask, (B, 1, L, S): keep j <= i + n_b - L (and i + n_b - L - j < W), j < n_b."""
+    b, _, lq, s = call.shape[:4]
+    n = torch.tensor(call.br_lens or (s,) * b).view(-1, 1, 1, 1)
+    i, j = torch.arange(lq)[:, None], torch.arange(s)[None, :]
+    keep = (j <= i + n - lq) & (j < n)
+    if call.br_window is not None:
+        keep &= i + n - lq - j < call.br_window
+    return keep if call.mask_bool else torch.zeros(keep.shape, dtype=call.dtype).masked_fill(~keep, float("-inf"))
 
 
 def _document_calls() -> list[Call]:
@@ -238,6 +272,8 @@ def _tensors(call: Call):
     mask = None
     if call.documents is not None:
         mask = _document_mask(call)
+    elif call.bottom_right:
+        mask = bottom_right_mask(call)
     elif call.mask is not None:
         if call.mask_bool:
             mask = torch.rand(call.mask, generator=g) > 0.2
@@ -453,6 +489,20 @@ def test_document_calls_are_varlen_where_the_rules_allow(sm: int) -> None:
         else:
             assert not ragged and all(key.bias is not None for key, _ in verdicts), call.id
     assert claimed >= 12
+
+
+def test_bottom_right_calls_run_as_the_bottom_right_band() -> None:
+    """Prefill masks (issue 42) are cuDNN's bottom-right band, no bias, forward and backward (with dropout, which
+    the frontend refuses beside the band, a bias); the sweep above lowers each at every arch."""
+    calls = [c for c in CALLS if c.bottom_right]
+    for call in calls:
+        keys = keys_of(call)
+        assert len(keys) >= 2, (call.id, keys)
+        if call.dropout:
+            assert all(key.bias is not None and not key.bottom_right for key in keys), call.id
+            continue
+        assert all(key.bias is None and key.bottom_right and key.causal for key in keys), (call.id, keys)
+        assert all(key.left == call.br_window and key.padded == (call.br_lens is not None) for key in keys), call.id
 
 
 # -- the lowering module and the graphs it lowers ----------------------------------------------

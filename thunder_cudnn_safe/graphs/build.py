@@ -100,7 +100,9 @@ def _new_graph(key: ForwardKey | BackwardKey, handle: Any, device_property: Any)
 def _options(graph: Any, key: ForwardKey | BackwardKey) -> dict[str, Any]:
     """What forward and backward declare alike: the bias (and a backward's dBias), dropout, and the masking:
     torch's ``is_causal`` (query i sees keys 0..i) as the frontend's top-left diagonal band, a sliding window as
-    its left bound (keep i - j < left), key padding as its padding mask."""
+    its left bound (keep i - j < left), key padding as its padding mask; a bottom-right key's band aligned
+    bottom-right (keep j <= i + S - L, and i + S - L - j < left; cuDNN takes S and L per batch element from
+    the padding mask's lengths where it pads)."""
     extra: dict[str, Any] = {}
     if key.bias is not None:
         extra["bias"] = _declare(graph, Uid.BIAS, key.bias)
@@ -109,7 +111,8 @@ def _options(graph: Any, key: ForwardKey | BackwardKey) -> dict[str, Any]:
     if key.dropout_p:
         extra["dropout"] = (key.dropout_p, _declare(graph, Uid.SEED, key.seed), _declare(graph, Uid.OFFSET, key.offset))
     if key.causal or key.left is not None:
-        extra["diagonal_alignment"] = cudnn_module().diagonal_alignment.TOP_LEFT
+        alignment = "BOTTOM_RIGHT" if key.bottom_right else "TOP_LEFT"
+        extra["diagonal_alignment"] = getattr(cudnn_module().diagonal_alignment, alignment)
     if key.causal:
         extra["diagonal_band_right_bound"] = 0
     if key.left is not None:

@@ -4,7 +4,9 @@ Under ThunderFX, HF models materialize every mask (causal, sliding window, key p
 The executor holds the mask's data at run time, so it checks exactly, over the whole tensor, for: all
 kept (no mask; in an inference forward, padding keeping every key); torch's causal (the diagonal band,
 right bound 0); causal with a window of W keys (left bound W); key padding (batch element b keeps
-keys j < n_b: cuDNN's padding mask with ``seq_len_kv`` bound per call); causal with padding. A float
+keys j < n_b: cuDNN's padding mask with ``seq_len_kv`` bound per call); causal with padding; for L < S,
+causal aligned bottom-right (the queries are the last L positions: prefill against a KV cache, chunked
+prefill), with or without a window, with or without padding. A float
 mask masks with -inf or anything <= its dtype's lowest finite value. Anything else stays an additive
 bias. The verdict costs one host sync per distinct mask and state, kept in the converted-mask cache
 (same identity and version rules); none is made or reused under CUDA-graph capture, with the mask
@@ -26,7 +28,8 @@ from thunder_cudnn_safe.telemetry import Counts
 
 class MaskPattern(NamedTuple):
     """A mask as cuDNN's masking: ``right`` (0 = causal, None = none) and ``left`` (window) bounds of
-    the top-left diagonal band; ``q_lens`` / ``kv_lens`` (B,1,1,1) int32 for the padding mask, or None."""
+    the diagonal band (top-left unless ``bottom_right``); ``q_lens`` / ``kv_lens`` (B,1,1,1) int32 for the
+    padding mask, or None."""
 
     right: int | None
     left: int | None
@@ -35,10 +38,18 @@ class MaskPattern(NamedTuple):
     #: of an all-kept mask: (q_lens, kv_lens) keeping every key, to run it as padding
     #: (:func:`~thunder_cudnn_safe.plan.planner.with_mask_pattern`)
     full: Any = None
+    #: the band aligned bottom-right (L < S): the L queries are the last L of the S keys' positions (with the
+    #: padding mask, of each batch element's n_b), as in prefill against a KV cache or chunked prefill
+    bottom_right: bool = False
 
     @property
     def name(self) -> str:
-        parts = {"causal": self.right == 0, "window": self.left is not None, "padding": self.kv_lens is not None}
+        parts = {
+            "causal": self.right == 0,
+            "bottom_right": self.bottom_right,
+            "window": self.left is not None,
+            "padding": self.kv_lens is not None,
+        }
         return "+".join(part for part, on in parts.items() if on) or "all_kept"
 
 
@@ -87,6 +98,8 @@ def recognize(mask: torch.Tensor, batch: int, lq: int, s: int, extra: torch.Tens
     n = hi.amax(dim=(1, 2), keepdim=True) + 1  # kept keys per batch element, if it pads
     row = torch.arange(lq, device=m.device)
     window = (row - lo + 1).amax()
+    # bottom-right: row i ends at key i + S - L (at i + n_b - L where it pads); a window keeps W keys up to there
+    window_br = (hi - lo + 1).amax()
     checks = torch.stack(
         [
             valid,
@@ -97,28 +110,66 @@ def recognize(mask: torch.Tensor, batch: int, lq: int, s: int, extra: torch.Tens
             (hi == torch.minimum(row, n - 1)).all(),
             (lo == 0).all(),
             (lo == (row - window + 1).clamp(min=0)).all(),
+            (hi == row + s - lq).all(),
+            (hi == row + n - lq).all(),
+            (lo == (hi - window_br + 1).clamp(min=0)).all(),
         ]
     ).to(torch.int64)
-    values = torch.cat([checks, window.view(1)] + ([] if extra is None else [extra])).tolist()
-    pattern = _pattern_from(values[:9], n, m, batch, lq, s)
-    return pattern if extra is None else (pattern, values[9:])
+    values = torch.cat([checks, window.view(1), window_br.view(1)] + ([] if extra is None else [extra])).tolist()
+    pattern = _pattern_from(_Checks(*values[:13]), n, m, batch, lq, s)
+    return pattern if extra is None else (pattern, values[13:])
 
 
-def _pattern_from(values: list[int], n: torch.Tensor, m: torch.Tensor, batch: int, lq: int, s: int) -> Any:
-    valid, runs, full, causal, padded, causal_padded, no_left, windowed, window = values
-    if not (valid and runs and (no_left or (windowed and lq <= s))):  # cuDNN 9.19 refuses a left bound with L > S
+class _Checks(NamedTuple):
+    """What :func:`recognize` synchronized: each check of the whole mask (0 or 1), then the two window lengths."""
+
+    valid: int
+    runs: int
+    full: int
+    causal: int
+    padded: int
+    causal_padded: int
+    no_left: int
+    windowed: int
+    br_causal: int
+    br_causal_padded: int
+    br_windowed: int
+    window: int
+    window_br: int
+
+
+def _pattern_from(c: _Checks, n: torch.Tensor, m: torch.Tensor, batch: int, lq: int, s: int) -> Any:
+    if not (c.valid and c.runs):
         return None
-    if lq == 1:  # one query keeping key 0 only: padding, not a causal band (cudnn_rules.CAUSAL_DECODE_GQA)
-        causal = causal_padded = 0
-    left = None if no_left else int(window)
     lens = n.reshape(-1, 1, 1, 1).expand(batch, 1, 1, 1).to(torch.int32).contiguous()
     q_lens = torch.full((batch, 1, 1, 1), lq, dtype=torch.int32, device=m.device)
-    if full and left is None:
+    if c.no_left or (c.windowed and lq <= s):  # cuDNN 9.19 refuses a left bound with L > S
+        pattern = _top_left(c, q_lens, lens, lq)
+        if pattern is not None:
+            return pattern
+    # Bottom-right (L = S: it is top-left; L = 1: all kept or padding, recognized above): keep j <= i + S - L
+    # and, with a window, i + S - L - j < W; with key padding S is n_b (cuDNN aligns the band to seq_len_kv).
+    # libcudnn 9.19 validates and builds it forward and backward at sm80-sm120 (the lowering sweep); the frontend
+    # refuses it with dropout or a bias, which thunder_cudnn_safe.plan.planner therefore keeps as a bias.
+    if 1 < lq < s and (c.no_left or c.br_windowed):
+        left = None if c.no_left else int(c.window_br)
+        if c.br_causal:
+            return MaskPattern(0, left, bottom_right=True)
+        if c.br_causal_padded:
+            return MaskPattern(0, left, q_lens, lens, bottom_right=True)
+    return None
+
+
+def _top_left(c: _Checks, q_lens: torch.Tensor, lens: torch.Tensor, lq: int) -> MaskPattern | None:
+    # one query keeping key 0 only: padding, not a causal band (cudnn_rules.CAUSAL_DECODE_GQA)
+    causal, causal_padded = (0, 0) if lq == 1 else (c.causal, c.causal_padded)
+    left = None if c.no_left else int(c.window)
+    if c.full and left is None:
         return MaskPattern(None, None, full=(q_lens, lens))
     if causal:
         return MaskPattern(0, left)
     if causal_padded:
         return MaskPattern(0, left, q_lens, lens)
-    if padded and left is None:
+    if c.padded and left is None:
         return MaskPattern(None, None, q_lens, lens)
     return None  # e.g. a window without the causal bound: not a form models produce

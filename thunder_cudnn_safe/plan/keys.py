@@ -72,6 +72,9 @@ class ForwardKey(NamedTuple):
     dynamic: bool = False
     #: packed sequences: a :class:`~thunder_cudnn_safe.plan.varlen.RaggedSig`, or None
     ragged: Any = None
+    #: the band (``causal``, ``left``) is aligned bottom-right: query i is the (S - L + i)-th position (L < S,
+    #: prefill against a cache); with the padding mask, per batch element its own ``seq_len_kv - seq_len_q``
+    bottom_right: bool = False
 
 
 class BackwardKey(NamedTuple):
@@ -97,6 +100,7 @@ class BackwardKey(NamedTuple):
     left: int | None = None
     padded: bool = False
     ragged: Any = None
+    bottom_right: bool = False
 
 
 #: Each key type's tensor fields, by the uid each declares (a field is named after its uid: ``d_o`` is ``Uid.DO``).

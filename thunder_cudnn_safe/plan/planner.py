@@ -82,7 +82,8 @@ def plan(call: ForwardCall | BackwardCall, target: Target, *, recognize: bool = 
 
 def with_mask_pattern(call: ForwardCall | BackwardCall) -> ForwardCall | BackwardCall:
     """``call`` with a mask recognized as a pattern (:mod:`patterns`) replaced by it: by nothing when it
-    keeps every key (an inference forward: by padding keeping every key), by ``is_causal`` when causal."""
+    keeps every key (an inference forward: by padding keeping every key), by ``is_causal`` when causal (top-left);
+    a bottom-right pattern stays a bias with dropout, which the frontend refuses beside it."""
     mask = call.attn_mask
     if mask is None or isinstance(mask, MaskPattern) or call.is_causal:
         return call
@@ -91,9 +92,11 @@ def with_mask_pattern(call: ForwardCall | BackwardCall) -> ForwardCall | Backwar
         return call
     if isinstance(pattern, DocumentPattern):
         return call._replace(attn_mask=pattern)
+    if pattern.bottom_right and call.dropout_p:  # the frontend refuses a bottom-right band with dropout: a bias
+        return call
     if pattern.full is not None and type(call) is ForwardCall and not call.need_stats:  # the decode steps' graph
         return call._replace(attn_mask=pattern._replace(q_lens=pattern.full[0], kv_lens=pattern.full[1], full=None))
-    if pattern.left is None and pattern.kv_lens is None:
+    if pattern.left is None and pattern.kv_lens is None and not pattern.bottom_right:
         return call._replace(attn_mask=None, is_causal=pattern.right == 0)
     return call._replace(attn_mask=pattern)
 

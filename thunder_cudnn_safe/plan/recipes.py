@@ -159,9 +159,10 @@ class _RecipeBuilder:
         self.call, self.policy = call, policy
         self.steps: list[Step] = []
         self.sigs: dict[Uid, TensorSig] = {}
-        #: a mask pattern's band left bound and padding mask (:meth:`masking`)
+        #: a mask pattern's band left bound, padding mask and alignment (:meth:`masking`)
         self.left: int | None = None
         self.padded = False
+        self.bottom_right = False
 
     def add(self, step: Step, sig: TensorSig) -> int:
         self.steps.append(step)
@@ -189,13 +190,13 @@ class _RecipeBuilder:
         return self.sigs[uid]
 
     def masking(self, needs_grad: bool) -> None:
-        """A mask pattern's seq-len tensors (its band in :attr:`left` and :attr:`padded`), or the additive bias for
-        ``attn_mask``: (1|B, 1|H, L, S) in the query dtype. Batch/head dims broadcast with stride 0 are declared of
-        size 1 unless the mask needs a per-element gradient; a boolean mask, another dtype or one broadcast over
-        positions is converted (once per distinct mask)."""
+        """A mask pattern's seq-len tensors (its band in :attr:`left`, :attr:`padded`, :attr:`bottom_right`), or the
+        additive bias for ``attn_mask``: (1|B, 1|H, L, S) in the query dtype. Batch/head dims broadcast with stride 0
+        are declared of size 1 unless the mask needs a per-element gradient; a boolean mask, another dtype or one
+        broadcast over positions is converted (once per distinct mask)."""
         a, src, q = self.call.attn_mask, self.call._fields.index("attn_mask"), self.sigs[Uid.Q]
         if isinstance(a, MaskPattern):
-            self.left, self.padded = a.left, a.kv_lens is not None
+            self.left, self.padded, self.bottom_right = a.left, a.kv_lens is not None, a.bottom_right
             if self.padded:
                 lens = TensorSig((q.shape[0], 1, 1, 1), (1, 1, 1, 1), torch.int32)
                 for uid, field in ((Uid.SEQ_LEN_Q, "q_lens"), (Uid.SEQ_LEN_KV, "kv_lens")):
@@ -261,6 +262,7 @@ class _RecipeBuilder:
             target=target,
             left=self.left,
             padded=self.padded,
+            bottom_right=self.bottom_right,
             **options,
         )
         return _compile(key, self.steps, outputs, c)

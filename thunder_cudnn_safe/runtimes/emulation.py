@@ -71,22 +71,35 @@ _KNOWN_PARAMS = {  # "implementation" (which SDPA implementation runs the forwar
     "diagonal_alignment",
     "diagonal_band_right_bound",
     "diagonal_band_left_bound",
+    "use_causal_mask_bottom_right",
     "use_padding_mask",
     "implementation",
 }
 
 
 def _band(node: Any) -> tuple[int | None, int | None]:
-    """(right, left) bounds of the node's diagonal band; top-left only (the executors never declare bottom-right)."""
+    """(right, left) bounds of the node's diagonal band, as declared (its alignment: :func:`_bottom_right`)."""
     params = node.params
     right, left = params.get("diagonal_band_right_bound"), params.get("diagonal_band_left_bound")
-    if params.get("use_causal_mask"):
+    if params.get("use_causal_mask") or params.get("use_causal_mask_bottom_right"):
         right = 0 if right is None else right
+    return (None if right is None else int(right)), (None if left is None else int(left))
+
+
+def _bottom_right(node: Any) -> bool:
+    """Whether the node's band is aligned bottom-right, read off the graph (never our key) with the frontend's
+    precedence (``_sdpa_validate._diagonal``: ``use_causal_mask_bottom_right``, then ``use_causal_mask`` (top-left),
+    then ``diagonal_alignment``); another alignment is refused."""
+    params = node.params
     alignment = params.get("diagonal_alignment")
     align = "TOP_LEFT" if alignment is None else getattr(alignment, "name", str(alignment)).split(".")[-1]
-    if align != "TOP_LEFT" and (right is not None or left is not None):
-        raise EmulationError(f"the emulated runtime implements top-left diagonal bands only, got {align}")
-    return (None if right is None else int(right)), (None if left is None else int(left))
+    if params.get("use_causal_mask_bottom_right"):
+        return True
+    if params.get("use_causal_mask") or align == "TOP_LEFT":
+        return False
+    if align != "BOTTOM_RIGHT":
+        raise EmulationError(f"the emulated runtime implements top-left and bottom-right bands only, got {align}")
+    return True
 
 
 class _Bindings:
@@ -180,6 +193,7 @@ def emulate(graph: Any, pack: dict) -> None:
         seed, offset = (int(b.read(port).reshape(-1)[0]) for port in ("dropout_1", "dropout_2"))
         keep = reference.dropout_keep_mask(seed, offset, (*q.shape[:3], k.shape[2]), p, torch.device("cpu"))
     how = reference.Scores(_scale(b), b.read("bias", required=False), *_band(node), _padding(b, q), p, keep)
+    how = how._replace(bottom_right=_bottom_right(node))
 
     def write(port: str, value: torch.Tensor) -> None:
         if how.kv_lens is not None and port in ("dK", "dV"):
@@ -253,6 +267,8 @@ def _check_accumulator(node: Any, b: _Bindings, t: Any, n: int, length: int) -> 
 def _emulate_ragged(node: Any, forward: bool, b: _Bindings) -> None:
     """Run a ragged SDPA forward or backward node one sequence at a time, in fp32."""
     how = reference.Scores(_scale(b), None, *_band(node))
+    if _bottom_right(node):  # each sequence its own problem: the package declares documents top-left only
+        raise EmulationError("the emulated runtime implements ragged SDPA with a top-left band only")
     if not node.params.get("use_padding_mask"):
         raise EmulationError("ragged offsets need the padding mask (cuDNN refuses them without)")
     if any(node.inputs.get(p) is not None for p in ("bias", "dropout_1")) or node.params.get("dropout_0"):

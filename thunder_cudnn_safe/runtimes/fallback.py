@@ -96,6 +96,7 @@ class FallbackRuntime(Runtime):
         lens = pack[Uid.SEQ_LEN_KV].reshape(-1).long() if key.padded else None
         causal, d_bias = 0 if key.causal else None, pack.get(Uid.DBIAS)
         how = reference.Scores(key.scale, pack.get(Uid.BIAS), causal, key.left, lens, key.dropout_p, keep)
+        how = how._replace(bottom_right=key.bottom_right)
 
         def write(port: str, value: torch.Tensor) -> None:
             if port != "Stats" or Uid.STATS in pack:  # an inference forward has no stats

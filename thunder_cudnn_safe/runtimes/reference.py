@@ -50,6 +50,9 @@ class Scores(NamedTuple):
     dropout_p: float = 0.0
     #: the dropout keep-mask (see :func:`dropout_keep_mask`)
     keep: torch.Tensor | None = None
+    #: the band aligned bottom-right instead: query i stands at key position i + S - L (per batch element
+    #: ``kv_lens[b] - L`` with key padding, as cuDNN aligns it to the padding mask's lengths)
+    bottom_right: bool = False
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, how: Scores) -> torch.Tensor:
@@ -58,6 +61,8 @@ def _scores(q: torch.Tensor, k: torch.Tensor, how: Scores) -> torch.Tensor:
         s = s + how.bias.float()
     i = torch.arange(s.shape[-2], device=s.device).view(-1, 1)
     j = torch.arange(s.shape[-1], device=s.device)
+    if how.bottom_right:  # the diagonal moves right by S - L keys (per batch element with padding)
+        i = i + (s.shape[-1] if how.kv_lens is None else how.kv_lens.to(s.device).view(-1, 1, 1, 1)) - s.shape[-2]
     if how.right is not None:  # s is this function's own tensor: masked in place
         s.masked_fill_(j > i + how.right, float("-inf"))
     if how.left is not None:
