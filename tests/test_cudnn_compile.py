@@ -265,6 +265,20 @@ def test_mask_pattern_graphs_compile(standin):
         assert not failed, (sm, failed)
 
 
+def test_bottom_right_graphs_compile(standin):
+    """Prefill masks (issue 42) run as cuDNN's bottom-right band: every graph of the lowering sweep's bottom-right
+    calls (window, key padding, GQA, deterministic) gets a plan on every GPU, forward and backward."""
+    from test_cudnn_lowering import CALLS as LOWERED
+
+    calls = [c for c in LOWERED if c.bottom_right and not c.dropout]
+    keys = list(dict.fromkeys(key for call in calls for key in keys_of(call)))
+    assert keys and all(key.bottom_right and key.bias is None for key in keys)
+    devices = [compile_support.ARCH_DEVICES[sm] for sm in ARCHS]
+    for device, results in aot.compile_in_subprocess(keys, devices, extra_ld_path=standin).items():
+        failed = [(type(key).__name__, key.left, key.padded, r.reason) for key, r in zip(keys, results) if not r.ok]
+        assert not failed, (device, failed)
+
+
 def _decode_keys(device: str, dynamic: str) -> list:
     """The forward keys of decode steps (one query) over new key lengths and a new batch size."""
     from thunder_cudnn_safe.plan import calls, recipes

@@ -71,6 +71,13 @@ def _prefix(lens, lq, s):
     return (torch.arange(s)[None, :] < torch.tensor(lens)[:, None])[:, None, None, :].expand(len(lens), 1, lq, s)
 
 
+def _bottom_right(lens, lq, s):
+    """Prefill against a cache (issue 42): keep j <= i + n_b - L and j < n_b."""
+    n = torch.tensor(lens).view(-1, 1, 1, 1)
+    i, j = torch.arange(lq)[:, None], torch.arange(s)[None, :]
+    return (j <= i + n - lq) & (j < n)
+
+
 ROUTES = {  # calls that break a rule on some target, each through a different route
     "dense, dropout not a 1/16 multiple": lambda d: _step(d, *_qkv(1, 2, 16, 16), dropout_p=0.2),
     "dense, key length 64, no mask": lambda d: _step(d, *_qkv(1, 2, 16, 64)),
@@ -79,6 +86,9 @@ ROUTES = {  # calls that break a rule on some target, each through a different r
     "pattern, key padding at key length 64": lambda d: _step(d, *_qkv(2, 2, 16, 64), _prefix([64, 30], 16, 64)),
     "pattern, causal at 64 (the band masks the tail)": lambda d: _step(
         d, *_qkv(1, 2, 64, 64), torch.ones(64, 64, dtype=torch.bool).tril()
+    ),
+    "pattern, bottom-right causal with padding at key length 64 (the band masks the tail)": lambda d: _step(
+        d, *_qkv(2, 2, 16, 64), _bottom_right([64, 40], 16, 64)
     ),
     "packed, non-causal 33-64 tokens": lambda d: _step(d, *_qkv(1, 2, 100, 100), _documents([40, 50], 100, False)),
     "packed, causal 33-64 tokens": lambda d: _step(d, *_qkv(1, 2, 100, 100), _documents([40, 50], 100)),

@@ -247,3 +247,15 @@ def test_describe_reports_the_bottom_right_pattern(fresh_cache):
     k, v = (torch.randn(2, 2, 20, 64, dtype=torch.bfloat16) for _ in range(2))
     report = tcs.describe(q, k, v, bottom_right(8, 20, 5), executor="cudnn_safe_emulated")
     assert report.mask_pattern == "causal+bottom_right+window"
+
+
+def test_a_refused_bottom_right_graph_falls_back_to_the_same_numbers(fresh_cache):
+    """A runtime refusing the band's graphs: the torch fallback computes the key's bottom-right band (not torch's
+    top-left causal), forward and backward."""
+    from checks import inject_failures
+
+    mask = bottom_right(8, 20, 5, [13, 20])
+    with inject_failures(build=lambda key: "no bottom-right here" if key.bottom_right else None):
+        inputs, out, grads = _dispatch(mask)
+    assert tcs.cache_info().fallbacks >= 2
+    _check(inputs, mask, out, grads)
