@@ -272,11 +272,29 @@ def test_bottom_right_graphs_compile(standin):
 
     calls = [c for c in LOWERED if c.bottom_right and not c.dropout]
     keys = list(dict.fromkeys(key for call in calls for key in keys_of(call)))
+    keys += _prefill_keys()
     assert keys and all(key.bottom_right and key.bias is None for key in keys)
+    assert any(getattr(key, "dynamic", False) for key in keys)
     devices = [compile_support.ARCH_DEVICES[sm] for sm in ARCHS]
     for device, results in aot.compile_in_subprocess(keys, devices, extra_ld_path=standin).items():
         failed = [(type(key).__name__, key.left, key.padded, r.reason) for key, r in zip(keys, results) if not r.ok]
         assert not failed, (device, failed)
+
+
+def _prefill_keys() -> list:
+    """The forward keys of inference prefill chunks against a cache (no stats; dynamic shapes by default), with
+    and without key padding and a window (target stripped, as keys_of's)."""
+    from thunder_cudnn_safe.dispatch.dispatcher import Dispatcher
+    from thunder_cudnn_safe.graphs.cache import GraphCache
+
+    disp = Dispatcher(emulation.EmulatedRuntime(arch=(9, 0), backend_version=lowering.backend_version()), GraphCache())
+    i, j = torch.arange(16)[:, None], torch.arange(64)[None, :]
+    for n, window in (((64, 64), None), ((48, 64), None), ((64, 64), 9)):
+        n_b = torch.tensor(n).view(-1, 1, 1, 1)
+        keep = (j <= i + n_b - 16) & (j < n_b) & (i + n_b - 16 - j < (window or 64))
+        q, k, v = (torch.randn(2, 4, t, 64, dtype=torch.bfloat16) for t in (16, 64, 64))
+        disp.forward(q, k, v, keep, 0.0, False, need_stats=False)
+    return [key._replace(target=None) for key in disp.cache.keys()]
 
 
 def _decode_keys(device: str, dynamic: str) -> list:

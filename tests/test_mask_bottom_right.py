@@ -22,6 +22,7 @@ import thunder_cudnn_safe as tcs
 from thunder_cudnn_safe.masks import patterns
 from thunder_cudnn_safe.masks.patterns import MaskPattern, recognize
 from thunder_cudnn_safe.plan.keys import BackwardKey
+from thunder_cudnn_safe.rules import cudnn_rules
 from thunder_cudnn_safe.testing import assert_close_to_reference
 
 
@@ -259,3 +260,21 @@ def test_a_refused_bottom_right_graph_falls_back_to_the_same_numbers(fresh_cache
         inputs, out, grads = _dispatch(mask)
     assert tcs.cache_info().fallbacks >= 2
     _check(inputs, mask, out, grads)
+
+
+def test_an_inference_prefill_chunk_runs_the_dynamic_bottom_right_graph(fresh_cache):
+    """Prefill in generation is an inference forward (no stats): built as a dynamic-shape graph (config
+    dynamic_shapes="inference") with the bottom-right band; two chunk lengths, each within the accuracy rule."""
+    disp = tcs.emulated_ex.dispatcher
+    for lq, s in ((8, 20), (5, 25)):
+        mask = bottom_right(lq, s, 6, [s - 3, s])
+        q = torch.randn(2, 4, lq, 64, dtype=torch.bfloat16)
+        k, v = (torch.randn(2, 4, s, 64, dtype=torch.bfloat16) for _ in range(2))
+        with on_the_runtime():
+            (out,) = disp.forward(q, k, v, mask, 0.0, False, need_stats=False)
+        ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask)
+        eager = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        assert_close_to_reference(out, eager, ref, "O")
+    keys = [gr.key for gr in tcs.cached_graphs()]
+    assert len(keys) == 2 and all(key.bottom_right and key.padded and key.stats is None for key in keys), keys
+    assert all(key.dynamic for key in keys) == cudnn_rules.DYNAMIC_SHAPE_FORWARD.holds(keys[0].target)
