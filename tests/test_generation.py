@@ -365,3 +365,34 @@ def test_gqa_decode_one_query_over_long_keys(repeat, padded, fresh_cache, figure
         f"claimed 1/1, K/V heads {H_KV}, builds 1, bytes copied 0, fallbacks 0, graph {pattern_of_key(g.key)}, "
         f"max error {err:.3g}"
     )
+
+
+# -- Hugging Face chunked prefill: bottom-right causal (issue 42) ---------------------------------
+def test_hf_chunked_prefill_runs_the_bottom_right_band(fresh_cache, figure):
+    """A second prompt chunk against a DynamicCache (4 queries over 12 keys): transformers materializes a
+    bottom-right causal mask under ThunderFX; it runs as cuDNN's bottom-right band (no bias graph, nothing fell
+    back), with the chunk's logits within the accuracy rule of a float64 copy of the model."""
+    torch.manual_seed(SEED)
+    model = tiny_llama(DTYPE, 1)
+    ids = torch.randint(0, 128, (BATCH, 12))
+
+    def second_chunk(m, forward):
+        cache = transformers.DynamicCache(config=m.config)
+        forward(input_ids=ids[:, :8], cache=cache, use_cache=True)
+        return forward(input_ids=ids[:, 8:], cache=cache, use_cache=True).logits
+
+    ref_model = copy.deepcopy(model).double()
+    ref, eager = second_chunk(ref_model, ref_model.forward), second_chunk(model, model.forward)
+    torch._dynamo.reset()
+    compiled = torch.compile(model.forward, backend=ThunderCompiler(executors=EXECUTORS))
+    reset_counters()
+    with torch.no_grad():
+        got = second_chunk(model, compiled)
+    torch._dynamo.reset()
+    keys = [g.key for g in tcs.cached_graphs()]
+    patterns = tcs.mask_pattern_info()
+    figure(f"chunked prefill (HF DynamicCache, L=4 over S=12): patterns {patterns}, graphs {len(keys)}")
+    assert any(key.bottom_right and key.q.shape[2] == 4 for key in keys), keys
+    assert not [key for key in keys if key.bias is not None], "a mask ran as a bias"
+    assert tcs.cache_info().fallbacks == 0 and patterns.get("causal+bottom_right") == 1, patterns
+    assert_close_to_reference(got, eager, ref, "chunk logits")
