@@ -4,7 +4,8 @@ Every tensor is declared with the dims, strides and dtype in the key, read off t
 the same fixed uid (:class:`Uid`): the variant pack is a plain ``{uid: tensor}`` dict. Only API of
 every supported frontend is used: ``pygraph.sdpa`` / ``sdpa_backward`` (the
 ``scaled_dot_product_flash_attention*`` aliases are gone from 1.27), a python-float ``attn_scale``.
-Causal is the diagonal band (top-left, right bound 0): ``use_causal_mask`` is deprecated.
+Causal is the diagonal band (top-left, right bound 0; bottom-right for a prefill mask recognized as such):
+``use_causal_mask`` is deprecated.
 """
 
 from __future__ import annotations

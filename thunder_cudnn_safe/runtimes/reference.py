@@ -41,7 +41,7 @@ class Scores(NamedTuple):
     scale: float
     #: additive bias broadcast to (B, H, L, S), any float dtype (added in float32)
     bias: torch.Tensor | None = None
-    #: the diagonal band, top-left aligned: keep key j for query i when j <= i + right and
+    #: the diagonal band, top-left aligned (see ``bottom_right``): keep key j for query i when j <= i + right and
     #: i - j < left (causal is right=0, a sliding window of w keys adds left=w); None: unbounded
     right: int | None = None
     left: int | None = None
@@ -50,8 +50,8 @@ class Scores(NamedTuple):
     dropout_p: float = 0.0
     #: the dropout keep-mask (see :func:`dropout_keep_mask`)
     keep: torch.Tensor | None = None
-    #: the band aligned bottom-right instead: query i stands at key position i + S - L (per batch element
-    #: ``kv_lens[b] - L`` with key padding, as cuDNN aligns it to the padding mask's lengths)
+    #: the band aligned bottom-right instead: query i stands at key position i + S - L (i + kv_lens[b] - L with
+    #: key padding: cuDNN aligns the band to the padding mask's lengths)
     bottom_right: bool = False
 
 
