@@ -15,7 +15,7 @@ import thunder_cudnn_safe
 
 PACKAGE = pathlib.Path(thunder_cudnn_safe.__file__).parent
 #: Top-level modules every subpackage may import.
-PLUMBING = {"_compat", "_env", "_version", "config", "errors", "caches", "lru", "telemetry"}
+PLUMBING = {"_compat", "_env", "_version", "config", "errors", "caches", "codegen", "lru", "telemetry"}
 #: What each subpackage may import besides the plumbing (plan and rules are one layer: see plan/__init__.py).
 ALLOWED = {
     "masks": set(),

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import inspect
 import re
+import traceback
 
 import torch
 
-from thunder_cudnn_safe.plan.calls import BackwardCall, ForwardCall, signature
+from thunder_cudnn_safe.dispatch.dispatcher import Dispatcher
+from thunder_cudnn_safe.plan.calls import BackwardCall, ForwardCall, memo_key, signature
 from thunder_cudnn_safe.plan.keys import Uid
 from thunder_cudnn_safe.plan.recipes import PackRecipe, backward_recipe, bind, forward_recipe
 from thunder_cudnn_safe.runtimes import emulation
@@ -58,3 +61,32 @@ def test_backward_recipe_names_every_uid_it_binds():
     compile(recipe.source, "<test>", "exec")
     assert _bound_uids(recipe.source) == set(bind(recipe, bcall).pack)
     assert {Uid.DO, Uid.DQ, Uid.DK, Uid.DV} <= _bound_uids(recipe.source)
+
+
+def _raised_in(fn, *args) -> str:
+    """The formatted traceback of ``fn(*args)``, which must raise."""
+    try:
+        fn(*args)
+    except Exception:
+        return traceback.format_exc()
+    raise AssertionError(f"{fn} did not raise")
+
+
+def test_a_traceback_through_generated_code_shows_its_lines():
+    """Issue 41 item 4: each generated function (a recipe's binder, a memo key, a dispatcher entry point) has its
+    own filename with its source in linecache, so a traceback through it shows the line that raised."""
+    call, recipe = _forward()
+    text = _raised_in(recipe.run, call[:2], call.query.device)  # too few values to unpack: the binder's first line
+    assert recipe.source.splitlines()[1].strip() in text and "ForwardKey recipe #" in text
+
+    memo = memo_key.__globals__["_MEMOS"][ForwardCall]
+    text = _raised_in(memo, call._replace(query=None), emulation.emulated_target())
+    assert "return (target, config.dynamic_shapes, c.query.shape" in text and "memo key of ForwardCall #" in text
+
+    disp = Dispatcher(emulation.EmulatedRuntime())
+    text = _raised_in(disp.forward, None, call.key, call.value)
+    assert "    device = query.device" in text and "Dispatcher.forward #" in text
+    assert inspect.getsource(disp.backward).startswith("def backward(self, grad_out")  # pdb's `list` reads the same
+
+    _, other = _forward()
+    assert other.run.__code__.co_filename != recipe.run.__code__.co_filename  # one filename per generated function

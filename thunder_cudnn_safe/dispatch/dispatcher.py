@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from thunder_cudnn_safe import config
+from thunder_cudnn_safe.codegen import compile_function
 from thunder_cudnn_safe.dispatch import capture, dropout
 from thunder_cudnn_safe.dispatch import packed as varlen_dispatch
 from thunder_cudnn_safe.errors import ExecuteError, GraphBuildError
@@ -116,8 +117,7 @@ def _entry_point(call_type: type, miss: str, doc: str) -> Callable:
                     self.refused(bound, exc)
                 return bound.outputs
     return self.{miss}(new(call_type, args), target, memo, entry)"""
-    exec(compile(source, f"<thunder_cudnn_safe Dispatcher.{name}>", "exec"), env)
-    fn = env[name]
+    fn = compile_function(source, name, env, f"Dispatcher.{name}")
     fn.__qualname__, fn.__module__, fn.__doc__, fn.source = f"Dispatcher.{name}", __name__, doc, source
     return fn
 

@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 import torch
 
 from thunder_cudnn_safe import config
+from thunder_cudnn_safe.codegen import compile_function
 from thunder_cudnn_safe.masks.patterns import MaskPattern
 from thunder_cudnn_safe.plan.keys import Target
 from thunder_cudnn_safe.plan.layout import arg_sig
@@ -144,8 +145,7 @@ def _compile_memo(call_type: type) -> Any:
     """A straight-line ``memo(call, target)`` for ``call_type`` (:func:`memo_source`)."""
     expr, env = memo_source(call_type, lambda f: "c." + f)
     source = f"def memo(c, target):\n    return {expr}"
-    exec(compile(source, f"<thunder_cudnn_safe memo of {call_type.__name__}>", "exec"), env)
-    return env["memo"]
+    return compile_function(source, "memo", env, f"memo key of {call_type.__name__}")
 
 
 _MEMOS = {call_type: _compile_memo(call_type) for call_type in TENSOR_FIELDS}

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import torch
 
 from thunder_cudnn_safe import config
+from thunder_cudnn_safe.codegen import compile_function
 from thunder_cudnn_safe.masks import bias as mask_bias
 from thunder_cudnn_safe.masks.bias import converted_masks
 from thunder_cudnn_safe.masks.patterns import MaskPattern
@@ -150,8 +151,7 @@ def _compile(key: ForwardKey | BackwardKey, steps: list[Step], outputs: tuple[in
             lines.append(f"    # u{i} = Uid.{s.uid.name} is {names[i]}{why}")  # for a reader; no cost per call
     lines.append(f"    return new(Bound, (key, {{{', '.join(pack)}}}, ({''.join(names[i] + ', ' for i in outputs)})))")
     source = "\n".join(lines)
-    exec(compile(source, "<thunder_cudnn_safe recipe>", "exec"), env)
-    return PackRecipe(key, tuple(steps), env["bind"], source)
+    return PackRecipe(key, tuple(steps), compile_function(source, "bind", env, f"{type(key).__name__} recipe"), source)
 
 
 class _RecipeBuilder:
@@ -223,10 +223,11 @@ class _RecipeBuilder:
         are copied."""
         a = self.call.stats
         sig = TensorSig(tuple(a.shape), packed_strides(a.shape), torch.float32)
+        src = self.call._fields.index("stats")
         if a.dtype != torch.float32 or not is_contiguous(a.shape, a.stride) or not a.aligned:
-            self.add(Step(Uid.STATS, 8, None, sig, CopyReason.STATS_LAYOUT, "stats"), sig)
+            self.add(Step(Uid.STATS, src, None, sig, CopyReason.STATS_LAYOUT, "stats"), sig)
         else:
-            self.add(Step(Uid.STATS, 8, None if tuple(a.stride) == sig.stride else (sig.shape, sig.stride, 0)), sig)
+            self.add(Step(Uid.STATS, src, None if tuple(a.stride) == sig.stride else (sig.shape, sig.stride, 0)), sig)
 
     def grad_out(self, o: TensorSig, target: Target) -> None:
         """dO in its own layout where cuDNN reads it, else one copy in exactly O's strides: cuDNN < 9.5.1
@@ -237,7 +238,8 @@ class _RecipeBuilder:
         if reason is None and (own or canonical_strides(a.shape, a.stride) == o.stride):
             self.operand(Uid.DO, "grad_out")
         else:
-            self.add(Step(Uid.DO, 0, None, o, CopyReason.DO_LIKE_O if reason is None else reason, "grad_out"), o)
+            src, why = self.call._fields.index("grad_out"), CopyReason.DO_LIKE_O if reason is None else reason
+            self.add(Step(Uid.DO, src, None, o, why, "grad_out"), o)
 
     def cat_grad_qkv(self, q: TensorSig, k: TensorSig, v: TensorSig) -> int:
         """dq, dk, dv as head slices of one buffer (:func:`~thunder_cudnn_safe.plan.layout.fused_grad_qkv`)."""
@@ -300,8 +302,9 @@ def backward_recipe(call: BackwardCall, target: Target) -> PackRecipe:
         bias = p.sigs[Uid.BIAS]
         p.new(Uid.DBIAS, bias._replace(stride=dense_strides(bias.shape, range(4), bias.dtype)))
     if call.dropout_p:
-        for uid, i in ((Uid.SEED, 9), (Uid.OFFSET, 10)):
-            p.add(Step(uid, i), TensorSig(tuple(call[i].shape), tuple(call[i].stride), call[i].dtype))
+        for uid, field in ((Uid.SEED, "seed"), (Uid.OFFSET, "offset")):
+            a = getattr(call, field)
+            p.add(Step(uid, call._fields.index(field)), TensorSig(tuple(a.shape), tuple(a.stride), a.dtype))
     if wants_fused_grad_qkv(call):
         outputs = (p.cat_grad_qkv(q, k, v),)
     else:
