@@ -149,14 +149,14 @@ def _components(disp, q, k, v, g, out, stats, iters: int) -> list[dict[str, Any]
     fcall = ForwardCall(q, k, v)
     bcall = BackwardCall(g, q, k, v, None, 0.0, False, out, stats, None, None)
     fmemo = memo_key(fcall, target)
-    entry = disp.recipes.peek(fmemo)
+    entry = disp.memos.peek(fmemo)
     recipe = getattr(entry, "recipe", entry) or forward_recipe(signature(fcall), target)
     slot = getattr(entry, "slot", None)
     steps = [
         ("runtime.target(device)", lambda: disp.runtime.target(device)),
         ("forward memo key (3 tensors' shape, strides, dtype, alignment; options)", lambda: memo_key(fcall, target)),
         ("backward memo key (6 tensors)", lambda: memo_key(bcall, target)),
-        ("memo lookup (forward: recipe and graph slot)", lambda: disp.recipes.peek(fmemo)),
+        ("memo lookup (forward: recipe and graph slot)", lambda: disp.memos.peek(fmemo)),
         ("bind(recipe, call) (the recipe's compiled function: 2 allocations)", lambda: bind(recipe, fcall)),
         (
             "torch.empty_strided(out's shape, strides) (allocation)",
@@ -228,7 +228,7 @@ def run(*, quick: bool = False, iters: int | None = None, log=print) -> dict[str
         # Whether the dispatcher remembered these layouts' recipes and graphs (its memo-hit path).
         kinds = [
             type(entry.recipe.key).__name__
-            for _, entry in disp.recipes.items()
+            for _, entry in disp.memos.items()
             if getattr(entry, "slot", None) is not None and entry.slot.graph is not None
         ]
         steady = {"fwd": "ForwardKey" in kinds, "bwd": "BackwardKey" in kinds}

@@ -268,15 +268,15 @@ def test_a_hot_signature_outlives_more_new_signatures_than_the_memo_holds(fresh_
     entry, which an eviction spares: interleaved with three times the memo's size of new signatures, the hot
     one stays the same memo entry throughout, every call of it a hit."""
     disp = Dispatcher(EmulatedRuntime(), GraphCache(64))
-    disp.recipes.resize(8)
+    disp.memos.resize(8)
     hot = _memo_case()[:3]
     disp.forward(*hot)
-    ((_, entry),) = disp.recipes.items()
+    ((_, entry),) = disp.memos.items()
     for s in range(17, 17 + 3 * 8):
         disp.forward(*_memo_case(s=s)[:3])
-        assert any(e is entry for _, e in disp.recipes.items()), f"evicted after {s - 16} new signatures"
+        assert any(e is entry for _, e in disp.memos.items()), f"evicted after {s - 16} new signatures"
         disp.forward(*hot)
-    assert disp.recipes.evictions >= 2 * 8 and len(disp.recipes) == 8
+    assert disp.memos.evictions >= 2 * 8 and len(disp.memos) == 8
 
 
 def _recording(runtime, monkeypatch):
@@ -373,7 +373,7 @@ def test_clear_cache_forgets_the_memo(fresh_cache):
         disp.forward(q, k, v)
     assert tcs.cache_info().builds == 1
     tcs.clear_cache()
-    assert len(tcs.emulated_ex.dispatcher.recipes) == 0
+    assert len(tcs.emulated_ex.dispatcher.memos) == 0
     with checks.on_the_runtime():
         own.forward(q, k, v)
         tcs.emulated_ex.dispatcher.forward(q, k, v)
@@ -396,9 +396,9 @@ def test_a_config_change_forgets_every_memo(monkeypatch):
     monkeypatch.setattr(dispatch_module, "plan", lambda call, target: planned.append(1) or real_plan(call, target))
     disp.forward(q, k, v, need_stats=False)
     disp.forward(q, k, v, need_stats=False)
-    assert len(planned) == 1 and len(disp.recipes)
+    assert len(planned) == 1 and len(disp.memos)
     with tcs.config.patch(dp_workspace_limit=2**20):  # no key reads it: the memo goes all the same
-        assert len(disp.recipes) == 0
+        assert len(disp.memos) == 0
         disp.forward(q, k, v, need_stats=False)
     assert len(planned) == 2
     assert ran[-1][0].dynamic is True  # an inference forward on sm90, cuDNN 9.19: one graph for every length
@@ -459,7 +459,7 @@ def test_masked_and_dropout_calls_are_never_served_by_the_memo(monkeypatch):
     for _ in range(3):
         disp.forward(q, k, v, None, 0.25, False)
     assert len(asked) == 3
-    assert all(entry.slot is None for _, entry in disp.recipes.items())
+    assert all(entry.slot is None for _, entry in disp.memos.items())
 
 
 def test_a_memo_hit_still_copies_counts_and_falls_back(fresh_cache, monkeypatch, caplog):
@@ -500,7 +500,7 @@ def test_a_refused_key_is_never_remembered_or_built(fresh_cache):
         for i in range(3):
             disp.backward(g, q, k, v, None, 0.0, False, out, stats, None, None, deterministic=True)
             assert disp.cache.info().fallbacks == i + 1
-        backward = [entry.slot for _, entry in disp.recipes.items() if isinstance(entry.recipe.key, BackwardKey)]
+        backward = [entry.slot for _, entry in disp.memos.items() if isinstance(entry.recipe.key, BackwardKey)]
         assert backward == [None]
     info = disp.cache.info()
     assert info.builds == 1 and info.build_failures == 1 and info.negative_hits == 2
@@ -615,12 +615,12 @@ def test_options_of_a_plain_call_are_served_by_the_memo(option, monkeypatch, req
         return (out, *disp.backward(g, q, k, v, None, 0.0, False, out, stats, None, None, **bwd_opts))
 
     first = step()
-    keys = [entry.recipe.key for _, entry in disp.recipes.items()]
+    keys = [entry.recipe.key for _, entry in disp.memos.items()]
     (bwd_key,) = [key for key in keys if isinstance(key, BackwardKey)]
     assert bwd_key.deterministic is (option in ("deterministic", "torch_deterministic_mode"))
     assert len(first) == (2 if option == "cat_grad_qkv" else 4)  # (out, grad_qkv) where dQKV is fused
     assert bwd_key.k.shape[1] == (1 if option == "enable_gqa" else 2)
-    assert all(entry.slot is not None for _, entry in disp.recipes.items()), "a plain call's graph was not remembered"
+    assert all(entry.slot is not None for _, entry in disp.memos.items()), "a plain call's graph was not remembered"
 
     def forbidden(*args, **kwargs):
         raise AssertionError("planned on a memo hit")

@@ -192,13 +192,13 @@ def test_clear_cache_clears_every_cache_and_says_which(caplog):
     runtime._static_only.put(("topology",), True)
     graphs._kernel_caches[("scope",)] = object()
     tcs.telemetry.warn_once(("fallback", "x"), "a fallback")
-    assert len(tcs.cached_graphs()) and len(disp.recipes) and len(masks.converted_masks._lru)
+    assert len(tcs.cached_graphs()) and len(disp.memos) and len(masks.converted_masks._lru)
     with caplog.at_level(logging.INFO, logger="thunder_cudnn_safe"):
         names = tcs.clear_cache()
     assert names == tcs.caches.registered() and len(names) == 7  # one registry: each cache registers itself
     assert "clear_cache cleared" in caplog.text
     assert tcs.cached_graphs() == [] and tcs.cache_info().misses == 0
-    assert len(disp.recipes) == 0 and len(masks.converted_masks._lru) == 0
+    assert len(disp.memos) == 0 and len(masks.converted_masks._lru) == 0
     assert ("topology",) not in runtime._static_only and graphs._kernel_caches == {}
     assert ("fallback", "x") not in tcs.telemetry._warned
 

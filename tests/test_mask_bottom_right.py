@@ -39,8 +39,8 @@ def kept_by(p: MaskPattern, batch: int, lq: int, s: int) -> torch.Tensor:
     n = torch.full((batch, 1, 1, 1), s)
     if p.kv_lens is not None:
         n = p.kv_lens.long()
-    elif p.full is not None:
-        n = p.full[1].long()
+    elif p.all_kept_lens is not None:
+        n = p.all_kept_lens[1].long()
     i, j = torch.arange(lq)[:, None], torch.arange(s)[None, :]
     row = i + (n - lq if p.bottom_right else 0)
     keep = j < n

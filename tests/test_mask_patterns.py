@@ -52,7 +52,7 @@ def test_all_kept_and_all_zero_are_no_mask():
         p = recognize(mask, 2, 8, 12)
         assert p[:4] == (None, None, None, None) and p.name == "all_kept"
         # the lengths keeping every key, for an inference forward that runs it as padding
-        assert p.full[0].tolist() == [[[[8]]]] * 2 and p.full[1].tolist() == [[[[12]]]] * 2
+        assert p.all_kept_lens[0].tolist() == [[[[8]]]] * 2 and p.all_kept_lens[1].tolist() == [[[[12]]]] * 2
 
 
 def test_an_inference_forward_runs_an_all_kept_mask_as_padding_a_training_forward_as_none(fresh_cache):

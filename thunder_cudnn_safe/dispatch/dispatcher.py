@@ -25,12 +25,11 @@ import torch
 
 from thunder_cudnn_safe import config
 from thunder_cudnn_safe.codegen import compile_function
-from thunder_cudnn_safe.dispatch import capture, dropout
-from thunder_cudnn_safe.dispatch import packed as varlen_dispatch
+from thunder_cudnn_safe.dispatch import capture, dropout, packed
 from thunder_cudnn_safe.errors import ExecuteError, GraphBuildError
 from thunder_cudnn_safe.graphs.cache import GraphCache, Slot, graph_cache
 from thunder_cudnn_safe.lru import LRU
-from thunder_cudnn_safe.masks import bias as masks
+from thunder_cudnn_safe.masks import bias
 from thunder_cudnn_safe.plan.calls import (
     BackwardCall,
     ForwardCall,
@@ -104,7 +103,7 @@ def _entry_point(call_type: type, miss: str, doc: str) -> Callable:
     target = self.runtime.target(device)
     memo = {memo}
     args = ({"".join(f + ", " for f in fields)})
-    entry = self.recipes.peek(memo)
+    entry = self.memos.peek(memo)
     if entry is not None:
         entry.used = True
         if entry.slot is not None:
@@ -129,14 +128,14 @@ class Dispatcher:
     def __init__(self, runtime: Runtime, cache: GraphCache = graph_cache) -> None:
         self.runtime, self.cache = runtime, cache
         #: memo key -> :class:`Memo` (a hit reads it by ``peek``); what the capture prebuild built, per thread
-        self.recipes, self.capture_marks = LRU(RECIPE_MEMO_SIZE, spare), capture.Marks(RECIPE_MEMO_SIZE)
+        self.memos, self.capture_marks = LRU(RECIPE_MEMO_SIZE, spare), capture.Marks(RECIPE_MEMO_SIZE)
         with _live_lock:
             _live.add(self)
 
     forward = _entry_point(ForwardCall, "_forward", "O and stats (if ``need_stats``), then dropout's seed and offset.")
     backward = _entry_point(BackwardCall, "_backward", "(dq, dk, dv) or (grad_qkv,) fused, then dBias with mask_grad.")
 
-    def refusal(self, bound: Bound) -> GraphBuildError | ExecuteError | None:
+    def try_execute(self, bound: Bound) -> GraphBuildError | ExecuteError | None:
         """Execute ``bound`` on the runtime (its graph built once); the runtime's refusal, or None if it ran."""
         try:
             self.runtime.execute(self.cache.get_or_build(bound.key, self.runtime.build), bound.pack)
@@ -166,10 +165,10 @@ class Dispatcher:
         dropout_backward = isinstance(key, BackwardKey) and key.dropout_p
         if dropout_backward and handoff.fell_back(bound.pack[Uid.SEED]):
             return self.run_fallback(bound)
-        exc = self.refusal(bound)
+        exc = self.try_execute(bound)
         if exc is not None and dropout_backward and key.d_o != key.o:
             tried = with_grad_out_like_o(bound)
-            exc = self.refusal(tried)
+            exc = self.try_execute(tried)
         if exc is not None:
             self.refused(bound, exc, tried)
 
@@ -177,11 +176,11 @@ class Dispatcher:
         """``call``'s :class:`Memo`, made with its pack recipe on the signature's first call (the layouts a
         training step repeats get one recipe). ``memo``: the call's memo key, if made already."""
         memo = memo_key(call, target) if memo is None else memo
-        entry = self.recipes.peek(memo)
+        entry = self.memos.peek(memo)
         if entry is None:
             sig = signature(call)  # a forward memo is (target, dynamic-shape mode, ...): the recipe uses that mode
             entry = Memo(forward_recipe(sig, *memo[:2]) if type(sig) is ForwardCall else backward_recipe(sig, memo[0]))
-            self.recipes.put(memo, entry)
+            self.memos.put(memo, entry)
         return entry
 
     def bind(self, call: ForwardCall | BackwardCall) -> Bound:
@@ -212,10 +211,10 @@ class Dispatcher:
         (declined or refused: its mask as a bias), or the planned call bound and run (a memoizable one's slot kept)."""
         dropout_forward = isinstance(call, ForwardCall) and call.dropout_p and call.need_stats
         p = plan(call, target)
-        if p.recognized and masks.capture_may_follow(call.query, isinstance(call, BackwardCall) or call.need_stats):
+        if p.recognized and bias.capture_may_follow(call.query, isinstance(call, BackwardCall) or call.need_stats):
             capture.prebuild(self, call, target)
         if p.route is Route.PACKED:
-            outputs = varlen_dispatch.run(self, p.call)
+            outputs = packed.run(self, p.call)
             if outputs is not None:
                 return p, None, outputs
             p = p.as_bias(target)
@@ -257,7 +256,7 @@ def forget_memos(_value: Any = None) -> None:
     with _live_lock:
         live = list(_live)
     for disp in live:
-        disp.recipes.clear()
+        disp.memos.clear()
         disp.capture_marks.clear()
 
 
@@ -275,8 +274,8 @@ def _zero_fully_masked_rows(mask: torch.Tensor, bound: Bound) -> None:
         bound.pack[Uid.STATS].masked_fill_(dead, float("inf"))
 
 
-def _fully_masked_rows(mask: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """Which query rows of ``bias`` (bound for ``mask``) mask every key with -inf, broadcastable to (B, H, L, 1).
+def _fully_masked_rows(mask: torch.Tensor, bias_tensor: torch.Tensor) -> torch.Tensor:
+    """Which query rows of ``bias_tensor`` (bound for ``mask``) mask every key with -inf, broadcastable to (B, H, L, 1).
 
     A converted bias is a function of the mask and its conversion: its rows are kept with the mask's cached
     conversion (:mod:`~thunder_cudnn_safe.masks.bias`, one read per distinct mask and state, as the conversion),
@@ -285,12 +284,12 @@ def _fully_masked_rows(mask: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     version (``.data``, an aliased numpy array) and zero a live row. They are read off the mask's own
     elements, never its (B, H, L, S) broadcast, so the read costs what the mask holds, not the scores."""
 
-    def rows(t: torch.Tensor = bias) -> torch.Tensor:
+    def rows(t: torch.Tensor = bias_tensor) -> torch.Tensor:
         return torch.isneginf(t).all(dim=-1, keepdim=True)
 
     if not isinstance(mask, torch.Tensor):
         return rows()
-    if bias.untyped_storage().data_ptr() == mask.untyped_storage().data_ptr():
+    if bias_tensor.untyped_storage().data_ptr() == mask.untyped_storage().data_ptr():
         return rows(mask)
-    how = ("fully masked rows", tuple(bias.shape), bias.stride(), bias.dtype)
-    return masks.converted_masks.get(mask, how, rows, count=False)
+    how = ("fully masked rows", tuple(bias_tensor.shape), bias_tensor.stride(), bias_tensor.dtype)
+    return bias.converted_masks.get(mask, how, rows, count=False)

@@ -32,7 +32,7 @@ def run(disp: Any, call: Any) -> tuple[torch.Tensor, ...] | None:
         _counts.count(f"declined: {reason}")
         return None
     bound = (varlen.bind_forward if forward else varlen.bind_backward)(call, target)
-    refusal = disp.refusal(bound)
+    refusal = disp.try_execute(bound)
     if isinstance(refusal, RuleRefusal):  # the planned key breaks a known cuDNN rule: never built, the bias runs
         _counts.count(f"declined: {refusal.rule} (key gate)")
         return None

@@ -14,7 +14,7 @@ import json
 from typing import Any, NamedTuple
 
 from thunder_cudnn_safe import _compat
-from thunder_cudnn_safe.graphs import build as graphs
+from thunder_cudnn_safe.graphs import build
 from thunder_cudnn_safe.plan.keys import BackwardKey, ForwardKey
 
 #: The frontend version whose internals this module was written against (the package floor).
@@ -144,12 +144,12 @@ def lower(graph: Any, sm_version: int) -> Lowering:
 def lower_key(key: ForwardKey | BackwardKey, sm_version: int, implementation: Any = None) -> Lowering:
     """Build the graph for ``key`` exactly as the runtimes do (:mod:`graphs`) and lower it."""
     cudnn = _require()
-    graphs.attention_implementation(implementation)  # a bad name is our caller's error, not a refusal
+    build.attention_implementation(implementation)  # a bad name is our caller's error, not a refusal
     try:
         if isinstance(key, ForwardKey):
-            g = graphs.build_forward_graph(key, implementation=implementation)
+            g = build.build_forward_graph(key, implementation=implementation)
         else:
-            g = graphs.build_backward_graph(key)
+            g = build.build_backward_graph(key)
     except (cudnn.cudnnGraphNotSupportedError, ValueError, TypeError, NotImplementedError) as exc:
         return Lowering(False, _reason(exc), "pygraph", None, int(sm_version))
     return lower(g, sm_version)

@@ -26,7 +26,7 @@ import torch
 
 from thunder_cudnn_safe import _compat, config
 from thunder_cudnn_safe._version import __version__
-from thunder_cudnn_safe.graphs import build as graphs
+from thunder_cudnn_safe.graphs import build
 from thunder_cudnn_safe.telemetry import logger, warn_once
 
 MAGIC, FORMAT = b"TCSPLAN\0", 1
@@ -172,7 +172,7 @@ def plan_cache_info() -> PlanCacheInfo:
 
 @functools.cache
 def _graphs_source() -> str:
-    return hashlib.sha256(Path(graphs.__file__).read_bytes()).hexdigest()  # a changed graph builder invalidates
+    return hashlib.sha256(Path(build.__file__).read_bytes()).hexdigest()  # a changed graph builder invalidates
 
 
 def _ident(key: Any, rung: str | None, device: str | Callable[[], str]) -> str:
@@ -227,7 +227,7 @@ def device_descriptor(index: int) -> str:
     """A real GPU's descriptor: cuDNN's device properties, else (older backends) torch's name, capability,
     SMs, memory."""
     try:
-        return str(graphs.cudnn_module().create_device_properties(index).serialize())
+        return str(build.cudnn_module().create_device_properties(index).serialize())
     except Exception:
         p = torch.cuda.get_device_properties(index)
         return repr((p.name, p.major, p.minor, p.total_memory, p.multi_processor_count, torch.version.cuda))

@@ -139,7 +139,7 @@ def make_executor(name: str, runtime: Runtime) -> OperatorExecutor:
     ex = _SdpaExecutor(name, version=__version__)
     register_executor(ex)
     ex.runtime, ex.dispatcher = runtime, Dispatcher(runtime)
-    caches.register(f"{name}'s dispatch memo (pack recipes, graph slots)", ex.dispatcher.recipes.clear)
+    caches.register(f"{name}'s dispatch memo (pack recipes, graph slots)", ex.dispatcher.memos.clear)
     fwd = ex.register_operator(
         f"{name}_sdpa_fwd", meta=_fwd_meta, fn=ex.dispatcher.forward, tags=(OpTags.DONT_AUTO_RECOMPUTE_IN_BACKWARD,)
     )

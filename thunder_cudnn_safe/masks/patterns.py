@@ -37,7 +37,7 @@ class MaskPattern(NamedTuple):
     kv_lens: Any = None
     #: of an all-kept mask: (q_lens, kv_lens) keeping every key, to run it as padding
     #: (:func:`~thunder_cudnn_safe.plan.planner.with_mask_pattern`)
-    full: Any = None
+    all_kept_lens: Any = None
     #: the band aligned bottom-right (L < S): the L queries are the last L of the S keys' positions (with the
     #: padding mask, of each batch element's n_b), as in prefill against a KV cache or chunked prefill
     bottom_right: bool = False
@@ -165,7 +165,7 @@ def _top_left(c: _Checks, q_lens: torch.Tensor, lens: torch.Tensor, lq: int) -> 
     causal, causal_padded = (0, 0) if lq == 1 else (c.causal, c.causal_padded)
     left = None if c.no_left else int(c.window)
     if c.full and left is None:
-        return MaskPattern(None, None, full=(q_lens, lens))
+        return MaskPattern(None, None, all_kept_lens=(q_lens, lens))
     if causal:
         return MaskPattern(0, left)
     if causal_padded:

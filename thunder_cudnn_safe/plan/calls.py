@@ -162,8 +162,9 @@ def signature(call: ForwardCall | BackwardCall) -> ForwardCall | BackwardCall:
 
 
 def _pattern_sig(x: Any) -> Any:
-    if isinstance(x, MaskPattern) and (x.kv_lens is not None or x.full is not None):
-        return x._replace(q_lens=True, kv_lens=True, full=None)  # the lengths are bound per call, not in the recipe
+    if isinstance(x, MaskPattern) and (x.kv_lens is not None or x.all_kept_lens is not None):
+        # the lengths are bound per call, not in the recipe
+        return x._replace(q_lens=True, kv_lens=True, all_kept_lens=None)
     return x
 
 

@@ -22,8 +22,8 @@ from thunder_cudnn_safe.plan.calls import BackwardCall, ForwardCall, signature
 from thunder_cudnn_safe.plan.keys import Target
 from thunder_cudnn_safe.plan.layout import LayoutPolicy
 from thunder_cudnn_safe.plan.recipes import companion_backward_key, forward_recipe
+from thunder_cudnn_safe.rules import defect_routes
 from thunder_cudnn_safe.rules.cudnn_rules import INT32_ELEMENT_LIMIT
-from thunder_cudnn_safe.rules.defect_routes import route as workaround
 
 
 class Route(str, enum.Enum):
@@ -70,7 +70,7 @@ def plan(call: ForwardCall | BackwardCall, target: Target, *, recognize: bool = 
     masked = with_mask_pattern(call) if recognize and not getattr(call, "mask_grad", False) else call
     if isinstance(masked.attn_mask, DocumentPattern):
         return Plan(Route.PACKED, masked, call)
-    routed = workaround(masked, target, lens_device)
+    routed = defect_routes.route(masked, target, lens_device)
     if routed is not masked:
         return Plan(Route.WORKAROUND, routed, call)
     if masked is not call:
@@ -94,8 +94,9 @@ def with_mask_pattern(call: ForwardCall | BackwardCall) -> ForwardCall | Backwar
         return call._replace(attn_mask=pattern)
     if pattern.bottom_right and call.dropout_p:  # the frontend refuses a bottom-right band with dropout: a bias
         return call
-    if pattern.full is not None and type(call) is ForwardCall and not call.need_stats:  # the decode steps' graph
-        return call._replace(attn_mask=pattern._replace(q_lens=pattern.full[0], kv_lens=pattern.full[1], full=None))
+    if pattern.all_kept_lens is not None and type(call) is ForwardCall and not call.need_stats:  # the decode graph
+        q_lens, kv_lens = pattern.all_kept_lens
+        return call._replace(attn_mask=pattern._replace(q_lens=q_lens, kv_lens=kv_lens, all_kept_lens=None))
     if pattern.left is None and pattern.kv_lens is None and not pattern.bottom_right:
         return call._replace(attn_mask=None, is_causal=pattern.right == 0)
     return call._replace(attn_mask=pattern)

@@ -18,8 +18,7 @@ import torch
 
 from thunder_cudnn_safe import config
 from thunder_cudnn_safe.codegen import compile_function
-from thunder_cudnn_safe.masks import bias as mask_bias
-from thunder_cudnn_safe.masks.bias import converted_masks
+from thunder_cudnn_safe.masks import bias
 from thunder_cudnn_safe.masks.patterns import MaskPattern
 from thunder_cudnn_safe.plan.calls import TENSOR_FIELDS, BackwardCall, ForwardCall, backward_of, default_scale
 from thunder_cudnn_safe.plan.keys import RNG_SIG, BackwardKey, ForwardKey, Target, TensorSig, Uid, key_of
@@ -299,8 +298,8 @@ def backward_recipe(call: BackwardCall, target: Target) -> PackRecipe:
     p.grad_out(o, target)
     p.masking(needs_grad=call.mask_grad)
     if call.mask_grad:
-        bias = p.sigs[Uid.BIAS]
-        p.new(Uid.DBIAS, bias._replace(stride=dense_strides(bias.shape, range(4), bias.dtype)))
+        bias_sig = p.sigs[Uid.BIAS]
+        p.new(Uid.DBIAS, bias_sig._replace(stride=dense_strides(bias_sig.shape, range(4), bias_sig.dtype)))
     if call.dropout_p:
         for uid, field in ((Uid.SEED, "seed"), (Uid.OFFSET, "offset")):
             a = getattr(call, field)
@@ -336,7 +335,7 @@ def _step(step: Step, src: Any, device: torch.device) -> torch.Tensor:
     if step.fill is None:
         return t
     if step.shared:
-        return converted_masks.get(src, (step.view, step.fill), lambda: _fill(step, t, device))
+        return bias.converted_masks.get(src, (step.view, step.fill), lambda: _fill(step, t, device))
     return _fill(step, t, device)
 
 
@@ -373,7 +372,7 @@ def counted_copy(buf: torch.Tensor, src: torch.Tensor, name: str, reason: CopyRe
         # the conversion is cached). Direct operator calls only; thunder.jit refuses the dtype mix. Under
         # CUDA-graph capture the check would be a host sync on every captured call (no conversion is cached
         # there) and could not judge the masks replays read: refused, naming why.
-        if mask_bias.capturing(src):
+        if bias.capturing(src):
             raise RuntimeError(
                 f"cudnn_safe: a {src.dtype} attention mask with float16 queries cannot be converted during "
                 "CUDA-graph capture: float16 turns its finite values below -65504 into -inf, which would make a "

@@ -29,7 +29,7 @@ def route(
     mask = call.attn_mask
     if mask is None:
         right, left = (0 if call.is_causal else None), None
-    elif isinstance(mask, MaskPattern) and mask.kv_lens is None and mask.full is None:
+    elif isinstance(mask, MaskPattern) and mask.kv_lens is None and mask.all_kept_lens is None:
         right, left = mask.right, mask.left
     else:
         return call  # pads already, or a bias (declined at trace time)

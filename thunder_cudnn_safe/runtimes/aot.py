@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 from thunder_cudnn_safe import config
 from thunder_cudnn_safe._env import parse_arch
 from thunder_cudnn_safe.errors import GraphBuildError
-from thunder_cudnn_safe.graphs import build as graphs
+from thunder_cudnn_safe.graphs import build
 from thunder_cudnn_safe.plan.keys import Target
 from thunder_cudnn_safe.runtimes.cudnn_runtime import build_graph, build_with_ladder, cudnn_target
 
@@ -151,7 +151,7 @@ def _backend_engine(graph: Any) -> tuple[int | None, dict, tuple[str, ...]]:
 def compile_key(key: Any, device: str) -> CompileResult:
     """Build ``key``'s graph for ``device`` as the cuDNN runtime does (heuristics A then FALLBACK,
     support check, plans; forwards down its implementation ladder), in this process."""
-    cudnn = graphs.cudnn_module()
+    cudnn = build.cudnn_module()
     props, start = cudnn.create_device_properties(json.dumps(DEVICES[device])), time.perf_counter()
     descriptor, loaded = "aot " + props.serialize(), []  # its own plan cache entries
     place = {"device_property": props}
@@ -268,6 +268,6 @@ def _main() -> None:
 
 
 if __name__ == "__main__":  # results must pickle as thunder_cudnn_safe.runtimes.aot's, not __main__'s
-    from thunder_cudnn_safe.runtimes.aot import _main as main
+    from thunder_cudnn_safe.runtimes import aot
 
-    main()
+    aot._main()

@@ -13,8 +13,7 @@ import torch
 
 from thunder_cudnn_safe import _compat, caches
 from thunder_cudnn_safe.errors import ExecuteError, GraphBuildError
-from thunder_cudnn_safe.graphs import build as graphs
-from thunder_cudnn_safe.graphs import plan_cache
+from thunder_cudnn_safe.graphs import build, plan_cache
 from thunder_cudnn_safe.graphs.lowering import implementation_of
 from thunder_cudnn_safe.lru import LRU
 from thunder_cudnn_safe.plan.keys import BackwardKey, ForwardKey, Target, TensorSig
@@ -118,7 +117,7 @@ def is_definitive_refusal(exc: BaseException, graph: Any = None) -> bool:
     ``cudnnGraphNotSupportedError``, keeping the original in ``graph._backend_declined``. An
     ill-formed graph (ValueError, TypeError, NotImplementedError) is refused for good too.
     """
-    cudnn = graphs.cudnn_module()
+    cudnn = build.cudnn_module()
     if isinstance(exc, cudnn.cudnnGraphNotSupportedError):
         declined = getattr(graph, "_backend_declined", None)
         return declined is None or isinstance(declined, cudnn.cudnnGraphNotSupportedError)
@@ -147,7 +146,7 @@ def build_graph(
     the plan cache's entry for (``key``, ``implementation``, ``device``: a descriptor, or a function giving
     one) if any (``key`` appended to ``loaded``), else a new build stored there. ``placement()`` gives the
     graphs' ``handle`` or ``device_property``, inside ``where()``; any failure is a GraphBuildError."""
-    cudnn = graphs.cudnn_module()
+    cudnn = build.cudnn_module()
     g = None
     try:
         place = placement()
@@ -157,9 +156,9 @@ def build_graph(
                 if loaded is not None:
                     loaded.append(key)
                 return BuiltGraph(hit[0], key=key, **hit[1])
-            build = graphs.build_forward_graph if isinstance(key, ForwardKey) else graphs.build_backward_graph
-            g = build(key, implementation=implementation, **place)
-            graphs.build_plans(g, key)
+            make_graph = build.build_forward_graph if isinstance(key, ForwardKey) else build.build_backward_graph
+            g = make_graph(key, implementation=implementation, **place)
+            build.build_plans(g, key)
             workspace = int(g.get_workspace_size())
     except Exception as exc:
         raise GraphBuildError(f"{prefix}{type(exc).__name__}: {exc}", is_definitive_refusal(exc, g)) from exc
@@ -224,7 +223,7 @@ class Runtime:
 
 def _create_handle(device_index: int) -> Any:
     with torch.cuda.device(device_index):
-        return graphs.cudnn_module().create_handle()
+        return build.cudnn_module().create_handle()
 
 
 class CudnnRuntime(Runtime):
@@ -259,7 +258,7 @@ class CudnnRuntime(Runtime):
     def handle(self, device_index: int) -> Any:
         """This thread's handle for the device (:mod:`~thunder_cudnn_safe.runtimes.handles`: lent per thread, reused
         after the thread ends), bound to torch's current stream (or kernels race with the surrounding torch ops)."""
-        cudnn = graphs.cudnn_module()
+        cudnn = build.cudnn_module()
         handle = self._handles.get(device_index)
         cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream(device_index).cuda_stream)
         return handle
@@ -290,7 +289,7 @@ class CudnnRuntime(Runtime):
 def execute_graph(built: BuiltGraph, pack: dict[int, torch.Tensor], workspace: torch.Tensor, handle: Any) -> None:
     """A not-supported refusal becomes ExecuteError (the call falls back); any other failure (an illegal
     address) may have left the device in an unknown state, so it propagates, naming the key."""
-    cudnn = graphs.cudnn_module()
+    cudnn = build.cudnn_module()
     try:
         built.graph.execute(pack, workspace, handle=handle)
     except (cudnn.cudnnGraphNotSupportedError, NotImplementedError) as exc:

@@ -23,7 +23,7 @@ import torch
 
 from thunder_cudnn_safe import _compat, config
 from thunder_cudnn_safe.errors import EmulationError, GraphBuildError
-from thunder_cudnn_safe.graphs import build as graphs
+from thunder_cudnn_safe.graphs import build
 from thunder_cudnn_safe.plan.keys import BackwardKey, ForwardKey, Target
 from thunder_cudnn_safe.plan.layout import span_elements
 from thunder_cudnn_safe.rules.cudnn_rules import ALIGNMENT_BYTES
@@ -35,7 +35,7 @@ def declared_view(bound: torch.Tensor, declared: Any, role: str) -> torch.Tensor
     """``bound``'s memory seen through ``declared``'s dims and strides, from its data pointer."""
     dims = [int(x) for x in declared.get_dim()]
     strides = [int(x) for x in declared.get_stride()]
-    dtype = graphs.torch_dtype_of(declared.get_data_type())
+    dtype = build.torch_dtype_of(declared.get_data_type())
     if dtype is None:
         raise EmulationError(f"the emulated runtime has no torch dtype for cuDNN data type {declared.get_data_type()}")
     if bound.dtype != dtype:
@@ -319,11 +319,11 @@ class EmulatedRuntime(Runtime):
 
     def _build_one(self, key: ForwardKey | BackwardKey, implementation: str | None) -> BuiltGraph:
         # The real frontend's refusal of non-packed stats (STATS_PACKED_ONLY) is the key gate's, for both runtimes.
-        cudnn = graphs.cudnn_module()
-        build = graphs.build_forward_graph if isinstance(key, ForwardKey) else graphs.build_backward_graph
+        cudnn = build.cudnn_module()
+        make_graph = build.build_forward_graph if isinstance(key, ForwardKey) else build.build_backward_graph
         try:
             with frontend_refusal_filter.active():
-                g = build(key, implementation=implementation)
+                g = make_graph(key, implementation=implementation)
         except cudnn.cudnnGraphNotSupportedError as exc:
             raise GraphBuildError(f"cuDNN frontend rejected the graph: {exc}") from exc
         return BuiltGraph(g, 0, key, None if implementation is None else implementation.upper(), "emulated")

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from thunder_cudnn_safe.masks import bias as masks
+from thunder_cudnn_safe.masks import bias
 from thunder_cudnn_safe.plan.keys import BackwardKey, ForwardKey, Uid
 from thunder_cudnn_safe.runtimes import handoff, reference
 from thunder_cudnn_safe.runtimes.cudnn_runtime import BuiltGraph, Runtime
@@ -32,7 +32,7 @@ def _keep_mask(key: ForwardKey | BackwardKey, pack: dict) -> torch.Tensor | None
     if not key.dropout_p:
         return None
     q, k = pack[Uid.Q], pack[Uid.K]
-    if masks.capturing(q):
+    if bias.capturing(q):
         raise RuntimeError(
             "cudnn_safe: an attention call with dropout ran on the torch fallback (cuDNN refused its graph) during "
             "CUDA-graph capture; the fallback reads the dropout seed on the host, which a capture cannot record. "
