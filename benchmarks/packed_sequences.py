@@ -16,22 +16,14 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
 from thunder_cudnn_safe.masks import patterns
 from thunder_cudnn_safe.masks.documents import recognize_documents
 from thunder_cudnn_safe.plan import varlen
-
-
-def packed_mask(tokens: int, docs: int) -> torch.Tensor:
-    """HF's (1, 1, T, T) boolean mask for ``docs`` equal documents, causal within each."""
-    doc = torch.arange(tokens) // (tokens // docs)
-    i, j = torch.arange(tokens)[:, None], torch.arange(tokens)[None, :]
-    return ((doc[:, None] == doc[None, :]) & (j <= i))[None, None]
+from thunder_cudnn_safe.testing import document_mask
 
 
 def measure(tokens: int, docs: int, heads: int, layers: int) -> dict:
-    mask = packed_mask(tokens, docs)
+    mask = document_mask([[tokens // docs] * docs], tokens)  # HF's mask for ``docs`` equal causal documents
     # one document covering the row is today's causal pattern (no bias either); documents otherwise
     p = patterns.recognize(mask, 1, tokens, tokens) if docs == 1 else None
     doc = recognize_documents(mask, 1, tokens, tokens)

@@ -127,6 +127,21 @@ def assert_claimed_in_traces(jf, op_prefix: str = EMULATED_OP, backward: bool = 
         assert f"{op_prefix}_bwd" in bwd, "the backward did not run on the executor"
 
 
+# -- calls straight into a dispatcher ---------------------------------------------------------
+def dispatch_step(disp, q, k, v, mask=None, dropout_p=0.0, is_causal=False, grad_out=None, **options) -> tuple:
+    """One forward and its backward through dispatcher ``disp`` (no thunder, no checker in front): grouped heads
+    where K/V have fewer heads than q, dropout's seed and offset handed from the forward to the backward,
+    ``options`` to both; ``grad_out`` by default drawn from a generator seeded with 7, so that a call repeated with
+    the same inputs gets the same one (a test comparing every route with one reference needs that). Returns
+    (out, grads, grad_out)."""
+    out, stats, *rng = disp.forward(q, k, v, mask, dropout_p, is_causal, enable_gqa=q.shape[1] != k.shape[1], **options)
+    seed, offset = rng if rng else (None, None)
+    if grad_out is None:
+        grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(out.device, out.dtype)
+    grads = disp.backward(grad_out, q, k, v, mask, dropout_p, is_causal, out, stats, seed, offset, **options)
+    return out, grads, grad_out
+
+
 # -- running calls through thunder.jit and checking them ------------------------------------
 def jit_with_ours(fn, executor=None, **options):
     """``thunder.jit(fn)`` with ``executor`` (default: the emulated executor) ahead of thunder's defaults."""
@@ -158,96 +173,72 @@ def trace_text(jf) -> tuple[str, str]:
     return fwd, (str(bwd_traces[-1]) if bwd_traces else "")
 
 
-def run_and_check(jf, q, k, v, grad_out, mask=None, is_causal=False, scale=None, **checks):
-    """Forward+backward through ``jf``; compare with a float64 reference under the accuracy rule.
-
-    ``checks``: ``check_grads`` (True), ``op_prefix`` (the emulated executor's operators) and
-    ``allow_fallback`` (False: a call the runtime refused fails the check).
-    """
-    check_grads = checks.get("check_grads", True)
-    op_prefix = checks.get("op_prefix", EMULATED_OP)
-    allow_fallback = checks.get("allow_fallback", False)
-    import thunder_cudnn_safe as tcs
-
-    fallbacks_before = tcs.cache_info().fallbacks
-    out = jf(q, k, v, mask, 0.0, is_causal, scale)
-    fwd, bwd = trace_text(jf)
-    assert f"{op_prefix}_fwd" in fwd, "the executor did not claim the call (silent fallback)"
-    leaves = [t for t in (q, k, v, mask) if t is not None and t.requires_grad]
-    grads = torch.autograd.grad(out, leaves, grad_out) if check_grads else ()
-    if check_grads:
-        assert f"{op_prefix}_bwd" in trace_text(jf)[1], "the backward did not run on the executor"
-    if not allow_fallback:
-        assert tcs.cache_info().fallbacks == fallbacks_before, "a graph was refused and the torch fallback answered"
-        assert tcs.cache_info().builds > 0, "no graph was ever built: nothing ran on cuDNN's path"
-
-    ref_leaves = [t.detach().double().requires_grad_(t.requires_grad) for t in (q, k, v)]
-    ref_mask = None
-    if mask is not None:
-        ref_mask = mask.detach().double().requires_grad_(mask.requires_grad) if mask.dtype != torch.bool else mask
-    ref = sdpa_fn(*ref_leaves, ref_mask, 0.0, is_causal, scale)
-    low_leaves = [t.detach().requires_grad_(t.requires_grad) for t in (q, k, v)]
-    low_mask = (
-        None
-        if mask is None
-        else (mask.detach().requires_grad_(mask.requires_grad) if mask.dtype != torch.bool else mask)
-    )
-    eager = sdpa_fn(*low_leaves, low_mask, 0.0, is_causal, scale)
-    assert_close_to_reference(out, eager, ref, "output")
-    if check_grads:
-        ref_in = [t for t in ref_leaves if t.requires_grad] + (
-            [ref_mask] if mask is not None and mask.requires_grad else []
-        )
-        low_in = [t for t in low_leaves if t.requires_grad] + (
-            [low_mask] if mask is not None and mask.requires_grad else []
-        )
-        ref_grads = torch.autograd.grad(ref, ref_in, grad_out.double())
-        eager_grads = torch.autograd.grad(eager, low_in, grad_out)
-        for name, g, e, r in zip(("dq", "dk", "dv", "dmask"), grads, eager_grads, ref_grads):
-            assert_close_to_reference(g, e, r, name)
-    return out, grads
-
-
 def check_against_eager(
     jf,
-    inputs,
-    grad,
-    reference_fn,
-    leaves,
+    args: tuple,
+    grad_out: torch.Tensor,
+    fn: Callable = sdpa_fn,
     *,
     op_prefix: str = EMULATED_OP,
     claimed: bool = True,
-    fallback: bool = False,
-):
-    """Run ``jf`` (a ``thunder.jit`` function), compare its output and the gradients of ``leaves`` with float64
-    and eager ``reference_fn``.
+    allow_fallback: bool = False,
+    check_grads: bool = True,
+    gpu_yardsticks: bool = False,
+) -> tuple:
+    """The accuracy check of every test that runs a call through ``thunder.jit`` (one entry point on top of
+    :func:`~thunder_cudnn_safe.testing.assert_close_to_reference`): ``jf(*args)`` forward and, with
+    ``check_grads``, backward with ``grad_out``; the output and the gradient of every tensor of ``args`` that
+    requires grad meet the accuracy rule against ``fn`` on float64 copies (:func:`to64`), with ``fn`` on
+    same-precision copies (:func:`relax`) as eager's yardstick. ``fn`` takes what ``jf`` takes (default
+    :func:`sdpa_fn`, what :func:`jit_sdpa` traces). Returns ``jf``'s output and gradients.
 
-    Strict by default: the forward and backward traces run our operators (``op_prefix``) and no call fell
-    back to torch (``cache_info().fallbacks`` unchanged, a graph built). ``claimed=False``: a call the test
-    means the executor to decline (no trace check); ``fallback=True``: a call the test means to fall back.
+    Strict by default: our operators (``op_prefix``) are in the forward and backward traces and cuDNN's path ran
+    (a graph built, no call on the torch fallback). ``claimed=False``: a call the test means the executor to
+    decline (no trace nor build check); ``allow_fallback``: a call the test means to fall back.
+
+    ``gpu_yardsticks`` (the gpu-marked cases, on real cuDNN): eager's yardstick is, per tensor, the less accurate
+    of eager on the same layout and on contiguous copies (on the same layout torch may pick its math backend,
+    which upcasts to float32 and is far more accurate than any fused kernel; on contiguous copies it picks flash /
+    memory-efficient): "as accurate as one of torch's own low-precision paths on these values". And where
+    thunder's sdpaex ran torch's fused kernels on the same inputs, the error is also within twice sdpaex's
+    (where sdpaex declines, e.g. a last dim of stride 2 or CPU tensors, thunder's decomposition runs: a
+    different yardstick, not compared).
     """
-    import thunder_cudnn_safe as tcs
-
     before = tcs.cache_info()
-    out = jf(*inputs)
-    grads = torch.autograd.grad(out, leaves, grad)
+    out, grads = _forward_backward(jf, args, grad_out, check_grads)
     if claimed:
-        assert_claimed_in_traces(jf, op_prefix)
-    if not fallback:
-        after = tcs.cache_info()
-        assert after.fallbacks == before.fallbacks, "a graph was refused and the torch fallback answered"
+        assert_claimed_in_traces(jf, op_prefix, backward=check_grads)
+    if not allow_fallback:
+        fallbacks = tcs.cache_info().fallbacks - before.fallbacks
+        assert fallbacks == 0, f"{fallbacks} call(s) went to the torch fallback: the runtime refused a graph"
         if claimed:
-            assert after.builds > 0, "no graph was ever built: nothing ran on cuDNN's path"
-    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
-    low_leaves = [t.detach().requires_grad_() for t in leaves]
-    ref = reference_fn(*ref_leaves)
-    low = reference_fn(*low_leaves)
-    ref_grads = torch.autograd.grad(ref, ref_leaves, grad.double())
-    low_grads = torch.autograd.grad(low, low_leaves, grad)
-    assert_close_to_reference(out, low, ref, "output")
-    for i, (a, e, r) in enumerate(zip(grads, low_grads, ref_grads)):
-        assert_close_to_reference(a, e, r, f"grad {i}")
+            assert tcs.cache_info().builds > 0, "no graph was ever built: nothing ran on cuDNN's path"
+    ref = _forward_backward(fn, tuple(map(to64, args)), grad_out.double(), check_grads)
+    eager = _forward_backward(fn, tuple(map(relax, args)), grad_out, check_grads)
+    eager, ref = (eager[0], *eager[1]), (ref[0], *ref[1])
+    if gpu_yardsticks:
+        contig = _forward_backward(fn, tuple(map(relax_contiguous, args)), grad_out, check_grads)
+        eager = [a if _err(a, r) >= _err(b, r) else b for a, b, r in zip(eager, (contig[0], *contig[1]), ref)]
+    positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+    names = ["output"] + [f"gradient of args[{i}]" for i in positions]
+    for name, ours, e, r in zip(names, (out, *grads), eager, ref):
+        assert_close_to_reference(ours, e, r, name)
+    if gpu_yardsticks:
+        import thunder
+
+        js = thunder.jit(fn, executors=executors_sdpaex())
+        sdpaex = _forward_backward(js, tuple(map(relax, args)), grad_out, check_grads)
+        if "sdpaex_" in trace_text(js)[0] or "sdpafx_" in trace_text(js)[0]:
+            for name, ours, s, r in zip(names, (out, *grads), (sdpaex[0], *sdpaex[1]), ref):
+                assert_close_to_reference(ours, s, r, f"{name} (2x sdpaex's error)")
     return out, grads
+
+
+def _forward_backward(f, args: tuple, grad_out: torch.Tensor, check_grads: bool = True) -> tuple:
+    """``f(*args)`` and, with ``check_grads``, the gradients of the tensors of ``args`` that require grad."""
+    out = f(*args)
+    leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    return out, (torch.autograd.grad(out, leaves, grad_out) if check_grads else ())
 
 
 @contextlib.contextmanager
@@ -296,7 +287,9 @@ needs_gpu = pytest.mark.skipif(not EMULATE and not torch.cuda.is_available(), re
 #: a gpu test of CUDA itself (streams, handles): skipped under the emulated self-check too
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (streams, handles): not emulated")
 GPU_DEVICE, GPU_EXECUTOR = ("cpu", tcs.emulated_ex) if EMULATE else ("cuda", tcs.cudnn_safe_ex)
-GPU_FWD_OP, GPU_BWD_OP = f"{GPU_EXECUTOR.name}_sdpa_fwd", f"{GPU_EXECUTOR.name}_sdpa_bwd"
+#: the gpu tests' operators: ``op_prefix`` of :func:`check_against_eager`, and its forward and backward
+GPU_OP = f"{GPU_EXECUTOR.name}_sdpa"
+GPU_FWD_OP, GPU_BWD_OP = f"{GPU_OP}_fwd", f"{GPU_OP}_bwd"
 F16, BF16 = torch.float16, torch.bfloat16
 
 
@@ -325,16 +318,23 @@ def sdpa(q, k, v, mask=None, is_causal=False):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
 
 
-def relax(t: torch.Tensor | None) -> torch.Tensor | None:
-    """A leaf with ``t``'s layout and values, its own autograd identity."""
-    if t is None or t.dtype == torch.bool:
+def jit_gpu(**options):
+    """:func:`sdpa` through ``thunder.jit`` with the gpu tests' executor first (:func:`executors_ours`)."""
+    import thunder
+
+    return thunder.jit(sdpa, executors=executors_ours(), **options)
+
+
+def relax(t: Any) -> Any:
+    """A leaf with ``t``'s layout and values, its own autograd identity (a non-tensor or boolean mask as is)."""
+    if not isinstance(t, torch.Tensor) or t.dtype == torch.bool:
         return t
     return t.detach().requires_grad_(t.requires_grad)
 
 
-def relax_contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
-    """``t``'s values in a fresh contiguous leaf."""
-    if t is None or t.dtype == torch.bool:
+def relax_contiguous(t: Any) -> Any:
+    """``t``'s values in a fresh contiguous leaf (a non-tensor or boolean mask as is)."""
+    if not isinstance(t, torch.Tensor) or t.dtype == torch.bool:
         return t
     return t.detach().contiguous().requires_grad_(t.requires_grad)
 
@@ -343,73 +343,16 @@ def _err(a: torch.Tensor, r: torch.Tensor) -> float:
     return (a.double() - r.double()).abs().max().item() if r.numel() else 0.0
 
 
-def to64(t: torch.Tensor | None) -> torch.Tensor | None:
-    if t is None or t.dtype == torch.bool:
+def to64(t: Any) -> Any:
+    """``t``'s values in float64, a leaf where ``t`` requires grad (a non-tensor or boolean mask as is)."""
+    if not isinstance(t, torch.Tensor) or t.dtype == torch.bool:
         return t
     return t.detach().double().requires_grad_(t.requires_grad)
 
 
 def forward_backward(f, q, k, v, mask, causal, grad_out):
-    out = f(q, k, v, mask, causal)
-    leaves = [t for t in (q, k, v, mask) if t is not None and t.requires_grad]
-    return out, torch.autograd.grad(out, leaves, grad_out)
-
-
-def check_sdpa_case(q, k, v, grad_out, mask=None, causal=False, *, allow_fallback=False, **jit_options):
-    """Run one case through the executor, eager low precision, float64 eager and sdpaex; check all.
-
-    What it checks, on real cuDNN:
-
-    * the executor claimed the forward and the backward (its operators are in
-      ``thunder.last_traces`` / ``thunder.last_backward_traces``) and cuDNN ran them (no
-      call went to the torch fallback, ``cache_info().fallbacks``);
-    * the output and every gradient satisfy the accuracy rule against float64 eager
-      (:func:`thunder_cudnn_safe.testing.assert_close_to_reference`, with eager
-      ``F.scaled_dot_product_attention`` on the same CUDA low-precision inputs as the
-      yardstick);
-    * its error is also within twice that of thunder's sdpaex (``thunder.sdpa_executor``,
-      torch's flash / memory-efficient kernels) on the same inputs, where sdpaex claims them
-      (it declines e.g. a last dim with stride 2; thunder's decomposition then runs). On the
-      emulated self-check sdpaex declines CPU tensors: there the comparison is with thunder's
-      torch decomposition.
-    """
-    import thunder
-
-    before = tcs.cache_info()
-    jf = thunder.jit(sdpa, executors=executors_ours(), **jit_options)
-    out, grads = forward_backward(jf, q, k, v, mask, causal, grad_out)
-    fwd, bwd = trace_text(jf)
-    assert GPU_FWD_OP in fwd, (
-        f"{GPU_EXECUTOR.name} did not claim the forward: {tcs.explain(q, k, v, mask, 0.0, causal)}"
-    )
-    assert GPU_BWD_OP in bwd, "the backward did not run on the executor"
-    fallbacks = tcs.cache_info().fallbacks - before.fallbacks
-    if not allow_fallback:
-        assert fallbacks == 0, f"{fallbacks} call(s) went to the torch fallback: cuDNN refused a graph"
-        assert tcs.cache_info().builds > 0, "no graph was ever built: nothing ran on cuDNN"
-
-    ref, ref_grads = forward_backward(sdpa, *map(to64, (q, k, v, mask)), causal, grad_out.double())
-    # The yardstick is eager torch in the same precision on the same values. On the same
-    # layout torch may pick its math backend (last-dim stride 2, misaligned base), which
-    # upcasts to float32 and is far more accurate than any fused kernel; on contiguous
-    # copies it picks flash / memory-efficient. Take the less accurate of the two, per
-    # tensor: "as accurate as one of torch's own low-precision paths on these values".
-    same = forward_backward(sdpa, *map(relax, (q, k, v, mask)), causal, grad_out)
-    contig = forward_backward(sdpa, *map(relax_contiguous, (q, k, v, mask)), causal, grad_out)
-    pairs = zip((same[0], *same[1]), (contig[0], *contig[1]), (ref, *ref_grads))
-    eager, *eager_grads = [a if _err(a, r) >= _err(b, r) else b for a, b, r in pairs]
-    js = thunder.jit(sdpa, executors=executors_sdpaex())
-    s_out, s_grads = forward_backward(js, *map(relax, (q, k, v, mask)), causal, grad_out)
-    # Compare with sdpaex only where it ran torch's fused (flash / memory-efficient)
-    # kernels: where it declines, thunder's decomposition runs instead, a different yardstick.
-    sdpaex_ran = "sdpaex_" in trace_text(js)[0] or "sdpafx_" in trace_text(js)[0]
-
-    names = ["out", "dq", "dk", "dv", "dmask"]
-    for name, ours, e, r, s in zip(names, (out, *grads), (eager, *eager_grads), (ref, *ref_grads), (s_out, *s_grads)):
-        assert_close_to_reference(ours, e, r, f"{name} vs float64 (eager rule)")
-        if sdpaex_ran:
-            assert_close_to_reference(ours, s, r, f"{name} vs float64 (2x sdpaex's error)")
-    return out, grads
+    """``f(q, k, v, mask, causal)`` (:func:`sdpa`'s arguments) and the gradients of the inputs that require grad."""
+    return _forward_backward(f, (q, k, v, mask, causal), grad_out)
 
 
 @contextlib.contextmanager

@@ -2,16 +2,17 @@
 
 The ``gpu``-marked tests at the end run the zoo on real cuDNN (skipped without CUDA; ``scripts/gpu_check.sh``'s
 rest step runs them) as a pairwise table of cases (each QKV layout twice, each grad_out layout four times, both
-dtypes, causal and not, head dims 64 and 128, L == S and L != S) rather than the full product, which the CPU tests
-above cover on the emulated runtime; each case is checked by ``checks.check_sdpa_case`` (claimed, no fallback,
-the accuracy rule against float64 eager and twice sdpaex's error). Self-check without a GPU:
+dtypes, causal and not, head dims 64 and 128, L == S and L != S) rather than the full product, which the CPU
+tests above cover on the emulated runtime; each case is checked by
+``checks.check_against_eager(..., gpu_yardsticks=True)`` (claimed, no fallback, the accuracy rule against
+float64 eager and twice sdpaex's error). Self-check without a GPU:
 ``THUNDER_CUDNN_SAFE_GPU_TESTS_EMULATE=1 python -m pytest --noconftest -n 0 -m gpu tests/test_accuracy_zoo.py``.
 """
 
 import pytest
 import thunder
 import torch
-from checks import BF16, F16, GPU_DEVICE, check_sdpa_case, jit_sdpa, needs_gpu, run_and_check
+from checks import BF16, F16, GPU_DEVICE, GPU_OP, check_against_eager, jit_gpu, jit_sdpa, needs_gpu, sdpa
 
 import thunder_cudnn_safe as tcs
 from thunder_cudnn_safe.testing import GRAD_OUT_LAYOUTS, QKV_LAYOUTS, ZERO_COPY_GRAD_LAYOUTS, ZERO_COPY_QKV_LAYOUTS
@@ -27,7 +28,7 @@ def test_layout_zoo_forward_backward(qkv_layout, grad_layout, dtype, fresh_cache
     q, k, v = QKV_LAYOUTS[qkv_layout](b, h, lq, s, d, d, dtype)
     out_shape = (q.shape[0], q.shape[1], q.shape[2], v.shape[3])
     g = GRAD_OUT_LAYOUTS[grad_layout](out_shape, dtype)
-    run_and_check(jit_sdpa(), q, k, v, g)
+    check_against_eager(jit_sdpa(), (q, k, v, None, 0.0, False, None), g)
     copied = tcs.copy_stats().bytes_copied
     if qkv_layout in ZERO_COPY_QKV_LAYOUTS and grad_layout in ZERO_COPY_GRAD_LAYOUTS:
         assert copied == 0, tcs.copy_stats()
@@ -54,13 +55,13 @@ def test_layout_zoo_forward_backward(qkv_layout, grad_layout, dtype, fresh_cache
 def test_shapes_causal_and_head_dims(b, h, lq, s, d, dv, causal, dtype, fresh_cache):
     q, k, v = QKV_LAYOUTS["bshd_transposed"](b, h, lq, s, d, dv, dtype)
     g = GRAD_OUT_LAYOUTS["transposed"]((b, h, lq, dv), dtype)
-    run_and_check(jit_sdpa(), q, k, v, g, is_causal=causal)
+    check_against_eager(jit_sdpa(), (q, k, v, None, 0.0, causal, None), g)
 
 
 @pytest.mark.parametrize("scale", [0.05, 1.0, 0.3])
 def test_custom_scale(scale, fresh_cache):
     q, k, v = QKV_LAYOUTS["sbhd"](2, 2, 16, 24, 64, 64, torch.float16)
-    run_and_check(jit_sdpa(), q, k, v, torch.randn(2, 2, 16, 64, dtype=torch.float16), scale=scale)
+    check_against_eager(jit_sdpa(), (q, k, v, None, 0.0, False, scale), torch.randn(2, 2, 16, 64, dtype=torch.float16))
 
 
 MASK_SHAPES = [
@@ -91,14 +92,14 @@ def test_masks_of_every_broadcast_shape(mask_shape, mask_kind, dtype, fresh_cach
         if mask_kind == "additive_grad":
             mask.requires_grad_(True)
     g = torch.randn(b, h, lq, d, dtype=dtype)
-    run_and_check(jit_sdpa(), q, k, v, g, mask=mask)
+    check_against_eager(jit_sdpa(), (q, k, v, mask, 0.0, False, None), g)
 
 
 def test_mask_with_expanded_strides_no_grad(fresh_cache):
     """A (B, H, L, S) mask expanded from (1, 1, L, S) is declared broadcast, without a copy."""
     q, k, v = QKV_LAYOUTS["contiguous"](2, 4, 16, 32, 64, 64, torch.float16)
     mask = torch.randn(1, 1, 16, 32, dtype=torch.float16).expand(2, 4, 16, 32)
-    run_and_check(jit_sdpa(), q, k, v, torch.randn(2, 4, 16, 64, dtype=torch.float16), mask=mask)
+    check_against_eager(jit_sdpa(), (q, k, v, mask, 0.0, False, None), torch.randn(2, 4, 16, 64, dtype=torch.float16))
     assert tcs.copy_stats().bytes_copied == 0
 
 
@@ -106,7 +107,7 @@ def test_expanded_mask_requiring_grad_gets_per_element_gradient(fresh_cache):
     base = torch.randn(1, 1, 16, 32, dtype=torch.float16)
     mask = base.expand(2, 4, 16, 32).detach().requires_grad_(True)
     q, k, v = QKV_LAYOUTS["contiguous"](2, 4, 16, 32, 64, 64, torch.float16)
-    run_and_check(jit_sdpa(), q, k, v, torch.randn(2, 4, 16, 64, dtype=torch.float16), mask=mask)
+    check_against_eager(jit_sdpa(), (q, k, v, mask, 0.0, False, None), torch.randn(2, 4, 16, 64, dtype=torch.float16))
 
 
 def test_grad_mask_broadcast_over_positions_is_declined(fresh_cache):
@@ -169,4 +170,4 @@ def test_layout_zoo(case):
     qkv, grad, dtype, causal, d, lq, s = case
     q, k, v = QKV_LAYOUTS[qkv](2, 4, lq, s, d, d, dtype, device=GPU_DEVICE)
     grad_out = GRAD_OUT_LAYOUTS[grad]((q.shape[0], q.shape[1], q.shape[2], v.shape[3]), dtype, device=GPU_DEVICE)
-    check_sdpa_case(q, k, v, grad_out, causal=causal)
+    check_against_eager(jit_gpu(), (q, k, v, None, causal), grad_out, sdpa, op_prefix=GPU_OP, gpu_yardsticks=True)

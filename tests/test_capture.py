@@ -14,26 +14,18 @@ tests/test_gpu_smoke.py.
 
 from __future__ import annotations
 
-import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 import torch.nn.functional as F
+from checks import dispatch_step, inject_failures
 
 import thunder_cudnn_safe as tcs
 from thunder_cudnn_safe.masks import bias as masks
 from thunder_cudnn_safe.masks import patterns
-from thunder_cudnn_safe.testing import assert_close_to_reference
-
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from checks import inject_failures
-
-
-def _qkv(b=2, h=2, s=16, d=64, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return tuple(torch.randn(b, h, s, d, generator=g).to(torch.bfloat16) for _ in range(3))
+from thunder_cudnn_safe.testing import assert_close_to_reference, document_mask, padding_mask, seeded_qkv
 
 
 class _Capture:
@@ -60,7 +52,7 @@ def test_a_capture_builds_no_copy_on_autograds_thread(dropout_p, fresh_cache, mo
     inside the capture invalidates it on a GPU)."""
     monkeypatch.setattr(masks, "capture_may_follow", lambda t, training: True)
     disp = tcs.emulated_ex.dispatcher
-    q, k, v = _qkv()
+    q, k, v = seeded_qkv(2, 2, 16)
     mask = torch.ones(16, 16, dtype=torch.bool).tril()
     autograd_thread = ThreadPoolExecutor(max_workers=1)  # one device thread runs every backward
 
@@ -91,7 +83,7 @@ def test_a_dropout_call_on_the_fallback_under_capture_is_refused_clearly(fresh_c
     """The torch fallback reads the dropout seed on the host (``int(seed)``): under capture a host sync that
     fails the capture, or one step's seed frozen into every replay. It refuses, naming why."""
     disp = tcs.emulated_ex.dispatcher
-    q, k, v = _qkv()
+    q, k, v = seeded_qkv(2, 2, 16)
     read = []
     monkeypatch.setattr(torch.Tensor, "__int__", lambda t: read.append(t) or 0)
     refused = inject_failures(build=lambda key: "refused")
@@ -105,37 +97,13 @@ def causal(lq, s):
     return torch.ones(lq, s, dtype=torch.bool).tril()
 
 
-def prefix(lens, lq, s):
-    return (torch.arange(s)[None, :] < torch.tensor(lens)[:, None])[:, None, None, :].expand(len(lens), 1, lq, s)
-
-
-def documents(lens, tokens):
-    """One packed row of causal documents of ``lens`` tokens, (1, 1, T, T)."""
-    doc = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
-    i, j = torch.arange(tokens)[:, None], torch.arange(tokens)[None, :]
-    return ((doc[:, None] == doc[None, :]) & (j <= i))[None, None]
-
-
-def _qkv_l_s(b, h, lq, s, d=64, dtype=torch.bfloat16, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return tuple(torch.randn(b, h, n, d, generator=g).to(dtype) for n in (lq, s, s))
-
-
-def _step(disp, q, k, v, mask, dropout_p=0.0):
-    out, stats, *rng = disp.forward(q, k, v, mask, dropout_p, False)
-    seed, offset = rng if rng else (None, None)
-    g = torch.randn_like(out)
-    grads = disp.backward(g, q, k, v, mask, dropout_p, False, out, stats, seed, offset)
-    return out, grads, g
-
-
 @pytest.mark.parametrize(
     "name,mask,shape,dropout_p",
     [
         ("causal", causal(16, 16), (2, 2, 16, 16), 0.0),
-        ("padding", prefix([16, 5], 16, 16), (2, 2, 16, 16), 0.0),
-        ("causal+padding", causal(16, 16) & prefix([16, 9], 16, 16), (2, 2, 16, 16), 0.0),
-        ("documents", documents([5, 7, 4], 16), (1, 2, 16, 16), 0.0),
+        ("padding", padding_mask([16, 5], 16, 16), (2, 2, 16, 16), 0.0),
+        ("causal+padding", causal(16, 16) & padding_mask([16, 9], 16, 16), (2, 2, 16, 16), 0.0),
+        ("documents", document_mask([[5, 7, 4]], 16), (1, 2, 16, 16), 0.0),
         ("causal, dropout", causal(16, 16), (2, 2, 16, 16), 0.25),
     ],
 )
@@ -146,13 +114,13 @@ def test_a_capture_after_warm_up_builds_nothing(name, mask, shape, dropout_p, fr
     forward's check of its backward (the bias backward) is a lookup under capture."""
     monkeypatch.setattr(masks, "capture_may_follow", lambda t, training: True)  # a CUDA tensor, as on a GPU
     disp = tcs.emulated_ex.dispatcher
-    q, k, v = _qkv_l_s(*shape)
+    q, k, v = seeded_qkv(*shape)
     for _ in range(3):  # warm-up, outside capture: the mask runs as its pattern
-        _step(disp, q, k, v, mask, dropout_p)
+        dispatch_step(disp, q, k, v, mask, dropout_p)
     assert any(g.key.bias is None for g in tcs.cached_graphs()), "the warm-up ran the mask as a pattern"
     before = tcs.cache_info()
     with _Capture(monkeypatch):
-        out, grads, g = _step(disp, q, k, v, mask, dropout_p)
+        out, grads, g = dispatch_step(disp, q, k, v, mask, dropout_p)
     after = tcs.cache_info()
     assert (after.builds, after.misses) == (before.builds, before.misses), f"{name}: built during the capture"
     assert after.fallbacks == before.fallbacks
@@ -178,7 +146,7 @@ def test_a_capture_of_a_plain_call_runs_from_the_memo_and_builds_nothing(fresh_c
     from thunder_cudnn_safe.dispatch import dispatcher as dispatch_module
 
     disp = tcs.emulated_ex.dispatcher
-    q, k, v = _qkv_l_s(2, 2, 16, 16)
+    q, k, v = seeded_qkv(2, 2, 16, 16)
     g = torch.randn_like(q)
     autograd_thread = ThreadPoolExecutor(max_workers=1)
 
@@ -228,16 +196,16 @@ def test_a_thread_that_reuses_a_dead_threads_ident_prebuilds_its_own_copies(fres
     its own copies of the bias graphs, so its capture builds nothing either."""
     monkeypatch.setattr(masks, "capture_may_follow", lambda t, training: True)
     disp = tcs.emulated_ex.dispatcher
-    q, k, v = _qkv_l_s(2, 2, 16, 16)
+    q, k, v = seeded_qkv(2, 2, 16, 16)
     mask = causal(16, 16)
     idents, built = [], []
 
     def warm_up_then_capture():
         idents.append(threading.get_ident())
         for _ in range(3):
-            _step(disp, q, k, v, mask)
+            dispatch_step(disp, q, k, v, mask)
         with _Capture(monkeypatch):
-            built.append(_builds_during(monkeypatch, disp, lambda: _step(disp, q, k, v, mask)))
+            built.append(_builds_during(monkeypatch, disp, lambda: dispatch_step(disp, q, k, v, mask)))
 
     for _ in range(4):  # one after another: each starts after the last one ended
         thread = threading.Thread(target=warm_up_then_capture)
@@ -254,13 +222,13 @@ def test_a_graph_the_cache_evicted_is_prebuilt_again_before_a_capture(fresh_cach
     (the issue's repro: a cache of 3, a training forward with a causal mask, three other layouts)."""
     monkeypatch.setattr(masks, "capture_may_follow", lambda t, training: True)
     disp = tcs.emulated_ex.dispatcher
-    q, k, v = _qkv_l_s(2, 2, 16, 16)
+    q, k, v = seeded_qkv(2, 2, 16, 16)
     mask = causal(16, 16)
     with tcs.config.patch(cache_size=3):
         for _ in range(3):
             disp.forward(q, k, v, mask)
         for s in (24, 32, 40):  # three other layouts: every graph of the warm-up is evicted
-            disp.forward(*_qkv_l_s(2, 2, s, s))
+            disp.forward(*seeded_qkv(2, 2, s, s))
         assert all(g.key.q.shape[2] != 16 for g in tcs.cached_graphs())
         for _ in range(3):
             disp.forward(q, k, v, mask)
@@ -273,15 +241,15 @@ def test_the_capture_prebuild_costs_later_calls_no_cache_lookup(fresh_cache, mon
     """The prebuild runs once per signature: the second and later training steps with the same pattern
     look up only the graphs they run (hits per step stay those of a step without the prebuild)."""
     disp = tcs.emulated_ex.dispatcher
-    q, k, v = _qkv_l_s(2, 2, 16, 16)
+    q, k, v = seeded_qkv(2, 2, 16, 16)
     mask = causal(16, 16)
     hits = []
     for may_follow in (False, True):
         monkeypatch.setattr(masks, "capture_may_follow", lambda t, training, _v=may_follow: _v)
         tcs.clear_cache()
-        _step(disp, q, k, v, mask)
+        dispatch_step(disp, q, k, v, mask)
         first = tcs.cache_info()
-        _step(disp, q, k, v, mask)
+        dispatch_step(disp, q, k, v, mask)
         hits.append(tcs.cache_info().hits - first.hits)
         assert tcs.cache_info().builds == first.builds
     assert hits[1] == hits[0], hits
@@ -291,8 +259,8 @@ def test_no_prebuild_where_no_capture_can_follow(fresh_cache):
     """On the CPU (and for an inference forward on the default stream) a pattern builds its own graph only."""
     assert not masks.capture_may_follow(torch.zeros(1), training=True)
     disp = tcs.emulated_ex.dispatcher
-    q, k, v = _qkv_l_s(2, 2, 16, 16)
-    _step(disp, q, k, v, causal(16, 16))
+    q, k, v = seeded_qkv(2, 2, 16, 16)
+    dispatch_step(disp, q, k, v, causal(16, 16))
     assert all(g.key.bias is None for g in tcs.cached_graphs())
 
 

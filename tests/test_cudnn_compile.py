@@ -33,6 +33,7 @@ from thunder_cudnn_safe.graphs import lowering
 from thunder_cudnn_safe.plan.keys import ForwardKey
 from thunder_cudnn_safe.rules import cudnn_rules
 from thunder_cudnn_safe.runtimes import aot, emulation
+from thunder_cudnn_safe.testing import document_mask
 
 _PROBLEM = lowering.lowering_problem()
 pytestmark = [
@@ -346,10 +347,7 @@ def test_varlen_graphs_compile(standin):
     from thunder_cudnn_safe.dispatch.dispatcher import Dispatcher
     from thunder_cudnn_safe.graphs.cache import GraphCache
 
-    i, j = torch.arange(16)[:, None], torch.arange(16)[None, :]
-    doc = torch.repeat_interleave(torch.arange(3), torch.tensor([5, 3, 8]))
-    same = doc[:, None] == doc[None, :]
-    masks = {"causal": (same & (j <= i))[None, None], "window": (same & (j <= i) & (i - j < 4))[None, None]}
+    masks = {"causal": document_mask([[5, 3, 8]], 16), "window": document_mask([[5, 3, 8]], 16, window=4)}
     for sm in ARCHS:
         disp = Dispatcher(emulation.EmulatedRuntime(arch=(sm // 10, sm % 10), backend_version=91900), GraphCache())
         for name, mask in masks.items():

@@ -37,7 +37,7 @@ from thunder_cudnn_safe.graphs import lowering
 from thunder_cudnn_safe.graphs.cache import graph_cache
 from thunder_cudnn_safe.plan.keys import ForwardKey
 from thunder_cudnn_safe.runtimes import emulation
-from thunder_cudnn_safe.testing import GRAD_OUT_LAYOUTS, QKV_LAYOUTS
+from thunder_cudnn_safe.testing import GRAD_OUT_LAYOUTS, QKV_LAYOUTS, document_mask
 
 _PROBLEM = lowering.lowering_problem()
 pytestmark = [
@@ -235,18 +235,7 @@ def _document_calls() -> list[Call]:
 
 
 def _document_mask(call: Call) -> torch.Tensor:
-    t = call.shape[2]
-    masks = []
-    for lens in call.documents:
-        doc = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
-        i, j = torch.arange(t)[:, None], torch.arange(t)[None, :]
-        keep = doc[:, None] == doc[None, :]
-        if call.doc_causal:
-            keep &= j <= i
-        if call.doc_window is not None:
-            keep &= i - j < call.doc_window
-        masks.append(keep)
-    keep = torch.stack(masks)[:, None]
+    keep = document_mask(call.documents, call.shape[2], causal=call.doc_causal, window=call.doc_window)
     return keep if call.mask_bool else torch.zeros(keep.shape, dtype=call.dtype).masked_fill(~keep, float("-inf"))
 
 

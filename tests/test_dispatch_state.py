@@ -25,21 +25,14 @@ import thunder_cudnn_safe as tcs
 from thunder_cudnn_safe.errors import GraphBuildError
 from thunder_cudnn_safe.plan.keys import BackwardKey
 from thunder_cudnn_safe.runtimes import handoff
-from thunder_cudnn_safe.testing import assert_close_to_reference
+from thunder_cudnn_safe.testing import assert_close_to_reference, seeded_qkv
 
 DISPATCH = tcs.emulated_ex.dispatcher
 
 
-def _qkv(h=2, hk=None, dtype=torch.float16, grad=False):
-    hk = h if hk is None else hk
-    q = torch.randn(1, h, 16, 16, dtype=dtype)
-    k, v = (torch.randn(1, hk, 16, 16, dtype=dtype) for _ in range(2))
-    return tuple(t.requires_grad_(grad) for t in (q, k, v))
-
-
 def test_bool_mask_under_inference_mode():
     """The mask cache reads mask._version; inference tensors have no version counter."""
-    q, k, v = _qkv()
+    q, k, v = seeded_qkv(1, 2, 16, d=16, dtype=torch.float16)
     jf = jit_sdpa()
     with torch.inference_mode():
         m = torch.rand(16, 16) > 0.3
@@ -53,7 +46,7 @@ def test_transient_companion_build_failure_is_retried():
     """The dispatcher memoizes a transient (definitive=False) build failure of the dropout
     companion backward as a permanent 'fall back' verdict."""
     tcs.clear_cache()
-    q, k, v = _qkv()
+    q, k, v = seeded_qkv(1, 2, 16, d=16, dtype=torch.float16)
     failures = {"left": 1}
 
     def hook(key):
@@ -72,7 +65,7 @@ def test_transient_companion_build_failure_is_retried():
 def test_clear_cache_forgets_dropout_verdicts():
     """clear_cache() says it forgets refused graphs; a separate memory of dropout verdicts survived it."""
     tcs.clear_cache()
-    q, k, v = _qkv()
+    q, k, v = seeded_qkv(1, 2, 16, d=16, dtype=torch.float16)
     with inject_failures(build=lambda key: "refused" if isinstance(key, BackwardKey) else None):
         DISPATCH.forward(q, k, v, None, 0.1875)
     tcs.clear_cache()
@@ -141,7 +134,7 @@ def test_mask_gradient_stash_does_not_outlive_the_backward_pass():
     """Only the mask needs a gradient: thunder drops the backward call, and the kept gradients
     (handoff.keep_gradients) stayed alive until some later masked backward on this thread."""
     jf = jit_with_ours(lambda q, k, v, b: F.scaled_dot_product_attention(q, k, v, attn_mask=b * 1.0))
-    q, k, v = _qkv()
+    q, k, v = seeded_qkv(1, 2, 16, d=16, dtype=torch.float16)
     b = torch.randn(1, 2, 16, 16, dtype=torch.float16, requires_grad=True)
     out = jf(q, k, v, b)
     out.backward(torch.randn_like(out))
@@ -189,7 +182,7 @@ def test_mask_gradient_stash_is_not_handed_to_another_call_with_reused_ids():
 def test_mask_cache_can_be_turned_off_for_writes_that_bypass_the_version_counter():
     """A write through .data, numpy or DLPack does not bump _version: the cache cannot see it
     (documented). config.set(mask_cache_size=0) (or THUNDER_CUDNN_SAFE_MASK_CACHE_SIZE=0) converts every call."""
-    q, k, v = _qkv(dtype=torch.bfloat16)
+    q, k, v = seeded_qkv(1, 2, 16, d=16)
     m = torch.rand(16, 16) > 0.3
     jf = jit_sdpa()
     with tcs.config.patch(mask_cache_size=0):

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import thunder_cudnn_safe as tcs  # first: runs the compat steps before thunder is imported
-from thunder_cudnn_safe.testing import assert_close_to_reference
+from thunder_cudnn_safe.testing import assert_close_to_reference, document_mask
 
 EMULATE = os.environ.get("THUNDER_CUDNN_SAFE_GPU_TESTS_EMULATE") == "1"
 pytestmark = [
@@ -137,23 +137,13 @@ def test_forward_backward_in_the_diffusers_layout_runs_on_cudnn():
 
 
 # -- (b) packed sequences: cuDNN's variable-length attention ---------------------------------
-def documents(lens_per_row: list[list[int]], tokens: int) -> torch.Tensor:
-    """A (B, 1, T, T) boolean block-diagonal causal mask: row b packs documents of ``lens_per_row[b]`` tokens."""
-    rows = []
-    for lens in lens_per_row:
-        doc = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
-        i, j = torch.arange(tokens)[:, None], torch.arange(tokens)[None, :]
-        rows.append((doc[:, None] == doc[None, :]) & (j <= i))
-    return torch.stack(rows)[:, None].to(DEVICE)
-
-
 def test_a_packed_sequence_step_runs_as_variable_length_attention():
     """A (2, 1, 128, 128) boolean block-diagonal causal document mask through thunder.jit, fwd+bwd: varlen_info()
     shows exactly one more "forward" and one more "backward", no fallback, builds grew, accuracy rule holds."""
     tokens = 128
     lens = [[70, 30, 28], [40, 40, 24, 24]]  # the longest document (70) buckets the key length to 128
     assert all(sum(row) == tokens for row in lens)
-    mask = documents(lens, tokens)
+    mask = document_mask(lens, tokens).to(DEVICE)
     leaves, grad_out = inputs(1, b=2, s=tokens, h=4, d=64)
     tcs.clear_cache()
     tcs.reset_varlen_info()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from checks import dispatch_step
 
 import thunder_cudnn_safe as tcs
 from thunder_cudnn_safe.dispatch import packed as varlen_dispatch
@@ -21,6 +22,7 @@ from thunder_cudnn_safe.plan import varlen
 from thunder_cudnn_safe.plan.keys import BackwardKey, ForwardKey, TensorSig
 from thunder_cudnn_safe.rules import cudnn_rules, key_gate
 from thunder_cudnn_safe.runtimes.emulation import EmulatedRuntime
+from thunder_cudnn_safe.testing import document_mask, padding_mask, seeded_qkv
 
 #: The silent defects of docs/known-cudnn-defects.md decidable from a key: each must be read off keys.
 SILENT_DEFECT_RULES = (
@@ -45,32 +47,6 @@ def test_every_silent_defect_rule_is_read_off_keys():
     assert all(rules[name].on_key is not None for name in SILENT_DEFECT_RULES)
 
 
-def _qkv(b, h, lq, s, d=32, hk=None, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, lq, h, d, generator=g).to(torch.bfloat16).transpose(1, 2)
-    k, v = (torch.randn(b, s, hk or h, d, generator=g).to(torch.bfloat16).transpose(1, 2) for _ in range(2))
-    return q, k, v
-
-
-def _step(disp, q, k, v, mask=None, dropout_p=0.0, is_causal=False, **kw):
-    out, stats, *rng = disp.forward(q, k, v, mask, dropout_p, is_causal, enable_gqa=q.shape[1] != k.shape[1], **kw)
-    seed, offset = rng if rng else (None, None)
-    g = torch.randn_like(out)
-    return disp.backward(g, q, k, v, mask, dropout_p, is_causal, out, stats, seed, offset, **kw)
-
-
-def _documents(lens, tokens, causal=True):
-    doc = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
-    doc = torch.cat([doc, torch.full((tokens - len(doc),), -1)])
-    i, j = torch.arange(tokens)[:, None], torch.arange(tokens)[None, :]
-    keep = (doc[:, None] == doc[None, :]) & (doc[:, None] >= 0)
-    return (keep & (j <= i) if causal else keep)[None, None]
-
-
-def _prefix(lens, lq, s):
-    return (torch.arange(s)[None, :] < torch.tensor(lens)[:, None])[:, None, None, :].expand(len(lens), 1, lq, s)
-
-
 def _bottom_right(lens, lq, s):
     """Prefill against a cache (issue 42): keep j <= i + n_b - L and j < n_b."""
     n = torch.tensor(lens).view(-1, 1, 1, 1)
@@ -79,23 +55,35 @@ def _bottom_right(lens, lq, s):
 
 
 ROUTES = {  # calls that break a rule on some target, each through a different route
-    "dense, dropout not a 1/16 multiple": lambda d: _step(d, *_qkv(1, 2, 16, 16), dropout_p=0.2),
-    "dense, key length 64, no mask": lambda d: _step(d, *_qkv(1, 2, 16, 64)),
-    "dense, decode s_q = 1": lambda d: _step(d, *_qkv(2, 2, 1, 40)),
-    "defect route, decode causal GQA": lambda d: _step(d, *_qkv(2, 4, 1, 40, hk=2), is_causal=True),
-    "pattern, key padding at key length 64": lambda d: _step(d, *_qkv(2, 2, 16, 64), _prefix([64, 30], 16, 64)),
-    "pattern, causal at 64 (the band masks the tail)": lambda d: _step(
-        d, *_qkv(1, 2, 64, 64), torch.ones(64, 64, dtype=torch.bool).tril()
+    "dense, dropout not a 1/16 multiple": lambda d: dispatch_step(
+        d, *seeded_qkv(1, 2, 16, 16, d=32, bshd=True), dropout_p=0.2
     ),
-    "pattern, bottom-right causal with padding at key length 64 (the band masks the tail)": lambda d: _step(
-        d, *_qkv(2, 2, 16, 64), _bottom_right([64, 40], 16, 64)
+    "dense, key length 64, no mask": lambda d: dispatch_step(d, *seeded_qkv(1, 2, 16, 64, d=32, bshd=True)),
+    "dense, decode s_q = 1": lambda d: dispatch_step(d, *seeded_qkv(2, 2, 1, 40, d=32, bshd=True)),
+    "defect route, decode causal GQA": lambda d: dispatch_step(
+        d, *seeded_qkv(2, 4, 1, 40, h_kv=2, d=32, bshd=True), is_causal=True
     ),
-    "packed, non-causal 33-64 tokens": lambda d: _step(d, *_qkv(1, 2, 100, 100), _documents([40, 50], 100, False)),
-    "packed, causal 33-64 tokens": lambda d: _step(d, *_qkv(1, 2, 100, 100), _documents([40, 50], 100)),
-    "dense, key length 1": lambda d: _step(d, *_qkv(1, 2, 8, 1)),
-    "deterministic with a bias": lambda d: _step(d, *_qkv(1, 2, 16, 16), torch.randn(16, 16).bfloat16(), **_det()),
-    "dropout with a float mask (dBias checked)": lambda d: _step(
-        d, *_qkv(1, 2, 16, 16), torch.zeros(16, 16).bfloat16(), dropout_p=0.25
+    "pattern, key padding at key length 64": lambda d: dispatch_step(
+        d, *seeded_qkv(2, 2, 16, 64, d=32, bshd=True), padding_mask([64, 30], 16, 64)
+    ),
+    "pattern, causal at 64 (the band masks the tail)": lambda d: dispatch_step(
+        d, *seeded_qkv(1, 2, 64, 64, d=32, bshd=True), torch.ones(64, 64, dtype=torch.bool).tril()
+    ),
+    "pattern, bottom-right causal with padding at key length 64 (the band masks the tail)": lambda d: dispatch_step(
+        d, *seeded_qkv(2, 2, 16, 64, d=32, bshd=True), _bottom_right([64, 40], 16, 64)
+    ),
+    "packed, non-causal 33-64 tokens": lambda d: dispatch_step(
+        d, *seeded_qkv(1, 2, 100, 100, d=32, bshd=True), document_mask([[40, 50]], 100, causal=False)
+    ),
+    "packed, causal 33-64 tokens": lambda d: dispatch_step(
+        d, *seeded_qkv(1, 2, 100, 100, d=32, bshd=True), document_mask([[40, 50]], 100)
+    ),
+    "dense, key length 1": lambda d: dispatch_step(d, *seeded_qkv(1, 2, 8, 1, d=32, bshd=True)),
+    "deterministic with a bias": lambda d: dispatch_step(
+        d, *seeded_qkv(1, 2, 16, 16, d=32, bshd=True), torch.randn(16, 16).bfloat16(), **_det()
+    ),
+    "dropout with a float mask (dBias checked)": lambda d: dispatch_step(
+        d, *seeded_qkv(1, 2, 16, 16, d=32, bshd=True), torch.zeros(16, 16).bfloat16(), dropout_p=0.25
     ),
 }
 
@@ -124,7 +112,7 @@ def test_no_key_that_breaks_a_rule_reaches_a_build_on_any_route(arch, backend, m
     for name, run in ROUTES.items():
         disp = Dispatcher(runtime, GraphCache())
         for _ in range(2):  # the second call meets the remembered refusal, not a build
-            grads = run(disp)
+            _, grads, _ = run(disp)
         assert all(torch.isfinite(g).all() for g in grads), name
     assert reached and not broken, f"keys breaking {sorted(set(broken))} reached the build"
     if (arch, backend) == ((9, 0), 91900):
@@ -136,7 +124,7 @@ def test_no_key_that_breaks_a_rule_reaches_a_build_on_any_route(arch, backend, m
 def _key(**changes):
     """A claimed dense backward key planned by the dispatcher on sm90 / cuDNN 9.19, with ``changes``."""
     disp = Dispatcher(EmulatedRuntime(arch=(9, 0), backend_version=91900), GraphCache())
-    _step(disp, *_qkv(1, 2, 16, 16))
+    dispatch_step(disp, *seeded_qkv(1, 2, 16, 16, d=32, bshd=True))
     (key,) = [k for k in disp.cache.keys() if isinstance(k, BackwardKey)]
     return key._replace(**changes)
 
@@ -196,10 +184,10 @@ def test_a_packed_window_backward_on_sm100_runs_as_a_bias_where_the_frontend_ser
     are eager's either way."""
     monkeypatch.setenv(cudnn_rules.FRONTEND_OWN_ENGINES_ENV, frontend_engines)
     disp = Dispatcher(EmulatedRuntime(arch=(10, 0), backend_version=91900), GraphCache())
-    q, k, v = _qkv(1, 2, 100, 100)
-    mask = _documents([40, 50], 100) & (torch.arange(100)[:, None] - torch.arange(100)[None, :] < 8)
+    q, k, v = seeded_qkv(1, 2, 100, 100, d=32, bshd=True)
+    mask = document_mask([[40, 50]], 100, window=8)
     varlen_dispatch.reset_varlen_info()
-    grads = _step(disp, q, k, v, mask)
+    _, grads, _ = dispatch_step(disp, q, k, v, mask)
     refused = frontend_engines == "1"
     expected = {"declined: VARLEN_WINDOW_BACKWARD_FRONTEND_BLACKWELL (key gate)": 1} if refused else {"backward": 1}
     assert varlen_dispatch.varlen_info() == {"forward": 1, **expected}
@@ -240,7 +228,7 @@ def test_a_refusal_is_remembered_as_it_was():
 def test_a_dropout_forward_whose_backward_the_gate_refuses_falls_back_as_a_pair():
     """The forward's check of its backward goes through the gate too: both run on the torch fallback."""
     disp = Dispatcher(EmulatedRuntime(arch=(9, 0), backend_version=91900), GraphCache())
-    q, k, v = _qkv(1, 2, 16, 64)
+    q, k, v = seeded_qkv(1, 2, 16, 64, d=32, bshd=True)
     out, stats, seed, offset = disp.forward(q, k, v, None, 0.25, False)  # key length 64: its backward is gated
     assert disp.cache.info().fallbacks == 1 and not any(isinstance(key, ForwardKey) for key in disp.cache.keys())
     disp.backward(torch.randn_like(out), q, k, v, None, 0.25, False, out, stats, seed, offset)

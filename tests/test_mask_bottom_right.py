@@ -14,7 +14,7 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
-from checks import jit_sdpa, on_the_runtime, run_and_check
+from checks import check_against_eager, jit_sdpa, on_the_runtime
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -151,7 +151,7 @@ def test_prefill_mask_runs_as_the_bottom_right_band_under_thunder_jit(name, dtyp
     patterns.reset_mask_pattern_info()
     tcs.reset_copy_stats()
     with on_the_runtime():
-        run_and_check(jit_sdpa(), q, k, v, torch.randn(2, 4, lq, 64, dtype=dtype), mask)
+        check_against_eager(jit_sdpa(), (q, k, v, mask, 0.0, False, None), torch.randn(2, 4, lq, 64, dtype=dtype))
     keys = [g.key for g in tcs.cached_graphs()]
     assert len(keys) == 2 and all(key.bottom_right and key.causal and key.bias is None for key in keys), keys
     assert all(key.left == shape.get("window") and key.padded == ("lens" in shape) for key in keys)

@@ -16,15 +16,11 @@ import torch
 import torch.nn.functional as F
 
 import thunder_cudnn_safe as tcs
-from thunder_cudnn_safe.testing import assert_close_to_reference
+from thunder_cudnn_safe.testing import assert_close_to_reference, padding_mask
 
 
 def causal(lq, s):
     return torch.ones(lq, s, dtype=torch.bool).tril()
-
-
-def prefix(lens, lq, s):
-    return (torch.arange(s)[None, :] < torch.tensor(lens)[:, None])[:, None, None, :].expand(len(lens), 1, lq, s)
 
 
 # -- the int32 limit: patterns are claimed, biases are not ----------------------------------------
@@ -86,9 +82,11 @@ def test_an_oversized_pattern_mask_runs_as_its_pattern(kind, small_int32_limit, 
     import checks
 
     q, k, v = _leaves()
-    mask = causal(128, 128) if kind == "causal" else prefix([128, 23], 128, 128)
+    mask = causal(128, 128) if kind == "causal" else padding_mask([128, 23], 128, 128)
     assert tcs.explain(q, k, v, mask, executor="cudnn_safe_emulated") == []
-    checks.run_and_check(checks.jit_sdpa(), q, k, v, torch.randn(2, 2, 128, 8).bfloat16(), mask)
+    checks.check_against_eager(
+        checks.jit_sdpa(), (q, k, v, mask, 0.0, False, None), torch.randn(2, 2, 128, 8).bfloat16()
+    )
     assert tcs.cached_graphs() and all(g.key.bias is None for g in tcs.cached_graphs())
 
 
@@ -100,7 +98,9 @@ def test_an_oversized_mask_that_is_no_pattern_runs_on_the_fallback(small_int32_l
     q, k, v = _leaves()
     mask = torch.rand(2, 1, 128, 128, generator=torch.Generator().manual_seed(5)) > 0.3
     before = tcs.cache_info().fallbacks
-    checks.run_and_check(checks.jit_sdpa(), q, k, v, torch.randn(2, 2, 128, 8).bfloat16(), mask, allow_fallback=True)
+    checks.check_against_eager(
+        checks.jit_sdpa(), (q, k, v, mask, 0.0, False, None), torch.randn(2, 2, 128, 8).bfloat16(), allow_fallback=True
+    )
     assert tcs.cache_info().fallbacks == before + 2
     assert all(g.key.bias is None for g in tcs.cached_graphs()), "a bias over the int32 limit was built"
 

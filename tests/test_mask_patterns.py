@@ -18,6 +18,7 @@ from thunder_cudnn_safe.masks import patterns
 from thunder_cudnn_safe.masks.patterns import recognize
 from thunder_cudnn_safe.plan.keys import BackwardKey
 from thunder_cudnn_safe.rules import cudnn_rules
+from thunder_cudnn_safe.testing import padding_mask
 
 
 def causal(lq, s):
@@ -27,10 +28,6 @@ def causal(lq, s):
 def window(lq, s, w):
     i, j = torch.arange(lq)[:, None], torch.arange(s)[None, :]
     return (j <= i) & (i - j < w)
-
-
-def prefix(lens, lq, s):
-    return (torch.arange(s)[None, :] < torch.tensor(lens)[:, None])[:, None, None, :].expand(len(lens), 1, lq, s)
 
 
 def additive(keep, low=float("-inf"), dtype=torch.float32):
@@ -86,7 +83,7 @@ def test_sliding_window_is_the_band_left_bound():
 
 @pytest.mark.parametrize("lq", [1, 6])
 def test_key_padding_prefix(lq):
-    p = recognize(prefix([5, 8, 1], lq, 8), 3, lq, 8)
+    p = recognize(padding_mask([5, 8, 1], lq, 8), 3, lq, 8)
     assert p.right is None and p.left is None
     assert (
         p.kv_lens.shape == (3, 1, 1, 1) and p.kv_lens.dtype == torch.int32 and p.kv_lens.flatten().tolist() == [5, 8, 1]
@@ -95,7 +92,7 @@ def test_key_padding_prefix(lq):
 
 
 def test_causal_with_padding_and_finfo_min_floats():
-    keep = causal(8, 8)[None, None] & prefix([8, 3], 8, 8)
+    keep = causal(8, 8)[None, None] & padding_mask([8, 3], 8, 8)
     for mask in (keep, additive(keep), additive(keep, torch.finfo(torch.bfloat16).min, torch.bfloat16)):
         p = recognize(mask, 2, 8, 8)
         assert p.right == 0 and p.left is None and p.kv_lens.flatten().tolist() == [8, 3], mask.dtype
@@ -109,15 +106,15 @@ def test_near_patterns_stay_biases(case):
         m = causal(8, 8).clone()
         m[5, 6] = True
     elif case == "left_padding":
-        m = ~prefix([3], 8, 8)
+        m = ~padding_mask([3], 8, 8)
     elif case == "empty_row":
-        m = prefix([0, 8], 8, 8)
+        m = padding_mask([0, 8], 8, 8)
     elif case == "random":
         m = torch.rand(2, 1, 8, 8) > 0.5
     elif case == "finite_low":
         m = additive(causal(8, 8), -1e4)
     else:
-        m = torch.cat([prefix([3], 8, 8), prefix([5], 8, 8)], dim=1)
+        m = torch.cat([padding_mask([3], 8, 8), padding_mask([5], 8, 8)], dim=1)
     assert recognize(m, m.shape[0] if m.dim() == 4 else 2, 8, 8) is None
 
 
@@ -144,9 +141,11 @@ MASKS = {
     "causal": lambda: causal(8, 8),
     "causal_L<S": lambda: causal(4, 8),
     "window": lambda: window(8, 8, 3),
-    "padding": lambda: prefix([5, 8], 8, 8),
-    "padding_decode": lambda: prefix([5, 2], 1, 8),
-    "causal_padding_float": lambda: additive(causal(8, 8)[None, None] & prefix([8, 3], 8, 8), dtype=torch.bfloat16),
+    "padding": lambda: padding_mask([5, 8], 8, 8),
+    "padding_decode": lambda: padding_mask([5, 2], 1, 8),
+    "causal_padding_float": lambda: additive(
+        causal(8, 8)[None, None] & padding_mask([8, 3], 8, 8), dtype=torch.bfloat16
+    ),
     "all_true": lambda: torch.ones(8, 8, dtype=torch.bool),
 }
 
@@ -169,7 +168,7 @@ def test_pattern_runs_without_a_bias_and_is_exact(name, fresh_cache):
 def test_two_padding_lengths_share_one_graph_and_recognize_once(fresh_cache):
     patterns.reset_mask_pattern_info()
     for lens in ([5, 8], [3, 2], [3, 2]):
-        mask = prefix(lens, 1, 16)
+        mask = padding_mask(lens, 1, 16)
         for _ in range(3):  # three layers, one mask: one verdict
             _run(mask, lq=1, s=16)
     assert tcs.cache_info().builds == 2, "one forward and one backward graph for every length"
@@ -206,7 +205,7 @@ def test_no_verdict_under_capture_nor_when_off(fresh_cache, monkeypatch):
 def test_describe_reports_the_pattern(fresh_cache):
     q, k, v = (torch.randn(2, 2, 8, 64).bfloat16() for _ in range(3))
     for mask, name in (
-        (prefix([5, 8], 8, 8), "padding"),
+        (padding_mask([5, 8], 8, 8), "padding"),
         (window(8, 8, 3), "causal+window"),
         (torch.rand(8, 8) > 0.5, "bias"),
     ):
@@ -226,9 +225,9 @@ def test_pattern_keys_lower_in_cudnn():
 
     for mask, lq in (
         (window(8, 8, 3), 8),
-        (prefix([5, 8], 8, 8), 8),
-        (causal(8, 8)[None, None] & prefix([8, 3], 8, 8), 8),
-        (prefix([5, 2], 1, 8), 1),
+        (padding_mask([5, 8], 8, 8), 8),
+        (causal(8, 8)[None, None] & padding_mask([8, 3], 8, 8), 8),
+        (padding_mask([5, 2], 1, 8), 1),
     ):
         for arch in (80, 90, 100, 120):
             disp = Dispatcher(EmulatedRuntime(arch=(arch // 10, arch % 10), backend_version=91900), GraphCache())
@@ -253,10 +252,10 @@ def test_a_mask_written_in_place_is_recognized_again(fresh_cache):
     g = torch.Generator().manual_seed(2)
     q = torch.randn(2, 2, 1, 64, generator=g).bfloat16()
     k, v = (torch.randn(2, 2, 8, 64, generator=g).bfloat16() for _ in range(2))
-    mask = prefix([3, 5], 1, 8).clone()
+    mask = padding_mask([3, 5], 1, 8).clone()
     disp = tcs.emulated_ex.dispatcher
     for lens in ([3, 5], [4, 6], [8, 1]):
-        mask.copy_(prefix(lens, 1, 8))
+        mask.copy_(padding_mask(lens, 1, 8))
         out, _ = disp.forward(q, k, v, mask)
         ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask)
         assert (out.double() - ref).abs().max() < 2e-2, lens
@@ -269,7 +268,7 @@ def test_padded_keys_get_zero_gradients_even_if_cudnn_leaves_them_unwritten(fres
     real_empty = torch.empty_strided
     monkeypatch.setattr(torch, "empty_strided", lambda *a, **kw: real_empty(*a, **kw).fill_(float("nan")))
     for cat in (False, True):
-        mask = prefix([5, 8], 8, 8)
+        mask = padding_mask([5, 8], 8, 8)
         inputs, out, grads = _run_cat(mask, cat)
         _, ref = _eager(inputs, mask)
         for a, r in zip(grads, ref):

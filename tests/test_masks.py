@@ -4,7 +4,8 @@ Each test failed before its fix (found by an independent adversarial review): a 
 gradient silently dropped, NaN for rows whose every key is masked.
 
 The ``gpu``-marked test at the end runs an additive, a boolean and a mask with a gradient (dBias) on real cuDNN
-(skipped without CUDA; ``scripts/gpu_check.sh``'s rest step runs it), checked by ``checks.check_sdpa_case``.
+(skipped without CUDA; ``scripts/gpu_check.sh``'s rest step runs it), checked by
+``checks.check_against_eager(..., gpu_yardsticks=True)``.
 Self-check without a GPU: ``THUNDER_CUDNN_SAFE_GPU_TESTS_EMULATE=1 python -m pytest --noconftest -n 0 -m gpu
 tests/test_masks.py``.
 """
@@ -17,14 +18,16 @@ from checks import (
     BF16,
     F16,
     GPU_DEVICE,
+    GPU_OP,
     assert_claimed,
     assert_claimed_in_traces,
     check_against_eager,
-    check_sdpa_case,
+    jit_gpu,
     jit_with_ours,
     needs_gpu,
     on_the_runtime,
     runtime_executions,
+    sdpa,
 )
 
 import thunder_cudnn_safe as tcs
@@ -48,7 +51,7 @@ def test_gradient_of_a_mask_computed_inside_the_function(fresh_cache):
     b = torch.randn(1, 4, 16, 16, dtype=torch.float16, requires_grad=True)
     f = lambda q, k, v, b: F.scaled_dot_product_attention(q, k, v, attn_mask=b + 0)  # noqa: E731
     jf = jit_with_ours(f)
-    check_against_eager(jf, (q, k, v, b), torch.randn(2, 4, 16, 32, dtype=torch.float16), f, [q, k, v, b])
+    check_against_eager(jf, (q, k, v, b), torch.randn(2, 4, 16, 32, dtype=torch.float16), f)
     assert "cudnn_safe_emulated_sdpa_bwd_mask" in str(thunder.last_backward_traces(jf)[-1])
 
 
@@ -75,7 +78,7 @@ def test_learned_relative_position_bias(fresh_cache):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
 
     w = table.weight.detach().requires_grad_()
-    check_against_eager(jit_with_ours(f), (q, k, v, w), torch.randn(2, h, n, 32, dtype=torch.float16), f, [q, k, v, w])
+    check_against_eager(jit_with_ours(f), (q, k, v, w), torch.randn(2, h, n, 32, dtype=torch.float16), f)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
@@ -88,15 +91,14 @@ def test_fully_masked_rows_give_zeros_like_eager(kind, dtype, fresh_cache):
     allowed[0, 0, 3, :] = False
     mask = allowed if kind == "bool" else torch.zeros(2, 1, 8, 8, dtype=dtype).masked_fill(~allowed, float("-inf"))
 
-    def f(q, k, v):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask if kind == "bool" else mask.to(q.dtype))
+    def f(q, k, v, m):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m if kind == "bool" else m.to(q.dtype))
 
     out, grads = check_against_eager(
         jit_with_ours(lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m)),
         (q, k, v, mask),
         torch.randn(2, 2, 8, 16, dtype=dtype),
         f,
-        [q, k, v],
     )
     assert torch.equal(out[0, :, 3], torch.zeros_like(out[0, :, 3]))
     assert all(torch.isfinite(g).all() for g in grads)
@@ -193,10 +195,10 @@ def test_a_used_mask_gradient_costs_no_second_backward(torch_deterministic, fres
         jf = jit_with_ours(f)
         g = torch.randn(1, h, n, 32, dtype=torch.float16)
         if torch_deterministic:  # switched on after thunder traced the step: the backward turns it on per call
-            check_against_eager(jf, (q, w), g, f, [q, w])
+            check_against_eager(jf, (q, w), g, f)
             torch.use_deterministic_algorithms(True)
             counts.clear()
-        check_against_eager(jf, (q, w), g, f, [q, w])
+        check_against_eager(jf, (q, w), g, f)
     finally:
         del runtime.execute
     assert len(counts) == layers, f"{len(counts)} backward executions for {layers} attention layers"
@@ -347,7 +349,15 @@ def test_mask(kind, dtype, mask_shape):
     # forward runs on cuDNN, and only the dBias backward may fall back.
     before = tcs.cache_info().fallbacks
     with runtime_executions() as ran:
-        check_sdpa_case(q, k, v, grad_out, mask=mask, allow_fallback=(kind == "additive_grad"))
+        check_against_eager(
+            jit_gpu(),
+            (q, k, v, mask, False),
+            grad_out,
+            sdpa,
+            op_prefix=GPU_OP,
+            gpu_yardsticks=True,
+            allow_fallback=(kind == "additive_grad"),
+        )
     fell_back = tcs.cache_info().fallbacks - before
     assert ran["forward"] == 1, f"the forward did not run on cuDNN: {dict(ran)}, {fell_back} fallbacks"
     if kind == "additive_grad":

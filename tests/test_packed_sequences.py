@@ -22,6 +22,7 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
+from checks import check_against_eager, dispatch_step, jit_with_ours
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -35,27 +36,7 @@ from thunder_cudnn_safe.plan import varlen
 from thunder_cudnn_safe.plan.keys import BackwardKey, ForwardKey, Uid
 from thunder_cudnn_safe.rules import cudnn_rules
 from thunder_cudnn_safe.runtimes.emulation import EmulatedRuntime
-from thunder_cudnn_safe.testing import assert_close_to_reference
-
-
-def packed(lens, tokens, causal=True, window=None):
-    """HF's packed-sequence mask for one row: documents of ``lens`` then tokens outside every document."""
-    doc = torch.full((tokens,), -1)
-    start = 0
-    for i, n in enumerate(lens):
-        doc[start : start + n] = i
-        start += n
-    i, j = torch.arange(tokens)[:, None], torch.arange(tokens)[None, :]
-    keep = (doc[:, None] == doc[None, :]) & (doc[:, None] >= 0)
-    if causal:
-        keep &= j <= i
-    if window is not None:
-        keep &= i - j < window
-    return keep
-
-
-def rows(lens_per_row, tokens, **kw):
-    return torch.stack([packed(lens, tokens, **kw) for lens in lens_per_row])[:, None]
+from thunder_cudnn_safe.testing import assert_close_to_reference, document_mask, seeded_qkv
 
 
 def additive(keep, dtype=torch.float32):
@@ -90,7 +71,7 @@ def _expected(lens_per_row, tokens, causal, window):
 def test_random_packings_are_recognized_exactly(case):
     tokens, lens_per_row, causal, window = case
     window = window if causal else None
-    mask = rows(lens_per_row, tokens, causal=causal, window=window)
+    mask = document_mask(lens_per_row, tokens, causal=causal, window=window)
     for m in (mask, additive(mask)):
         p = recognize_documents(m, len(lens_per_row), tokens, tokens)
         starts, lens, left = _expected(lens_per_row, tokens, causal, window)
@@ -106,7 +87,7 @@ def test_random_packings_are_recognized_exactly(case):
 def test_one_perturbed_element_is_not_documents(case, data):
     tokens, lens_per_row, causal, window = case
     window = window if causal else None
-    mask = rows(lens_per_row, tokens, causal=causal, window=window).clone()
+    mask = document_mask(lens_per_row, tokens, causal=causal, window=window).clone()
     r = data.draw(st.integers(0, len(lens_per_row) - 1))
     i, j = data.draw(st.integers(0, tokens - 1)), data.draw(st.integers(0, tokens - 1))
     mask[r, 0, i, j] = ~mask[r, 0, i, j]
@@ -131,7 +112,7 @@ def _block(a, n, tokens, causal, left):
 
 @pytest.mark.parametrize("case", ["key_across_boundary", "hole", "not_square", "per_head", "random", "finite_low"])
 def test_near_documents_are_not_recognized(case):
-    m = rows([[4, 3, 5]], 12)
+    m = document_mask([[4, 3, 5]], 12)
     if case == "key_across_boundary":
         m = m.clone()
         m[0, 0, 5, 3] = True  # query of document 2 sees a key of document 1
@@ -141,7 +122,7 @@ def test_near_documents_are_not_recognized(case):
     elif case == "not_square":
         m = m[..., :8, :]
     elif case == "per_head":
-        m = torch.cat([m, rows([[6, 6]], 12)], dim=1)
+        m = torch.cat([m, document_mask([[6, 6]], 12)], dim=1)
     elif case == "random":
         m = torch.rand(1, 1, 12, 12) > 0.5
     else:
@@ -154,30 +135,13 @@ def test_patterns_route_documents_and_keep_todays_patterns():
     from thunder_cudnn_safe.masks import patterns
 
     patterns.reset_mask_pattern_info()
-    assert patterns.pattern_of(rows([[12]], 12), 1, 12, 12).name == "causal"
-    assert patterns.pattern_of(rows([[4, 3, 5]], 12), 1, 12, 12).name == "documents+causal"
-    assert patterns.pattern_of(rows([[4, 8]], 12, causal=False), 1, 12, 12).name == "documents"
-    assert patterns.pattern_of(rows([[6, 6]], 12, window=3), 1, 12, 12).name == "documents+causal+window"
+    assert patterns.pattern_of(document_mask([[12]], 12), 1, 12, 12).name == "causal"
+    assert patterns.pattern_of(document_mask([[4, 3, 5]], 12), 1, 12, 12).name == "documents+causal"
+    assert patterns.pattern_of(document_mask([[4, 8]], 12, causal=False), 1, 12, 12).name == "documents"
+    assert patterns.pattern_of(document_mask([[6, 6]], 12, window=3), 1, 12, 12).name == "documents+causal+window"
 
 
 # -- the graphs and the numbers -----------------------------------------------------------------
-def _qkv(b, h, hkv, t, d=64, dtype=torch.bfloat16, seed=1, head_major=False):
-    g = torch.Generator().manual_seed(seed)
-
-    def one(heads):
-        x = torch.randn(b, t, heads, d, generator=g).to(dtype)
-        return x.transpose(1, 2).contiguous() if head_major else x.transpose(1, 2)  # HF: BSHD viewed BHSD
-
-    return one(h), one(hkv), one(hkv)
-
-
-def _run(disp, mask, q, k, v, **kw):
-    out, stats = disp.forward(q, k, v, mask, 0.0, False, enable_gqa=q.shape[1] != k.shape[1], **kw)
-    d_o = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(out.dtype)
-    grads = disp.backward(d_o, q, k, v, mask, 0.0, False, out, stats, None, None, **kw)
-    return out, d_o, grads
-
-
 def _eager(mask, q, k, v, d_o):
     qd, kd, vd = (t.double().requires_grad_() for t in (q, k, v))
     m = mask if mask.dtype == torch.bool else mask.double()
@@ -196,12 +160,12 @@ def _dispatcher(arch=(9, 0)):
 
 
 MASKS = {
-    "causal": lambda: rows([[4, 3, 5], [2, 10]], 12),
-    "not_causal": lambda: rows([[4, 3, 5], [12]], 12, causal=False),
-    "window": lambda: rows([[7, 5], [3, 9]], 12, window=3),
-    "tail_outside_documents": lambda: rows([[4, 3], [2, 2, 2]], 12),
-    "broadcast_one_row": lambda: rows([[5, 7]], 12).expand(2, 1, 12, 12),
-    "float": lambda: additive(rows([[4, 3, 5], [6, 6]], 12), torch.bfloat16),
+    "causal": lambda: document_mask([[4, 3, 5], [2, 10]], 12),
+    "not_causal": lambda: document_mask([[4, 3, 5], [12]], 12, causal=False),
+    "window": lambda: document_mask([[7, 5], [3, 9]], 12, window=3),
+    "tail_outside_documents": lambda: document_mask([[4, 3], [2, 2, 2]], 12),
+    "broadcast_one_row": lambda: document_mask([[5, 7]], 12).expand(2, 1, 12, 12),
+    "float": lambda: additive(document_mask([[4, 3, 5], [6, 6]], 12), torch.bfloat16),
 }
 
 
@@ -210,8 +174,8 @@ MASKS = {
 def test_documents_run_as_varlen_and_match_eager(name, gqa):
     disp = _dispatcher()
     mask = MASKS[name]()
-    q, k, v = _qkv(2, 4, 2 if gqa else 4, 12)
-    out, d_o, grads = _run(disp, mask, q, k, v)
+    q, k, v = seeded_qkv(2, 4, 12, h_kv=2 if gqa else 4, seed=1, bshd=True)
+    out, grads, d_o = dispatch_step(disp, q, k, v, mask)
     keys = disp.cache.keys()
     assert len(keys) == 2 and all(key.ragged is not None and key.bias is None and key.padded for key in keys)
     _assert_close(out, grads, *_eager(mask, q, k, v, d_o))
@@ -221,9 +185,9 @@ def test_tokens_outside_documents_are_zero():
     """O and every gradient of a token outside all documents are exactly 0, as eager gives (cuDNN writes
     nothing past a document: the buffers start zeroed)."""
     disp = _dispatcher()
-    mask = rows([[4, 3], [2, 2, 2]], 12)
-    q, k, v = _qkv(2, 2, 2, 12)
-    out, d_o, grads = _run(disp, mask, q, k, v)
+    mask = document_mask([[4, 3], [2, 2, 2]], 12)
+    q, k, v = seeded_qkv(2, 2, 12, h_kv=2, seed=1, bshd=True)
+    out, grads, d_o = dispatch_step(disp, q, k, v, mask)
     assert out[0, :, 7:].abs().max() == 0 and out[1, :, 6:].abs().max() == 0
     for g in grads:
         assert g[0, :, 7:].abs().max() == 0 and g[1, :, 6:].abs().max() == 0
@@ -231,10 +195,10 @@ def test_tokens_outside_documents_are_zero():
 
 def test_head_major_inputs_are_copied_tokens_major_and_counted(fresh_cache):
     disp = _dispatcher()
-    mask = rows([[4, 3, 5], [6, 6]], 12)
-    q, k, v = _qkv(2, 4, 4, 12, head_major=True)
+    mask = document_mask([[4, 3, 5], [6, 6]], 12)
+    q, k, v = (t.contiguous() for t in seeded_qkv(2, 4, 12, h_kv=4, seed=1, bshd=True))
     tcs.reset_copy_stats()
-    out, d_o, grads = _run(disp, mask, q, k, v)
+    out, grads, d_o = dispatch_step(disp, q, k, v, mask)
     _assert_close(out, grads, *_eager(mask, q, k, v, d_o))
     copies = tcs.copy_stats()
     assert copies.copies >= 3 and any("tokens-major" in str(r) for r in copies.by_reason), copies
@@ -256,8 +220,8 @@ def test_a_neg_bit_operand_of_packed_documents_is_copied(role, fresh_cache):
     """A lazily negated operand (``torch._neg_view``) on the packed route is copied (``NEG_BIT``) as on the
     dense one: the ragged offsets are bound to the copy, which holds the values, not the un-negated memory."""
     disp = _dispatcher()
-    mask = rows([[4, 3, 5], [6, 6]], 12)
-    named = dict(zip(("query", "key", "value"), _qkv(2, 4, 2, 12)))
+    mask = document_mask([[4, 3, 5], [6, 6]], 12)
+    named = dict(zip(("query", "key", "value"), seeded_qkv(2, 4, 12, h_kv=2, seed=1, bshd=True)))
     d_o = torch.randn(2, 4, 12, 64, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
     named["grad_out"] = d_o.transpose(1, 2).contiguous().transpose(1, 2)  # tokens-major, as O
     lazy = dict(named, **{role: torch._neg_view(named[role].neg())})
@@ -276,10 +240,10 @@ def test_a_neg_bit_operand_of_packed_documents_is_copied(role, fresh_cache):
 def test_one_graph_serves_varying_packings():
     """N and S are bucketed (powers of two): rows packed differently share the forward and backward graph."""
     disp = _dispatcher()
-    q, k, v = _qkv(2, 2, 2, 16)
+    q, k, v = seeded_qkv(2, 2, 16, h_kv=2, seed=1, bshd=True)
     for lens in ([[4, 3, 9], [8, 4, 4]], [[1, 1, 14], [2, 2, 2, 10]], [[2, 2, 2, 10], [5, 11]]):  # N 5..8, S <= 16
-        mask = rows(lens, 16)
-        out, d_o, grads = _run(disp, mask, q, k, v)
+        mask = document_mask(lens, 16)
+        out, grads, d_o = dispatch_step(disp, q, k, v, mask)
         _assert_close(out, grads, *_eager(mask, q, k, v, d_o))
     assert disp.cache.info().builds == 2, disp.cache.keys()
 
@@ -287,8 +251,8 @@ def test_one_graph_serves_varying_packings():
 def test_a_wrong_ragged_offset_gives_wrong_numbers():
     """The emulated runtime reads through the bound ragged offsets: shifting one by a token is seen."""
     disp = _dispatcher()
-    mask = rows([[4, 3, 5], [6, 6]], 12)
-    q, k, v = _qkv(2, 2, 2, 12)
+    mask = document_mask([[4, 3, 5], [6, 6]], 12)
+    q, k, v = seeded_qkv(2, 2, 12, h_kv=2, seed=1, bshd=True)
     call = tcs.plan.planner.with_mask_pattern(tcs.plan.calls.ForwardCall(q, k, v, mask))
     bound = varlen.bind_forward(call, disp.runtime.target(q.device))
     built = disp.cache.get_or_build(bound.key, disp.runtime.build)
@@ -309,11 +273,11 @@ def test_a_wrong_ragged_offset_gives_wrong_numbers():
 
 
 def test_dropout_and_sm80_training_decline_by_rule_and_stay_exact():
-    mask = rows([[4, 3, 5], [6, 6]], 12)
-    q, k, v = _qkv(2, 2, 2, 12)
+    mask = document_mask([[4, 3, 5], [6, 6]], 12)
+    q, k, v = seeded_qkv(2, 2, 12, h_kv=2, seed=1, bshd=True)
     varlen_dispatch.reset_varlen_info()
     disp = _dispatcher((8, 0))
-    out, d_o, grads = _run(disp, mask, q, k, v)
+    out, grads, d_o = dispatch_step(disp, q, k, v, mask)
     _assert_close(out, grads, *_eager(mask, q, k, v, d_o))
     assert all(key.ragged is None and key.bias is not None for key in list(disp.cache.keys()))
     assert any(cudnn_rules.VARLEN_BACKWARD_ARCH.text in r for r in varlen_dispatch.varlen_info())
@@ -330,25 +294,25 @@ def test_dropout_and_sm80_training_decline_by_rule_and_stay_exact():
 
 def test_fused_grad_qkv_and_deterministic():
     disp = _dispatcher()
-    mask = rows([[4, 3, 5], [6, 6]], 12)
-    q, k, v = _qkv(2, 2, 2, 12)
-    out, d_o, (grad_qkv,) = _run(disp, mask, q, k, v, cat_grad_qkv=True, deterministic=True)
+    mask = document_mask([[4, 3, 5], [6, 6]], 12)
+    q, k, v = seeded_qkv(2, 2, 12, h_kv=2, seed=1, bshd=True)
+    out, (grad_qkv,), d_o = dispatch_step(disp, q, k, v, mask, cat_grad_qkv=True, deterministic=True)
     _assert_close(out, grad_qkv.split(2, dim=1), *_eager(mask, q, k, v, d_o))
     assert any(isinstance(key, BackwardKey) and key.deterministic and key.ragged for key in list(disp.cache.keys()))
 
 
 def test_describe_reports_documents(fresh_cache):
-    q, k, v = _qkv(2, 2, 2, 12)
-    report = tcs.describe(q, k, v, rows([[4, 3, 5], [6, 6]], 12), executor="cudnn_safe_emulated")
+    q, k, v = seeded_qkv(2, 2, 12, h_kv=2, seed=1, bshd=True)
+    report = tcs.describe(q, k, v, document_mask([[4, 3, 5], [6, 6]], 12), executor="cudnn_safe_emulated")
     assert report.mask_pattern == "documents+causal"
 
 
 # -- cuDNN's verdict (libcudnn validate + build_operation_graph, no GPU) -------------------------
 def _keys(arch, mask, gqa, need_stats=True):
     disp = _dispatcher(arch)
-    q, k, v = _qkv(2, 4, 2 if gqa else 4, mask.shape[-1], dtype=torch.float16)
+    q, k, v = seeded_qkv(2, 4, mask.shape[-1], h_kv=2 if gqa else 4, dtype=torch.float16, seed=1, bshd=True)
     if need_stats:
-        _run(disp, mask, q, k, v)
+        dispatch_step(disp, q, k, v, mask)
     else:
         disp.forward(q, k, v, mask, 0.0, False, enable_gqa=gqa, need_stats=False)
     return [key for key in list(disp.cache.keys()) if key.ragged is not None]
@@ -360,7 +324,11 @@ def test_varlen_keys_lower_in_cudnn(arch):
 
     if lowering.lowering_problem():
         pytest.skip(lowering.lowering_problem())
-    for mask in (rows([[4, 3, 5], [6, 6]], 12), rows([[8, 8]], 16, causal=False), rows([[10, 6]], 16, window=4)):
+    for mask in (
+        document_mask([[4, 3, 5], [6, 6]], 12),
+        document_mask([[8, 8]], 16, causal=False),
+        document_mask([[10, 6]], 16, window=4),
+    ):
         for gqa in (False, True):
             keys = _keys((arch // 10, arch % 10), mask, gqa, need_stats=arch != 80)
             assert keys and (arch == 80) == all(isinstance(key, ForwardKey) for key in keys)
@@ -372,21 +340,18 @@ def test_varlen_keys_lower_in_cudnn(arch):
 
 def test_thunder_jit_sdpa_with_a_block_diagonal_mask(fresh_cache):
     """A direct ``thunder.jit`` SDPA call with a packed mask (GQA, tokens-major views as HF has them)."""
-    import sys
-
-    sys.path.insert(0, __file__.rsplit("/", 1)[0])
-    from checks import check_against_eager, jit_with_ours
-
     varlen_dispatch.reset_varlen_info()
-    mask = rows([[4, 3, 5, 4], [10, 6]], 16)
-    q, k, v = (t.detach().requires_grad_() for t in _qkv(2, 4, 2, 16, dtype=torch.float16))
+    mask = document_mask([[4, 3, 5, 4], [10, 6]], 16)
+    q, k, v = (
+        t.detach().requires_grad_() for t in seeded_qkv(2, 4, 16, h_kv=2, dtype=torch.float16, seed=1, bshd=True)
+    )
 
     def f(q, k, v, mask):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
     jf = jit_with_ours(lambda q, k, v: f(q, k, v, mask))
     grad = torch.randn(2, 4, 16, 64, dtype=torch.float16)
-    check_against_eager(jf, (q, k, v), grad, lambda q, k, v: f(q, k, v, mask), [q, k, v])
+    check_against_eager(jf, (q, k, v), grad, lambda q, k, v: f(q, k, v, mask))
     keys = [g.key for g in tcs.cached_graphs()]
     assert keys and all(key.ragged is not None and key.bias is None for key in keys), keys
     assert varlen_dispatch.varlen_info().get("backward") == 1
@@ -397,10 +362,10 @@ def test_deterministic_backward_over_the_dp_workspace_budget_declines(monkeypatc
     (the key gate reads the budget off the ragged key: N and S bucketed)."""
     varlen_dispatch.reset_varlen_info()
     disp = _dispatcher()
-    mask = rows([[4, 3, 5], [6, 6]], 12)
-    q, k, v = _qkv(2, 2, 2, 12)
+    mask = document_mask([[4, 3, 5], [6, 6]], 12)
+    q, k, v = seeded_qkv(2, 2, 12, h_kv=2, seed=1, bshd=True)
     with tcs.config.patch(dp_workspace_limit=1024):
-        out, d_o, grads = _run(disp, mask, q, k, v, deterministic=True)
+        out, grads, d_o = dispatch_step(disp, q, k, v, mask, deterministic=True)
     _assert_close(out, grads, *_eager(mask, q, k, v, d_o))
     assert varlen_dispatch.varlen_info().get("declined: DP_WORKSPACE (key gate)") == 1, varlen_dispatch.varlen_info()
     # the bias backward's key is over the same budget: it runs on the torch fallback, never in cuDNN
@@ -409,7 +374,11 @@ def test_deterministic_backward_over_the_dp_workspace_budget_declines(monkeypatc
 
 def test_work_counts_match_brute_force():
     """varlen_work counts exactly the kept (query, key) pairs of the mask, per head; bias_work the full square."""
-    for mask in (rows([[4, 3, 5], [6, 6]], 12), rows([[7, 5], [3, 9]], 12, window=3), rows([[4, 8]], 12, causal=False)):
+    for mask in (
+        document_mask([[4, 3, 5], [6, 6]], 12),
+        document_mask([[7, 5], [3, 9]], 12, window=3),
+        document_mask([[4, 8]], 12, causal=False),
+    ):
         p = recognize_documents(mask, mask.shape[0], 12, 12)
         work = varlen.varlen_work(p, heads=3)
         assert work.scores == 3 * int(mask.sum()), (p, work)
@@ -431,22 +400,22 @@ def test_no_document_verdict_under_capture_nor_when_off(fresh_cache, monkeypatch
     from thunder_cudnn_safe.masks import patterns
 
     disp = tcs.emulated_ex.dispatcher
-    q, k, v = _qkv(2, 2, 2, 12)
-    mask = rows([[4, 3, 5], [6, 6]], 12)
+    q, k, v = seeded_qkv(2, 2, 12, h_kv=2, seed=1, bshd=True)
+    mask = document_mask([[4, 3, 5], [6, 6]], 12)
     monkeypatch.setattr(patterns, "capturing", lambda t: True)
     monkeypatch.setattr(patterns, "document_checks", lambda *a: pytest.fail("a verdict under capture"))
-    _run(disp, mask, q, k, v)
+    dispatch_step(disp, q, k, v, mask)
     monkeypatch.setattr(patterns, "capturing", masks.capturing)
     with tcs.config.patch(mask_patterns=False):
-        _run(disp, mask.clone(), q, k, v)
+        dispatch_step(disp, q, k, v, mask.clone())
     assert all(g.key.ragged is None and g.key.bias is not None for g in tcs.cached_graphs())
 
 
 def test_a_float_document_mask_that_requires_grad_stays_a_bias():
     """Its gradient (dBias) is computed only by the bias graph: no document verdict, as for every pattern."""
     disp = _dispatcher()
-    mask = additive(rows([[4, 3, 5], [6, 6]], 12), torch.bfloat16).requires_grad_()
-    q, k, v = _qkv(2, 2, 2, 12)
+    mask = additive(document_mask([[4, 3, 5], [6, 6]], 12), torch.bfloat16).requires_grad_()
+    q, k, v = seeded_qkv(2, 2, 12, h_kv=2, seed=1, bshd=True)
     out, stats = disp.forward(q, k, v, mask)
     d_o = torch.randn_like(out)
     disp.backward(d_o, q, k, v, mask, 0.0, False, out, stats, None, None, mask_grad=True)
@@ -457,13 +426,13 @@ def test_a_float_document_mask_that_requires_grad_stays_a_bias():
 def test_fused_grad_qkv_with_gqa_returns_one_buffer_on_every_route():
     """Packed GQA with fused dQKV: the variable-length backward returned dq, dk, dv where the grad transform
     (and the bias route) return one (B, Hq+Hk+Hv, T, D) buffer, so the step died unpacking it."""
-    mask = rows([[4, 3, 5], [6, 6]], 12)
-    q, k, v = _qkv(2, 4, 2, 12)
+    mask = document_mask([[4, 3, 5], [6, 6]], 12)
+    q, k, v = seeded_qkv(2, 4, 12, h_kv=2, seed=1, bshd=True)
     ref_out = None
     for arch in ((9, 0), (8, 0)):  # sm90: the variable-length backward; sm80: the bias backward
         varlen_dispatch.reset_varlen_info()
         disp = _dispatcher(arch)
-        out, d_o, grads = _run(disp, mask, q, k, v, cat_grad_qkv=True)
+        out, grads, d_o = dispatch_step(disp, q, k, v, mask, cat_grad_qkv=True)
         (grad_qkv,) = grads
         assert grad_qkv.shape == (2, 4 + 2 + 2, 12, 64)
         assert varlen_dispatch.varlen_info().get("backward") == (1 if arch == (9, 0) else None)
@@ -475,20 +444,17 @@ def test_fused_grad_qkv_with_gqa_returns_one_buffer_on_every_route():
 def test_fused_grad_qkv_with_gqa_under_thunder_jit(fresh_cache):
     """The issue's reproduction: thunder.jit with cudnn_safe_bwd_may_cat_grad_qkv=True, a block-diagonal mask,
     4 query heads and 2 K/V heads."""
-    import sys
-
-    sys.path.insert(0, __file__.rsplit("/", 1)[0])
-    from checks import check_against_eager, jit_with_ours
-
     varlen_dispatch.reset_varlen_info()
-    mask = rows([[4, 3, 5, 4], [10, 6]], 16)
-    q, k, v = (t.detach().requires_grad_() for t in _qkv(2, 4, 2, 16, dtype=torch.float16))
+    mask = document_mask([[4, 3, 5, 4], [10, 6]], 16)
+    q, k, v = (
+        t.detach().requires_grad_() for t in seeded_qkv(2, 4, 16, h_kv=2, dtype=torch.float16, seed=1, bshd=True)
+    )
 
     def f(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
     jf = jit_with_ours(f, cudnn_safe_bwd_may_cat_grad_qkv=True)
-    check_against_eager(jf, (q, k, v), torch.randn(2, 4, 16, 64, dtype=torch.float16), f, [q, k, v])
+    check_against_eager(jf, (q, k, v), torch.randn(2, 4, 16, 64, dtype=torch.float16), f)
     assert varlen_dispatch.varlen_info().get("backward") == 1, varlen_dispatch.varlen_info()
 
 
@@ -500,9 +466,9 @@ def test_documents_of_33_to_64_tokens_never_build_the_hopper_kv_tail_backward(ba
     refuses that key: the backward runs as a bias (T = 100: no trigger) and is right; 9.27 runs it ragged."""
     varlen_dispatch.reset_varlen_info()
     disp = Dispatcher(EmulatedRuntime(arch=(9, 0), backend_version=backend), GraphCache())
-    mask = rows([[40, 50, 10], [64, 36]], 100, causal=False)
-    q, k, v = _qkv(2, 2, 2, 100, d=32)
-    out, d_o, grads = _run(disp, mask, q, k, v)
+    mask = document_mask([[40, 50, 10], [64, 36]], 100, causal=False)
+    q, k, v = seeded_qkv(2, 2, 100, h_kv=2, d=32, seed=1, bshd=True)
+    out, grads, d_o = dispatch_step(disp, q, k, v, mask)
     _assert_close(out, grads, *_eager(mask, q, k, v, d_o))
     ragged_backward = [key for key in disp.cache.keys() if isinstance(key, BackwardKey) and key.ragged is not None]
     info = varlen_dispatch.varlen_info()
@@ -557,11 +523,11 @@ def test_the_forward_offsets_are_int64_where_only_o_overflows_int32(need_stats):
 def test_a_finite_lowest_masked_tail_is_not_outside_the_documents():
     """A float mask whose tail rows are masked with finfo.min (not -inf) is not dead in eager: its scores
     tie and eager averages V. The varlen path writes 0 there, so such a mask must stay a bias."""
-    keep = rows([[4, 3], [2, 2, 2]], 12)
+    keep = document_mask([[4, 3], [2, 2, 2]], 12)
     mask = torch.zeros(keep.shape, dtype=torch.bfloat16).masked_fill(~keep, torch.finfo(torch.bfloat16).min)
     assert recognize_documents(mask, 2, 12, 12) is None
     assert pattern_of(mask.clone(), 2, 12, 12) is None
-    q, k, v = _qkv(2, 2, 2, 12)
+    q, k, v = seeded_qkv(2, 2, 12, h_kv=2, seed=1, bshd=True)
     disp = _dispatcher()
     out, _ = disp.forward(q, k, v, mask, 0.0, False)
     ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask.double())
@@ -588,7 +554,7 @@ def test_recognition_takes_one_host_sync_for_every_mask(monkeypatch):
         monkeypatch.setattr(torch.Tensor, name, counted)
     causal = torch.ones(12, 12, dtype=torch.bool).tril()
     cases = {
-        "documents+causal": rows([[4, 3, 5], [6, 6]], 12),
+        "documents+causal": document_mask([[4, 3, 5], [6, 6]], 12),
         "causal": causal[None, None].expand(2, 1, 12, 12),
         "bias": torch.rand(2, 1, 12, 12) > 0.5,
     }
@@ -607,8 +573,8 @@ def test_a_backward_past_the_dq_accumulator_is_refused_by_the_emulation():
     from thunder_cudnn_safe.plan import calls, planner, varlen
 
     disp = _dispatcher()
-    mask = rows([[4, 3, 5], [6, 6]], 12)
-    q, k, v = _qkv(2, 2, 2, 12)
+    mask = document_mask([[4, 3, 5], [6, 6]], 12)
+    q, k, v = seeded_qkv(2, 2, 12, h_kv=2, seed=1, bshd=True)
     call = planner.with_mask_pattern(calls.ForwardCall(q, k, v, mask))
     target = disp.runtime.target(q.device)
     fwd = varlen.bind_forward(call, target)
@@ -629,31 +595,6 @@ def test_a_backward_past_the_dq_accumulator_is_refused_by_the_emulation():
 EMULATE = os.environ.get("THUNDER_CUDNN_SAFE_GPU_TESTS_EMULATE") == "1"
 needs_gpu = pytest.mark.skipif(not EMULATE and not torch.cuda.is_available(), reason="needs a CUDA GPU with cuDNN")
 DEVICE, EXECUTOR = ("cpu", tcs.emulated_ex) if EMULATE else ("cuda", tcs.cudnn_safe_ex)
-
-
-def _gpu_mask(lens_per_row, tokens, window=None, causal=True):
-    """Documents of ``lens`` per row; tokens past the last document are in none (eager gives them 0)."""
-    out = []
-    for lens in lens_per_row:
-        doc = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
-        doc = torch.cat([doc, torch.full((tokens - len(doc),), -1)])
-        i, j = torch.arange(tokens)[:, None], torch.arange(tokens)[None, :]
-        keep = (doc[:, None] == doc[None, :]) & (doc[:, None] >= 0)
-        if causal:
-            keep &= j <= i
-        if window is not None:
-            keep &= i - j < window
-        out.append(keep)
-    return torch.stack(out)[:, None].to(DEVICE)
-
-
-def _gpu_step(disp, q, k, v, mask, d_o, **options):
-    out, stats = disp.forward(q, k, v, mask, 0.0, False, enable_gqa=q.shape[1] != k.shape[1], **options)
-    grads = disp.backward(d_o, q, k, v, mask, 0.0, False, out, stats, None, None, **options)
-    if options.get("cat_grad_qkv"):
-        (fused,) = grads
-        grads = fused.split([q.shape[1], k.shape[1], v.shape[1]], dim=1)
-    return (out, *grads)
 
 
 def _expected_backward(lens_per_row, causal) -> str:
@@ -698,7 +639,7 @@ def test_packed_step_on_cudnn_matches_eager(case):
     documents, window, causal, (hq, hkv), options = GPU_CASES[case]
     tokens = 256 if EMULATE else 2048
     lens = documents(tokens)
-    mask = _gpu_mask(lens, tokens, window, causal)
+    mask = document_mask(lens, tokens, causal=causal, window=window).to(DEVICE)
     g = torch.Generator(device=DEVICE).manual_seed(0)
 
     def tokens_major(heads):
@@ -708,7 +649,10 @@ def test_packed_step_on_cudnn_matches_eager(case):
     disp = EXECUTOR.dispatcher
     tcs.clear_cache()
     varlen_dispatch.reset_varlen_info()
-    ours = _gpu_step(disp, q, k, v, mask, d_o, **options)
+    out, grads, _ = dispatch_step(disp, q, k, v, mask, grad_out=d_o, **options)
+    if options.get("cat_grad_qkv"):
+        grads = grads[0].split([hq, hkv, hkv], dim=1)
+    ours = (out, *grads)
     info = varlen_dispatch.varlen_info()
     assert info == {"forward": 1, _expected_backward(lens, causal): 1}, info
     assert tcs.cache_info().builds > 0 and tcs.cache_info().fallbacks == 0, tcs.cache_info()
@@ -736,7 +680,7 @@ def test_packed_step_against_the_bias_path_timing():
     if EMULATE:
         pytest.skip("timing needs a GPU")
     tokens, docs = 4096, 8
-    mask = _gpu_mask([[tokens // docs] * docs], tokens)
+    mask = document_mask([[tokens // docs] * docs], tokens).to(DEVICE)
     q, k, v, d_o = (
         torch.randn(1, tokens, h, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for h in (32, 8, 8, 32)
     )
@@ -745,11 +689,11 @@ def test_packed_step_against_the_bias_path_timing():
     def timed(patterns_on: bool) -> float:
         with tcs.config.patch(mask_patterns=patterns_on):
             for _ in range(2):
-                _gpu_step(disp, q, k, v, mask.clone(), d_o)
+                dispatch_step(disp, q, k, v, mask.clone(), grad_out=d_o)
             torch.cuda.synchronize()
             start = time.perf_counter()
             for _ in range(5):
-                _gpu_step(disp, q, k, v, mask, d_o)
+                dispatch_step(disp, q, k, v, mask, grad_out=d_o)
             torch.cuda.synchronize()
             return (time.perf_counter() - start) / 5
 

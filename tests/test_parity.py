@@ -16,14 +16,15 @@ from checks import (
     F16,
     GPU_BWD_OP,
     GPU_DEVICE,
+    GPU_OP,
     assert_claimed,
-    check_sdpa_case,
+    check_against_eager,
     executors_ours,
     forward_backward,
+    jit_gpu,
     jit_sdpa,
     needs_gpu,
     on_the_runtime,
-    run_and_check,
     sdpa,
     trace_text,
 )
@@ -41,7 +42,7 @@ from thunder_cudnn_safe.testing import GRAD_OUT_LAYOUTS, QKV_LAYOUTS
 def test_fused_dqkv_gradients_right(option, fresh_cache):
     q, k, v = QKV_LAYOUTS["packed_qkv"](2, 4, 16, 16, 64, 64, torch.float16)
     jf = jit_sdpa(**{option: True})
-    run_and_check(jf, q, k, v, torch.randn(2, 4, 16, 64, dtype=torch.float16))
+    check_against_eager(jf, (q, k, v, None, 0.0, False, None), torch.randn(2, 4, 16, 64, dtype=torch.float16))
     assert "cat_grad_qkv=True" in str(thunder.last_backward_traces(jf)[-1])
 
 
@@ -87,7 +88,7 @@ def test_deterministic_option_reaches_the_graph(fresh_cache, monkeypatch):
     q, k, v = QKV_LAYOUTS["contiguous"](1, 2, 16, 16, 64, 64, torch.float16)
     for det in (True, False):
         jf = jit_sdpa(cudnn_safe_deterministic=det)
-        run_and_check(jf, q, k, v, torch.randn(1, 2, 16, 64, dtype=torch.float16))
+        check_against_eager(jf, (q, k, v, None, 0.0, False, None), torch.randn(1, 2, 16, 64, dtype=torch.float16))
     assert seen == [(True, True), (False, False)]
     assert sorted(key.deterministic for key in graph_cache.keys() if isinstance(key, BackwardKey)) == [False, True]
 
@@ -104,7 +105,9 @@ def test_true_mqa_single_head_kv_no_copies(fresh_cache):
     q = torch.randn(b, s, h, d, dtype=torch.float16).transpose(1, 2).detach().requires_grad_()
     k = torch.randn(b, 1, s, d, dtype=torch.float16, requires_grad=True)
     v = torch.randn(b, 1, s, d, dtype=torch.float16, requires_grad=True)
-    out, grads = run_and_check(jit_sdpa(), q, k, v, torch.randn(b, s, h, d, dtype=torch.float16).transpose(1, 2))
+    out, grads = check_against_eager(
+        jit_sdpa(), (q, k, v, None, 0.0, False, None), torch.randn(b, s, h, d, dtype=torch.float16).transpose(1, 2)
+    )
     assert grads[1].shape == (b, 1, s, d)
     assert tcs.copy_stats().bytes_copied == 0
 
@@ -167,7 +170,14 @@ def test_fused_dqkv_gives_right_gradients():
     b, h, s, d = 2, 8, 128, 64
     q, k, v = QKV_LAYOUTS["packed_qkv"](b, h, s, s, d, d, BF16, device=GPU_DEVICE)
     grad_out = GRAD_OUT_LAYOUTS["transposed"]((b, h, s, d), BF16, device=GPU_DEVICE)
-    check_sdpa_case(q, k, v, grad_out, causal=True, cudnn_safe_bwd_may_cat_grad_qkv=True)
+    check_against_eager(
+        jit_gpu(cudnn_safe_bwd_may_cat_grad_qkv=True),
+        (q, k, v, None, True),
+        grad_out,
+        sdpa,
+        op_prefix=GPU_OP,
+        gpu_yardsticks=True,
+    )
     bwd_keys = [key for key in graph_cache.keys() if isinstance(key, BackwardKey)]
     assert bwd_keys, "no backward graph was built"
     # dq, dk, dv were slices of one (B, 3H, S, D) buffer laid out BSHD: the seq stride spans 3H heads

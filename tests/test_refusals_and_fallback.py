@@ -18,7 +18,7 @@ import checks
 import pytest
 import torch
 import torch.nn.functional as F
-from checks import jit_sdpa, run_and_check
+from checks import check_against_eager, jit_sdpa
 
 import thunder_cudnn_safe as tcs
 from thunder_cudnn_safe.errors import ExecuteError, GraphBuildError
@@ -46,7 +46,12 @@ def test_runtime_refusal_falls_back_correctly_and_warns_once(where, phase, caplo
     jf = jit_sdpa()
     with caplog.at_level(logging.WARNING, logger="thunder_cudnn_safe"), checks.inject_failures(**{where: refuse}):
         for _ in range(3):
-            run_and_check(jf, q, k, v, torch.randn(2, 4, 16, 64, dtype=torch.float16), allow_fallback=True)
+            check_against_eager(
+                jf,
+                (q, k, v, None, 0.0, False, None),
+                torch.randn(2, 4, 16, 64, dtype=torch.float16),
+                allow_fallback=True,
+            )
     info = tcs.cache_info()
     per_step = len(kinds)
     assert info.fallbacks == 3 * per_step, info

@@ -38,11 +38,12 @@ def _inputs(seed: int):
     return q, k, v, torch.randn(2, 4, 64, 64, generator=gen, dtype=torch.bfloat16)
 
 
-def _step(disp: Dispatcher, seed: int):
+def _causal_step_of_seed(disp: Dispatcher, seed: int):
+    """A causal forward and backward of :func:`_inputs` of ``seed``: (out, dq, dk, dv)."""
     q, k, v, g = _inputs(seed)
     checks.assert_claimed(q, k, v, None, 0.0, True, runtime=disp.runtime)  # no checker stands before a dispatcher
-    out, stats = disp.forward(q, k, v, None, 0.0, True)
-    return (out, *disp.backward(g, q, k, v, None, 0.0, True, out, stats, None, None))
+    out, grads, _ = checks.dispatch_step(disp, q, k, v, is_causal=True, grad_out=g)
+    return (out, *grads)
 
 
 def _check(seed: int, results) -> None:
@@ -100,12 +101,12 @@ def _recording_graphs(monkeypatch) -> dict[int, set[int]]:
 def test_concurrent_execution_from_several_threads_is_right():
     """Every thread runs forward and backward of the same keys at once, on its own data: right numbers."""
     disp = _dispatcher()
-    _check(0, _step(disp, 0))  # the keys are built here, on the main thread
+    _check(0, _causal_step_of_seed(disp, 0))  # the keys are built here, on the main thread
 
     def work(i: int) -> None:
         for r in range(3):
             seed = 1 + 10 * i + r
-            _check(seed, _step(disp, seed))
+            _check(seed, _causal_step_of_seed(disp, seed))
 
     _run_threads(work)
     assert disp.cache.info().builds == 2  # one forward, one backward: copies are not cache builds
@@ -116,11 +117,11 @@ def test_each_thread_executes_its_own_graph(monkeypatch):
     thread and key (without per-thread copies all threads shared one graph object)."""
     disp = _dispatcher()
     seen = _recording_graphs(monkeypatch)
-    _step(disp, 0)
+    _causal_step_of_seed(disp, 0)
     main = seen.pop(threading.get_ident())
     assert main == {id(b.graph) for b in _built(disp)}
 
-    _run_threads(lambda i: [_step(disp, i) for _ in range(2)])
+    _run_threads(lambda i: [_causal_step_of_seed(disp, i) for _ in range(2)])
     assert len(seen) == THREADS
     per_thread = list(seen.values())
     assert all(len(ids) == 2 for ids in per_thread)  # one forward and one backward graph each, reused
@@ -132,12 +133,12 @@ def test_each_thread_executes_its_own_graph(monkeypatch):
 def test_a_threads_copy_goes_with_the_thread():
     """A copy lives as long as its thread: ended threads leave nothing behind in the cache entry."""
     disp = _dispatcher()
-    _step(disp, 0)
+    _causal_step_of_seed(disp, 0)
     (built, _) = _built(disp)
     copies = []
 
     def work(i: int) -> None:
-        _step(disp, i)
+        _causal_step_of_seed(disp, i)
         copies.append(weakref.ref(disp.runtime.graph_for_this_thread(built)[0]))
 
     _run_threads(work, 2)
@@ -167,14 +168,14 @@ def test_a_copy_that_fails_to_build_falls_back(monkeypatch):
     from thunder_cudnn_safe.errors import GraphBuildError
 
     disp = _dispatcher()
-    _step(disp, 0)
+    _causal_step_of_seed(disp, 0)
 
     def refuse(key, implementation):
         raise GraphBuildError("out of memory", definitive=False)
 
     monkeypatch.setattr(disp.runtime, "_build_one", refuse)
     results = {}
-    _run_threads(lambda i: results.setdefault(i, _step(disp, 7)), 1)
+    _run_threads(lambda i: results.setdefault(i, _causal_step_of_seed(disp, 7)), 1)
     _check(7, results[0])
     assert disp.cache.info().fallbacks == 2
 

@@ -1,6 +1,7 @@
 """The layout zoo and the accuracy rule, for this package's tests, benchmarks and users.
 
-:data:`QKV_LAYOUTS` / :data:`GRAD_OUT_LAYOUTS` make leaf tensors with exactly each layout of the zoo.
+:data:`QKV_LAYOUTS` / :data:`GRAD_OUT_LAYOUTS` make leaf tensors with exactly each layout of the zoo;
+:func:`seeded_qkv` makes repeatable q, k, v and :func:`document_mask` a packed-sequence mask.
 :func:`assert_close_to_reference` passes a low-precision candidate whose error to a float64 reference
 is at most twice eager PyTorch's own in the same precision, plus a small floor (the method of FlashAttention's author).
 """
@@ -22,23 +23,23 @@ def _randn(*shape, dtype, device, gen=None):
     return torch.randn(*shape, dtype=dtype, device=device, generator=gen)
 
 
-def _qkv(lq, s, d, dv, dtype, device, make):
+def _leaves(lq, s, d, dv, dtype, device, make):
     """Leaves q, k, v: ``make(randn, tokens, head_dim)`` for (L, D), (S, D) and (S, D_v) in turn."""
     randn = functools.partial(_randn, dtype=dtype, device=device)
     return tuple(_leaf(make(randn, n, dd)) for n, dd in ((lq, d), (s, d), (s, dv)))
 
 
 def make_contiguous(b, h, lq, s, d, dv, dtype, device="cpu"):
-    return _qkv(lq, s, d, dv, dtype, device, lambda randn, n, dd: randn(b, h, n, dd))
+    return _leaves(lq, s, d, dv, dtype, device, lambda randn, n, dd: randn(b, h, n, dd))
 
 
 def make_bshd(b, h, lq, s, d, dv, dtype, device="cpu"):
     """BSHD storage viewed as BHSD through transpose(1, 2): the diffusers / HF layout."""
-    return _qkv(lq, s, d, dv, dtype, device, lambda randn, n, dd: randn(b, n, h, dd).transpose(1, 2))
+    return _leaves(lq, s, d, dv, dtype, device, lambda randn, n, dd: randn(b, n, h, dd).transpose(1, 2))
 
 
 def make_sbhd(b, h, lq, s, d, dv, dtype, device="cpu"):
-    return _qkv(lq, s, d, dv, dtype, device, lambda randn, n, dd: randn(n, b, h, dd).permute(1, 2, 0, 3))
+    return _leaves(lq, s, d, dv, dtype, device, lambda randn, n, dd: randn(n, b, h, dd).permute(1, 2, 0, 3))
 
 
 def make_packed_qkv(b, h, lq, s, d, dv, dtype, device="cpu"):
@@ -59,19 +60,19 @@ def make_kv_broadcast_head(b, h, lq, s, d, dv, dtype, device="cpu"):
 
 def make_size1_odd_strides(b, h, lq, s, d, dv, dtype, device="cpu"):
     """Batch and heads of size 1 carrying arbitrary strides (7 and 13)."""
-    return _qkv(
+    return _leaves(
         lq, s, d, dv, dtype, device, lambda randn, n, dd: randn(n * dd + 16).as_strided((1, 1, n, dd), (7, 13, dd, 1))
     )
 
 
 def make_lastdim_strided(b, h, lq, s, d, dv, dtype, device="cpu"):
     """Last-dim stride 2 (a ``[..., ::2]`` slice): cuDNN cannot read it, the executor must copy."""
-    return _qkv(lq, s, d, dv, dtype, device, lambda randn, n, dd: randn(b, h, n, 2 * dd)[..., ::2])
+    return _leaves(lq, s, d, dv, dtype, device, lambda randn, n, dd: randn(b, h, n, 2 * dd)[..., ::2])
 
 
 def make_misaligned(b, h, lq, s, d, dv, dtype, device="cpu"):
     """Base pointer one element past a 16-byte boundary (odd storage offset)."""
-    return _qkv(lq, s, d, dv, dtype, device, lambda randn, n, dd: randn(b * h * n * dd + 1)[1:].view(b, h, n, dd))
+    return _leaves(lq, s, d, dv, dtype, device, lambda randn, n, dd: randn(b * h * n * dd + 1)[1:].view(b, h, n, dd))
 
 
 QKV_LAYOUTS: dict[str, Callable] = {
@@ -121,6 +122,60 @@ GRAD_OUT_LAYOUTS: dict[str, Callable] = {
 }
 
 ZERO_COPY_GRAD_LAYOUTS = ("contiguous", "transposed")
+
+
+def seeded_qkv(
+    b: int,
+    h: int,
+    lq: int,
+    s: int | None = None,
+    d: int = 64,
+    *,
+    h_kv: int | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+    bshd: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q (B, H, L, D) and k, v (B, H_kv, S, D), drawn in float32 from one generator seeded with ``seed`` and rounded
+    to ``dtype``, so that a test's data do not depend on what ran before it. ``bshd``: drawn in BSHD storage and
+    viewed as BHSD through ``transpose(1, 2)``, the layout Hugging Face and diffusers hand to SDPA. Plain tensors
+    (no grad): for calls straight into a dispatcher."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def draw(heads: int, n: int) -> torch.Tensor:
+        if bshd:
+            return torch.randn(b, n, heads, d, generator=gen).to(dtype).transpose(1, 2)
+        return torch.randn(b, heads, n, d, generator=gen).to(dtype)
+
+    s, h_kv = lq if s is None else s, h if h_kv is None else h_kv
+    return draw(h, lq), draw(h_kv, s), draw(h_kv, s)
+
+
+def document_mask(
+    lens_per_row: list[list[int]], tokens: int, *, causal: bool = True, window: int | None = None
+) -> torch.Tensor:
+    """Hugging Face's packed-sequence mask, (B, 1, T, T) boolean: row b packs documents of ``lens_per_row[b]``
+    tokens, each attending within itself (``causal``: to earlier tokens only; ``window``: to the last ``window``);
+    tokens past the last document are in none (no key kept, eager gives them 0)."""
+    i, j = torch.arange(tokens)[:, None], torch.arange(tokens)[None, :]
+    rows = []
+    for lens in lens_per_row:
+        doc = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens, dtype=torch.long))
+        doc = torch.cat([doc, torch.full((tokens - len(doc),), -1)])
+        keep = (doc[:, None] == doc[None, :]) & (doc[:, None] >= 0)
+        if causal:
+            keep &= j <= i
+        if window is not None:
+            keep &= i - j < window
+        rows.append(keep)
+    return torch.stack(rows)[:, None]
+
+
+def padding_mask(lens: list[int], lq: int, s: int) -> torch.Tensor:
+    """A key-padding mask, (B, 1, L, S) boolean broadcast over queries: batch element b keeps its first
+    ``lens[b]`` keys (a padded batch's mask as transformers builds it)."""
+    return (torch.arange(s)[None, :] < torch.tensor(lens)[:, None])[:, None, None, :].expand(len(lens), 1, lq, s)
+
 
 _FLOOR = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float32: 2.0**-20}
 

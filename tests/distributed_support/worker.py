@@ -72,7 +72,7 @@ def _full(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.detach().cpu()
 
 
-def _step(model, call, fns, prefix: str, device: torch.device, rank: int, world: int, grads_of=None) -> dict:
+def _train_step(model, call, fns, prefix: str, device: torch.device, rank: int, world: int, grads_of=None) -> dict:
     """One forward + backward on this rank's shard; returns what the tests check."""
     x, y = global_batch(DTYPE, device)
     x, y = shard(x, rank, world), shard(y, rank, world)
@@ -113,7 +113,7 @@ def fsdp2_thunderfx(device, rank, world):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     compiled, fns = _thunderfx(model, executors)
-    return _step(model, compiled, fns, prefix, device, rank, world)
+    return _train_step(model, compiled, fns, prefix, device, rank, world)
 
 
 def ddp_thunderfx(device, rank, world):
@@ -123,7 +123,7 @@ def ddp_thunderfx(device, rank, world):
     model = make_model(DTYPE, device)
     ddp = DDP(model, device_ids=None if device.type == "cpu" else [device.index])
     compiled, fns = _thunderfx(ddp, executors)
-    return _step(model, compiled, fns, prefix, device, rank, world)
+    return _train_step(model, compiled, fns, prefix, device, rank, world)
 
 
 def thunder_ddp(device, rank, world):
@@ -132,7 +132,7 @@ def thunder_ddp(device, rank, world):
     executors, prefix = _ours(device)
     model = make_model(DTYPE, device)
     jm = thunder.distributed.ddp(thunder.jit(model, executors=executors))
-    return _step(model, jm, lambda: [jm], prefix, device, rank, world, grads_of=jm.named_parameters)
+    return _train_step(model, jm, lambda: [jm], prefix, device, rank, world, grads_of=jm.named_parameters)
 
 
 def thunder_fsdp(device, rank, world):
@@ -143,7 +143,7 @@ def thunder_fsdp(device, rank, world):
     jm = thunder.distributed.fsdp(thunder.jit(model, executors=executors), device=device)
     # device=: thunder's fsdp defaults to cuda:LOCAL_RANK; with the CPU device it runs on gloo.
     # Each rank is left its shard (dim 0 split in world_size chunks) of every gradient.
-    return _step(model, jm, lambda: [jm], prefix, device, rank, world, grads_of=jm.named_parameters)
+    return _train_step(model, jm, lambda: [jm], prefix, device, rank, world, grads_of=jm.named_parameters)
 
 
 def dropout(device, rank, world):
