@@ -1,7 +1,7 @@
 """The benchmark harness: the product's dispatch path with the final execute replaced by a no-op.
 
 Nothing here changes the package. :class:`NoExecuteRuntime` is a
-:class:`thunder_cudnn_safe.runtimes.cudnn_runtime.Runtime` whose ``target`` is the real runtime's
+:class:`thunder_cudnn_safe.runtimes.base.Runtime` whose ``target`` is the real runtime's
 (emulated Hopper + cuDNN 9.19 on CPU, the real GPU on CUDA), whose ``build`` builds
 and validates the real frontend graph for the key (frontend only, no cuDNN plans), and
 whose ``execute`` does nothing. It is plugged into the package's own
@@ -28,7 +28,8 @@ from thunder_cudnn_safe.dispatch.dispatcher import Dispatcher
 from thunder_cudnn_safe.graphs import build as graphs
 from thunder_cudnn_safe.graphs.cache import GraphCache
 from thunder_cudnn_safe.plan.keys import ForwardKey
-from thunder_cudnn_safe.runtimes.cudnn_runtime import BuiltGraph, CudnnRuntime, Runtime
+from thunder_cudnn_safe.runtimes.base import BuiltGraph, Runtime
+from thunder_cudnn_safe.runtimes.cudnn_runtime import CudnnRuntime
 from thunder_cudnn_safe.runtimes.emulation import EmulatedRuntime
 
 #: The emulated target of the CPU runs: what the emulated executor pretends to be by default.

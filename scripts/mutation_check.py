@@ -6,7 +6,8 @@ mutates the package when ``THUNDER_CUDNN_SAFE_MUTATION`` is set:
 * ``decline``: the executor's checker (``executor.reasons_for``) declines every call, so thunder runs its
   own SDPA; a test that calls a dispatcher directly asks ``reasons_for`` itself (tests/checks.py
   ``assert_claimed``);
-* ``refuse``: both runtimes refuse every graph build, so every call runs on the torch fallback.
+* ``refuse``: every registered runtime (``runtimes.base.RUNTIMES``) refuses every graph build, so every call
+  runs on the torch fallback.
 
 This script runs each listed file once per mutation (one pytest process each, ``-n 0``), prints a
 table of failed/passed/skipped counts per file and mutation, and exits 1 if any file passes entirely

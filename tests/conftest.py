@@ -62,7 +62,7 @@ def pytest_report_header(config):
 MUTATION_ENV = "THUNDER_CUDNN_SAFE_MUTATION"
 MUTATIONS = {
     "decline": "executor.reasons_for declines every call",
-    "refuse": "EmulatedRuntime.build and CudnnRuntime.build refuse every graph",
+    "refuse": "every registered runtime's build (runtimes.base.RUNTIMES) refuses every graph",
 }
 
 
@@ -81,7 +81,8 @@ def apply_mutation(name: str, patch: pytest.MonkeyPatch) -> None:
     and ``describe()`` all ask it. A direct dispatcher call never asks the checker, so it is not declined:
     a test that calls the dispatcher itself asks ``reasons_for`` whether the executor would claim its call
     (tests/checks.py ``assert_claimed``), and the ``refuse`` mutation is what its graphs meet.
-    ``refuse``: both runtimes' ``build`` raise :class:`~thunder_cudnn_safe.errors.GraphBuildError`.
+    ``refuse``: every registered runtime's ``build`` (:data:`~thunder_cudnn_safe.runtimes.base.RUNTIMES`) raises
+    :class:`~thunder_cudnn_safe.errors.GraphBuildError`.
     """
     if name == "decline":
         from thunder_cudnn_safe.integration import executor
@@ -97,14 +98,13 @@ def apply_mutation(name: str, patch: pytest.MonkeyPatch) -> None:
                 patch.setattr(module, "reasons_for", reasons_for)
     elif name == "refuse":
         from thunder_cudnn_safe.errors import GraphBuildError
-        from thunder_cudnn_safe.runtimes.cudnn_runtime import CudnnRuntime
-        from thunder_cudnn_safe.runtimes.emulation import EmulatedRuntime
+        from thunder_cudnn_safe.runtimes.base import RUNTIMES
 
         def build(self, key):
             raise GraphBuildError("mutation: refuse every build")
 
-        patch.setattr(EmulatedRuntime, "build", build)
-        patch.setattr(CudnnRuntime, "build", build)
+        for runtime_class in {type(runtime) for runtime in RUNTIMES.values()}:  # every executor's runtime
+            patch.setattr(runtime_class, "build", build)
 
 
 @pytest.fixture(scope="session", autouse=True)

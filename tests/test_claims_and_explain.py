@@ -76,3 +76,25 @@ def test_a_python_engine_is_reported_by_name():
     assert lowering.implementation_of(frost) == "python:sdpa_fwd_prefill_sm100"
     backend = types.SimpleNamespace(selected_engine=None)
     assert lowering.implementation_of(backend) is None  # no lowered description: unknown, not guessed
+
+
+# -- one registry of runtimes --------------------------------------------------------------------
+def test_one_executor_per_registered_runtime():
+    """The executors are made from the one registry of runtimes (which the ``refuse`` mutation patches), and
+    ``explain(executor=...)`` resolves a name or an executor through it."""
+    from thunder_cudnn_safe.integration.executor import EXECUTORS
+    from thunder_cudnn_safe.runtimes.base import RUNTIMES, Runtime
+
+    assert list(EXECUTORS) == list(RUNTIMES) == ["cudnn_safe", "cudnn_safe_emulated"]
+    assert [ex.runtime for ex in EXECUTORS.values()] == list(RUNTIMES.values())
+    assert (tcs.cudnn_safe_ex, tcs.emulated_ex) == tuple(EXECUTORS.values())
+    assert all(isinstance(rt, Runtime) for rt in RUNTIMES.values())
+    q = T(1, 2, 8, 64)
+    for name, ex in EXECUTORS.items():
+        assert tcs.explain(q, q, q, executor=name) == tcs.explain(q, q, q, executor=ex)
+    try:
+        tcs.explain(q, q, q, executor="cudnn")
+    except TypeError as exc:
+        assert str(exc).startswith("explain(): executor must be one of ['cudnn_safe', 'cudnn_safe_emulated']")
+    else:
+        raise AssertionError("an unknown executor name was accepted")

@@ -18,7 +18,7 @@ from thunder_cudnn_safe.graphs import build as graphs
 from thunder_cudnn_safe.graphs import plan_cache
 from thunder_cudnn_safe.masks import bias as masks
 from thunder_cudnn_safe.masks import patterns
-from thunder_cudnn_safe.runtimes import cudnn_runtime as runtime
+from thunder_cudnn_safe.runtimes import base as runtime
 from thunder_cudnn_safe.runtimes import emulation
 
 # knob -> (a valid environment text, the value it parses to, an invalid text, a valid Python value, an invalid one)

@@ -4,7 +4,7 @@ On top of the lowering sweep (tests/test_cudnn_lowering.py, whose calls and reco
 reuses): each distinct graph key the dispatcher builds for a call goes through cuDNN's heuristics
 (A, then FALLBACK), support check and plan build for a hand-written device descriptor
 (:data:`thunder_cudnn_safe.runtimes.aot.DEVICES`), forwards down the runtime's implementation ladder
-(:func:`thunder_cudnn_safe.runtimes.cudnn_runtime.build_with_ladder`). The runtime-compiled engines need a
+(:func:`thunder_cudnn_safe.runtimes.base.build_with_ladder`). The runtime-compiled engines need a
 ``libcuda.so.1``: a stand-in built here from compile_support/standin_libcuda.c, loaded only by
 aot's child process. Asserted per arch: every call ``explain()`` claims gets a plan for its
 forward and every backward. A call without one is declined by a rule (cudnn_rules, source: this

@@ -31,7 +31,7 @@ from thunder_cudnn_safe.graphs.cache import GraphCache
 from thunder_cudnn_safe.plan import calls, recipes
 from thunder_cudnn_safe.plan.keys import BackwardKey, ForwardKey
 from thunder_cudnn_safe.runtimes import emulation
-from thunder_cudnn_safe.runtimes.cudnn_runtime import BuiltGraph, build_with_ladder
+from thunder_cudnn_safe.runtimes.base import BuiltGraph, build_with_ladder
 from thunder_cudnn_safe.testing import QKV_LAYOUTS, assert_close_to_reference
 
 

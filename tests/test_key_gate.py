@@ -242,3 +242,20 @@ def test_gate_info_is_exported():
 
 def test_a_rule_refusal_is_a_graph_build_refusal():
     assert issubclass(key_gate.RuleRefusal, GraphBuildError)
+
+
+def test_a_runtime_that_builds_its_own_way_still_meets_the_gate():
+    """The gate is the graph cache's, not a runtime helper's: a runtime overriding ``build`` (no ladder) never
+    gets a key that breaks a rule (the gate used to run inside the ladder, which such a runtime skipped)."""
+
+    class OwnBuild(EmulatedRuntime):
+        built = []
+
+        def build(self, key):
+            self.built.append(key)
+            return super().build(key)
+
+    key = _key(dropout_p=0.3)
+    with pytest.raises(key_gate.RuleRefusal, match="DROPOUT_SIXTEENTHS"):
+        GraphCache().get_or_build(key, OwnBuild(arch=(9, 0), backend_version=91900).build)
+    assert OwnBuild.built == []

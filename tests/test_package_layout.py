@@ -21,7 +21,7 @@ ALLOWED = {
     "masks": set(),
     "plan": {"masks", "rules"},
     "rules": {"masks", "plan"},
-    "graphs": {"plan"},
+    "graphs": {"plan", "rules"},
     "runtimes": {"graphs", "plan", "rules", "masks"},
     "dispatch": {"runtimes", "graphs", "plan", "rules", "masks"},
     "integration": {"dispatch", "runtimes", "graphs", "plan", "rules", "masks"},

@@ -42,7 +42,7 @@ from thunder_cudnn_safe.plan.keys import BackwardKey, Target, Uid
 from thunder_cudnn_safe.plan.planner import Plan, Route, plan
 from thunder_cudnn_safe.plan.recipes import Bound, PackRecipe, backward_recipe, forward_recipe, with_grad_out_like_o
 from thunder_cudnn_safe.runtimes import fallback, handoff
-from thunder_cudnn_safe.runtimes.cudnn_runtime import Runtime
+from thunder_cudnn_safe.runtimes.base import Runtime
 from thunder_cudnn_safe.runtimes.reference import reduce_to_shape
 from thunder_cudnn_safe.telemetry import warn_once
 

@@ -9,8 +9,10 @@ after one): a key-gate rule may read a knob (DP_WORKSPACE's ``config.dp_workspac
 under a larger budget stayed in use after the budget was lowered. A graph whose key the gate now refuses is
 dropped (its slots emptied), so the next call builds again and meets the refusal.
 
-A miss builds under a per-key lock (one build per key, other keys in parallel). A refusal (cuDNN's
-judgment of the graph, or the key gate's) is remembered and raised again as it was; a transient failure
+A miss builds under a per-key lock (one build per key, other keys in parallel), after the key gate
+(:func:`~thunder_cudnn_safe.rules.key_gate.check`): every build of every route and runtime passes here, so a
+runtime that builds its own way cannot skip a rule. A refusal (cuDNN's judgment of the graph, or the key
+gate's) is remembered and raised again as it was; a transient failure
 (``GraphBuildError.definitive`` false: an out-of-memory or a CUDA error the frontend wrapped) is never
 remembered, so the next call with that key builds again (three transient failures used to become a
 refusal for the rest of the process).
@@ -26,6 +28,7 @@ from typing import Any, NamedTuple
 from thunder_cudnn_safe import caches, config
 from thunder_cudnn_safe.errors import GraphBuildError
 from thunder_cudnn_safe.lru import LRU
+from thunder_cudnn_safe.rules import key_gate
 
 #: Knob changes so far (every knob's hook counts, before the value changes): a cache sweeps its graphs at its
 #: first lookup after one (:meth:`GraphCache._sweep`), under the new value.
@@ -142,7 +145,7 @@ class GraphCache:
         return None
 
     def get_or_build(self, key: Hashable, build: Callable[[Hashable], Any]) -> Any:
-        """The built graph for ``key``, built once on a miss. Raises GraphBuildError."""
+        """The built graph for ``key``, built once on a miss if the key gate passes it. Raises GraphBuildError."""
         if self._swept != _knob_changes[0]:
             self._sweep()
         entry = self._graphs.get(key)  # a hit: one lookup under one lock
@@ -164,6 +167,7 @@ class GraphCache:
     def _build(self, key: Hashable, build: Callable[[Hashable], Any]) -> Any:
         start = time.perf_counter()
         try:
+            key_gate.check(key)  # a key that breaks a known cuDNN rule on its target is never built
             entry = build(key)
         except Exception as exc:  # raised as GraphBuildError; a refusal is remembered, a transient failure only counted
             self._count("build_failures")
@@ -180,7 +184,7 @@ class GraphCache:
 
     def _sweep(self) -> None:
         """Drop every graph the key gate no longer admits under today's knobs (``admitted()`` of a built graph:
-        :class:`~thunder_cudnn_safe.runtimes.cudnn_runtime.BuiltGraph`, the layer that knows the gate)."""
+        :class:`~thunder_cudnn_safe.runtimes.base.BuiltGraph`, the layer that knows the gate)."""
         self._swept = _knob_changes[0]
         graphs = self._graphs
         graphs.remove_if(lambda key: not getattr(graphs.peek(key), "admitted", lambda: True)())

@@ -1,7 +1,8 @@
 """Thunder registration: the only module that registers anything with thunder's executors.
 
 :func:`make_executor` wires one runtime into an ``OperatorExecutor`` claiming thunder's SDPA and
-:data:`~thunder_cudnn_safe.integration.gqa.sdpa_gqa` (``cudnn_safe_ex``: real cuDNN, ``emulated_ex``: the CPU
+:data:`~thunder_cudnn_safe.integration.gqa.sdpa_gqa`, one per runtime of the registry
+(:data:`~thunder_cudnn_safe.runtimes.base.RUNTIMES`: ``cudnn_safe_ex``, real cuDNN, and ``emulated_ex``, the CPU
 emulation). Each operator's signature is its call value's (:class:`~thunder_cudnn_safe.plan.calls.ForwardCall`,
 ``BackwardCall``), so an option added there reaches the trace, the metas and the dispatcher unedited.
 """
@@ -32,8 +33,8 @@ from thunder_cudnn_safe.plan.calls import BackwardCall, ForwardCall, backward_of
 from thunder_cudnn_safe.plan.layout import LayoutPolicy, same_size_except_heads
 from thunder_cudnn_safe.plan.planner import planned_keys
 from thunder_cudnn_safe.rules.support import Decline, not_supported_reasons, torch_dtype
-from thunder_cudnn_safe.runtimes import emulation
-from thunder_cudnn_safe.runtimes.cudnn_runtime import CudnnRuntime, Runtime
+from thunder_cudnn_safe.runtimes import cudnn_runtime, emulation  # noqa: F401 (each registers its runtime)
+from thunder_cudnn_safe.runtimes.base import RUNTIMES, Runtime
 
 
 def _option(knob_name: str, *aliases: str) -> Any:
@@ -190,10 +191,12 @@ def make_executor(name: str, runtime: Runtime) -> OperatorExecutor:
     return ex
 
 
+#: One executor per registered runtime, by name (:data:`~thunder_cudnn_safe.runtimes.base.RUNTIMES`).
+EXECUTORS: dict[str, OperatorExecutor] = {name: make_executor(name, runtime) for name, runtime in RUNTIMES.items()}
 #: The stride-safe cuDNN SDPA executor for CUDA tensors.
-cudnn_safe_ex: OperatorExecutor = make_executor("cudnn_safe", CudnnRuntime())
+cudnn_safe_ex: OperatorExecutor = EXECUTORS["cudnn_safe"]
 #: The emulated executor: claims SDPA on CPU tensors, runs the cuDNN path up to execute (:mod:`emulation`).
-emulated_ex: OperatorExecutor = make_executor("cudnn_safe_emulated", emulation.default_runtime)
+emulated_ex: OperatorExecutor = EXECUTORS["cudnn_safe_emulated"]
 
 
 def explain(
@@ -254,8 +257,8 @@ def describe(
 def _resolve_executor(executor: OperatorExecutor | str | None) -> OperatorExecutor:
     if executor is None:
         return cudnn_safe_ex
-    for ex in (cudnn_safe_ex, emulated_ex):
+    for ex in EXECUTORS.values():
         if executor is ex or executor == ex.name:  # an object must be ours itself: thunder compares executors by name
             return ex
-    names = sorted((cudnn_safe_ex.name, emulated_ex.name))
+    names = sorted(EXECUTORS)
     raise TypeError(f"explain(): executor must be one of {names} (object or name), got {executor!r}")

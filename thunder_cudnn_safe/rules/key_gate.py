@@ -2,8 +2,9 @@
 
 A rule must hold on every route (dense, mask pattern, packed sequences, a defect's workaround, the capture
 prebuild, a dropout forward's check of its backward, another thread's copy) by construction, not because
-each route remembers to check it. Every runtime builds through
-:func:`~thunder_cudnn_safe.runtimes.cudnn_runtime.build_with_ladder`, which asks :func:`check` first. A key
+each route remembers to check it. Every build passes through the graph cache
+(:meth:`~thunder_cudnn_safe.graphs.cache.GraphCache.get_or_build`, the deviceless compile too), which asks
+:func:`check` first, whatever the runtime's ``build`` does. A key
 that breaks a rule on its own target is never built: the refusal is a definitive :class:`RuleRefusal`, so the
 graph cache remembers it and the call takes its route's decline path (a packed-sequence call runs as a bias,
 a dense call on the torch fallback, a dropout forward whose backward is refused falls back as a pair).
@@ -39,8 +40,9 @@ class RuleRefusal(GraphBuildError):
 
 def violations(key: Any) -> list[tuple[cudnn_rules.Rule, str]]:
     """Every rule ``key`` breaks on its own target, with what in the key breaks it. A key without a target (the
-    compile sweep's, judged for several GPUs at once) has none to judge: no rule is read off it."""
-    if key.target is None:
+    compile sweep's, judged for several GPUs at once, or any other key the graph cache holds) has none to
+    judge: no rule is read off it."""
+    if getattr(key, "target", None) is None:
         return []
     return [(rule, what) for rule in cudnn_rules.RULES if rule.on_key and (what := rule.on_key(rule, key)) is not None]
 

@@ -1,7 +1,8 @@
-"""Runtimes: ``build(key)`` once per key and ``execute(built, pack)`` per call. cuDNN on a GPU
-(:mod:`.cudnn_runtime`, with one executable graph per thread, :mod:`.per_thread`, and pooled handles,
-:mod:`.handles`) and ahead of time from a CPU (:mod:`.aot`); the CPU emulation that reads memory through
-the declared strides as cuDNN does, dense and ragged (:mod:`.emulation`); the torch fallback for
+"""Runtimes: ``build(key)`` once per key and ``execute(built, pack)`` per call, the contract of :mod:`.base`
+(the abstract :class:`~.base.Runtime`, the build ladder, and the one registry of the runtimes behind the
+executors). cuDNN on a GPU (:mod:`.cudnn_runtime`, with one executable graph per thread, :mod:`.per_thread`,
+and pooled handles, :mod:`.handles`) and ahead of time from a CPU (:mod:`.aot`); the CPU emulation that reads memory
+through the declared strides as cuDNN does, dense and ragged (:mod:`.emulation`); the torch fallback for
 refused calls (:mod:`.fallback`), which shares the float32 math of :mod:`.reference`; and
 :mod:`.handoff`, the only state that crosses operator calls.
 

@@ -28,8 +28,10 @@ from thunder_cudnn_safe import config
 from thunder_cudnn_safe._env import parse_arch
 from thunder_cudnn_safe.errors import GraphBuildError
 from thunder_cudnn_safe.graphs import build
+from thunder_cudnn_safe.graphs.cache import GraphCache
 from thunder_cudnn_safe.plan.keys import Target
-from thunder_cudnn_safe.runtimes.cudnn_runtime import build_graph, build_with_ladder, cudnn_target
+from thunder_cudnn_safe.runtimes.base import build_with_ladder
+from thunder_cudnn_safe.runtimes.cudnn_runtime import build_graph, cudnn_target
 
 _CC = "CUDA C++ Programming Guide, 'Technical Specifications per Compute Capability' (8.0, 9.0, 10.0)"
 # shared by compute capabilities 8.0, 9.0, 10.0 (_CC); the last three are placeholders
@@ -125,7 +127,7 @@ class CompileResult(NamedTuple):
     #: Restored from the plan cache (:mod:`~thunder_cudnn_safe.graphs.plan_cache`) instead of built.
     loaded: bool = False
     #: Built as a dynamic-shape graph (a refused one is built static:
-    #: :func:`~thunder_cudnn_safe.runtimes.cudnn_runtime.build_with_ladder`).
+    #: :func:`~thunder_cudnn_safe.runtimes.base.build_with_ladder`).
     dynamic: bool = False
 
     @property
@@ -157,7 +159,8 @@ def compile_key(key: Any, device: str) -> CompileResult:
     place = {"device_property": props}
     build_one = functools.partial(build_graph, device=descriptor, placement=lambda: place, prefix="", loaded=loaded)
     try:
-        b = build_with_ladder(key, build_one)
+        # through a graph cache of its own, the one place every build passes, which asks the key gate first
+        b = GraphCache(1).get_or_build(key, lambda k: build_with_ladder(k, build_one))
     except GraphBuildError as exc:
         return CompileResult(device, None, {}, (), None, None, False, exc.reason, time.perf_counter() - start)
     return CompileResult(

@@ -1,5 +1,6 @@
-"""The protocol every runtime implements (:class:`Runtime`: ``build(key)`` once per key, which the dispatcher
-caches, and ``execute(built, pack)`` per call) and :class:`CudnnRuntime`, real cuDNN. No runtime imports thunder."""
+"""Real cuDNN (:class:`CudnnRuntime`, registered as the runtime behind ``cudnn_safe_ex``) and the steps every
+cuDNN build shares with the deviceless one (:func:`build_graph`, :func:`is_definitive_refusal`). The runtime
+contract and the build ladder are :mod:`~thunder_cudnn_safe.runtimes.base`'s."""
 
 from __future__ import annotations
 
@@ -7,79 +8,17 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
-from thunder_cudnn_safe import _compat, caches
+from thunder_cudnn_safe import _compat
 from thunder_cudnn_safe.errors import ExecuteError, GraphBuildError
 from thunder_cudnn_safe.graphs import build, plan_cache
 from thunder_cudnn_safe.graphs.lowering import implementation_of
-from thunder_cudnn_safe.lru import LRU
-from thunder_cudnn_safe.plan.keys import BackwardKey, ForwardKey, Target, TensorSig
-from thunder_cudnn_safe.rules import key_gate
+from thunder_cudnn_safe.plan.keys import BackwardKey, ForwardKey, Target
+from thunder_cudnn_safe.runtimes.base import BuiltGraph, GraphRuntime, register
 from thunder_cudnn_safe.runtimes.handles import HandlePool
-from thunder_cudnn_safe.runtimes.per_thread import PerThread
-
-
-class BuiltGraph(NamedTuple):
-    """A graph ready to execute (on the thread that built it), its workspace bytes, its key, the SDPA
-    implementation and plan it got."""
-
-    graph: Any
-    workspace_size: int
-    key: Any = None
-    implementation: str | None = None
-    plan: str | None = None
-    #: The implementation asked of the build (a rung of :data:`FORWARD_IMPLEMENTATIONS`), which a copy asks too.
-    rung: str | None = None
-    #: The graph each thread executes (:class:`~thunder_cudnn_safe.runtimes.per_thread.PerThread`);
-    #: None: ``graph`` everywhere.
-    threads: PerThread | None = None
-
-    def admitted(self) -> bool:
-        """Whether the key gate still admits the key this was built as, under today's knobs (a rule may read
-        one: DP_WORKSPACE's budget); the graph cache drops a graph it no longer admits."""
-        return self.key is None or not key_gate.violations(self.key)
-
-
-#: The forward's implementation ladder: the frontend's choice first, then the composite
-#: implementation, which the frontend accepts for every forward (the lowering sweep: pinned
-#: "unified" is refused for causal, masked and dropout forwards on cuDNN 9.19).
-FORWARD_IMPLEMENTATIONS: tuple[str | None, ...] = (None, "composite")
-
-
-#: Dynamic-shape forwards cuDNN refused, by topology (the key without sizes and strides): later
-#: shapes of the same topology go straight to a static graph instead of through the refusal again
-#: (until cleared: the next such forward tries dynamic again).
-_static_only = LRU(1024)
-caches.register("refused dynamic-shape topologies", _static_only.clear)
-
-#: Builds of another thread's copy of a built key tried in one call before the call is refused.
-COPY_ATTEMPTS = 3
-
-
-def build_with_ladder(key: Any, build_one: Callable[[Any, str | None], BuiltGraph]) -> BuiltGraph:
-    """``build_one(key, implementation)`` down :data:`FORWARD_IMPLEMENTATIONS` (a backward has no choice);
-    a dynamic-shape forward cuDNN refuses is built as the static graph of the same layouts. A key that
-    breaks a known cuDNN rule is never built (:func:`~thunder_cudnn_safe.rules.key_gate.check`, every runtime's
-    first step)."""
-    key_gate.check(key)
-    implementations = FORWARD_IMPLEMENTATIONS if isinstance(key, ForwardKey) else (None,)
-    topology = None
-    if getattr(key, "dynamic", False):
-        topology = tuple((f.dtype, f.shape[-1]) if isinstance(f, TensorSig) else f for f in key)
-    rungs = [key] if topology is None else [key, key._replace(dynamic=False)][topology in _static_only :]
-    ladder = [(rung, impl) for rung in rungs for impl in implementations]
-    for i, (rung, implementation) in enumerate(ladder):
-        if topology is not None and not rung.dynamic:
-            _static_only.put(topology, True)  # reached only once the dynamic graph was refused
-        try:
-            built = build_one(rung, implementation)
-            return built._replace(rung=implementation, threads=PerThread(built.graph, built.workspace_size))
-        except GraphBuildError as exc:
-            if not exc.definitive or i == len(ladder) - 1:  # the last rung's refusal is the key's
-                raise
 
 
 class _FrontendRefusalFilter(logging.Filter):
@@ -142,7 +81,8 @@ def build_graph(
     prefix: str = "cuDNN could not build this graph: ",
     loaded: list | None = None,
 ) -> BuiltGraph:
-    """One rung of :func:`build_with_ladder` in cuDNN, on a GPU or for a GPU descriptor (:mod:`.aot`):
+    """One rung of :func:`~thunder_cudnn_safe.runtimes.base.build_with_ladder` in cuDNN, on a GPU or for a GPU
+    descriptor (:mod:`.aot`):
     the plan cache's entry for (``key``, ``implementation``, ``device``: a descriptor, or a function giving
     one) if any (``key`` appended to ``loaded``), else a new build stored there. ``placement()`` gives the
     graphs' ``handle`` or ``device_property``, inside ``where()``; any failure is a GraphBuildError."""
@@ -170,63 +110,12 @@ def build_graph(
     return built
 
 
-class Runtime:
-    """The protocol every runtime implements."""
-
-    name: str = "abstract"
-    device_type: str = "cuda"
-
-    def environment_problem(self) -> str | None:
-        """Why this runtime cannot run anything here, or None."""
-        raise NotImplementedError
-
-    def target(self, device: torch.device) -> Target:
-        """Where graphs for ``device`` run (architecture and library versions go into every key)."""
-        raise NotImplementedError
-
-    def build(self, key: ForwardKey | BackwardKey) -> BuiltGraph:
-        """Everything that depends on the key alone; raises GraphBuildError on a refusal."""
-        return build_with_ladder(key, self._build_one)
-
-    def execute(self, built: BuiltGraph, pack: dict[int, torch.Tensor]) -> None:
-        """Run ``built`` on the tensors bound to its uids; raises ExecuteError on a refusal."""
-        raise NotImplementedError
-
-    def _build_one(self, key: ForwardKey | BackwardKey, implementation: str | None) -> BuiltGraph:
-        """One rung of :func:`build_with_ladder`: ``key``'s graph with ``implementation`` asked for."""
-        raise NotImplementedError
-
-    def free_memory(self) -> None:
-        """Release what the runtime's allocator caches before a transient failure is retried (CUDA: torch's cache)."""
-
-    def graph_for_this_thread(self, built: BuiltGraph) -> tuple[Any, int]:
-        """``built``'s graph and workspace bytes for the calling thread (another thread's copy is built on its
-        first call: :mod:`~thunder_cudnn_safe.runtimes.per_thread`)."""
-        if built.threads is None:
-            return built.graph, built.workspace_size
-
-        def copy() -> tuple[Any, int]:
-            # The key was built once: a failure here is transient (memory, a CUDA error). It is retried
-            # in place, since the call may have no other route (a dropout backward only cuDNN can
-            # reproduce); nothing is remembered, so a later call tries again.
-            for attempt in range(COPY_ATTEMPTS):
-                try:
-                    b = self._build_one(built.key, built.rung)
-                    return b.graph, b.workspace_size
-                except GraphBuildError as exc:
-                    if attempt == COPY_ATTEMPTS - 1:
-                        raise ExecuteError(f"cannot build this thread's copy of the graph: {exc.reason}") from exc
-                    self.free_memory()
-
-        return built.threads.get(copy)
-
-
 def _create_handle(device_index: int) -> Any:
     with torch.cuda.device(device_index):
         return build.cudnn_module().create_handle()
 
 
-class CudnnRuntime(Runtime):
+class CudnnRuntime(GraphRuntime):
     """Real cuDNN: per (thread, device) handles on torch's current stream, workspace from torch."""
 
     name = "cudnn"
@@ -298,3 +187,7 @@ def execute_graph(built: BuiltGraph, pack: dict[int, torch.Tensor], workspace: t
         raise RuntimeError(
             f"cudnn_safe: cuDNN failed to execute the graph for key {built.key}: {type(exc).__name__}: {exc}"
         ) from exc
+
+
+#: The runtime behind ``cudnn_safe_ex``.
+default_runtime = register("cudnn_safe", CudnnRuntime())

@@ -28,7 +28,8 @@ from thunder_cudnn_safe.plan.keys import BackwardKey, ForwardKey, Target
 from thunder_cudnn_safe.plan.layout import span_elements
 from thunder_cudnn_safe.rules.cudnn_rules import ALIGNMENT_BYTES
 from thunder_cudnn_safe.runtimes import reference
-from thunder_cudnn_safe.runtimes.cudnn_runtime import BuiltGraph, Runtime, cudnn_target, frontend_refusal_filter
+from thunder_cudnn_safe.runtimes.base import BuiltGraph, GraphRuntime, register
+from thunder_cudnn_safe.runtimes.cudnn_runtime import cudnn_target, frontend_refusal_filter
 
 
 def declared_view(bound: torch.Tensor, declared: Any, role: str) -> torch.Tensor:
@@ -293,7 +294,7 @@ def _emulate_ragged(node: Any, forward: bool, b: _Bindings) -> None:
         reference.attend(forward, functools.partial(read, **where), functools.partial(write, **where), how, io_dtype)
 
 
-class EmulatedRuntime(Runtime):
+class EmulatedRuntime(GraphRuntime):
     """Same graphs and variant packs as :class:`~.cudnn_runtime.CudnnRuntime`, executed on CPU."""
 
     name = "emulated"
@@ -333,7 +334,7 @@ class EmulatedRuntime(Runtime):
 
 
 #: The runtime behind ``emulated_ex`` (its target follows ``config.emulated_arch`` and ``config.emulated_backend``).
-default_runtime = EmulatedRuntime()
+default_runtime = register("cudnn_safe_emulated", EmulatedRuntime())
 config.on_change("emulated_arch", lambda arch: setattr(default_runtime, "arch", tuple(arch)))
 config.on_change("emulated_backend", lambda version: setattr(default_runtime, "backend_version", version))
 

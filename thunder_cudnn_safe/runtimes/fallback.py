@@ -15,7 +15,7 @@ import torch
 from thunder_cudnn_safe.masks import bias
 from thunder_cudnn_safe.plan.keys import BackwardKey, ForwardKey, Uid
 from thunder_cudnn_safe.runtimes import handoff, reference
-from thunder_cudnn_safe.runtimes.cudnn_runtime import BuiltGraph, Runtime
+from thunder_cudnn_safe.runtimes.base import BuiltGraph
 from thunder_cudnn_safe.telemetry import warn_once
 
 #: float32 score elements one chunk of the fallback materializes (about 1 GiB each of the few (B, H, L, S)
@@ -53,8 +53,11 @@ def _chunks(pack: dict) -> list[tuple[int, int]]:
     return [(i, min(b, i + step)) for i in range(0, b, step)]
 
 
-class FallbackRuntime(Runtime):
-    """Computes any key in torch float32 on the tensors' own device; never refuses a layout."""
+class FallbackRuntime:
+    """Computes any key in torch float32 on the tensors' own device; never refuses a layout. Not a
+    :class:`~thunder_cudnn_safe.runtimes.base.Runtime`: no executor runs on it and it has no target of its own;
+    the dispatcher hands it a call another runtime refused, whatever its target (no key gate: nothing of
+    cuDNN's runs)."""
 
     name = "torch fallback"
     device_type = "any"

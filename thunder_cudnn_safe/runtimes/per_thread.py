@@ -1,6 +1,6 @@
 """One executable graph per thread for each cached key: cuDNN promises no more.
 
-The graph cache entry (a :class:`~thunder_cudnn_safe.runtimes.cudnn_runtime.BuiltGraph`: plain values) is
+The graph cache entry (a :class:`~thunder_cudnn_safe.runtimes.base.BuiltGraph`: plain values) is
 shared; the frontend pygraph and the cuDNN execution plan inside it are not. cuDNN documents thread safety
 only "so long as the threads do not share the same cuDNN handle simultaneously", told PyTorch that execution
 plans shared "(or even shallow copied) across threads" have known limitations (pytorch/pytorch#103939:
