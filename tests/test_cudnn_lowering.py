@@ -35,7 +35,7 @@ import torch
 import thunder_cudnn_safe as tcs
 from thunder_cudnn_safe.graphs import lowering
 from thunder_cudnn_safe.graphs.cache import graph_cache
-from thunder_cudnn_safe.plan.keys import ForwardKey
+from thunder_cudnn_safe.layouts.keys import ForwardKey
 from thunder_cudnn_safe.runtimes import emulation
 from thunder_cudnn_safe.testing import GRAD_OUT_LAYOUTS, QKV_LAYOUTS, document_mask
 
@@ -276,21 +276,22 @@ def _tensors(call: Call):
 
 @contextlib.contextmanager
 def _recording(dispatcher) -> Any:
-    """Record every key the dispatcher asks its runtime to build; skip execution.
+    """Record every key the dispatcher asks the graph cache to build (the key gate's refusals too: the gate runs
+    there, before the runtime's build); skip execution.
 
     The sweep needs the keys, not numbers: execution is a no-op, so a case costs no
     float32 attention and does not depend on the emulation understanding every attribute.
     """
-    runtime = dispatcher.runtime
+    runtime, cache = dispatcher.runtime, dispatcher.cache
     seen: list = []
-    build = runtime.build
+    get_or_build = cache.get_or_build
 
-    def recording_build(key):
+    def recording(key, build):
         seen.append(key)
-        return build(key)
+        return get_or_build(key, build)
 
     with (
-        mock.patch.object(runtime, "build", recording_build),
+        mock.patch.object(cache, "get_or_build", recording),
         mock.patch.object(runtime, "execute", lambda built, pack: None),
     ):
         yield seen
@@ -302,7 +303,7 @@ _KEYS: dict[str, list] = {}
 def keys_of(call: Call) -> list:
     """Every graph key (target stripped) the dispatcher builds for ``call`` posing as any arch of :data:`ARCHS`:
     the graphs depend on the arch only where a defect's workaround applies
-    (:mod:`thunder_cudnn_safe.rules.defect_routes`), and those graphs are then checked at every arch too.
+    (:mod:`thunder_cudnn_safe.plan.defect_routes`), and those graphs are then checked at every arch too.
     Packed-sequence calls are the exception: whether they run as variable-length graphs is itself per arch,
     so their keys are those of the emulated arch."""
     import cudnn
@@ -363,7 +364,7 @@ def _record_keys(call: Call) -> list:
             mask_grad=call.mask_grad,
         )
         cached = graph_cache.keys()
-    assert set(cached) <= set(seen), "the cache holds a key the runtime was never asked to build"
+    assert set(cached) <= set(seen), "the cache holds a key it was never asked to build"
     # A dropout forward whose backward cuDNN refuses is never built (it runs on the fallback).
     assert seen and (any(isinstance(key, ForwardKey) for key in seen) or call.dropout), seen
     tcs.clear_cache()
@@ -506,7 +507,7 @@ def test_causal_is_the_top_left_diagonal_band() -> None:
     import cudnn
 
     from thunder_cudnn_safe.graphs import build as graphs
-    from thunder_cudnn_safe.plan.keys import BackwardKey
+    from thunder_cudnn_safe.layouts.keys import BackwardKey
 
     call = Call("causal", causal=True)
     for g in (graphs.build_forward_graph(_key(call, ForwardKey)), graphs.build_backward_graph(_key(call, BackwardKey))):
@@ -522,7 +523,7 @@ def test_causal_is_the_top_left_diagonal_band() -> None:
 def test_implementation_can_be_pinned() -> None:
     """build_forward_graph(implementation=...) reaches cuDNN: the lowered node records the pinned one."""
     from thunder_cudnn_safe.graphs import build as graphs
-    from thunder_cudnn_safe.plan.keys import BackwardKey
+    from thunder_cudnn_safe.layouts.keys import BackwardKey
 
     key = _key(Call("full"), ForwardKey)
     chosen = lowering.lower_key(key, 90)
@@ -540,7 +541,7 @@ def test_implementation_can_be_pinned() -> None:
 
 def test_lowering_asks_libcudnn_for_the_given_arch() -> None:
     """Head dim 256 trains on Hopper only: the C++ validate refuses the backward for sm80, accepts it for sm90."""
-    from thunder_cudnn_safe.plan.keys import BackwardKey
+    from thunder_cudnn_safe.layouts.keys import BackwardKey
 
     key = _key(Call("d256", shape=(2, 2, 16, 16, 256, 256)), BackwardKey)
     ampere, hopper = lowering.lower_key(key, 80), lowering.lower_key(key, 90)
@@ -569,8 +570,8 @@ def test_s1_backward_is_refused_while_its_forward_lowers() -> None:
     A dropout forward that ran in cuDNN then has no backward graph, and the fallback cannot
     reproduce cuDNN's mask. The fix must build (or decline) the backward before the forward runs.
     """
+    from thunder_cudnn_safe.layouts.keys import BackwardKey
     from thunder_cudnn_safe.plan.calls import ForwardCall
-    from thunder_cudnn_safe.plan.keys import BackwardKey
 
     call = Call("s1-dropout", shape=(2, 2, 1, 1, 64, 64), dropout=0.1)
     # The dispatcher no longer builds this forward (it checks the backward first), so bind it directly.
