@@ -27,7 +27,7 @@ from thunder_cudnn_safe import config, copy_stats, reset_copy_stats, testing
 from thunder_cudnn_safe.dispatch.dispatcher import Dispatcher
 from thunder_cudnn_safe.graphs import build as graphs
 from thunder_cudnn_safe.graphs.cache import GraphCache
-from thunder_cudnn_safe.plan.keys import ForwardKey
+from thunder_cudnn_safe.layouts.keys import ForwardKey
 from thunder_cudnn_safe.runtimes.base import BuiltGraph, Runtime
 from thunder_cudnn_safe.runtimes.cudnn_runtime import CudnnRuntime
 from thunder_cudnn_safe.runtimes.emulation import EmulatedRuntime

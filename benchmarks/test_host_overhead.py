@@ -25,7 +25,7 @@ _UIDS = {
     "dk": 11,
     "dv": 12,
     "d_bias": 13,
-}  # thunder_cudnn_safe.plan.keys.Uid
+}  # thunder_cudnn_safe.layouts.keys.Uid
 
 
 def _declared(key) -> dict:

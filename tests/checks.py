@@ -358,7 +358,7 @@ def forward_backward(f, q, k, v, mask, causal, grad_out):
 @contextlib.contextmanager
 def runtime_executions():
     """Count the graphs the executor's runtime executes inside, by kind: "forward", "backward", "backward+dBias"."""
-    from thunder_cudnn_safe.plan.keys import BackwardKey
+    from thunder_cudnn_safe.layouts.keys import BackwardKey
 
     runtime = GPU_EXECUTOR.runtime
     real = runtime.execute

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import thunder_cudnn_safe as tcs
-from thunder_cudnn_safe.plan.keys import ForwardKey
+from thunder_cudnn_safe.layouts.keys import ForwardKey
 
 OUR_FWD = "cudnn_safe_emulated_sdpa_fwd"
 H_Q, H_KV = 4, 2

@@ -304,7 +304,7 @@ def test_memo_hit_does_no_planning_and_hashes_no_key(monkeypatch):
     used: ``OrderedDict.move_to_end`` finds the most recent key by identity), the graph cache still counts the
     hits, and the numbers are those of the full path."""
     from thunder_cudnn_safe.dispatch import dispatcher as dispatch_module
-    from thunder_cudnn_safe.plan.keys import BackwardKey, ForwardKey
+    from thunder_cudnn_safe.layouts.keys import BackwardKey, ForwardKey
 
     q, k, v, g = _memo_case()
     checks.assert_claimed(q, k, v)
@@ -491,7 +491,7 @@ def test_a_memo_hit_still_copies_counts_and_falls_back(fresh_cache, monkeypatch,
 def test_a_refused_key_is_never_remembered_or_built(fresh_cache):
     """A key the key gate refuses (a deterministic backward over the dP workspace budget) falls back on every
     call, each counted, and is never built: no memo holds a graph for it."""
-    from thunder_cudnn_safe.plan.keys import BackwardKey
+    from thunder_cudnn_safe.layouts.keys import BackwardKey
 
     disp = Dispatcher(EmulatedRuntime(), GraphCache(16))
     q, k, v, g = _memo_case()
@@ -529,7 +529,7 @@ def test_a_lowered_budget_applies_to_graphs_already_built(fresh_cache):
     ``config.dp_workspace_limit`` was lowered below its need: the graph cache now judges its graphs again after
     a knob changes, drops the one the key gate refuses, and the call falls back; the budget raised again, it is
     built and runs in cuDNN."""
-    from thunder_cudnn_safe.plan.keys import BackwardKey, ForwardKey
+    from thunder_cudnn_safe.layouts.keys import BackwardKey, ForwardKey
 
     disp = Dispatcher(EmulatedRuntime(), GraphCache(16))
     q, k, v, g = _memo_case()
@@ -556,8 +556,8 @@ def test_outputs_made_with_empty_like_get_exactly_the_declared_strides():
     and end to end: each bound output has the strides its graph declares."""
     import itertools
 
+    from thunder_cudnn_safe.layouts.layout import ArgSig
     from thunder_cudnn_safe.plan.calls import ForwardCall, signature
-    from thunder_cudnn_safe.plan.layout import ArgSig
     from thunder_cudnn_safe.plan.recipes import _dense, bind, forward_recipe
     from thunder_cudnn_safe.runtimes.emulation import emulated_target
     from thunder_cudnn_safe.testing import QKV_LAYOUTS
@@ -591,7 +591,7 @@ def test_options_of_a_plain_call_are_served_by_the_memo(option, monkeypatch, req
     gradient and grouped K/V heads are plain calls: from the second call on, forward and backward run from the
     memo (no planning), with the options the full path ran, and give the same numbers."""
     from thunder_cudnn_safe.dispatch import dispatcher as dispatch_module
-    from thunder_cudnn_safe.plan.keys import BackwardKey
+    from thunder_cudnn_safe.layouts.keys import BackwardKey
 
     if option == "enable_gqa":
         q, k, v, g = _gqa_case()

@@ -30,7 +30,7 @@ from test_cudnn_lowering import CALLS, Call, _explain, _tensors, keys_of
 
 import thunder_cudnn_safe as tcs
 from thunder_cudnn_safe.graphs import lowering
-from thunder_cudnn_safe.plan.keys import ForwardKey
+from thunder_cudnn_safe.layouts.keys import ForwardKey
 from thunder_cudnn_safe.rules import cudnn_rules
 from thunder_cudnn_safe.runtimes import aot, emulation
 from thunder_cudnn_safe.testing import document_mask
@@ -216,7 +216,7 @@ def test_mask_pattern_graphs_compile(standin):
     plan on every GPU, forward and backward, with dropout, GQA and deterministic."""
     from thunder_cudnn_safe.dispatch.dispatcher import Dispatcher
     from thunder_cudnn_safe.graphs.cache import GraphCache
-    from thunder_cudnn_safe.plan.keys import BackwardKey
+    from thunder_cudnn_safe.layouts.keys import BackwardKey
 
     i, j = torch.arange(16)[:, None], torch.arange(16)[None, :]
     pad = (j < torch.tensor([11, 16])[:, None])[:, None, None, :]

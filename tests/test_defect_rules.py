@@ -32,8 +32,8 @@ from hypothesis import strategies as st
 
 import thunder_cudnn_safe as tcs
 from thunder_cudnn_safe.graphs.cache import graph_cache
+from thunder_cudnn_safe.layouts.keys import BackwardKey, ForwardKey, Target
 from thunder_cudnn_safe.masks.patterns import MaskPattern, recognize
-from thunder_cudnn_safe.plan.keys import BackwardKey, ForwardKey, Target
 from thunder_cudnn_safe.rules import cudnn_rules
 from thunder_cudnn_safe.testing import assert_close_to_reference
 

@@ -23,7 +23,7 @@ from checks import inject_failures, jit_sdpa, jit_with_ours
 
 import thunder_cudnn_safe as tcs
 from thunder_cudnn_safe.errors import GraphBuildError
-from thunder_cudnn_safe.plan.keys import BackwardKey
+from thunder_cudnn_safe.layouts.keys import BackwardKey
 from thunder_cudnn_safe.runtimes import handoff
 from thunder_cudnn_safe.testing import assert_close_to_reference, seeded_qkv
 

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 import thunder_cudnn_safe as tcs
 from thunder_cudnn_safe.dispatch.dispatcher import Dispatcher
 from thunder_cudnn_safe.graphs.cache import GraphCache
-from thunder_cudnn_safe.plan.keys import BackwardKey, ForwardKey
+from thunder_cudnn_safe.layouts.keys import BackwardKey, ForwardKey
 from thunder_cudnn_safe.plan.recipes import rng_tensors
 from thunder_cudnn_safe.runtimes.emulation import EmulatedRuntime
 from thunder_cudnn_safe.runtimes.reference import dropout_keep_mask

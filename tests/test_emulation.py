@@ -11,7 +11,7 @@ import thunder_cudnn_safe as tcs
 from thunder_cudnn_safe.dispatch.dispatcher import Dispatcher
 from thunder_cudnn_safe.graphs import build as graphs
 from thunder_cudnn_safe.graphs.cache import GraphCache
-from thunder_cudnn_safe.plan.keys import ForwardKey, Target, TensorSig, Uid, sig
+from thunder_cudnn_safe.layouts.keys import ForwardKey, Target, TensorSig, Uid, sig
 from thunder_cudnn_safe.runtimes import emulation, reference
 from thunder_cudnn_safe.runtimes.emulation import EmulatedRuntime, EmulationError, emulate
 from thunder_cudnn_safe.runtimes.reference import Scores, attention_backward

@@ -13,7 +13,7 @@ from gqa_support import gqa_layout
 from thunder_cudnn_safe.dispatch.dispatcher import Dispatcher
 from thunder_cudnn_safe.graphs import build as graphs
 from thunder_cudnn_safe.graphs.cache import GraphCache
-from thunder_cudnn_safe.plan.keys import TensorSig, Uid
+from thunder_cudnn_safe.layouts.keys import TensorSig, Uid
 from thunder_cudnn_safe.runtimes.emulation import EmulatedRuntime
 from thunder_cudnn_safe.testing import GRAD_OUT_LAYOUTS, QKV_LAYOUTS
 

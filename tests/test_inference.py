@@ -10,7 +10,7 @@ from checks import assert_claimed, on_the_runtime
 
 import thunder_cudnn_safe as tcs
 from thunder_cudnn_safe.graphs import lowering
-from thunder_cudnn_safe.plan.keys import ForwardKey
+from thunder_cudnn_safe.layouts.keys import ForwardKey
 
 
 def _fn(q, k, v, m=None):

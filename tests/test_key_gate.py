@@ -17,9 +17,9 @@ from thunder_cudnn_safe.dispatch import packed as varlen_dispatch
 from thunder_cudnn_safe.dispatch.dispatcher import Dispatcher
 from thunder_cudnn_safe.errors import GraphBuildError
 from thunder_cudnn_safe.graphs.cache import GraphCache
+from thunder_cudnn_safe.layouts.keys import BackwardKey, ForwardKey, TensorSig
 from thunder_cudnn_safe.masks import bias as masks
 from thunder_cudnn_safe.plan import varlen
-from thunder_cudnn_safe.plan.keys import BackwardKey, ForwardKey, TensorSig
 from thunder_cudnn_safe.rules import cudnn_rules, key_gate
 from thunder_cudnn_safe.runtimes.emulation import EmulatedRuntime
 from thunder_cudnn_safe.testing import document_mask, padding_mask, seeded_qkv

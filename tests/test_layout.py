@@ -13,9 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import thunder_cudnn_safe as tcs
-from thunder_cudnn_safe.plan.calls import ForwardCall, signature
-from thunder_cudnn_safe.plan.keys import BackwardKey, Uid, sig
-from thunder_cudnn_safe.plan.layout import (
+from thunder_cudnn_safe.layouts.keys import BackwardKey, Uid, sig
+from thunder_cudnn_safe.layouts.layout import (
     LayoutPolicy,
     arg_sig,
     canonical_strides,
@@ -23,6 +22,7 @@ from thunder_cudnn_safe.plan.layout import (
     stride_order,
     strides_like,
 )
+from thunder_cudnn_safe.plan.calls import ForwardCall, signature
 from thunder_cudnn_safe.plan.recipes import bind, forward_recipe
 from thunder_cudnn_safe.runtimes import emulation
 from thunder_cudnn_safe.testing import GRAD_OUT_LAYOUTS

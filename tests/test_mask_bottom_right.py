@@ -19,9 +19,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import thunder_cudnn_safe as tcs
+from thunder_cudnn_safe.layouts.keys import BackwardKey
 from thunder_cudnn_safe.masks import patterns
 from thunder_cudnn_safe.masks.patterns import MaskPattern, recognize
-from thunder_cudnn_safe.plan.keys import BackwardKey
 from thunder_cudnn_safe.rules import cudnn_rules
 from thunder_cudnn_safe.testing import assert_close_to_reference
 
@@ -191,7 +191,7 @@ def _check(inputs, mask, out, grads):
 def test_bottom_right_combinations(combo, fresh_cache):
     """GQA, fused dQKV asked for and the deterministic backward with the bottom-right band (libcudnn 9.19 lowers
     each at sm80-sm120: tests/test_cudnn_lowering.py's bottom-right calls). L < S: dQ cannot share dK/dV's buffer
-    (plan.layout.wants_fused_grad_qkv), so a fused dQKV request gets the three gradients."""
+    (layouts.layout.wants_fused_grad_qkv), so a fused dQKV request gets the three gradients."""
     window, lens = (5, [13, 20]) if "padding" in combo else (None, None)
     mask = bottom_right(8, 20, window, lens)
     options = {"fused_dqkv": dict(cat_grad_qkv=True), "deterministic": dict(deterministic=True)}.get(combo, {})

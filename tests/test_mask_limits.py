@@ -177,8 +177,7 @@ def test_a_mask_computed_from_integers_needs_no_gradient(monkeypatch):
     no dBias: the budget does not decline it (a learned bias from the same trace does)."""
     import thunder
 
-    from thunder_cudnn_safe.plan import grad_need
-    from thunder_cudnn_safe.rules import support
+    from thunder_cudnn_safe.integration import grad_need, proxies
 
     answers = {}
     real = grad_need.mask_needs_grad
@@ -198,7 +197,7 @@ def test_a_mask_computed_from_integers_needs_no_gradient(monkeypatch):
     q, k, v = (torch.randn(2, 2, 16, 64).bfloat16().requires_grad_() for _ in range(3))
     import checks
 
-    monkeypatch.setattr(support, "mask_needs_grad", spy)
+    monkeypatch.setattr(proxies, "mask_needs_grad", spy)
     with tcs.config.patch(dp_workspace_limit=1024):
         jf = checks.jit_with_ours(fn)
         jf(q, k, v, ids)

@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 
 import thunder_cudnn_safe as tcs
+from thunder_cudnn_safe.layouts.keys import BackwardKey
 from thunder_cudnn_safe.masks import bias as masks
 from thunder_cudnn_safe.masks import patterns
 from thunder_cudnn_safe.masks.patterns import recognize
-from thunder_cudnn_safe.plan.keys import BackwardKey
 from thunder_cudnn_safe.rules import cudnn_rules
 from thunder_cudnn_safe.testing import padding_mask
 
@@ -55,7 +55,7 @@ def test_all_kept_and_all_zero_are_no_mask():
 def test_an_inference_forward_runs_an_all_kept_mask_as_padding_a_training_forward_as_none(fresh_cache):
     """A static KV cache's last decode slot has an all-True mask: as padding (inference) it shares the
     decode steps' graph; a training forward runs it as no mask (no zeroed dK/dV, the plain graph)."""
-    from thunder_cudnn_safe.plan.keys import ForwardKey
+    from thunder_cudnn_safe.layouts.keys import ForwardKey
 
     disp = tcs.emulated_ex.dispatcher
     q = torch.randn(2, 4, 1, 64, dtype=torch.bfloat16)

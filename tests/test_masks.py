@@ -159,7 +159,7 @@ def test_a_float32_mask_with_fp16_queries_refuses_rows_only_its_overflow_would_k
 
 
 def _count_backward_executions(runtime):
-    from thunder_cudnn_safe.plan.keys import BackwardKey
+    from thunder_cudnn_safe.layouts.keys import BackwardKey
 
     counts = []
     real = runtime.execute

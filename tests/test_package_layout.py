@@ -1,7 +1,8 @@
 """The package's layout is its architecture: each subpackage imports only the layers its docstring names.
 
 A new import that crosses a layer (a rule importing the dispatcher, a mask reading a runtime) fails here,
-so the data flow a reader sees in the tree stays the one the code follows.
+so the data flow a reader sees in the tree stays the one the code follows. The layers form no cycle, no
+import of the package hides inside a function, and only :data:`THUNDER_LAYER` imports thunder.
 """
 
 from __future__ import annotations
@@ -16,16 +17,19 @@ import thunder_cudnn_safe
 PACKAGE = pathlib.Path(thunder_cudnn_safe.__file__).parent
 #: Top-level modules every subpackage may import.
 PLUMBING = {"_compat", "_env", "_version", "config", "errors", "caches", "codegen", "lru", "telemetry"}
-#: What each subpackage may import besides the plumbing (plan and rules are one layer: see plan/__init__.py).
+#: What each subpackage may import besides the plumbing, bottom layer first (no cycle: see the test below).
 ALLOWED = {
     "masks": set(),
-    "plan": {"masks", "rules"},
-    "rules": {"masks", "plan"},
-    "graphs": {"plan", "rules"},
-    "runtimes": {"graphs", "plan", "rules", "masks"},
-    "dispatch": {"runtimes", "graphs", "plan", "rules", "masks"},
-    "integration": {"dispatch", "runtimes", "graphs", "plan", "rules", "masks"},
+    "layouts": set(),
+    "rules": {"layouts", "masks"},
+    "plan": {"layouts", "rules", "masks"},
+    "graphs": {"layouts", "rules"},
+    "runtimes": {"graphs", "layouts", "plan", "rules", "masks"},
+    "dispatch": {"runtimes", "graphs", "layouts", "plan", "rules", "masks"},
+    "integration": {"dispatch", "runtimes", "graphs", "layouts", "plan", "rules", "masks"},
 }
+#: The one subpackage that meets thunder: it registers the executors and reads thunder's proxies and traces.
+THUNDER_LAYER = "integration"
 
 
 def _imported_parts(path: pathlib.Path) -> set[str]:
@@ -66,6 +70,51 @@ def test_subpackage_imports_only_its_layers(subpackage):
     for path in sorted((PACKAGE / subpackage).glob("*.py")):
         crossing = _imported_parts(path) - allowed
         assert not crossing, f"{path.relative_to(PACKAGE)} imports {sorted(crossing)}, outside its layers"
+
+
+def test_the_layers_form_no_cycle():
+    """Each layer may import only layers listed before it in ALLOWED: a cycle (plan and rules importing each other,
+    as they did until issue 41) cannot be allowed."""
+    order = list(ALLOWED)
+    for name, below in ALLOWED.items():
+        above = {other for other in below if order.index(other) >= order.index(name)}
+        assert not above, f"{name} may import {sorted(above)}, which are not below it"
+
+
+def _function_local_imports(path: pathlib.Path) -> list[str]:
+    """Imports of the package inside a function or method of ``path`` (where a cycle used to hide)."""
+    found = []
+    for fn in ast.walk(ast.parse(path.read_text())):
+        if isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+            for node in ast.walk(fn):
+                module = node.module if isinstance(node, ast.ImportFrom) else None
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [module or ""]
+                if isinstance(node, ast.Import | ast.ImportFrom) and any(
+                    n.split(".")[0] == "thunder_cudnn_safe" for n in names
+                ):
+                    found.append(f"{path.relative_to(PACKAGE)}:{node.lineno} in {fn.name}")
+    return found
+
+
+def test_no_module_imports_the_package_inside_a_function():
+    local = [f for path in sorted(PACKAGE.rglob("*.py")) for f in _function_local_imports(path)]
+    assert not local, f"function-local imports of the package (import at module level, from a lower layer): {local}"
+
+
+def _imports_thunder(path: pathlib.Path) -> bool:
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+        names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+        if any(n.split(".")[0] == "thunder" for n in names):
+            return True
+    return False
+
+
+def test_only_the_thunder_layer_imports_thunder():
+    readers = {str(path.relative_to(PACKAGE)) for path in sorted(PACKAGE.rglob("*.py")) if _imports_thunder(path)}
+    outside = sorted(r for r in readers if not r.startswith(f"{THUNDER_LAYER}/"))
+    assert not outside, f"{outside} import thunder: only {THUNDER_LAYER}/ meets thunder"
+    assert readers, "the test reads no import of thunder at all"
 
 
 def test_plumbing_imports_no_subpackage():

@@ -30,10 +30,10 @@ import thunder_cudnn_safe as tcs
 from thunder_cudnn_safe.dispatch import packed as varlen_dispatch
 from thunder_cudnn_safe.dispatch.dispatcher import Dispatcher
 from thunder_cudnn_safe.graphs.cache import GraphCache
+from thunder_cudnn_safe.layouts.keys import BackwardKey, ForwardKey, Uid
 from thunder_cudnn_safe.masks.documents import recognize_documents
 from thunder_cudnn_safe.masks.patterns import pattern_of
 from thunder_cudnn_safe.plan import varlen
-from thunder_cudnn_safe.plan.keys import BackwardKey, ForwardKey, Uid
 from thunder_cudnn_safe.rules import cudnn_rules
 from thunder_cudnn_safe.runtimes.emulation import EmulatedRuntime
 from thunder_cudnn_safe.testing import assert_close_to_reference, document_mask, seeded_qkv
@@ -208,7 +208,7 @@ def test_a_tokens_major_operand_past_int32_elements_is_bound_as_it_is():
     """2**27 tokens of 16 elements span 2**31 elements: the dense route's INT32_OFFSETS, but ragged tensors are
     addressed through their (int64) offsets and a copy would have the same strides, so it is bound as is (it was
     copied: 4 GiB per operand in a long-context batch). Planned on meta tensors: no memory."""
-    from thunder_cudnn_safe.plan.layout import layout_problem
+    from thunder_cudnn_safe.layouts.layout import layout_problem
 
     q = torch.empty(1, 2**27, 1, 16, dtype=torch.bfloat16, device="meta").transpose(1, 2)
     assert layout_problem(q) is tcs.CopyReason.INT32_OFFSETS and varlen.tokens_major(q)

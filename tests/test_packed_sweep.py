@@ -53,7 +53,7 @@ import thunder_cudnn_safe as tcs
 from thunder_cudnn_safe.dispatch.dispatcher import Dispatcher
 from thunder_cudnn_safe.errors import GraphBuildError
 from thunder_cudnn_safe.graphs.cache import GraphCache
-from thunder_cudnn_safe.plan.keys import BackwardKey
+from thunder_cudnn_safe.layouts.keys import BackwardKey
 from thunder_cudnn_safe.rules import cudnn_rules, key_gate
 from thunder_cudnn_safe.rules.key_gate import RuleRefusal
 from thunder_cudnn_safe.runtimes.emulation import EmulatedRuntime

@@ -33,7 +33,7 @@ import thunder_cudnn_safe as tcs
 from thunder_cudnn_safe.dispatch.dispatcher import Dispatcher
 from thunder_cudnn_safe.graphs import build as graphs
 from thunder_cudnn_safe.graphs.cache import GraphCache, graph_cache
-from thunder_cudnn_safe.plan.keys import BackwardKey
+from thunder_cudnn_safe.layouts.keys import BackwardKey
 from thunder_cudnn_safe.runtimes.emulation import EmulatedRuntime
 from thunder_cudnn_safe.testing import GRAD_OUT_LAYOUTS, QKV_LAYOUTS
 

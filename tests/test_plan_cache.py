@@ -190,7 +190,7 @@ def test_the_gpu_runtime_loads_before_building_and_stores_after(tmp_path, monkey
     import contextlib
 
     from thunder_cudnn_safe.graphs import build as graphs
-    from thunder_cudnn_safe.plan.keys import ForwardKey, Target, sig
+    from thunder_cudnn_safe.layouts.keys import ForwardKey, Target, sig
     from thunder_cudnn_safe.runtimes import cudnn_runtime as runtime
 
     builds, handles = [], []

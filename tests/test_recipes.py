@@ -9,8 +9,8 @@ import traceback
 import torch
 
 from thunder_cudnn_safe.dispatch.dispatcher import Dispatcher
+from thunder_cudnn_safe.layouts.keys import Uid
 from thunder_cudnn_safe.plan.calls import BackwardCall, ForwardCall, memo_key, signature
-from thunder_cudnn_safe.plan.keys import Uid
 from thunder_cudnn_safe.plan.recipes import PackRecipe, backward_recipe, bind, forward_recipe
 from thunder_cudnn_safe.runtimes import emulation
 

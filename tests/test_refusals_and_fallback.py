@@ -22,7 +22,7 @@ from checks import check_against_eager, jit_sdpa
 
 import thunder_cudnn_safe as tcs
 from thunder_cudnn_safe.errors import ExecuteError, GraphBuildError
-from thunder_cudnn_safe.plan.keys import BackwardKey, ForwardKey
+from thunder_cudnn_safe.layouts.keys import BackwardKey, ForwardKey
 from thunder_cudnn_safe.runtimes.cudnn_runtime import BuiltGraph, execute_graph
 from thunder_cudnn_safe.testing import QKV_LAYOUTS
 
@@ -119,7 +119,7 @@ def test_cudnn_runtime_turns_any_build_refusal_into_graph_build_error():
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     from thunder_cudnn_safe.graphs.cache import GraphBuildError
-    from thunder_cudnn_safe.plan.keys import Target, sig
+    from thunder_cudnn_safe.layouts.keys import Target, sig
     from thunder_cudnn_safe.runtimes.cudnn_runtime import CudnnRuntime
 
     q = torch.empty(1, 2, 8, 64, dtype=torch.float16)

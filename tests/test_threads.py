@@ -304,7 +304,7 @@ def test_a_transient_failure_of_another_threads_copy_is_retried(monkeypatch):
     from concurrent.futures import ThreadPoolExecutor
 
     from thunder_cudnn_safe.errors import GraphBuildError
-    from thunder_cudnn_safe.plan.keys import BackwardKey
+    from thunder_cudnn_safe.layouts.keys import BackwardKey
 
     disp = _dispatcher()
     q, k, v, g = _inputs(3)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import thunder_cudnn_safe as tcs
-from thunder_cudnn_safe.plan.keys import BackwardKey
+from thunder_cudnn_safe.layouts.keys import BackwardKey
 
 
 def T(*shape, dtype=torch.float16):

@@ -34,9 +34,9 @@ from thunder_cudnn_safe.integration import gqa  # noqa: E402
 from thunder_cudnn_safe.integration.executor import CallReport, cudnn_safe_ex, describe, emulated_ex, explain  # noqa: E402
 from thunder_cudnn_safe.integration.gqa import RepeatKVToGQA  # noqa: E402
 from thunder_cudnn_safe.integration.install import drop_broken_builtin_cudnn_executor, install, installed, uninstall  # noqa: E402
+from thunder_cudnn_safe.layouts.layout import LayoutPolicy  # noqa: E402
 from thunder_cudnn_safe.masks.bias import MaskCacheInfo, mask_cache_info  # noqa: E402
 from thunder_cudnn_safe.masks.patterns import mask_pattern_info, reset_mask_pattern_info  # noqa: E402
-from thunder_cudnn_safe.plan.layout import LayoutPolicy  # noqa: E402
 from thunder_cudnn_safe.rules import cudnn_rules  # noqa: E402
 from thunder_cudnn_safe.rules.key_gate import gate_info, reset_gate_info  # noqa: E402
 from thunder_cudnn_safe.rules.support import Decline, DeclineCode  # noqa: E402

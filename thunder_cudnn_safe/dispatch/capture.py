@@ -17,16 +17,19 @@ any graph it holds (the cache evicting or clearing one voids the mark, so the ne
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from thunder_cudnn_safe.dispatch import dropout
 from thunder_cudnn_safe.errors import ExecuteError, GraphBuildError
+from thunder_cudnn_safe.layouts.keys import Target
 from thunder_cudnn_safe.lru import LRU
 from thunder_cudnn_safe.plan.calls import BackwardCall, ForwardCall, forward_of, memo_key
-from thunder_cudnn_safe.plan.keys import Target
 from thunder_cudnn_safe.plan.planner import Route, plan
+
+if TYPE_CHECKING:  # the dispatcher calls this module: its type only, no import at run time
+    from thunder_cudnn_safe.dispatch.dispatcher import Dispatcher
 
 
 class Marks:
@@ -61,7 +64,7 @@ class Marks:
         self._mine().put(memo, (slots, refused))
 
 
-def prebuild(disp: Any, call: ForwardCall | BackwardCall, target: Target) -> None:
+def prebuild(disp: Dispatcher, call: ForwardCall | BackwardCall, target: Target) -> None:
     """Build (and copy for this thread) the graphs ``call`` would run under capture; once per signature and
     thread while the cache holds them (a later call reads its mark's slots, no cache lookup)."""
     memo = memo_key(call, target)
@@ -86,7 +89,9 @@ def prebuild(disp: Any, call: ForwardCall | BackwardCall, target: Target) -> Non
         disp.capture_marks.put(memo, tuple(slots), tuple(refused))
 
 
-def _keys(disp: Any, call: ForwardCall | BackwardCall, bias: ForwardCall | BackwardCall, target: Target) -> tuple:
+def _keys(
+    disp: Dispatcher, call: ForwardCall | BackwardCall, bias: ForwardCall | BackwardCall, target: Target
+) -> tuple:
     """The keys of the bias call's graphs. A backward's captured forward runs the bias too, and its O and stats
     (the backward's inputs) are laid out as the bias forward lays them out, which a packed-sequence forward does
     not: those are planned too, with dO as it comes and with dO in that O's layout (a grad_out made like O)."""

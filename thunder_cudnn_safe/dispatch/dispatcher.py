@@ -28,6 +28,7 @@ from thunder_cudnn_safe.codegen import compile_function
 from thunder_cudnn_safe.dispatch import capture, dropout, packed
 from thunder_cudnn_safe.errors import ExecuteError, GraphBuildError
 from thunder_cudnn_safe.graphs.cache import GraphCache, Slot, graph_cache
+from thunder_cudnn_safe.layouts.keys import BackwardKey, Target, Uid
 from thunder_cudnn_safe.lru import LRU
 from thunder_cudnn_safe.masks import bias
 from thunder_cudnn_safe.plan.calls import (
@@ -38,7 +39,6 @@ from thunder_cudnn_safe.plan.calls import (
     signature,
     torch_deterministic,
 )
-from thunder_cudnn_safe.plan.keys import BackwardKey, Target, Uid
 from thunder_cudnn_safe.plan.planner import Plan, Route, plan
 from thunder_cudnn_safe.plan.recipes import Bound, PackRecipe, backward_recipe, forward_recipe, with_grad_out_like_o
 from thunder_cudnn_safe.runtimes import fallback, handoff

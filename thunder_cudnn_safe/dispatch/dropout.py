@@ -7,21 +7,24 @@ which draws its own mask from the same seed and offset (:mod:`handoff` marks the
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from thunder_cudnn_safe.errors import GraphBuildError
+from thunder_cudnn_safe.layouts.keys import ForwardKey
 from thunder_cudnn_safe.plan.calls import ForwardCall, arg_key, signature, torch_deterministic
-from thunder_cudnn_safe.plan.keys import ForwardKey
 from thunder_cudnn_safe.plan.planner import bias_too_large
 from thunder_cudnn_safe.plan.recipes import companion_backward_key
 from thunder_cudnn_safe.rules import cudnn_rules
 from thunder_cudnn_safe.rules.key_gate import RuleRefusal
 from thunder_cudnn_safe.telemetry import warn_once
 
+if TYPE_CHECKING:  # the dispatcher calls this module: its type only, no import at run time
+    from thunder_cudnn_safe.dispatch.dispatcher import Dispatcher
 
-def backward_builds(disp: Any, call: ForwardCall, masked: ForwardCall, entry: Any) -> bool:
+
+def backward_builds(disp: Dispatcher, call: ForwardCall, masked: ForwardCall, entry: Any) -> bool:
     """Whether the runtime builds the backward of a dropout forward (dO in O's layout), asked of the cache once
     per signature: the answer is kept with ``entry``, the :class:`~thunder_cudnn_safe.dispatch.dispatcher.Memo`
     ``masked`` binds by (its key is the forward's), per what else it depends on (the deterministic mode the
@@ -53,7 +56,7 @@ def backward_builds(disp: Any, call: ForwardCall, masked: ForwardCall, entry: An
 
 
 def _ask(
-    disp: Any, call: ForwardCall, masked: ForwardCall, fkey: ForwardKey, float_mask: bool, deterministic: bool
+    disp: Dispatcher, call: ForwardCall, masked: ForwardCall, fkey: ForwardKey, float_mask: bool, deterministic: bool
 ) -> tuple[bool, bool]:
     """Whether every backward a dropout forward may run builds, and whether that answer is for good."""
     for mask_grad in (False, True) if float_mask else (False,):

@@ -7,7 +7,7 @@ so a forward and a backward may take different routes.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -15,13 +15,16 @@ from thunder_cudnn_safe.plan import varlen
 from thunder_cudnn_safe.rules.key_gate import RuleRefusal
 from thunder_cudnn_safe.telemetry import Counts, warn_once
 
+if TYPE_CHECKING:  # the dispatcher calls this module: its type only, no import at run time
+    from thunder_cudnn_safe.dispatch.dispatcher import Dispatcher
+
 _counts = Counts()
 varlen_info, reset_varlen_info = _counts.public(
     "varlen_info", 'Calls run as variable-length attention ("forward", "backward"), and declines or refusals by reason.'
 )
 
 
-def run(disp: Any, call: Any) -> tuple[torch.Tensor, ...] | None:
+def run(disp: Dispatcher, call: Any) -> tuple[torch.Tensor, ...] | None:
     """A :class:`~thunder_cudnn_safe.masks.documents.DocumentPattern` call's outputs as variable-length attention: a
     forward's (O[, stats]), a backward's (dq, dk, dv) or (grad_qkv,); None where declined by a named rule
     (:func:`~thunder_cudnn_safe.plan.varlen.decline`) or refused (the call then runs as a bias)."""

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from thunder_cudnn_safe import _compat, caches
-from thunder_cudnn_safe.plan.keys import FIELD_UIDS, BackwardKey, ForwardKey, TensorSig, Uid
+from thunder_cudnn_safe.layouts.keys import FIELD_UIDS, BackwardKey, ForwardKey, TensorSig, Uid
 
 #: Each uid's key field (a backward key has every field a forward key has).
 _FIELDS = {uid: field for field, uid in FIELD_UIDS[BackwardKey].items()}

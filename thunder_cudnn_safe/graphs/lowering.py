@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 from thunder_cudnn_safe import _compat
 from thunder_cudnn_safe.graphs import build
-from thunder_cudnn_safe.plan.keys import BackwardKey, ForwardKey
+from thunder_cudnn_safe.layouts.keys import BackwardKey, ForwardKey
 
 #: The frontend version whose internals this module was written against (the package floor).
 MIN_FRONTEND = (1, 32)

@@ -27,12 +27,13 @@ from thunder_cudnn_safe._version import __version__
 from thunder_cudnn_safe.dispatch.dispatcher import Dispatcher
 from thunder_cudnn_safe.graphs.cache import CachedGraph
 from thunder_cudnn_safe.integration import gqa
+from thunder_cudnn_safe.integration.proxies import plain_call, torch_dtype
+from thunder_cudnn_safe.layouts.layout import LayoutPolicy, same_size_except_heads
 from thunder_cudnn_safe.masks.documents import DocumentPattern
 from thunder_cudnn_safe.masks.patterns import MaskPattern
 from thunder_cudnn_safe.plan.calls import BackwardCall, ForwardCall, backward_of, torch_deterministic
-from thunder_cudnn_safe.plan.layout import LayoutPolicy, same_size_except_heads
 from thunder_cudnn_safe.plan.planner import planned_keys
-from thunder_cudnn_safe.rules.support import Decline, not_supported_reasons, torch_dtype
+from thunder_cudnn_safe.rules.support import Decline, not_supported_reasons
 from thunder_cudnn_safe.runtimes import cudnn_runtime, emulation  # noqa: F401 (each registers its runtime)
 from thunder_cudnn_safe.runtimes.base import RUNTIMES, Runtime
 
@@ -71,7 +72,7 @@ def reasons_for(runtime: Runtime, *args, **kwargs) -> list[Decline]:
     target = None
     if problem is None and getattr(device, "type", None) == runtime.device_type:
         target = runtime.target(torch.device(device.type, device.index))
-    return not_supported_reasons(call, target, runtime.device_type, problem)
+    return not_supported_reasons(plain_call(call), target, runtime.device_type, problem)
 
 
 def _fwd_meta(*args, **kwargs):

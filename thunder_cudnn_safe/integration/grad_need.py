@@ -28,6 +28,12 @@ import weakref
 from typing import Any
 
 import torch
+from thunder.core import dtypes
+from thunder.core.proxies import Proxy, TensorProxy
+from thunder.core.pytree import tree_flatten
+from thunder.core.trace import TraceCtx
+from thunder.core.trace_interpreter import TraceSubstitutionProcessor
+from thunder.core.transforms import is_constant_for_vjp
 
 
 def mask_needs_grad(mask: Any) -> bool:
@@ -44,11 +50,6 @@ def _defining_trace(name: str) -> Any:
 
     thunder's autodiff pass (``TraceSubstitutionProcessor``) holds the trace it rewrites as
     ``self.trace``; the trace it builds renames what it rewrites, so it is not the one asked."""
-    try:
-        from thunder.core.trace import TraceCtx
-        from thunder.core.trace_interpreter import TraceSubstitutionProcessor
-    except Exception:
-        return None
     frame = sys._getframe(1)
     while frame is not None:
         for value in (frame.f_locals.get("self"), frame.f_locals.get("trace")):
@@ -64,9 +65,6 @@ _CARRYING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _flat_proxies(x: Any) -> list:
-    from thunder.core.proxies import Proxy
-    from thunder.core.pytree import tree_flatten
-
     return [p for p in tree_flatten(x)[0] if isinstance(p, Proxy)]
 
 
@@ -89,10 +87,6 @@ def _grad_carrying(trace: Any) -> set[str]:
     cached = _CARRYING.get(trace)
     if cached is not None and cached[0] == len(trace.bound_symbols):
         return cached[1]
-    from thunder.core import dtypes
-    from thunder.core.proxies import TensorProxy
-    from thunder.core.transforms import is_constant_for_vjp
-
     live = {p.name for p in _flat_proxies((trace.args, trace.kwargs)) if getattr(p, "requires_grad", False)}
 
     def visit(bsyms: list) -> None:

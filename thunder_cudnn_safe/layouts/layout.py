@@ -1,5 +1,7 @@
 """Pure layout rules on shapes and strides: can cuDNN read a tensor as it is, and how to lay out the rest.
 
+The layout facts every target shares (:data:`ALIGNMENT_BYTES`, :data:`INT32_ELEMENT_LIMIT`) are here, below the
+rules that cite them (:data:`~thunder_cudnn_safe.rules.cudnn_rules.LAYOUT`) and the plans that apply them.
 A tensor breaking :data:`~thunder_cudnn_safe.rules.cudnn_rules.LAYOUT` is copied into a buffer from
 :func:`strides_like` (its own dimension order, innermost extent padded): ``clone()`` would keep a
 non-unit last stride and ``contiguous()`` a misaligned base. Everything works on :class:`ArgSig`
@@ -15,8 +17,14 @@ from typing import Any, NamedTuple
 
 import torch
 
-from thunder_cudnn_safe.rules.cudnn_rules import ALIGNMENT_BYTES, INT32_ELEMENT_LIMIT
 from thunder_cudnn_safe.telemetry import CopyReason
+
+#: Layout facts every target shares (TMA-based kernels read from a base pointer through the declared strides):
+#: a 16-byte aligned base and strides, and element offsets below 2**31 (cuDNN's int32 offsets). The layout
+#: functions below enforce them, the emulated runtime refuses their violation,
+#: :data:`~thunder_cudnn_safe.rules.cudnn_rules.LAYOUT` states them as a rule.
+ALIGNMENT_BYTES = 16
+INT32_ELEMENT_LIMIT = 2**31
 
 
 class LayoutPolicy(str, enum.Enum):

@@ -14,10 +14,9 @@ import torch
 
 from thunder_cudnn_safe import config
 from thunder_cudnn_safe.codegen import compile_function
+from thunder_cudnn_safe.layouts.keys import Target
+from thunder_cudnn_safe.layouts.layout import ALIGNMENT_BYTES, arg_sig
 from thunder_cudnn_safe.masks.patterns import MaskPattern
-from thunder_cudnn_safe.plan.keys import Target
-from thunder_cudnn_safe.plan.layout import arg_sig
-from thunder_cudnn_safe.rules.cudnn_rules import ALIGNMENT_BYTES
 
 #: torch's switches behind ``torch.are_deterministic_algorithms_enabled()`` and
 #: ``torch.is_deterministic_algorithms_warn_only_enabled()``, read without those Python wrappers (every backward

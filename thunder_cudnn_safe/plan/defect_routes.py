@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
+from thunder_cudnn_safe.layouts.keys import Target
 from thunder_cudnn_safe.masks.patterns import MaskPattern
 from thunder_cudnn_safe.plan.calls import BackwardCall, ForwardCall
-from thunder_cudnn_safe.plan.keys import Target
 from thunder_cudnn_safe.rules import cudnn_rules
 
 

@@ -15,15 +15,13 @@ from typing import Any, NamedTuple
 
 import torch
 
+from thunder_cudnn_safe.layouts.keys import Target
+from thunder_cudnn_safe.layouts.layout import INT32_ELEMENT_LIMIT, LayoutPolicy
 from thunder_cudnn_safe.masks.documents import DocumentPattern
 from thunder_cudnn_safe.masks.patterns import MaskPattern, pattern_of
-from thunder_cudnn_safe.plan import varlen
+from thunder_cudnn_safe.plan import defect_routes, varlen
 from thunder_cudnn_safe.plan.calls import BackwardCall, ForwardCall, signature
-from thunder_cudnn_safe.plan.keys import Target
-from thunder_cudnn_safe.plan.layout import LayoutPolicy
 from thunder_cudnn_safe.plan.recipes import companion_backward_key, forward_recipe
-from thunder_cudnn_safe.rules import defect_routes
-from thunder_cudnn_safe.rules.cudnn_rules import INT32_ELEMENT_LIMIT
 
 
 class Route(str, enum.Enum):
@@ -104,7 +102,7 @@ def with_mask_pattern(call: ForwardCall | BackwardCall) -> ForwardCall | Backwar
 
 def bias_too_large(call: ForwardCall | BackwardCall) -> bool:
     """Whether ``call`` binds its mask as a bias whose broadcast (B, H, L, S) has 2**31 or more elements
-    (:data:`~thunder_cudnn_safe.rules.cudnn_rules.INT32_ELEMENT_LIMIT`, the rule :mod:`support` applies at trace
+    (:data:`~thunder_cudnn_safe.layouts.layout.INT32_ELEMENT_LIMIT`, the rule :mod:`support` applies at trace
     time to masks that cannot be patterns)."""
     scores = math.prod(call.query.shape[:3]) * call.key.shape[2]  # (B, H, L) queries x S keys
     return isinstance(call.attn_mask, torch.Tensor) and scores >= INT32_ELEMENT_LIMIT

@@ -18,11 +18,8 @@ import torch
 
 from thunder_cudnn_safe import config
 from thunder_cudnn_safe.codegen import compile_function
-from thunder_cudnn_safe.masks import bias
-from thunder_cudnn_safe.masks.patterns import MaskPattern
-from thunder_cudnn_safe.plan.calls import TENSOR_FIELDS, BackwardCall, ForwardCall, backward_of, default_scale
-from thunder_cudnn_safe.plan.keys import RNG_SIG, BackwardKey, ForwardKey, Target, TensorSig, Uid, key_of
-from thunder_cudnn_safe.plan.layout import (
+from thunder_cudnn_safe.layouts.keys import RNG_SIG, BackwardKey, ForwardKey, Target, TensorSig, Uid, key_of
+from thunder_cudnn_safe.layouts.layout import (
     ArgSig,
     LayoutPolicy,
     canonical_strides,
@@ -34,6 +31,9 @@ from thunder_cudnn_safe.plan.layout import (
     strides_like,
     wants_fused_grad_qkv,
 )
+from thunder_cudnn_safe.masks import bias
+from thunder_cudnn_safe.masks.patterns import MaskPattern
+from thunder_cudnn_safe.plan.calls import TENSOR_FIELDS, BackwardCall, ForwardCall, backward_of, default_scale
 from thunder_cudnn_safe.rules import cudnn_rules
 from thunder_cudnn_safe.telemetry import CopyReason, copy_counter
 
@@ -241,7 +241,7 @@ class _RecipeBuilder:
             self.add(Step(Uid.DO, src, None, o, why, "grad_out"), o)
 
     def cat_grad_qkv(self, q: TensorSig, k: TensorSig, v: TensorSig) -> int:
-        """dq, dk, dv as head slices of one buffer (:func:`~thunder_cudnn_safe.plan.layout.fused_grad_qkv`)."""
+        """dq, dk, dv as head slices of one buffer (:func:`~thunder_cudnn_safe.layouts.layout.fused_grad_qkv`)."""
         shape, strides, starts = fused_grad_qkv(q.shape[0], (q.shape[1], k.shape[1], v.shape[1]), *q.shape[2:], q.dtype)
         buf = self.new(None, TensorSig(shape, strides, q.dtype), zero=self.padded)
         for uid, t, start in zip((Uid.DQ, Uid.DK, Uid.DV), (q, k, v), starts):
@@ -404,6 +404,6 @@ def with_grad_out_like_o(bound: Bound) -> Bound:
 
 
 def rng_tensors(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """A dropout seed and offset as a forward draws them (int64, :data:`~thunder_cudnn_safe.plan.keys.RNG_SIG`)."""
+    """A dropout seed and offset as a forward draws them (int64, :data:`~thunder_cudnn_safe.layouts.keys.RNG_SIG`)."""
     step = Step(Uid.SEED, None, fill=RNG_SIG, draw=True)
     return _fill(step, None, device), _fill(step, None, device)

@@ -15,8 +15,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from thunder_cudnn_safe import config
 from thunder_cudnn_safe._env import DP_WORKSPACE_LIMIT_ENV
-from thunder_cudnn_safe.plan.keys import BackwardKey, Target, TensorSig
+from thunder_cudnn_safe.layouts.keys import BackwardKey, Target, TensorSig
+from thunder_cudnn_safe.layouts.layout import ALIGNMENT_BYTES, INT32_ELEMENT_LIMIT, packed_strides, span_elements
 
 
 @dataclass(frozen=True)
@@ -115,18 +117,12 @@ def _tensors(key: Any) -> list[tuple[str, TensorSig]]:
     return [(name, sig) for name, sig in zip(key._fields, key) if isinstance(sig, TensorSig)]
 
 
-def _layout() -> Any:
-    from thunder_cudnn_safe.plan import layout  # layout reads this module's constants
-
-    return layout
-
-
 def _oversized(key: Any) -> str | None:
     """A dense tensor whose declared elements reach 2**31 (cuDNN's int32 element offsets), e.g. a huge bias;
     ragged tensors are addressed by their offsets (int64 where needed), not the batch stride."""
     if not _dense(key):
         return None
-    spans = ((name, _layout().span_elements(sig.shape, sig.stride)) for name, sig in _tensors(key))
+    spans = ((name, span_elements(sig.shape, sig.stride)) for name, sig in _tensors(key))
     return next((f"{name} spans {span} elements" for name, span in spans if span >= INT32_ELEMENT_LIMIT), None)
 
 
@@ -163,7 +159,6 @@ def _dp_over_budget(
     is over the budget (config.dp_workspace_limit); sm100's deterministic engine materializes none."""
     if not (d_bias or (deterministic and not DETERMINISTIC_BACKWARD_BLACKWELL.holds(target))):
         return None
-    from thunder_cudnn_safe import config  # config reads this module's defaults
 
     need, limit = dp_workspace_bytes(batch, heads_q, s_q, s_kv), config.dp_workspace_limit
     return (need / 2**30, limit / 2**30) if need > limit else None
@@ -496,17 +491,16 @@ STATS_PACKED_ONLY = Rule(
     on_key=_in_backward(
         lambda key: (
             not (key.ragged is not None and key.ragged.stats)
-            and tuple(key.stats.stride) != _layout().packed_strides(key.stats.shape)
+            and tuple(key.stats.stride) != packed_strides(key.stats.shape)
         ),
         "stats declared with other than packed BHSD strides",
     ),
     fixed_in=92600,
 )
 
-#: Layout rules every target shares (TMA-based kernels read from a base pointer through the
-#: declared strides); :mod:`layout` enforces them, the emulated runtime refuses their violation.
-ALIGNMENT_BYTES = 16
-INT32_ELEMENT_LIMIT = 2**31
+#: Layout rules every target shares (:data:`~thunder_cudnn_safe.layouts.layout.ALIGNMENT_BYTES`,
+#: :data:`~thunder_cudnn_safe.layouts.layout.INT32_ELEMENT_LIMIT`): :mod:`~thunder_cudnn_safe.layouts.layout`
+#: enforces them, the emulated runtime refuses their violation.
 LAYOUT = Rule(
     f"inner stride 1, {ALIGNMENT_BYTES}-byte aligned base, other strides multiples of {ALIGNMENT_BYTES} bytes, "
     f"non-overlapping positive strides, element offsets below 2**31",

@@ -1,7 +1,10 @@
 """Why a call is or is not claimed: :func:`not_supported_reasons`, for real tensors and thunder proxies alike.
 
-The checkers claim a call exactly when it returns no reason; ``explain()`` returns its list. A declined
-call runs on another executor, so every rule errs towards declining: a decline costs speed, a wrong
+Nothing here reads thunder: a proxy's facts (its dtype as torch's, a number's value, whether a mask computed
+inside the traced function needs its gradient) are read by :mod:`~thunder_cudnn_safe.integration.proxies`
+into an :class:`Operand` per tensor and plain numbers (:class:`Symbolic` for a number known only at run time);
+a torch tensor is read here. The checkers claim a call exactly when it returns no reason; ``explain()`` returns
+its list. A declined call runs on another executor, so every rule errs towards declining: a decline costs speed, a wrong
 claim could crash inside cuDNN. Arch and version rules come from :mod:`cudnn_rules`, each
 :class:`Decline` (a ``str`` with a :class:`DeclineCode`) names the rule behind it.
 """
@@ -11,15 +14,12 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
-from thunder.core import dtypes
-from thunder.core.proxies import NumberProxy, pyval
 
+from thunder_cudnn_safe.layouts.keys import Target
 from thunder_cudnn_safe.masks.patterns import patterns_on
-from thunder_cudnn_safe.plan.grad_need import mask_needs_grad
-from thunder_cudnn_safe.plan.keys import Target
 from thunder_cudnn_safe.rules import cudnn_rules
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
@@ -58,20 +58,36 @@ class Decline(str):
         return self
 
 
-def torch_dtype(dtype: Any) -> torch.dtype | None:
-    """torch dtype of a torch or thunder dtype (None if unknown)."""
-    try:
-        return dtypes.to_torch_dtype(dtype)
-    except Exception:
-        return None
+class Operand(NamedTuple):
+    """What the checker reads of a tensor operand (a torch tensor's, or a thunder proxy's:
+    :func:`~thunder_cudnn_safe.integration.proxies.plain_call`)."""
+
+    shape: tuple
+    #: the torch dtype (None: one torch has no name for)
+    dtype: torch.dtype | None
+    #: a torch or thunder device (``.type``, ``.index``; named in a decline as it prints)
+    device: Any
+    requires_grad: bool
+    #: the gradient may be needed by a backward: ``requires_grad``, or, for a mask computed inside the traced
+    #: function from a parameter, what the trace says (:mod:`~thunder_cudnn_safe.integration.grad_need`)
+    grad_needed: bool
+
+
+class Symbolic(NamedTuple):
+    """A number known only at run time (a thunder ``NumberProxy``, cache='symbolic values'), with the value it
+    has at trace time."""
+
+    value: Any
+
+
+def operand(t: torch.Tensor) -> Operand:
+    """A torch tensor's :class:`Operand`."""
+    return Operand(tuple(t.shape), t.dtype, t.device, t.requires_grad, t.requires_grad)
 
 
 def _value(x: Any) -> Any:
-    """Python value of a number or a thunder NumberProxy (anything else, None too, as it is)."""
-    try:
-        return pyval(x)
-    except Exception:
-        return x
+    """The value of a number, known at trace time or not (anything else, None too, as it is)."""
+    return x.value if isinstance(x, Symbolic) else x
 
 
 def not_supported_reasons(
@@ -79,11 +95,14 @@ def not_supported_reasons(
 ) -> list[Decline]:
     """Every reason the executor for ``device_type`` on ``target`` would not claim ``call``.
 
-    ``call`` is a :class:`~thunder_cudnn_safe.plan.calls.ForwardCall` of tensors or proxies; its
+    ``call`` is a :class:`~thunder_cudnn_safe.plan.calls.ForwardCall` of torch tensors or of :class:`Operand`
+    values (a thunder call as :func:`~thunder_cudnn_safe.integration.proxies.plain_call` reads it); its
     ``deterministic`` (the compile option) changes which backwards cuDNN builds, its ``enable_gqa`` lets K/V have
     fewer heads, a divisor of the query's. ``environment_problem`` is why the runtime cannot work here at all;
     ``target`` may then be None.
     """
+    tensors = {f: operand(t) for f, t in zip(call._fields[:4], call) if isinstance(t, torch.Tensor)}
+    call = call._replace(**tensors)
     named = zip(("query", "key", "value", "attn_mask"), (call.query, call.key, call.value, call.attn_mask))
     tensors = [(name, t) for name, t in named if t is not None]
     reasons = [Decline(DeclineCode.ENVIRONMENT, environment_problem)] if environment_problem else []
@@ -154,12 +173,8 @@ def _is_number(x: Any) -> bool:
 
 def _mask_grad(call: Any) -> bool:
     """Whether dBias runs: a float mask's gradient is needed (a leaf that requires grad, or a mask computed inside
-    the function from one, a learned position bias, which only the trace shows: :mod:`grad_need`)."""
-    mask = call.attn_mask
-    if mask is None:
-        return False
-    needed = bool(getattr(call, "need_stats", True)) and torch_dtype(mask.dtype) is not torch.bool
-    return bool(getattr(mask, "requires_grad", False)) or (needed and mask_needs_grad(mask))
+    the function from one, a learned position bias, which only the trace shows: :attr:`Operand.grad_needed`)."""
+    return call.attn_mask is not None and call.attn_mask.grad_needed
 
 
 def _device_reasons(tensors: list[tuple[str, Any]], device_type: str) -> Iterator[Decline]:
@@ -171,7 +186,7 @@ def _device_reasons(tensors: list[tuple[str, Any]], device_type: str) -> Iterato
 
 
 def _dtype_reasons(tensors: list[tuple[str, Any]]) -> Iterator[Decline]:
-    dts = [torch_dtype(t.dtype) for _, t in tensors[:3]]
+    dts = [t.dtype for _, t in tensors[:3]]
     names = [str(d) for d in dts]
     if any(d not in SUPPORTED_DTYPES for d in dts):
         yield Decline(DeclineCode.DTYPE, f"dtypes {names}: cuDNN flash attention takes float16 or bfloat16 only")
@@ -209,7 +224,7 @@ def _mask_reasons(call: Any, view: cudnn_rules.CallView) -> Iterator[Decline]:
         yield Decline(
             DeclineCode.CAUSAL, "is_causal=True together with an explicit attn_mask (torch rejects this combination)"
         )
-    q_dtype, m_dtype = torch_dtype(call.query.dtype), torch_dtype(attn_mask.dtype)
+    q_dtype, m_dtype = call.query.dtype, attn_mask.dtype
     if m_dtype is not torch.bool and not (m_dtype is not None and m_dtype.is_floating_point):
         yield Decline(M, f"attn_mask dtype {m_dtype} is neither bool nor floating point")
     elif m_dtype not in (torch.bool, torch.float32, q_dtype):
@@ -229,7 +244,7 @@ def _mask_reasons(call: Any, view: cudnn_rules.CallView) -> Iterator[Decline]:
         for name, n, m in zip(("batch", "heads", "query length", "key length"), padded, full):
             if n not in (1, m):
                 yield Decline(M, f"attn_mask {name} extent {n} does not broadcast to {m}")
-    if getattr(attn_mask, "requires_grad", False) and m_dtype is torch.bool:
+    if attn_mask.requires_grad and m_dtype is torch.bool:
         yield Decline(M, "a boolean attn_mask cannot require grad")
     elif mask_grad and len(shape) >= 2 and (shape[-2], shape[-1]) != full[2:]:
         yield Decline(
@@ -242,7 +257,7 @@ def _mask_reasons(call: Any, view: cudnn_rules.CallView) -> Iterator[Decline]:
 def _scalar_reasons(call: Any) -> Iterator[Decline]:
     """``dropout_p`` must be a number in [0, 1) known at trace time (its 1/16 steps are
     :data:`~thunder_cudnn_safe.rules.cudnn_rules.DROPOUT_SIXTEENTHS`'), ``scale`` finite, ``is_causal`` a bool."""
-    if isinstance(call.dropout_p, NumberProxy):  # its value may change between calls of one trace
+    if isinstance(call.dropout_p, Symbolic):  # its value may change between calls of one trace
         yield Decline(
             DeclineCode.DROPOUT,
             "dropout_p is symbolic (cache='symbolic values'): whether dropout runs, and so the operator's "

@@ -7,6 +7,6 @@ refused calls (:mod:`.fallback`), which shares the float32 math of :mod:`.refere
 :mod:`.handoff`, the only state that crosses operator calls.
 
 May import :mod:`~thunder_cudnn_safe.graphs`, :mod:`~thunder_cudnn_safe.plan`,
-:mod:`~thunder_cudnn_safe.rules`, :mod:`~thunder_cudnn_safe.masks` and the plumbing; never the dispatcher
-or thunder's registration.
+:mod:`~thunder_cudnn_safe.rules`, :mod:`~thunder_cudnn_safe.layouts`, :mod:`~thunder_cudnn_safe.masks` and
+the plumbing; never the dispatcher or thunder.
 """

@@ -29,7 +29,10 @@ from thunder_cudnn_safe._env import parse_arch
 from thunder_cudnn_safe.errors import GraphBuildError
 from thunder_cudnn_safe.graphs import build
 from thunder_cudnn_safe.graphs.cache import GraphCache
-from thunder_cudnn_safe.plan.keys import Target
+from thunder_cudnn_safe.layouts.keys import Target
+from thunder_cudnn_safe.plan.calls import ForwardCall
+from thunder_cudnn_safe.plan.planner import planned_keys
+from thunder_cudnn_safe.rules.support import not_supported_reasons
 from thunder_cudnn_safe.runtimes.base import build_with_ladder
 from thunder_cudnn_safe.runtimes.cudnn_runtime import build_graph, cudnn_target
 
@@ -107,7 +110,7 @@ def resolve_target(target: Any) -> str:
 
 
 def target_of(device: str) -> Target:
-    """The key :class:`~thunder_cudnn_safe.plan.keys.Target` of ``device`` with this cuDNN."""
+    """The key :class:`~thunder_cudnn_safe.layouts.keys.Target` of ``device`` with this cuDNN."""
     return cudnn_target("cudnn", 0, divmod(DEVICES[device]["deviceVer"] // 10, 10))
 
 
@@ -240,10 +243,6 @@ def describe_target(
     Takes :func:`~thunder_cudnn_safe.describe`'s arguments (tensors may be on the CPU), checks the call
     against ``target``'s rules, plans its keys as ``describe`` does (nothing is copied or run) and
     compiles them with :func:`compile_in_subprocess`."""
-    from thunder_cudnn_safe.plan.calls import ForwardCall
-    from thunder_cudnn_safe.plan.planner import planned_keys
-    from thunder_cudnn_safe.rules.support import not_supported_reasons
-
     device = resolve_target(target)
     call, on = ForwardCall(query, key, value, *args, **kwargs), target_of(device)
     reasons = not_supported_reasons(call, on, query.device.type)

@@ -16,8 +16,8 @@ import torch
 
 from thunder_cudnn_safe import caches
 from thunder_cudnn_safe.errors import ExecuteError, GraphBuildError
+from thunder_cudnn_safe.layouts.keys import BackwardKey, ForwardKey, Target, TensorSig
 from thunder_cudnn_safe.lru import LRU
-from thunder_cudnn_safe.plan.keys import BackwardKey, ForwardKey, Target, TensorSig
 from thunder_cudnn_safe.rules import key_gate
 from thunder_cudnn_safe.runtimes.per_thread import PerThread
 

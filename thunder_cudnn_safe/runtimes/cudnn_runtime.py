@@ -16,7 +16,7 @@ from thunder_cudnn_safe import _compat
 from thunder_cudnn_safe.errors import ExecuteError, GraphBuildError
 from thunder_cudnn_safe.graphs import build, plan_cache
 from thunder_cudnn_safe.graphs.lowering import implementation_of
-from thunder_cudnn_safe.plan.keys import BackwardKey, ForwardKey, Target
+from thunder_cudnn_safe.layouts.keys import BackwardKey, ForwardKey, Target
 from thunder_cudnn_safe.runtimes.base import BuiltGraph, GraphRuntime, register
 from thunder_cudnn_safe.runtimes.handles import HandlePool
 
@@ -64,7 +64,7 @@ def is_definitive_refusal(exc: BaseException, graph: Any = None) -> bool:
 
 
 def cudnn_target(runtime: str, device_index: int, arch: Any, backend_version: int | None = None) -> Target:
-    """The :class:`~thunder_cudnn_safe.plan.keys.Target` of graphs for ``arch`` with this frontend and
+    """The :class:`~thunder_cudnn_safe.layouts.keys.Target` of graphs for ``arch`` with this frontend and
     ``backend_version`` (default: this libcudnn's)."""
     f = _compat.FRONTEND
     backend = f.backend_version if backend_version is None else backend_version

@@ -24,9 +24,8 @@ import torch
 from thunder_cudnn_safe import _compat, config
 from thunder_cudnn_safe.errors import EmulationError, GraphBuildError
 from thunder_cudnn_safe.graphs import build
-from thunder_cudnn_safe.plan.keys import BackwardKey, ForwardKey, Target
-from thunder_cudnn_safe.plan.layout import span_elements
-from thunder_cudnn_safe.rules.cudnn_rules import ALIGNMENT_BYTES
+from thunder_cudnn_safe.layouts.keys import BackwardKey, ForwardKey, Target
+from thunder_cudnn_safe.layouts.layout import ALIGNMENT_BYTES, span_elements
 from thunder_cudnn_safe.runtimes import reference
 from thunder_cudnn_safe.runtimes.base import BuiltGraph, GraphRuntime, register
 from thunder_cudnn_safe.runtimes.cudnn_runtime import cudnn_target, frontend_refusal_filter

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
+from thunder_cudnn_safe.layouts.keys import BackwardKey, ForwardKey, Uid
 from thunder_cudnn_safe.masks import bias
-from thunder_cudnn_safe.plan.keys import BackwardKey, ForwardKey, Uid
 from thunder_cudnn_safe.runtimes import handoff, reference
 from thunder_cudnn_safe.runtimes.base import BuiltGraph
 from thunder_cudnn_safe.telemetry import warn_once
