@@ -79,6 +79,42 @@ def test_a_capture_builds_no_copy_on_autograds_thread(dropout_p, fresh_cache, mo
     assert all(torch.isfinite(t).all() for t in (out, *grads))
 
 
+def test_a_dropout_backward_refused_for_its_own_do_layout_builds_no_copy_of_its_retry_under_capture(
+    fresh_cache, monkeypatch
+):
+    """A dropout backward refused for dO's own layout retries with dO in O's layout (``Dispatcher.run``). The
+    forward's check built that graph on the forward's thread; the backward runs on autograd's thread, which needs
+    its own copy. Under capture the retry runs the bias backward's retry: its copy must be made at warm-up (it was
+    built inside the capture: the prebuild planned only dO as it comes)."""
+    from thunder_cudnn_safe.layouts.keys import BackwardKey
+
+    monkeypatch.setattr(masks, "capture_may_follow", lambda t, training: True)
+    disp = tcs.emulated_ex.dispatcher
+    q, k, v = seeded_qkv(2, 2, 16)
+    mask = causal(16, 16)
+    autograd_thread = ThreadPoolExecutor(max_workers=1)
+
+    def step():
+        out, stats, seed, offset = disp.forward(q, k, v, mask, 0.25, False)
+        g = torch.randn(2, 16, 2, 64, dtype=out.dtype).transpose(1, 2)  # dO not in O's layout
+        backward = autograd_thread.submit(disp.backward, g, q, k, v, mask, 0.25, False, out, stats, seed, offset)
+        return out, backward.result()
+
+    own_layout_refused = inject_failures(
+        build=lambda key: "dO's own layout" if isinstance(key, BackwardKey) and key.d_o != key.o else None
+    )
+    with own_layout_refused:
+        for _ in range(3):  # warm-up: the mask runs as its pattern
+            step()
+        before = tcs.cache_info()
+        with _Capture(monkeypatch):
+            built = _builds_during(monkeypatch, disp, step)
+    autograd_thread.shutdown()
+    assert built == [], f"built during the capture: {built}"
+    after = tcs.cache_info()
+    assert (after.builds, after.fallbacks) == (before.builds, before.fallbacks)
+
+
 def test_a_dropout_call_on_the_fallback_under_capture_is_refused_clearly(fresh_cache, monkeypatch):
     """The torch fallback reads the dropout seed on the host (``int(seed)``): under capture a host sync that
     fails the capture, or one step's seed frozen into every replay. It refuses, naming why."""

@@ -23,7 +23,7 @@ import torch
 
 from thunder_cudnn_safe.dispatch import dropout
 from thunder_cudnn_safe.errors import ExecuteError, GraphBuildError
-from thunder_cudnn_safe.layouts.keys import Target
+from thunder_cudnn_safe.layouts.keys import BackwardKey, Target
 from thunder_cudnn_safe.lru import LRU
 from thunder_cudnn_safe.plan.calls import BackwardCall, ForwardCall, forward_of, memo_key
 from thunder_cudnn_safe.plan.planner import Route, plan
@@ -71,13 +71,16 @@ def prebuild(disp: Dispatcher, call: ForwardCall | BackwardCall, target: Target)
     if disp.capture_marks.holds(memo, disp.cache):
         return
     bias = plan(call, target, recognize=False)  # no pattern under capture; an oversized bias: the fallback runs it
-    keys = () if bias.route is Route.OVERSIZED_BIAS else _keys(disp, call, bias.call, target)
+    keys = [] if bias.route is Route.OVERSIZED_BIAS else list(_keys(disp, call, bias.call, target))
     slots, refused, complete = [], [], True
-    for key in keys:
+    for key in keys:  # grows by a refused dropout backward's retry
         try:
             disp.runtime.graph_for_this_thread(disp.cache.get_or_build(key, disp.runtime.build))
         except GraphBuildError:
             refused.append(key)
+            retry = key._replace(d_o=key.o) if isinstance(key, BackwardKey) and key.dropout_p else key
+            if retry not in keys:  # Dispatcher.run retries it with dO in O's layout: this thread's copy too
+                keys.append(retry)
             continue
         except ExecuteError:  # this thread's copy failed (transient): no mark, the next warm-up tries again
             complete = False
