@@ -397,6 +397,8 @@ CALL_TRIGGERS = {
     "BACKWARD_KEY_LENGTH_1": lambda: rules_on(H100, 92600, *qkv(s=1)),
     "DROPOUT_SIXTEENTHS": lambda: rules_on(H100, 92600, *qkv(), None, 0.1),
     "GRID_65535": lambda: _proxy_rules(H100, 92600, *[(65536, 1, 16, 64)] * 3),
+    "SINK_TOKEN": lambda: rules_on(H100, 91200, *qkv(), sinks=torch.zeros(4)),
+    "SINK_DECODE": lambda: rules_on(H100, 92600, *qkv(lq=1, s=64), sinks=torch.zeros(4)),
 }
 #: Rules with no trigger of their own, neither on a call nor on a key, and why.
 NO_TRIGGER = {

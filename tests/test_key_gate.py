@@ -141,6 +141,10 @@ def _key(**changes):
         ("DP_WORKSPACE", "det"),
         ("HOPPER_DECODE_BACKWARD_CRASH", "q1_padded_9_26"),
         ("VARLEN_WINDOW_BACKWARD_FRONTEND_BLACKWELL", "ragged_window_sm100"),
+        ("SINK_TOKEN", "old_sink"),
+        ("SINK_DECODE", "sink_q1"),
+        ("SINK_RAGGED", "sink_ragged"),
+        ("SOFTCAP_NO_MASK_SUBGRAPH", {"softcap": 30.0, "causal": True}),
     ],
 )
 def test_a_key_that_breaks_a_rule_is_refused_by_name_and_counted(rule, changes, monkeypatch):
@@ -166,6 +170,16 @@ def test_a_key_that_breaks_a_rule_is_refused_by_name_and_counted(rule, changes, 
         monkeypatch.setenv(cudnn_rules.FRONTEND_OWN_ENGINES_ENV, "1")
         ragged = varlen.RaggedSig(TensorSig((3, 1, 1, 1), (1, 1, 1, 1), torch.int32), 32, True)
         key = key._replace(ragged=ragged, left=4, causal=True, target=key.target._replace(arch=(10, 0)))
+    elif changes in ("old_sink", "sink_q1", "sink_ragged"):
+        sink = TensorSig((1, 2, 1, 1), (4, 1, 4, 1), torch.float32)  # (a batch stride of 16 bytes: ragged's rule)
+        key = key._replace(sink=sink, d_sink=sink)
+        if changes == "old_sink":
+            key = key._replace(target=key.target._replace(backend_version=91200))
+        elif changes == "sink_q1":  # on sm80: sm90's decode backward has a rule of its own
+            key = key._replace(q=key.q._replace(shape=(1, 2, 1, 32)), target=key.target._replace(arch=(8, 0)))
+        else:
+            offsets = TensorSig((2, 1, 1, 1), (1, 1, 1, 1), torch.int32)
+            key = key._replace(ragged=varlen.RaggedSig(offsets, 16, True))
     else:
         key = key._replace(**changes)
     key_gate.reset_gate_info()

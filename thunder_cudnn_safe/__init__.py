@@ -30,7 +30,9 @@ from thunder_cudnn_safe.dispatch.packed import reset_varlen_info, varlen_info  #
 from thunder_cudnn_safe.errors import EmulationError, GraphBuildError  # noqa: E402
 from thunder_cudnn_safe.graphs.cache import CachedGraph, CacheInfo, cache_info, cached_graphs  # noqa: E402
 from thunder_cudnn_safe.graphs.plan_cache import PlanCacheInfo, plan_cache_info  # noqa: E402
+from thunder_cudnn_safe.integration import attention as _attention  # noqa: E402
 from thunder_cudnn_safe.integration import gqa  # noqa: E402
+from thunder_cudnn_safe.integration.attention import attention  # noqa: E402
 from thunder_cudnn_safe.integration.executor import CallReport, cudnn_safe_ex, describe, emulated_ex, explain  # noqa: E402
 from thunder_cudnn_safe.integration.gqa import RepeatKVToGQA  # noqa: E402
 from thunder_cudnn_safe.integration.install import drop_broken_builtin_cudnn_executor, install, installed, uninstall  # noqa: E402
@@ -44,6 +46,7 @@ from thunder_cudnn_safe.telemetry import CopyReason, CopyStats, copy_stats, rese
 
 drop_broken_builtin_cudnn_executor()
 gqa.register()
+_attention.register()
 
 __all__ = [
     # executors and their place in thunder's defaults
@@ -53,6 +56,8 @@ __all__ = [
     "installed",
     "uninstall",
     "RepeatKVToGQA",
+    # attention beyond F.sdpa: sinks and softcapping
+    "attention",
     # why a call is (not) claimed, and what it would run
     "explain",
     "describe",

@@ -40,6 +40,7 @@ class CopyReason(str, enum.Enum):
     DO_LIKE_O = "cuDNN < 9.5.1 needs dO strides == O strides"
     DO_REFUSED = "cuDNN refused the backward graph for dO's own layout; dO copied into O's layout"
     RAGGED_LAYOUT = "packed sequences: cuDNN's ragged offsets need tokens-major memory"
+    SINKS_LAYOUT = "attention sinks are bound as cuDNN's sink token: (1, H, 1, 1) float32"
 
     def __str__(self) -> str:
         return self.value
@@ -48,7 +49,14 @@ class CopyReason(str, enum.Enum):
     def avoidable(self) -> bool:
         """Whether a user could avoid this copy by passing another layout (worth a warning); copies asked
         for (policy "contiguous") or made unavoidable by ordinary code are counted silently."""
-        return self.name not in ("BROADCAST", "POLICY_CONTIGUOUS", "BOOL_MASK", "MASK_DTYPE", "MASK_BROADCAST")
+        return self.name not in (
+            "BROADCAST",
+            "POLICY_CONTIGUOUS",
+            "BOOL_MASK",
+            "MASK_DTYPE",
+            "MASK_BROADCAST",
+            "SINKS_LAYOUT",
+        )
 
 
 _warned = LRU(WARN_ONCE_LIMIT)

@@ -77,8 +77,9 @@ def memoizable(p: Plan, call: ForwardCall | BackwardCall) -> bool:
     as given (a plain route is; no mask: a mask's route follows its values, read per call; not a decode step's
     workaround), with no dropout (a forward falls back where its backward does not build: its memo's answer, read
     on the full path; a backward asks whether its forward fell back) and so no mask gradient (a mask gradient's
-    recipe needs a mask). Everything else the run path decides follows from the memo key."""
-    return p.route is Route.PLAIN and call.attn_mask is None and not call.dropout_p
+    recipe needs a mask), and no sinks (a backward returns their gradient beside the recipe's outputs). Everything
+    else the run path decides follows from the memo key."""
+    return p.route is Route.PLAIN and call.attn_mask is None and not call.dropout_p and call.sinks is None
 
 
 def _entry_point(call_type: type, miss: str, doc: str) -> Callable:
@@ -133,7 +134,7 @@ class Dispatcher:
             _live.add(self)
 
     forward = _entry_point(ForwardCall, "_forward", "O and stats (if ``need_stats``), then dropout's seed and offset.")
-    backward = _entry_point(BackwardCall, "_backward", "(dq, dk, dv) or (grad_qkv,) fused, then dBias with mask_grad.")
+    backward = _entry_point(BackwardCall, "_backward", "(dq, dk, dv) or (grad_qkv,) fused, dSinks, dBias (mask_grad).")
 
     def try_execute(self, bound: Bound) -> GraphBuildError | ExecuteError | None:
         """Execute ``bound`` on the runtime (its graph built once); the runtime's refusal, or None if it ran."""
@@ -198,11 +199,7 @@ class Dispatcher:
         if kept is not None:
             return kept
         _, bound, outputs = self._full(call, target, memo, entry)
-        if bound is not None and call.mask_grad:  # dBias reduced over the dims the mask broadcast over, in its shape
-            mask = call.attn_mask
-            d_bias = reduce_to_shape(bound.pack[Uid.DBIAS], (1,) * (4 - mask.dim()) + tuple(mask.shape))
-            return outputs + (d_bias.reshape(mask.shape).to(mask.dtype),)
-        return outputs
+        return outputs if bound is None else outputs + _extra_gradients(call, bound)
 
     def _full(
         self, call: ForwardCall | BackwardCall, target: Target, memo: tuple, entry: Memo | None
@@ -262,6 +259,19 @@ def forget_memos(_value: Any = None) -> None:
 
 for _knob in config.KNOBS:
     config.on_change(_knob, forget_memos)
+
+
+def _extra_gradients(call: BackwardCall, bound: Bound) -> tuple:
+    """What a backward returns after dQ, dK, dV: the sinks' gradient, (H,) in their dtype, from dSink_token; then
+    the mask's, dBias reduced over the dims the mask broadcast over, in its shape."""
+    extra = ()
+    if call.sinks is not None:
+        extra += (bound.pack[Uid.DSINK].reshape(call.sinks.shape).to(call.sinks.dtype),)
+    if call.mask_grad:
+        mask = call.attn_mask
+        d_bias = reduce_to_shape(bound.pack[Uid.DBIAS], (1,) * (4 - mask.dim()) + tuple(mask.shape))
+        extra += (d_bias.reshape(mask.shape).to(mask.dtype),)
+    return extra
 
 
 def _zero_fully_masked_rows(mask: torch.Tensor, bound: Bound) -> None:

@@ -122,7 +122,45 @@ def _options(graph: Any, key: ForwardKey | BackwardKey) -> dict[str, Any]:
         lens = TensorSig((key.q.shape[0], 1, 1, 1), (1, 1, 1, 1), torch.int32)
         extra["use_padding_mask"] = True
         extra.update({uid.name.lower(): _declare(graph, uid, lens) for uid in (Uid.SEQ_LEN_Q, Uid.SEQ_LEN_KV)})
+    if key.sink is not None:
+        extra["sink_token"] = _declare(graph, Uid.SINK, key.sink)
+    if getattr(key, "d_sink", None) is not None:
+        extra["dSink_token"] = _declare(graph, Uid.DSINK, key.d_sink)
+    modifier = score_modifier(key)
+    if modifier is not None:
+        extra["score_mod"] = modifier[0]
+        if isinstance(key, BackwardKey):
+            extra["score_mod_bprop"] = modifier[1]
     return extra
+
+
+def score_modifier(key: ForwardKey | BackwardKey) -> tuple[Any, Any] | None:
+    """The key's score modifier as cuDNN's two callbacks ``(score_mod(graph, s), score_mod_bprop(graph, dS))``,
+    or None. The one declaration of a modifier: the graph gets these callbacks, and the emulated runtime and the
+    torch fallback evaluate the same callbacks on torch tensors (``reference.PointwiseEvaluator``), so what
+    runs on CPU is what cuDNN is told, never a formula of our own beside it.
+
+    Softcapping (``key.softcap`` = c): ``c * tanh(s * (1/c))`` of the scaled score, from pass-by-value
+    scalars (the values travel in the graph; no tensor is bound).
+    cuDNN runs the forward modifier again inside the backward graph before ``score_mod_bprop`` (frontend 1.32's
+    node), which receives the gradient of the modified score and returns that of the score it was given:
+    ``dS * (1 - tanh^2)``, reusing the forward's tanh. A new modifier (ALiBi, another cap) is a branch here."""
+    if key.softcap is None:
+        return None
+    cap, saved = float(key.softcap), {}
+    # pass-by-value: a constant tensor (COMPILE_TIME_CONST) needs cuDNN 9.22 (CUDNN_ATTR_TENSOR_CONSTANT_VALUE)
+    const = cudnn_module().scalar_type.RUNTIME_PARAM
+
+    def score_mod(graph: Any, score: Any) -> Any:
+        saved["tanh"] = graph.tanh(input=graph.mul(a=score, b=graph.tensor_scalar(1.0 / cap, const)))
+        return graph.mul(a=saved["tanh"], b=graph.tensor_scalar(cap, const))
+
+    def score_mod_bprop(graph: Any, d_score: Any) -> Any:
+        t = saved["tanh"]
+        one_minus_square = graph.sub(a=graph.tensor_scalar(1.0, const), b=graph.mul(a=t, b=t))
+        return graph.mul(a=d_score, b=one_minus_square)
+
+    return score_mod, score_mod_bprop
 
 
 def attention_implementation(implementation: Any) -> Any:

@@ -27,6 +27,7 @@ from thunder_cudnn_safe._version import __version__
 from thunder_cudnn_safe.dispatch.dispatcher import Dispatcher
 from thunder_cudnn_safe.graphs.cache import CachedGraph
 from thunder_cudnn_safe.integration import gqa
+from thunder_cudnn_safe.integration.attention import attention_symbol
 from thunder_cudnn_safe.integration.proxies import plain_call, torch_dtype
 from thunder_cudnn_safe.layouts.layout import LayoutPolicy, same_size_except_heads
 from thunder_cudnn_safe.masks.documents import DocumentPattern
@@ -64,6 +65,15 @@ def _gqa_call(*args, **kwargs) -> ForwardCall:
     return _call(*gqa.gqa_arguments(*args, **kwargs)._replace(enable_gqa=True))
 
 
+def _attention_call(
+    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, softcap=None,
+    sinks=None,
+) -> ForwardCall:  # fmt: skip
+    """A ``cudnn_safe.attention`` call (:mod:`~thunder_cudnn_safe.integration.attention`) as the call value."""
+    call = _call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa=enable_gqa)
+    return call._replace(softcap=None if softcap is None else float(softcap), sinks=sinks)
+
+
 def reasons_for(runtime: Runtime, *args, **kwargs) -> list[Decline]:
     """Why ``runtime``'s executor would not claim ``ForwardCall(*args, **kwargs)`` (tensors or proxies)."""
     call = ForwardCall(*args, **kwargs)
@@ -94,6 +104,8 @@ def _bwd_meta(*args, **kwargs):
         grads = (TensorProxy(like=c.query, shape=(b, hq + c.key.shape[1] + c.value.shape[1], s, d)),)
     else:
         grads = (TensorProxy(like=c.query), TensorProxy(like=c.key), TensorProxy(like=c.value))
+    if c.sinks is not None:
+        grads += (TensorProxy(like=c.sinks),)
     return grads + (TensorProxy(like=c.attn_mask),) if c.mask_grad else grads
 
 
@@ -180,6 +192,9 @@ def make_executor(name: str, runtime: Runtime) -> OperatorExecutor:
             if mask_grad:
                 put_grad(mask, grads[-1])
                 grads = grads[:-1]
+            if call.sinks is not None:  # (dq, dk, dv | fused, dsinks[, dmask])
+                put_grad(call.sinks, grads[-1])
+                grads = grads[:-1]
             if call.cat_grad_qkv:
                 grads = grads[0].split([call.query.shape[1], call.key.shape[1], call.value.shape[1]], dim=1)
             put_grads((call.query, call.key, call.value), tuple(grads))
@@ -187,7 +202,8 @@ def make_executor(name: str, runtime: Runtime) -> OperatorExecutor:
 
         return {"checker": checker, "execution_transform": execution_transform, "grad_transform": grad_transform}
 
-    for symbol, make_call in ((ltorch.scaled_dot_product_attention, _call), (gqa.sdpa_gqa, _gqa_call)):
+    calls = {ltorch.scaled_dot_product_attention: _call, gqa.sdpa_gqa: _gqa_call, attention_symbol: _attention_call}
+    for symbol, make_call in calls.items():
         ex.register_implementation(symbol, **implementation(make_call))
     return ex
 

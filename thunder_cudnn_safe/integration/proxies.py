@@ -59,4 +59,6 @@ def plain_call(call: ForwardCall) -> ForwardCall:
         dropout_p=Symbolic(_value(p)) if isinstance(p, NumberProxy) else _value(p),
         is_causal=_value(call.is_causal),
         scale=_value(call.scale),
+        softcap=_value(call.softcap),
+        sinks=None if call.sinks is None else _operand(call.sinks),
     )

@@ -19,6 +19,8 @@ class Uid(enum.IntEnum):
     SEQ_LEN_Q, SEQ_LEN_KV = 14, 15
     #: ragged offsets of packed sequences (:mod:`~thunder_cudnn_safe.plan.varlen`), one per ragged tensor
     RAGGED_Q, RAGGED_K, RAGGED_V, RAGGED_O, RAGGED_STATS, RAGGED_DO, RAGGED_DQ, RAGGED_DK, RAGGED_DV = range(16, 25)
+    #: attention sinks: cuDNN's ``sink_token`` (1, H, 1, 1) float32 and its gradient ``dSink_token``
+    SINK, DSINK = 25, 26
 
 
 class TensorSig(NamedTuple):
@@ -75,6 +77,10 @@ class ForwardKey(NamedTuple):
     #: the band (``causal``, ``left``) is aligned bottom-right: query i is the (S - L + i)-th position (L < S,
     #: prefill against a cache); with the padding mask, per batch element its own ``seq_len_kv - seq_len_q``
     bottom_right: bool = False
+    #: logit softcapping ``c * tanh(s / c)``: the graph's score modifier (:func:`~.graphs.build.score_modifier`)
+    softcap: float | None = None
+    #: the sink token bound (attention sinks), or None
+    sink: TensorSig | None = None
 
 
 class BackwardKey(NamedTuple):
@@ -101,6 +107,9 @@ class BackwardKey(NamedTuple):
     padded: bool = False
     ragged: Any = None
     bottom_right: bool = False
+    softcap: float | None = None
+    sink: TensorSig | None = None
+    d_sink: TensorSig | None = None
 
 
 #: Each key type's tensor fields, by the uid each declares (a field is named after its uid: ``d_o`` is ``Uid.DO``).

@@ -116,3 +116,22 @@ caches.register("converted masks and mask-pattern verdicts", converted_masks.cle
 def mask_cache_info() -> MaskCacheInfo:
     """Hits, conversions, entries and bytes held by the converted-mask cache."""
     return converted_masks.info()
+
+
+#: Causal biases made for calls whose masking must be a bias (a score modifier: :func:`causal_bias`).
+_causal_biases = LRU(8)
+caches.register("causal biases of softcapped calls", _causal_biases.clear)
+
+
+def causal_bias(lq: int, s: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """torch's ``is_causal`` (query i keeps keys j <= i) as a (1, 1, L, S) additive bias of 0 / -inf, made once per
+    shape, dtype, device and stream. A graph with a score modifier (softcapping) may declare no other masking
+    subgraph (frontend 1.32 ``_sdpa_validate``: "score mod enabled and hence other subgraphs are disabled"),
+    but a bias beside it is allowed: the cost is L*S elements read per call and no skipped tiles."""
+    key = (lq, s, dtype, device, stream_key(torch.empty(0, device=device)))
+    bias = _causal_biases.get(key)
+    if bias is None:
+        keep = torch.ones(lq, s, dtype=torch.bool, device=device).tril()
+        bias = torch.zeros(1, 1, lq, s, dtype=dtype, device=device).masked_fill_(~keep, float("-inf"))
+        _causal_biases.put(key, bias)
+    return bias

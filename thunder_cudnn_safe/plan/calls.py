@@ -51,6 +51,10 @@ class ForwardCall(NamedTuple):
     #: False where no backward follows (thunder's execution transform: no_grad, inference): the
     #: graph then writes no softmax stats, and the operator returns none
     need_stats: bool = True
+    #: logit softcapping: the scaled scores become ``softcap * tanh(s / softcap)`` before the mask (Gemma 2)
+    softcap: float | None = None
+    #: attention sinks, (H_q,): each head's softmax denominator gains ``exp(sinks[h])`` (gpt-oss)
+    sinks: Any = None
 
 
 class BackwardCall(NamedTuple):
@@ -73,6 +77,9 @@ class BackwardCall(NamedTuple):
     cat_grad_qkv: bool = False
     #: also return the mask's gradient (the backward graph computes dBias)
     mask_grad: bool = False
+    softcap: float | None = None
+    #: with sinks, the backward also returns their gradient (before the mask's)
+    sinks: Any = None
 
 
 #: The fields a forward and its backward share, by name (both call values carry them).
@@ -111,7 +118,7 @@ TENSOR_FIELDS = {
     BackwardCall: ("grad_out", "query", "key", "value", "out", "stats"),
 }
 #: Fields that may be a tensor, a mask pattern or None.
-MAYBE_TENSOR_FIELDS = ("attn_mask", "seed", "offset")
+MAYBE_TENSOR_FIELDS = ("attn_mask", "seed", "offset", "sinks")
 
 
 def memo_source(call_type: type, ref: Any) -> tuple[str, dict[str, Any]]:

@@ -17,6 +17,7 @@ import torch
 
 from thunder_cudnn_safe.layouts.keys import Target
 from thunder_cudnn_safe.layouts.layout import INT32_ELEMENT_LIMIT, LayoutPolicy
+from thunder_cudnn_safe.masks.bias import causal_bias
 from thunder_cudnn_safe.masks.documents import DocumentPattern
 from thunder_cudnn_safe.masks.patterns import MaskPattern, pattern_of
 from thunder_cudnn_safe.plan import defect_routes, varlen
@@ -63,16 +64,34 @@ def plan(call: ForwardCall | BackwardCall, target: Target, *, recognize: bool = 
     """How ``call`` runs on ``target``. ``recognize``: look for a mask pattern (not under capture, where the
     mask runs as its bias; a backward computing the mask's gradient never does). ``lens_device``: where a
     workaround's padding lengths are made (``"meta"`` to plan keys without running a kernel)."""
+    if call.softcap is not None:
+        return _softcapped(call)
     if call.attn_mask is None and call.query.shape[2] != 1:  # the common case, decided first: no mask, no decode
         return Plan(Route.PLAIN, call, call)
     masked = with_mask_pattern(call) if recognize and not getattr(call, "mask_grad", False) else call
     if isinstance(masked.attn_mask, DocumentPattern):
+        if call.sinks is not None:  # the variable-length binder declares no sink token (SINK_RAGGED): the bias
+            return Plan(Route.OVERSIZED_BIAS if bias_too_large(call) else Route.BIAS, call, call)
         return Plan(Route.PACKED, masked, call)
     routed = defect_routes.route(masked, target, lens_device)
     if routed is not masked:
         return Plan(Route.WORKAROUND, routed, call)
     if masked is not call:
         return Plan(Route.PATTERN, masked, call)
+    if isinstance(call.attn_mask, torch.Tensor):
+        return Plan(Route.OVERSIZED_BIAS if bias_too_large(call) else Route.BIAS, call, call)
+    return Plan(Route.PLAIN, call, call)
+
+
+def _softcapped(call: ForwardCall | BackwardCall) -> Plan:
+    """A softcapped call's plan: its score modifier turns off cuDNN's other masking (causal band, window, padding),
+    so a mask runs as its bias and ``is_causal`` as a causal bias (:func:`~thunder_cudnn_safe.masks.bias.causal_bias`),
+    never as a pattern; a decode step's workaround, a padding mask, is not taken either."""
+    if call.is_causal:
+        q = call.query
+        bias = causal_bias(q.shape[2], call.key.shape[2], q.dtype, q.device)
+        masked = call._replace(attn_mask=bias, is_causal=False)
+        return Plan(Route.OVERSIZED_BIAS if bias_too_large(masked) else Route.BIAS, masked, call)
     if isinstance(call.attn_mask, torch.Tensor):
         return Plan(Route.OVERSIZED_BIAS if bias_too_large(call) else Route.BIAS, call, call)
     return Plan(Route.PLAIN, call, call)

@@ -27,6 +27,7 @@ from thunder_cudnn_safe.layouts.layout import (
     dense_strides,
     fused_grad_qkv,
     is_contiguous,
+    layout_problem,
     packed_strides,
     strides_like,
     wants_fused_grad_qkv,
@@ -264,9 +265,29 @@ class _RecipeBuilder:
             left=self.left,
             padded=self.padded,
             bottom_right=self.bottom_right,
+            softcap=None if c.softcap is None else float(c.softcap),
             **options,
         )
         return _compile(key, self.steps, outputs, c)
+
+
+def _sink(p: _RecipeBuilder, gradient: bool) -> None:
+    """Attention sinks (H,) declared as cuDNN's sink token, (1, H, 1, 1) float32: a view of a float32 tensor
+    cuDNN reads as it is, else one counted float32 copy; ``gradient``: also a zeroed dSink_token of that layout
+    (the dispatcher returns it as the sinks' gradient)."""
+    a = p.call.sinks
+    if a is None:
+        return
+    h, st = a.shape[0], a.stride[0]
+    viewed = ArgSig((1, h, 1, 1), (h * st, st, h * st, 1), a.dtype, a.aligned, a.neg)
+    packed = TensorSig((1, h, 1, 1), packed_strides((1, h, 1, 1)), torch.float32)
+    if a.dtype == torch.float32 and layout_problem(viewed) is None:
+        p.operand(Uid.SINK, "sinks", viewed, viewed=True)
+    else:
+        src = p.call._fields.index("sinks")
+        p.add(Step(Uid.SINK, src, viewed[:2] + (0,), packed, CopyReason.SINKS_LAYOUT, "sinks"), packed)
+    if gradient:
+        p.new(Uid.DSINK, packed, zero=True)
 
 
 def forward_recipe(call: ForwardCall, target: Target, dynamic_shapes: str | None = None) -> PackRecipe:
@@ -278,6 +299,7 @@ def forward_recipe(call: ForwardCall, target: Target, dynamic_shapes: str | None
         k, v = (a._replace(shape=(a.shape[0], 1, *a.shape[2:])) for a in (k, v))
     k, v = p.operand(Uid.K, "key", k, one_head), p.operand(Uid.V, "value", v, one_head)
     p.masking(needs_grad=False)
+    _sink(p, gradient=False)
     b, h, lq, _ = q.shape
     out_shape = (b, h, lq, v.shape[3])
     outputs = [p.new(Uid.O, TensorSig(out_shape, strides_like(out_shape, q, p.policy), q.dtype))]
@@ -297,6 +319,7 @@ def backward_recipe(call: BackwardCall, target: Target) -> PackRecipe:
     p.stats()
     p.grad_out(o, target)
     p.masking(needs_grad=call.mask_grad)
+    _sink(p, gradient=True)
     if call.mask_grad:
         bias_sig = p.sigs[Uid.BIAS]
         p.new(Uid.DBIAS, bias_sig._replace(stride=dense_strides(bias_sig.shape, range(4), bias_sig.dtype)))

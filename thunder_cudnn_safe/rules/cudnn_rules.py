@@ -200,6 +200,9 @@ class CallView(NamedTuple):
     elements: tuple[tuple[str, int], ...] = ()
     #: a mask without a gradient may run as a pattern, never handed to cuDNN as a B*H*L*S bias
     mask_patterns: bool = False
+    #: attention sinks (a sink token) and logit softcapping (a score modifier) are asked for
+    sinks: bool = False
+    softcap: bool = False
 
     @property
     def dbias_or_dropout(self) -> bool:
@@ -600,6 +603,43 @@ VARLEN_WINDOW_BACKWARD_FRONTEND_BLACKWELL = Rule(
     on_key=_in_backward(
         lambda key: not _dense(key) and key.left is not None and _frontend_own_backward(key),
         "a variable-length backward with a window the frontend may serve with its own kernels",
+    ),
+)
+
+
+# -- attention beyond F.sdpa: the sink token and the score modifier (shared/notes/attention-variants.md) ----
+SINK_TOKEN = Rule(
+    "attention sinks run as cuDNN's sink token ((1, H, 1, 1) float32, and dSink_token in the backward) from "
+    "cuDNN 9.13; older libraries refuse the node",
+    "cudnn-frontend 1.32 C++ node (scaled_dot_product_flash_attention.h: sink_token needs cuDNN >= 9.13); "
+    "libcudnn 9.19 validates and builds forward and backward with a sink token at sm80, sm90, sm100 (lowering sweep)",
+    min_arch=(8, 0),
+    min_backend=91300,
+    on_key=unless_it_holds(lambda key: _if(key.sink is not None, "a sink token")),
+    on_call=call_unless_it_holds(lambda rule, call: _if(call.sinks, _stated(rule, call, "attention sinks: "))),
+)
+SINK_DECODE = Rule(
+    "cuDNN's backend engines refuse a sink token with a single query (s_q == 1, 'decode only mode ... not "
+    "supported with sink_token')",
+    "cudnn-frontend 1.32 sdpa_support_surface.h (kept by its _sdpa_validate.py docstring for the backend engines)",
+    on_key=where_it_holds(lambda key: _if(key.sink is not None and _lengths(key)[0] == 1, "a sink token at s_q = 1")),
+    on_call=_no_engine(lambda call: call.sinks and call.lq == 1, "attention sinks with a single query: "),
+)
+SINK_RAGGED = Rule(
+    "a learnable sink with packed (THD, ragged) sequences is not trusted before cuDNN 9.26: TransformerEngine "
+    "gates it there; the package runs documents with sinks as a bias instead (the planner) and never builds a "
+    "ragged graph with a sink token",
+    "TransformerEngine#3249 / #3470 (shared/notes/cudnn-defects.md, addendum of 2026-12-06); not reproduced here",
+    min_backend=10**9,
+    on_key=unless_it_holds(lambda key: _if(not _dense(key) and key.sink is not None, "a ragged graph with sinks")),
+)
+SOFTCAP_NO_MASK_SUBGRAPH = Rule(
+    "a score modifier (softcapping) turns off every other masking subgraph: no causal band, window, padding mask "
+    "or ALiBi beside it, a bias only; the planner runs a softcapped call's masks and is_causal as a bias",
+    "cudnn-frontend 1.32 _sdpa_validate.py ('Attention score mod enabled and hence other subgraphs are disabled')",
+    on_key=lambda rule, key: _if(
+        key.softcap is not None and (key.causal or key.left is not None or key.padded or not _dense(key)),
+        "a score modifier beside a causal band, window, padding mask or ragged offsets",
     ),
 )
 

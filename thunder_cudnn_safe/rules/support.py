@@ -102,6 +102,8 @@ def not_supported_reasons(
     ``target`` may then be None.
     """
     tensors = {f: operand(t) for f, t in zip(call._fields[:4], call) if isinstance(t, torch.Tensor)}
+    if isinstance(getattr(call, "sinks", None), torch.Tensor):
+        tensors["sinks"] = operand(call.sinks)
     call = call._replace(**tensors)
     named = zip(("query", "key", "value", "attn_mask"), (call.query, call.key, call.value, call.attn_mask))
     tensors = [(name, t) for name, t in named if t is not None]
@@ -119,6 +121,7 @@ def not_supported_reasons(
         *rule_reasons(view),
         *_mask_reasons(call, view),
         *_scalar_reasons(call),
+        *_variant_reasons(call, view),
     ]
 
 
@@ -160,6 +163,8 @@ def call_view(call: Any, target: Target | None) -> cudnn_rules.CallView:
         # decided on the mask's data at run time; one too large for a bias that is not a pattern runs on the
         # torch fallback (:meth:`~thunder_cudnn_safe.dispatch.dispatcher.Dispatcher.run_oversized_bias`)
         mask_patterns=patterns_on(),
+        sinks=getattr(call, "sinks", None) is not None,
+        softcap=getattr(call, "softcap", None) is not None,
     )
 
 
@@ -272,3 +277,26 @@ def _scalar_reasons(call: Any) -> Iterator[Decline]:
         yield Decline(DeclineCode.SCALE, f"scale {scale!r} is not a finite number known at trace time")
     if not isinstance(causal, bool):
         yield Decline(DeclineCode.CAUSAL, f"is_causal {causal!r} is not a bool known at trace time")
+
+
+def _variant_reasons(call: Any, view: cudnn_rules.CallView) -> Iterator[Decline]:
+    """Attention sinks and softcapping (``thunder_cudnn_safe.attention``): ``sinks`` one float32 or query-dtype
+    value per query head on the query's device, ``softcap`` a finite number > 0 known at trace time; neither with
+    dropout (the executor's dropout pairing is verified for plain SDPA only: such a call runs the decomposition)."""
+    sinks, cap = getattr(call, "sinks", None), _value(getattr(call, "softcap", None))
+    if sinks is not None:
+        shape, dtype = tuple(int(n) for n in sinks.shape), sinks.dtype
+        if shape != (view.heads,):
+            yield Decline(DeclineCode.SHAPE, f"sinks have shape {shape}; one per query head ({view.heads},) is needed")
+        if dtype not in (torch.float32, call.query.dtype):
+            yield Decline(DeclineCode.DTYPE, f"sinks dtype {dtype} is neither float32 nor the query dtype")
+        if (sinks.device.type, sinks.device.index) != (call.query.device.type, call.query.device.index):
+            yield Decline(DeclineCode.DEVICE, f"sinks are on {sinks.device}, the query on {call.query.device}")
+    if cap is not None and not (_is_number(cap) and math.isfinite(float(cap)) and float(cap) > 0):
+        yield Decline(DeclineCode.SCALE, f"softcap {cap!r} is not a finite number > 0 known at trace time")
+    if (sinks is not None or cap is not None) and view.dropout > 0:
+        yield Decline(
+            DeclineCode.DROPOUT,
+            "dropout together with sinks or softcap: the executor pairs dropout forwards and backwards for plain "
+            "SDPA only; the call runs the decomposition",
+        )

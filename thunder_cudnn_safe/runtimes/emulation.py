@@ -74,6 +74,9 @@ _KNOWN_PARAMS = {  # "implementation" (which SDPA implementation runs the forwar
     "use_causal_mask_bottom_right",
     "use_padding_mask",
     "implementation",
+    # the score modifier's callbacks, evaluated as declared (:func:`_modifier`)
+    "score_mod",
+    "score_mod_bprop",
 }
 
 
@@ -163,6 +166,17 @@ def _padding(b: _Bindings, q: torch.Tensor) -> torch.Tensor | None:
     return b.read("seq_len_kv").reshape(-1).to(torch.int64)
 
 
+def _modifier(node: Any, forward: bool) -> tuple | None:
+    """The node's declared score modifier: the very callbacks the graph hands cuDNN, evaluated on torch tensors
+    (``reference.PointwiseEvaluator``); a backward without its ``score_mod_bprop`` is refused, as cuDNN would."""
+    fwd, bwd = node.params.get("score_mod"), node.params.get("score_mod_bprop")
+    if fwd is None and bwd is None:
+        return None
+    if fwd is None or (not forward and bwd is None):
+        raise EmulationError("a score modifier needs score_mod, and a backward also score_mod_bprop")
+    return fwd, bwd
+
+
 def emulate(graph: Any, pack: dict) -> None:
     """Run a single-node SDPA forward or backward graph on CPU through declared layouts."""
     nodes = graph.nodes
@@ -192,8 +206,17 @@ def emulate(graph: Any, pack: dict) -> None:
     if p:
         seed, offset = (int(b.read(port).reshape(-1)[0]) for port in ("dropout_1", "dropout_2"))
         keep = reference.dropout_keep_mask(seed, offset, (*q.shape[:3], k.shape[2]), p, torch.device("cpu"))
-    how = reference.Scores(_scale(b), b.read("bias", required=False), *_band(node), _padding(b, q), p, keep)
-    how = how._replace(bottom_right=_bottom_right(node))
+    how = reference.Scores(
+        _scale(b),
+        b.read("bias", required=False),
+        *_band(node),
+        _padding(b, q),
+        p,
+        keep,
+        bottom_right=_bottom_right(node),
+        modifier=_modifier(node, kind == "SDPA"),
+        sink=b.read("sink_token", required=False),
+    )
 
     def write(port: str, value: torch.Tensor) -> None:
         if how.kv_lens is not None and port in ("dK", "dV"):
@@ -271,8 +294,9 @@ def _emulate_ragged(node: Any, forward: bool, b: _Bindings) -> None:
         raise EmulationError("the emulated runtime implements ragged SDPA with a top-left band only")
     if not node.params.get("use_padding_mask"):
         raise EmulationError("ragged offsets need the padding mask (cuDNN refuses them without)")
-    if any(node.inputs.get(p) is not None for p in ("bias", "dropout_1")) or node.params.get("dropout_0"):
-        raise EmulationError("the emulated runtime implements ragged SDPA without bias or dropout only")
+    extras = ("bias", "dropout_1", "sink_token")
+    if any(node.inputs.get(p) is not None for p in extras) or node.params.get("dropout_0") or _modifier(node, forward):
+        raise EmulationError("the emulated runtime implements ragged SDPA without bias, dropout, sinks or modifier")
     lens_q, lens_kv = ([int(x) for x in b.read(port).reshape(-1).tolist()] for port in ("seq_len_q", "seq_len_kv"))
     io_dtype = b._bound("q", node.inputs["q"]).dtype
     outs = {p: t for p, t in node.outputs.items() if t is not None and not t.get_is_virtual()}

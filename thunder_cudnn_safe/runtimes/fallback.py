@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from thunder_cudnn_safe.graphs.build import score_modifier
 from thunder_cudnn_safe.layouts.keys import BackwardKey, ForwardKey, Uid
 from thunder_cudnn_safe.masks import bias
 from thunder_cudnn_safe.runtimes import handoff, reference
@@ -77,6 +78,8 @@ class FallbackRuntime:
                 "wrong one. Use dropout_p=0 for this call or exclude cudnn_safe from the executors."
             )
         keep, chunks, b, d_bias = _keep_mask(key, pack), _chunks(pack), pack[Uid.Q].shape[0], pack.get(Uid.DBIAS)
+        if Uid.DSINK in pack:
+            pack[Uid.DSINK].zero_()
         # a dBias broadcast over the batch sums every chunk's share (in float32, rounded once)
         summed = None if d_bias is None or len(chunks) == 1 or d_bias.shape[0] > 1 else torch.zeros_like(d_bias.float())
         for start, stop in chunks:
@@ -89,6 +92,7 @@ class FallbackRuntime:
                 summed += share
         if summed is not None:
             d_bias.copy_(summed)
+        # (dSink_token, summed over the batch, is added by each chunk into the buffer zeroed before them)
         if isinstance(key, ForwardKey) and key.dropout_p:
             handoff.mark_fallback_seed(pack[Uid.SEED])
 
@@ -98,11 +102,16 @@ class FallbackRuntime:
         backward's float32 dBias share."""
         lens = pack[Uid.SEQ_LEN_KV].reshape(-1).long() if key.padded else None
         causal, d_bias = 0 if key.causal else None, pack.get(Uid.DBIAS)
-        how = reference.Scores(key.scale, pack.get(Uid.BIAS), causal, key.left, lens, key.dropout_p, keep)
-        how = how._replace(bottom_right=key.bottom_right)
+        # the score modifier the key declares, the same callbacks its graph hands cuDNN
+        modifier, sink = score_modifier(key), pack.get(Uid.SINK)
+        bias = pack.get(Uid.BIAS)
+        how = reference.Scores(key.scale, bias, causal, key.left, lens, key.dropout_p, keep, key.bottom_right)
+        how = how._replace(modifier=modifier, sink=sink)
 
         def write(port: str, value: torch.Tensor) -> None:
-            if port != "Stats" or Uid.STATS in pack:  # an inference forward has no stats
+            if port == "dSink_token":  # a sum over the batch: each chunk adds its share
+                pack[Uid.DSINK].add_(value)
+            elif port != "Stats" or Uid.STATS in pack:  # an inference forward has no stats
                 pack[Uid[port.upper()]].copy_(value)
 
         shape = None if d_bias is None else tuple(d_bias.shape)

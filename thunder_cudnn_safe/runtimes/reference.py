@@ -53,10 +53,55 @@ class Scores(NamedTuple):
     #: the band aligned bottom-right instead: query i stands at key position i + S - L (i + kv_lens[b] - L with
     #: key padding: cuDNN aligns the band to the padding mask's lengths)
     bottom_right: bool = False
+    #: the graph's score modifier, ``(score_mod, score_mod_bprop)`` as declared (:class:`Modifier`), applied to the
+    #: scaled score before the bias and the masks
+    modifier: tuple | None = None
+    #: the sink token, (1, H, 1, 1): each row's softmax denominator gains ``exp(sink[h])``
+    sink: torch.Tensor | None = None
+
+
+class PointwiseEvaluator:
+    """A stand-in for the cuDNN graph a score modifier's callbacks receive: each pointwise op they declare is
+    computed on torch float32 tensors, so the emulation and the fallback evaluate the declared modifier itself.
+    An op not listed here raises (the emulation must not guess what cuDNN computes)."""
+
+    def tensor_scalar(self, value: float, scalar_type: object = None) -> torch.Tensor:
+        return torch.tensor(float(value), dtype=torch.float32)
+
+    def mul(self, a: torch.Tensor, b: torch.Tensor, **_: object) -> torch.Tensor:
+        return a * b
+
+    def add(self, a: torch.Tensor, b: torch.Tensor, **_: object) -> torch.Tensor:
+        return a + b
+
+    def sub(self, a: torch.Tensor, b: torch.Tensor, **_: object) -> torch.Tensor:
+        return a - b
+
+    def div(self, a: torch.Tensor, b: torch.Tensor, **_: object) -> torch.Tensor:
+        return a / b
+
+    def tanh(self, input: torch.Tensor, **_: object) -> torch.Tensor:
+        return torch.tanh(input)
+
+    def __getattr__(self, name: str) -> object:
+        raise NotImplementedError(f"a score modifier declares the cuDNN op {name!r}, which the CPU evaluation lacks")
+
+
+def _modified(how: Scores, s: torch.Tensor) -> tuple[torch.Tensor, PointwiseEvaluator | None]:
+    """``s`` through the declared forward modifier (and the evaluator its backward reuses), or as is."""
+    if how.modifier is None:
+        return s, None
+    graph = PointwiseEvaluator()
+    return how.modifier[0](graph, s).float(), graph
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, how: Scores) -> torch.Tensor:
+    return _masked_scores(q, k, how)[0]
+
+
+def _masked_scores(q: torch.Tensor, k: torch.Tensor, how: Scores) -> tuple[torch.Tensor, PointwiseEvaluator | None]:
     s = torch.matmul(q, _expand_heads(k, q.shape[1]).transpose(-2, -1)) * how.scale
+    s, graph = _modified(how, s)
     if how.bias is not None:
         s = s + how.bias.float()
     i = torch.arange(s.shape[-2], device=s.device).view(-1, 1)
@@ -69,7 +114,12 @@ def _scores(q: torch.Tensor, k: torch.Tensor, how: Scores) -> torch.Tensor:
         s.masked_fill_(i - j >= how.left, float("-inf"))
     if how.kv_lens is not None:
         s.masked_fill_(j >= how.kv_lens.to(s.device).view(-1, 1, 1, 1), float("-inf"))
-    return s
+    return s, graph
+
+
+def _sink(how: Scores, s: torch.Tensor) -> torch.Tensor | None:
+    """The sink token broadcast to (1, H, 1, 1) float32 for scores ``s``, or None."""
+    return None if how.sink is None else how.sink.float().reshape(1, -1, 1, 1).to(s.device)
 
 
 def attention_forward(
@@ -77,13 +127,18 @@ def attention_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(O, stats) in float32 from float32 (B,H,L,D) inputs."""
     s = _scores(q, k, how)
+    sink = _sink(how, s)
     # As cuDNN's forward: unnormalized exp(s - rowmax), divided by the row sum at the end,
     # stats = rowmax + log(rowsum). (With scores near -3e38, e.g. a row fully masked with
     # torch.finfo(bf16).min, log(rowsum) is absorbed in float32: the forward still averages
     # V, but stats cannot reproduce P in the backward; see docs/guarantees.md, "Limits".)
     m = s.amax(dim=-1, keepdim=True)
+    if sink is not None:  # the sink joins every row's max and sum (a row masked everywhere: O = 0, P_sink = 1)
+        m = torch.maximum(m, sink)
     p = torch.exp(s - m)
     rowsum = p.sum(dim=-1, keepdim=True)
+    if sink is not None:
+        rowsum = rowsum + torch.exp(sink - m)
     stats = m + torch.log(rowsum)
     p = p / rowsum
     if how.dropout_p:
@@ -100,13 +155,15 @@ def attention_backward(
     stats: torch.Tensor,
     how: Scores,
     partials: torch.dtype | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dQ, dK, dV, dS) in float32; dS is the gradient of the (biased) scores, i.e. dBias before reduction.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(dQ, dK, dV, dS, dSink) in float32; dS is the gradient of the (biased) scores, i.e. dBias before
+    reduction; dSink (1, H, 1, 1) with a sink token, else None.
 
     ``partials``: the dtype grouped heads' per-query-head dK/dV are rounded to before their sum.
     """
     heads, p_drop = q.shape[1], how.dropout_p
-    s = _scores(q, k, how)
+    s, graph = _masked_scores(q, k, how)
+    sink = _sink(how, s)
     p = torch.exp(s - stats)  # probabilities recomputed from the forward's stats, as cuDNN does
     p_dropped = p * how.keep / (1.0 - p_drop) if p_drop else p
     dv = _reduce_heads(torch.matmul(p_dropped.transpose(-2, -1), d_o), v.shape[1], partials)
@@ -115,9 +172,12 @@ def attention_backward(
     delta = (d_o * o).sum(dim=-1, keepdim=True)  # uses O, exactly like cuDNN's backward
     ds = p * (dp - delta)
     ds = ds.masked_fill(s == float("-inf"), 0.0)  # masked scores get no gradient; NaN still propagates
-    dq = torch.matmul(ds, _expand_heads(k, heads)) * how.scale
-    dk = _reduce_heads(torch.matmul(ds.transpose(-2, -1), q) * how.scale, k.shape[1], partials)
-    return dq, dk, dv, ds
+    # The sink's probability is exp(sink - stats); its logit's gradient is -P_sink * delta, summed per head.
+    d_sink = None if sink is None else -(torch.exp(sink - stats) * delta).sum(dim=(0, 2), keepdim=True)
+    d_raw = ds if graph is None else how.modifier[1](graph, ds).float()  # dBias is ds, before the modifier's
+    dq = torch.matmul(d_raw, _expand_heads(k, heads)) * how.scale
+    dk = _reduce_heads(torch.matmul(d_raw.transpose(-2, -1), q) * how.scale, k.shape[1], partials)
+    return dq, dk, dv, ds, d_sink
 
 
 def attend(
@@ -138,9 +198,9 @@ def attend(
         write("Stats", stats)
         return None
     o, d_o, stats = (read(port).float() for port in ("o", "dO", "stats"))
-    dq, dk, dv, ds = attention_backward(q, k, v, o, d_o, stats, how, partials=partials)
+    dq, dk, dv, ds, d_sink = attention_backward(q, k, v, o, d_o, stats, how, partials=partials)
     d_bias = None if d_bias_shape is None else reduce_to_shape(ds, d_bias_shape)
-    for port, value in (("dQ", dq), ("dK", dk), ("dV", dv), ("dBias", d_bias)):
+    for port, value in (("dQ", dq), ("dK", dk), ("dV", dv), ("dBias", d_bias), ("dSink_token", d_sink)):
         if value is not None:
             write(port, value)
     return d_bias

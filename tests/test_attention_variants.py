@@ -1,0 +1,263 @@
+"""``thunder_cudnn_safe.attention``: attention sinks and logit softcapping as one fused call (issue 42).
+
+The function's own math is checked against independent float64 formulas (the sigmoid form of sinks, Gemma 2's
+softcap); then a seeded random sweep runs it under ``thunder.jit`` on the emulated executor, each case claimed
+forward and backward with nothing on the fallback, and O, dQ, dK, dV and dSinks checked against a float64
+reference by the accuracy rule. The ``slow`` tier draws >= 1000 cases. A declined call runs the decomposition.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import thunder
+import torch
+import torch.nn.functional as F
+from checks import assert_claimed_in_traces, jit_with_ours, on_the_runtime, trace_text
+
+import thunder_cudnn_safe as tcs
+from thunder_cudnn_safe.testing import QKV_LAYOUTS, assert_close_to_reference, flash_backward_floor
+
+
+def _f64(*ts):
+    return [None if t is None else t.detach().double().requires_grad_(t.requires_grad) for t in ts]
+
+
+# -- the function's own math ---------------------------------------------------------------------------------
+def test_without_options_it_is_sdpa():
+    q, k, v = (torch.randn(2, 4, 12, 16, dtype=torch.float64) for _ in range(3))
+    mask = torch.rand(12, 12) > 0.3
+    for kwargs in ({}, {"is_causal": True}, {"attn_mask": mask}, {"attn_mask": torch.randn(2, 1, 12, 12).double()}):
+        torch.testing.assert_close(tcs.attention(q, k, v, **kwargs), F.scaled_dot_product_attention(q, k, v, **kwargs))
+    kv = torch.randn(2, 2, 12, 16, dtype=torch.float64)
+    torch.testing.assert_close(
+        tcs.attention(q, kv, kv, enable_gqa=True), F.scaled_dot_product_attention(q, kv, kv, enable_gqa=True)
+    )
+
+
+def test_sinks_equal_the_sigmoid_form_and_softcap_gemma2s():
+    """Sinks: ``o * sigmoid(logsumexp(s) - sink)`` (one model family's form); softcap: Gemma 2's code."""
+    q, k, v = (torch.randn(2, 4, 10, 8, dtype=torch.float64) for _ in range(3))
+    sinks = torch.randn(4, dtype=torch.float64)
+    s = q @ k.mT / math.sqrt(8)
+    expected = torch.softmax(s, -1) @ v * torch.sigmoid(s.logsumexp(-1, keepdim=True) - sinks.view(1, 4, 1, 1))
+    torch.testing.assert_close(tcs.attention(q, k, v, sinks=sinks), expected)
+    capped = torch.tanh(s / 7.0) * 7.0 + torch.full((10, 10), float("-inf")).triu(1).double()
+    torch.testing.assert_close(tcs.attention(q, k, v, is_causal=True, softcap=7.0), torch.softmax(capped, -1) @ v)
+
+
+def test_gradients_reach_every_input_in_eager():
+    q, k, v = (torch.randn(1, 2, 6, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    sinks = torch.randn(2, dtype=torch.float64, requires_grad=True)
+    mask = torch.randn(1, 2, 6, 6, dtype=torch.float64, requires_grad=True)
+    fn = lambda q, k, v, m, sn: tcs.attention(q, k, v, m, softcap=3.0, sinks=sn)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (q, k, v, mask, sinks))
+
+
+@pytest.mark.parametrize("bad", [{"softcap": 0.0}, {"softcap": float("inf")}, {"sinks": torch.zeros(3)}])
+def test_bad_options_fail_with_their_name(bad):
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="softcap" if "softcap" in bad else "sinks"):
+        tcs.attention(q, q, q, **bad)
+
+
+# -- the sweep under thunder.jit ------------------------------------------------------------------------------
+MASKS = ("none", "is_causal", "causal", "window", "padding", "bias", "bool")
+
+
+def _mask(kind: str, b: int, lq: int, s: int, dtype: torch.dtype, gen: torch.Generator):
+    i, j = torch.arange(lq).view(-1, 1), torch.arange(s)
+    if kind == "causal":
+        return j <= i
+    if kind == "window":
+        return (j <= i) & (i - j < 5)
+    if kind == "padding":
+        lens = torch.randint(s // 2, s + 1, (b,), generator=gen)
+        return (j < lens.view(-1, 1, 1, 1)).expand(b, 1, lq, s)
+    if kind == "bias":
+        return torch.randn(b, 1, lq, s, generator=gen).to(dtype)
+    if kind == "bool":
+        keep = torch.rand(lq, s, generator=gen) > 0.3
+        return keep | (j == 0)  # every row keeps a key
+    return None
+
+
+def draw_case(seed: int) -> dict:
+    """One random case: layout, shapes (GQA, d_qk != d_v), dtype, softcap, sinks and mask kind."""
+    r = random.Random(seed)
+    h = r.choice([2, 4])
+    hk = r.choice([h, h // 2, 1]) if r.random() < 0.3 else h
+    d, dv = r.choice([(64, 64), (32, 32), (64, 128), (128, 64), (96, 96)])
+    lq = r.choice([7, 16, 33]) if r.random() < 0.2 else r.choice([16, 24, 48])  # s_q = 1: rules decline (sinks)
+    return dict(
+        seed=seed,
+        layout=r.choice(list(QKV_LAYOUTS)) if hk == h else "gqa",
+        b=r.choice([1, 2]),
+        h=h,
+        hk=hk,
+        lq=lq,
+        s=r.choice([lq, lq + 8, 40]),
+        d=d,
+        dv=dv,
+        dtype=r.choice([torch.float16, torch.bfloat16]),
+        softcap=r.choice([None, 5.0, 30.0]),
+        sinks=r.choice([None, "float32", "input"]),
+        mask=r.choice(MASKS),
+    )
+
+
+def _inputs(c: dict):
+    gen = torch.Generator().manual_seed(c["seed"])
+    torch.manual_seed(c["seed"])
+    b, h, hk, lq, s, d, dv, dtype = (c[n] for n in ("b", "h", "hk", "lq", "s", "d", "dv", "dtype"))
+    if c["layout"] == "gqa":
+        q = torch.randn(b, lq, h, d, dtype=dtype).transpose(1, 2).requires_grad_()
+        k, v = (torch.randn(b, s, hk, n, dtype=dtype).transpose(1, 2).requires_grad_() for n in (d, dv))
+    else:
+        q, k, v = QKV_LAYOUTS[c["layout"]](b, h, lq, s, d, dv, dtype)
+    b, h = q.shape[:2]  # (a layout of the zoo may have its own batch and heads)
+    sinks = None
+    if c["sinks"] is not None:
+        sinks = (torch.randn(h, generator=gen) * 2).to(torch.float32 if c["sinks"] == "float32" else dtype)
+        sinks.requires_grad_()
+    mask = None if c["mask"] in ("none", "is_causal") else _mask(c["mask"], b, lq, s, dtype, gen)
+    return q, k, v, mask, sinks
+
+
+def _attend(q, k, v, mask, sinks, is_causal, softcap, gqa):
+    return tcs.attention(q, k, v, mask, is_causal=is_causal, softcap=softcap, sinks=sinks, enable_gqa=gqa)
+
+
+def run_case(c: dict) -> None:
+    """``c`` through thunder.jit on the emulated executor: claimed, nothing on the fallback, accurate."""
+    q, k, v, mask, sinks = _inputs(c)
+    opts = dict(is_causal=c["mask"] == "is_causal", softcap=c["softcap"], gqa=c["hk"] != c["h"])
+    jf = jit_with_ours(lambda q, k, v, mask, sinks: _attend(q, k, v, mask, sinks, **opts))
+    with on_the_runtime():
+        out = jf(q, k, v, mask, sinks)
+        grad = torch.randn_like(out)
+        out.backward(grad)
+    assert_claimed_in_traces(jf)
+    leaves = [t for t in (q, k, v, sinks) if t is not None]
+    got = [out, *(t.grad for t in leaves)]
+    ref_leaves = _f64(q, k, v, mask, sinks)
+    ref = _attend(*ref_leaves, **opts)
+    ref.backward(grad.double())
+    low = [None if t is None else t.detach().clone().requires_grad_(t.requires_grad) for t in (q, k, v, mask, sinks)]
+    eager = _attend(*low, **opts)
+    eager.backward(grad)
+    expected = [ref, *(t.grad for t in ref_leaves if t is not None and t.requires_grad)]
+    eager_all = [eager, *(t.grad for t in low if t is not None and t.requires_grad)]
+    names = ["O", "dQ", "dK", "dV", "dSinks"]
+    rows = q.shape[0] * c["lq"]
+    for name, a, e, r in zip(names, got, eager_all, expected):
+        floor = 0.0
+        if name in ("dQ", "dK", "dSinks"):
+            other = {"dQ": k, "dK": q, "dSinks": torch.ones(1)}[name]
+            scale = 1.0 if name == "dSinks" else 1 / math.sqrt(c["d"])
+            floor = flash_backward_floor(c["dtype"], scale, grad, out, other, rows)
+        assert_close_to_reference(a, e, r, f"{name} of {c}", floor=floor)
+
+
+CASES = [draw_case(seed) for seed in range(24)]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"seed{c['seed']}")
+def test_sweep(case, fresh_cache):
+    run_case(case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block", range(20))
+def test_sweep_slow(block, fresh_cache):
+    """1000 cases (50 per block), 0 crashes and 0 mismatches."""
+    for seed in range(1000 + 50 * block, 1050 + 50 * block):
+        run_case(draw_case(seed))
+
+
+def test_the_sweep_covers_every_option():
+    drawn = [draw_case(seed) for seed in range(1000, 2000)]
+    for field, values in (("mask", MASKS), ("softcap", (None, 5.0, 30.0)), ("sinks", (None, "float32", "input"))):
+        assert {c[field] for c in drawn} == set(values), field
+    assert {c["layout"] for c in drawn} == {*QKV_LAYOUTS, "gqa"}
+    assert any(c["d"] != c["dv"] for c in drawn) and any(c["hk"] == 1 < c["h"] for c in drawn)
+
+
+# -- masks with sinks stay patterns; with softcap they are a bias -------------------------------------------
+@pytest.mark.parametrize("kind, pattern", [("causal", "causal"), ("window", "window"), ("padding", "padding")])
+def test_masks_with_sinks_stay_cudnn_patterns(kind, pattern, fresh_cache):
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 24, 64, dtype=torch.bfloat16)
+    mask = _mask(kind, 2, 24, 24, torch.bfloat16, gen)
+    sinks = torch.zeros(4)
+    report = tcs.describe(q, q, q, mask, executor=tcs.emulated_ex, sinks=sinks)
+    assert not report.reasons and pattern in report.mask_pattern
+    capped = tcs.describe(q, q, q, mask, executor=tcs.emulated_ex, sinks=sinks, softcap=20.0)
+    assert not capped.reasons and capped.mask_pattern == "bias"
+
+
+# -- declined calls run the decomposition --------------------------------------------------------------------
+def _declined_run(q, k, v, sinks, **kwargs):
+    jf = jit_with_ours(lambda q, k, v, sinks: tcs.attention(q, k, v, sinks=sinks, **kwargs))
+    out = jf(q, k, v, sinks)
+    fwd, _ = trace_text(jf)
+    assert "cudnn_safe_emulated_sdpa_fwd" not in fwd
+    torch.testing.assert_close(out, tcs.attention(q, k, v, sinks=sinks, **kwargs))
+    return out
+
+
+def test_a_float32_call_is_declined_and_runs_the_decomposition(fresh_cache):
+    q, k, v = (torch.randn(1, 2, 16, 64) for _ in range(3))
+    sinks = torch.randn(2)
+    reasons = tcs.explain(q, k, v, executor=tcs.emulated_ex, sinks=sinks, softcap=10.0)
+    assert any("float16 or bfloat16" in r for r in reasons)
+    _declined_run(q, k, v, sinks, softcap=10.0)
+
+
+def test_sinks_before_cudnn_9_13_are_declined_by_rule_and_run_the_decomposition(fresh_cache):
+    q, k, v = (torch.randn(1, 2, 16, 64, dtype=torch.bfloat16) for _ in range(3))
+    sinks = torch.randn(2)
+    with tcs.config.patch(emulated_backend=91200):
+        assert [r.rule for r in tcs.explain(q, k, v, executor=tcs.emulated_ex, sinks=sinks)] == ["SINK_TOKEN"]
+        _declined_run(q, k, v, sinks)
+    assert tcs.explain(q, k, v, executor=tcs.emulated_ex, sinks=sinks) == []
+
+
+def test_dropout_with_options_is_declined_with_why():
+    q = torch.randn(1, 2, 16, 64, dtype=torch.bfloat16)
+    reasons = tcs.explain(q, q, q, None, 0.25, executor=tcs.emulated_ex, softcap=5.0)
+    assert [r.code for r in reasons] == [tcs.DeclineCode.DROPOUT]
+
+
+# -- ThunderFX: dynamo keeps the call whole, thunder maps it to the executor's symbol --------------------------
+@pytest.mark.thunderfx
+def test_thunderfx_maps_the_custom_op_to_the_executor(fresh_cache):
+    from thunder.dynamo import ThunderCompiler
+
+    backend = ThunderCompiler(executors=[tcs.emulated_ex, *thunder.get_default_executors()])
+    q, k, v = (torch.randn(1, 2, 16, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    sinks = torch.randn(2, requires_grad=True)
+    fn = torch.compile(
+        lambda q, k, v, s: tcs.attention(q, k, v, is_causal=True, softcap=20.0, sinks=s), backend=backend
+    )
+    with on_the_runtime():
+        out = fn(q, k, v, sinks)
+        out.sum().backward()
+    compiled = [fn for sub in backend.subgraph_infos for fn in sub.thunder_compiled_fns]
+    traces = [str(t) for fn in compiled for t in thunder.last_traces(fn)]
+    assert any("cudnn_safe_emulated_sdpa_fwd" in t for t in traces)
+    expected = tcs.attention(*(t.detach() for t in (q, k, v)), is_causal=True, softcap=20.0, sinks=sinks.detach())
+    torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
+    assert sinks.grad is not None and torch.isfinite(sinks.grad).all()
+
+
+def test_the_custom_op_computes_the_function_and_its_gradients():
+    """The op dynamo keeps (and torch.compile without thunder runs), with its autograd, in eager."""
+    q, k, v = (torch.randn(1, 2, 6, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    sinks = torch.randn(2, dtype=torch.float64, requires_grad=True)
+    op = torch.ops.cudnn_safe.attention
+    fn = lambda q, k, v, sn: op(q, k, v, None, 0.0, True, None, False, 4.0, sn)  # noqa: E731
+    torch.testing.assert_close(fn(q, k, v, sinks), tcs.attention(q, k, v, is_causal=True, softcap=4.0, sinks=sinks))
+    assert torch.autograd.gradcheck(fn, (q, k, v, sinks))
