@@ -8,6 +8,7 @@ reference by the accuracy rule. The ``slow`` tier draws >= 1000 cases. A decline
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from checks import assert_claimed_in_traces, jit_with_ours, on_the_runtime, trace_text
 
 import thunder_cudnn_safe as tcs
+from thunder_cudnn_safe.rules import cudnn_rules
 from thunder_cudnn_safe.testing import QKV_LAYOUTS, assert_close_to_reference, flash_backward_floor
 
 
@@ -130,8 +132,26 @@ def _attend(q, k, v, mask, sinks, is_causal, softcap, gqa):
     return tcs.attention(q, k, v, mask, is_causal=is_causal, softcap=softcap, sinks=sinks, enable_gqa=gqa)
 
 
+@contextlib.contextmanager
+def _softcap_backward_lifted(on: bool):
+    """SOFTCAP_BACKWARD lifted: libcudnn 9.19 has no engine for a softcap backward, so a softcapped training call
+    is declined (tested below); the sweep still runs the declared backward on the emulation, whose numbers are
+    what a cuDNN with an engine must give."""
+    if not on:
+        yield
+        return
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cudnn_rules, "RULES", tuple(r for r in cudnn_rules.RULES if r.name != "SOFTCAP_BACKWARD"))
+        yield
+
+
 def run_case(c: dict) -> None:
     """``c`` through thunder.jit on the emulated executor: claimed, nothing on the fallback, accurate."""
+    with _softcap_backward_lifted(c["softcap"] is not None):
+        _run_case(c)
+
+
+def _run_case(c: dict) -> None:
     q, k, v, mask, sinks = _inputs(c)
     opts = dict(is_causal=c["mask"] == "is_causal", softcap=c["softcap"], gqa=c["hk"] != c["h"])
     jf = jit_with_ours(lambda q, k, v, mask, sinks: _attend(q, k, v, mask, sinks, **opts))
@@ -194,7 +214,7 @@ def test_masks_with_sinks_stay_cudnn_patterns(kind, pattern, fresh_cache):
     sinks = torch.zeros(4)
     report = tcs.describe(q, q, q, mask, executor=tcs.emulated_ex, sinks=sinks)
     assert not report.reasons and pattern in report.mask_pattern
-    capped = tcs.describe(q, q, q, mask, executor=tcs.emulated_ex, sinks=sinks, softcap=20.0)
+    capped = tcs.describe(q, q, q, mask, executor=tcs.emulated_ex, sinks=sinks, softcap=20.0, need_stats=False)
     assert not capped.reasons and capped.mask_pattern == "bias"
 
 
@@ -227,8 +247,8 @@ def test_sinks_before_cudnn_9_13_are_declined_by_rule_and_run_the_decomposition(
 
 def test_dropout_with_options_is_declined_with_why():
     q = torch.randn(1, 2, 16, 64, dtype=torch.bfloat16)
-    reasons = tcs.explain(q, q, q, None, 0.25, executor=tcs.emulated_ex, softcap=5.0)
-    assert [r.code for r in reasons] == [tcs.DeclineCode.DROPOUT]
+    reasons = tcs.explain(q, q, q, None, 0.25, executor=tcs.emulated_ex, sinks=torch.zeros(2))
+    assert [r.code for r in reasons] == [tcs.DeclineCode.DROPOUT] and "sinks or softcap" in reasons[0]
 
 
 # -- ThunderFX: dynamo keeps the call whole, thunder maps it to the executor's symbol --------------------------
@@ -239,16 +259,14 @@ def test_thunderfx_maps_the_custom_op_to_the_executor(fresh_cache):
     backend = ThunderCompiler(executors=[tcs.emulated_ex, *thunder.get_default_executors()])
     q, k, v = (torch.randn(1, 2, 16, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     sinks = torch.randn(2, requires_grad=True)
-    fn = torch.compile(
-        lambda q, k, v, s: tcs.attention(q, k, v, is_causal=True, softcap=20.0, sinks=s), backend=backend
-    )
+    fn = torch.compile(lambda q, k, v, s: tcs.attention(q, k, v, is_causal=True, sinks=s), backend=backend)
     with on_the_runtime():
         out = fn(q, k, v, sinks)
         out.sum().backward()
     compiled = [fn for sub in backend.subgraph_infos for fn in sub.thunder_compiled_fns]
     traces = [str(t) for fn in compiled for t in thunder.last_traces(fn)]
     assert any("cudnn_safe_emulated_sdpa_fwd" in t for t in traces)
-    expected = tcs.attention(*(t.detach() for t in (q, k, v)), is_causal=True, softcap=20.0, sinks=sinks.detach())
+    expected = tcs.attention(*(t.detach() for t in (q, k, v)), is_causal=True, sinks=sinks.detach())
     torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
     assert sinks.grad is not None and torch.isfinite(sinks.grad).all()
 
@@ -261,3 +279,23 @@ def test_the_custom_op_computes_the_function_and_its_gradients():
     fn = lambda q, k, v, sn: op(q, k, v, None, 0.0, True, None, False, 4.0, sn)  # noqa: E731
     torch.testing.assert_close(fn(q, k, v, sinks), tcs.attention(q, k, v, is_causal=True, softcap=4.0, sinks=sinks))
     assert torch.autograd.gradcheck(fn, (q, k, v, sinks))
+
+
+# -- softcap in training: no cuDNN engine (SOFTCAP_BACKWARD); inference is claimed ------------------------------
+def test_softcap_training_is_declined_and_its_inference_forward_claimed(fresh_cache):
+    q, k, v = (torch.randn(1, 2, 16, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    reasons = tcs.explain(q, k, v, None, 0.0, True, executor=tcs.emulated_ex, softcap=30.0)
+    assert [r.rule for r in reasons] == ["SOFTCAP_BACKWARD"]
+    jf = jit_with_ours(lambda q, k, v: tcs.attention(q, k, v, is_causal=True, softcap=30.0))
+    out = jf(q, k, v)
+    out.sum().backward()
+    assert "cudnn_safe_emulated_sdpa_fwd" not in trace_text(jf)[0]
+    expected = [q.grad.clone(), k.grad.clone(), v.grad.clone()]
+    for t in (q, k, v):
+        t.grad = None
+    tcs.attention(q, k, v, is_causal=True, softcap=30.0).sum().backward()
+    for got, exp in zip(expected, (q.grad, k.grad, v.grad)):
+        torch.testing.assert_close(got, exp, atol=2e-2, rtol=2e-2)
+    with torch.no_grad(), on_the_runtime():
+        out = jf(q, k, v)
+    assert "cudnn_safe_emulated_sdpa_fwd" in trace_text(jf)[0]

@@ -399,6 +399,7 @@ CALL_TRIGGERS = {
     "GRID_65535": lambda: _proxy_rules(H100, 92600, *[(65536, 1, 16, 64)] * 3),
     "SINK_TOKEN": lambda: rules_on(H100, 91200, *qkv(), sinks=torch.zeros(4)),
     "SINK_DECODE": lambda: rules_on(H100, 92600, *qkv(lq=1, s=64), sinks=torch.zeros(4)),
+    "SOFTCAP_BACKWARD": lambda: rules_on(H100, 92600, *qkv(), softcap=30.0),
 }
 #: Rules with no trigger of their own, neither on a call nor on a key, and why.
 NO_TRIGGER = {
@@ -422,6 +423,7 @@ BACKWARD_ONLY = [
     "DROPOUT_DBIAS_BLACKWELL",
     "DBIAS_KEY_LENGTH_1_BLACKWELL",
     "DP_WORKSPACE",
+    "SOFTCAP_BACKWARD",
     "HOPPER_BACKWARD_KV_TAIL_NAN",
     "HOPPER_DECODE_BACKWARD_NAN",
     "HOPPER_DECODE_BACKWARD_CRASH",

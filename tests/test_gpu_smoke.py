@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import thunder_cudnn_safe as tcs  # first: runs the compat steps before thunder is imported
-from thunder_cudnn_safe.testing import assert_close_to_reference, document_mask
+from thunder_cudnn_safe.testing import assert_close_to_reference, document_mask, flash_backward_floor
 
 EMULATE = os.environ.get("THUNDER_CUDNN_SAFE_GPU_TESTS_EMULATE") == "1"
 pytestmark = [
@@ -246,3 +246,55 @@ def test_two_threads_run_forward_backward_concurrently_on_cudnn():
         assert len(set(ran_on.values()) | {made_on.cuda_stream}) == 3, f"not two streams of their own: {ran_on}"
     for i, (leaves, grad_out) in work.items():
         assert_accurate(sdpa_causal, leaves, grad_out, results[i], f"thread {i}")
+
+
+# -- attention beyond F.sdpa (issue 42): one sinks step and one softcap step --------------------------------
+def _attention_grads(fn, leaves, sinks, grad_out):
+    """``fn`` on the BHSD views of ``leaves`` with ``sinks``; the output and the gradients of the leaves and sinks."""
+    out = fn(*map(bhsd, leaves), sinks)
+    return (out, *torch.autograd.grad(out, [*leaves, sinks], bhsd(grad_out)))
+
+
+def test_a_sinks_training_step_runs_on_cudnn():
+    """thunder_cudnn_safe.attention with sinks, causal, through thunder.jit: graphs built, no fallback, our
+    operators in both traces, out/dq/dk/dv/dsinks within the accuracy rule against float64."""
+    tcs.clear_cache()
+    leaves, grad_out = inputs(3)
+    sinks = torch.linspace(-1.0, 2.0, leaves[0].shape[2], device=DEVICE).requires_grad_()
+
+    def fn(q, k, v, sinks):
+        return tcs.attention(q, k, v, is_causal=True, sinks=sinks)
+
+    jf = jit(fn)
+    before = tcs.cache_info()
+    got = _attention_grads(jf, leaves, sinks, grad_out)
+    assert_ran_on_cudnn(before, tcs.cache_info(), "sinks")
+    assert_traces(jf)
+    ref = _attention_grads(fn, [t.detach().double().requires_grad_() for t in leaves],
+                           sinks.detach().double().requires_grad_(), grad_out.double())  # fmt: skip
+    eager = _attention_grads(
+        fn, [t.detach().requires_grad_() for t in leaves], sinks.detach().requires_grad_(), grad_out
+    )
+    # dsinks sums -P_sink * rowsum(dO * O) over B x L rows: O's rounding is its floor, as for dQ (testing.py)
+    floor = flash_backward_floor(BF16, 1.0, grad_out, got[0], torch.ones(1), leaves[0].shape[0] * leaves[0].shape[1])
+    for name, a, e, r in zip((*NAMES, "dsinks"), got, eager, ref, strict=True):
+        assert_close_to_reference(a, e, r, f"sinks {name}", floor=floor if name == "dsinks" else 0.0)
+
+
+def test_a_softcap_inference_step_runs_on_cudnn():
+    """Softcap (Gemma 2's 50, causal as a bias) in an inference step: cuDNN runs the forward with its score
+    modifier (a training step is declined, SOFTCAP_BACKWARD: no backward engine in libcudnn 9.19)."""
+    tcs.clear_cache()
+    (q, k, v), _ = inputs(4)
+
+    def fn(q, k, v):
+        return tcs.attention(q, k, v, is_causal=True, softcap=50.0)
+
+    jf = jit(fn)
+    before = tcs.cache_info()
+    with torch.no_grad():
+        got = jf(bhsd(q), bhsd(k), bhsd(v))
+    assert_ran_on_cudnn(before, tcs.cache_info(), "softcap")
+    assert FWD_OP in str(thunder.last_traces(jf)[-1])
+    ref = fn(*(bhsd(t).double() for t in (q, k, v)))
+    assert_close_to_reference(got, fn(bhsd(q), bhsd(k), bhsd(v)), ref, "softcap out")

@@ -144,6 +144,7 @@ def _key(**changes):
         ("SINK_TOKEN", "old_sink"),
         ("SINK_DECODE", "sink_q1"),
         ("SINK_RAGGED", "sink_ragged"),
+        ("SOFTCAP_BACKWARD", {"softcap": 30.0}),
         ("SOFTCAP_NO_MASK_SUBGRAPH", {"softcap": 30.0, "causal": True}),
     ],
 )

@@ -644,6 +644,19 @@ SOFTCAP_NO_MASK_SUBGRAPH = Rule(
 )
 
 
+SOFTCAP_BACKWARD = Rule(
+    "libcudnn has no engine for an SDPA backward with a score modifier (softcap's score_mod_bprop) on sm80, sm90 or "
+    "sm100 ('No valid engine configs'; its forward builds): a softcapped training call is declined and runs the "
+    "decomposition, its inference forward is claimed. No fixed version is known: rerun the compile sweep's "
+    "variant test with a newer cuDNN before narrowing the window",
+    "the compile sweep, tests/test_cudnn_compile.py::test_attention_variant_graphs_compile (libcudnn 9.19, "
+    "frontend 1.32, A100/H100/B200 descriptors)",
+    passes=("backward",),
+    on_key=_in_backward(lambda key: key.softcap is not None, "a backward with a score modifier"),
+    on_call=_no_engine(lambda call: call.softcap, "softcap in training: "),
+)
+
+
 def varlen_backward_holds(target: Target) -> bool:
     """Whether a variable-length backward (ragged stats) is accepted on ``target``."""
     return VARLEN_BACKWARD_ARCH.holds(target) and not VARLEN_BACKWARD_SM12X.holds(target)
