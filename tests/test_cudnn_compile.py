@@ -369,3 +369,31 @@ def test_varlen_graphs_compile(standin):
             (type(key).__name__, key.left, r.reason) for key, r in zip(keys, results) if not r.ok or not r.kernels
         ]
         assert not failed, (sm, failed)
+
+
+def test_attention_variant_graphs_compile(standin):
+    """Issue 42: every graph of the lowering sweep's sinks / softcap calls that explain() claims (a sink token and
+    dSink_token with each mask pattern, a softcap score modifier with its masks as a bias, both, GQA, 192/128)
+    gets a plan and NVRTC-compiled kernels for A100, H100 and B200."""
+    calls = [call for call in CALLS if call.sinks or call.softcap is not None]
+    _, results = compile_support.compile_calls(calls, keys_of, standin)
+    failed = [
+        (call.id, sm, type(key).__name__, results[sm][key].reason)
+        for call in calls
+        for sm in ARCHS
+        if not claimed(call, sm)
+        for key in keys_of(call)
+        if not results[sm][key].ok
+    ]
+    assert not failed, failed
+    always = ("sinks", "sinks-causal-bf16", "sinks-gqa", "sinks-pattern-window", "bottom_right", "bottom_right-sinks")
+    assert all(not claimed(call, sm) for call in calls if call.id in always for sm in ARCHS)
+    # SOFTCAP_BACKWARD's evidence: every softcap forward builds (its inference forward is claimed), no backward does
+    softcapped = [
+        (call, sm, key) for call in calls if call.softcap is not None for sm in ARCHS for key in keys_of(call)
+    ]
+    assert all(results[sm][key].ok == isinstance(key, ForwardKey) for _, sm, key in softcapped), [
+        (call.id, sm, type(key).__name__)
+        for call, sm, key in softcapped
+        if results[sm][key].ok != isinstance(key, ForwardKey)
+    ]
