@@ -299,3 +299,35 @@ def test_softcap_training_is_declined_and_its_inference_forward_claimed(fresh_ca
     with torch.no_grad(), on_the_runtime():
         out = jf(q, k, v)
     assert "cudnn_safe_emulated_sdpa_fwd" in trace_text(jf)[0]
+
+
+def test_the_torch_fallback_computes_sinks_softcap_and_bottom_right(fresh_cache):
+    """A graph the runtime refuses runs on the torch fallback, which evaluates the same declared modifier (from
+    the key) and sink token: the same numbers as the float64 reference, by the accuracy rule."""
+    from checks import inject_failures
+
+    q = torch.randn(2, 4, 8, 64, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(2, 4, 24, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    sinks = torch.randn(4, requires_grad=True)
+    mask = _mask("bottom_right_window", 2, 8, 24, torch.bfloat16, None)
+    fn = lambda q, k, v, s: tcs.attention(q, k, v, mask, softcap=10.0, sinks=s)  # noqa: E731
+    jf = jit_with_ours(fn)
+    before = tcs.cache_info().fallbacks
+    with _softcap_backward_lifted(True), inject_failures(build=lambda key: "refused"):
+        out = jf(q, k, v, sinks)
+        out.backward(torch.ones_like(out))
+    assert tcs.cache_info().fallbacks == before + 2
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v, sinks)]
+    ref = fn(*leaves)
+    ref.backward(torch.ones_like(ref))
+    low = [t.detach().requires_grad_() for t in (q, k, v, sinks)]
+    eager = fn(*low)
+    eager.backward(torch.ones_like(eager))
+    for name, a, e, r in zip(
+        ("O", "dQ", "dK", "dV"),
+        (out, q.grad, k.grad, v.grad),
+        (eager, *(t.grad for t in low)),
+        (ref, *(t.grad for t in leaves)),
+    ):
+        assert_close_to_reference(a, e, r, name)
+    torch.testing.assert_close(sinks.grad.double(), leaves[3].grad, atol=2e-2, rtol=2e-2)

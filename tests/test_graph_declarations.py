@@ -182,3 +182,30 @@ def test_gqa_mask_declared_as_bound(mask_shape):
     assert len(calls) == 4, f"{len(calls)} of 4 graphs ran on the runtime (a refused one falls back unchecked)"
     for graph, pack in calls:
         assert declaration_mismatches(graph, pack) == []
+
+
+@pytest.mark.parametrize(
+    "make, copied",
+    [
+        (lambda: torch.randn(4), False),  # float32 (H,): bound as a (1, H, 1, 1) view of itself
+        (lambda: torch.randn(8)[::2], False),  # strided: the view keeps its stride 2
+        (lambda: torch.randn(4, dtype=torch.float16), True),  # the input dtype: one float32 copy
+        (lambda: torch.randn(1).expand(4), True),  # one value broadcast over the heads
+    ],
+)
+def test_sinks_declared_as_bound(make, copied):
+    """Attention sinks (issue 42): the sink token is declared with the dims, strides and dtype of the tensor
+    bound to it, forward and backward (dSink_token too), whether a view of the user's tensor or a copy."""
+    sinks = make()
+    runtime = RecordingRuntime()
+    disp = Dispatcher(runtime, GraphCache(64))
+    q, k, v = (t.detach() for t in QKV_LAYOUTS["bshd_transposed"](2, 4, 16, 16, 64, 64, torch.float16))
+    assert_claimed(q, k, v, None, 0.0, True, runtime=runtime, sinks=sinks)
+    out, stats = disp.forward(q, k, v, None, 0.0, True, sinks=sinks)
+    disp.backward(torch.randn_like(out), q, k, v, None, 0.0, True, out, stats, None, None, sinks=sinks)
+    assert len(runtime.calls) == 2
+    for graph, pack in runtime.calls:
+        assert declaration_mismatches(graph, pack) == []
+        bound = pack[Uid.SINK]
+        assert (bound.untyped_storage().data_ptr() != sinks.untyped_storage().data_ptr()) == copied
+    assert int(Uid.DSINK) in runtime.calls[1][1]
