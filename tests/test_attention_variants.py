@@ -331,3 +331,18 @@ def test_the_torch_fallback_computes_sinks_softcap_and_bottom_right(fresh_cache)
     ):
         assert_close_to_reference(a, e, r, name)
     torch.testing.assert_close(sinks.grad.double(), leaves[3].grad, atol=2e-2, rtol=2e-2)
+
+
+def test_the_causal_bias_of_a_softcapped_call_is_made_once_except_under_capture(monkeypatch):
+    """``is_causal`` with softcap runs as a (1, 1, L, S) causal bias, made once per shape; under CUDA-graph capture
+    none is cached or reused (the capture records making it; a cached one would be read before any replay)."""
+    from thunder_cudnn_safe.masks import bias
+
+    cpu = torch.device("cpu")
+    made = bias.causal_bias(4, 6, torch.bfloat16, cpu)
+    assert made is bias.causal_bias(4, 6, torch.bfloat16, cpu)
+    expected = torch.zeros(4, 6).masked_fill(torch.ones(4, 6, dtype=torch.bool).tril().logical_not(), float("-inf"))
+    torch.testing.assert_close(made[0, 0].float(), expected)
+    monkeypatch.setattr(bias, "capturing", lambda t: True)
+    captured = bias.causal_bias(4, 6, torch.bfloat16, cpu)
+    assert captured is not made and captured is not bias.causal_bias(4, 6, torch.bfloat16, cpu)

@@ -127,11 +127,14 @@ def causal_bias(lq: int, s: int, dtype: torch.dtype, device: torch.device) -> to
     """torch's ``is_causal`` (query i keeps keys j <= i) as a (1, 1, L, S) additive bias of 0 / -inf, made once per
     shape, dtype, device and stream. A graph with a score modifier (softcapping) may declare no other masking
     subgraph (frontend 1.32 ``_sdpa_validate``: "score mod enabled and hence other subgraphs are disabled"),
-    but a bias beside it is allowed: the cost is L*S elements read per call and no skipped tiles."""
-    key = (lq, s, dtype, device, stream_key(torch.empty(0, device=device)))
-    bias = _causal_biases.get(key)
+    but a bias beside it is allowed: the cost is L*S elements read per call and no skipped tiles. Under CUDA-graph
+    capture none is cached or reused (:func:`capturing`): the capture records making it, and each replay does."""
+    probe = torch.empty(0, device=device)
+    key = (lq, s, dtype, device, stream_key(probe))
+    bias = None if capturing(probe) else _causal_biases.get(key)
     if bias is None:
         keep = torch.ones(lq, s, dtype=torch.bool, device=device).tril()
         bias = torch.zeros(1, 1, lq, s, dtype=dtype, device=device).masked_fill_(~keep, float("-inf"))
-        _causal_biases.put(key, bias)
+        if not capturing(probe):
+            _causal_biases.put(key, bias)
     return bias
