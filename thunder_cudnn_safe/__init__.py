@@ -16,7 +16,9 @@ Importing this package changes thunder, in this order:
    executor leaves the default executors where this cuDNN frontend breaks it;
 4. :func:`thunder_cudnn_safe.integration.gqa.register`: thunder's SDPA translation accepts ``enable_gqa`` (thunder
    0.2.6 raises ``TypeError`` on it) and grouped heads trace as ``cudnn_safe.sdpa_gqa``;
-   ``gqa.unregister()`` undoes it.
+   ``gqa.unregister()`` undoes it;
+5. :func:`~thunder_cudnn_safe.integration.attention.register_attention`: :func:`attention` (sinks, softcapping)
+   and its custom op ``torch.ops.cudnn_safe.attention`` trace as the symbol ``cudnn_safe.attention``.
 """
 
 from thunder_cudnn_safe._compat import FRONTEND, prepare_and_import_thunder
@@ -30,9 +32,8 @@ from thunder_cudnn_safe.dispatch.packed import reset_varlen_info, varlen_info  #
 from thunder_cudnn_safe.errors import EmulationError, GraphBuildError  # noqa: E402
 from thunder_cudnn_safe.graphs.cache import CachedGraph, CacheInfo, cache_info, cached_graphs  # noqa: E402
 from thunder_cudnn_safe.graphs.plan_cache import PlanCacheInfo, plan_cache_info  # noqa: E402
-from thunder_cudnn_safe.integration import attention as _attention  # noqa: E402
 from thunder_cudnn_safe.integration import gqa  # noqa: E402
-from thunder_cudnn_safe.integration.attention import attention  # noqa: E402
+from thunder_cudnn_safe.integration.attention import attention, register_attention  # noqa: E402
 from thunder_cudnn_safe.integration.executor import CallReport, cudnn_safe_ex, describe, emulated_ex, explain  # noqa: E402
 from thunder_cudnn_safe.integration.gqa import RepeatKVToGQA  # noqa: E402
 from thunder_cudnn_safe.integration.install import drop_broken_builtin_cudnn_executor, install, installed, uninstall  # noqa: E402
@@ -46,7 +47,7 @@ from thunder_cudnn_safe.telemetry import CopyReason, CopyStats, copy_stats, rese
 
 drop_broken_builtin_cudnn_executor()
 gqa.register()
-_attention.register()
+register_attention()
 
 __all__ = [
     # executors and their place in thunder's defaults

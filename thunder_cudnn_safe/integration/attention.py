@@ -186,7 +186,7 @@ def _check_options(query: torch.Tensor, softcap: Any, sinks: Any) -> None:
                          f"{tuple(sinks.shape)}")  # fmt: skip
 
 
-def register() -> None:
+def register_attention() -> None:
     """Map :func:`attention` and its custom op to :data:`attention_symbol` in thunder's tables (``thunder.jit``'s
     lookasides and the torch -> thunder map ThunderFX's splitter reads)."""
     packet = torch.ops.cudnn_safe.attention
