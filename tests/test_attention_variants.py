@@ -66,7 +66,7 @@ def test_bad_options_fail_with_their_name(bad):
 
 
 # -- the sweep under thunder.jit ------------------------------------------------------------------------------
-MASKS = ("none", "is_causal", "causal", "window", "padding", "bias", "bool")
+MASKS = ("none", "is_causal", "causal", "window", "padding", "bias", "bool", "bottom_right", "bottom_right_window")
 
 
 def _mask(kind: str, b: int, lq: int, s: int, dtype: torch.dtype, gen: torch.Generator):
@@ -75,6 +75,9 @@ def _mask(kind: str, b: int, lq: int, s: int, dtype: torch.dtype, gen: torch.Gen
         return j <= i
     if kind == "window":
         return (j <= i) & (i - j < 5)
+    if kind.startswith("bottom_right"):  # the L queries are the last of S positions (L < S: prefill, a cache)
+        keep = j <= i + s - lq
+        return keep & (i + s - lq - j < 6) if kind.endswith("window") else keep
     if kind == "padding":
         lens = torch.randint(s // 2, s + 1, (b,), generator=gen)
         return (j < lens.view(-1, 1, 1, 1)).expand(b, 1, lq, s)
@@ -93,6 +96,7 @@ def draw_case(seed: int) -> dict:
     hk = r.choice([h, h // 2, 1]) if r.random() < 0.3 else h
     d, dv = r.choice([(64, 64), (32, 32), (64, 128), (128, 64), (96, 96)])
     lq = r.choice([7, 16, 33]) if r.random() < 0.2 else r.choice([16, 24, 48])  # s_q = 1: rules decline (sinks)
+    mask = r.choice(MASKS)
     return dict(
         seed=seed,
         layout=r.choice(list(QKV_LAYOUTS)) if hk == h else "gqa",
@@ -100,13 +104,13 @@ def draw_case(seed: int) -> dict:
         h=h,
         hk=hk,
         lq=lq,
-        s=r.choice([lq, lq + 8, 40]),
+        s=r.choice([lq + 8, 56]) if mask.startswith("bottom_right") else r.choice([lq, lq + 8, 40]),
         d=d,
         dv=dv,
         dtype=r.choice([torch.float16, torch.bfloat16]),
         softcap=r.choice([None, 5.0, 30.0]),
         sinks=r.choice([None, "float32", "input"]),
-        mask=r.choice(MASKS),
+        mask=mask,
     )
 
 
@@ -346,3 +350,18 @@ def test_the_causal_bias_of_a_softcapped_call_is_made_once_except_under_capture(
     monkeypatch.setattr(bias, "capturing", lambda t: True)
     captured = bias.causal_bias(4, 6, torch.bfloat16, cpu)
     assert captured is not made and captured is not bias.causal_bias(4, 6, torch.bfloat16, cpu)
+
+
+@pytest.mark.parametrize("kind", ["bottom_right", "bottom_right_window"])
+def test_bottom_right_masks_with_sinks_run_as_cudnns_band(kind, fresh_cache):
+    """Sinks beside the bottom-right band (L < S): the pattern, no bias, declared BOTTOM_RIGHT with a sink token."""
+    q, kv = torch.randn(2, 4, 8, 64, dtype=torch.bfloat16), torch.randn(2, 4, 24, 64, dtype=torch.bfloat16)
+    mask, sinks = _mask(kind, 2, 8, 24, torch.bfloat16, None), torch.randn(4)
+    assert "bottom_right" in tcs.describe(q, kv, kv, mask, executor=tcs.emulated_ex, sinks=sinks).mask_pattern
+    jf = jit_with_ours(lambda q, k, v, m, s: tcs.attention(q, k, v, m, sinks=s))
+    with on_the_runtime():
+        out = jf(q, kv, kv, mask, sinks)
+    keys = tcs.emulated_ex.dispatcher.cache.keys()
+    assert keys and all(key.bottom_right and key.bias is None and key.sink is not None for key in keys)
+    ref = tcs.attention(q.double(), kv.double(), kv.double(), mask, sinks=sinks.double())
+    assert_close_to_reference(out, tcs.attention(q, kv, kv, mask, sinks=sinks), ref, "O")

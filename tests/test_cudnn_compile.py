@@ -386,7 +386,7 @@ def test_attention_variant_graphs_compile(standin):
         if not results[sm][key].ok
     ]
     assert not failed, failed
-    always = ("sinks", "sinks-causal-bf16", "sinks-gqa", "sinks-pattern-window", "bottom_right", "bottom_right-sinks")
+    always = ("sinks", "sinks-causal-bf16", "sinks-gqa", "sinks-pattern-window", "sinks-pattern-padding")
     assert all(not claimed(call, sm) for call in calls if call.id in always for sm in ARCHS)
     # SOFTCAP_BACKWARD's evidence: every softcap forward builds (its inference forward is claimed), no backward does
     softcapped = [

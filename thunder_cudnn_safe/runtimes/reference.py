@@ -53,7 +53,7 @@ class Scores(NamedTuple):
     #: the band aligned bottom-right instead: query i stands at key position i + S - L (i + kv_lens[b] - L with
     #: key padding: cuDNN aligns the band to the padding mask's lengths)
     bottom_right: bool = False
-    #: the graph's score modifier, ``(score_mod, score_mod_bprop)`` as declared (:class:`Modifier`), applied to the
+    #: the graph's score modifier, ``(score_mod, score_mod_bprop)`` as declared (graphs.build.score_modifier), on the
     #: scaled score before the bias and the masks
     modifier: tuple | None = None
     #: the sink token, (1, H, 1, 1): each row's softmax denominator gains ``exp(sink[h])``
