@@ -78,6 +78,10 @@ class Call(NamedTuple):
     bottom_right: bool = False
     br_window: int | None = None
     br_lens: tuple[int, ...] | None = None
+    #: attention beyond F.sdpa (issue 42): logit softcapping, sinks (one per query head), a mask pattern
+    softcap: float | None = None
+    sinks: bool = False
+    pattern: str | None = None
 
 
 def _calls() -> list[Call]:
@@ -185,6 +189,7 @@ def _calls() -> list[Call]:
     calls.append(Call("decode-train-causal", shape=(2, 4, 1, 128, 64, 64), causal=True))
     calls += _document_calls()
     calls += _bottom_right_calls()
+    calls += _variant_calls()
     return calls
 
 
@@ -214,6 +219,37 @@ def bottom_right_mask(call: Call) -> torch.Tensor:
     if call.br_window is not None:
         keep &= i + n - lq - j < call.br_window
     return keep if call.mask_bool else torch.zeros(keep.shape, dtype=call.dtype).masked_fill(~keep, float("-inf"))
+
+
+def _variant_calls() -> list[Call]:
+    """Sinks (a sink token and dSink_token) with every mask pattern, softcap (a score modifier; its masks run as
+    a bias), both, with GQA, d_qk != d_v and bf16 (issue 42)."""
+    calls = []
+    for sinks, softcap in ((True, None), (False, 30.0), (True, 30.0)):
+        tag = "-".join(name for name, on in (("sinks", sinks), ("softcap", softcap)) if on)
+        calls.append(Call(f"{tag}", sinks=sinks, softcap=softcap))
+        calls.append(Call(f"{tag}-causal-bf16", dtype=torch.bfloat16, causal=True, sinks=sinks, softcap=softcap))
+        calls.append(Call(f"{tag}-bshd-transposed", "bshd_transposed", "transposed", sinks=sinks, softcap=softcap))
+        calls.append(Call(f"{tag}-gqa", shape=(2, 4, 16, 24, 64, 64), kv_heads=2, sinks=sinks, softcap=softcap))
+        calls.append(Call(f"{tag}-mla", shape=(2, 2, 16, 16, 192, 128), sinks=sinks, softcap=softcap))
+        calls.append(Call(f"{tag}-bias", mask=(2, 1, 16, 16), sinks=sinks, softcap=softcap))
+        for pattern in ("causal", "window", "padding"):
+            calls.append(Call(f"{tag}-pattern-{pattern}", pattern=pattern, sinks=sinks, softcap=softcap))
+    calls.append(Call("sinks-decode", shape=(2, 4, 1, 128, 64, 64), sinks=True))
+    br = dict(shape=(2, 2, 16, 48, 64, 64), mask_bool=True, bottom_right=True, sinks=True)  # prefill with sinks
+    calls.append(Call("bottom-right-sinks", **br))
+    calls.append(Call("bottom-right-window-padding-sinks", "bshd_transposed", br_window=7, br_lens=(40, 48), **br))
+    return calls
+
+
+def _pattern_mask(call: Call) -> torch.Tensor:
+    b, _, lq, s = call.shape[:4]
+    i, j = torch.arange(lq)[:, None], torch.arange(s)[None, :]
+    if call.pattern == "causal":
+        return j <= i
+    if call.pattern == "window":
+        return (j <= i) & (i - j < 4)
+    return (j < torch.tensor([s, s // 2])[:b, None, None, None]).expand(b, 1, lq, s)
 
 
 def _document_calls() -> list[Call]:
@@ -259,7 +295,9 @@ def _tensors(call: Call):
     else:
         q, k, v = (t.detach() for t in QKV_LAYOUTS[call.layout](b, h, lq, s, d, dv, call.dtype))
     mask = None
-    if call.documents is not None:
+    if call.pattern is not None:
+        mask = _pattern_mask(call)
+    elif call.documents is not None:
         mask = _document_mask(call)
     elif call.bottom_right:
         mask = bottom_right_mask(call)
@@ -272,6 +310,11 @@ def _tensors(call: Call):
         if call.mask_grad:
             mask.requires_grad_(True)
     return q, k, v, mask
+
+
+def _options(call: Call) -> dict:
+    """The call's attention-variant options (issue 42), as the operators and explain() take them."""
+    return {"softcap": call.softcap, "sinks": torch.linspace(-1, 1, call.shape[1]) if call.sinks else None}
 
 
 @contextlib.contextmanager
@@ -328,6 +371,7 @@ def keys_of(call: Call) -> list:
 def _record_keys(call: Call) -> list:
     dispatcher = tcs.emulated_ex.dispatcher
     q, k, v, mask = _tensors(call)
+    options = _options(call)
     tcs.clear_cache()
     with torch.no_grad(), _recording(dispatcher) as seen:
         gqa = call.kv_heads not in (None, 1)
@@ -342,6 +386,7 @@ def _record_keys(call: Call) -> list:
             enable_gqa=gqa,
             deterministic=call.deterministic,
             cat_grad_qkv=call.cat_grad_qkv,
+            **options,
         )
         out, stats = res[0], res[1]
         seed, offset = (res[2], res[3]) if call.dropout else (None, None)
@@ -362,6 +407,7 @@ def _record_keys(call: Call) -> list:
             deterministic=call.deterministic,
             cat_grad_qkv=call.cat_grad_qkv,
             mask_grad=call.mask_grad,
+            **options,
         )
         cached = graph_cache.keys()
     assert set(cached) <= set(seen), "the cache holds a key it was never asked to build"
@@ -402,6 +448,7 @@ def _explain(call: Call, sm: int) -> list[str]:
         executor="cudnn_safe_emulated",
         deterministic=call.deterministic,
         enable_gqa=call.kv_heads not in (None, 1),
+        **_options(call),
     )
 
 
