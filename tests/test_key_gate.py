@@ -86,10 +86,14 @@ ROUTES = {  # calls that break a rule on some target, each through a different r
         d, *seeded_qkv(1, 2, 16, 16, d=32, bshd=True), torch.zeros(16, 16).bfloat16(), dropout_p=0.25
     ),
     # issue 42: a sink token at s_q = 1 (SINK_DECODE), a softcap backward (SOFTCAP_BACKWARD), sinks with documents
-    "sinks, decode s_q = 1": lambda d: _step(d, *_qkv(2, 2, 1, 40), sinks=torch.zeros(2)),
-    "softcap, causal as a bias": lambda d: _step(d, *_qkv(1, 2, 16, 16), is_causal=True, softcap=20.0),
-    "sinks with documents (the bias)": lambda d: _step(
-        d, *_qkv(1, 2, 100, 100), _documents([40, 50], 100), sinks=torch.zeros(2)
+    "sinks, decode s_q = 1": lambda d: dispatch_step(
+        d, *seeded_qkv(2, 2, 1, 40, d=32, bshd=True), sinks=torch.zeros(2)
+    ),
+    "softcap, causal as a bias": lambda d: dispatch_step(
+        d, *seeded_qkv(1, 2, 16, 16, d=32, bshd=True), is_causal=True, softcap=20.0
+    ),
+    "sinks with documents (the bias)": lambda d: dispatch_step(
+        d, *seeded_qkv(1, 2, 100, 100, d=32, bshd=True), document_mask([[40, 50]], 100), sinks=torch.zeros(2)
     ),
 }
 
