@@ -25,7 +25,7 @@ ld_path="$CUDNN_LIB_DIR"
 if ! ldconfig -p 2>/dev/null | grep -q 'libcuda\.so\.1 '; then
     standin=$(mktemp -d)
     trap 'rm -rf "$standin"' EXIT
-    cc -shared -fPIC -O1 -o "$standin/libcuda.so.1" tests/compile_support/standin_libcuda.c
+    cc -shared -fPIC -O1 -o "$standin/libcuda.so.1" tests/standin_libcuda.c
     ld_path="$ld_path:$standin"
 fi
 export LD_LIBRARY_PATH="$ld_path${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"

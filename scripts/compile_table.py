@@ -7,9 +7,10 @@ the frontend loads; then docs/compile_sweep.md, which compares every version rec
     CUDNN_LIB_DIR=/your/cudnn/lib bash .ci/second_cudnn.sh python scripts/compile_table.py   # your own
     THUNDER_CUDNN_SAFE_COMPILE_SWEEP=all python scripts/compile_table.py   # every call of the lowering sweep
 
-Each run writes docs/compile_sweep/cudnn-<version>.md (every row) and .json (the same rows, read back to
-compare versions). Uses the tests' call list and key recording (tests/test_cudnn_lowering.py) and the tests'
-stand-in libcuda.so.1 (tests/compile_support), built into a temporary folder and loaded only by aot's child.
+Each run writes docs/compile_sweep/cudnn-<version>.md (every row) and .json (the same rows, read back to compare
+versions). Uses the lowering sweep's call list and key recording (scripts/support/lowering_calls.py, shared with
+the tests) and the tests' stand-in libcuda.so.1 (tests/standin_libcuda.c, scripts/support/compile_sweep.py), built
+into a temporary folder and loaded only by aot's child.
 """
 
 from __future__ import annotations
@@ -20,11 +21,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+from support import compile_sweep, lowering_calls
 
-import compile_support
-import test_cudnn_lowering as lowering_sweep
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _knobs(knobs: dict) -> str:
@@ -50,16 +49,16 @@ SUMMARY = ROOT / "docs" / "compile_sweep.md"
 
 def sweep_rows() -> list[dict]:
     """One row per (call, GPU, graph) of the compile sweep, compiled for the libcudnn loaded here."""
-    calls = compile_support.selected(lowering_sweep.CALLS)
+    calls = compile_sweep.selected(lowering_calls.CALLS)
     with tempfile.TemporaryDirectory(prefix="standin-libcuda-") as folder:
-        _, results = compile_support.compile_calls(
-            calls, lowering_sweep.keys_of, compile_support.build_standin(Path(folder))
+        _, results = compile_sweep.compile_calls(
+            calls, lowering_calls.keys_of, compile_sweep.build_standin(Path(folder))
         )
     rows = []
     for call in calls:
-        keys = lowering_sweep.keys_of(call)
-        for sm, device in compile_support.ARCH_DEVICES.items():
-            reasons = lowering_sweep._explain(call, sm)
+        keys = lowering_calls.keys_of(call)
+        for sm, device in compile_sweep.ARCH_DEVICES.items():
+            reasons = lowering_calls.explain(call, sm)
             declined = str(reasons[0].rule or reasons[0]) if reasons else None
             for name, key in zip(_graph_names(keys), keys):
                 r = results[sm][key]
@@ -107,7 +106,7 @@ def detail_page(backend: int, frontend: str, rows: list[dict]) -> str:
 def summary_page(records: list[dict]) -> str:
     """Compiled graphs per GPU for every recorded version side by side, then each call whose verdict differs."""
     records = sorted(records, key=lambda rec: rec["backend"])
-    gpus = list(compile_support.ARCH_DEVICES.values())
+    gpus = list(compile_sweep.ARCH_DEVICES.values())
     head = " | ".join(f"cuDNN {rec['backend']}" for rec in records)
     lines = [
         "# Compile sweep: what cuDNN builds for each GPU, by cuDNN version",

@@ -15,15 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
-
-import compile_support
 import torch
+from support import compile_sweep
 
 import thunder_cudnn_safe as tcs
 from thunder_cudnn_safe.plan import calls, recipes
@@ -65,7 +61,7 @@ def main() -> int:
     args = parser.parse_args()
     rows = {}
     with tempfile.TemporaryDirectory() as folder:
-        standin = compile_support.build_standin(Path(folder))
+        standin = compile_sweep.build_standin(Path(folder))
         for mode, devices in (("inference", args.devices), ("off", args.static)):
             for device in devices:
                 keys = decode_keys(device, mode, args.lengths)

@@ -14,18 +14,14 @@ Prints a Markdown table for upstream/PR.md.
 
 from __future__ import annotations
 
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
+import thunder
 import torch
 import torch.nn.functional as F
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-import thunder
-from upstream_patch_support import apply_patch, installed_thunder_file, load_private, stub_gpu_calls
+from support.upstream_patch import apply_patch, installed_thunder_file, load_private, stub_gpu_calls
 
 import thunder_cudnn_safe  # noqa: F401  (compat steps, then thunder)
 

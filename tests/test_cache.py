@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import thunder_cudnn_safe as tcs
 from thunder_cudnn_safe import config
 from thunder_cudnn_safe.dispatch.dispatcher import Dispatcher
-from thunder_cudnn_safe.graphs import build as graphs
+from thunder_cudnn_safe.graphs import build
 from thunder_cudnn_safe.graphs.cache import GraphBuildError, GraphCache
 from thunder_cudnn_safe.runtimes.emulation import EmulatedRuntime
 
@@ -116,9 +116,9 @@ def test_public_cache_api(fresh_cache):
 def test_distinct_strides_distinct_graphs_and_no_rebuild_on_hit(monkeypatch):
     disp = Dispatcher(EmulatedRuntime(), tcs.graphs.cache.GraphCache(16))
     builds = []
-    real = graphs.build_forward_graph
+    real = build.build_forward_graph
     monkeypatch.setattr(
-        graphs, "build_forward_graph", lambda key, handle=None, **kw: builds.append(key) or real(key, handle, **kw)
+        build, "build_forward_graph", lambda key, handle=None, **kw: builds.append(key) or real(key, handle, **kw)
     )
     contiguous = [torch.randn(2, 4, 16, 64, dtype=torch.float16) for _ in range(3)]
     bshd = [torch.randn(2, 16, 4, 64, dtype=torch.float16).transpose(1, 2) for _ in range(3)]
@@ -135,7 +135,7 @@ def test_cache_hit_makes_no_cudnn_call(monkeypatch):
     disp = Dispatcher(EmulatedRuntime(), tcs.graphs.cache.GraphCache(16))
     q, k, v = (torch.randn(1, 2, 8, 64, dtype=torch.float16) for _ in range(3))
     disp.forward(q, k, v)
-    cudnn = graphs.cudnn_module()
+    cudnn = build.cudnn_module()
 
     def forbidden(*a, **kw):
         raise AssertionError("pygraph constructed on a cache hit")
@@ -303,7 +303,7 @@ def test_memo_hit_does_no_planning_and_hashes_no_key(monkeypatch):
     builders are never reached, a graph key is hashed only where the most recent graph changes (marking it
     used: ``OrderedDict.move_to_end`` finds the most recent key by identity), the graph cache still counts the
     hits, and the numbers are those of the full path."""
-    from thunder_cudnn_safe.dispatch import dispatcher as dispatch_module
+    from thunder_cudnn_safe.dispatch import dispatcher
     from thunder_cudnn_safe.layouts.keys import BackwardKey, ForwardKey
 
     q, k, v, g = _memo_case()
@@ -316,9 +316,9 @@ def test_memo_hit_does_no_planning_and_hashes_no_key(monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("planned on a memo hit")
 
-    monkeypatch.setattr(dispatch_module, "plan", forbidden)
-    monkeypatch.setattr(dispatch_module, "forward_recipe", forbidden)
-    monkeypatch.setattr(dispatch_module, "backward_recipe", forbidden)
+    monkeypatch.setattr(dispatcher, "plan", forbidden)
+    monkeypatch.setattr(dispatcher, "forward_recipe", forbidden)
+    monkeypatch.setattr(dispatcher, "backward_recipe", forbidden)
     for key_type in (ForwardKey, BackwardKey):
         monkeypatch.setattr(key_type, "__hash__", lambda key: hashed.append(key) or tuple.__hash__(key))
     hits = disp.cache.info().hits
@@ -384,7 +384,7 @@ def test_a_config_change_forgets_every_memo(monkeypatch):
     """config.set / config.patch of any knob empties every dispatcher's memo, so the next call of each
     signature plans again with the new value; a knob planning reads today (the dynamic-shape mode, the
     emulated target) also changes the key, so the hit after it runs the new graph."""
-    from thunder_cudnn_safe.dispatch import dispatcher as dispatch_module
+    from thunder_cudnn_safe.dispatch import dispatcher
 
     runtime = tcs.runtimes.emulation.default_runtime  # the runtime whose target follows the config
     disp = Dispatcher(runtime, GraphCache(16))
@@ -392,8 +392,8 @@ def test_a_config_change_forgets_every_memo(monkeypatch):
     q, k, v, _ = _memo_case()
     checks.assert_claimed(q, k, v, need_stats=False)
     planned = []
-    real_plan = dispatch_module.plan
-    monkeypatch.setattr(dispatch_module, "plan", lambda call, target: planned.append(1) or real_plan(call, target))
+    real_plan = dispatcher.plan
+    monkeypatch.setattr(dispatcher, "plan", lambda call, target: planned.append(1) or real_plan(call, target))
     disp.forward(q, k, v, need_stats=False)
     disp.forward(q, k, v, need_stats=False)
     assert len(planned) == 1 and len(disp.memos)
@@ -590,7 +590,7 @@ def test_options_of_a_plain_call_are_served_by_the_memo(option, monkeypatch, req
     """The deterministic backward (asked for, or switched on by torch's deterministic mode), the fused dQKV
     gradient and grouped K/V heads are plain calls: from the second call on, forward and backward run from the
     memo (no planning), with the options the full path ran, and give the same numbers."""
-    from thunder_cudnn_safe.dispatch import dispatcher as dispatch_module
+    from thunder_cudnn_safe.dispatch import dispatcher
     from thunder_cudnn_safe.layouts.keys import BackwardKey
 
     if option == "enable_gqa":
@@ -625,7 +625,7 @@ def test_options_of_a_plain_call_are_served_by_the_memo(option, monkeypatch, req
     def forbidden(*args, **kwargs):
         raise AssertionError("planned on a memo hit")
 
-    monkeypatch.setattr(dispatch_module, "plan", forbidden)
+    monkeypatch.setattr(dispatcher, "plan", forbidden)
     builds = disp.cache.info().builds
     again = step()
     assert disp.cache.info().builds == builds

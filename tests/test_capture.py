@@ -23,9 +23,8 @@ import torch.nn.functional as F
 from checks import dispatch_step, inject_failures
 
 import thunder_cudnn_safe as tcs
-from thunder_cudnn_safe.masks import bias as masks
-from thunder_cudnn_safe.masks import patterns
-from thunder_cudnn_safe.testing import assert_close_to_reference, document_mask, padding_mask, seeded_qkv
+from thunder_cudnn_safe.masks import bias, patterns
+from thunder_cudnn_safe.testing import assert_close_to_reference, causal_mask, document_mask, padding_mask, seeded_qkv
 
 
 class _Capture:
@@ -35,13 +34,13 @@ class _Capture:
         self.monkeypatch = monkeypatch
 
     def __enter__(self):
-        self.real = patterns.capturing, masks.capturing
+        self.real = patterns.capturing, bias.capturing
         self.monkeypatch.setattr(patterns, "capturing", lambda t: True)
-        self.monkeypatch.setattr(masks, "capturing", lambda t: True)
+        self.monkeypatch.setattr(bias, "capturing", lambda t: True)
 
     def __exit__(self, *exc):
         self.monkeypatch.setattr(patterns, "capturing", self.real[0])
-        self.monkeypatch.setattr(masks, "capturing", self.real[1])
+        self.monkeypatch.setattr(bias, "capturing", self.real[1])
 
 
 @pytest.mark.parametrize("dropout_p", [0.0, 0.25])
@@ -50,7 +49,7 @@ def test_a_capture_builds_no_copy_on_autograds_thread(dropout_p, fresh_cache, mo
     the backward runs on autograd's thread, whose warm-up ran only the pattern graph. Under capture the
     mask runs as a bias: that thread's copy of the bias backward must have been made at warm-up (a build
     inside the capture invalidates it on a GPU)."""
-    monkeypatch.setattr(masks, "capture_may_follow", lambda t, training: True)
+    monkeypatch.setattr(bias, "capture_may_follow", lambda t, training: True)
     disp = tcs.emulated_ex.dispatcher
     q, k, v = seeded_qkv(2, 2, 16)
     mask = torch.ones(16, 16, dtype=torch.bool).tril()
@@ -88,10 +87,10 @@ def test_a_dropout_backward_refused_for_its_own_do_layout_builds_no_copy_of_its_
     built inside the capture: the prebuild planned only dO as it comes)."""
     from thunder_cudnn_safe.layouts.keys import BackwardKey
 
-    monkeypatch.setattr(masks, "capture_may_follow", lambda t, training: True)
+    monkeypatch.setattr(bias, "capture_may_follow", lambda t, training: True)
     disp = tcs.emulated_ex.dispatcher
     q, k, v = seeded_qkv(2, 2, 16)
-    mask = causal(16, 16)
+    mask = causal_mask(16, 16)
     autograd_thread = ThreadPoolExecutor(max_workers=1)
 
     def step():
@@ -129,18 +128,16 @@ def test_a_dropout_call_on_the_fallback_under_capture_is_refused_clearly(fresh_c
 
 
 # -- after warm-up, a capture builds nothing (the prebuild) ----------------------------------------
-def causal(lq, s):
-    return torch.ones(lq, s, dtype=torch.bool).tril()
 
 
 @pytest.mark.parametrize(
     "name,mask,shape,dropout_p",
     [
-        ("causal", causal(16, 16), (2, 2, 16, 16), 0.0),
+        ("causal", causal_mask(16, 16), (2, 2, 16, 16), 0.0),
         ("padding", padding_mask([16, 5], 16, 16), (2, 2, 16, 16), 0.0),
-        ("causal+padding", causal(16, 16) & padding_mask([16, 9], 16, 16), (2, 2, 16, 16), 0.0),
+        ("causal+padding", causal_mask(16, 16) & padding_mask([16, 9], 16, 16), (2, 2, 16, 16), 0.0),
         ("documents", document_mask([[5, 7, 4]], 16), (1, 2, 16, 16), 0.0),
-        ("causal, dropout", causal(16, 16), (2, 2, 16, 16), 0.25),
+        ("causal, dropout", causal_mask(16, 16), (2, 2, 16, 16), 0.25),
     ],
 )
 def test_a_capture_after_warm_up_builds_nothing(name, mask, shape, dropout_p, fresh_cache, monkeypatch):
@@ -148,7 +145,7 @@ def test_a_capture_after_warm_up_builds_nothing(name, mask, shape, dropout_p, fr
     pattern; the capture runs it as a bias (a verdict is not re-checked by replays), whose graphs the
     warm-up must have built: a build inside the capture invalidates it on a GPU. Also the dropout
     forward's check of its backward (the bias backward) is a lookup under capture."""
-    monkeypatch.setattr(masks, "capture_may_follow", lambda t, training: True)  # a CUDA tensor, as on a GPU
+    monkeypatch.setattr(bias, "capture_may_follow", lambda t, training: True)  # a CUDA tensor, as on a GPU
     disp = tcs.emulated_ex.dispatcher
     q, k, v = seeded_qkv(*shape)
     for _ in range(3):  # warm-up, outside capture: the mask runs as its pattern
@@ -179,7 +176,7 @@ def test_a_capture_of_a_plain_call_runs_from_the_memo_and_builds_nothing(fresh_c
     """A call without a mask or dropout is a memo hit after its first step (no planning): under capture it runs
     the graphs the warm-up built, the backward on autograd's thread its own copy made there at warm-up, with
     no build, no cache miss and no fallback, and the numbers of the warm-up."""
-    from thunder_cudnn_safe.dispatch import dispatcher as dispatch_module
+    from thunder_cudnn_safe.dispatch import dispatcher
 
     disp = tcs.emulated_ex.dispatcher
     q, k, v = seeded_qkv(2, 2, 16, 16)
@@ -199,7 +196,7 @@ def test_a_capture_of_a_plain_call_runs_from_the_memo_and_builds_nothing(fresh_c
     def forbidden(*args, **kwargs):
         raise AssertionError("planned under capture: not a memo hit")
 
-    monkeypatch.setattr(dispatch_module, "plan", forbidden)
+    monkeypatch.setattr(dispatcher, "plan", forbidden)
     before = tcs.cache_info()
     with _Capture(monkeypatch):
         out, grads = step()
@@ -230,10 +227,10 @@ def test_a_thread_that_reuses_a_dead_threads_ident_prebuilds_its_own_copies(fres
     """CPython gives a new thread the ident of one that ended. The prebuild's mark is the thread's own: a
     thread started after another one's warm-up and capture (the same ident, as the test checks) warms up
     its own copies of the bias graphs, so its capture builds nothing either."""
-    monkeypatch.setattr(masks, "capture_may_follow", lambda t, training: True)
+    monkeypatch.setattr(bias, "capture_may_follow", lambda t, training: True)
     disp = tcs.emulated_ex.dispatcher
     q, k, v = seeded_qkv(2, 2, 16, 16)
-    mask = causal(16, 16)
+    mask = causal_mask(16, 16)
     idents, built = [], []
 
     def warm_up_then_capture():
@@ -256,10 +253,10 @@ def test_a_graph_the_cache_evicted_is_prebuilt_again_before_a_capture(fresh_cach
     """Generation between training steps can fill the graph cache and evict the graphs a warm-up prebuilt.
     The prebuild's mark goes with them: the next warm-up builds them again, and the capture builds nothing
     (the issue's repro: a cache of 3, a training forward with a causal mask, three other layouts)."""
-    monkeypatch.setattr(masks, "capture_may_follow", lambda t, training: True)
+    monkeypatch.setattr(bias, "capture_may_follow", lambda t, training: True)
     disp = tcs.emulated_ex.dispatcher
     q, k, v = seeded_qkv(2, 2, 16, 16)
-    mask = causal(16, 16)
+    mask = causal_mask(16, 16)
     with tcs.config.patch(cache_size=3):
         for _ in range(3):
             disp.forward(q, k, v, mask)
@@ -278,10 +275,10 @@ def test_the_capture_prebuild_costs_later_calls_no_cache_lookup(fresh_cache, mon
     look up only the graphs they run (hits per step stay those of a step without the prebuild)."""
     disp = tcs.emulated_ex.dispatcher
     q, k, v = seeded_qkv(2, 2, 16, 16)
-    mask = causal(16, 16)
+    mask = causal_mask(16, 16)
     hits = []
     for may_follow in (False, True):
-        monkeypatch.setattr(masks, "capture_may_follow", lambda t, training, _v=may_follow: _v)
+        monkeypatch.setattr(bias, "capture_may_follow", lambda t, training, _v=may_follow: _v)
         tcs.clear_cache()
         dispatch_step(disp, q, k, v, mask)
         first = tcs.cache_info()
@@ -293,10 +290,10 @@ def test_the_capture_prebuild_costs_later_calls_no_cache_lookup(fresh_cache, mon
 
 def test_no_prebuild_where_no_capture_can_follow(fresh_cache):
     """On the CPU (and for an inference forward on the default stream) a pattern builds its own graph only."""
-    assert not masks.capture_may_follow(torch.zeros(1), training=True)
+    assert not bias.capture_may_follow(torch.zeros(1), training=True)
     disp = tcs.emulated_ex.dispatcher
     q, k, v = seeded_qkv(2, 2, 16, 16)
-    dispatch_step(disp, q, k, v, causal(16, 16))
+    dispatch_step(disp, q, k, v, causal_mask(16, 16))
     assert all(g.key.bias is None for g in tcs.cached_graphs())
 
 
@@ -378,12 +375,12 @@ def test_mask_conversion_is_not_reused_while_capturing(fresh_cache, monkeypatch)
     q, k, v = (torch.randn(2, 2, 8, 64, dtype=torch.float16) for _ in range(3))
     mask = torch.rand(2, 1, 8, 8) > 0.3
     before = tcs.mask_cache_info()
-    monkeypatch.setattr(masks, "capturing", lambda t: True)
+    monkeypatch.setattr(bias, "capturing", lambda t: True)
     out1, _ = disp.forward(q, k, v, mask)
     out2, _ = disp.forward(q, k, v, mask)
     info = tcs.mask_cache_info()
     assert (info.hits, info.conversions, info.entries) == (before.hits, before.conversions, before.entries)
-    monkeypatch.setattr(masks, "capturing", lambda t: False)
+    monkeypatch.setattr(bias, "capturing", lambda t: False)
     disp.forward(q, k, v, mask)
     disp.forward(q, k, v, mask)
     assert tcs.mask_cache_info().hits == before.hits + 1

@@ -14,12 +14,9 @@ import torch
 
 import thunder_cudnn_safe as tcs
 from thunder_cudnn_safe import config
-from thunder_cudnn_safe.graphs import build as graphs
-from thunder_cudnn_safe.graphs import plan_cache
-from thunder_cudnn_safe.masks import bias as masks
-from thunder_cudnn_safe.masks import patterns
-from thunder_cudnn_safe.runtimes import base as runtime
-from thunder_cudnn_safe.runtimes import emulation
+from thunder_cudnn_safe.graphs import build, plan_cache
+from thunder_cudnn_safe.masks import bias, patterns
+from thunder_cudnn_safe.runtimes import base, emulation
 
 # knob -> (a valid environment text, the value it parses to, an invalid text, a valid Python value, an invalid one)
 CASES = {
@@ -110,10 +107,10 @@ def test_unknown_knob_and_patch_as_decorator():
 def test_knobs_reach_their_caches_and_runtimes():
     with config.patch(cache_size=3, mask_cache_size=2, emulated_arch="sm100", emulated_backend=90500):
         assert tcs.cache_info().maxsize == 3 and tcs.mask_cache_info().entries <= 2
-        assert masks.converted_masks.maxsize == 2
+        assert bias.converted_masks.maxsize == 2
         assert emulation.emulated_target().arch == (10, 0)
         assert emulation.emulated_target().backend_version == 90500
-    assert tcs.cache_info().maxsize == config.cache_size and masks.converted_masks.maxsize == config.mask_cache_size
+    assert tcs.cache_info().maxsize == config.cache_size and bias.converted_masks.maxsize == config.mask_cache_size
     assert emulation.emulated_target().arch == config.emulated_arch
 
 
@@ -189,17 +186,17 @@ def test_clear_cache_clears_every_cache_and_says_which(caplog):
     q = torch.randn(1, 2, 8, 64, dtype=torch.float16)
     mask = torch.ones(1, 1, 8, 8, dtype=torch.bool).tril()
     disp.forward(q, q, q, mask, 0.0, False)
-    runtime._static_only.put(("topology",), True)
-    graphs._kernel_caches[("scope",)] = object()
+    base._static_only.put(("topology",), True)
+    build._kernel_caches[("scope",)] = object()
     tcs.telemetry.warn_once(("fallback", "x"), "a fallback")
-    assert len(tcs.cached_graphs()) and len(disp.memos) and len(masks.converted_masks._lru)
+    assert len(tcs.cached_graphs()) and len(disp.memos) and len(bias.converted_masks._lru)
     with caplog.at_level(logging.INFO, logger="thunder_cudnn_safe"):
         names = tcs.clear_cache()
     assert names == tcs.caches.registered() and len(names) == 7  # one registry: each cache registers itself
     assert "clear_cache cleared" in caplog.text
     assert tcs.cached_graphs() == [] and tcs.cache_info().misses == 0
-    assert len(disp.memos) == 0 and len(masks.converted_masks._lru) == 0
-    assert ("topology",) not in runtime._static_only and graphs._kernel_caches == {}
+    assert len(disp.memos) == 0 and len(bias.converted_masks._lru) == 0
+    assert ("topology",) not in base._static_only and build._kernel_caches == {}
     assert ("fallback", "x") not in tcs.telemetry._warned
 
 

@@ -1,16 +1,16 @@
 """The compile sweep: cuDNN plans and NVRTC compiles every graph we claim, for A100, H100 and B200, on a CPU.
 
-On top of the lowering sweep (tests/test_cudnn_lowering.py, whose calls and recorded keys this
-reuses): each distinct graph key the dispatcher builds for a call goes through cuDNN's heuristics
-(A, then FALLBACK), support check and plan build for a hand-written device descriptor
+On top of the lowering sweep (tests/test_cudnn_lowering.py; its calls and recorded keys, which this reuses, are
+:mod:`support.lowering_calls`): each distinct graph key the dispatcher builds for a call goes through cuDNN's
+heuristics (A, then FALLBACK), support check and plan build for a hand-written device descriptor
 (:data:`thunder_cudnn_safe.runtimes.aot.DEVICES`), forwards down the runtime's implementation ladder
 (:func:`thunder_cudnn_safe.runtimes.base.build_with_ladder`). The runtime-compiled engines need a
-``libcuda.so.1``: a stand-in built here from compile_support/standin_libcuda.c, loaded only by
-aot's child process. Asserted per arch: every call ``explain()`` claims gets a plan for its
-forward and every backward. A call without one is declined by a rule (cudnn_rules, source: this
-sweep) or listed in :data:`KNOWN_GAPS` as a strict xfail.
+``libcuda.so.1``: a stand-in built here from tests/standin_libcuda.c (:mod:`support.compile_sweep`), loaded only by
+aot's child process. Asserted per arch: every call ``explain()`` claims gets a plan for its forward and every
+backward. A call without one is declined by a rule (cudnn_rules, source: this sweep) or listed in
+:data:`KNOWN_GAPS` as a strict xfail.
 
-CI compiles :data:`compile_support.SUBSET`; ``THUNDER_CUDNN_SAFE_COMPILE_SWEEP=all`` compiles
+CI compiles :data:`compile_sweep.SUBSET`; ``THUNDER_CUDNN_SAFE_COMPILE_SWEEP=all`` compiles
 every call of the lowering sweep. What a pass proves: cuDNN (this version) has an engine for the
 graph on that GPU and its kernel compiles. Not that the kernel runs or computes the right numbers.
 """
@@ -23,10 +23,10 @@ import json
 import os
 from pathlib import Path
 
-import compile_support
 import pytest
 import torch
-from test_cudnn_lowering import CALLS, Call, _explain, _tensors, keys_of
+from support import compile_sweep
+from support.lowering_calls import CALLS, Call, explain, keys_of, tensors
 
 import thunder_cudnn_safe as tcs
 from thunder_cudnn_safe.graphs import lowering
@@ -40,8 +40,8 @@ pytestmark = [
     pytest.mark.skipif(_PROBLEM is not None, reason=f"cannot plan graphs here: {_PROBLEM}"),
     pytest.mark.cudnn_judged,
 ]
-ARCHS = tuple(compile_support.ARCH_DEVICES)
-SWEPT = compile_support.selected(CALLS)
+ARCHS = tuple(compile_sweep.ARCH_DEVICES)
+SWEPT = compile_sweep.selected(CALLS)
 
 #: Claimed calls cuDNN builds no plan for, per arch: case id -> (archs, reason); each a strict xfail.
 KNOWN_GAPS: dict[str, tuple[tuple[int, ...], str]] = {
@@ -52,9 +52,9 @@ KNOWN_GAPS: dict[str, tuple[tuple[int, ...], str]] = {
 
 @pytest.fixture(scope="module")
 def standin(tmp_path_factory) -> str:
-    if compile_support.compiler() is None:
+    if compile_sweep.compiler() is None:
         pytest.skip("no C compiler (cc or gcc) on PATH: cannot build the stand-in libcuda.so.1 the compile sweep needs")
-    return compile_support.build_standin(tmp_path_factory.mktemp("standin-libcuda"))
+    return compile_sweep.build_standin(tmp_path_factory.mktemp("standin-libcuda"))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -66,7 +66,7 @@ def _restore_target():
 @pytest.fixture(scope="module")
 def sweep(standin) -> dict:
     """{sm: {key: CompileResult}} for every key of every swept call, one child process for all archs."""
-    return compile_support.compile_calls(SWEPT, keys_of, standin)[1]
+    return compile_sweep.compile_calls(SWEPT, keys_of, standin)[1]
 
 
 _CLAIMED: dict = {}
@@ -75,7 +75,7 @@ _CLAIMED: dict = {}
 def claimed(call: Call, sm: int) -> list[str]:
     """explain()'s reasons for ``call`` on ``sm`` (memoized), empty when claimed."""
     if (call.id, sm) not in _CLAIMED:
-        _CLAIMED[(call.id, sm)] = _explain(call, sm)
+        _CLAIMED[(call.id, sm)] = explain(call, sm)
     return _CLAIMED[(call.id, sm)]
 
 
@@ -109,7 +109,7 @@ def test_compile_sweep_counts(sm: int, sweep, figure) -> None:
     built = sum(results[k].ok for k in keys)
     assert built == len(keys) and all(results[k].kernels for k in keys)
     figure(
-        f"compile sweep sm{sm} ({compile_support.ARCH_DEVICES[sm]}, cuDNN {lowering.backend_version()}): "
+        f"compile sweep sm{sm} ({compile_sweep.ARCH_DEVICES[sm]}, cuDNN {lowering.backend_version()}): "
         f"{len(claimed_calls)}/{len(SWEPT)} calls claimed, {built}/{len(keys)} distinct graphs built "
         f"({sum(results[k].seconds for k in keys):.0f} s); engines "
         + ", ".join(f"{name} x{n}" for name, n in sorted(engines.items()))
@@ -133,7 +133,7 @@ def test_the_rules_this_sweep_added_decline_what_does_not_build(call_id: str, sw
     means the rule's bounds (max_backend) must change."""
     sm, rules, cause = RULE_EVIDENCE[call_id]
     call = next(c for c in SWEPT if c.id == call_id)
-    target = aot.target_of(compile_support.ARCH_DEVICES[sm])
+    target = aot.target_of(compile_sweep.ARCH_DEVICES[sm])
     inside = [rule for rule in rules if rule.holds(target)]
     # a training call with key length 1 is declined everywhere by BACKWARD_KEY_LENGTH_1 (a cuDNN known issue)
     other = {cudnn_rules.BACKWARD_KEY_LENGTH_1.name}
@@ -176,7 +176,7 @@ def test_without_a_driver_the_compile_says_so() -> None:
 
 def test_describe_target_from_a_cpu(standin) -> None:
     """What runs on an H100 for a causal bf16 call with CPU tensors; a head dim B200 cannot train is declined."""
-    q, k, v, _ = _tensors(Call("h100", dtype=torch.bfloat16))
+    q, k, v, _ = tensors(Call("h100", dtype=torch.bfloat16))
     report = aot.describe_target(q, k, v, is_causal=True, target="sm90", extra_ld_path=standin)
     assert report.device == "H100" and report.reasons == []
     assert report.forward.ok and report.backward.ok, report
@@ -249,7 +249,7 @@ def test_mask_pattern_graphs_compile(standin):
                 )
         keys = disp.cache.keys()
         assert keys and all(key.bias is None for key in keys)
-        device = compile_support.ARCH_DEVICES[sm]
+        device = compile_sweep.ARCH_DEVICES[sm]
         results = aot.compile_in_subprocess(keys, device, extra_ld_path=standin)[device]
         failed = [
             (
@@ -269,14 +269,12 @@ def test_mask_pattern_graphs_compile(standin):
 def test_bottom_right_graphs_compile(standin):
     """Prefill masks (issue 42) run as cuDNN's bottom-right band: every graph of the lowering sweep's bottom-right
     calls (window, key padding, GQA, deterministic) gets a plan on every GPU, forward and backward."""
-    from test_cudnn_lowering import CALLS as LOWERED
-
-    calls = [c for c in LOWERED if c.bottom_right and not c.dropout]
+    calls = [c for c in CALLS if c.bottom_right and not c.dropout]
     keys = list(dict.fromkeys(key for call in calls for key in keys_of(call)))
     keys += _prefill_keys()
     assert keys and all(key.bottom_right and key.bias is None for key in keys)
     assert any(getattr(key, "dynamic", False) for key in keys)
-    devices = [compile_support.ARCH_DEVICES[sm] for sm in ARCHS]
+    devices = [compile_sweep.ARCH_DEVICES[sm] for sm in ARCHS]
     for device, results in aot.compile_in_subprocess(keys, devices, extra_ld_path=standin).items():
         failed = [(type(key).__name__, key.left, key.padded, r.reason) for key, r in zip(keys, results) if not r.ok]
         assert not failed, (device, failed)
@@ -320,7 +318,7 @@ def test_new_lengths_reuse_one_compiled_kernel(standin):
     second kernel past some length: scripts/dynamic_lengths.py counts 2 for 64 lengths); as static
     graphs every one pays its own NVRTC compile (H100 shown). Outside DYNAMIC_SHAPE_FORWARD's window (cuDNN 9.27)
     the binding asks for static graphs only, and cuDNN refuses the dynamic ones (they are built static)."""
-    devices = list(compile_support.ARCH_DEVICES.values())
+    devices = list(compile_sweep.ARCH_DEVICES.values())
     if not cudnn_rules.DYNAMIC_SHAPE_FORWARD.holds(aot.target_of("H100")):
         keys = _decode_keys("H100", "inference")
         assert not any(key.dynamic for key in keys), keys
@@ -363,7 +361,7 @@ def test_varlen_graphs_compile(standin):
         keys = disp.cache.keys()
         assert keys and all(key.ragged is not None and key.bias is None for key in keys), keys
         assert len(keys) == (2 if sm == 80 else 4)
-        device = compile_support.ARCH_DEVICES[sm]
+        device = compile_sweep.ARCH_DEVICES[sm]
         results = aot.compile_in_subprocess(keys, device, extra_ld_path=standin)[device]
         failed = [
             (type(key).__name__, key.left, r.reason) for key, r in zip(keys, results) if not r.ok or not r.kernels
@@ -376,7 +374,7 @@ def test_attention_variant_graphs_compile(standin):
     dSink_token with each mask pattern, a softcap score modifier with its masks as a bias, both, GQA, 192/128)
     gets a plan and NVRTC-compiled kernels for A100, H100 and B200."""
     calls = [call for call in CALLS if call.sinks or call.softcap is not None]
-    _, results = compile_support.compile_calls(calls, keys_of, standin)
+    _, results = compile_sweep.compile_calls(calls, keys_of, standin)
     failed = [
         (call.id, sm, type(key).__name__, results[sm][key].reason)
         for call in calls

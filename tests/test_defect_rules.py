@@ -306,7 +306,7 @@ def test_the_workaround_graphs_pass_the_lowering_sweep():
         for sm in sweep.ARCHS:
             for key in padded:
                 assert sweep.lowered(key, sm).ok, (call_id, sm, sweep.lowered(key, sm))
-        assert sweep._explain(call, 90) == []
+        assert sweep.explain(call, 90) == []
 
 
 # -- a newer libcudnn: what explain() says, and what the loaded libcudnn claims (issue 34) -----------------

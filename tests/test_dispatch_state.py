@@ -203,7 +203,7 @@ def test_mask_cache_weakref_callback_inside_its_own_lock_does_not_deadlock():
     import threading
 
     from thunder_cudnn_safe import lru
-    from thunder_cudnn_safe.masks import bias as masks
+    from thunder_cudnn_safe.masks import bias
 
     class Cycle:
         pass
@@ -211,7 +211,7 @@ def test_mask_cache_weakref_callback_inside_its_own_lock_does_not_deadlock():
     def conv():
         return torch.zeros(2, 2, dtype=torch.float16)
 
-    cm = masks.ConvertedMasks()
+    cm = bias.ConvertedMasks()
     holder = {"victim": Cycle()}
     holder["victim"].self = holder["victim"]
     holder["victim"].mask = torch.ones(2, 2, dtype=torch.bool)

@@ -26,7 +26,7 @@ import thunder_cudnn_safe as tcs
 from thunder_cudnn_safe import _compat
 from thunder_cudnn_safe.dispatch.dispatcher import Dispatcher
 from thunder_cudnn_safe.errors import GraphBuildError
-from thunder_cudnn_safe.graphs import build as graphs
+from thunder_cudnn_safe.graphs import build
 from thunder_cudnn_safe.graphs.cache import GraphCache
 from thunder_cudnn_safe.layouts.keys import BackwardKey, ForwardKey
 from thunder_cudnn_safe.plan import calls, recipes
@@ -128,7 +128,7 @@ def test_dynamic_graphs_declare_what_is_bound(mode, layout):
         if _compat.FRONTEND.backend_version is None:
             assert "kernel_cache" not in graph._cpp_graph_kwargs
         else:
-            assert graph._cpp_graph_kwargs.get("kernel_cache") is graphs.kernel_cache(disp.runtime.target(q.device))
+            assert graph._cpp_graph_kwargs.get("kernel_cache") is build.kernel_cache(disp.runtime.target(q.device))
         assert declaration_mismatches(graph, pack) == []
 
 

@@ -9,7 +9,7 @@ from checks import assert_claimed, assert_claimed_in_traces, jit_sdpa, on_the_ru
 
 import thunder_cudnn_safe as tcs
 from thunder_cudnn_safe.dispatch.dispatcher import Dispatcher
-from thunder_cudnn_safe.graphs import build as graphs
+from thunder_cudnn_safe.graphs import build
 from thunder_cudnn_safe.graphs.cache import GraphCache
 from thunder_cudnn_safe.layouts.keys import ForwardKey, Target, TensorSig, Uid, sig
 from thunder_cudnn_safe.runtimes import emulation, reference
@@ -33,7 +33,7 @@ def tensors(dtype=torch.float16):
 
 def test_forward_matches_reference():
     q, k, v, o, st = tensors()
-    g = graphs.build_forward_graph(fwd_key(q, k, v, o, st))
+    g = build.build_forward_graph(fwd_key(q, k, v, o, st))
     emulate(g, {Uid.Q: q, Uid.K: k, Uid.V: v, Uid.O: o, Uid.STATS: st})
     ref_o, ref_st = reference.attention_forward(q.float(), k.float(), v.float(), reference.Scores(0.125))
     torch.testing.assert_close(o.float(), ref_o, atol=2e-3, rtol=2e-3)
@@ -44,11 +44,11 @@ def test_reads_through_declared_not_actual_strides():
     """Bind a transposed q to a graph that declares it contiguous: the emulator misreads, like cuDNN."""
     q, k, v, o, st = tensors()
     qt = torch.randn(1, 8, 2, 64, dtype=torch.float16).transpose(1, 2)  # same shape as q, other strides
-    g = graphs.build_forward_graph(fwd_key(q, k, v, o, st))  # declares q contiguous
+    g = build.build_forward_graph(fwd_key(q, k, v, o, st))  # declares q contiguous
     emulate(g, {Uid.Q: qt, Uid.K: k, Uid.V: v, Uid.O: o, Uid.STATS: st})
     wrong = o.clone()
     good_o = torch.empty_like(o)
-    g2 = graphs.build_forward_graph(fwd_key(qt, k, v, good_o, st))
+    g2 = build.build_forward_graph(fwd_key(qt, k, v, good_o, st))
     emulate(g2, {Uid.Q: qt, Uid.K: k, Uid.V: v, Uid.O: good_o, Uid.STATS: st})
     ref_o, _ = reference.attention_forward(qt.float(), k.float(), v.float(), reference.Scores(0.125))
     torch.testing.assert_close(good_o.float(), ref_o, atol=2e-3, rtol=2e-3)
@@ -57,7 +57,7 @@ def test_reads_through_declared_not_actual_strides():
 
 def test_refuses_dtype_mismatch():
     q, k, v, o, st = tensors()
-    g = graphs.build_forward_graph(fwd_key(q, k, v, o, st))
+    g = build.build_forward_graph(fwd_key(q, k, v, o, st))
     with pytest.raises(EmulationError, match="declared torch.float16 but the bound tensor is torch.bfloat16"):
         emulate(g, {Uid.Q: q.bfloat16(), Uid.K: k, Uid.V: v, Uid.O: o, Uid.STATS: st})
 
@@ -66,7 +66,7 @@ def test_refuses_view_outside_storage():
     q, k, v, o, st = tensors()
     big = TensorSig(q.shape, (4096, 1024, 128, 1), q.dtype)  # declares a larger footprint
     key = fwd_key(q, k, v, o, st)._replace(q=big)
-    g = graphs.build_forward_graph(key)
+    g = build.build_forward_graph(key)
     with pytest.raises(EmulationError, match="past the"):
         emulate(g, {Uid.Q: q, Uid.K: k, Uid.V: v, Uid.O: o, Uid.STATS: st})
 
@@ -74,14 +74,14 @@ def test_refuses_view_outside_storage():
 def test_refuses_misaligned_base():
     q, k, v, o, st = tensors()
     mis = torch.randn(q.numel() + 1, dtype=q.dtype)[1:].view(q.shape)
-    g = graphs.build_forward_graph(fwd_key(mis, k, v, o, st))
+    g = build.build_forward_graph(fwd_key(mis, k, v, o, st))
     with pytest.raises(EmulationError, match="16-byte aligned"):
         emulate(g, {Uid.Q: mis, Uid.K: k, Uid.V: v, Uid.O: o, Uid.STATS: st})
 
 
 def test_refuses_missing_binding():
     q, k, v, o, st = tensors()
-    g = graphs.build_forward_graph(fwd_key(q, k, v, o, st))
+    g = build.build_forward_graph(fwd_key(q, k, v, o, st))
     with pytest.raises(EmulationError, match="missing from the variant pack"):
         emulate(g, {Uid.Q: q, Uid.K: k, Uid.O: o, Uid.STATS: st})
 
@@ -125,14 +125,14 @@ def test_seed_bug_reproduced_on_cpu_and_fixed(monkeypatch, fresh_cache, past_kv_
     for name, a, e, r in zip("qkv", grads, eager_grads, ref_grads):
         assert_close_to_reference(a, e, r, f"d{name}")
 
-    real = graphs.build_backward_graph
+    real = build.build_backward_graph
 
     def upstream_like(key, handle=None, **kwargs):
         contiguous = TensorSig(key.o.shape, tuple(torch.empty(key.o.shape).stride()), key.o.dtype)
         return real(key._replace(d_o=contiguous), handle, **kwargs)
 
     tcs.clear_cache()
-    monkeypatch.setattr(graphs, "build_backward_graph", upstream_like)
+    monkeypatch.setattr(build, "build_backward_graph", upstream_like)
     err_bug, _, _ = _grads_error(jit_sdpa(), q, k, v, g)
     assert err_bug > 50 * err_ok and err_bug > 0.05, (err_bug, err_ok)
 

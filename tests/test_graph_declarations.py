@@ -11,7 +11,7 @@ from checks import assert_claimed
 from gqa_support import gqa_layout
 
 from thunder_cudnn_safe.dispatch.dispatcher import Dispatcher
-from thunder_cudnn_safe.graphs import build as graphs
+from thunder_cudnn_safe.graphs import build
 from thunder_cudnn_safe.graphs.cache import GraphCache
 from thunder_cudnn_safe.layouts.keys import TensorSig, Uid
 from thunder_cudnn_safe.runtimes.emulation import EmulatedRuntime
@@ -42,7 +42,7 @@ def declaration_mismatches(graph, pack) -> list[str]:
             problems.append(f"{port} (uid {uid}) declared but not bound")
             continue
         bound = pack[uid]
-        want = (tuple(t.get_dim()), tuple(t.get_stride()), graphs.torch_dtype_of(t.get_data_type()))
+        want = (tuple(t.get_dim()), tuple(t.get_stride()), build.torch_dtype_of(t.get_data_type()))
         have = (tuple(bound.shape), tuple(bound.stride()), bound.dtype)
         if want != have:
             problems.append(f"{port} (uid {uid}): declared {want}, bound {have}")
@@ -96,14 +96,14 @@ def test_dropout_seed_offset_declared_as_allocated():
 
 def test_upstream_approach_is_caught(monkeypatch):
     """Declaring dO like O (contiguous) while binding the transposed grad_out is a mismatch."""
-    real = graphs.build_backward_graph
+    real = build.build_backward_graph
 
     def upstream_like(key, handle=None, **kwargs):
         o = key.o
         contiguous = TensorSig(o.shape, tuple(torch.empty(o.shape).stride()), o.dtype)
         return real(key._replace(d_o=contiguous), handle, **kwargs)
 
-    monkeypatch.setattr(graphs, "build_backward_graph", upstream_like)
+    monkeypatch.setattr(build, "build_backward_graph", upstream_like)
     calls = run_dispatcher("bshd_transposed", "transposed")
     problems = declaration_mismatches(*calls[1])
     assert any(p.startswith("dO") for p in problems), problems

@@ -13,12 +13,12 @@ import torch
 from checks import dispatch_step
 
 import thunder_cudnn_safe as tcs
-from thunder_cudnn_safe.dispatch import packed as varlen_dispatch
+from thunder_cudnn_safe.dispatch import packed
 from thunder_cudnn_safe.dispatch.dispatcher import Dispatcher
 from thunder_cudnn_safe.errors import GraphBuildError
 from thunder_cudnn_safe.graphs.cache import GraphCache
 from thunder_cudnn_safe.layouts.keys import BackwardKey, ForwardKey, TensorSig
-from thunder_cudnn_safe.masks import bias as masks
+from thunder_cudnn_safe.masks import bias
 from thunder_cudnn_safe.plan import varlen
 from thunder_cudnn_safe.rules import cudnn_rules, key_gate
 from thunder_cudnn_safe.runtimes.emulation import EmulatedRuntime
@@ -117,7 +117,7 @@ def test_no_key_that_breaks_a_rule_reaches_a_build_on_any_route(arch, backend, m
         return real(key, implementation)
 
     monkeypatch.setattr(runtime, "_build_one", build_one)
-    monkeypatch.setattr(masks, "capture_may_follow", lambda t, training: True)  # the capture prebuild runs too
+    monkeypatch.setattr(bias, "capture_may_follow", lambda t, training: True)  # the capture prebuild runs too
     key_gate.reset_gate_info()
     for name, run in ROUTES.items():
         disp = Dispatcher(runtime, GraphCache())
@@ -211,11 +211,11 @@ def test_a_packed_window_backward_on_sm100_runs_as_a_bias_where_the_frontend_ser
     disp = Dispatcher(EmulatedRuntime(arch=(10, 0), backend_version=91900), GraphCache())
     q, k, v = seeded_qkv(1, 2, 100, 100, d=32, bshd=True)
     mask = document_mask([[40, 50]], 100, window=8)
-    varlen_dispatch.reset_varlen_info()
+    packed.reset_varlen_info()
     _, grads, _ = dispatch_step(disp, q, k, v, mask)
     refused = frontend_engines == "1"
     expected = {"declined: VARLEN_WINDOW_BACKWARD_FRONTEND_BLACKWELL (key gate)": 1} if refused else {"backward": 1}
-    assert varlen_dispatch.varlen_info() == {"forward": 1, **expected}
+    assert packed.varlen_info() == {"forward": 1, **expected}
     assert all(torch.isfinite(g).all() for g in grads)
     ragged_backward = [key for key in disp.cache.keys() if isinstance(key, BackwardKey) and key.ragged is not None]
     assert (ragged_backward == []) == refused and all(key.left == 8 for key in ragged_backward)
@@ -262,7 +262,7 @@ def test_a_dropout_forward_whose_backward_the_gate_refuses_falls_back_as_a_pair(
 
 def test_gate_info_is_exported():
     assert tcs.gate_info is key_gate.gate_info and tcs.reset_gate_info is key_gate.reset_gate_info
-    assert isinstance(varlen_dispatch.varlen_info(), dict)
+    assert isinstance(packed.varlen_info(), dict)
 
 
 def test_a_rule_refusal_is_a_graph_build_refusal():

@@ -23,7 +23,7 @@ from thunder_cudnn_safe.layouts.keys import BackwardKey
 from thunder_cudnn_safe.masks import patterns
 from thunder_cudnn_safe.masks.patterns import MaskPattern, recognize
 from thunder_cudnn_safe.rules import cudnn_rules
-from thunder_cudnn_safe.testing import assert_close_to_reference
+from thunder_cudnn_safe.testing import additive_mask, assert_close_to_reference
 
 
 def bottom_right(lq: int, s: int, window: int | None = None, lens: list[int] | None = None) -> torch.Tensor:
@@ -55,7 +55,7 @@ def as_mask(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if dtype is torch.bool:
         return keep
     low = float("-inf") if dtype is torch.float32 else torch.finfo(dtype).min
-    return torch.zeros(keep.shape, dtype=dtype).masked_fill(~keep, low)
+    return additive_mask(keep, low, dtype)
 
 
 def assert_exact(mask: torch.Tensor, batch: int, lq: int, s: int) -> MaskPattern | None:

@@ -16,11 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import thunder_cudnn_safe as tcs
-from thunder_cudnn_safe.testing import assert_close_to_reference, padding_mask
-
-
-def causal(lq, s):
-    return torch.ones(lq, s, dtype=torch.bool).tril()
+from thunder_cudnn_safe.testing import assert_close_to_reference, causal_mask, padding_mask
 
 
 # -- the int32 limit: patterns are claimed, biases are not ----------------------------------------
@@ -82,7 +78,7 @@ def test_an_oversized_pattern_mask_runs_as_its_pattern(kind, small_int32_limit, 
     import checks
 
     q, k, v = _leaves()
-    mask = causal(128, 128) if kind == "causal" else padding_mask([128, 23], 128, 128)
+    mask = causal_mask(128, 128) if kind == "causal" else padding_mask([128, 23], 128, 128)
     assert tcs.explain(q, k, v, mask, executor="cudnn_safe_emulated") == []
     checks.check_against_eager(
         checks.jit_sdpa(), (q, k, v, mask, 0.0, False, None), torch.randn(2, 2, 128, 8).bfloat16()

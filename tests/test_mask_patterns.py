@@ -14,15 +14,10 @@ import torch.nn.functional as F
 
 import thunder_cudnn_safe as tcs
 from thunder_cudnn_safe.layouts.keys import BackwardKey
-from thunder_cudnn_safe.masks import bias as masks
-from thunder_cudnn_safe.masks import patterns
+from thunder_cudnn_safe.masks import bias, patterns
 from thunder_cudnn_safe.masks.patterns import recognize
 from thunder_cudnn_safe.rules import cudnn_rules
-from thunder_cudnn_safe.testing import padding_mask
-
-
-def causal(lq, s):
-    return torch.ones(lq, s, dtype=torch.bool).tril()
+from thunder_cudnn_safe.testing import additive_mask, causal_mask, padding_mask
 
 
 def window(lq, s, w):
@@ -30,14 +25,10 @@ def window(lq, s, w):
     return (j <= i) & (i - j < w)
 
 
-def additive(keep, low=float("-inf"), dtype=torch.float32):
-    return torch.zeros(keep.shape, dtype=dtype).masked_fill(~keep, low)
-
-
 # -- recognition ------------------------------------------------------------------------------
 @pytest.mark.parametrize("lq,s", [(8, 8), (4, 8), (8, 4), (1, 8)])
 def test_causal_is_recognized_also_for_l_ne_s(lq, s):
-    p = recognize(causal(lq, s), 2, lq, s)
+    p = recognize(causal_mask(lq, s), 2, lq, s)
     if lq == 1:  # one query row keeping key 0 only: padding n=1, not the causal band (cudnn_rules.CAUSAL_DECODE_GQA)
         assert p is not None and p.right is None and p.kv_lens is not None
     else:
@@ -92,8 +83,8 @@ def test_key_padding_prefix(lq):
 
 
 def test_causal_with_padding_and_finfo_min_floats():
-    keep = causal(8, 8)[None, None] & padding_mask([8, 3], 8, 8)
-    for mask in (keep, additive(keep), additive(keep, torch.finfo(torch.bfloat16).min, torch.bfloat16)):
+    keep = causal_mask(8, 8)[None, None] & padding_mask([8, 3], 8, 8)
+    for mask in (keep, additive_mask(keep), additive_mask(keep, torch.finfo(torch.bfloat16).min, torch.bfloat16)):
         p = recognize(mask, 2, 8, 8)
         assert p.right == 0 and p.left is None and p.kv_lens.flatten().tolist() == [8, 3], mask.dtype
 
@@ -103,7 +94,7 @@ def test_causal_with_padding_and_finfo_min_floats():
 )
 def test_near_patterns_stay_biases(case):
     if case == "one_element":
-        m = causal(8, 8).clone()
+        m = causal_mask(8, 8).clone()
         m[5, 6] = True
     elif case == "left_padding":
         m = ~padding_mask([3], 8, 8)
@@ -112,7 +103,7 @@ def test_near_patterns_stay_biases(case):
     elif case == "random":
         m = torch.rand(2, 1, 8, 8) > 0.5
     elif case == "finite_low":
-        m = additive(causal(8, 8), -1e4)
+        m = additive_mask(causal_mask(8, 8), -1e4)
     else:
         m = torch.cat([padding_mask([3], 8, 8), padding_mask([5], 8, 8)], dim=1)
     assert recognize(m, m.shape[0] if m.dim() == 4 else 2, 8, 8) is None
@@ -138,13 +129,13 @@ def _eager(inputs, mask):
 
 
 MASKS = {
-    "causal": lambda: causal(8, 8),
-    "causal_L<S": lambda: causal(4, 8),
+    "causal": lambda: causal_mask(8, 8),
+    "causal_L<S": lambda: causal_mask(4, 8),
     "window": lambda: window(8, 8, 3),
     "padding": lambda: padding_mask([5, 8], 8, 8),
     "padding_decode": lambda: padding_mask([5, 2], 1, 8),
-    "causal_padding_float": lambda: additive(
-        causal(8, 8)[None, None] & padding_mask([8, 3], 8, 8), dtype=torch.bfloat16
+    "causal_padding_float": lambda: additive_mask(
+        causal_mask(8, 8)[None, None] & padding_mask([8, 3], 8, 8), dtype=torch.bfloat16
     ),
     "all_true": lambda: torch.ones(8, 8, dtype=torch.bool),
 }
@@ -176,14 +167,14 @@ def test_two_padding_lengths_share_one_graph_and_recognize_once(fresh_cache):
 
 
 def test_dropout_with_a_pattern(fresh_cache):
-    mask = causal(8, 8)
+    mask = causal_mask(8, 8)
     _run(mask, dropout=0.1875)
     assert all(g.key.bias is None and g.key.causal for g in tcs.cached_graphs())
     assert tcs.cache_info().fallbacks == 0
 
 
 def test_mask_that_requires_grad_keeps_the_bias(fresh_cache):
-    mask = additive(causal(8, 8), dtype=torch.bfloat16).requires_grad_()
+    mask = additive_mask(causal_mask(8, 8), dtype=torch.bfloat16).requires_grad_()
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(2, 2, 8, 64, generator=g).bfloat16() for _ in range(3))
     disp = tcs.emulated_ex.dispatcher
@@ -193,10 +184,10 @@ def test_mask_that_requires_grad_keeps_the_bias(fresh_cache):
 
 
 def test_no_verdict_under_capture_nor_when_off(fresh_cache, monkeypatch):
-    mask = causal(8, 8)
+    mask = causal_mask(8, 8)
     monkeypatch.setattr(patterns, "capturing", lambda t: True)
     _run(mask)
-    monkeypatch.setattr(patterns, "capturing", masks.capturing)
+    monkeypatch.setattr(patterns, "capturing", bias.capturing)
     with tcs.config.patch(mask_patterns=False):
         _run(mask.clone())
     assert all(g.key.bias is not None for g in tcs.cached_graphs())
@@ -226,7 +217,7 @@ def test_pattern_keys_lower_in_cudnn():
     for mask, lq in (
         (window(8, 8, 3), 8),
         (padding_mask([5, 8], 8, 8), 8),
-        (causal(8, 8)[None, None] & padding_mask([8, 3], 8, 8), 8),
+        (causal_mask(8, 8)[None, None] & padding_mask([8, 3], 8, 8), 8),
         (padding_mask([5, 2], 1, 8), 1),
     ):
         for arch in (80, 90, 100, 120):

@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import thunder_cudnn_safe as tcs
-from thunder_cudnn_safe.dispatch import packed as varlen_dispatch
+from thunder_cudnn_safe.dispatch import packed
 from thunder_cudnn_safe.dispatch.dispatcher import Dispatcher
 from thunder_cudnn_safe.graphs.cache import GraphCache
 from thunder_cudnn_safe.layouts.keys import BackwardKey, ForwardKey, Uid
@@ -36,11 +36,7 @@ from thunder_cudnn_safe.masks.patterns import pattern_of
 from thunder_cudnn_safe.plan import varlen
 from thunder_cudnn_safe.rules import cudnn_rules
 from thunder_cudnn_safe.runtimes.emulation import EmulatedRuntime
-from thunder_cudnn_safe.testing import assert_close_to_reference, document_mask, seeded_qkv
-
-
-def additive(keep, dtype=torch.float32):
-    return torch.zeros(keep.shape, dtype=dtype).masked_fill(~keep, float("-inf"))
+from thunder_cudnn_safe.testing import additive_mask, assert_close_to_reference, document_mask, seeded_qkv
 
 
 # -- recognition ------------------------------------------------------------------------------
@@ -72,7 +68,7 @@ def test_random_packings_are_recognized_exactly(case):
     tokens, lens_per_row, causal, window = case
     window = window if causal else None
     mask = document_mask(lens_per_row, tokens, causal=causal, window=window)
-    for m in (mask, additive(mask)):
+    for m in (mask, additive_mask(mask)):
         p = recognize_documents(m, len(lens_per_row), tokens, tokens)
         starts, lens, left = _expected(lens_per_row, tokens, causal, window)
         assert p is not None
@@ -165,7 +161,7 @@ MASKS = {
     "window": lambda: document_mask([[7, 5], [3, 9]], 12, window=3),
     "tail_outside_documents": lambda: document_mask([[4, 3], [2, 2, 2]], 12),
     "broadcast_one_row": lambda: document_mask([[5, 7]], 12).expand(2, 1, 12, 12),
-    "float": lambda: additive(document_mask([[4, 3, 5], [6, 6]], 12), torch.bfloat16),
+    "float": lambda: additive_mask(document_mask([[4, 3, 5], [6, 6]], 12), dtype=torch.bfloat16),
 }
 
 
@@ -226,12 +222,12 @@ def test_a_neg_bit_operand_of_packed_documents_is_copied(role, fresh_cache):
     named["grad_out"] = d_o.transpose(1, 2).contiguous().transpose(1, 2)  # tokens-major, as O
     lazy = dict(named, **{role: torch._neg_view(named[role].neg())})
     assert lazy[role].is_neg() and torch.equal(lazy[role], named[role])
-    varlen_dispatch.reset_varlen_info()
+    packed.reset_varlen_info()
     tcs.reset_copy_stats()
     q, k, v, g = (lazy[n] for n in ("query", "key", "value", "grad_out"))
     out, stats = disp.forward(q, k, v, mask, 0.0, False, enable_gqa=True)
     grads = disp.backward(g, q, k, v, mask, 0.0, False, out, stats, None, None)
-    assert varlen_dispatch.varlen_info() == {"forward": 1, "backward": 1} and disp.cache.info().fallbacks == 0
+    assert packed.varlen_info() == {"forward": 1, "backward": 1} and disp.cache.info().fallbacks == 0
     copied = {name for name, reason in tcs.copy_stats().by_reason if reason is tcs.CopyReason.NEG_BIT}
     assert role in copied, tcs.copy_stats()
     _assert_close(out, grads, *_eager(mask, *(named[n] for n in ("query", "key", "value", "grad_out"))))
@@ -275,12 +271,12 @@ def test_a_wrong_ragged_offset_gives_wrong_numbers():
 def test_dropout_and_sm80_training_decline_by_rule_and_stay_exact():
     mask = document_mask([[4, 3, 5], [6, 6]], 12)
     q, k, v = seeded_qkv(2, 2, 12, h_kv=2, seed=1, bshd=True)
-    varlen_dispatch.reset_varlen_info()
+    packed.reset_varlen_info()
     disp = _dispatcher((8, 0))
     out, grads, d_o = dispatch_step(disp, q, k, v, mask)
     _assert_close(out, grads, *_eager(mask, q, k, v, d_o))
     assert all(key.ragged is None and key.bias is not None for key in list(disp.cache.keys()))
-    assert any(cudnn_rules.VARLEN_BACKWARD_ARCH.text in r for r in varlen_dispatch.varlen_info())
+    assert any(cudnn_rules.VARLEN_BACKWARD_ARCH.text in r for r in packed.varlen_info())
     (inference,) = disp.forward(q, k, v, mask, 0.0, False, need_stats=False)  # sm80's forward is varlen
     assert any(key.ragged is not None and key.stats is None for key in list(disp.cache.keys()))
     assert (
@@ -289,7 +285,7 @@ def test_dropout_and_sm80_training_decline_by_rule_and_stay_exact():
     disp = _dispatcher()
     out, stats, seed, offset = disp.forward(q, k, v, mask, 0.1, False)
     assert all(key.ragged is None for key in list(disp.cache.keys()))
-    assert any(cudnn_rules.VARLEN_NO_DROPOUT.text in r for r in varlen_dispatch.varlen_info())
+    assert any(cudnn_rules.VARLEN_NO_DROPOUT.text in r for r in packed.varlen_info())
 
 
 def test_fused_grad_qkv_and_deterministic():
@@ -340,7 +336,7 @@ def test_varlen_keys_lower_in_cudnn(arch):
 
 def test_thunder_jit_sdpa_with_a_block_diagonal_mask(fresh_cache):
     """A direct ``thunder.jit`` SDPA call with a packed mask (GQA, tokens-major views as HF has them)."""
-    varlen_dispatch.reset_varlen_info()
+    packed.reset_varlen_info()
     mask = document_mask([[4, 3, 5, 4], [10, 6]], 16)
     q, k, v = (
         t.detach().requires_grad_() for t in seeded_qkv(2, 4, 16, h_kv=2, dtype=torch.float16, seed=1, bshd=True)
@@ -354,20 +350,20 @@ def test_thunder_jit_sdpa_with_a_block_diagonal_mask(fresh_cache):
     check_against_eager(jf, (q, k, v), grad, lambda q, k, v: f(q, k, v, mask))
     keys = [g.key for g in tcs.cached_graphs()]
     assert keys and all(key.ragged is not None and key.bias is None for key in keys), keys
-    assert varlen_dispatch.varlen_info().get("backward") == 1
+    assert packed.varlen_info().get("backward") == 1
 
 
 def test_deterministic_backward_over_the_dp_workspace_budget_declines(monkeypatch):
     """sm90's deterministic backward materializes dP (N x H x S x S x 2 bytes): over budget, the bias path runs
     (the key gate reads the budget off the ragged key: N and S bucketed)."""
-    varlen_dispatch.reset_varlen_info()
+    packed.reset_varlen_info()
     disp = _dispatcher()
     mask = document_mask([[4, 3, 5], [6, 6]], 12)
     q, k, v = seeded_qkv(2, 2, 12, h_kv=2, seed=1, bshd=True)
     with tcs.config.patch(dp_workspace_limit=1024):
         out, grads, d_o = dispatch_step(disp, q, k, v, mask, deterministic=True)
     _assert_close(out, grads, *_eager(mask, q, k, v, d_o))
-    assert varlen_dispatch.varlen_info().get("declined: DP_WORKSPACE (key gate)") == 1, varlen_dispatch.varlen_info()
+    assert packed.varlen_info().get("declined: DP_WORKSPACE (key gate)") == 1, packed.varlen_info()
     # the bias backward's key is over the same budget: it runs on the torch fallback, never in cuDNN
     assert not any(isinstance(key, BackwardKey) for key in disp.cache.keys()) and disp.cache.info().fallbacks == 1
 
@@ -396,8 +392,7 @@ def test_the_benchmark_counts_agree_with_the_formula():
 
 def test_no_document_verdict_under_capture_nor_when_off(fresh_cache, monkeypatch):
     """Like every pattern: no host sync (no verdict) while a CUDA stream captures, none when patterns are off."""
-    from thunder_cudnn_safe.masks import bias as masks
-    from thunder_cudnn_safe.masks import patterns
+    from thunder_cudnn_safe.masks import bias, patterns
 
     disp = tcs.emulated_ex.dispatcher
     q, k, v = seeded_qkv(2, 2, 12, h_kv=2, seed=1, bshd=True)
@@ -405,7 +400,7 @@ def test_no_document_verdict_under_capture_nor_when_off(fresh_cache, monkeypatch
     monkeypatch.setattr(patterns, "capturing", lambda t: True)
     monkeypatch.setattr(patterns, "document_checks", lambda *a: pytest.fail("a verdict under capture"))
     dispatch_step(disp, q, k, v, mask)
-    monkeypatch.setattr(patterns, "capturing", masks.capturing)
+    monkeypatch.setattr(patterns, "capturing", bias.capturing)
     with tcs.config.patch(mask_patterns=False):
         dispatch_step(disp, q, k, v, mask.clone())
     assert all(g.key.ragged is None and g.key.bias is not None for g in tcs.cached_graphs())
@@ -414,7 +409,7 @@ def test_no_document_verdict_under_capture_nor_when_off(fresh_cache, monkeypatch
 def test_a_float_document_mask_that_requires_grad_stays_a_bias():
     """Its gradient (dBias) is computed only by the bias graph: no document verdict, as for every pattern."""
     disp = _dispatcher()
-    mask = additive(document_mask([[4, 3, 5], [6, 6]], 12), torch.bfloat16).requires_grad_()
+    mask = additive_mask(document_mask([[4, 3, 5], [6, 6]], 12), dtype=torch.bfloat16).requires_grad_()
     q, k, v = seeded_qkv(2, 2, 12, h_kv=2, seed=1, bshd=True)
     out, stats = disp.forward(q, k, v, mask)
     d_o = torch.randn_like(out)
@@ -430,12 +425,12 @@ def test_fused_grad_qkv_with_gqa_returns_one_buffer_on_every_route():
     q, k, v = seeded_qkv(2, 4, 12, h_kv=2, seed=1, bshd=True)
     ref_out = None
     for arch in ((9, 0), (8, 0)):  # sm90: the variable-length backward; sm80: the bias backward
-        varlen_dispatch.reset_varlen_info()
+        packed.reset_varlen_info()
         disp = _dispatcher(arch)
         out, grads, d_o = dispatch_step(disp, q, k, v, mask, cat_grad_qkv=True)
         (grad_qkv,) = grads
         assert grad_qkv.shape == (2, 4 + 2 + 2, 12, 64)
-        assert varlen_dispatch.varlen_info().get("backward") == (1 if arch == (9, 0) else None)
+        assert packed.varlen_info().get("backward") == (1 if arch == (9, 0) else None)
         ref_out = _eager(mask, q, k, v, d_o) if ref_out is None else ref_out
         _assert_close(out, grad_qkv.split([4, 2, 2], dim=1), *ref_out)
         assert disp.cache.info().fallbacks == 0
@@ -444,7 +439,7 @@ def test_fused_grad_qkv_with_gqa_returns_one_buffer_on_every_route():
 def test_fused_grad_qkv_with_gqa_under_thunder_jit(fresh_cache):
     """The issue's reproduction: thunder.jit with cudnn_safe_bwd_may_cat_grad_qkv=True, a block-diagonal mask,
     4 query heads and 2 K/V heads."""
-    varlen_dispatch.reset_varlen_info()
+    packed.reset_varlen_info()
     mask = document_mask([[4, 3, 5, 4], [10, 6]], 16)
     q, k, v = (
         t.detach().requires_grad_() for t in seeded_qkv(2, 4, 16, h_kv=2, dtype=torch.float16, seed=1, bshd=True)
@@ -455,7 +450,7 @@ def test_fused_grad_qkv_with_gqa_under_thunder_jit(fresh_cache):
 
     jf = jit_with_ours(f, cudnn_safe_bwd_may_cat_grad_qkv=True)
     check_against_eager(jf, (q, k, v), torch.randn(2, 4, 16, 64, dtype=torch.float16), f)
-    assert varlen_dispatch.varlen_info().get("backward") == 1, varlen_dispatch.varlen_info()
+    assert packed.varlen_info().get("backward") == 1, packed.varlen_info()
 
 
 @pytest.mark.parametrize("backend, varlen_backward", [(91900, False), (92700, True)])
@@ -464,14 +459,14 @@ def test_documents_of_33_to_64_tokens_never_build_the_hopper_kv_tail_backward(ba
     HOPPER_BACKWARD_KV_TAIL_NAN's trigger (NaN dQ on sm90 before cuDNN 9.26), which the dense path declines
     at trace time but the variable-length route never checked (the trace sees T, not the bucket). The key gate
     refuses that key: the backward runs as a bias (T = 100: no trigger) and is right; 9.27 runs it ragged."""
-    varlen_dispatch.reset_varlen_info()
+    packed.reset_varlen_info()
     disp = Dispatcher(EmulatedRuntime(arch=(9, 0), backend_version=backend), GraphCache())
     mask = document_mask([[40, 50, 10], [64, 36]], 100, causal=False)
     q, k, v = seeded_qkv(2, 2, 100, h_kv=2, d=32, seed=1, bshd=True)
     out, grads, d_o = dispatch_step(disp, q, k, v, mask)
     _assert_close(out, grads, *_eager(mask, q, k, v, d_o))
     ragged_backward = [key for key in disp.cache.keys() if isinstance(key, BackwardKey) and key.ragged is not None]
-    info = varlen_dispatch.varlen_info()
+    info = packed.varlen_info()
     assert info.get("forward") == 1 and disp.cache.info().fallbacks == 0
     if varlen_backward:
         assert info.get("backward") == 1 and ragged_backward
@@ -490,12 +485,12 @@ def test_more_than_32768_documents_decline_to_the_bias_not_a_grid_crash():
     n, t = 32769, 32776
     p = DocumentPattern(False, None, n, 1, 1, t, torch.arange(n), torch.ones(n, dtype=torch.int32), {})
     q = torch.randn(1, t, 1, 16).to(torch.bfloat16).transpose(1, 2)
-    varlen_dispatch.reset_varlen_info()
+    packed.reset_varlen_info()
     disp = _dispatcher()
     built = []
     disp.runtime._build_one = lambda key, impl: built.append(key)  # never reached: the gate refuses first
-    assert varlen_dispatch.run(disp, ForwardCall(q, q, q, p)) is None
-    assert built == [] and varlen_dispatch.varlen_info() == {"declined: GRID_65535 (key gate)": 1}
+    assert packed.run(disp, ForwardCall(q, q, q, p)) is None
+    assert built == [] and packed.varlen_info() == {"declined: GRID_65535 (key gate)": 1}
 
 
 @pytest.mark.parametrize("need_stats", [False, True])
@@ -648,12 +643,12 @@ def test_packed_step_on_cudnn_matches_eager(case):
     q, k, v, d_o = tokens_major(hq), tokens_major(hkv), tokens_major(hkv), tokens_major(hq)
     disp = EXECUTOR.dispatcher
     tcs.clear_cache()
-    varlen_dispatch.reset_varlen_info()
+    packed.reset_varlen_info()
     out, grads, _ = dispatch_step(disp, q, k, v, mask, grad_out=d_o, **options)
     if options.get("cat_grad_qkv"):
         grads = grads[0].split([hq, hkv, hkv], dim=1)
     ours = (out, *grads)
-    info = varlen_dispatch.varlen_info()
+    info = packed.varlen_info()
     assert info == {"forward": 1, _expected_backward(lens, causal): 1}, info
     assert tcs.cache_info().builds > 0 and tcs.cache_info().fallbacks == 0, tcs.cache_info()
     if options.get("deterministic"):

@@ -31,7 +31,7 @@ from checks import (
 
 import thunder_cudnn_safe as tcs
 from thunder_cudnn_safe.dispatch.dispatcher import Dispatcher
-from thunder_cudnn_safe.graphs import build as graphs
+from thunder_cudnn_safe.graphs import build
 from thunder_cudnn_safe.graphs.cache import GraphCache, graph_cache
 from thunder_cudnn_safe.layouts.keys import BackwardKey
 from thunder_cudnn_safe.runtimes.emulation import EmulatedRuntime
@@ -77,14 +77,14 @@ def test_fused_dqkv_matches_unfused():
 
 def test_deterministic_option_reaches_the_graph(fresh_cache, monkeypatch):
     seen = []
-    real = graphs.build_backward_graph
+    real = build.build_backward_graph
 
     def spy(key, handle=None, **kwargs):
         g = real(key, handle, **kwargs)
         seen.append((key.deterministic, g.nodes[0].params.get("use_deterministic_algorithm", False)))
         return g
 
-    monkeypatch.setattr(graphs, "build_backward_graph", spy)
+    monkeypatch.setattr(build, "build_backward_graph", spy)
     q, k, v = QKV_LAYOUTS["contiguous"](1, 2, 16, 16, 64, 64, torch.float16)
     for det in (True, False):
         jf = jit_sdpa(cudnn_safe_deterministic=det)

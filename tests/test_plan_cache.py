@@ -189,21 +189,21 @@ def test_the_gpu_runtime_loads_before_building_and_stores_after(tmp_path, monkey
     """CudnnRuntime._build_one's wiring, with cuDNN and the GPU faked (a real restore needs a GPU)."""
     import contextlib
 
-    from thunder_cudnn_safe.graphs import build as graphs
+    from thunder_cudnn_safe.graphs import build
     from thunder_cudnn_safe.layouts.keys import ForwardKey, Target, sig
-    from thunder_cudnn_safe.runtimes import cudnn_runtime as runtime
+    from thunder_cudnn_safe.runtimes import cudnn_runtime
 
     builds, handles = [], []
     fake = SimpleNamespace(
         heur_mode=SimpleNamespace(A=0, FALLBACK=1), pygraph=lambda handle: handles.append(handle) or _Graph()
     )
-    monkeypatch.setattr(graphs, "cudnn_module", lambda: fake)
+    monkeypatch.setattr(build, "cudnn_module", lambda: fake)
     monkeypatch.setattr(
-        graphs,
+        build,
         "build_forward_graph",
         lambda key, handle, implementation: builds.append(implementation) or _Graph(b"plan"),
     )
-    monkeypatch.setattr(runtime.torch.cuda, "device", lambda index: contextlib.nullcontext())
+    monkeypatch.setattr(cudnn_runtime.torch.cuda, "device", lambda index: contextlib.nullcontext())
     monkeypatch.setattr(plan_cache, "device_descriptor", lambda index: f"gpu {index}")
     monkeypatch.setattr(plan_cache, "_active", plan_cache.PlanCache(tmp_path))
     q, st = torch.empty(1, 2, 8, 64, dtype=torch.float16), torch.empty(1, 2, 8, 1)
@@ -222,7 +222,7 @@ def test_the_gpu_runtime_loads_before_building_and_stores_after(tmp_path, monkey
         "preserve",
         Target("cudnn", 0, (9, 0), 91900, "1.32.0"),
     )
-    rts = [runtime.CudnnRuntime(), runtime.CudnnRuntime()]  # as two processes
+    rts = [cudnn_runtime.CudnnRuntime(), cudnn_runtime.CudnnRuntime()]  # as two processes
     for rt in rts:
         rt.handle = lambda index: "handle"
     first, second = rts[0].build(key), rts[1].build(key)
@@ -268,11 +268,11 @@ def _compile(keys: list, standin: str, monkeypatch) -> tuple[list, str]:
 
 @pytest.mark.skipif(_PROBLEM is not None, reason=f"cannot plan graphs here: {_PROBLEM}")
 def test_a_second_process_starts_warm(tmp_path, monkeypatch, figure) -> None:
-    import compile_support
+    from support import compile_sweep
 
-    if compile_support.compiler() is None:
+    if compile_sweep.compiler() is None:
         pytest.skip("no C compiler to build the stand-in libcuda.so.1")
-    standin = compile_support.build_standin(tmp_path)
+    standin = compile_sweep.build_standin(tmp_path)
     cache_dir = tmp_path / "plans"
     monkeypatch.setenv("THUNDER_CUDNN_SAFE_PLAN_CACHE_DIR", str(cache_dir))
     keys = _step_keys()

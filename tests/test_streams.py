@@ -17,10 +17,10 @@ def test_cached_conversions_and_patterns_are_per_stream(fresh_cache, monkeypatch
     """A converted bias or a pattern's length tensors made on one CUDA stream are not handed to another
     (no event orders the streams, no record_stream keeps the memory): the cache keys include the current
     stream. On CPU the stream identity is monkeypatched; the gpu test below uses real streams."""
-    from thunder_cudnn_safe.masks import bias as masks
+    from thunder_cudnn_safe.masks import bias
 
     stream = [1]
-    monkeypatch.setattr(masks, "stream_key", lambda t: stream[0])
+    monkeypatch.setattr(bias, "stream_key", lambda t: stream[0])
     disp = tcs.emulated_ex.dispatcher
     q, k, v = (torch.randn(1, 2, 16, 64, dtype=torch.float16) for _ in range(3))
     bias_like = torch.ones(1, 1, 16, 16, dtype=torch.bool).tril()
@@ -36,7 +36,7 @@ def test_cached_conversions_and_patterns_are_per_stream(fresh_cache, monkeypatch
         info = tcs.mask_cache_info()
         with on_the_runtime():
             out = [disp.forward(q, k, v, m, 0.0, False, need_stats=False)[0] for m in (bias_like, causal, padded)]
-        verdicts = [masks.converted_masks._lru.peek(key)[1] for key, _ in masks.converted_masks._lru.items()]
+        verdicts = [bias.converted_masks._lru.peek(key)[1] for key, _ in bias.converted_masks._lru.items()]
         return tcs.mask_cache_info().conversions - info.conversions, verdicts, out
 
     first, verdicts1, out1 = conversions_and_patterns()

@@ -220,8 +220,8 @@ def test_cudnn_handles_are_per_thread_created_one_at_a_time_and_bound_to_the_cur
     import time
     from types import SimpleNamespace
 
-    from thunder_cudnn_safe.graphs import build as graphs
-    from thunder_cudnn_safe.runtimes import cudnn_runtime as runtime
+    from thunder_cudnn_safe.graphs import build
+    from thunder_cudnn_safe.runtimes import cudnn_runtime
 
     creating, overlaps, bound = [0], [], []
     lock = threading.Lock()
@@ -240,10 +240,12 @@ def test_cudnn_handles_are_per_thread_created_one_at_a_time_and_bound_to_the_cur
         set_stream=lambda handle, stream: bound.append((threading.get_ident(), handle, stream)),
     )
     streams = threading.local()
-    monkeypatch.setattr(graphs, "cudnn_module", lambda: fake)
-    monkeypatch.setattr(runtime.torch.cuda, "device", lambda index: contextlib.nullcontext())
-    monkeypatch.setattr(runtime.torch.cuda, "current_stream", lambda index: SimpleNamespace(cuda_stream=streams.value))
-    rt = runtime.CudnnRuntime()
+    monkeypatch.setattr(build, "cudnn_module", lambda: fake)
+    monkeypatch.setattr(cudnn_runtime.torch.cuda, "device", lambda index: contextlib.nullcontext())
+    monkeypatch.setattr(
+        cudnn_runtime.torch.cuda, "current_stream", lambda index: SimpleNamespace(cuda_stream=streams.value)
+    )
+    rt = cudnn_runtime.CudnnRuntime()
     handles = {}
     alive = threading.Barrier(THREADS)  # every thread holds its handle at once (an ended one gives it back)
 

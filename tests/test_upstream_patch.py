@@ -4,7 +4,7 @@ module declares and computes on the emulated cuDNN, and thunder's regression tes
 **It applies**, with ``git apply`` and with ``patch``, to each thunder it targets. The patch is made against
 lightning-thunder main and must also apply to 0.2.6. Checked here against the installed thunder (whichever
 it is) and against main's file when main is installed or given as a wheel
-(``upstream_patch_support.main_thunder_file``; the main tests skip, saying how to get it, otherwise);
+(``support.upstream_patch.main_thunder_file``; the main tests skip, saying how to get it, otherwise);
 always on a temporary copy, never on site-packages.
 
 **The patched module on the emulated cuDNN (CPU).** Thunder's ``cudnn_sdpa.py`` (the installed one: 0.2.6
@@ -21,7 +21,7 @@ must show without it:
 
 **upstream/test_cudnn_sdpa_strides.py**, thunder's regression test for the patch: passes with it, fails
 without. On CPU, the test file is retargeted to CPU tensors and to a copy of the installed thunder's
-cudnn module (unpatched "a", patched "b": see upstream_patch_support) whose checker accepts CPU tensors.
+cudnn module (unpatched "a", patched "b": see support.upstream_patch) whose checker accepts CPU tensors.
 Everything then runs through ``thunder.jit``, the checker, the real frontend graphs, caching and binding,
 up to ``graph.execute``, which the emulated cuDNN serves. The same holds on thunder 0.2.6 and on main. On
 a GPU, the test file runs as is, against the real cuDNN, with the patched module in place of
@@ -46,10 +46,7 @@ import pytest
 import thunder.extend
 import torch
 import torch.nn.functional as F
-from thunder.core import devices, dtypes
-from thunder.core.proxies import TensorProxy
-from thunder.core.trace import detached_trace
-from upstream_patch_support import (
+from support.upstream_patch import (
     NO_MAIN,
     UPSTREAM,
     PatchDoesNotApply,
@@ -60,6 +57,9 @@ from upstream_patch_support import (
     main_thunder_file,
     stub_gpu_calls,
 )
+from thunder.core import devices, dtypes
+from thunder.core.proxies import TensorProxy
+from thunder.core.trace import detached_trace
 
 import thunder_cudnn_safe  # noqa: F401  (compat steps, then thunder)
 from thunder_cudnn_safe.graphs.build import torch_dtype_of
@@ -675,17 +675,16 @@ def test_upstream_test_fails_without_patch_on_emulated_cudnn(
 
 _GPU_RUNNER = r"""
 import sys
-sys.path.insert(0, {tests!r})
-import upstream_patch_support as ups
+from support import upstream_patch
 patched = {patched!r}
 if patched:
-    ups.install_patched_module(patched)
+    upstream_patch.install_patched_module(patched)
 import thunder, thunder.executors.cudnn_sdpa as m
 if not patched:
-    ups.alias_legacy_sdpa_names()
+    upstream_patch.alias_legacy_sdpa_names()
 print("cudnn_sdpa module:", m.__file__, flush=True)
 from pathlib import Path
-assert Path(m.__file__).resolve() == (Path(patched).resolve() if patched else ups.installed_thunder_file())
+assert Path(m.__file__).resolve() == (Path(patched).resolve() if patched else upstream_patch.installed_thunder_file())
 import pytest
 sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-o", "addopts=", {test!r}]))
 """
@@ -695,10 +694,12 @@ sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-o", "addopts=", {test!r}
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU with cuDNN")
 def test_upstream_regression_test_on_gpu(applied, tmp_path):
-    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    scripts = str(Path(__file__).resolve().parents[1] / "scripts")  # support.upstream_patch, for the child
+    path = os.pathsep.join(p for p in (scripts, os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONPATH": path}
 
     def run(patched: str):
-        code = _GPU_RUNNER.format(tests=os.path.dirname(__file__), patched=patched, test=str(UPSTREAM_TEST))
+        code = _GPU_RUNNER.format(patched=patched, test=str(UPSTREAM_TEST))
         return subprocess.run(
             [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300
         )

@@ -1,7 +1,8 @@
 """The layout zoo and the accuracy rule, for this package's tests, benchmarks and users.
 
 :data:`QKV_LAYOUTS` / :data:`GRAD_OUT_LAYOUTS` make leaf tensors with exactly each layout of the zoo;
-:func:`seeded_qkv` makes repeatable q, k, v and :func:`document_mask` a packed-sequence mask.
+:func:`seeded_qkv` makes repeatable q, k, v; :func:`causal_mask`, :func:`document_mask` and :func:`padding_mask`
+build boolean masks and :func:`additive_mask` their float form.
 :func:`assert_close_to_reference` passes a low-precision candidate whose error to a float64 reference
 is at most twice eager PyTorch's own in the same precision, plus a small floor (the method of FlashAttention's author).
 """
@@ -149,6 +150,16 @@ def seeded_qkv(
 
     s, h_kv = lq if s is None else s, h if h_kv is None else h_kv
     return draw(h, lq), draw(h_kv, s), draw(h_kv, s)
+
+
+def causal_mask(lq: int, s: int) -> torch.Tensor:
+    """The top-left causal mask, (L, S) boolean: query i keeps keys j <= i."""
+    return torch.ones(lq, s, dtype=torch.bool).tril()
+
+
+def additive_mask(keep: torch.Tensor, low: float = float("-inf"), dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Boolean mask ``keep`` as an additive float mask: 0 where kept, ``low`` elsewhere."""
+    return torch.zeros(keep.shape, dtype=dtype).masked_fill(~keep, low)
 
 
 def document_mask(

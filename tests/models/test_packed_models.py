@@ -13,7 +13,7 @@ from harness import run_case
 from zoo import ModelCase, _hidden, _ids, _llm
 
 import thunder_cudnn_safe as tcs
-from thunder_cudnn_safe.dispatch import packed as varlen_dispatch
+from thunder_cudnn_safe.dispatch import packed
 
 pytest.importorskip("transformers")
 
@@ -38,11 +38,11 @@ MODELS = {
 @pytest.mark.parametrize("name", list(MODELS))
 def test_packed_training_step_runs_varlen_without_a_bias(name, figure):
     build, pattern = MODELS[name]
-    varlen_dispatch.reset_varlen_info()
+    packed.reset_varlen_info()
     case = ModelCase(f"{name}_packed", build, _packed_inputs, _hidden, note="padding-free packing")
     rec = run_case(case, torch.bfloat16, "thunderfx", compare_default=False)
     figure(
-        f"packed {name}: {rec.get('mask_patterns')}, varlen {varlen_dispatch.varlen_info()}, "
+        f"packed {name}: {rec.get('mask_patterns')}, varlen {packed.varlen_info()}, "
         f"copies {rec.get('copies_by_reason')}"
     )
     assert rec["status"] == "pass", json.dumps(rec, indent=1, default=str)
@@ -51,7 +51,7 @@ def test_packed_training_step_runs_varlen_without_a_bias(name, figure):
     assert set(rec["mask_patterns"]) == {pattern}, rec["mask_patterns"]
     ragged = [g.key for g in tcs.cached_graphs() if g.key.ragged is not None]
     assert ragged and len(ragged) == len(tcs.cached_graphs()), tcs.cached_graphs()
-    info = varlen_dispatch.varlen_info()
+    info = packed.varlen_info()
     assert info.get("forward", 0) > 0 and info.get("backward", 0) > 0, info
 
 
@@ -60,12 +60,10 @@ def test_packed_gqa_step_with_repeat_kv_rewritten_runs_varlen_on_the_kv_heads(fi
     calls run as variable-length GQA on the 2 K/V heads (no repeat materialized, no bias graph), and the
     output and every gradient stay within the accuracy rule."""
     build, pattern = MODELS["llama"]
-    varlen_dispatch.reset_varlen_info()
+    packed.reset_varlen_info()
     case = ModelCase("llama_packed_gqa", build, _packed_inputs, _hidden, note="padding-free packing, RepeatKVToGQA")
     rec = run_case(case, torch.bfloat16, "thunderfx_gqa", compare_default=False)
-    figure(
-        f"packed llama (RepeatKVToGQA): varlen {varlen_dispatch.varlen_info()}, copies {rec.get('copies_by_reason')}"
-    )
+    figure(f"packed llama (RepeatKVToGQA): varlen {packed.varlen_info()}, copies {rec.get('copies_by_reason')}")
     assert rec["status"] == "pass", json.dumps(rec, indent=1, default=str)
     assert rec["sdpa_claimed"] > 0 and rec["fallbacks"] == 0 and rec["bias_graphs"] == 0, rec
     assert set(rec["mask_patterns"]) == {pattern}, rec["mask_patterns"]
@@ -73,5 +71,5 @@ def test_packed_gqa_step_with_repeat_kv_rewritten_runs_varlen_on_the_kv_heads(fi
     assert graphs and all(g.key.ragged is not None for g in graphs), graphs
     heads = {(g.key.q.shape[1], g.key.k.shape[1]) for g in graphs}
     assert heads == {(4, 2)}, heads
-    info = varlen_dispatch.varlen_info()
+    info = packed.varlen_info()
     assert info.get("forward", 0) > 0 and info.get("backward", 0) > 0, info

@@ -1,6 +1,7 @@
-"""Test-only support for the compile sweep (tests/test_cudnn_compile.py, scripts/compile_table.py).
+"""The compile sweep's subset and stand-in driver (tests/test_cudnn_compile.py, scripts/compile_table.py,
+scripts/dynamic_lengths.py, tests/test_plan_cache.py).
 
-The stand-in ``libcuda.so.1`` (standin_libcuda.c) is built here, at test time, into a folder
+The stand-in ``libcuda.so.1`` (tests/standin_libcuda.c, test-only) is built here, at test time, into a folder
 that only :func:`thunder_cudnn_safe.runtimes.aot.compile_in_subprocess`'s child puts on its library path:
 neither the package nor the test process loads it.
 """
@@ -12,13 +13,14 @@ import shutil
 import subprocess
 from pathlib import Path
 
-SOURCE = Path(__file__).with_name("standin_libcuda.c")
+SOURCE = Path(__file__).resolve().parents[2] / "tests" / "standin_libcuda.c"
 #: The GPU each swept architecture is compiled for (thunder_cudnn_safe.runtimes.aot.DEVICES).
 ARCH_DEVICES = {80: "A100", 90: "H100", 100: "B200"}
 #: ``THUNDER_CUDNN_SAFE_COMPILE_SWEEP=all`` compiles every call of the lowering sweep instead of :data:`SUBSET`.
 SWEEP_ENV = "THUNDER_CUDNN_SAFE_COMPILE_SWEEP"
-#: Representative calls of tests/test_cudnn_lowering.py (by id): layouts, masks of odd shapes (key
-#: length 1), mask gradients, dropout, deterministic, fused dQKV, head dims up to 256, L != S, one K/V head.
+#: Representative calls of the lowering sweep (:data:`support.lowering_calls.CALLS`, by id): layouts, masks of
+#: odd shapes (key length 1), mask gradients, dropout, deterministic, fused dQKV, head dims up to 256, L != S,
+#: one K/V head.
 SUBSET = (
     "zoo-contiguous-contiguous-fp16-full",
     "zoo-contiguous-contiguous-bf16-causal",

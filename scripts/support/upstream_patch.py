@@ -27,7 +27,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 UPSTREAM = REPO / "upstream"
 PATCH = UPSTREAM / "cudnn_sdpa.patch"
 TARGET = "thunder/executors/cudnn_sdpa.py"
