@@ -35,8 +35,10 @@ class Rule:
     where unset), except ``except_backends`` (a fixed release inside a bad window). ``trigger(rule, facts)`` says
     what in a call's or a key's :class:`Facts` breaks it (a text, a :class:`Finding`, a list of them, or None),
     asked as ``applies`` says; a call's text becomes a ``Decline`` with ``code`` (a ``DeclineCode`` name), a key's
-    a refusal of the key gate. ``example``: a call the rule declines (the tests build it), ``silent``: a defect of
-    docs/known-cudnn-defects.md (wrong numbers or a crash, not an error).
+    a refusal of the key gate. ``example``: a call the rule declines, which tests/test_defect_rules.py builds (the
+    target ``arch`` and ``backend``; shapes ``b, h, hk, lq, s, d, dv``; ``mask`` "bool" or "grad"; the call's keywords;
+    ``proxies``: thunder proxies, not tensors; ``dp_workspace_limit``); ``silent``: a defect of
+    docs/known-cudnn-defects.md (wrong numbers or a crash, not an error), which the key gate must read off keys.
     """
 
     text: str
@@ -240,12 +242,14 @@ FLASH_ATTENTION = Rule(
     trigger=lambda rule, f: f"{_sm(f.target)}: cuDNN fused flash attention needs Ampere (sm80) or newer",
     applies=WHERE_IT_FAILS,
     judged_on=("call",),
+    example=dict(arch=(7, 5), backend=92600),
 )
 HEAD_DIM_128 = Rule(
     "head dims up to 128, multiples of 8, for forward and backward",
     "cuDNN developer guide, 'Fused Flash Attention' (d <= 128 on sm80+)",
     min_arch=(8, 0),
     **_HEAD_DIM,
+    example=dict(arch=(8, 0), backend=92600, d=60),
 )
 HEAD_DIM_256_TRAINING_HOPPER = Rule(
     "128 < head dim <= 256 for training (forward and backward) on Hopper",
@@ -253,12 +257,14 @@ HEAD_DIM_256_TRAINING_HOPPER = Rule(
     arch_major=9,
     min_backend=90500,
     **_HEAD_DIM,
+    example=dict(arch=(9, 0), backend=92600, d=264),
 )
 UNEQUAL_HEAD_DIMS = Rule(
     "d_qk != d_v (both <= 128) on Hopper or newer",
     "cuDNN developer guide, 'Fused Flash Attention' (different QK and V head dims need sm90+)",
     min_arch=(9, 0),
     **_HEAD_DIM,
+    example=dict(arch=(8, 0), backend=92600, d=64, dv=128),
 )
 MLA_192_128_HOPPER = Rule(
     "d_qk=192, d_v=128 (DeepSeek-style MLA heads) on Hopper",
@@ -266,6 +272,7 @@ MLA_192_128_HOPPER = Rule(
     arch_major=9,
     min_backend=90500,
     **_HEAD_DIM,
+    example=dict(arch=(9, 0), backend=92600, d=256, dv=128),
 )
 MLA_192_128_BLACKWELL = Rule(
     "d_qk=192, d_v=128 (DeepSeek-style MLA heads) on datacenter Blackwell (sm100/sm103)",
@@ -283,6 +290,7 @@ GROUPED_KV_HEADS = Rule(
     trigger=_grouped_kv_heads,
     applies=ANYWHERE,
     code="SHAPE",
+    example=dict(arch=(9, 0), backend=92600, hk=3, enable_gqa=True),
 )
 BACKWARD_SEQ_1 = Rule(
     "sdpa_backward refuses s_q = s_kv = 1 (the forward accepts it)",
@@ -295,6 +303,7 @@ BACKWARD_SEQ_1 = Rule(
         "forward's mask could then not be reproduced)",
     ),
     code="SHAPE",
+    example=dict(arch=(9, 0), backend=92600, lq=1, s=1),
 )
 DETERMINISTIC_BACKWARD_BLACKWELL = Rule(
     "the deterministic backward refuses dBias and dropout on datacenter Blackwell (sm100/sm103)",
@@ -308,6 +317,7 @@ DETERMINISTIC_BACKWARD_BLACKWELL = Rule(
         f"cuDNN's deterministic backward refuses dBias and dropout on {_sm(f.target)}",
     ),
     yields_to=("DETERMINISTIC_BACKWARD_BLACKWELL_BEFORE_9_18",),  # refused whatever it computes: that rule says so
+    example=dict(arch=(10, 0), backend=91900, dropout_p=0.125, deterministic=True),
 )
 DETERMINISTIC_BACKWARD_BLACKWELL_BEFORE_9_18 = Rule(
     "the deterministic backward is refused on datacenter Blackwell (sm100/sm103) before cuDNN 9.18.0",
@@ -319,6 +329,7 @@ DETERMINISTIC_BACKWARD_BLACKWELL_BEFORE_9_18 = Rule(
     passes=("backward",),
     trigger=lambda rule, f: _if(bool(f.deterministic), rule.stated(f, "cudnn_safe_deterministic: ")),
     fixed_in=91800,
+    example=dict(arch=(10, 0), backend=91701, deterministic=True),
 )
 DETERMINISTIC_BIAS_BACKWARD_BLACKWELL = Rule(
     "the deterministic backward with a bias (any attn_mask, without its gradient too) does not compile on "
@@ -331,6 +342,7 @@ DETERMINISTIC_BIAS_BACKWARD_BLACKWELL = Rule(
     # a forward key has no deterministic flag (None): its backward's key is refused
     trigger=lambda rule, f: _if(bool(f.deterministic) and f.masked and not f.dbias_or_dropout, rule.stated(f)),
     fixed_in=92700,
+    example=dict(arch=(10, 0), backend=91900, mask="bool", deterministic=True),
 )
 DROPOUT_DBIAS_BLACKWELL = Rule(
     "dropout with a mask gradient (dBias) has no backward engine on datacenter Blackwell (sm100/sm103)",
@@ -340,6 +352,7 @@ DROPOUT_DBIAS_BLACKWELL = Rule(
     arch_major=10,
     passes=("backward",),
     trigger=lambda rule, f: _if(f.dropout > 0 and bool(f.dbias), rule.stated(f)),
+    example=dict(arch=(10, 0), backend=91900, mask="grad", dropout_p=0.125),
 )
 #: One defect of two code paths (sm80's and sm120's), a rule each.
 _SQ_VECTORS = dict(
@@ -350,8 +363,10 @@ _SQ_VECTORS = dict(
     # a call is declined whole (its forward is not shown to have an engine), a key in its backward only
     trigger=lambda rule, f: _if(f.masked and f.kv_len == 1 and f.backward is not False, rule.stated(f)),
 )
-BIAS_KEY_LENGTH_1_AMPERE = Rule(arch_major=8, **_SQ_VECTORS)
-BIAS_KEY_LENGTH_1_SM120 = Rule(arch_major=12, **_SQ_VECTORS)
+BIAS_KEY_LENGTH_1_AMPERE = Rule(arch_major=8, example=dict(arch=(8, 0), backend=92600, s=1, mask="bool"), **_SQ_VECTORS)
+BIAS_KEY_LENGTH_1_SM120 = Rule(
+    arch_major=12, example=dict(arch=(12, 0), backend=92600, s=1, mask="bool"), **_SQ_VECTORS
+)
 DBIAS_KEY_LENGTH_1_BLACKWELL = Rule(
     "a mask gradient (dBias) when the key length is 1 has no backward engine on datacenter Blackwell (sm100/sm103)",
     "the compile sweep, cuDNN 9.19: no engine config for sm100 ('This tile size is not supported for Blackwell "
@@ -359,6 +374,7 @@ DBIAS_KEY_LENGTH_1_BLACKWELL = Rule(
     arch_major=10,
     passes=("backward",),
     trigger=lambda rule, f: _if(bool(f.dbias) and f.kv_len == 1, rule.stated(f)),
+    example=dict(arch=(10, 0), backend=91900, s=1, mask="grad"),
 )
 DYNAMIC_SHAPE_FORWARD = Rule(
     "an SDPA forward (not the backward) builds as a dynamic-shape graph whose kernel a kernel cache reuses "
@@ -379,6 +395,7 @@ DO_OWN_STRIDES = Rule(
     trigger=lambda rule, f: _if(f.do_as_o is False, "a backward key declares dO strides other than O's"),
     applies=WHERE_IT_FAILS,
     silent=True,
+    judged_on=("key",),
 )
 STATS_PACKED_ONLY = Rule(
     "a non-ragged Stats input of sdpa_backward must be packed BHSD (exact strides, size-1 dims too)",
@@ -388,6 +405,7 @@ STATS_PACKED_ONLY = Rule(
     ),
     silent=True,
     fixed_in=92600,
+    judged_on=("key",),
 )
 
 #: Layout rules every target shares (:data:`~thunder_cudnn_safe.layouts.layout.ALIGNMENT_BYTES`,
@@ -401,6 +419,7 @@ LAYOUT = Rule(
     applies=ANYWHERE,
     silent=True,
     code="INT32",
+    example=dict(arch=(9, 0), backend=92600, h=1, lq=2**25, proxies=True),
 )
 
 
@@ -423,6 +442,7 @@ DP_WORKSPACE = Rule(
     trigger=_dp_workspace,
     silent=True,
     code="WORKSPACE",
+    example=dict(arch=(9, 0), backend=92600, deterministic=True, dp_workspace_limit=1),
 )
 
 
@@ -441,6 +461,7 @@ VARLEN_BACKEND = Rule(
     min_backend=91900,
     trigger=lambda rule, f: _if(f.ragged, "a variable-length (ragged) graph"),
     applies=WHERE_IT_FAILS,
+    judged_on=("key",),
 )
 VARLEN_BACKWARD_ARCH = Rule(
     "a variable-length backward reads ragged (tokens-major) stats, which sm80 and sm12x refuse ('Packed/ragged "
@@ -451,12 +472,14 @@ VARLEN_BACKWARD_ARCH = Rule(
     min_arch=(9, 0),
     trigger=lambda rule, f: _if(f.ragged and f.training, "ragged (tokens-major) stats"),
     applies=WHERE_IT_FAILS,
+    judged_on=("key",),
 )
 VARLEN_BACKWARD_SM12X = Rule(
     "sm12x refuses a ragged-stats variable-length backward, like sm80",
     "cudnn-frontend 1.32 rule string 'bprop thd on SM8X and SM12X GPUs'",
     arch_major=12,
     trigger=lambda rule, f: _if(f.ragged and f.training, "ragged (tokens-major) stats"),
+    judged_on=("key",),
 )
 VARLEN_NO_DROPOUT = Rule(
     "packed sequences with dropout run as a bias: the variable-length dropout mask's numbering per document "
@@ -465,6 +488,7 @@ VARLEN_NO_DROPOUT = Rule(
     min_backend=10**9,
     trigger=lambda rule, f: _if(f.ragged and bool(f.dropout), "a ragged graph with dropout"),
     applies=WHERE_IT_FAILS,
+    judged_on=("key",),
 )
 VARLEN_BATCH_STRIDE = Rule(
     "a ragged tensor's declared batch stride is never stepped but must be a multiple of 16 bytes (PyTorch's "
@@ -473,6 +497,7 @@ VARLEN_BATCH_STRIDE = Rule(
     trigger=lambda rule, f: (
         None if f.ragged_batch_stride is None else "{}'s declared batch stride {}".format(*f.ragged_batch_stride)
     ),
+    judged_on=("key",),
 )
 
 #: The frontend's opt-in switch for its own Python (CuTe-DSL) engines; the frontend reads it at every planning.
@@ -500,6 +525,7 @@ VARLEN_WINDOW_BACKWARD_FRONTEND_BLACKWELL = Rule(
         "a variable-length backward with a window the frontend may serve with its own kernels",
     ),
     silent=True,
+    judged_on=("key",),
 )
 
 
@@ -580,6 +606,7 @@ BLACKWELL_DECODE = Rule(
     trigger=lambda rule, f: _if(not f.ragged and f.q_len == 1, rule.defect(f, "a single query (decode)")),
     silent=True,
     fixed_in=92501,
+    example=dict(arch=(10, 0), backend=91900, lq=1, s=64),
 )
 HOPPER_BACKWARD_KV_TAIL_NAN = Rule(
     "the sm90 flash backward (kernel sm90_flash_bprop_wgmma_f16_knob_26) leaves the padded half of the last "
@@ -594,6 +621,7 @@ HOPPER_BACKWARD_KV_TAIL_NAN = Rule(
     trigger=lambda rule, f: _if(_tail_unmasked(f), rule.defect(f, f"key length {f.kv_len} (% 128 == 64), in training")),
     silent=True,
     fixed_in=92600,
+    example=dict(arch=(9, 0), backend=91900, s=64),
 )
 HOPPER_DECODE_BACKWARD_NAN = Rule(
     "the sm90 backward with a single query (s_q == 1) gives NaN dK/dV when the logsumexp is very negative "
@@ -610,6 +638,7 @@ HOPPER_DECODE_BACKWARD_NAN = Rule(
     # without a mask tensor a call's backward is routed to the padding mask at full lengths (defect_routes)
     trigger=_decode_backward_nan,
     silent=True,
+    example=dict(arch=(9, 0), backend=92600, lq=1, s=16, mask="bool"),
 )
 HOPPER_DECODE_BACKWARD_CRASH = Rule(
     "cuDNN 9.26 kills the process (a segfault in create_execution_plans) planning the sm90 backward of a single "
@@ -623,6 +652,7 @@ HOPPER_DECODE_BACKWARD_CRASH = Rule(
     passes=("backward",),
     trigger=lambda rule, f: _if(not f.ragged and f.q_len == 1, rule.stated(f, "a single query, in training: ")),
     silent=True,
+    example=dict(arch=(9, 0), backend=92600, lq=1, s=16),
 )
 CAUSAL_DECODE_GQA = Rule(
     "a causal decode forward (s_q == 1, is_causal) with H_q != H_kv gives a wrong result; no fixed version is "
@@ -634,6 +664,7 @@ CAUSAL_DECODE_GQA = Rule(
         rule.defect(f, f"causal decode with {f.heads} query and {f.kv_heads} key/value heads"),
     ),
     silent=True,
+    example=dict(arch=(8, 0), backend=92600, hk=2, lq=1, s=64, is_causal=True, enable_gqa=True),
 )
 BACKWARD_KEY_LENGTH_1 = Rule(
     "the backward is not supported with key/value length 1 (s_kv == 1, any s_q, with or without a mask); the "
@@ -643,6 +674,7 @@ BACKWARD_KEY_LENGTH_1 = Rule(
     passes=("backward",),
     trigger=lambda rule, f: _if(not f.ragged and f.kv_len == 1, rule.defect(f, "key length 1, in training")),
     silent=True,
+    example=dict(arch=(9, 0), backend=92600, s=1),
 )
 DROPOUT_SIXTEENTHS = Rule(
     "some cuDNN SDPA kernels round dropout_p to a multiple of 1/16 silently: other values are declined",
@@ -654,6 +686,7 @@ DROPOUT_SIXTEENTHS = Rule(
     applies=ANYWHERE,
     silent=True,
     code="DROPOUT",
+    example=dict(arch=(9, 0), backend=92600, dropout_p=0.1),
 )
 GRID_65535 = Rule(
     "batch size or head count above 65535 fails at execute (a grid dimension): declined at trace time",
@@ -666,6 +699,7 @@ GRID_65535 = Rule(
     applies=ANYWHERE,
     silent=True,
     code="SHAPE",
+    example=dict(arch=(9, 0), backend=92600, b=65536, h=1, proxies=True),
 )
 #: The largest batch size and head count :data:`GRID_65535` allows.
 GRID_LIMIT = 65535
