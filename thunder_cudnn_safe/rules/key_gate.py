@@ -30,7 +30,10 @@ class RuleRefusal(GraphBuildError):
     """A key that breaks a known cuDNN rule on its target: never built. ``rule`` names the rule."""
 
     def __init__(self, rule: cudnn_rules.Rule, what: str) -> None:
-        super().__init__(f"{rule.name} (key gate): {what}", definitive=True)
+        # what the trigger says (explain()'s text where the rule is read off calls too), with the rule's text
+        super().__init__(
+            f"{rule.name} (key gate): {what if rule.text in what else f'{what}: {rule.text}'}", definitive=True
+        )
         self.rule = rule.name
 
     def holds(self, key: Any) -> bool:
