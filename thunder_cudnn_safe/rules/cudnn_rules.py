@@ -232,9 +232,8 @@ def _off_sixteenths(p: float) -> bool:
     return p * 16 != math.floor(p * 16)
 
 
-_HEAD_DIM = dict(
-    trigger=_head_dims, applies=ANYWHERE, judged_on=("call",), code="HEAD_DIM"
-)  # judged together, as cuDNN does
+#: The head-dim rules: judged together, as cuDNN does, at trace time (a key's head dims are its call's).
+_HEAD_DIM = dict(trigger=_head_dims, applies=ANYWHERE, judged_on=("call",), code="HEAD_DIM")
 FLASH_ATTENTION = Rule(
     "cuDNN fused flash attention (forward and backward) runs on Ampere (sm80) or newer",
     "cuDNN developer guide, 'Fused Flash Attention' support surface",
