@@ -271,3 +271,32 @@ def test_a_runtime_that_builds_its_own_way_still_meets_the_gate():
     with pytest.raises(key_gate.RuleRefusal, match="DROPOUT_SIXTEENTHS"):
         GraphCache().get_or_build(key, OwnBuild(arch=(9, 0), backend_version=91900).build)
     assert OwnBuild.built == []
+
+
+@pytest.mark.parametrize("mask", [None, "bool", "grad"])
+def test_a_call_and_the_keys_it_plans_give_one_record_of_facts(mask):
+    """One trigger per rule reads one record (:class:`~thunder_cudnn_safe.rules.facts.Facts`): the facts a call
+    and its planned keys both have agree; the rest is None (absent) on the source that lacks it."""
+    from thunder_cudnn_safe.plan.calls import ForwardCall
+    from thunder_cudnn_safe.plan.planner import planned_keys
+    from thunder_cudnn_safe.rules import facts, support
+
+    q, k, v = (t.detach().requires_grad_() for t in seeded_qkv(2, 4, 16, 48, h_kv=2, d=32, bshd=True))
+    attn_mask = {None: None, "bool": torch.rand(16, 48) > 0.3, "grad": torch.randn(16, 48).bfloat16()}[mask]
+    if mask == "grad":
+        attn_mask.requires_grad_()
+    call = ForwardCall(q, k, v, attn_mask, 0.25, mask is None, enable_gqa=True, deterministic=True)
+    target = EmulatedRuntime(arch=(9, 0), backend_version=91900).target(torch.device("cpu"))
+    _, forward, backward = planned_keys(call, target)
+    plain = call._replace(
+        attn_mask=None if attn_mask is None else support.operand(attn_mask)
+    )  # as the checker reads it
+    on_call, on_forward, on_backward = support.call_view(plain, target), facts.of_key(forward), facts.of_key(backward)
+    shared = ("target", "batch", "heads", "kv_heads", "v_heads", "q_len", "kv_len", "d_qk", "d_v", "dropout", "causal")
+    for name in shared:
+        assert getattr(on_call, name) == getattr(on_forward, name) == getattr(on_backward, name), name
+    assert (on_call.backward, on_forward.backward, on_backward.backward) == (None, False, True)
+    assert on_call.deterministic and on_forward.deterministic is None and on_backward.deterministic
+    assert on_call.dbias == on_backward.dbias == (mask == "grad") and on_forward.dbias is None
+    assert on_call.mask == (mask is not None) and on_forward.mask is None and on_call.bias is on_call.padded is None
+    assert on_backward.bias == on_forward.bias == on_call.masked == (mask is not None)  # a random mask: a bias
