@@ -346,11 +346,7 @@ def test_the_seed_shape_on_the_loaded_libcudnn(figure):
         assert reasons == []
 
 
-# -- every rule read off a call is named by explain() (Rule.on_call; cudnn_rules.RULES) -----------------------
-def _dims(dq=64, dv=64, lq=16, s=16):
-    return torch.randn(1, 4, lq, dq).half(), torch.randn(1, 4, s, dq).half(), torch.randn(1, 4, s, dv).half()
-
-
+# -- every rule read off a call is named by explain() (Rule.trigger, Rule.example; cudnn_rules.RULES) -------------
 def _proxy_rules(arch, version, *shapes, **kwargs):
     import thunder
     from thunder.core.proxies import TensorProxy
@@ -365,74 +361,65 @@ def _grad_mask(*shape):
     return torch.zeros(*shape, dtype=torch.float16, requires_grad=True)
 
 
-def _over_dp_budget():
-    with tcs.config.patch(dp_workspace_limit=1):
-        return rules_on(H100, 92600, *qkv(), deterministic=True)
+def example_call(example: dict) -> list[str | None]:
+    """The rules explain() names for a rule's example call (``Rule.example``) on its target."""
+    ex = dict(example)
+    arch, backend = ex.pop("arch"), ex.pop("backend")
+    b, h, lq, s, d = (ex.pop(name, default) for name, default in (("b", 1), ("h", 4), ("lq", 16), ("s", 16), ("d", 64)))
+    hk, dv = ex.pop("hk", h), ex.pop("dv", d)
+    shapes = [(b, h, lq, d), (b, hk, s, d), (b, hk, s, dv)]
+    mask = {None: None, "bool": lambda: torch.ones(lq, s, dtype=torch.bool), "grad": lambda: _grad_mask(lq, s)}
+    mask = mask[ex.pop("mask", None)]
+    if ex.get("sinks") is True:  # one sink per query head
+        ex["sinks"] = torch.zeros(h)
+    with tcs.config.patch(dp_workspace_limit=ex.pop("dp_workspace_limit", tcs.config.dp_workspace_limit)):
+        if ex.pop("proxies", False):
+            return _proxy_rules(arch, backend, *shapes, **ex)
+        tensors = [torch.randn(*shape, dtype=torch.float16) for shape in shapes]
+        return rules_on(arch, backend, *tensors, None if mask is None else mask(), **ex)
 
 
-BOOL_MASK = torch.ones(16, 16, dtype=torch.bool)
-#: One call per rule with a trace-time trigger: the rules explain() names for it (each case sets its target).
-CALL_TRIGGERS = {
-    "FLASH_ATTENTION": lambda: rules_on((7, 5), 92600, *qkv()),
-    "HEAD_DIM_128": lambda: rules_on(A100, 92600, *qkv(d=60)),
-    "HEAD_DIM_256_TRAINING_HOPPER": lambda: rules_on(H100, 92600, *qkv(d=264)),
-    "UNEQUAL_HEAD_DIMS": lambda: rules_on(A100, 92600, *_dims(dq=64, dv=128)),
-    "MLA_192_128_HOPPER": lambda: rules_on(H100, 92600, *_dims(dq=256, dv=128)),
-    "GROUPED_KV_HEADS": lambda: rules_on(H100, 92600, *qkv(hk=3), enable_gqa=True),
-    "BACKWARD_SEQ_1": lambda: rules_on(H100, 92600, *qkv(lq=1, s=1)),
-    "DETERMINISTIC_BACKWARD_BLACKWELL": lambda: rules_on(B200, 91900, *qkv(), None, 0.125, deterministic=True),
-    "DETERMINISTIC_BACKWARD_BLACKWELL_BEFORE_9_18": lambda: rules_on(B200, 91701, *qkv(), deterministic=True),
-    "DETERMINISTIC_BIAS_BACKWARD_BLACKWELL": lambda: rules_on(B200, 91900, *qkv(), BOOL_MASK, deterministic=True),
-    "DROPOUT_DBIAS_BLACKWELL": lambda: rules_on(B200, 91900, *qkv(), _grad_mask(16, 16), 0.125),
-    "BIAS_KEY_LENGTH_1_AMPERE": lambda: rules_on(A100, 92600, *qkv(s=1), BOOL_MASK[:, :1]),
-    "BIAS_KEY_LENGTH_1_SM120": lambda: rules_on(RTX50, 92600, *qkv(s=1), BOOL_MASK[:, :1]),
-    "DBIAS_KEY_LENGTH_1_BLACKWELL": lambda: rules_on(B200, 91900, *qkv(s=1), _grad_mask(16, 1)),
-    "LAYOUT": lambda: _proxy_rules(H100, 92600, (1, 1, 2**25, 64), (1, 1, 16, 64), (1, 1, 16, 64)),
-    "DP_WORKSPACE": _over_dp_budget,
-    "BLACKWELL_DECODE": lambda: rules_on(B200, 91900, *qkv(lq=1, s=64)),
-    "HOPPER_BACKWARD_KV_TAIL_NAN": lambda: rules_on(H100, 91900, *qkv(s=64)),
-    "HOPPER_DECODE_BACKWARD_NAN": lambda: rules_on(H100, 92600, *qkv(lq=1, s=16), BOOL_MASK[:1]),
-    "HOPPER_DECODE_BACKWARD_CRASH": lambda: rules_on(H100, 92600, *qkv(lq=1, s=16)),
-    "CAUSAL_DECODE_GQA": lambda: rules_on(A100, 92600, *qkv(hk=2, lq=1, s=64), None, 0.0, True, enable_gqa=True),
-    "BACKWARD_KEY_LENGTH_1": lambda: rules_on(H100, 92600, *qkv(s=1)),
-    "DROPOUT_SIXTEENTHS": lambda: rules_on(H100, 92600, *qkv(), None, 0.1),
-    "GRID_65535": lambda: _proxy_rules(H100, 92600, *[(65536, 1, 16, 64)] * 3),
-    "SINK_TOKEN": lambda: rules_on(H100, 91200, *qkv(), sinks=torch.zeros(4)),
-    "SINK_DECODE": lambda: rules_on(H100, 92600, *qkv(lq=1, s=64), sinks=torch.zeros(4)),
-    "SOFTCAP_BACKWARD": lambda: rules_on(H100, 92600, *qkv(), softcap=30.0),
-}
+#: One call per rule with a trace-time trigger, from the table (``Rule.example``): the rules explain() names for it.
+CALL_TRIGGERS = {r.name: (lambda r=r: example_call(r.example)) for r in cudnn_rules.RULES if r.example is not None}
 #: Rules with no trigger of their own, neither on a call nor on a key, and why.
 NO_TRIGGER = {
     "MLA_192_128_BLACKWELL": "a capability: the head-dim rules read it through cudnn_rules.mla_192_128",
     "DYNAMIC_SHAPE_FORWARD": "how a forward is built (recipes, runtime.build_with_ladder), never a decline",
 }
+#: Rules whose trigger reads facts only a graph key has (declared strides, packed sequences, a window).
+KEY_ONLY = [r.name for r in cudnn_rules.RULES if r.trigger is not None and r.judged_on == ("key",)]
+CALL_RULES = [r.name for r in cudnn_rules.RULES if r.trigger is not None and "call" in r.judged_on]
 
 
-@pytest.mark.parametrize("rule", [r.name for r in cudnn_rules.RULES if r.on_call is not None])
+@pytest.mark.parametrize("rule", CALL_RULES)
 def test_every_rule_read_off_a_call_is_named_by_explain(rule):
-    assert rule in CALL_TRIGGERS, f"{rule} has an on_call: add a call that triggers it to CALL_TRIGGERS"
+    assert rule in CALL_TRIGGERS, f"{rule} has a call trigger: add a call that triggers it to CALL_TRIGGERS"
     assert rule in CALL_TRIGGERS[rule](), rule
 
 
-#: The facts about cuDNN's backward alone (``passes=("backward",)``); the sm80/sm120 bias rules with key length 1
-#: are not among them: their forward is not shown to have an engine (the compile sweep built backwards only).
-BACKWARD_ONLY = [
-    "BACKWARD_SEQ_1",
-    "DETERMINISTIC_BACKWARD_BLACKWELL",
-    "DETERMINISTIC_BACKWARD_BLACKWELL_BEFORE_9_18",
-    "DROPOUT_DBIAS_BLACKWELL",
-    "DBIAS_KEY_LENGTH_1_BLACKWELL",
-    "DP_WORKSPACE",
-    "SOFTCAP_BACKWARD",
-    "HOPPER_BACKWARD_KV_TAIL_NAN",
-    "HOPPER_DECODE_BACKWARD_NAN",
-    "HOPPER_DECODE_BACKWARD_CRASH",
-    "BACKWARD_KEY_LENGTH_1",
-]
+#: The facts about cuDNN's backward alone (``passes=("backward",)``), from the table; the sm80/sm120 bias rules with
+#: key length 1 are not among them: their forward is not shown to have an engine (the compile sweep built backwards
+#: only).
+BACKWARD_ONLY = [r.name for r in cudnn_rules.RULES if r.passes == ("backward",)]
 
 
 def test_the_backward_only_rules_are_these():
-    assert [r.name for r in cudnn_rules.RULES if r.passes == ("backward",)] == BACKWARD_ONLY
+    assert BACKWARD_ONLY and all(name in CALL_TRIGGERS for name in BACKWARD_ONLY)
+    assert "BIAS_KEY_LENGTH_1_AMPERE" not in BACKWARD_ONLY and "BIAS_KEY_LENGTH_1_SM120" not in BACKWARD_ONLY
+
+
+def test_the_tests_rule_lists_come_from_the_table():
+    """Adding a rule is one table entry (its example call, ``silent``, ``passes``) plus one test: the lists of
+    which rule fires on which call are read off :data:`cudnn_rules.RULES`, never written out."""
+    import test_key_gate
+
+    table = cudnn_rules.RULES
+    assert set(CALL_TRIGGERS) == {r.name for r in table if r.example is not None}
+    assert all(CALL_TRIGGERS[r.name]() for r in table if r.example is not None)
+    assert [r.name for r in table if "forward" not in r.passes] == BACKWARD_ONLY
+    assert list(test_key_gate.SILENT_DEFECT_RULES) == [r.name for r in table if r.silent]
+    assert set(KEY_ONLY) | set(CALL_RULES) | set(NO_TRIGGER) == {r.name for r in table}
+    assert not set(KEY_ONLY) & set(CALL_RULES)
 
 
 @pytest.mark.parametrize("rule", BACKWARD_ONLY)
@@ -470,9 +457,9 @@ def test_a_backward_only_rule_leaves_the_inference_forward_claimed(rule, monkeyp
 
 
 def test_a_rule_without_a_trigger_is_listed_with_why():
-    untriggered = {r.name for r in cudnn_rules.RULES if r.on_call is None and r.on_key is None}
+    untriggered = {r.name for r in cudnn_rules.RULES if r.trigger is None}
     assert untriggered == set(NO_TRIGGER)
-    assert set(CALL_TRIGGERS) == {r.name for r in cudnn_rules.RULES if r.on_call is not None}
+    assert set(CALL_TRIGGERS) == set(CALL_RULES)
 
 
 # -- on real cuDNN (gpu; emulated with THUNDER_CUDNN_SAFE_GPU_TESTS_EMULATE=1): the public repros -----------------

@@ -24,27 +24,14 @@ from thunder_cudnn_safe.rules import cudnn_rules, key_gate
 from thunder_cudnn_safe.runtimes.emulation import EmulatedRuntime
 from thunder_cudnn_safe.testing import document_mask, padding_mask, seeded_qkv
 
-#: The silent defects of docs/known-cudnn-defects.md decidable from a key: each must be read off keys.
-SILENT_DEFECT_RULES = (
-    "BLACKWELL_DECODE",
-    "HOPPER_BACKWARD_KV_TAIL_NAN",
-    "HOPPER_DECODE_BACKWARD_NAN",
-    "HOPPER_DECODE_BACKWARD_CRASH",
-    "VARLEN_WINDOW_BACKWARD_FRONTEND_BLACKWELL",
-    "CAUSAL_DECODE_GQA",
-    "BACKWARD_KEY_LENGTH_1",
-    "DROPOUT_SIXTEENTHS",
-    "GRID_65535",
-    "STATS_PACKED_ONLY",
-    "DO_OWN_STRIDES",
-    "LAYOUT",
-    "DP_WORKSPACE",
-)
+#: The silent defects of docs/known-cudnn-defects.md decidable from a key (``Rule.silent``, from the table): each
+#: must be read off keys.
+SILENT_DEFECT_RULES = tuple(r.name for r in cudnn_rules.RULES if r.silent)
 
 
 def test_every_silent_defect_rule_is_read_off_keys():
     rules = {r.name: r for r in cudnn_rules.RULES}
-    assert all(rules[name].on_key is not None for name in SILENT_DEFECT_RULES)
+    assert all(rules[name].trigger is not None and "key" in rules[name].judged_on for name in SILENT_DEFECT_RULES)
 
 
 def _bottom_right(lens, lq, s):
@@ -284,3 +271,32 @@ def test_a_runtime_that_builds_its_own_way_still_meets_the_gate():
     with pytest.raises(key_gate.RuleRefusal, match="DROPOUT_SIXTEENTHS"):
         GraphCache().get_or_build(key, OwnBuild(arch=(9, 0), backend_version=91900).build)
     assert OwnBuild.built == []
+
+
+@pytest.mark.parametrize("mask", [None, "bool", "grad"])
+def test_a_call_and_the_keys_it_plans_give_one_record_of_facts(mask):
+    """One trigger per rule reads one record (:class:`~thunder_cudnn_safe.rules.facts.Facts`): the facts a call
+    and its planned keys both have agree; the rest is None (absent) on the source that lacks it."""
+    from thunder_cudnn_safe.plan.calls import ForwardCall
+    from thunder_cudnn_safe.plan.planner import planned_keys
+    from thunder_cudnn_safe.rules import facts, support
+
+    q, k, v = (t.detach().requires_grad_() for t in seeded_qkv(2, 4, 16, 48, h_kv=2, d=32, bshd=True))
+    attn_mask = {None: None, "bool": torch.rand(16, 48) > 0.3, "grad": torch.randn(16, 48).bfloat16()}[mask]
+    if mask == "grad":
+        attn_mask.requires_grad_()
+    call = ForwardCall(q, k, v, attn_mask, 0.25, mask is None, enable_gqa=True, deterministic=True)
+    target = EmulatedRuntime(arch=(9, 0), backend_version=91900).target(torch.device("cpu"))
+    _, forward, backward = planned_keys(call, target)
+    plain = call._replace(
+        attn_mask=None if attn_mask is None else support.operand(attn_mask)
+    )  # as the checker reads it
+    on_call, on_forward, on_backward = support.call_view(plain, target), facts.of_key(forward), facts.of_key(backward)
+    shared = ("target", "batch", "heads", "kv_heads", "v_heads", "q_len", "kv_len", "d_qk", "d_v", "dropout", "causal")
+    for name in shared:
+        assert getattr(on_call, name) == getattr(on_forward, name) == getattr(on_backward, name), name
+    assert (on_call.backward, on_forward.backward, on_backward.backward) == (None, False, True)
+    assert on_call.deterministic and on_forward.deterministic is None and on_backward.deterministic
+    assert on_call.dbias == on_backward.dbias == (mask == "grad") and on_forward.dbias is None
+    assert on_call.mask == (mask is not None) and on_forward.mask is None and on_call.bias is on_call.padded is None
+    assert on_backward.bias == on_forward.bias == on_call.masked == (mask is not None)  # a random mask: a bias

@@ -3,8 +3,9 @@
 These are the most safety-critical facts in the package: a rule claimed too widely sends cuDNN a graph it
 cannot run (a crash, or a refusal and a slow fallback); a rule claimed too narrowly costs speed. Each
 :class:`Rule` says what it allows or requires, where the fact comes from (a release note, a frontend check,
-a GPU measurement), on which targets it holds and what triggers it; the checker, the key gate, recipes,
-emulation and the lowering sweep read the rules from here and nowhere else.
+a GPU measurement), on which targets it holds and what triggers it: one trigger over the :class:`Facts` of a call
+(``explain()``, the checker) or of a graph key (the key gate). The checker, the key gate, recipes, emulation and
+the lowering sweep read the rules from here and nowhere else.
 """
 
 from __future__ import annotations
@@ -17,18 +18,27 @@ from typing import Any, NamedTuple
 
 from thunder_cudnn_safe import config
 from thunder_cudnn_safe._env import DP_WORKSPACE_LIMIT_ENV
-from thunder_cudnn_safe.layouts.keys import BackwardKey, Target, TensorSig
-from thunder_cudnn_safe.layouts.layout import ALIGNMENT_BYTES, INT32_ELEMENT_LIMIT, packed_strides, span_elements
+from thunder_cudnn_safe.layouts.keys import Target
+from thunder_cudnn_safe.layouts.layout import ALIGNMENT_BYTES, INT32_ELEMENT_LIMIT
+from thunder_cudnn_safe.rules.facts import Facts
+
+#: Where a rule's trigger is asked (:attr:`Rule.applies`): a defect or a limit where the rule holds (on the passes
+#: it names), a capability where it does not, or anywhere (the trigger reads the target itself, where it needs one:
+#: a call whose runtime cannot work here has none).
+WHERE_IT_HOLDS, WHERE_IT_FAILS, ANYWHERE = "where it holds", "where it fails", "anywhere"
 
 
 @dataclass(frozen=True)
 class Rule:
     """One cuDNN fact (docs/design.md, "Adding a rule"): it holds where ``min_arch <= arch`` (the major
     ``arch_major``, or one in ``arch_majors``, where set) and ``min_backend <= cuDNN < max_backend`` (``fixed_in``
-    where unset), except ``except_backends`` (a fixed release inside a bad window). ``on_key(rule, key)`` and
-    ``on_call(rule, call)`` say what in a graph key or a :class:`CallView` breaks it, or None (an ``on_call``
-    without a ``call_*`` wrapper judges every call, its target known or not); a call's text becomes a ``Decline``
-    with ``code`` (a ``DeclineCode`` name; a :class:`Finding` carries its own).
+    where unset), except ``except_backends`` (a fixed release inside a bad window). ``trigger(rule, facts)`` says
+    what in a call's or a key's :class:`Facts` breaks it (a text, a :class:`Finding`, a list of them, or None),
+    asked as ``applies`` says; a call's text becomes a ``Decline`` with ``code`` (a ``DeclineCode`` name), a key's
+    a refusal of the key gate. ``example``: a call the rule declines, which tests/test_defect_rules.py builds (the
+    target ``arch`` and ``backend``; shapes ``b, h, hk, lq, s, d, dv``; ``mask`` "bool" or "grad"; the call's keywords;
+    ``proxies``: thunder proxies, not tensors; ``dp_workspace_limit``); ``silent``: a defect of
+    docs/known-cudnn-defects.md (wrong numbers or a crash, not an error), which the key gate must read off keys.
     """
 
     text: str
@@ -40,8 +50,14 @@ class Rule:
     arch_majors: tuple[int, ...] = ()
     except_backends: tuple[int, ...] = ()
     passes: tuple[str, ...] = ("forward", "backward")
-    on_key: Callable[[Rule, Any], str | None] | None = None
-    on_call: OnCall | None = None
+    trigger: Trigger | None = None
+    applies: str = WHERE_IT_HOLDS
+    #: the sources the trigger is asked on: a call's head dims and arch are judged at trace time only
+    judged_on: tuple[str, ...] = ("call", "key")
+    #: rules whose decline of the same call ``explain()`` gives instead (one reason; the key gate lists every rule)
+    yields_to: tuple[str, ...] = ()
+    silent: bool = False
+    example: dict[str, Any] | None = None
     #: the first cuDNN version without the defect, named in a decline (:attr:`upgrade_hint`); it ends the window
     fixed_in: int | None = None
     code: str = "ARCH"
@@ -63,11 +79,31 @@ class Rule:
         follows (a training forward, whose stats and dropout mask bind it to the same executor's backward)."""
         return self.holds(target) and (backward_follows or "forward" in self.passes)
 
-    def broken_by_call(self, call: CallView) -> list[tuple[str, str]]:
-        """What in ``call`` this rule declines, as (``DeclineCode`` name, text) pairs (no call trigger: none)."""
-        found = None if self.on_call is None else self.on_call(self, call)
+    def asks(self, facts: Facts) -> bool:
+        """Whether the trigger is asked of ``facts`` (``applies``, ``judged_on``, ``passes``)."""
+        if self.trigger is None or ("call" if facts.backward is None else "key") not in self.judged_on:
+            return False
+        if self.applies == ANYWHERE:
+            return True
+        if facts.target is None:
+            return False
+        if self.applies == WHERE_IT_FAILS:
+            return not self.holds(facts.target)
+        return self.holds(facts.target) and facts.in_pass(self.passes)
+
+    def broken_by(self, facts: Facts) -> list[tuple[str, str]]:
+        """What in a call's or a key's ``facts`` breaks this rule, as (``DeclineCode`` name, text) pairs."""
+        found = self.trigger(self, facts) if self.asks(facts) else None
         found = () if found is None else (found,) if isinstance(found, (str, Finding)) else found
         return [(f.code, f.text) if isinstance(f, Finding) else (self.code, f) for f in found]
+
+    def stated(self, facts: Facts, what: str = "") -> str:
+        """A decline naming the target, then ``what``, the rule's text and where a newer cuDNN fixes it."""
+        return f"{_sm(facts.target)}, cuDNN {facts.target.backend_version}: {what}{self.text}.{self.upgrade_hint}"
+
+    def defect(self, facts: Facts, what: str) -> str:
+        """A silent defect's decline: :meth:`stated` with ``what`` meets it and the rule's name."""
+        return self.stated(facts, f"{what}: {self.name}: ")
 
     @property
     def upgrade_hint(self) -> str:
@@ -81,246 +117,109 @@ class Rule:
         )
 
 
-def where_it_holds(trigger: Callable[[Any], str | None]) -> Callable[[Rule, Any], str | None]:
-    """A defect's key check: ``trigger(key)`` (what in the key meets the defect) breaks the rule where it holds."""
-    return lambda rule, key: trigger(key) if rule.holds(key.target) else None
+class Finding(NamedTuple):
+    """A trigger's text with its own ``DeclineCode`` name, for a rule whose declines carry several."""
+
+    code: str
+    text: str
 
 
-def unless_it_holds(trigger: Callable[[Any], str | None]) -> Callable[[Rule, Any], str | None]:
-    """A capability's key check: ``trigger(key)`` (what in the key needs it) breaks the rule where it does not hold."""
-    return lambda rule, key: None if rule.holds(key.target) else trigger(key)
-
-
-# -- what a key says (dims are (B or N, H, S, D); a ragged key's S is the bucketed longest document) -----
-def _backward(key: Any) -> bool:
-    return isinstance(key, BackwardKey)
-
-
-def _dense(key: Any) -> bool:
-    return key.ragged is None
-
-
-def _lengths(key: Any) -> tuple[int, int]:
-    return key.q.shape[2], key.k.shape[2]
+Trigger = Callable[[Rule, Facts], "str | Finding | Sequence[str | Finding] | None"]
 
 
 def _if(condition: bool, text: str) -> str | None:
     return text if condition else None
 
 
-def _in_backward(condition: Callable[[Any], bool], what: str) -> Callable[[Rule, Any], str | None]:
-    """A backward defect's key check: ``what`` where the rule holds, in a backward key that meets ``condition``."""
-    return where_it_holds(lambda key: _if(_backward(key) and condition(key), what))
-
-
-def _tensors(key: Any) -> list[tuple[str, TensorSig]]:
-    return [(name, sig) for name, sig in zip(key._fields, key) if isinstance(sig, TensorSig)]
-
-
-def _oversized(key: Any) -> str | None:
-    """A dense tensor whose declared elements reach 2**31 (cuDNN's int32 element offsets), e.g. a huge bias;
-    ragged tensors are addressed by their offsets (int64 where needed), not the batch stride."""
-    if not _dense(key):
-        return None
-    spans = ((name, span_elements(sig.shape, sig.stride)) for name, sig in _tensors(key))
-    return next((f"{name} spans {span} elements" for name, span in spans if span >= INT32_ELEMENT_LIMIT), None)
-
-
-def _ragged_stats(key: Any) -> str | None:
-    """A ragged graph that reads or writes ragged stats: a backward, or a forward a backward follows."""
-    return _if(not _dense(key) and (_backward(key) or key.stats is not None), "ragged (tokens-major) stats")
-
-
-def _ragged_batch_stride(key: Any) -> str | None:
-    if _dense(key):
-        return None
-    for name, sig in _tensors(key):
-        if sig.dtype.is_floating_point and (sig.stride[0] * sig.dtype.itemsize) % 16:
-            return f"{name}'s declared batch stride {sig.stride[0]}"
-    return None
-
-
-def _tail_unmasked(s_q: int, s_kv: int, causal: bool, bias: bool) -> bool:
-    """:data:`HOPPER_BACKWARD_KV_TAIL_NAN`'s shape (a ragged key's s_kv: the bucketed longest document)."""
-    return s_kv % 128 == 64 and not (causal and not bias and s_q <= s_kv)
-
-
-def _kv_tail(key: Any) -> str | None:
-    s_q, s_kv = _lengths(key)
-    if not _backward(key) or not _tail_unmasked(s_q, s_kv, key.causal, key.bias is not None):
-        return None
-    return f"a backward declaring key length {s_kv} (% 128 == 64)" + ("" if _dense(key) else ", variable-length")
-
-
-def _dp_over_budget(
-    target: Target, batch: int, heads_q: int, s_q: int, s_kv: int, d_bias: bool, deterministic: bool
-) -> tuple[float, float] | None:
-    """(need, budget) in GiB where the dP workspace (:data:`DP_WORKSPACE`) a backward materializes on ``target``
-    is over the budget (config.dp_workspace_limit); sm100's deterministic engine materializes none."""
-    if not (d_bias or (deterministic and not DETERMINISTIC_BACKWARD_BLACKWELL.holds(target))):
-        return None
-
-    need, limit = dp_workspace_bytes(batch, heads_q, s_q, s_kv), config.dp_workspace_limit
-    return (need / 2**30, limit / 2**30) if need > limit else None
-
-
-def _dp_key(key: Any) -> str | None:
-    if not _backward(key):
-        return None
-    over = _dp_over_budget(key.target, *key.q.shape[:2], *_lengths(key), key.d_bias is not None, key.deterministic)
-    return None if over is None else f"the dP workspace of {over[0]:.2f} GiB is over the {over[1]:.2f} GiB budget"
-
-
-# -- what a call says at trace time (Rule.on_call) ------------------------------------------------------
-class CallView(NamedTuple):
-    """The plain facts of one SDPA forward call that the rules' trace-time triggers read (:mod:`support` reads
-    them off tensors or thunder proxies); ``target`` is None where the runtime cannot work here."""
-
-    target: Target | None
-    batch: int
-    heads: int
-    kv_heads: int
-    v_heads: int
-    lq: int
-    s: int
-    d_qk: int
-    d_v: int
-    #: ``dropout_p`` where it is a number known at trace time (else 0.0)
-    dropout: float
-    #: ``is_causal is True``
-    causal: bool
-    has_mask: bool
-    #: the mask's gradient (dBias) may be needed
-    mask_grad: bool
-    deterministic: bool
-    #: a backward follows (``need_stats``)
-    training: bool
-    enable_gqa: bool
-    #: (name, element count) of query, key, value and output
-    elements: tuple[tuple[str, int], ...] = ()
-    #: a mask without a gradient may run as a pattern, never handed to cuDNN as a B*H*L*S bias
-    mask_patterns: bool = False
-    #: attention sinks (a sink token) and logit softcapping (a score modifier) are asked for
-    sinks: bool = False
-    softcap: bool = False
-
-    @property
-    def dbias_or_dropout(self) -> bool:
-        """The backward computes dBias or draws a dropout mask."""
-        return self.dropout > 0 or self.mask_grad
-
-
-class Finding(NamedTuple):
-    """A call trigger's text with its own ``DeclineCode`` name, for a rule whose declines carry several."""
-
-    code: str
-    text: str
-
-
-OnCall = Callable[[Rule, CallView], "str | Finding | Sequence[str | Finding] | None"]
-
-
-def call_on_target(trigger: OnCall) -> OnCall:
-    """A call check that needs the call's target (None where the runtime cannot work here: no decline)."""
-    return lambda rule, call: None if call.target is None else trigger(rule, call)
-
-
-def call_where_it_holds(trigger: OnCall) -> OnCall:
-    """A defect's call check: ``trigger`` applies where the rule declines the call (:meth:`Rule.declines`)."""
-    return call_on_target(lambda rule, call: trigger(rule, call) if rule.declines(call.target, call.training) else None)
-
-
-def call_unless_it_holds(trigger: OnCall) -> OnCall:
-    """A capability's call check: ``trigger`` applies where the rule does not hold."""
-    return call_on_target(lambda rule, call: None if rule.holds(call.target) else trigger(rule, call))
-
-
 def _sm(target: Target) -> str:
     return f"sm{target.arch[0]}{target.arch[1]}"
 
 
-def _stated(rule: Rule, call: CallView, what: str = "") -> str:
-    """A decline naming the target, then ``what``, the rule's text and where a newer cuDNN fixes it."""
-    return f"{_sm(call.target)}, cuDNN {call.target.backend_version}: {what}{rule.text}.{rule.upgrade_hint}"
+def _tail_unmasked(f: Facts) -> bool:
+    """:data:`HOPPER_BACKWARD_KV_TAIL_NAN`'s shape (a ragged key's s_kv: the bucketed longest document)."""
+    return f.kv_len % 128 == 64 and not (f.causal and not f.masked and f.q_len <= f.kv_len)
 
 
-def _silent(trigger: Callable[[CallView], str | None]) -> OnCall:
-    """A silent defect's call check (docs/known-cudnn-defects.md): ``trigger(call)`` says what meets it."""
-    return call_where_it_holds(
-        lambda rule, call: None if (what := trigger(call)) is None else _stated(rule, call, f"{what}: {rule.name}: ")
+def _dp_over_budget(f: Facts) -> tuple[float, float] | None:
+    """(need, budget) in GiB where the dP workspace (:data:`DP_WORKSPACE`) a backward materializes on the target
+    is over the budget (config.dp_workspace_limit); sm100's deterministic engine materializes none."""
+    if not (f.dbias or (f.deterministic and not DETERMINISTIC_BACKWARD_BLACKWELL.holds(f.target))):
+        return None
+    need, limit = dp_workspace_bytes(f.batch, f.heads, f.q_len, f.kv_len), config.dp_workspace_limit
+    return (need / 2**30, limit / 2**30) if need > limit else None
+
+
+def _dp_workspace(rule: Rule, f: Facts) -> str | None:
+    over = _dp_over_budget(f)
+    if over is None:
+        return None
+    return (
+        f"{'the mask gradient (dBias)' if f.dbias else 'cudnn_safe_deterministic'} needs {over[0]:.1f} GiB "
+        f"of cuDNN dP workspace, over the {over[1]:.1f} GiB budget ({DP_WORKSPACE_LIMIT_ENV})"
     )
 
 
-def _no_engine(condition: Callable[[CallView], bool], what: str = "") -> OnCall:
-    """A call cuDNN refuses or builds no plan for (the compile sweep) where the rule holds: ``condition(call)``."""
-    return call_where_it_holds(lambda rule, call: _stated(rule, call, what) if condition(call) else None)
-
-
-def _head_dims(rule: Rule, call: CallView) -> list[str]:
+def _head_dims(rule: Rule, f: Facts) -> list[str]:
     """The head-dim rules, judged together as cuDNN does (HEAD_DIM_128, HEAD_DIM_256_TRAINING_HOPPER,
-    UNEQUAL_HEAD_DIMS, MLA_192_128_HOPPER): what in ``call`` ``rule`` declines."""
-    target, dims = call.target, (("query/key", call.d_qk), ("value", call.d_v))
+    UNEQUAL_HEAD_DIMS, MLA_192_128_HOPPER): what in a call ``rule`` declines (its target known)."""
+    target, dims = f.target, (("query/key", f.d_qk), ("value", f.d_v))
+    if target is None:
+        return []
     found = [(HEAD_DIM_128, f"{name} head dim {d} is not a multiple of 8") for name, d in dims if d % 8]
-    if (call.d_qk, call.d_v) != (192, 128) or not mla_192_128(target):  # DeepSeek-style MLA heads pass
+    if (f.d_qk, f.d_v) != (192, 128) or not mla_192_128(target):  # DeepSeek-style MLA heads pass
         limit = head_dim_limit(target)
         limit_rule = HEAD_DIM_256_TRAINING_HOPPER if limit > 128 else HEAD_DIM_128
         on = f"the limit for training on {_sm(target)} with cuDNN {target.backend_version}"
         found += [(limit_rule, f"{name} head dim {d} exceeds {limit}, {on}") for name, d in dims if d > limit]
-        unequal = f"d_qk={call.d_qk} != d_v={call.d_v}"
-        if call.d_qk != call.d_v and not found:
+        unequal = f"d_qk={f.d_qk} != d_v={f.d_v}"
+        if f.d_qk != f.d_v and not found:
             if not UNEQUAL_HEAD_DIMS.holds(target):
                 found.append((UNEQUAL_HEAD_DIMS, f"{unequal} needs Hopper (sm90) or newer"))
-            elif max(call.d_qk, call.d_v) > 128:
+            elif max(f.d_qk, f.d_v) > 128:
                 found.append((MLA_192_128_HOPPER, f"{unequal}: above 128 only d_qk=192, d_v=128 is supported"))
     return [text for r, text in found if r is rule]
 
 
-def _grouped_kv_heads(rule: Rule, call: CallView) -> str | Finding | None:
-    if not call.enable_gqa:
+def _grouped_kv_heads(rule: Rule, f: Facts) -> str | Finding | None:
+    if not f.enable_gqa:  # a call's option (None on a key)
         return None
-    hk, hv, h = call.kv_heads, call.v_heads, call.heads
+    hk, hv, h = f.kv_heads, f.v_heads, f.heads
     if hk != hv or hk == 0 or h % hk:
         return f"enable_gqa: key/value heads ({hk}, {hv}) must be equal and divide the query heads ({h})"
-    if call.target is not None and not rule.holds(call.target):
+    if f.target is not None and not rule.holds(f.target):
         return Finding("ARCH", "grouped K/V heads need cuDNN flash attention (sm80+)")
     return None
 
 
-def _deterministic_dbias_or_dropout(rule: Rule, call: CallView) -> str | None:
-    if not (call.deterministic and call.dbias_or_dropout):
-        return None
-    if DETERMINISTIC_BACKWARD_BLACKWELL_BEFORE_9_18.broken_by_call(call):
-        return None  # refused whatever it computes: that rule says so
-    return (
-        f"cudnn_safe_deterministic with {'dropout' if call.dropout > 0 else 'a mask gradient'}: "
-        f"cuDNN's deterministic backward refuses dBias and dropout on {_sm(call.target)}"
-    )
-
-
-def _int32_sizes(rule: Rule, call: CallView) -> list[str]:
+def _int32_sizes(rule: Rule, f: Facts) -> list[str]:
+    """A call's query/key/value/output or a dense key's declared tensor (a huge bias too) whose elements reach
+    2**31 (cuDNN's int32 element offsets); a call's mask bound as a B*H*L*S bias."""
     found = [
         f"{name} has {n} elements; element offsets would overflow int32"
-        for name, n in call.elements
+        for name, n in f.elements
         if n >= INT32_ELEMENT_LIMIT
     ]
-    bias = call.batch * call.heads * call.lq * call.s
-    if call.has_mask and bias >= INT32_ELEMENT_LIMIT and (call.mask_grad or not call.mask_patterns):
+    bias = f.batch * f.heads * f.q_len * f.kv_len
+    if f.mask and bias >= INT32_ELEMENT_LIMIT and (f.dbias or not f.mask_patterns):
         how = (
             "its gradient is computed, from it as a bias"
-            if call.mask_grad
+            if f.dbias
             else "it is bound as a bias (mask patterns or the mask cache are off)"
         )
         found.append(f"the broadcast attention mask has more than 2**31 elements (int32 offsets), and {how}")
     return found
 
 
-def _dp_workspace(rule: Rule, call: CallView) -> str | None:
-    over = _dp_over_budget(call.target, call.batch, call.heads, call.lq, call.s, call.mask_grad, call.deterministic)
-    if over is None:
+def _decode_backward_nan(rule: Rule, f: Facts) -> str | None:
+    """A call with a mask tensor (one without is routed to the padding mask, plan/defect_routes); a key without
+    the padding mask."""
+    if f.ragged or f.q_len != 1 or not (f.mask or f.padded is False):
         return None
-    return (
-        f"{'the mask gradient (dBias)' if call.mask_grad else 'cudnn_safe_deterministic'} needs {over[0]:.1f} GiB "
-        f"of cuDNN dP workspace, over the {over[1]:.1f} GiB budget ({DP_WORKSPACE_LIMIT_ENV})"
+    return rule.defect(
+        f,
+        "a single query with a mask tensor, in training"
+        if f.mask
+        else "a single query without the padding mask, in a backward",
     )
 
 
@@ -333,20 +232,23 @@ def _off_sixteenths(p: float) -> bool:
     return p * 16 != math.floor(p * 16)
 
 
-_HEAD_DIM = dict(on_call=call_on_target(_head_dims), code="HEAD_DIM")  # judged together, as cuDNN does
+#: The head-dim rules: judged together, as cuDNN does, at trace time (a key's head dims are its call's).
+_HEAD_DIM = dict(trigger=_head_dims, applies=ANYWHERE, judged_on=("call",), code="HEAD_DIM")
 FLASH_ATTENTION = Rule(
     "cuDNN fused flash attention (forward and backward) runs on Ampere (sm80) or newer",
     "cuDNN developer guide, 'Fused Flash Attention' support surface",
     min_arch=(8, 0),
-    on_call=call_unless_it_holds(
-        lambda rule, call: f"{_sm(call.target)}: cuDNN fused flash attention needs Ampere (sm80) or newer"
-    ),
+    trigger=lambda rule, f: f"{_sm(f.target)}: cuDNN fused flash attention needs Ampere (sm80) or newer",
+    applies=WHERE_IT_FAILS,
+    judged_on=("call",),
+    example=dict(arch=(7, 5), backend=92600),
 )
 HEAD_DIM_128 = Rule(
     "head dims up to 128, multiples of 8, for forward and backward",
     "cuDNN developer guide, 'Fused Flash Attention' (d <= 128 on sm80+)",
     min_arch=(8, 0),
     **_HEAD_DIM,
+    example=dict(arch=(8, 0), backend=92600, d=60),
 )
 HEAD_DIM_256_TRAINING_HOPPER = Rule(
     "128 < head dim <= 256 for training (forward and backward) on Hopper",
@@ -354,12 +256,14 @@ HEAD_DIM_256_TRAINING_HOPPER = Rule(
     arch_major=9,
     min_backend=90500,
     **_HEAD_DIM,
+    example=dict(arch=(9, 0), backend=92600, d=264),
 )
 UNEQUAL_HEAD_DIMS = Rule(
     "d_qk != d_v (both <= 128) on Hopper or newer",
     "cuDNN developer guide, 'Fused Flash Attention' (different QK and V head dims need sm90+)",
     min_arch=(9, 0),
     **_HEAD_DIM,
+    example=dict(arch=(8, 0), backend=92600, d=64, dv=128),
 )
 MLA_192_128_HOPPER = Rule(
     "d_qk=192, d_v=128 (DeepSeek-style MLA heads) on Hopper",
@@ -367,6 +271,7 @@ MLA_192_128_HOPPER = Rule(
     arch_major=9,
     min_backend=90500,
     **_HEAD_DIM,
+    example=dict(arch=(9, 0), backend=92600, d=256, dv=128),
 )
 MLA_192_128_BLACKWELL = Rule(
     "d_qk=192, d_v=128 (DeepSeek-style MLA heads) on datacenter Blackwell (sm100/sm103)",
@@ -381,23 +286,23 @@ GROUPED_KV_HEADS = Rule(
     "cuDNN developer guide, 'Fused Flash Attention' (h_k, h_v divide h_q); PyTorch's cuDNN attention uses it "
     "since 2025; accepted by cuDNN 9.19's validate at sm80-sm120 (the lowering sweep)",
     min_arch=(8, 0),
-    on_call=_grouped_kv_heads,
+    trigger=_grouped_kv_heads,
+    applies=ANYWHERE,
     code="SHAPE",
+    example=dict(arch=(9, 0), backend=92600, hk=3, enable_gqa=True),
 )
 BACKWARD_SEQ_1 = Rule(
     "sdpa_backward refuses s_q = s_kv = 1 (the forward accepts it)",
     "nvidia-cudnn-frontend 1.32 _sdpa_validate.py ('s_q = s_kv = 1 is not supported') and cuDNN 9.19's C++ "
     "validate, on every arch (the lowering sweep)",
     passes=("backward",),
-    on_key=_in_backward(lambda key: _dense(key) and _lengths(key) == (1, 1), "a backward with s_q = s_kv = 1"),
-    on_call=call_where_it_holds(
-        lambda rule, call: _if(
-            call.lq == 1 and call.s == 1,
-            "query and key length are both 1: cuDNN's backward refuses s_q = s_kv = 1 (with dropout, the "
-            "forward's mask could then not be reproduced)",
-        )
+    trigger=lambda rule, f: _if(
+        not f.ragged and f.q_len == 1 and f.kv_len == 1,
+        "query and key length are both 1: cuDNN's backward refuses s_q = s_kv = 1 (with dropout, the "
+        "forward's mask could then not be reproduced)",
     ),
     code="SHAPE",
+    example=dict(arch=(9, 0), backend=92600, lq=1, s=1),
 )
 DETERMINISTIC_BACKWARD_BLACKWELL = Rule(
     "the deterministic backward refuses dBias and dropout on datacenter Blackwell (sm100/sm103)",
@@ -405,11 +310,13 @@ DETERMINISTIC_BACKWARD_BLACKWELL = Rule(
     "rng/dropout, alibi is enabled' (the lowering sweep; sm120 accepts)",
     arch_major=10,
     passes=("backward",),
-    on_key=_in_backward(
-        lambda key: key.deterministic and bool(key.dropout_p or key.d_bias),
-        "a deterministic backward with dropout or dBias",
+    trigger=lambda rule, f: _if(
+        bool(f.deterministic) and f.dbias_or_dropout,
+        f"cudnn_safe_deterministic with {'dropout' if f.dropout > 0 else 'a mask gradient'}: "
+        f"cuDNN's deterministic backward refuses dBias and dropout on {_sm(f.target)}",
     ),
-    on_call=call_where_it_holds(_deterministic_dbias_or_dropout),
+    yields_to=("DETERMINISTIC_BACKWARD_BLACKWELL_BEFORE_9_18",),  # refused whatever it computes: that rule says so
+    example=dict(arch=(10, 0), backend=91900, dropout_p=0.125, deterministic=True),
 )
 DETERMINISTIC_BACKWARD_BLACKWELL_BEFORE_9_18 = Rule(
     "the deterministic backward is refused on datacenter Blackwell (sm100/sm103) before cuDNN 9.18.0",
@@ -419,9 +326,9 @@ DETERMINISTIC_BACKWARD_BLACKWELL_BEFORE_9_18 = Rule(
     "below 9.18.0' (claimed, every call was refused at build time and ran on the fallback)",
     arch_major=10,
     passes=("backward",),
-    on_key=_in_backward(lambda key: key.deterministic, "a deterministic backward"),
-    on_call=_no_engine(lambda call: call.deterministic, "cudnn_safe_deterministic: "),
+    trigger=lambda rule, f: _if(bool(f.deterministic), rule.stated(f, "cudnn_safe_deterministic: ")),
     fixed_in=91800,
+    example=dict(arch=(10, 0), backend=91701, deterministic=True),
 )
 DETERMINISTIC_BIAS_BACKWARD_BLACKWELL = Rule(
     "the deterministic backward with a bias (any attn_mask, without its gradient too) does not compile on "
@@ -431,12 +338,10 @@ DETERMINISTIC_BIAS_BACKWARD_BLACKWELL = Rule(
     "cuDNN 9.27 builds it for sm100 (the compile sweep's second cuDNN, .ci/second_cudnn.sh); 9.20-9.26 are untested "
     "and stay declined",
     arch_major=10,
-    on_key=_in_backward(
-        lambda key: key.deterministic and key.bias is not None and not (key.dropout_p or key.d_bias),
-        "a deterministic backward with a bias",
-    ),
-    on_call=_no_engine(lambda call: call.deterministic and call.has_mask and not call.dbias_or_dropout),
+    # a forward key has no deterministic flag (None): its backward's key is refused
+    trigger=lambda rule, f: _if(bool(f.deterministic) and f.masked and not f.dbias_or_dropout, rule.stated(f)),
     fixed_in=92700,
+    example=dict(arch=(10, 0), backend=91900, mask="bool", deterministic=True),
 )
 DROPOUT_DBIAS_BLACKWELL = Rule(
     "dropout with a mask gradient (dBias) has no backward engine on datacenter Blackwell (sm100/sm103)",
@@ -445,8 +350,8 @@ DROPOUT_DBIAS_BLACKWELL = Rule(
     "engine serves dBias; sm80/sm90 build it. Deviceless planning: a B200 run may lift it",
     arch_major=10,
     passes=("backward",),
-    on_key=_in_backward(lambda key: bool(key.dropout_p) and key.d_bias is not None, "dropout with dBias"),
-    on_call=_no_engine(lambda call: call.dropout > 0 and call.mask_grad),
+    trigger=lambda rule, f: _if(f.dropout > 0 and bool(f.dbias), rule.stated(f)),
+    example=dict(arch=(10, 0), backend=91900, mask="grad", dropout_p=0.125),
 )
 #: One defect of two code paths (sm80's and sm120's), a rule each.
 _SQ_VECTORS = dict(
@@ -454,19 +359,21 @@ _SQ_VECTORS = dict(
     "'sq broadcasted vector' and these code paths take 2",
     source="the compile sweep (tests/test_cudnn_compile.py), cuDNN 9.19: 'Only 2 sq broadcasted vectors are supported "
     "on SM80' (its SM80 and SM120 code paths; an sm120 descriptor confirms it); sm90/sm100 build it",
-    on_key=_in_backward(lambda key: key.bias is not None and _lengths(key)[1] == 1, "a bias backward with s_kv = 1"),
-    on_call=_no_engine(lambda call: call.has_mask and call.s == 1),
+    # a call is declined whole (its forward is not shown to have an engine), a key in its backward only
+    trigger=lambda rule, f: _if(f.masked and f.kv_len == 1 and f.backward is not False, rule.stated(f)),
 )
-BIAS_KEY_LENGTH_1_AMPERE = Rule(arch_major=8, **_SQ_VECTORS)
-BIAS_KEY_LENGTH_1_SM120 = Rule(arch_major=12, **_SQ_VECTORS)
+BIAS_KEY_LENGTH_1_AMPERE = Rule(arch_major=8, example=dict(arch=(8, 0), backend=92600, s=1, mask="bool"), **_SQ_VECTORS)
+BIAS_KEY_LENGTH_1_SM120 = Rule(
+    arch_major=12, example=dict(arch=(12, 0), backend=92600, s=1, mask="bool"), **_SQ_VECTORS
+)
 DBIAS_KEY_LENGTH_1_BLACKWELL = Rule(
     "a mask gradient (dBias) when the key length is 1 has no backward engine on datacenter Blackwell (sm100/sm103)",
     "the compile sweep, cuDNN 9.19: no engine config for sm100 ('This tile size is not supported for Blackwell "
     "flash bprop'); sm90 builds it",
     arch_major=10,
     passes=("backward",),
-    on_key=_in_backward(lambda key: key.d_bias is not None and _lengths(key)[1] == 1, "dBias with s_kv = 1"),
-    on_call=_no_engine(lambda call: call.mask_grad and call.s == 1),
+    trigger=lambda rule, f: _if(bool(f.dbias) and f.kv_len == 1, rule.stated(f)),
+    example=dict(arch=(10, 0), backend=91900, s=1, mask="grad"),
 )
 DYNAMIC_SHAPE_FORWARD = Rule(
     "an SDPA forward (not the backward) builds as a dynamic-shape graph whose kernel a kernel cache reuses "
@@ -484,21 +391,20 @@ DO_OWN_STRIDES = Rule(
     "sdpa_backward reads dO through its own declared strides (before 9.5.1 it assumed O's strides)",
     "cuDNN 9.5.1 release notes; PyTorch's cuDNN attention warned about dO/O stride mismatch until then",
     min_backend=90501,
-    on_key=unless_it_holds(
-        lambda key: _if(_backward(key) and tuple(key.d_o.stride) != tuple(key.o.stride), "dO strides other than O's")
-    ),
+    trigger=lambda rule, f: _if(f.do_as_o is False, "a backward key declares dO strides other than O's"),
+    applies=WHERE_IT_FAILS,
+    silent=True,
+    judged_on=("key",),
 )
 STATS_PACKED_ONLY = Rule(
     "a non-ragged Stats input of sdpa_backward must be packed BHSD (exact strides, size-1 dims too)",
     "nvidia-cudnn-frontend 1.32 sdpa_support_surface.h (checked before planning)",
-    on_key=_in_backward(
-        lambda key: (
-            not (key.ragged is not None and key.ragged.stats)
-            and tuple(key.stats.stride) != packed_strides(key.stats.shape)
-        ),
-        "stats declared with other than packed BHSD strides",
+    trigger=lambda rule, f: _if(
+        f.stats_packed is False, "a backward key declares stats with other than packed BHSD strides"
     ),
+    silent=True,
     fixed_in=92600,
+    judged_on=("key",),
 )
 
 #: Layout rules every target shares (:data:`~thunder_cudnn_safe.layouts.layout.ALIGNMENT_BYTES`,
@@ -508,9 +414,11 @@ LAYOUT = Rule(
     f"inner stride 1, {ALIGNMENT_BYTES}-byte aligned base, other strides multiples of {ALIGNMENT_BYTES} bytes, "
     f"non-overlapping positive strides, element offsets below 2**31",
     "cuDNN developer guide (tensor descriptors for SDPA; TMA alignment on Hopper)",
-    on_key=where_it_holds(_oversized),
-    on_call=_int32_sizes,
+    trigger=_int32_sizes,
+    applies=ANYWHERE,
+    silent=True,
     code="INT32",
+    example=dict(arch=(9, 0), backend=92600, h=1, lq=2**25, proxies=True),
 )
 
 
@@ -530,9 +438,10 @@ DP_WORKSPACE = Rule(
     "cudnn_frontend 1.32 node/scaled_dot_product_flash_attention.h, CompositeSDPABackwardNode: "
     "use_dp_workspace is forced for dBias and is_deterministic_algorithm; required_dp_workspace_bytes",
     passes=("backward",),
-    on_key=where_it_holds(_dp_key),
-    on_call=call_where_it_holds(_dp_workspace),
+    trigger=_dp_workspace,
+    silent=True,
     code="WORKSPACE",
+    example=dict(arch=(9, 0), backend=92600, deterministic=True, dp_workspace_limit=1),
 )
 
 
@@ -549,7 +458,9 @@ VARLEN_BACKEND = Rule(
     "ragged + GQA backward >= 9.6 (cudnn-frontend scaled_dot_product_flash_attention.h)",
     min_arch=(8, 0),
     min_backend=91900,
-    on_key=unless_it_holds(lambda key: _if(not _dense(key), "a variable-length (ragged) graph")),
+    trigger=lambda rule, f: _if(f.ragged, "a variable-length (ragged) graph"),
+    applies=WHERE_IT_FAILS,
+    judged_on=("key",),
 )
 VARLEN_BACKWARD_ARCH = Rule(
     "a variable-length backward reads ragged (tokens-major) stats, which sm80 and sm12x refuse ('Packed/ragged "
@@ -558,38 +469,46 @@ VARLEN_BACKWARD_ARCH = Rule(
     "backward ignores max_total_seq_len, its workspace grows with N*S: 3.2 GB for a Llama-8B step)",
     "libcudnn 9.19 validate at sm80 (shared/notes/packed-sequences.md, fact 4)",
     min_arch=(9, 0),
-    on_key=unless_it_holds(_ragged_stats),
+    trigger=lambda rule, f: _if(f.ragged and f.training, "ragged (tokens-major) stats"),
+    applies=WHERE_IT_FAILS,
+    judged_on=("key",),
 )
 VARLEN_BACKWARD_SM12X = Rule(
     "sm12x refuses a ragged-stats variable-length backward, like sm80",
     "cudnn-frontend 1.32 rule string 'bprop thd on SM8X and SM12X GPUs'",
     arch_major=12,
-    on_key=where_it_holds(_ragged_stats),
+    trigger=lambda rule, f: _if(f.ragged and f.training, "ragged (tokens-major) stats"),
+    judged_on=("key",),
 )
 VARLEN_NO_DROPOUT = Rule(
     "packed sequences with dropout run as a bias: the variable-length dropout mask's numbering per document "
     "is not verified against the emulated reference",
     "this package (no GPU measurement of ragged dropout)",
     min_backend=10**9,
-    on_key=unless_it_holds(lambda key: _if(not _dense(key) and bool(key.dropout_p), "a ragged graph with dropout")),
+    trigger=lambda rule, f: _if(f.ragged and bool(f.dropout), "a ragged graph with dropout"),
+    applies=WHERE_IT_FAILS,
+    judged_on=("key",),
 )
 VARLEN_BATCH_STRIDE = Rule(
     "a ragged tensor's declared batch stride is never stepped but must be a multiple of 16 bytes (PyTorch's "
     "INT_MAX is refused): the package declares S_bucket x token stride, S_bucket a power of two >= 16",
     "libcudnn 9.19 validate, 'stride 2147483647 of dimension 0 ... not a multiple of the tensor's 16-byte alignment'",
-    on_key=where_it_holds(_ragged_batch_stride),
+    trigger=lambda rule, f: (
+        None if f.ragged_batch_stride is None else "{}'s declared batch stride {}".format(*f.ragged_batch_stride)
+    ),
+    judged_on=("key",),
 )
 
 #: The frontend's opt-in switch for its own Python (CuTe-DSL) engines; the frontend reads it at every planning.
 FRONTEND_OWN_ENGINES_ENV = "CUDNN_FRONTEND_ENABLE_FROST_ENGINES"
 
 
-def _frontend_own_backward(key: Any) -> bool:
+def _frontend_own_backward(target: Target) -> bool:
     """Whether the frontend may serve a ragged backward with its own kernels: frontend 1.32 offers its sm100 d128 and
     d256 backward rows (THD, window) only with :data:`FRONTEND_OWN_ENGINES_ENV` set (cudnn/engines/manifest.py,
     ``opt_in=True``); another frontend's offering is unread."""
     enabled = os.environ.get(FRONTEND_OWN_ENGINES_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
-    return enabled or not str(key.target.frontend_version).startswith("1.32.")
+    return enabled or not str(target.frontend_version).startswith("1.32.")
 
 
 VARLEN_WINDOW_BACKWARD_FRONTEND_BLACKWELL = Rule(
@@ -600,10 +519,12 @@ VARLEN_WINDOW_BACKWARD_FRONTEND_BLACKWELL = Rule(
     "NVIDIA/cudnn-frontend#536 (closed 2026-08-10; SM100, cuDNN 9.25.1, cutlass-dsl 4.6: THD + sliding window "
     "backward, NaN in most of dQ)",
     arch_major=10,
-    on_key=_in_backward(
-        lambda key: not _dense(key) and key.left is not None and _frontend_own_backward(key),
+    trigger=lambda rule, f: _if(
+        bool(f.backward) and f.ragged and f.window is not None and _frontend_own_backward(f.target),
         "a variable-length backward with a window the frontend may serve with its own kernels",
     ),
+    silent=True,
+    judged_on=("key",),
 )
 
 
@@ -615,15 +536,18 @@ SINK_TOKEN = Rule(
     "libcudnn 9.19 validates and builds forward and backward with a sink token at sm80, sm90, sm100 (lowering sweep)",
     min_arch=(8, 0),
     min_backend=91300,
-    on_key=unless_it_holds(lambda key: _if(key.sink is not None, "a sink token")),
-    on_call=call_unless_it_holds(lambda rule, call: _if(call.sinks, _stated(rule, call, "attention sinks: "))),
+    trigger=lambda rule, f: _if(bool(f.sinks), rule.stated(f, "attention sinks: ")),
+    applies=WHERE_IT_FAILS,
+    example=dict(arch=(9, 0), backend=91200, sinks=True),
 )
 SINK_DECODE = Rule(
     "cuDNN's backend engines refuse a sink token with a single query (s_q == 1, 'decode only mode ... not "
     "supported with sink_token')",
     "cudnn-frontend 1.32 sdpa_support_surface.h (kept by its _sdpa_validate.py docstring for the backend engines)",
-    on_key=where_it_holds(lambda key: _if(key.sink is not None and _lengths(key)[0] == 1, "a sink token at s_q = 1")),
-    on_call=_no_engine(lambda call: call.sinks and call.lq == 1, "attention sinks with a single query: "),
+    trigger=lambda rule, f: _if(
+        bool(f.sinks) and f.q_len == 1, rule.stated(f, "attention sinks with a single query: ")
+    ),
+    example=dict(arch=(9, 0), backend=92600, lq=1, s=64, sinks=True),
 )
 SINK_RAGGED = Rule(
     "a learnable sink with packed (THD, ragged) sequences is not trusted before cuDNN 9.26: TransformerEngine "
@@ -631,16 +555,20 @@ SINK_RAGGED = Rule(
     "ragged graph with a sink token",
     "TransformerEngine#3249 / #3470 (shared/notes/cudnn-defects.md, addendum of 2026-12-06); not reproduced here",
     min_backend=10**9,
-    on_key=unless_it_holds(lambda key: _if(not _dense(key) and key.sink is not None, "a ragged graph with sinks")),
+    trigger=lambda rule, f: _if(f.ragged and bool(f.sinks), "a ragged graph with sinks"),
+    applies=WHERE_IT_FAILS,
+    judged_on=("key",),
 )
 SOFTCAP_NO_MASK_SUBGRAPH = Rule(
     "a score modifier (softcapping) turns off every other masking subgraph: no causal band, window, padding mask "
     "or ALiBi beside it, a bias only; the planner runs a softcapped call's masks and is_causal as a bias",
     "cudnn-frontend 1.32 _sdpa_validate.py ('Attention score mod enabled and hence other subgraphs are disabled')",
-    on_key=lambda rule, key: _if(
-        key.softcap is not None and (key.causal or key.left is not None or key.padded or not _dense(key)),
+    trigger=lambda rule, f: _if(
+        bool(f.softcap) and (f.causal or f.window is not None or bool(f.padded) or f.ragged),
         "a score modifier beside a causal band, window, padding mask or ragged offsets",
     ),
+    # a call's is_causal and mask are planned as a bias beside a softcap: only its key shows a band
+    judged_on=("key",),
 )
 
 
@@ -652,8 +580,8 @@ SOFTCAP_BACKWARD = Rule(
     "the compile sweep, tests/test_cudnn_compile.py::test_attention_variant_graphs_compile (libcudnn 9.19, "
     "frontend 1.32, A100/H100/B200 descriptors)",
     passes=("backward",),
-    on_key=_in_backward(lambda key: key.softcap is not None, "a backward with a score modifier"),
-    on_call=_no_engine(lambda call: call.softcap, "softcap in training: "),
+    trigger=lambda rule, f: _if(bool(f.softcap), rule.stated(f, "softcap in training: ")),
+    example=dict(arch=(9, 0), backend=92600, softcap=30.0),
 )
 
 
@@ -674,9 +602,10 @@ BLACKWELL_DECODE = Rule(
     arch_majors=(10, 11),
     min_backend=91900,
     except_backends=(92401,),
-    on_key=where_it_holds(lambda key: _if(_dense(key) and _lengths(key)[0] == 1, "a single query (s_q = 1)")),
-    on_call=_silent(lambda call: _if(call.lq == 1, "a single query (decode)")),
+    trigger=lambda rule, f: _if(not f.ragged and f.q_len == 1, rule.defect(f, "a single query (decode)")),
+    silent=True,
     fixed_in=92501,
+    example=dict(arch=(10, 0), backend=91900, lq=1, s=64),
 )
 HOPPER_BACKWARD_KV_TAIL_NAN = Rule(
     "the sm90 flash backward (kernel sm90_flash_bprop_wgmma_f16_knob_26) leaves the padded half of the last "
@@ -688,14 +617,10 @@ HOPPER_BACKWARD_KV_TAIL_NAN = Rule(
     "pytorch/pytorch#196678 (regression since torch 2.11), PR #196861; NVIDIA/cudnn-frontend#628 (nvbug 6591137)",
     arch_major=9,
     passes=("backward",),
-    on_key=where_it_holds(_kv_tail),
-    on_call=_silent(
-        lambda call: _if(
-            _tail_unmasked(call.lq, call.s, call.causal, call.has_mask),
-            f"key length {call.s} (% 128 == 64), in training",
-        )
-    ),
+    trigger=lambda rule, f: _if(_tail_unmasked(f), rule.defect(f, f"key length {f.kv_len} (% 128 == 64), in training")),
+    silent=True,
     fixed_in=92600,
+    example=dict(arch=(9, 0), backend=91900, s=64),
 )
 HOPPER_DECODE_BACKWARD_NAN = Rule(
     "the sm90 backward with a single query (s_q == 1) gives NaN dK/dV when the logsumexp is very negative "
@@ -709,12 +634,10 @@ HOPPER_DECODE_BACKWARD_NAN = Rule(
     "full tensor lengths avoids the NaNs'",
     arch_major=9,
     passes=("backward",),
-    on_key=_in_backward(
-        lambda key: _dense(key) and _lengths(key)[0] == 1 and not key.padded,
-        "a backward with s_q = 1 without the padding mask",
-    ),
-    # without a mask tensor the backward is routed to the padding mask at full lengths (defect_routes)
-    on_call=_silent(lambda call: _if(call.lq == 1 and call.has_mask, "a single query with a mask tensor, in training")),
+    # without a mask tensor a call's backward is routed to the padding mask at full lengths (defect_routes)
+    trigger=_decode_backward_nan,
+    silent=True,
+    example=dict(arch=(9, 0), backend=92600, lq=1, s=16, mask="bool"),
 )
 HOPPER_DECODE_BACKWARD_CRASH = Rule(
     "cuDNN 9.26 kills the process (a segfault in create_execution_plans) planning the sm90 backward of a single "
@@ -726,26 +649,21 @@ HOPPER_DECODE_BACKWARD_CRASH = Rule(
     arch_major=9,
     min_backend=92600,
     passes=("backward",),
-    on_key=_in_backward(lambda key: _dense(key) and _lengths(key)[0] == 1, "a backward with s_q = 1, padded or not"),
-    on_call=_no_engine(lambda call: call.lq == 1, "a single query, in training: "),
+    trigger=lambda rule, f: _if(not f.ragged and f.q_len == 1, rule.stated(f, "a single query, in training: ")),
+    silent=True,
+    example=dict(arch=(9, 0), backend=92600, lq=1, s=16),
 )
 CAUSAL_DECODE_GQA = Rule(
     "a causal decode forward (s_q == 1, is_causal) with H_q != H_kv gives a wrong result; no fixed version is "
     "known, so it holds on every version",
     "cuDNN 9.18.1 release notes, Known Issues ('Decode-phase scaled dot-product attention should usually be run "
     "without causal masking ... if the layer has Q head count != K/V head count, the result ...')",
-    on_key=where_it_holds(
-        lambda key: _if(
-            _dense(key) and _lengths(key)[0] == 1 and key.causal and key.q.shape[1] != key.k.shape[1],
-            f"causal with s_q = 1 and {key.q.shape[1]} query / {key.k.shape[1]} key heads",
-        )
+    trigger=lambda rule, f: _if(
+        not f.ragged and f.q_len == 1 and f.causal and f.kv_heads != f.heads,
+        rule.defect(f, f"causal decode with {f.heads} query and {f.kv_heads} key/value heads"),
     ),
-    on_call=_silent(
-        lambda call: _if(
-            call.lq == 1 and call.causal and call.kv_heads != call.heads,
-            f"causal decode with {call.heads} query and {call.kv_heads} key/value heads",
-        )
-    ),
+    silent=True,
+    example=dict(arch=(8, 0), backend=92600, hk=2, lq=1, s=64, is_causal=True, enable_gqa=True),
 )
 BACKWARD_KEY_LENGTH_1 = Rule(
     "the backward is not supported with key/value length 1 (s_kv == 1, any s_q, with or without a mask); the "
@@ -753,35 +671,34 @@ BACKWARD_KEY_LENGTH_1 = Rule(
     "cuDNN 9.18.1 release notes, Known Issues ('bprop is not supported when both key/value have sequence length "
     "of 1'); PyTorch sdp_utils.cpp check_cudnn_tensor_shapes ('does not support key/value sequence length 1')",
     passes=("backward",),
-    on_key=_in_backward(lambda key: _dense(key) and _lengths(key)[1] == 1, "a backward with s_kv = 1"),
-    on_call=_silent(lambda call: _if(call.s == 1, "key length 1, in training")),
+    trigger=lambda rule, f: _if(not f.ragged and f.kv_len == 1, rule.defect(f, "key length 1, in training")),
+    silent=True,
+    example=dict(arch=(9, 0), backend=92600, s=1),
 )
 DROPOUT_SIXTEENTHS = Rule(
     "some cuDNN SDPA kernels round dropout_p to a multiple of 1/16 silently: other values are declined",
     "PyTorch sdp_utils.cpp check_cudnn_dropout, PR #174245 ('cuDNN dropout probability resolution is limited to 1/16')",
-    on_key=where_it_holds(lambda key: _if(_off_sixteenths(key.dropout_p), f"dropout_p = {key.dropout_p}")),
-    on_call=lambda rule, call: _if(
-        dropout_in_range(call.dropout) and _off_sixteenths(call.dropout),
-        f"dropout_p={call.dropout} is not a multiple of 1/16: {rule.text}",
+    trigger=lambda rule, f: _if(
+        dropout_in_range(f.dropout) and _off_sixteenths(f.dropout),
+        f"dropout_p={f.dropout} is not a multiple of 1/16: {rule.text}",
     ),
+    applies=ANYWHERE,
+    silent=True,
     code="DROPOUT",
+    example=dict(arch=(9, 0), backend=92600, dropout_p=0.1),
 )
 GRID_65535 = Rule(
     "batch size or head count above 65535 fails at execute (a grid dimension): declined at trace time",
     "PyTorch PR #181235, PR #180718 and sdp_utils.cpp check_cudnn_tensor_shapes ('cuDNN SDPA does not support "
     "batch size or num_heads greater than 65535')",
-    on_key=where_it_holds(
-        lambda key: _if(
-            max(key.q.shape[0], key.q.shape[1], key.k.shape[1]) > GRID_LIMIT,
-            f"{'sequences' if key.ragged is not None else 'batch'} {key.q.shape[0]}, heads "
-            f"{key.q.shape[1]}/{key.k.shape[1]} (the limit is {GRID_LIMIT})",
-        )
+    trigger=lambda rule, f: _if(
+        max(f.batch, f.heads, f.kv_heads) > GRID_LIMIT,
+        f"batch {f.batch}, heads {f.heads}/{f.kv_heads}: {rule.text}",
     ),
-    on_call=lambda rule, call: _if(
-        max(call.batch, call.heads, call.kv_heads) > GRID_LIMIT,
-        f"batch {call.batch}, heads {call.heads}/{call.kv_heads}: {rule.text}",
-    ),
+    applies=ANYWHERE,
+    silent=True,
     code="SHAPE",
+    example=dict(arch=(9, 0), backend=92600, b=65536, h=1, proxies=True),
 )
 #: The largest batch size and head count :data:`GRID_65535` allows.
 GRID_LIMIT = 65535

@@ -20,6 +20,7 @@ from typing import Any
 
 from thunder_cudnn_safe.errors import GraphBuildError
 from thunder_cudnn_safe.rules import cudnn_rules
+from thunder_cudnn_safe.rules.facts import of_key
 from thunder_cudnn_safe.telemetry import Counts
 
 _counts = Counts()
@@ -29,7 +30,10 @@ class RuleRefusal(GraphBuildError):
     """A key that breaks a known cuDNN rule on its target: never built. ``rule`` names the rule."""
 
     def __init__(self, rule: cudnn_rules.Rule, what: str) -> None:
-        super().__init__(f"{rule.name} (key gate): {what}: {rule.text}", definitive=True)
+        # what the trigger says (explain()'s text where the rule is read off calls too), with the rule's text
+        super().__init__(
+            f"{rule.name} (key gate): {what if rule.text in what else f'{what}: {rule.text}'}", definitive=True
+        )
         self.rule = rule.name
 
     def holds(self, key: Any) -> bool:
@@ -39,12 +43,14 @@ class RuleRefusal(GraphBuildError):
 
 
 def violations(key: Any) -> list[tuple[cudnn_rules.Rule, str]]:
-    """Every rule ``key`` breaks on its own target, with what in the key breaks it. A key without a target (the
-    compile sweep's, judged for several GPUs at once, or any other key the graph cache holds) has none to
-    judge: no rule is read off it."""
+    """Every rule ``key`` breaks on its own target, with what in the key breaks it (each rule's one trigger, read
+    on the key's :class:`~thunder_cudnn_safe.rules.facts.Facts`). A key without a target (the compile sweep's,
+    judged for several GPUs at once, or any other key the graph cache holds) has none to judge: no rule is read
+    off it."""
     if getattr(key, "target", None) is None:
         return []
-    return [(rule, what) for rule in cudnn_rules.RULES if rule.on_key and (what := rule.on_key(rule, key)) is not None]
+    facts = of_key(key)
+    return [(rule, found[0][1]) for rule in cudnn_rules.RULES if (found := rule.broken_by(facts))]
 
 
 def check(key: Any) -> None:

@@ -21,6 +21,7 @@ import torch
 from thunder_cudnn_safe.layouts.keys import Target
 from thunder_cudnn_safe.masks.patterns import patterns_on
 from thunder_cudnn_safe.rules import cudnn_rules
+from thunder_cudnn_safe.rules.facts import Facts
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -125,34 +126,35 @@ def not_supported_reasons(
     ]
 
 
-def rule_reasons(view: cudnn_rules.CallView) -> list[Decline]:
-    """What each rule of :data:`~thunder_cudnn_safe.rules.cudnn_rules.RULES` declines in the call (``Rule.on_call``),
-    in the table's order."""
-    return [
-        Decline(DeclineCode[code], text, rule) for rule in cudnn_rules.RULES for code, text in rule.broken_by_call(view)
-    ]
+def rule_reasons(view: Facts) -> list[Decline]:
+    """What each rule of :data:`~thunder_cudnn_safe.rules.cudnn_rules.RULES` declines in the call (``Rule.trigger``),
+    in the table's order; a rule that ``yields_to`` another declining the call gives no reason of its own."""
+    found = [(rule, code, text) for rule in cudnn_rules.RULES for code, text in rule.broken_by(view)]
+    fired = {rule.name for rule, _, _ in found}
+    return [Decline(DeclineCode[code], text, rule) for rule, code, text in found if not fired & set(rule.yields_to)]
 
 
-def call_view(call: Any, target: Target | None) -> cudnn_rules.CallView:
+def call_view(call: Any, target: Target | None) -> Facts:
     """The plain facts of ``call`` (rank-4 query, key and value) the rules read."""
     (b, h, lq, d_qk), (_, hk, s, dk), (bv, hv, sv, d_v) = _shapes(call)
     p = _value(call.dropout_p)
-    return cudnn_rules.CallView(
+    return Facts(
         target=target,
+        backward=None,
+        training=bool(getattr(call, "need_stats", True)),
         batch=b,
         heads=h,
         kv_heads=hk,
         v_heads=hv,
-        lq=lq,
-        s=s,
+        q_len=lq,
+        kv_len=s,
         d_qk=d_qk,
         d_v=d_v,
         dropout=float(p) if _is_number(p) else 0.0,
         causal=_value(call.is_causal) is True,
-        has_mask=call.attn_mask is not None,
-        mask_grad=_mask_grad(call),
         deterministic=bool(call.deterministic),
-        training=bool(getattr(call, "need_stats", True)),
+        dbias=_mask_grad(call),
+        mask=call.attn_mask is not None,
         enable_gqa=bool(call.enable_gqa),
         elements=(
             ("query", b * h * lq * d_qk),
@@ -219,9 +221,9 @@ def _shape_reasons(call: Any) -> Iterator[Decline]:
         )
 
 
-def _mask_reasons(call: Any, view: cudnn_rules.CallView) -> Iterator[Decline]:
+def _mask_reasons(call: Any, view: Facts) -> Iterator[Decline]:
     """The mask's own reasons (its size is :data:`~thunder_cudnn_safe.rules.cudnn_rules.LAYOUT`'s)."""
-    attn_mask, mask_grad = call.attn_mask, view.mask_grad
+    attn_mask, mask_grad = call.attn_mask, view.dbias
     if attn_mask is None:
         return
     M = DeclineCode.MASK
@@ -240,7 +242,7 @@ def _mask_reasons(call: Any, view: cudnn_rules.CallView) -> Iterator[Decline]:
         yield Decline(
             M, f"attn_mask of dtype {m_dtype} requires grad but cuDNN computes dBias in the query dtype {q_dtype}"
         )
-    full = (view.batch, view.heads, view.lq, view.s)
+    full = (view.batch, view.heads, view.q_len, view.kv_len)
     shape = tuple(attn_mask.shape)
     if not 2 <= len(shape) <= 4:
         yield Decline(M, f"attn_mask has rank {len(shape)}; ranks 2 to 4 are supported")
@@ -279,7 +281,7 @@ def _scalar_reasons(call: Any) -> Iterator[Decline]:
         yield Decline(DeclineCode.CAUSAL, f"is_causal {causal!r} is not a bool known at trace time")
 
 
-def _variant_reasons(call: Any, view: cudnn_rules.CallView) -> Iterator[Decline]:
+def _variant_reasons(call: Any, view: Facts) -> Iterator[Decline]:
     """Attention sinks and softcapping (``thunder_cudnn_safe.attention``): ``sinks`` one float32 or query-dtype
     value per query head on the query's device, ``softcap`` a finite number > 0 known at trace time; neither with
     dropout (the executor's dropout pairing is verified for plain SDPA only: such a call runs the decomposition)."""
