@@ -33,8 +33,8 @@ from typing import Any
 import torch
 
 from thunder_cudnn_safe.graphs import build as graphs
-from thunder_cudnn_safe.plan.calls import BackwardCall, ForwardCall, memo_key, signature
-from thunder_cudnn_safe.plan.recipes import bind, forward_recipe
+from thunder_cudnn_safe.routing.calls import BackwardCall, ForwardCall, memo_key, signature
+from thunder_cudnn_safe.routing.recipes import bind, forward_recipe
 
 from . import harness
 

@@ -5,7 +5,7 @@ block-diagonal causal mask (transformers 5). As a bias, every layer's forward an
 (B, 1, T, T) bias and compute all T^2 scores per head; as variable-length attention (issue 30) they
 read only the lengths and ragged offsets and compute each document's causal triangle. The mask is
 recognized by the package (:func:`thunder_cudnn_safe.masks.documents.recognize_documents`), the counts
-come from :func:`thunder_cudnn_safe.plan.varlen.varlen_work` / :func:`~thunder_cudnn_safe.plan.varlen.bias_work`
+come from :func:`thunder_cudnn_safe.routing.varlen.varlen_work` / :func:`~thunder_cudnn_safe.routing.varlen.bias_work`
 and are checked against the closed forms: bias B*T^2*2 bytes and B*H*T^2 scores per pass, varlen
 H*n*L(L+1)/2 scores (L = T/n). Counts, not timings: no GPU ran this.
 
@@ -18,7 +18,7 @@ import argparse
 
 from thunder_cudnn_safe.masks import patterns
 from thunder_cudnn_safe.masks.documents import recognize_documents
-from thunder_cudnn_safe.plan import varlen
+from thunder_cudnn_safe.routing import varlen
 from thunder_cudnn_safe.testing import document_mask
 
 

@@ -22,7 +22,7 @@ import torch
 from support import compile_sweep
 
 import thunder_cudnn_safe as tcs
-from thunder_cudnn_safe.plan import calls, recipes
+from thunder_cudnn_safe.routing import calls, recipes
 from thunder_cudnn_safe.runtimes import aot
 
 COMPILED_S = 0.1

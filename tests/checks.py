@@ -109,7 +109,7 @@ def on_the_runtime(cache: Any = None, *, lookups: bool = True) -> Iterator[None]
 
 def assert_claimed(query, key, value, *args, runtime: Any = None, **kwargs) -> None:
     """Assert that the executor on ``runtime`` (default: the emulated executor's) would claim this call
-    (:class:`~thunder_cudnn_safe.plan.calls.ForwardCall`'s arguments): for a test that calls a dispatcher itself,
+    (:class:`~thunder_cudnn_safe.routing.calls.ForwardCall`'s arguments): for a test that calls a dispatcher itself,
     which no checker stands in front of."""
     from thunder_cudnn_safe.integration import executor
     from thunder_cudnn_safe.runtimes import emulation

@@ -557,8 +557,8 @@ def test_outputs_made_with_empty_like_get_exactly_the_declared_strides():
     import itertools
 
     from thunder_cudnn_safe.layouts.layout import ArgSig
-    from thunder_cudnn_safe.plan.calls import ForwardCall, signature
-    from thunder_cudnn_safe.plan.recipes import _dense, bind, forward_recipe
+    from thunder_cudnn_safe.routing.calls import ForwardCall, signature
+    from thunder_cudnn_safe.routing.recipes import _dense, bind, forward_recipe
     from thunder_cudnn_safe.runtimes.emulation import emulated_target
     from thunder_cudnn_safe.testing import QKV_LAYOUTS
 

@@ -298,7 +298,7 @@ def _prefill_keys() -> list:
 
 def _decode_keys(device: str, dynamic: str) -> list:
     """The forward keys of decode steps (one query) over new key lengths and a new batch size."""
-    from thunder_cudnn_safe.plan import calls, recipes
+    from thunder_cudnn_safe.routing import calls, recipes
 
     with tcs.config.patch(dynamic_shapes=dynamic):
         keys = []

@@ -235,7 +235,7 @@ def test_s1_backward_is_refused_while_its_forward_lowers() -> None:
     reproduce cuDNN's mask. The fix must build (or decline) the backward before the forward runs.
     """
     from thunder_cudnn_safe.layouts.keys import BackwardKey
-    from thunder_cudnn_safe.plan.calls import ForwardCall
+    from thunder_cudnn_safe.routing.calls import ForwardCall
 
     call = Call("s1-dropout", shape=(2, 2, 1, 1, 64, 64), dropout=0.1)
     # The dispatcher no longer builds this forward (it checks the backward first), so bind it directly.
@@ -256,7 +256,7 @@ def test_the_expected_libcudnn_judges() -> None:
 _PARTIAL_CHILD = """
 import torch
 from thunder_cudnn_safe.graphs import lowering
-from thunder_cudnn_safe.plan import calls, recipes
+from thunder_cudnn_safe.routing import calls, recipes
 from thunder_cudnn_safe.runtimes import emulation
 
 q = torch.randn(1, 2, 16, 64, dtype=torch.float16)

@@ -429,8 +429,8 @@ def test_a_backward_only_rule_leaves_the_inference_forward_claimed(rule, monkeyp
     deterministic rules declined inference forwards too, a needless fallback). libcudnn's own validate and
     build_operation_graph accept that forward's graph at the rule's architecture."""
     from thunder_cudnn_safe.graphs import lowering
-    from thunder_cudnn_safe.plan.calls import ForwardCall
-    from thunder_cudnn_safe.plan.planner import planned_keys
+    from thunder_cudnn_safe.routing.calls import ForwardCall
+    from thunder_cudnn_safe.routing.planner import planned_keys
 
     explain, seen = tcs.explain, []
 

@@ -22,7 +22,7 @@ import thunder_cudnn_safe as tcs
 from thunder_cudnn_safe.dispatch.dispatcher import Dispatcher
 from thunder_cudnn_safe.graphs.cache import GraphCache
 from thunder_cudnn_safe.layouts.keys import BackwardKey, ForwardKey
-from thunder_cudnn_safe.plan.recipes import rng_tensors
+from thunder_cudnn_safe.routing.recipes import rng_tensors
 from thunder_cudnn_safe.runtimes.emulation import EmulatedRuntime
 from thunder_cudnn_safe.runtimes.reference import dropout_keep_mask
 from thunder_cudnn_safe.telemetry import CopyReason
@@ -86,7 +86,7 @@ def test_a_repeated_dropout_forward_compiles_nothing_and_looks_up_only_its_graph
     """Whether a dropout forward's backward builds is asked once per signature and kept with its memo: a
     repeated forward compiles no backward recipe (about 0.7 ms a call, more with a float mask) and looks up only
     the graph it runs, still in cuDNN."""
-    from thunder_cudnn_safe.plan import recipes
+    from thunder_cudnn_safe.routing import recipes
 
     disp = Dispatcher(EmulatedRuntime(), GraphCache(16))
     q, k, v = (T(2, 2, 16, 64) for _ in range(3))

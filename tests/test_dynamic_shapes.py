@@ -29,7 +29,7 @@ from thunder_cudnn_safe.errors import GraphBuildError
 from thunder_cudnn_safe.graphs import build
 from thunder_cudnn_safe.graphs.cache import GraphCache
 from thunder_cudnn_safe.layouts.keys import BackwardKey, ForwardKey
-from thunder_cudnn_safe.plan import calls, recipes
+from thunder_cudnn_safe.routing import calls, recipes
 from thunder_cudnn_safe.runtimes import emulation
 from thunder_cudnn_safe.runtimes.base import BuiltGraph, build_with_ladder
 from thunder_cudnn_safe.testing import QKV_LAYOUTS, assert_close_to_reference

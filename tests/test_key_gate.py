@@ -19,7 +19,7 @@ from thunder_cudnn_safe.errors import GraphBuildError
 from thunder_cudnn_safe.graphs.cache import GraphCache
 from thunder_cudnn_safe.layouts.keys import BackwardKey, ForwardKey, TensorSig
 from thunder_cudnn_safe.masks import bias
-from thunder_cudnn_safe.plan import varlen
+from thunder_cudnn_safe.routing import varlen
 from thunder_cudnn_safe.rules import cudnn_rules, key_gate
 from thunder_cudnn_safe.runtimes.emulation import EmulatedRuntime
 from thunder_cudnn_safe.testing import document_mask, padding_mask, seeded_qkv
@@ -277,8 +277,8 @@ def test_a_runtime_that_builds_its_own_way_still_meets_the_gate():
 def test_a_call_and_the_keys_it_plans_give_one_record_of_facts(mask):
     """One trigger per rule reads one record (:class:`~thunder_cudnn_safe.rules.facts.Facts`): the facts a call
     and its planned keys both have agree; the rest is None (absent) on the source that lacks it."""
-    from thunder_cudnn_safe.plan.calls import ForwardCall
-    from thunder_cudnn_safe.plan.planner import planned_keys
+    from thunder_cudnn_safe.routing.calls import ForwardCall
+    from thunder_cudnn_safe.routing.planner import planned_keys
     from thunder_cudnn_safe.rules import facts, support
 
     q, k, v = (t.detach().requires_grad_() for t in seeded_qkv(2, 4, 16, 48, h_kv=2, d=32, bshd=True))

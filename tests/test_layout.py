@@ -22,8 +22,8 @@ from thunder_cudnn_safe.layouts.layout import (
     stride_order,
     strides_like,
 )
-from thunder_cudnn_safe.plan.calls import ForwardCall, signature
-from thunder_cudnn_safe.plan.recipes import bind, forward_recipe
+from thunder_cudnn_safe.routing.calls import ForwardCall, signature
+from thunder_cudnn_safe.routing.recipes import bind, forward_recipe
 from thunder_cudnn_safe.runtimes import emulation
 from thunder_cudnn_safe.testing import GRAD_OUT_LAYOUTS
 

@@ -61,7 +61,7 @@ def test_a_mask_bound_as_a_bias_at_that_shape_is_still_declined():
 def small_int32_limit(monkeypatch):
     """The int32 limit brought down so that a (2, 2, 128, 128) mask (65536 elements) exceeds it while the
     (2, 2, 128, 8) operands (4096 elements) do not: the headline case's proportions, runnable on a CPU."""
-    from thunder_cudnn_safe.plan import planner
+    from thunder_cudnn_safe.routing import planner
     from thunder_cudnn_safe.rules import cudnn_rules
 
     monkeypatch.setattr(cudnn_rules, "INT32_ELEMENT_LIMIT", 16384)  # the trace-time check (LAYOUT.on_call)

@@ -22,11 +22,11 @@ ALLOWED = {
     "masks": set(),
     "layouts": set(),
     "rules": {"layouts", "masks"},
-    "plan": {"layouts", "rules", "masks"},
+    "routing": {"layouts", "rules", "masks"},
     "graphs": {"layouts", "rules"},
-    "runtimes": {"graphs", "layouts", "plan", "rules", "masks"},
-    "dispatch": {"runtimes", "graphs", "layouts", "plan", "rules", "masks"},
-    "integration": {"dispatch", "runtimes", "graphs", "layouts", "plan", "rules", "masks"},
+    "runtimes": {"graphs", "layouts", "routing", "rules", "masks"},
+    "dispatch": {"runtimes", "graphs", "layouts", "routing", "rules", "masks"},
+    "integration": {"dispatch", "runtimes", "graphs", "layouts", "routing", "rules", "masks"},
 }
 #: The one subpackage that meets thunder: it registers the executors and reads thunder's proxies and traces.
 THUNDER_LAYER = "integration"
@@ -73,7 +73,7 @@ def test_subpackage_imports_only_its_layers(subpackage):
 
 
 def test_the_layers_form_no_cycle():
-    """Each layer may import only layers listed before it in ALLOWED: a cycle (plan and rules importing each other,
+    """Each layer may import only layers listed before it in ALLOWED: a cycle (routing and rules importing each other,
     as they did until issue 41) cannot be allowed."""
     order = list(ALLOWED)
     for name, below in ALLOWED.items():

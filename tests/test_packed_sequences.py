@@ -33,7 +33,7 @@ from thunder_cudnn_safe.graphs.cache import GraphCache
 from thunder_cudnn_safe.layouts.keys import BackwardKey, ForwardKey, Uid
 from thunder_cudnn_safe.masks.documents import recognize_documents
 from thunder_cudnn_safe.masks.patterns import pattern_of
-from thunder_cudnn_safe.plan import varlen
+from thunder_cudnn_safe.routing import varlen
 from thunder_cudnn_safe.rules import cudnn_rules
 from thunder_cudnn_safe.runtimes.emulation import EmulatedRuntime
 from thunder_cudnn_safe.testing import additive_mask, assert_close_to_reference, document_mask, seeded_qkv
@@ -249,7 +249,7 @@ def test_a_wrong_ragged_offset_gives_wrong_numbers():
     disp = _dispatcher()
     mask = document_mask([[4, 3, 5], [6, 6]], 12)
     q, k, v = seeded_qkv(2, 2, 12, h_kv=2, seed=1, bshd=True)
-    call = tcs.plan.planner.with_mask_pattern(tcs.plan.calls.ForwardCall(q, k, v, mask))
+    call = tcs.routing.planner.with_mask_pattern(tcs.routing.calls.ForwardCall(q, k, v, mask))
     bound = varlen.bind_forward(call, disp.runtime.target(q.device))
     built = disp.cache.get_or_build(bound.key, disp.runtime.build)
     disp.runtime.execute(built, bound.pack)
@@ -480,7 +480,7 @@ def test_more_than_32768_documents_decline_to_the_bias_not_a_grid_crash():
     """32,769 documents round N up to 65,536 sequences, past cuDNN's grid limit (a failed launch, a
     RuntimeError on a GPU, not a refusal): the key gate refuses that key, so the call runs as a bias."""
     from thunder_cudnn_safe.masks.documents import DocumentPattern
-    from thunder_cudnn_safe.plan.calls import ForwardCall
+    from thunder_cudnn_safe.routing.calls import ForwardCall
 
     n, t = 32769, 32776
     p = DocumentPattern(False, None, n, 1, 1, t, torch.arange(n), torch.ones(n, dtype=torch.int32), {})
@@ -500,7 +500,7 @@ def test_the_forward_offsets_are_int64_where_only_o_overflows_int32(need_stats):
     the offsets' dtype from Q, K, V alone, so O's offsets were declared int32 and would wrap. Planned on meta
     tensors: no memory."""
     from thunder_cudnn_safe.masks.documents import DocumentPattern
-    from thunder_cudnn_safe.plan.calls import ForwardCall
+    from thunder_cudnn_safe.routing.calls import ForwardCall
 
     t, half = 2**23, 2**22
     QKV_HD = ((4, 8), (1, 8), (1, 64))  # (heads, head dim) of Q, K, V
@@ -565,7 +565,7 @@ def test_a_backward_past_the_dq_accumulator_is_refused_by_the_emulation():
     a graph whose max_total is smaller than the tokens its offsets reach would write out of bounds on a GPU.
     The emulation used to ignore max_total (any value ran); it now refuses it, as the storage bound is."""
     from thunder_cudnn_safe import errors
-    from thunder_cudnn_safe.plan import calls, planner, varlen
+    from thunder_cudnn_safe.routing import calls, planner, varlen
 
     disp = _dispatcher()
     mask = document_mask([[4, 3, 5], [6, 6]], 12)
@@ -595,7 +595,7 @@ DEVICE, EXECUTOR = ("cpu", tcs.emulated_ex) if EMULATE else ("cuda", tcs.cudnn_s
 def _expected_backward(lens_per_row, causal) -> str:
     """What varlen_info() must show for the backward: run variable-length, or the one rule the key gate applies
     on this GPU (HOPPER_BACKWARD_KV_TAIL_NAN: non-causal documents bucketed to a key length of 64, sm90, < 9.26)."""
-    from thunder_cudnn_safe.plan import varlen
+    from thunder_cudnn_safe.routing import varlen
     from thunder_cudnn_safe.rules import cudnn_rules
 
     target = EXECUTOR.runtime.target(torch.device(DEVICE))

@@ -10,8 +10,8 @@ import torch
 
 from thunder_cudnn_safe.dispatch.dispatcher import Dispatcher
 from thunder_cudnn_safe.layouts.keys import Uid
-from thunder_cudnn_safe.plan.calls import BackwardCall, ForwardCall, memo_key, signature
-from thunder_cudnn_safe.plan.recipes import PackRecipe, backward_recipe, bind, forward_recipe
+from thunder_cudnn_safe.routing.calls import BackwardCall, ForwardCall, memo_key, signature
+from thunder_cudnn_safe.routing.recipes import PackRecipe, backward_recipe, bind, forward_recipe
 from thunder_cudnn_safe.runtimes import emulation
 
 

@@ -311,7 +311,7 @@ _KEYS: dict[str, list] = {}
 def keys_of(call: Call) -> list:
     """Every graph key (target stripped) the dispatcher builds for ``call`` posing as any arch of :data:`ARCHS`:
     the graphs depend on the arch only where a defect's workaround applies
-    (:mod:`thunder_cudnn_safe.plan.defect_routes`), and those graphs are then checked at every arch too.
+    (:mod:`thunder_cudnn_safe.routing.defect_routes`), and those graphs are then checked at every arch too.
     Packed-sequence calls are the exception: whether they run as variable-length graphs is itself per arch,
     so their keys are those of the emulated arch."""
     import cudnn

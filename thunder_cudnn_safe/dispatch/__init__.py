@@ -3,6 +3,6 @@ runtime -> fallback if refused), with its routes that span two operator calls: p
 (:mod:`.packed`), dropout's forward/backward pairing (:mod:`.dropout`) and the CUDA-graph capture prebuild
 (:mod:`.capture`).
 
-May import every subpackage below it (runtimes, graphs, plan, rules, layouts, masks) and the plumbing; never
+May import every subpackage below it (runtimes, graphs, routing, rules, layouts, masks) and the plumbing; never
 thunder, nor its registration (:mod:`~thunder_cudnn_safe.integration`), which calls it.
 """

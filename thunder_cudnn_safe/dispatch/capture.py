@@ -4,7 +4,7 @@ Under capture no mask pattern is recognized (:mod:`patterns`: a verdict is a hos
 reading new masks from the same buffers, would not re-check), so a mask runs as its bias, whose graphs a
 warm-up that ran the pattern never built; a build inside the capture (heuristics, NVRTC, a module load)
 invalidates it. :func:`prebuild` builds them at warm-up, planned exactly as the capture will plan them
-(:func:`~thunder_cudnn_safe.plan.planner.plan` without recognition: the defect workarounds included; a dropout
+(:func:`~thunder_cudnn_safe.routing.planner.plan` without recognition: the defect workarounds included; a dropout
 forward's backward check too), and makes the calling thread's own copy of each (:mod:`per_thread`: a graph built
 on another thread is copied on first use, which must not be inside the capture). Nothing is bound or run; a
 refusal is remembered, and the captured call then runs on the torch fallback, as it would.
@@ -25,8 +25,8 @@ from thunder_cudnn_safe.dispatch import dropout
 from thunder_cudnn_safe.errors import ExecuteError, GraphBuildError
 from thunder_cudnn_safe.layouts.keys import BackwardKey, Target
 from thunder_cudnn_safe.lru import LRU
-from thunder_cudnn_safe.plan.calls import BackwardCall, ForwardCall, forward_of, memo_key
-from thunder_cudnn_safe.plan.planner import Route, plan
+from thunder_cudnn_safe.routing.calls import BackwardCall, ForwardCall, forward_of, memo_key
+from thunder_cudnn_safe.routing.planner import Route, plan
 
 if TYPE_CHECKING:  # the dispatcher calls this module: its type only, no import at run time
     from thunder_cudnn_safe.dispatch.dispatcher import Dispatcher

@@ -31,7 +31,7 @@ from thunder_cudnn_safe.graphs.cache import GraphCache, Slot, graph_cache
 from thunder_cudnn_safe.layouts.keys import BackwardKey, Target, Uid
 from thunder_cudnn_safe.lru import LRU
 from thunder_cudnn_safe.masks import bias
-from thunder_cudnn_safe.plan.calls import (
+from thunder_cudnn_safe.routing.calls import (
     BackwardCall,
     ForwardCall,
     memo_key,
@@ -39,8 +39,8 @@ from thunder_cudnn_safe.plan.calls import (
     signature,
     torch_deterministic,
 )
-from thunder_cudnn_safe.plan.planner import Plan, Route, plan
-from thunder_cudnn_safe.plan.recipes import Bound, PackRecipe, backward_recipe, forward_recipe, with_grad_out_like_o
+from thunder_cudnn_safe.routing.planner import Plan, Route, plan
+from thunder_cudnn_safe.routing.recipes import Bound, PackRecipe, backward_recipe, forward_recipe, with_grad_out_like_o
 from thunder_cudnn_safe.runtimes import fallback, handoff
 from thunder_cudnn_safe.runtimes.base import Runtime
 from thunder_cudnn_safe.runtimes.reference import reduce_to_shape
@@ -84,7 +84,7 @@ def memoizable(p: Plan, call: ForwardCall | BackwardCall) -> bool:
 
 def _entry_point(call_type: type, miss: str, doc: str) -> Callable:
     """``Dispatcher.forward`` / ``.backward``: the call type's fields as parameters (with its defaults), the memo
-    key made from them (:func:`~thunder_cudnn_safe.plan.calls.memo_source`), and on a hit of a remembered slot
+    key made from them (:func:`~thunder_cudnn_safe.routing.calls.memo_source`), and on a hit of a remembered slot
     bind, execute (a refusal: :meth:`Dispatcher.refused`), return; anything else goes to ``miss``, the full path.
 
     Generated, like the recipes' binders, because it runs on every call: a hit is this frame, the binder's

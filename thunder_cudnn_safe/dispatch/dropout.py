@@ -13,9 +13,9 @@ import torch
 
 from thunder_cudnn_safe.errors import GraphBuildError
 from thunder_cudnn_safe.layouts.keys import ForwardKey
-from thunder_cudnn_safe.plan.calls import ForwardCall, arg_key, signature, torch_deterministic
-from thunder_cudnn_safe.plan.planner import bias_too_large
-from thunder_cudnn_safe.plan.recipes import companion_backward_key
+from thunder_cudnn_safe.routing.calls import ForwardCall, arg_key, signature, torch_deterministic
+from thunder_cudnn_safe.routing.planner import bias_too_large
+from thunder_cudnn_safe.routing.recipes import companion_backward_key
 from thunder_cudnn_safe.rules import cudnn_rules
 from thunder_cudnn_safe.rules.key_gate import RuleRefusal
 from thunder_cudnn_safe.telemetry import warn_once

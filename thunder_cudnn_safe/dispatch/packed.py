@@ -1,6 +1,6 @@
 """The dispatcher's packed-sequence route: a document-mask call runs as variable-length attention.
 
-Declined (a named rule, :func:`~thunder_cudnn_safe.plan.varlen.decline`) or refused by the runtime, the
+Declined (a named rule, :func:`~thunder_cudnn_safe.routing.varlen.decline`) or refused by the runtime, the
 call runs exactly as before (the mask as a bias): stats are the same per-row log-sum-exp either way,
 so a forward and a backward may take different routes.
 """
@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from thunder_cudnn_safe.plan import varlen
+from thunder_cudnn_safe.routing import varlen
 from thunder_cudnn_safe.rules.key_gate import RuleRefusal
 from thunder_cudnn_safe.telemetry import Counts, warn_once
 
@@ -27,7 +27,7 @@ varlen_info, reset_varlen_info = _counts.public(
 def run(disp: Dispatcher, call: Any) -> tuple[torch.Tensor, ...] | None:
     """A :class:`~thunder_cudnn_safe.masks.documents.DocumentPattern` call's outputs as variable-length attention: a
     forward's (O[, stats]), a backward's (dq, dk, dv) or (grad_qkv,); None where declined by a named rule
-    (:func:`~thunder_cudnn_safe.plan.varlen.decline`) or refused (the call then runs as a bias)."""
+    (:func:`~thunder_cudnn_safe.routing.varlen.decline`) or refused (the call then runs as a bias)."""
     forward = not hasattr(call, "grad_out")
     target = disp.runtime.target(call.query.device)
     reason = varlen.decline(call, target, forward=forward)

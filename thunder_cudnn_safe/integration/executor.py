@@ -3,7 +3,7 @@
 :func:`make_executor` wires one runtime into an ``OperatorExecutor`` claiming thunder's SDPA and
 :data:`~thunder_cudnn_safe.integration.gqa.sdpa_gqa`, one per runtime of the registry
 (:data:`~thunder_cudnn_safe.runtimes.base.RUNTIMES`: ``cudnn_safe_ex``, real cuDNN, and ``emulated_ex``, the CPU
-emulation). Each operator's signature is its call value's (:class:`~thunder_cudnn_safe.plan.calls.ForwardCall`,
+emulation). Each operator's signature is its call value's (:class:`~thunder_cudnn_safe.routing.calls.ForwardCall`,
 ``BackwardCall``), so an option added there reaches the trace, the metas and the dispatcher unedited.
 """
 
@@ -32,8 +32,8 @@ from thunder_cudnn_safe.integration.proxies import plain_call, torch_dtype
 from thunder_cudnn_safe.layouts.layout import LayoutPolicy, same_size_except_heads
 from thunder_cudnn_safe.masks.documents import DocumentPattern
 from thunder_cudnn_safe.masks.patterns import MaskPattern
-from thunder_cudnn_safe.plan.calls import BackwardCall, ForwardCall, backward_of, torch_deterministic
-from thunder_cudnn_safe.plan.planner import planned_keys
+from thunder_cudnn_safe.routing.calls import BackwardCall, ForwardCall, backward_of, torch_deterministic
+from thunder_cudnn_safe.routing.planner import planned_keys
 from thunder_cudnn_safe.rules.support import Decline, not_supported_reasons
 from thunder_cudnn_safe.runtimes import cudnn_runtime, emulation  # noqa: F401 (each registers its runtime)
 from thunder_cudnn_safe.runtimes.base import RUNTIMES, Runtime
@@ -221,7 +221,7 @@ def explain(
 ) -> list[Decline]:
     """Why ``executor`` (default: ``cudnn_safe_ex``) would not claim this call; empty if it would.
 
-    Takes torch's SDPA arguments and :class:`~thunder_cudnn_safe.plan.calls.ForwardCall`'s options, on
+    Takes torch's SDPA arguments and :class:`~thunder_cudnn_safe.routing.calls.ForwardCall`'s options, on
     tensors or thunder proxies (the checkers use the same function). Each reason is a
     :class:`~thunder_cudnn_safe.rules.support.Decline`: a ``str`` with ``.code`` and ``.rule``.
     """

@@ -29,7 +29,7 @@ from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, tracectx
 from thunder.core.transform_common import Transform
 from thunder.transforms.autocast import autocast_impls, maybe_downcast_to
 
-from thunder_cudnn_safe.plan.calls import ForwardCall
+from thunder_cudnn_safe.routing.calls import ForwardCall
 
 GQA_SYMBOL_ID = "cudnn_safe.sdpa_gqa"
 

@@ -18,7 +18,7 @@ does. A detached one (``self.w.detach() * 2``) counts as needing it: thunder 0.2
 (zero) VJP and keeps the dBias backward, whose workspace the budget must still see. Where no
 defining trace is found (a path other than thunder's autodiff, ``explain()`` on proxies), the
 proxy's own flag is the answer, as before; the dispatcher keeps a run-time guard for
-the one case where that matters for correctness (:func:`~thunder_cudnn_safe.plan.planner.bias_too_large`).
+the one case where that matters for correctness (:func:`~thunder_cudnn_safe.routing.planner.bias_too_large`).
 """
 
 from __future__ import annotations

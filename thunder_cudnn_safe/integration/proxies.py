@@ -14,7 +14,7 @@ from thunder.core import dtypes
 from thunder.core.proxies import NumberProxy, pyval
 
 from thunder_cudnn_safe.integration.grad_need import mask_needs_grad
-from thunder_cudnn_safe.plan.calls import ForwardCall
+from thunder_cudnn_safe.routing.calls import ForwardCall
 from thunder_cudnn_safe.rules.support import Operand, Symbolic
 
 

@@ -17,7 +17,7 @@ class Uid(enum.IntEnum):
     Q, K, V, O, STATS, BIAS, SEED, OFFSET = range(1, 9)
     DO, DQ, DK, DV, DBIAS = range(9, 14)
     SEQ_LEN_Q, SEQ_LEN_KV = 14, 15
-    #: ragged offsets of packed sequences (:mod:`~thunder_cudnn_safe.plan.varlen`), one per ragged tensor
+    #: ragged offsets of packed sequences (:mod:`~thunder_cudnn_safe.routing.varlen`), one per ragged tensor
     RAGGED_Q, RAGGED_K, RAGGED_V, RAGGED_O, RAGGED_STATS, RAGGED_DO, RAGGED_DQ, RAGGED_DK, RAGGED_DV = range(16, 25)
     #: attention sinks: cuDNN's ``sink_token`` (1, H, 1, 1) float32 and its gradient ``dSink_token``
     SINK, DSINK = 25, 26
@@ -72,7 +72,7 @@ class ForwardKey(NamedTuple):
     #: built with dynamic shapes and the target's kernel cache (:func:`~thunder_cudnn_safe.graphs.build.kernel_cache`):
     #: a new length or batch size reuses a compiled kernel; the layouts declared are still this key's
     dynamic: bool = False
-    #: packed sequences: a :class:`~thunder_cudnn_safe.plan.varlen.RaggedSig`, or None
+    #: packed sequences: a :class:`~thunder_cudnn_safe.routing.varlen.RaggedSig`, or None
     ragged: Any = None
     #: the band (``causal``, ``left``) is aligned bottom-right: query i is the (S - L + i)-th position (L < S,
     #: prefill against a cache); with the padding mask, per batch element its own ``seq_len_kv - seq_len_q``

@@ -3,7 +3,7 @@
 Padding-free training (transformers 5 with ``position_ids`` restarting per document, no attention
 mask) hands SDPA a (B, 1, T, T) mask that keeps, for query i of document [a, b) in its row, the keys
 a <= j <= i (causal), a <= j < b (not causal), or a <= j <= i with i - j < W (a sliding window).
-cuDNN runs that as variable-length attention (:mod:`~thunder_cudnn_safe.plan.varlen`): each document its
+cuDNN runs that as variable-length attention (:mod:`~thunder_cudnn_safe.routing.varlen`): each document its
 own sequence, no bias read, no cross-document score computed.
 
 Recognition is exact, over the whole mask: each row's kept keys must be one run [lo, hi] whose ends
@@ -39,7 +39,8 @@ class DocumentPattern(NamedTuple):
     starts: Any
     lens: Any
     #: device tensors derived from this pattern (lengths, offsets per token stride), made once per distinct
-    #: mask rather than once per layer (:mod:`~thunder_cudnn_safe.plan.varlen`); never under capture (no pattern then)
+    #: mask rather than once per layer (:mod:`~thunder_cudnn_safe.routing.varlen`); never under capture
+    #: (no pattern then)
     derived: Any = None
 
     @property

@@ -36,7 +36,7 @@ class MaskPattern(NamedTuple):
     q_lens: Any = None
     kv_lens: Any = None
     #: of an all-kept mask: (q_lens, kv_lens) keeping every key, to run it as padding
-    #: (:func:`~thunder_cudnn_safe.plan.planner.with_mask_pattern`)
+    #: (:func:`~thunder_cudnn_safe.routing.planner.with_mask_pattern`)
     all_kept_lens: Any = None
     #: the band aligned bottom-right (L < S): the L queries are the last L of the S keys' positions (with the
     #: padding mask, of each batch element's n_b), as in prefill against a KV cache or chunked prefill
@@ -150,7 +150,7 @@ def _pattern_from(c: _Checks, n: torch.Tensor, m: torch.Tensor, batch: int, lq: 
     # Bottom-right (L = S: it is top-left; L = 1: all kept or padding, recognized above): keep j <= i + S - L
     # and, with a window, i + S - L - j < W; with key padding S is n_b (cuDNN aligns the band to seq_len_kv).
     # libcudnn 9.19 validates and builds it forward and backward at sm80-sm120 (the lowering sweep); the frontend
-    # refuses it with dropout or a bias, which thunder_cudnn_safe.plan.planner therefore keeps as a bias.
+    # refuses it with dropout or a bias, which thunder_cudnn_safe.routing.planner therefore keeps as a bias.
     if 1 < lq < s and (c.no_left or c.br_windowed):
         left = None if c.no_left else int(c.window_br)
         if c.br_causal:

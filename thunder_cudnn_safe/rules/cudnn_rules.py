@@ -211,7 +211,7 @@ def _int32_sizes(rule: Rule, f: Facts) -> list[str]:
 
 
 def _decode_backward_nan(rule: Rule, f: Facts) -> str | None:
-    """A call with a mask tensor (one without is routed to the padding mask, plan/defect_routes); a key without
+    """A call with a mask tensor (one without is routed to the padding mask, routing/defect_routes); a key without
     the padding mask."""
     if f.ragged or f.q_len != 1 or not (f.mask or f.padded is False):
         return None
@@ -450,7 +450,7 @@ def dp_workspace_bytes(batch: int, heads_q: int, s_q: int, s_kv: int) -> int:
     return batch * heads_q * (-(-s_q // 64) * 64) * (-(-s_kv // 64) * 64) * 2
 
 
-# -- packed sequences (variable-length / ragged attention, :mod:`~thunder_cudnn_safe.plan.varlen`) ----------
+# -- packed sequences (variable-length / ragged attention, :mod:`~thunder_cudnn_safe.routing.varlen`) ----------
 VARLEN_BACKEND = Rule(
     "packed sequences run as variable-length attention (padding mask + ragged offsets) from cuDNN 9.19.0: "
     "the version whose graphs were validated, planned and NVRTC-compiled for sm80/sm90/sm100",

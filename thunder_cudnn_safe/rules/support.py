@@ -96,7 +96,7 @@ def not_supported_reasons(
 ) -> list[Decline]:
     """Every reason the executor for ``device_type`` on ``target`` would not claim ``call``.
 
-    ``call`` is a :class:`~thunder_cudnn_safe.plan.calls.ForwardCall` of torch tensors or of :class:`Operand`
+    ``call`` is a :class:`~thunder_cudnn_safe.routing.calls.ForwardCall` of torch tensors or of :class:`Operand`
     values (a thunder call as :func:`~thunder_cudnn_safe.integration.proxies.plain_call` reads it); its
     ``deterministic`` (the compile option) changes which backwards cuDNN builds, its ``enable_gqa`` lets K/V have
     fewer heads, a divisor of the query's. ``environment_problem`` is why the runtime cannot work here at all;

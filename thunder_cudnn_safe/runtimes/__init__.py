@@ -6,7 +6,7 @@ through the declared strides as cuDNN does, dense and ragged (:mod:`.emulation`)
 refused calls (:mod:`.fallback`), which shares the float32 math of :mod:`.reference`; and
 :mod:`.handoff`, the only state that crosses operator calls.
 
-May import :mod:`~thunder_cudnn_safe.graphs`, :mod:`~thunder_cudnn_safe.plan`,
+May import :mod:`~thunder_cudnn_safe.graphs`, :mod:`~thunder_cudnn_safe.routing`,
 :mod:`~thunder_cudnn_safe.rules`, :mod:`~thunder_cudnn_safe.layouts`, :mod:`~thunder_cudnn_safe.masks` and
 the plumbing; never the dispatcher or thunder.
 """

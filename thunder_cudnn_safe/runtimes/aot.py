@@ -30,8 +30,8 @@ from thunder_cudnn_safe.errors import GraphBuildError
 from thunder_cudnn_safe.graphs import build
 from thunder_cudnn_safe.graphs.cache import GraphCache
 from thunder_cudnn_safe.layouts.keys import Target
-from thunder_cudnn_safe.plan.calls import ForwardCall
-from thunder_cudnn_safe.plan.planner import planned_keys
+from thunder_cudnn_safe.routing.calls import ForwardCall
+from thunder_cudnn_safe.routing.planner import planned_keys
 from thunder_cudnn_safe.rules.support import not_supported_reasons
 from thunder_cudnn_safe.runtimes.base import build_with_ladder
 from thunder_cudnn_safe.runtimes.cudnn_runtime import build_graph, cudnn_target

@@ -18,7 +18,7 @@ import weakref
 
 import torch
 
-from thunder_cudnn_safe.plan.calls import BackwardCall
+from thunder_cudnn_safe.routing.calls import BackwardCall
 
 _local = threading.local()
 _fallback_seeds: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()

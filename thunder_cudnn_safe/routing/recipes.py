@@ -34,7 +34,7 @@ from thunder_cudnn_safe.layouts.layout import (
 )
 from thunder_cudnn_safe.masks import bias
 from thunder_cudnn_safe.masks.patterns import MaskPattern
-from thunder_cudnn_safe.plan.calls import TENSOR_FIELDS, BackwardCall, ForwardCall, backward_of, default_scale
+from thunder_cudnn_safe.routing.calls import TENSOR_FIELDS, BackwardCall, ForwardCall, backward_of, default_scale
 from thunder_cudnn_safe.rules import cudnn_rules
 from thunder_cudnn_safe.telemetry import CopyReason, copy_counter
 

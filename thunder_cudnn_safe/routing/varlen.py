@@ -22,8 +22,8 @@ import torch
 from thunder_cudnn_safe.layouts.keys import BackwardKey, ForwardKey, Target, TensorSig, Uid, key_of
 from thunder_cudnn_safe.layouts.layout import ALIGNMENT_BYTES, fused_grad_qkv, layout_problem, wants_fused_grad_qkv
 from thunder_cudnn_safe.masks.documents import DocumentPattern
-from thunder_cudnn_safe.plan.calls import backward_of, default_scale
-from thunder_cudnn_safe.plan.recipes import Bound, counted_copy
+from thunder_cudnn_safe.routing.calls import backward_of, default_scale
+from thunder_cudnn_safe.routing.recipes import Bound, counted_copy
 from thunder_cudnn_safe.rules import cudnn_rules
 from thunder_cudnn_safe.telemetry import CopyReason
 

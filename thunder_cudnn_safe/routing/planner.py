@@ -1,7 +1,7 @@
 """How a call runs, decided in one place: its :class:`Route` and the call as it runs (:class:`Plan`).
 
 The run path (:class:`~thunder_cudnn_safe.dispatch.dispatcher.Dispatcher`), ``describe()`` / ``aot.describe_target()``
-(:func:`~thunder_cudnn_safe.plan.planner.planned_keys`) and the CUDA-graph capture prebuild all ask :func:`plan`;
+(:func:`~thunder_cudnn_safe.routing.planner.planned_keys`) and the CUDA-graph capture prebuild all ask :func:`plan`;
 no other module decides a route. What each route then binds is the recipes' (dense, pattern, bias) or the
 variable-length binder's (packed); every key they plan passes the key gate before a build
 (:mod:`~thunder_cudnn_safe.rules.key_gate`), whichever route made it.
@@ -20,9 +20,9 @@ from thunder_cudnn_safe.layouts.layout import INT32_ELEMENT_LIMIT, LayoutPolicy
 from thunder_cudnn_safe.masks.bias import causal_bias
 from thunder_cudnn_safe.masks.documents import DocumentPattern
 from thunder_cudnn_safe.masks.patterns import MaskPattern, pattern_of
-from thunder_cudnn_safe.plan import defect_routes, varlen
-from thunder_cudnn_safe.plan.calls import BackwardCall, ForwardCall, signature
-from thunder_cudnn_safe.plan.recipes import companion_backward_key, forward_recipe
+from thunder_cudnn_safe.routing import defect_routes, varlen
+from thunder_cudnn_safe.routing.calls import BackwardCall, ForwardCall, signature
+from thunder_cudnn_safe.routing.recipes import companion_backward_key, forward_recipe
 
 
 class Route(str, enum.Enum):

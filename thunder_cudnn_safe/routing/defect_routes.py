@@ -12,7 +12,7 @@ import torch
 
 from thunder_cudnn_safe.layouts.keys import Target
 from thunder_cudnn_safe.masks.patterns import MaskPattern
-from thunder_cudnn_safe.plan.calls import BackwardCall, ForwardCall
+from thunder_cudnn_safe.routing.calls import BackwardCall, ForwardCall
 from thunder_cudnn_safe.rules import cudnn_rules
 
 
@@ -21,7 +21,7 @@ def route(
 ) -> ForwardCall | BackwardCall:
     """``call`` (a pattern already swapped in) as it must run on ``target``: with the workaround where needed.
     ``lens_device``: where the padding lengths are made (default: the query's device; ``"meta"`` to plan
-    keys without running anything, as :func:`~thunder_cudnn_safe.plan.planner.planned_keys` does)."""
+    keys without running anything, as :func:`~thunder_cudnn_safe.routing.planner.planned_keys` does)."""
     q, k = call.query, call.key
     backward_follows = isinstance(call, BackwardCall) or bool(call.need_stats)
     if q.shape[2] != 1 or not cudnn_rules.HOPPER_DECODE_BACKWARD_NAN.declines(target, backward_follows):
