@@ -34,6 +34,7 @@ CASES = {
     "layout": ("contiguous", "contiguous", "rowmajor", "contiguous", "strided"),
     "deterministic": ("1", True, "maybe", True, 1),
     "bwd_may_cat_grad_qkv": ("1", True, "2", True, "true"),
+    "fuse_handwritten_attention": ("0", False, "off", False, "no"),
 }
 
 

@@ -97,12 +97,24 @@ def _emulated(block: str, ns: dict) -> None:
     assert "cudnn_safe_emulated_sdpa_fwd(" in str(trace)  # the emulated executor claimed the CPU call
 
 
+def _fuses(block: str, ns: dict) -> None:
+    _run(block, ns)
+    fuse, q, k, v = ns["fuse"], ns["q"], ns["k"], ns["v"]
+    assert fuse.recognised == 1 and fuse.declined == []
+    trace = thunder.last_traces(ns["jf"])[-1]
+    assert "cudnn_safe_emulated_sdpa_fwd(" in str(trace) and "tanh" not in str(trace)  # one fused call, no softcap ops
+    args = (q, k, v, torch.zeros(1, 1, 16, 16, dtype=torch.bfloat16))
+    eager, reference = ns["gemma2_attention"](*args), ns["gemma2_attention"](*(t.double() for t in args))
+    assert_close_to_reference(ns["out"], eager, reference, "README's fused Gemma-2 attention")
+
+
 #: README's blocks run here, by key, each with what it must do once run
 RUN: dict[str, Callable[[str, dict], None]] = {
     "import thunder, thunder_cudnn_safe": _executors_listed,
     "thunder_cudnn_safe.install()": _install_then_uninstall,
     "thunder_cudnn_safe.explain(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None)": _explains,
     "jm = thunder.jit(model, executors=[thunder_cudnn_safe.emulated_ex, *thunder.get_default_executors()])": _emulated,
+    "import torch, thunder, thunder_cudnn_safe as tcs": _fuses,
 }
 #: README's blocks not run here, by key, each with why (none today: every block runs on a CPU)
 NOT_RUN: dict[str, str] = {}

@@ -36,6 +36,7 @@ from thunder_cudnn_safe.integration import gqa  # noqa: E402
 from thunder_cudnn_safe.integration.attention import attention, register_attention  # noqa: E402
 from thunder_cudnn_safe.integration.executor import CallReport, cudnn_safe_ex, describe, emulated_ex, explain  # noqa: E402
 from thunder_cudnn_safe.integration.gqa import RepeatKVToGQA  # noqa: E402
+from thunder_cudnn_safe.integration.handwritten import FuseHandwrittenAttention  # noqa: E402
 from thunder_cudnn_safe.integration.install import drop_broken_builtin_cudnn_executor, install, installed, uninstall  # noqa: E402
 from thunder_cudnn_safe.layouts.layout import LayoutPolicy  # noqa: E402
 from thunder_cudnn_safe.masks.bias import MaskCacheInfo, mask_cache_info  # noqa: E402
@@ -57,6 +58,7 @@ __all__ = [
     "installed",
     "uninstall",
     "RepeatKVToGQA",
+    "FuseHandwrittenAttention",
     # attention beyond F.sdpa: sinks and softcapping
     "attention",
     # why a call is (not) claimed, and what it would run

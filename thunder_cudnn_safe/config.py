@@ -215,6 +215,13 @@ _KNOBS = (
         "dq, dk, dv as slices of one buffer (saves the copy when the model concatenated q, k, v) "
         "against three separate tensors",
     ),
+    Knob(
+        "fuse_handwritten_attention",
+        True,
+        *_FLAG,
+        "FuseHandwrittenAttention, where a user passed it, replaces hand-written attention with one fused call "
+        "(no score tensor kept); 0 leaves every trace as the model wrote it",
+    ),
 )
 
 #: Every knob by name.

@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Any
 
 import thunder.core.dtypes as dtypes
-import thunder.core.prims as prims
 import thunder.core.utils as utils
 import thunder.torch as ltorch
 import torch
@@ -29,6 +28,7 @@ from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, tracectx
 from thunder.core.transform_common import Transform
 from thunder.transforms.autocast import autocast_impls, maybe_downcast_to
 
+from thunder_cudnn_safe.integration.trace_views import dims_through, own_dims, view_chain
 from thunder_cudnn_safe.routing.calls import ForwardCall
 
 GQA_SYMBOL_ID = "cudnn_safe.sdpa_gqa"
@@ -127,98 +127,31 @@ def registered() -> bool:
     return _saved is not None
 
 
-# The repeats people write all lower to two thunder prims, broadcast_in_dim and reshape:
-#   transformers' repeat_kv  x[:, :, None, :, :].expand(b, h, n, s, d).reshape(b, h * n, s, d)
-#   LitGPT                   x.repeat_interleave(n, dim=1)   (thunder: unsqueeze, expand, reshape)
-#   plain torch              x.unsqueeze(2).expand(...).flatten(1, 2), x.view(b, h, 1, s, d).expand(...)...,
-#                            and x.expand(b, h, s, d) for a single K/V head (MQA)
-# Instead of matching each spelling, the chain of those prims is followed symbolically: every dim of
-# a tensor is a list of factors, each either a dim of the base tensor X ("x", i, size) or a broadcast
-# ("b", size) whose index is not read. A repeat over head groups is exactly the case where the head
-# dim of the result is [X's head dim, broadcasts of n in all] (X's head outer, so head h reads X's head
-# h // n: torch's repeat_interleave, what enable_gqa means) and every other dim is X's own. A tile
-# (x.repeat(1, n, 1, 1): broadcast outer) gives [broadcast, X's head] and is rejected: it is not GQA.
-_Dims = list  # list[list[factor]], a factor: ("x", dim, size) | ("b", -1, size)
-_VIEW_PRIMS = frozenset({prims.PrimIDs.BROADCAST_IN_DIM, prims.PrimIDs.RESHAPE, prims.PrimIDs.SHALLOW_COPY})
-
-
-def _apply_broadcast_in_dim(dims: _Dims, in_shape, out_shape, bdims) -> _Dims | None:
-    out: _Dims = [[("b", -1, s)] if s != 1 else [] for s in out_shape]
-    for i, o in enumerate(bdims):
-        if in_shape[i] == out_shape[o]:
-            out[o] = list(dims[i])
-        elif in_shape[i] != 1:  # a size-1 dim expanded keeps the broadcast factor it was given above
-            return None
-    return out
-
-
-def _apply_reshape(dims: _Dims, out_shape) -> _Dims | None:
-    flat = [f for factors in dims for f in factors]
-    out: _Dims = []
-    for size in out_shape:
-        group, product = [], 1
-        while product < size:
-            if not flat:
-                return None
-            group.append(flat.pop(0))
-            product *= group[-1][2]
-        if product != size:  # the reshape splits a factor: not a pattern we can see through
-            return None
-        out.append(group)
-    return None if flat else out
-
-
-def _leaf_prims(bsym: BoundSymbol) -> list[BoundSymbol]:
-    """The primitives ``bsym`` lowers to that produce tensors (metadata queries such as ``prims.shape``
-    are left out)."""
-    if not bsym.subsymbols:
-        return [bsym] if any(isinstance(o, TensorProxy) for o in bsym.flat_proxy_outs) else []
-    return [leaf for sub in bsym.subsymbols for leaf in _leaf_prims(sub)]
-
-
-def _view_chain(t: TensorProxy, producers) -> list[tuple[TensorProxy, list[BoundSymbol]]]:
-    """``[(input, leaf prims), ...]``, farthest first, of the view-only bound symbols producing ``t``."""
-    chain: list[tuple[TensorProxy, list[BoundSymbol]]] = []
-    bsym = producers.get(t, None)
-    while bsym is not None:
-        inputs = [a for a in bsym.flat_proxy_args if isinstance(a, TensorProxy)]
-        leaves = _leaf_prims(bsym)
-        if len(inputs) != 1 or not leaves or not all(leaf.sym.id in _VIEW_PRIMS for leaf in leaves):
-            break
-        chain.insert(0, (inputs[0], leaves))
-        bsym = producers.get(inputs[0], None)
-    return chain
-
-
 def _head_repeat(base: TensorProxy, leaves: list[BoundSymbol], result: TensorProxy) -> int | None:
     """n if ``result`` is ``base`` repeat_interleave'd n times (n > 1) over dim -3 through ``leaves``, a linear
-    chain of view prims, else None."""
-    if base.ndim != result.ndim or base.ndim < 3 or 0 in base.shape:
+    chain of view prims, else None.
+
+    A repeat over head groups is exactly the case where the head dim of the result is [X's head dim, broadcasts
+    of n in all] (X's head outer, so head h reads X's head h // n: torch's repeat_interleave, what enable_gqa
+    means) and every other dim is X's own. A tile (x.repeat(1, n, 1, 1): broadcast outer) gives [broadcast,
+    X's head] and is rejected: it is not GQA."""
+    if base.ndim != result.ndim or base.ndim < 3:
         return None
-    own: _Dims = [[("x", i, s)] if s != 1 else [] for i, s in enumerate(base.shape)]  # base's own dims
-    dims, current = own, base
-    for leaf in leaves:  # the factors of each tensor's dims as a function of base's
-        args = leaf.args
-        if not args or not isinstance(args[0], TensorProxy) or args[0].name != current.name:
-            return None
-        if leaf.sym.id == prims.PrimIDs.BROADCAST_IN_DIM:
-            dims = _apply_broadcast_in_dim(dims, tuple(args[0].shape), tuple(args[1]), tuple(args[2]))
-        elif leaf.sym.id == prims.PrimIDs.RESHAPE:
-            dims = _apply_reshape(dims, tuple(args[1]))
-        if dims is None:
-            return None
-        current = leaf.output
+    dims = dims_through(base, leaves, result)
+    if dims is None:
+        return None
+    own = own_dims(base)
     h = base.ndim - 3
     repeat = dims[h][len(own[h]) :]  # after X's head: broadcasts (sizes > 1) whose product is n
     expected = own[:h] + [own[h] + repeat] + own[h + 1 :]  # every other dim X's own
-    if current.name != result.name or not repeat or any(f[0] != "b" for f in repeat) or dims != expected:
+    if not repeat or any(f[0] != "b" for f in repeat) or dims != expected:
         return None
     return result.shape[h] // base.shape[h]
 
 
 def find_head_repeat(t: TensorProxy, producers) -> tuple[TensorProxy, int] | None:
     """``(X, n)`` when ``t`` is X repeated over head groups; the farthest such X wins (stacked repeats all go)."""
-    chain = _view_chain(t, producers)
+    chain = view_chain(t, producers)
     for i, (base, _) in enumerate(chain):
         n = _head_repeat(base, [leaf for _, leaves in chain[i:] for leaf in leaves], t)
         if n is not None:

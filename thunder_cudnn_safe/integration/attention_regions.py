@@ -1,0 +1,497 @@
+"""Recognising hand-written attention in a thunder trace: the walk back from ``P @ V`` to ``q @ k^T``.
+
+:func:`match_region` fills a :class:`Region` (the fused call's arguments and the bound symbols it replaces) or
+raises :class:`NotAttention` with the reason; :func:`sigmoid_sinks` extends a region by the
+``* sigmoid(logsumexp(s) - sink)`` form. What is recognised, and why each step is the same function, is in
+:mod:`thunder_cudnn_safe.integration.handwritten`'s docstring; the rewrite is there too.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import thunder.core.dtypes as dtypes
+import thunder.core.prims as prims
+import thunder.core.utils as utils
+import thunder.torch as ltorch
+from thunder.core.proxies import TensorProxy
+from thunder.core.symbol import BoundSymbol
+from thunder.core.trace import TraceCtx
+
+from thunder_cudnn_safe.integration.gqa import find_head_repeat
+from thunder_cudnn_safe.integration.trace_views import CAST_PRIMS, dims_through, leaf_prims, own_dims, view_chain
+
+#: a finite masked_fill value at or below this is the same softmax as -inf everywhere but fully masked rows,
+#: and there too when it is turned into an additive term: s + v rounds to v in float32 for any |s| < 1e22
+FINITE_FILL_LIMIT = -1e30
+
+SOFTMAX = ltorch._softmax.id
+MATMUL = ltorch.matmul.id
+_DROPOUT = ltorch.dropout.id
+_TRANSPOSE_PRIMS = frozenset({prims.PrimIDs.TRANSPOSE})
+
+
+class NotAttention(Exception):
+    """Why a candidate region is not rewritten (the text becomes the declined reason)."""
+
+
+@dataclass
+class Region:
+    """One recognised attention: the fused call's arguments and the bound symbols it replaces."""
+
+    query: TensorProxy
+    key: TensorProxy
+    value: TensorProxy
+    scale: float
+    output: TensorProxy
+    #: additive mask terms (summed) and boolean keep masks (and-ed)
+    additive: list[TensorProxy] = field(default_factory=list)
+    keep: list[TensorProxy] = field(default_factory=list)
+    #: masked_fill(cond, v) with a finite v <= FINITE_FILL_LIMIT: (cond, v), an additive where(cond, v, 0)
+    fills: list[tuple[TensorProxy, float]] = field(default_factory=list)
+    dropout_p: float = 0.0
+    softcap: float | None = None
+    sinks: TensorProxy | None = None
+    enable_gqa: bool = False
+    #: the scores the softmax reads, casts stripped (the sigmoid sinks form checks its logsumexp reads them)
+    logits: TensorProxy | None = None
+    bsyms: list[BoundSymbol] = field(default_factory=list)
+
+
+def _number(x: Any) -> float | None:
+    """A Python constant (not a proxy, not a bool) as a float, else None."""
+    if isinstance(x, bool) or not isinstance(x, int | float):
+        return None
+    return float(x)
+
+
+def _tensors(bsym: BoundSymbol) -> list[TensorProxy]:
+    return [a for a in bsym.flat_proxy_args if isinstance(a, TensorProxy)]
+
+
+def _arg(bsym: BoundSymbol, index: int, name: str, default: Any = None) -> Any:
+    if len(bsym.args) > index:
+        return bsym.args[index]
+    return bsym.kwargs.get(name, default)
+
+
+def _last_dim(dim: Any, ndim: int) -> bool:
+    return isinstance(dim, int) and not isinstance(dim, bool) and dim % ndim == ndim - 1
+
+
+class TraceWalk:
+    """One computation trace's producers and consumers, and the small steps every walk back takes (casts, constant
+    factors); the region walks are the functions below."""
+
+    def __init__(self, trace: TraceCtx) -> None:
+        self.producers = utils.producers(trace)
+        self.consumers = utils.consumers(trace)
+
+    def producer(self, t: Any) -> BoundSymbol | None:
+        return self.producers.get(t, None) if isinstance(t, TensorProxy) else None
+
+    # -- small steps -------------------------------------------------------------------------------------------
+    def shared(self, t: TensorProxy) -> bool:
+        """Read by more than one bound symbol: an operand's producer stays outside the region then."""
+        return len(self.consumers.get(t, ())) > 1
+
+    def skip_casts(
+        self, t: TensorProxy, region: Region, stop_at_shared: bool = False, dropout: bool = False
+    ) -> TensorProxy:
+        """Back through bound symbols that only change dtype (to a float dtype, on the same device) or copy:
+        ``.to``, ``.float()``, ``type_as``, ``contiguous``, dropout with p = 0 or in eval; with ``dropout`` (the
+        probabilities' side only: dropout on the scores is another function) a dropout with p > 0 too."""
+        while (bsym := self.producer(t)) is not None and not (stop_at_shared and self.shared(t)):
+            ins = _tensors(bsym)
+            if not ins or ins[0].shape != t.shape or not dtypes.is_float_dtype(t.dtype) or ins[0].device != t.device:
+                break
+            if bsym.sym.id == _DROPOUT:
+                p, training = _number(_arg(bsym, 1, "p", 0.5)), _arg(bsym, 2, "training", True)
+                if p is None or training not in (True, False):
+                    raise NotAttention("dropout with a p or training flag that is not a constant")
+                if training and p > 0:
+                    if not dropout:
+                        raise NotAttention("dropout on the scores before the softmax")
+                    if region.dropout_p:
+                        raise NotAttention("two dropouts on the probabilities")
+                    region.dropout_p = p
+            else:
+                leaves = leaf_prims(bsym)
+                if bsym.sym.id != ltorch.to.id and not (leaves and all(x.sym.id in CAST_PRIMS for x in leaves)):
+                    break
+                if bsym.sym.id != ltorch.type_as.id and len(ins) != 1:
+                    break
+            region.bsyms.append(bsym)
+            t = ins[0]
+        return t
+
+    def scalar_factor(self, bsym: BoundSymbol) -> tuple[TensorProxy, float] | None:
+        """``(x, a)`` where ``bsym`` computes ``x * a`` (a mul or a true division by a constant), else None."""
+        sid = bsym.sym.id
+        if sid == ltorch.mul.id and len(bsym.args) == 2:
+            a, b = bsym.args
+            if isinstance(a, TensorProxy) and _number(b) is not None:
+                return a, _number(b)
+            if isinstance(b, TensorProxy) and _number(a) is not None:
+                return b, _number(a)
+        if sid in (ltorch.true_divide.id, ltorch.div.id) and isinstance(bsym.args[0], TensorProxy):
+            d = _number(_arg(bsym, 1, "other"))
+            if d is not None and d != 0 and _arg(bsym, 2, "rounding_mode") is None:
+                return bsym.args[0], 1.0 / d
+        return None
+
+    def take_scales(self, t: TensorProxy, region: Region, stop_at_shared: bool = False) -> tuple[TensorProxy, float]:
+        """Back through constant factors and casts; the product of the factors. With ``stop_at_shared`` (q and k:
+        a scaled q may be read elsewhere too) a tensor read by more than the region ends the walk."""
+        scale = 1.0
+        while True:
+            t = self.skip_casts(t, region, stop_at_shared)
+            bsym = self.producer(t)
+            factor = self.scalar_factor(bsym) if bsym is not None and not (stop_at_shared and self.shared(t)) else None
+            if factor is None:
+                return t, scale
+            region.bsyms.append(bsym)
+            t, scale = factor[0], scale * factor[1]
+
+    # -- the region ----------------------------------------------------------------------------------------------
+    def skip_casts_probe(self, t: TensorProxy) -> TensorProxy:
+        """:meth:`skip_casts` without recording (to look ahead)."""
+        try:
+            return self.skip_casts(t, Region(query=t, key=t, value=t, scale=1.0, output=t))
+        except NotAttention:
+            return t
+
+    def used_outside(self, region: Region) -> str | None:
+        """The first intermediate read outside the region (e.g. returned probabilities), as text, or None."""
+        inside = {id(b) for b in region.bsyms}
+        for bsym in region.bsyms:
+            for out in bsym.flat_proxy_outs:
+                if out is region.output or not isinstance(out, TensorProxy):
+                    continue
+                for consumer in self.consumers.get(out, []):
+                    if id(consumer) not in inside:
+                        return f"{out.name} (from {bsym.sym.name}) is also read by {consumer.sym.name}"
+        return None
+
+
+def match_region(w: TraceWalk, out_bsym: BoundSymbol, region: Region) -> None:
+    """Fill ``region``, ending in ``out_bsym`` (``P @ V``); raises :class:`NotAttention` with the reason (the
+    bound symbols walked so far stay in ``region.bsyms``)."""
+    p, v = out_bsym.args[0], out_bsym.args[1]
+    region.bsyms.append(out_bsym)
+    region.value, region.output = v, out_bsym.output
+    if not (isinstance(p, TensorProxy) and isinstance(v, TensorProxy)) or p.ndim != 4 or v.ndim != 4:
+        raise NotAttention("P @ V is not between 4-D (batch, heads, sequence, dim) tensors")
+    p = w.skip_casts(p, region, dropout=True)
+    dropped_column = False
+    bsym = w.producer(p)
+    if bsym is not None and bsym.sym.id == ltorch.getitem.id:
+        dropped_column = _drops_last_column(w, bsym, p)
+        if not dropped_column:
+            raise NotAttention(f"the probabilities are sliced ({bsym.args[1]!r}), not only the sink column cut")
+        region.bsyms.append(bsym)
+        p = w.skip_casts(bsym.args[0], region, dropout=True)
+        bsym = w.producer(p)
+    if bsym is None or bsym.sym.id != SOFTMAX:
+        raise NotAttention("the left operand of the last matmul is not a softmax's output")
+    if not _last_dim(_arg(bsym, 1, "dim"), p.ndim):
+        raise NotAttention("the softmax is not over the last dim (keys)")
+    region.bsyms.append(bsym)
+    x = w.skip_casts(bsym.args[0], region)
+    x = _strip_row_max(w, x, region)
+    if dropped_column:
+        x = _sink_column(w, x, region)
+    region.logits = x
+    s = _masks(w, x, region)
+    s = _softcap(w, s, region)
+    _scores(w, s, region)
+
+
+def _drops_last_column(w: TraceWalk, bsym: BoundSymbol, out: TensorProxy) -> bool:
+    """``probs[..., :-1]`` (or ``[..., :n-1]``, with or without leading full slices) on a 4-D tensor."""
+    src, index = bsym.args[0], bsym.args[1]
+    if not isinstance(src, TensorProxy) or src.ndim != 4 or out.shape[-1] != src.shape[-1] - 1:
+        return False
+    index = index if isinstance(index, tuple) else (index,)
+    if not index or not isinstance(index[-1], slice):
+        return False
+    head = index[:-1]
+    leading_ok = head in ((), (Ellipsis,)) or (
+        len(head) == 3 and all(isinstance(i, slice) and i == slice(None) for i in head)
+    )
+    last = index[-1]
+    stop_ok = last.stop in (-1, src.shape[-1] - 1)
+    return (
+        leading_ok
+        and last.start in (None, 0)
+        and last.step in (None, 1)
+        and stop_ok
+        and out.shape[:-1] == (src.shape[:-1])
+    )
+
+
+def _strip_row_max(w: TraceWalk, x: TensorProxy, region: Region) -> TensorProxy:
+    """``x - x.max(-1, keepdim=True)`` -> x (softmax is invariant to a per-row constant)."""
+    bsym = w.producer(x)
+    if bsym is None or bsym.sym.id != ltorch.sub.id or len(bsym.args) < 2 or _arg(bsym, 2, "alpha", 1) != 1:
+        return x
+    base, m = bsym.args[0], bsym.args[1]
+    if not isinstance(base, TensorProxy) or not isinstance(m, TensorProxy):
+        return x
+    chain = []
+    mb = w.producer(m)
+    while mb is not None and mb.sym.id == ltorch.detach.id:
+        chain.append(mb)
+        mb = w.producer(mb.args[0])
+    if mb is None or mb.sym.id not in (ltorch.torch_max.id, ltorch.amax.id) or mb.args[0] is not base:
+        return x
+    if not _last_dim(_arg(mb, 1, "dim"), base.ndim) or _arg(mb, 2, "keepdim") is not True:
+        return x
+    if mb.sym.id == ltorch.torch_max.id and m is not mb.output[0]:
+        return x
+    region.bsyms.extend([bsym, *chain, mb])
+    return w.skip_casts(base, region)
+
+
+def _sink_column(w: TraceWalk, x: TensorProxy, region: Region) -> TensorProxy:
+    """``cat([s, col], -1)`` where ``col[b, h, i, 0]`` reads ``sinks[h]``: records the sinks, returns s."""
+    bsym = w.producer(x)
+    if bsym is None or bsym.sym.id != ltorch.cat.id:
+        raise NotAttention("the dropped softmax column is not a concatenated sink column")
+    parts, dim = _arg(bsym, 0, "tensors"), _arg(bsym, 1, "dim", 0)
+    if len(parts) != 2 or not _last_dim(dim, 4) or parts[1].shape[-1] != 1:
+        raise NotAttention("the concatenation is not [scores, one sink column] over the last dim")
+    region.bsyms.append(bsym)
+    region.sinks = _per_head(w, parts[1], heads=x.shape[1], head_dim=1)
+    return w.skip_casts(parts[0], region)
+
+
+def _per_head(w: TraceWalk, col: TensorProxy, heads: int, head_dim: int) -> TensorProxy:
+    """The (H,) tensor X with ``col[..., h, ...] == X[h]`` for every other index (a view chain proves it)."""
+    chain = view_chain(col, w.producers, through_casts=True)
+    for i, (base, _) in enumerate(chain):
+        if base.numel != heads:
+            continue
+        dims = dims_through(base, [leaf for _, leaves in chain[i:] for leaf in leaves], col)
+        if dims is None:
+            continue
+        factors = list(dims[head_dim])
+        others_broadcast = all(f[0] == "b" for d, fs in enumerate(dims) if d != head_dim for f in fs)
+        if (
+            others_broadcast
+            and [f[0] for f in factors] == ["x"] * len(factors)
+            and [f[1] for f in factors] == (sorted(f[1] for f in factors))
+            and math.prod(f[2] for f in factors) == heads
+        ):
+            return base
+    raise NotAttention("the sink column is not one value per head broadcast over batch and queries")
+
+
+def _masks(w: TraceWalk, s: TensorProxy, region: Region) -> TensorProxy:
+    """Back through additive and boolean masks; each one must keep the scores' shape."""
+    while True:
+        s = w.skip_casts(s, region)
+        bsym = w.producer(s)
+        if bsym is None:
+            return s
+        sid = bsym.sym.id
+        if sid == ltorch.add.id and len(bsym.args) >= 2 and _arg(bsym, 2, "alpha", 1) == 1:
+            a, b = bsym.args[0], bsym.args[1]
+            if not (isinstance(a, TensorProxy) and isinstance(b, TensorProxy)):
+                raise NotAttention("a constant is added to the scores")
+            scores, term = _which_is_scores(w, a, b)
+            _check_mask_shape(term, s)
+            if term.dtype == dtypes.bool8:
+                raise NotAttention("a boolean tensor is added to the scores")
+            region.additive.append(term)
+        elif sid in (ltorch.masked_fill.id, ltorch.where.id):
+            scores = _boolean_mask(w, bsym, s, region)
+        else:
+            return s
+        region.bsyms.append(bsym)
+        s = scores
+
+
+def _which_is_scores(w: TraceWalk, a: TensorProxy, b: TensorProxy) -> tuple[TensorProxy, TensorProxy]:
+    """(scores, mask) of an addition: the side that leads back to ``q @ k^T`` through the score ops."""
+    for scores, term in ((a, b), (b, a)):
+        if _leads_to_qk(w, scores):
+            return scores, term
+    raise NotAttention("neither side of an addition to the scores comes from q @ k^T")
+
+
+def _leads_to_qk(w: TraceWalk, t: TensorProxy, depth: int = 24) -> bool:
+    while depth:
+        bsym = w.producer(t)
+        if bsym is None:
+            return False
+        if bsym.sym.id == MATMUL:
+            return True
+        ins = _tensors(bsym)
+        if not ins:
+            return False
+        t, depth = ins[0] if bsym.sym.id != ltorch.where.id else ins[-1], depth - 1
+        if bsym.sym.id == ltorch.add.id:
+            return any(_leads_to_qk(w, i, depth) for i in ins)
+    return False
+
+
+def _check_mask_shape(term: TensorProxy, s: TensorProxy) -> None:
+    if term.ndim > s.ndim or any(
+        m not in (1, n) for m, n in zip(reversed(term.shape), reversed(s.shape), strict=False)
+    ):
+        raise NotAttention(f"a mask of shape {tuple(term.shape)} would broadcast the scores {tuple(s.shape)}")
+
+
+def _boolean_mask(w: TraceWalk, bsym: BoundSymbol, s: TensorProxy, region: Region) -> TensorProxy:
+    """masked_fill(s, cond, v) / where(c, s, v) / where(c, v, s) with v = -inf or a finite v <= -1e30."""
+    if bsym.sym.id == ltorch.masked_fill.id:
+        scores, cond, value = bsym.args[0], bsym.args[1], _arg(bsym, 2, "value")
+        masked_where_true = True
+    else:
+        cond, a, b = bsym.args[0], bsym.args[1], bsym.args[2]
+        if isinstance(a, TensorProxy) and _number(b) is not None:
+            scores, value, masked_where_true = a, b, False
+        elif isinstance(b, TensorProxy) and _number(a) is not None:
+            scores, value, masked_where_true = b, a, True
+        else:
+            raise NotAttention("a where() on the scores that is not a mask with a constant")
+    value = _number(value)
+    if not isinstance(cond, TensorProxy) or cond.dtype != dtypes.bool8 or not isinstance(scores, TensorProxy):
+        raise NotAttention("a masked_fill / where on the scores without a boolean mask")
+    _check_mask_shape(cond, s)
+    if value is None or not (value == -math.inf or value <= FINITE_FILL_LIMIT):
+        raise NotAttention(f"a mask fill value {value!r} that is neither -inf nor <= {FINITE_FILL_LIMIT:g}")
+    if value == -math.inf:
+        region.keep.append(cond if not masked_where_true else _negated(w, cond))
+    elif masked_where_true:
+        region.fills.append((cond, value))
+    else:
+        region.fills.append((_negated(w, cond), value))
+    return scores
+
+
+def _negated(w: TraceWalk, cond: TensorProxy) -> TensorProxy | tuple[str, TensorProxy]:
+    """``~cond``: the original keep mask where cond was itself negated, else a marker to negate when rewriting."""
+    bsym = w.producer(cond)
+    if bsym is not None and bsym.sym.id in (ltorch.logical_not.id, ltorch.bitwise_not.id):
+        inner = bsym.args[0]
+        if isinstance(inner, TensorProxy) and inner.dtype == dtypes.bool8:
+            return inner
+    return ("not", cond)
+
+
+def _softcap(w: TraceWalk, s: TensorProxy, region: Region) -> TensorProxy:
+    """``tanh(s * (1/c)) * c`` -> s, recording c."""
+    bsym = w.producer(s)
+    outer = w.scalar_factor(bsym) if bsym is not None else None
+    if outer is None:
+        return s
+    t, c = outer
+    tb = w.producer(w.skip_casts_probe(t))
+    if tb is None or tb.sym.id != ltorch.tanh.id:
+        return s
+    ib = w.producer(w.skip_casts_probe(tb.args[0]))
+    inner = w.scalar_factor(ib) if ib is not None else None
+    if inner is None or c <= 0 or not math.isclose(inner[1] * c, 1.0, rel_tol=1e-6):
+        raise NotAttention("a tanh on the scores that is not a softcap c * tanh(s / c)")
+    region.bsyms.append(bsym)
+    w.skip_casts(t, region)
+    region.bsyms.append(tb)
+    w.skip_casts(tb.args[0], region)
+    region.bsyms.append(ib)
+    region.softcap = c
+    return inner[0]
+
+
+def _scores(w: TraceWalk, s: TensorProxy, region: Region) -> None:
+    """``(q * a) @ (k * b)^T * c`` -> query, key (and value) with GQA seen through, scale a * b * c."""
+    s, scale = w.take_scales(s, region)
+    bsym = w.producer(s)
+    if bsym is not None and bsym.sym.id == ltorch.tanh.id:
+        raise NotAttention("a tanh on the scores that is not a softcap c * tanh(s / c) before every mask")
+    if bsym is None or bsym.sym.id != MATMUL:
+        source = bsym.sym.name if bsym is not None else "an input"
+        raise NotAttention(f"the scores come from {source}, not from q @ k^T (or in a mask/softcap order "
+                            "this recogniser does not prove)")  # fmt: skip
+    region.bsyms.append(bsym)
+    q, kt = bsym.args[0], bsym.args[1]
+    if not (isinstance(q, TensorProxy) and isinstance(kt, TensorProxy)) or q.ndim != 4 or kt.ndim != 4:
+        raise NotAttention("q @ k^T is not between 4-D tensors")
+    q, a = w.take_scales(q, region, stop_at_shared=True)
+    kt, b = w.take_scales(kt, region)
+    tb = w.producer(kt)
+    leaves = leaf_prims(tb) if tb is not None else []
+    if len(leaves) != 1 or leaves[0].sym.id not in _TRANSPOSE_PRIMS or tuple(leaves[0].args[1]) != (0, 1, 3, 2):
+        raise NotAttention("the right operand of q @ k^T is not k transposed over its last two dims")
+    region.bsyms.append(tb)
+    k, c = w.take_scales(_tensors(tb)[0], region, stop_at_shared=True)
+    region.scale = scale * a * b * c
+    v = region.value
+    if q.shape[:2] != k.shape[:2] or k.shape[:2] != v.shape[:2] or k.shape[2] != v.shape[2]:
+        raise NotAttention("q, k and v do not share batch and heads (broadcast heads are not GQA repeats)")
+    if not (q.dtype == k.dtype == v.dtype) or not dtypes.is_float_dtype(q.dtype):
+        raise NotAttention(f"q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})")
+    if region.output.dtype != v.dtype:
+        raise NotAttention(f"the output is {region.output.dtype}, not the inputs' {v.dtype}")
+    base_k, base_v = find_head_repeat(k, w.producers), find_head_repeat(v, w.producers)
+    if base_k and base_v and base_k[1] == base_v[1] and base_k[0].shape[1] == base_v[0].shape[1]:
+        k, v, region.enable_gqa = base_k[0], base_v[0], True
+    region.query, region.key, region.value = q, k, v
+
+
+# -- the sigmoid sinks form ----------------------------------------------------------------------------------
+def sigmoid_sinks(w: TraceWalk, mul: BoundSymbol, regions: dict[str, Region]) -> Region | None:
+    """``(P @ V) * sigmoid(logsumexp(s, -1) - sink)`` with (P @ V) a recognised region: the region with sinks,
+    ending at ``mul``; None where ``mul`` is not that."""
+    if len(mul.args) != 2 or not all(isinstance(a, TensorProxy) for a in mul.args):
+        return None
+    for o, f in (mul.args, mul.args[::-1]):
+        region = regions.get(o.name)
+        if region is None or region.sinks is not None or mul.output.shape != o.shape or mul.output.dtype != o.dtype:
+            continue
+        try:
+            if _sigmoid_factor(w, region, f, mul):
+                return region
+        except NotAttention:
+            continue
+    return None
+
+
+def _sigmoid_factor(w: TraceWalk, region: Region, f: TensorProxy, mul: BoundSymbol) -> bool:
+    """Whether ``f`` is ``sigmoid(logsumexp(region's scores, -1) - sink_h)`` as a (B, H, L, 1) factor; if so the
+    region gains the sinks and ends at ``mul``."""
+    o = region.output
+    probe = Region(query=f, key=f, value=f, scale=1.0, output=f)
+    g = w.skip_casts(f, probe)
+    if tuple(g.shape) != (*o.shape[:3], 1):
+        return False
+    chain = view_chain(g, w.producers, through_casts=True)
+    base, extra = g, []
+    if chain:
+        base = chain[0][0]
+        dims = dims_through(base, [leaf for _, leaves in chain for leaf in leaves], g)
+        if dims is None or base.ndim != 3 or dims != [*own_dims(base), []]:
+            return False
+        extra = [w.producers[t] for t in [*(b for b, _ in chain[1:]), g]]
+    base = w.skip_casts(base, probe)
+    sb = w.producer(base)
+    if sb is None or sb.sym.id != ltorch.sigmoid.id:
+        return False
+    db = w.producer(w.skip_casts(sb.args[0], probe))
+    if db is None or db.sym.id != ltorch.sub.id or _arg(db, 2, "alpha", 1) != 1:
+        return False
+    lse_t, sink_view = db.args[0], db.args[1]
+    if not isinstance(lse_t, TensorProxy) or not isinstance(sink_view, TensorProxy):
+        return False
+    lb = w.producer(w.skip_casts(lse_t, probe))
+    if lb is None or lb.sym.id != ltorch.logsumexp.id or not _last_dim(_arg(lb, 1, "dim"), lb.args[0].ndim):
+        return False
+    if w.skip_casts_probe(lb.args[0]) is not region.logits or lse_t.shape != base.shape:
+        return False
+    region.sinks = _per_head(w, sink_view, heads=o.shape[1], head_dim=1)
+    region.output = mul.output
+    region.bsyms.extend([mul, *probe.bsyms, *extra, sb, db, lb])
+    return True
