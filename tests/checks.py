@@ -173,6 +173,21 @@ def trace_text(jf) -> tuple[str, str]:
     return fwd, (str(bwd_traces[-1]) if bwd_traces else "")
 
 
+def score_tensors(trace, b: int, h: int, lq: int, s: int) -> list:
+    """The tensors of shape (b, h, lq, s), or (b, h, lq, s + 1) with a sink column, that ``trace``'s bound symbols
+    produce: the scores and probabilities hand-written attention materialises per layer and a fused call does not
+    (issue 43's tests assert that none is left in the final forward trace). Pick shapes no other tensor has."""
+    from thunder.core.proxies import TensorProxy
+
+    shapes = {(b, h, lq, s), (b, h, lq, s + 1)}
+    found: dict[str, TensorProxy] = {}
+    for bsym in trace.bound_symbols:
+        for proxy in bsym.flat_proxy_outs:
+            if isinstance(proxy, TensorProxy) and tuple(proxy.shape) in shapes:
+                found.setdefault(proxy.name, proxy)
+    return list(found.values())
+
+
 def check_against_eager(
     jf,
     args: tuple,

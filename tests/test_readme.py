@@ -20,7 +20,8 @@ import torch.nn.functional as F
 import thunder_cudnn_safe as tcs
 from thunder_cudnn_safe.testing import assert_close_to_reference
 
-README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
 #: README's ```python blocks, in order
 BLOCKS = re.findall(r"^```python\n(.*?)^```", README, re.S | re.M)
 
@@ -133,3 +134,17 @@ def test_every_python_block_is_classified():
 @pytest.mark.parametrize("block", [b for b in BLOCKS if _key(b) in RUN], ids=_key)
 def test_readme_block_runs(block):
     RUN[_key(block)](block, _namespace())
+
+
+def test_set_up_commands_are_what_ci_runs():
+    """README's install lines (the ``pip install`` lines of its ```bash blocks, the optional LitGPT line included)
+    are lines of ``.ci/run``, as written there (a trailing ``|| exit 1`` aside): README and CI cannot drift apart."""
+    installs = [
+        line.strip()
+        for block in re.findall(r"^```bash\n(.*?)^```", README, re.S | re.M)
+        for line in block.splitlines()
+        if "pip install" in line
+    ]
+    assert len(installs) >= 2, installs
+    ci = {line.strip().removesuffix("|| exit 1").strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()}
+    assert [line for line in installs if line not in ci] == []
