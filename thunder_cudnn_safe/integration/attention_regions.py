@@ -196,9 +196,9 @@ def match_region(w: TraceWalk, out_bsym: BoundSymbol, region: Region) -> None:
         bsym = w.producer(p)
     if bsym is None or bsym.sym.id != SOFTMAX:
         raise NotAttention("the left operand of the last matmul is not a softmax's output")
+    region.bsyms.append(bsym)
     if not _last_dim(_arg(bsym, 1, "dim"), p.ndim):
         raise NotAttention("the softmax is not over the last dim (keys)")
-    region.bsyms.append(bsym)
     x = w.skip_casts(bsym.args[0], region)
     x = _strip_row_max(w, x, region)
     if dropped_column:
