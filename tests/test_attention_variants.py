@@ -58,6 +58,43 @@ def test_gradients_reach_every_input_in_eager():
     assert torch.autograd.gradcheck(fn, (q, k, v, mask, sinks))
 
 
+def test_a_row_masked_everywhere_has_zero_output_and_gradients_in_eager():
+    """F.sdpa's safe softmax, gradients included: the decomposition's softmax never reads a row of -inf (whose NaN
+    reached dQ through the zeroing ``where`` before), as eager F.sdpa gives and the executor's kernels do."""
+    q, k, v = (torch.randn(1, 2, 6, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    mask = torch.zeros(6, 6, dtype=torch.float64)
+    mask[:2] = float("-inf")
+    out = tcs.attention(q, k, v, mask)
+    out.backward(torch.randn_like(out))
+    expected = F.scaled_dot_product_attention(*(t.detach() for t in (q, k, v)), mask)
+    torch.testing.assert_close(out, expected)
+    assert all(t.grad.isfinite().all() for t in (q, k, v))
+    assert (q.grad[..., :2, :] == 0).all() and (out[..., :2, :] == 0).all()
+
+
+def test_a_float32_mask_with_bf16_queries_is_traced_and_claimed(fresh_cache):
+    """thunder's SDPA cannot trace a float mask of another dtype than the queries' (its matmul meets float32
+    probabilities), which eager accepts: the symbol's body is the decomposition there, and the call is claimed."""
+    q, k, v = (torch.randn(2, 4, 16, 16).to(torch.bfloat16).requires_grad_() for _ in range(3))
+    mask = torch.randn(1, 1, 16, 16)
+    mask[..., 3:, :2] = float("-inf")
+    jf = thunder.jit(lambda q, k, v, m: tcs.attention(q, k, v, m), executors=[tcs.emulated_ex])
+    with on_the_runtime():
+        out = jf(q, k, v, mask)
+        grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    assert_claimed_in_traces(jf)
+    args64 = _f64(q, k, v)
+    ref = tcs.attention(*args64, mask.double())
+    eager = tcs.attention(*(t.detach() for t in (q, k, v)), mask)
+    assert_close_to_reference(out, eager, ref, "output")
+    ref_grads = torch.autograd.grad(ref, args64, torch.ones_like(ref))
+    eager_grads = torch.autograd.grad(
+        tcs.attention(*(e := [t.detach().requires_grad_() for t in (q, k, v)]), mask), e, torch.ones_like(out)
+    )
+    for name, g, e, r in zip("qkv", grads, eager_grads, ref_grads):
+        assert_close_to_reference(g, e, r, f"d{name}")
+
+
 @pytest.mark.parametrize("bad", [{"softcap": 0.0}, {"softcap": float("inf")}, {"sinks": torch.zeros(3)}])
 def test_bad_options_fail_with_their_name(bad):
     q = torch.randn(1, 2, 4, 8)

@@ -14,6 +14,7 @@ import math
 from types import SimpleNamespace
 from typing import Any
 
+import thunder.core.dtypes as dtypes
 import thunder.torch as ltorch
 import torch
 from thunder.core.jit_ext import (
@@ -39,7 +40,8 @@ def decomposition(
 ):  # fmt: skip
     """The function itself, in ``ops``' namespace (torch's or thunder's) and tensor methods: scores in float32
     (float64 for float64 inputs), the softcap before the mask, sinks as an extra softmax column that is dropped,
-    a query row masked everywhere gives zeros (eager SDPA's safe softmax; with sinks it does anyway), the
+    a query row masked everywhere gives zeros and no gradient (eager SDPA's safe softmax; with sinks it does
+    anyway), the
     probabilities cast to the value dtype before ``@ v`` (as the models' hand-written attention does)."""
     acc = torch.float64 if torch_dtype(query.dtype) is torch.float64 else torch.float32
     hq, hk = query.shape[-3], key.shape[-3]
@@ -59,9 +61,9 @@ def decomposition(
     if sinks is not None:
         column = sinks.to(acc).reshape(1, -1, 1, 1).expand(*s.shape[:-1], 1)
         p = ops.cat([s, column], -1).softmax(-1)[..., :sk]
-    else:
+    else:  # the softmax reads 0 in a dead row, not -inf everywhere: its NaN would reach the gradient through where
         dead = s.amax(-1, keepdim=True) == float("-inf")
-        p = ops.where(dead, 0.0, s.softmax(-1))
+        p = ops.where(dead, 0.0, ops.where(dead, 0.0, s).softmax(-1))
     if dropout_p:
         p = ops.dropout(p, dropout_p)
     return p.to(value.dtype) @ value
@@ -72,8 +74,13 @@ def attention_symbol(
     query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
     softcap=None, sinks=None,
 ):  # fmt: skip
-    """:func:`attention` in a trace; its body (a declined call) is thunder's SDPA or the decomposition."""
-    if softcap is None and sinks is None:
+    """:func:`attention` in a trace; its body (a declined call) is thunder's SDPA or the decomposition. Thunder's
+    SDPA cannot trace a float mask of another dtype than the query's (a float32 mask with bf16 queries: its
+    matmul meets float32 probabilities), which eager torch and the decomposition accept."""
+    other_float_mask = (
+        attn_mask is not None and dtypes.is_float_dtype(attn_mask.dtype) and (attn_mask.dtype != query.dtype)
+    )
+    if softcap is None and sinks is None and not other_float_mask:
         return gqa.torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
     args = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap, sinks)
     return decomposition(_THUNDER, *args)

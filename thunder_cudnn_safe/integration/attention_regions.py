@@ -23,10 +23,6 @@ from thunder.core.trace import TraceCtx
 from thunder_cudnn_safe.integration.gqa import find_head_repeat
 from thunder_cudnn_safe.integration.trace_views import CAST_PRIMS, dims_through, leaf_prims, own_dims, view_chain
 
-#: a finite masked_fill value at or below this is the same softmax as -inf everywhere but fully masked rows,
-#: and there too when it is turned into an additive term: s + v rounds to v in float32 for any |s| < 1e22
-FINITE_FILL_LIMIT = -1e30
-
 SOFTMAX = ltorch._softmax.id
 MATMUL = ltorch.matmul.id
 _DROPOUT = ltorch.dropout.id
@@ -49,8 +45,6 @@ class Region:
     #: additive mask terms (summed) and boolean keep masks (and-ed)
     additive: list[TensorProxy] = field(default_factory=list)
     keep: list[TensorProxy] = field(default_factory=list)
-    #: masked_fill(cond, v) with a finite v <= FINITE_FILL_LIMIT: (cond, v), an additive where(cond, v, 0)
-    fills: list[tuple[TensorProxy, float]] = field(default_factory=list)
     dropout_p: float = 0.0
     softcap: float | None = None
     sinks: TensorProxy | None = None
@@ -346,7 +340,11 @@ def _check_mask_shape(term: TensorProxy, s: TensorProxy) -> None:
 
 
 def _boolean_mask(w: TraceWalk, bsym: BoundSymbol, s: TensorProxy, region: Region) -> TensorProxy:
-    """masked_fill(s, cond, v) / where(c, s, v) / where(c, v, s) with v = -inf or a finite v <= -1e30."""
+    """masked_fill(s, cond, -inf) / where(keep, s, -inf) / where(cond, -inf, s): a boolean keep mask.
+
+    A finite fill (``finfo.min``) is another function wherever a query row is masked everywhere: there the fill
+    gives a uniform row with no gradient to the scores (the fill replaces them); an additive mask gives the
+    gradient, a boolean one a zero row. No mask the fused call takes is the same, so such a region stays."""
     if bsym.sym.id == ltorch.masked_fill.id:
         scores, cond, value = bsym.args[0], bsym.args[1], _arg(bsym, 2, "value")
         masked_where_true = True
@@ -362,14 +360,10 @@ def _boolean_mask(w: TraceWalk, bsym: BoundSymbol, s: TensorProxy, region: Regio
     if not isinstance(cond, TensorProxy) or cond.dtype != dtypes.bool8 or not isinstance(scores, TensorProxy):
         raise NotAttention("a masked_fill / where on the scores without a boolean mask")
     _check_mask_shape(cond, s)
-    if value is None or not (value == -math.inf or value <= FINITE_FILL_LIMIT):
-        raise NotAttention(f"a mask fill value {value!r} that is neither -inf nor <= {FINITE_FILL_LIMIT:g}")
-    if value == -math.inf:
-        region.keep.append(cond if not masked_where_true else _negated(w, cond))
-    elif masked_where_true:
-        region.fills.append((cond, value))
-    else:
-        region.fills.append((_negated(w, cond), value))
+    if value != -math.inf:
+        raise NotAttention(f"a mask fill value {value!r}, not -inf: rows masked everywhere would differ (uniform, no "
+                           "gradient to the scores) from any mask the fused call takes")  # fmt: skip
+    region.keep.append(cond if not masked_where_true else _negated(w, cond))
     return scores
 
 
@@ -440,6 +434,18 @@ def _scores(w: TraceWalk, s: TensorProxy, region: Region) -> None:
     if base_k and base_v and base_k[1] == base_v[1] and base_k[0].shape[1] == base_v[0].shape[1]:
         k, v, region.enable_gqa = base_k[0], base_v[0], True
     region.query, region.key, region.value = q, k, v
+    _check_mask_dtypes(region)
+
+
+def _check_mask_dtypes(region: Region) -> None:
+    """float16 queries with a wider mask: the executor refuses, at run time, a row masked everywhere with finite
+    values below float16's range (it would round them to -inf and zero the row where eager averages V), so a
+    model that ran would raise once rewritten. Such a region stays as written."""
+    if region.query.dtype != dtypes.float16:
+        return
+    wide = [t.dtype for t in region.additive if t.dtype != dtypes.float16]
+    if wide:
+        raise NotAttention(f"a {wide[0]} mask with float16 queries (its finite values may lie below float16's range)")
 
 
 # -- the sigmoid sinks form ----------------------------------------------------------------------------------
