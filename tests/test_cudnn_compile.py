@@ -400,3 +400,4 @@ def test_attention_variant_graphs_compile(standin):
         for call, sm, key in softcapped
         if results[sm][key].ok != (isinstance(key, ForwardKey) or sm in (90, 100))
     ]
+    assert {sm for call in calls if call.softcap is not None for sm in ARCHS if not claimed(call, sm)} == {90, 100}
