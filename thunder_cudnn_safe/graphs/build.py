@@ -147,7 +147,7 @@ def score_modifier(key: ForwardKey | BackwardKey) -> tuple[Any, Any] | None:
     inside the backward graph before ``score_mod_bprop``, frontend 1.32's node). The cap is one pass-by-value
     scalar (the value travels in the graph; no tensor is bound). The fused backward engines match these ops:
     the same derivative as ``dS * (1 - t * t)`` (SUB and MUL of the saved tanh) gets no engine on any arch
-    (docs/compile_sweep.md, "Softcap backward"). A new modifier (ALiBi, another cap) is a branch here."""
+    (docs/deviceless.md, "Softcap backward"). A new modifier (ALiBi, another cap) is a branch here."""
     if key.softcap is None:
         return None
     cap, saved = float(key.softcap), {}

@@ -580,7 +580,7 @@ SOFTCAP_BACKWARD = Rule(
     "forward is claimed. Rerun the compile sweep's variant test with a newer cuDNN before widening the window",
     "the compile sweep, tests/test_cudnn_compile.py::test_attention_variant_graphs_compile (libcudnn 9.19 and 9.27, "
     "frontend 1.32, A100/H100/B200 descriptors: backward engine 6 on sm90, 5 on sm100, none on sm80); "
-    "docs/compile_sweep.md, 'Softcap backward' (a backward written dS * (1 - t * t) gets no engine on any arch)",
+    "docs/deviceless.md, 'Softcap backward' (a backward written dS * (1 - t * t) gets no engine on any arch)",
     arch_majors=(9, 10),
     min_backend=91900,
     passes=("backward",),
