@@ -8,7 +8,6 @@ reference by the accuracy rule. The ``slow`` tier draws >= 1000 cases. A decline
 
 from __future__ import annotations
 
-import contextlib
 import math
 import random
 
@@ -19,7 +18,6 @@ import torch.nn.functional as F
 from checks import assert_claimed_in_traces, jit_with_ours, on_the_runtime, trace_text
 
 import thunder_cudnn_safe as tcs
-from thunder_cudnn_safe.rules import cudnn_rules
 from thunder_cudnn_safe.testing import QKV_LAYOUTS, assert_close_to_reference, flash_backward_floor
 
 
@@ -173,23 +171,9 @@ def _attend(q, k, v, mask, sinks, is_causal, softcap, gqa):
     return tcs.attention(q, k, v, mask, is_causal=is_causal, softcap=softcap, sinks=sinks, enable_gqa=gqa)
 
 
-@contextlib.contextmanager
-def _softcap_backward_lifted(on: bool):
-    """SOFTCAP_BACKWARD lifted: libcudnn 9.19 has no engine for a softcap backward, so a softcapped training call
-    is declined (tested below); the sweep still runs the declared backward on the emulation, whose numbers are
-    what a cuDNN with an engine must give."""
-    if not on:
-        yield
-        return
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(cudnn_rules, "RULES", tuple(r for r in cudnn_rules.RULES if r.name != "SOFTCAP_BACKWARD"))
-        yield
-
-
 def run_case(c: dict) -> None:
     """``c`` through thunder.jit on the emulated executor: claimed, nothing on the fallback, accurate."""
-    with _softcap_backward_lifted(c["softcap"] is not None):
-        _run_case(c)
+    _run_case(c)
 
 
 def _run_case(c: dict) -> None:
@@ -322,24 +306,41 @@ def test_the_custom_op_computes_the_function_and_its_gradients():
     assert torch.autograd.gradcheck(fn, (q, k, v, sinks))
 
 
-# -- softcap in training: no cuDNN engine (SOFTCAP_BACKWARD); inference is claimed ------------------------------
-def test_softcap_training_is_declined_and_its_inference_forward_claimed(fresh_cache):
-    q, k, v = (torch.randn(1, 2, 16, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    reasons = tcs.explain(q, k, v, None, 0.0, True, executor=tcs.emulated_ex, softcap=30.0)
-    assert [r.rule for r in reasons] == ["SOFTCAP_BACKWARD"]
+# -- softcap in training: a backward engine on sm90 and sm100; none on sm80 (SOFTCAP_BACKWARD) --------------------
+def _softcap_training(q, k, v):
+    """A softcapped causal training step through thunder.jit: (the jitted function, its gradients of q, k, v)."""
     jf = jit_with_ours(lambda q, k, v: tcs.attention(q, k, v, is_causal=True, softcap=30.0))
-    out = jf(q, k, v)
-    out.sum().backward()
-    assert "cudnn_safe_emulated_sdpa_fwd" not in trace_text(jf)[0]
-    expected = [q.grad.clone(), k.grad.clone(), v.grad.clone()]
+    jf(q, k, v).sum().backward()
+    grads = [q.grad.clone(), k.grad.clone(), v.grad.clone()]
     for t in (q, k, v):
         t.grad = None
     tcs.attention(q, k, v, is_causal=True, softcap=30.0).sum().backward()
-    for got, exp in zip(expected, (q.grad, k.grad, v.grad)):
+    for got, exp in zip(grads, (q.grad, k.grad, v.grad)):
         torch.testing.assert_close(got, exp, atol=2e-2, rtol=2e-2)
-    with torch.no_grad(), on_the_runtime():
-        out = jf(q, k, v)
-    assert "cudnn_safe_emulated_sdpa_fwd" in trace_text(jf)[0]
+    return jf
+
+
+def test_softcap_training_is_claimed_on_sm90(fresh_cache):
+    """The backward declared as cudnn-frontend's Softcap (MUL, TANH_BWD, DIV) gets an engine on sm90 (the compile
+    sweep): a softcapped training step runs forward and backward on the runtime's graphs."""
+    q, k, v = (torch.randn(1, 2, 16, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    assert tcs.explain(q, k, v, None, 0.0, True, executor=tcs.emulated_ex, softcap=30.0) == []
+    with on_the_runtime():
+        jf = _softcap_training(q, k, v)
+    fwd, bwd = trace_text(jf)
+    assert "cudnn_safe_emulated_sdpa_fwd" in fwd and "cudnn_safe_emulated_sdpa_bwd" in bwd
+
+
+def test_softcap_training_is_declined_on_sm80_and_its_inference_forward_claimed(fresh_cache):
+    q, k, v = (torch.randn(1, 2, 16, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    with tcs.config.patch(emulated_arch=(8, 0)):
+        reasons = tcs.explain(q, k, v, None, 0.0, True, executor=tcs.emulated_ex, softcap=30.0)
+        assert [r.rule for r in reasons] == ["SOFTCAP_BACKWARD"]
+        jf = _softcap_training(q, k, v)
+        assert "cudnn_safe_emulated_sdpa_fwd" not in trace_text(jf)[0]
+        with torch.no_grad(), on_the_runtime():
+            jf(q, k, v)
+        assert "cudnn_safe_emulated_sdpa_fwd" in trace_text(jf)[0]
 
 
 def test_the_torch_fallback_computes_sinks_softcap_and_bottom_right(fresh_cache):
@@ -354,7 +355,7 @@ def test_the_torch_fallback_computes_sinks_softcap_and_bottom_right(fresh_cache)
     fn = lambda q, k, v, s: tcs.attention(q, k, v, mask, softcap=10.0, sinks=s)  # noqa: E731
     jf = jit_with_ours(fn)
     before = tcs.cache_info().fallbacks
-    with _softcap_backward_lifted(True), inject_failures(build=lambda key: "refused"):
+    with inject_failures(build=lambda key: "refused"):
         out = jf(q, k, v, sinks)
         out.backward(torch.ones_like(out))
     assert tcs.cache_info().fallbacks == before + 2

@@ -283,7 +283,7 @@ def test_a_sinks_training_step_runs_on_cudnn():
 
 def test_a_softcap_inference_step_runs_on_cudnn():
     """Softcap (Gemma 2's 50, causal as a bias) in an inference step: cuDNN runs the forward with its score
-    modifier (a training step is declined, SOFTCAP_BACKWARD: no backward engine in libcudnn 9.19)."""
+    modifier (the training step is the next test)."""
     tcs.clear_cache()
     (q, k, v), _ = inputs(4)
 
@@ -298,3 +298,25 @@ def test_a_softcap_inference_step_runs_on_cudnn():
     assert FWD_OP in str(thunder.last_traces(jf)[-1])
     ref = fn(*(bhsd(t).double() for t in (q, k, v)))
     assert_close_to_reference(got, fn(bhsd(q), bhsd(k), bhsd(v)), ref, "softcap out")
+
+
+def test_a_softcap_training_step_runs_on_cudnn():
+    """Softcap (Gemma 2's 50, causal as a bias) in a training step where cuDNN has a softcap backward engine
+    (sm90 and sm10x from 9.19, the compile sweep; SOFTCAP_BACKWARD declines it elsewhere): graphs built, no
+    fallback, our operators in both traces, out/dq/dk/dv within the accuracy rule against float64. The numbers
+    of the backward declared as cudnn-frontend's Softcap (MUL, TANH_BWD, DIV), which the compile sweep cannot see."""
+    tcs.clear_cache()
+    leaves, grad_out = inputs(5)
+
+    def fn(q, k, v):
+        return tcs.attention(q, k, v, is_causal=True, softcap=50.0)
+
+    reasons = tcs.explain(*map(bhsd, leaves), None, 0.0, True, executor=EXECUTOR, softcap=50.0)
+    if [r.rule for r in reasons] == ["SOFTCAP_BACKWARD"]:
+        pytest.skip(f"no softcap backward engine here: {reasons[0]}")
+    jf = jit(fn)
+    before = tcs.cache_info()
+    got = forward_backward(jf, leaves, grad_out)
+    assert_ran_on_cudnn(before, tcs.cache_info(), "softcap training")
+    assert_traces(jf)
+    assert_accurate(fn, leaves, grad_out, got, "softcap")

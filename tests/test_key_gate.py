@@ -72,7 +72,8 @@ ROUTES = {  # calls that break a rule on some target, each through a different r
     "dropout with a float mask (dBias checked)": lambda d: dispatch_step(
         d, *seeded_qkv(1, 2, 16, 16, d=32, bshd=True), torch.zeros(16, 16).bfloat16(), dropout_p=0.25
     ),
-    # issue 42: a sink token at s_q = 1 (SINK_DECODE), a softcap backward (SOFTCAP_BACKWARD), sinks with documents
+    # issue 42: a sink token at s_q = 1 (SINK_DECODE), a softcap backward (SOFTCAP_BACKWARD on sm80 and sm120; built on
+    # sm90 and sm100), sinks with documents
     "sinks, decode s_q = 1": lambda d: dispatch_step(
         d, *seeded_qkv(2, 2, 1, 40, d=32, bshd=True), sinks=torch.zeros(2)
     ),
@@ -141,7 +142,7 @@ def _key(**changes):
         ("SINK_TOKEN", "old_sink"),
         ("SINK_DECODE", "sink_q1"),
         ("SINK_RAGGED", "sink_ragged"),
-        ("SOFTCAP_BACKWARD", {"softcap": 30.0}),
+        ("SOFTCAP_BACKWARD", "softcap_sm80"),
         ("SOFTCAP_NO_MASK_SUBGRAPH", {"softcap": 30.0, "causal": True}),
     ],
 )
@@ -168,6 +169,8 @@ def test_a_key_that_breaks_a_rule_is_refused_by_name_and_counted(rule, changes, 
         monkeypatch.setenv(cudnn_rules.FRONTEND_OWN_ENGINES_ENV, "1")
         ragged = varlen.RaggedSig(TensorSig((3, 1, 1, 1), (1, 1, 1, 1), torch.int32), 32, True)
         key = key._replace(ragged=ragged, left=4, causal=True, target=key.target._replace(arch=(10, 0)))
+    elif changes == "softcap_sm80":  # sm90 and sm100 have a softcap backward engine (the compile sweep)
+        key = key._replace(softcap=30.0, target=key.target._replace(arch=(8, 0)))
     elif changes in ("old_sink", "sink_q1", "sink_ragged"):
         sink = TensorSig((1, 2, 1, 1), (4, 1, 4, 1), torch.float32)  # (a batch stride of 16 bytes: ragged's rule)
         key = key._replace(sink=sink, d_sink=sink)
@@ -186,6 +189,25 @@ def test_a_key_that_breaks_a_rule_is_refused_by_name_and_counted(rule, changes, 
         GraphCache().get_or_build(key, runtime.build)
     assert refused.value.rule == rule and refused.value.definitive
     assert key_gate.gate_info() == {rule: 1}
+
+
+@pytest.mark.parametrize(
+    "arch, backend, refused",
+    [
+        ((9, 0), 91900, False),
+        ((9, 0), 92700, False),
+        ((10, 0), 91900, False),
+        ((8, 0), 92700, True),
+        ((12, 0), 91900, True),
+        ((9, 0), 91800, True),
+    ],
+)
+def test_a_softcap_backward_key_is_refused_only_where_no_engine_is_known(arch, backend, refused):
+    """SOFTCAP_BACKWARD's window: the compile sweep built the softcap backward (cudnn-frontend's Softcap ops) on
+    sm90 and sm100 at cuDNN 9.19 and 9.27, never on sm80; sm12x and older versions are not swept."""
+    key = _key(softcap=30.0)
+    key = key._replace(target=key.target._replace(arch=arch, backend_version=backend))
+    assert [rule.name for rule, _ in key_gate.violations(key)] == (["SOFTCAP_BACKWARD"] if refused else [])
 
 
 @pytest.mark.parametrize("frontend_engines", ["0", "1"])

@@ -140,11 +140,14 @@ def score_modifier(key: ForwardKey | BackwardKey) -> tuple[Any, Any] | None:
     torch fallback evaluate the same callbacks on torch tensors (``reference.PointwiseEvaluator``), so what
     runs on CPU is what cuDNN is told, never a formula of our own beside it.
 
-    Softcapping (``key.softcap`` = c): ``c * tanh(s * (1/c))`` of the scaled score, from pass-by-value
-    scalars (the values travel in the graph; no tensor is bound).
-    cuDNN runs the forward modifier again inside the backward graph before ``score_mod_bprop`` (frontend 1.32's
-    node), which receives the gradient of the modified score and returns that of the score it was given:
-    ``dS * (1 - tanh^2)``, reusing the forward's tanh. A new modifier (ALiBi, another cap) is a branch here."""
+    Softcapping (``key.softcap`` = c): cudnn-frontend's own ``score_modifiers::Softcap`` op for op
+    (attn_score_modifiers.h, run on Hopper by its sample sdpa/fp16_bwd_with_flexible_graphs.cpp): forward
+    ``c * tanh(s / c)`` of the scaled score as DIV, TANH_FWD, MUL; backward DIV(TANH_BWD(dS * c, s / c), c) =
+    ``dS * (1 - tanh^2(s / c))``, TANH_BWD reading the forward's ``s / c`` (cuDNN runs the forward modifier again
+    inside the backward graph before ``score_mod_bprop``, frontend 1.32's node). The cap is one pass-by-value
+    scalar (the value travels in the graph; no tensor is bound). The fused backward engines match these ops:
+    the same derivative as ``dS * (1 - t * t)`` (SUB and MUL of the saved tanh) gets no engine on any arch
+    (docs/deviceless.md, "Softcap backward"). A new modifier (ALiBi, another cap) is a branch here."""
     if key.softcap is None:
         return None
     cap, saved = float(key.softcap), {}
@@ -152,13 +155,13 @@ def score_modifier(key: ForwardKey | BackwardKey) -> tuple[Any, Any] | None:
     const = cudnn_module().scalar_type.RUNTIME_PARAM
 
     def score_mod(graph: Any, score: Any) -> Any:
-        saved["tanh"] = graph.tanh(input=graph.mul(a=score, b=graph.tensor_scalar(1.0 / cap, const)))
-        return graph.mul(a=saved["tanh"], b=graph.tensor_scalar(cap, const))
+        saved["cap"] = graph.tensor_scalar(cap, const)
+        saved["before_tanh"] = graph.div(a=score, b=saved["cap"])
+        return graph.mul(a=graph.tanh(input=saved["before_tanh"]), b=saved["cap"])
 
     def score_mod_bprop(graph: Any, d_score: Any) -> Any:
-        t = saved["tanh"]
-        one_minus_square = graph.sub(a=graph.tensor_scalar(1.0, const), b=graph.mul(a=t, b=t))
-        return graph.mul(a=d_score, b=one_minus_square)
+        d_tanh = graph.tanh_backward(loss=graph.mul(a=d_score, b=saved["cap"]), input=saved["before_tanh"])
+        return graph.div(a=d_tanh, b=saved["cap"])
 
     return score_mod, score_mod_bprop
 

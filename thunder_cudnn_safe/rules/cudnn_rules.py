@@ -573,15 +573,20 @@ SOFTCAP_NO_MASK_SUBGRAPH = Rule(
 
 
 SOFTCAP_BACKWARD = Rule(
-    "libcudnn has no engine for an SDPA backward with a score modifier (softcap's score_mod_bprop) on sm80, sm90 or "
-    "sm100 ('No valid engine configs'; its forward builds): a softcapped training call is declined and runs the "
-    "decomposition, its inference forward is claimed. No fixed version is known: rerun the compile sweep's "
-    "variant test with a newer cuDNN before narrowing the window",
-    "the compile sweep, tests/test_cudnn_compile.py::test_attention_variant_graphs_compile (libcudnn 9.19, "
-    "frontend 1.32, A100/H100/B200 descriptors)",
+    "libcudnn has an engine for an SDPA backward with a score modifier (softcap's score_mod_bprop, declared as "
+    "cudnn-frontend's Softcap: MUL, TANH_BWD, DIV) on Hopper (sm90) and datacenter Blackwell (sm10x) only, from "
+    "cuDNN 9.19: none on sm80 ('No valid engine configs'; its forward builds), and sm8x, sm12x and older versions "
+    "are not swept. Elsewhere a softcapped training call is declined and runs the decomposition, its inference "
+    "forward is claimed. Rerun the compile sweep's variant test with a newer cuDNN before widening the window",
+    "the compile sweep, tests/test_cudnn_compile.py::test_attention_variant_graphs_compile (libcudnn 9.19 and 9.27, "
+    "frontend 1.32, A100/H100/B200 descriptors: backward engine 6 on sm90, 5 on sm100, none on sm80); "
+    "docs/deviceless.md, 'Softcap backward' (a backward written dS * (1 - t * t) gets no engine on any arch)",
+    arch_majors=(9, 10),
+    min_backend=91900,
     passes=("backward",),
-    trigger=lambda rule, f: _if(bool(f.softcap), rule.stated(f, "softcap in training: ")),
-    example=dict(arch=(9, 0), backend=92600, softcap=30.0),
+    trigger=lambda rule, f: _if(bool(f.softcap) and f.in_pass(rule.passes), rule.stated(f, "softcap in training: ")),
+    applies=WHERE_IT_FAILS,
+    example=dict(arch=(8, 0), backend=92600, softcap=30.0),
 )
 
 

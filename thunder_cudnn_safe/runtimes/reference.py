@@ -83,6 +83,10 @@ class PointwiseEvaluator:
     def tanh(self, input: torch.Tensor, **_: object) -> torch.Tensor:
         return torch.tanh(input)
 
+    def tanh_backward(self, loss: torch.Tensor, input: torch.Tensor, **_: object) -> torch.Tensor:
+        """cuDNN's TANH_BWD: the gradient ``loss`` of tanh's output times tanh's derivative at its *input*."""
+        return loss * (1.0 - torch.tanh(input).square())
+
     def __getattr__(self, name: str) -> object:
         raise NotImplementedError(f"a score modifier declares the cuDNN op {name!r}, which the CPU evaluation lacks")
 
