@@ -20,7 +20,6 @@ from checks import check_against_eager, on_the_runtime, score_tensors
 
 import thunder_cudnn_safe as tcs
 from thunder_cudnn_safe import config
-from thunder_cudnn_safe.rules import cudnn_rules
 
 B, H, HK, L, D = 2, 4, 2, 16, 8  # D != L: no other tensor has a score tensor's shape
 SCALE = 1 / math.sqrt(D)
@@ -140,16 +139,8 @@ def _jit(fn, tf):
     return thunder.jit(fn, executors=[tcs.emulated_ex, *thunder.get_default_executors()], transforms=[tf])
 
 
-@pytest.fixture
-def softcap_backward_lifted(monkeypatch):
-    """SOFTCAP_BACKWARD lifted: libcudnn 9.19/9.27 have no softcap backward engine, so the executor declines
-    softcapped training (test_softcap_training_is_declined_by_the_rule); lifted, the emulation runs the declared
-    backward modifier, which is what these tests check of the fused region."""
-    monkeypatch.setattr(cudnn_rules, "RULES", tuple(r for r in cudnn_rules.RULES if r.name != "SOFTCAP_BACKWARD"))
-
-
 @pytest.mark.parametrize("case", sorted(FUSED))
-def test_fused_forward_and_backward_match_float64(case, fresh_cache, softcap_backward_lifted):
+def test_fused_forward_and_backward_match_float64(case, fresh_cache):
     fn, options = FUSED[case]
     tf = tcs.FuseHandwrittenAttention()
     jf = _jit(fn, tf)
@@ -173,23 +164,25 @@ def test_d_v_other_than_d_qk_and_no_window(fresh_cache):
     assert tf.recognised == 1
 
 
-def test_softcap_training_is_declined_by_the_rule_and_inference_fused(fresh_cache):
-    """With SOFTCAP_BACKWARD in force (no cuDNN engine): the region is still recognised, and the executor declines
-    the training call (thunder runs the decomposition: eager's numbers); an inference call is claimed fused."""
+def test_softcap_training_on_a100_is_declined_by_the_rule_and_inference_fused(fresh_cache):
+    """Where libcudnn has no softcap backward engine (sm80: SOFTCAP_BACKWARD), the region is still recognised, the
+    executor declines the training call (thunder runs the decomposition: eager's numbers), and an inference call
+    is claimed fused."""
     tf = tcs.FuseHandwrittenAttention()
-    jf = _jit(softcap_gemma2, tf)
     args = _args(softcap_gemma2)
     grad_out = torch.randn(B, H, L, D, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
-    check_against_eager(jf, args, grad_out, fn=softcap_gemma2, claimed=False)
-    assert tf.recognised == 1
-    assert "cudnn_safe_emulated_sdpa_fwd" not in str(thunder.last_traces(jf)[-1])
-    q, k, v, mask, _ = args
-    reasons = tcs.explain(q, k, v, mask, scale=SCALE, enable_gqa=True, executor=tcs.emulated_ex, softcap=30.0)
-    assert [r.rule for r in reasons] == ["SOFTCAP_BACKWARD"], reasons
-    with torch.no_grad(), on_the_runtime():
-        inference = _jit(softcap_gemma2, tcs.FuseHandwrittenAttention())
-        inference(*(t.detach() for t in args))
-    assert "cudnn_safe_emulated_sdpa_fwd" in str(thunder.last_traces(inference)[-1])
+    with config.patch(emulated_arch=(8, 0)):
+        jf = _jit(softcap_gemma2, tf)
+        check_against_eager(jf, args, grad_out, fn=softcap_gemma2, claimed=False)
+        assert tf.recognised == 1
+        assert "cudnn_safe_emulated_sdpa_fwd" not in str(thunder.last_traces(jf)[-1])
+        q, k, v, mask, _ = args
+        reasons = tcs.explain(q, k, v, mask, scale=SCALE, enable_gqa=True, executor=tcs.emulated_ex, softcap=30.0)
+        assert [r.rule for r in reasons] == ["SOFTCAP_BACKWARD"], reasons
+        with torch.no_grad(), on_the_runtime():
+            inference = _jit(softcap_gemma2, tcs.FuseHandwrittenAttention())
+            inference(*(t.detach() for t in args))
+        assert "cudnn_safe_emulated_sdpa_fwd" in str(thunder.last_traces(inference)[-1])
 
 
 # -- functions the fused call does not compute: left as written, with the reason -------------------------------

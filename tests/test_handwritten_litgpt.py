@@ -26,7 +26,6 @@ import torch.nn.functional as F
 from checks import on_the_runtime, score_tensors
 
 import thunder_cudnn_safe as tcs
-from thunder_cudnn_safe.rules import cudnn_rules
 from thunder_cudnn_safe.testing import assert_close_to_reference
 
 #: the models tier (.ci/run runs it): a tiny-model training step per test, ~20 s each on 2 cores, too long for the
@@ -86,13 +85,6 @@ def batch() -> dict[str, torch.Tensor]:
     return {"idx": torch.randint(0, 64, (B, L), generator=gen), "targets": torch.randint(0, 64, (B, L), generator=gen)}
 
 
-@pytest.fixture
-def softcap_backward_lifted(monkeypatch):
-    """SOFTCAP_BACKWARD lifted: libcudnn 9.19 has no softcap backward engine, so the executor declines a softcapped
-    training call (as tests/test_attention_variants.py does, the emulation runs the declared backward instead)."""
-    monkeypatch.setattr(cudnn_rules, "RULES", tuple(r for r in cudnn_rules.RULES if r.name != "SOFTCAP_BACKWARD"))
-
-
 def _step(model: torch.nn.Module, batch: dict, call: Callable | None = None) -> tuple:
     """One training step: cross-entropy (float32, float64 for the reference) and every parameter's gradient."""
     targets = batch["targets"]
@@ -133,7 +125,7 @@ def test_without_the_transform_the_scores_are_materialised(models, batch, fresh_
     _assert_accurate(ours, models, batch)
 
 
-def test_every_layer_runs_fused(models, batch, fresh_cache, softcap_backward_lifted):
+def test_every_layer_runs_fused(models, batch, fresh_cache):
     """With the transform: every attention layer recognised and claimed forward and backward, no score tensor left
     in the final forward trace, and the step as accurate as the rule asks."""
     tf = tcs.FuseHandwrittenAttention()
