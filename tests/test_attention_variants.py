@@ -365,3 +365,16 @@ def test_bottom_right_masks_with_sinks_run_as_cudnns_band(kind, fresh_cache):
     assert keys and all(key.bottom_right and key.bias is None and key.sink is not None for key in keys)
     ref = tcs.attention(q.double(), kv.double(), kv.double(), mask, sinks=sinks.double())
     assert_close_to_reference(out, tcs.attention(q, kv, kv, mask, sinks=sinks), ref, "O")
+
+
+def test_a_symbolic_softcap_is_declined_and_each_call_gets_its_own(fresh_cache):
+    """Under cache='symbolic values' the softcap is a NumberProxy whose value may change between calls of one trace;
+    the claimed call declared its trace-time value in the graph, so a second call with another cap silently ran the
+    first one's. It is declined (as a symbolic dropout_p is) and the decomposition reads each call's value."""
+    q, k, v = (torch.randn(1, 2, 16, 64, dtype=torch.bfloat16) for _ in range(3))
+    jf = jit_with_ours(lambda q, k, v, c: tcs.attention(q, k, v, softcap=c), cache="symbolic values")
+    with torch.no_grad():
+        for cap in (2.0, 50.0):
+            ref = tcs.attention(q.double(), k.double(), v.double(), softcap=cap)
+            assert_close_to_reference(jf(q, k, v, cap), tcs.attention(q, k, v, softcap=cap), ref, f"O, softcap {cap}")
+    assert "cudnn_safe_emulated_sdpa_fwd" not in trace_text(jf)[0]
