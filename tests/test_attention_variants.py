@@ -58,11 +58,33 @@ def test_gradients_reach_every_input_in_eager():
     assert torch.autograd.gradcheck(fn, (q, k, v, mask, sinks))
 
 
-@pytest.mark.parametrize("bad", [{"softcap": 0.0}, {"softcap": float("inf")}, {"sinks": torch.zeros(3)}])
-def test_bad_options_fail_with_their_name(bad):
+BAD_OPTIONS = [
+    {"softcap": 0.0},
+    {"softcap": -3.0},
+    {"softcap": float("inf")},
+    {"softcap": float("nan")},
+    {"sinks": torch.zeros(3)},
+    {"sinks": torch.zeros(1, 2)},
+]
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "thunder.jit"])
+@pytest.mark.parametrize("bad", BAD_OPTIONS, ids=lambda bad: repr(bad))
+def test_bad_options_fail_with_their_name(bad, jit):
+    """In eager and under thunder.jit alike: thunder's lookaside used to skip the checks, so a cap of 0 or below
+    ran (a cap of 0: uniform attention), a NaN cap gave NaN and (1, H) sinks broadcast, all silently."""
     q = torch.randn(1, 2, 4, 8)
+    fn = lambda q: tcs.attention(q, q, q, **bad)  # noqa: E731
     with pytest.raises(ValueError, match="softcap" if "softcap" in bad else "sinks"):
-        tcs.attention(q, q, q, **bad)
+        (jit_with_ours(fn) if jit else fn)(q)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "thunder.jit"])
+def test_sinks_that_are_no_tensor_fail_with_their_name(jit):
+    q = torch.randn(1, 2, 4, 8)
+    fn = lambda q: tcs.attention(q, q, q, sinks=[0.0, 1.0])  # noqa: E731
+    with pytest.raises(TypeError, match="sinks must be a tensor"):
+        (jit_with_ours(fn) if jit else fn)(q)
 
 
 # -- the sweep under thunder.jit ------------------------------------------------------------------------------

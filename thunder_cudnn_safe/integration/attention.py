@@ -23,6 +23,7 @@ from thunder.core.jit_ext import (
     record_source_loc_in_symbol_header,
 )
 from thunder.core.prims import OpTags
+from thunder.core.proxies import NumberProxy
 
 from thunder_cudnn_safe.integration import gqa
 from thunder_cudnn_safe.integration.proxies import torch_dtype
@@ -177,11 +178,17 @@ def attention(
     return decomposition(_TORCH, *args)
 
 
-def _check_options(query: torch.Tensor, softcap: Any, sinks: Any) -> None:
-    """Bad options fail here, with the argument's name, instead of as a shape error deep in a kernel."""
-    if softcap is not None and not (isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap > 0):
-        raise ValueError(f"attention(): softcap must be a finite number > 0, got {softcap!r}")
-    if sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != query.shape[-3]):
+def _check_options(query: Any, softcap: Any, sinks: Any) -> None:
+    """Bad options fail here, with the argument's name, instead of as a shape error deep in a kernel or as silently
+    wrong numbers (a cap of 0 or below, NaN; sinks of shape (1, H) broadcast): in eager, and on the tensors' proxies
+    when thunder traces the call (a symbolic softcap is judged by its value at trace time)."""
+    cap = softcap.value if isinstance(softcap, NumberProxy) else softcap
+    number = isinstance(cap, (int, float)) and not isinstance(cap, bool)
+    if cap is not None and not (number and math.isfinite(cap) and cap > 0):
+        raise ValueError(f"attention(): softcap must be a finite number > 0, got {cap!r}")
+    if sinks is not None and not (hasattr(sinks, "shape") and hasattr(sinks, "dtype")):
+        raise TypeError(f"attention(): sinks must be a tensor, got {type(sinks).__name__}")
+    if sinks is not None and (len(sinks.shape) != 1 or sinks.shape[0] != query.shape[-3]):
         raise ValueError(f"attention(): sinks must have shape ({query.shape[-3]},) (one per query head), got "
                          f"{tuple(sinks.shape)}")  # fmt: skip
 
@@ -201,4 +208,6 @@ def _traced(
     query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, softcap=None,
     sinks=None,
 ):  # fmt: skip
+    """:func:`attention` as ``thunder.jit`` traces it: its options checked as in eager, then the symbol."""
+    _check_options(query, softcap, sinks)
     return attention_symbol(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap, sinks)
