@@ -400,3 +400,29 @@ def test_a_symbolic_softcap_is_declined_and_each_call_gets_its_own(fresh_cache):
             ref = tcs.attention(q.double(), k.double(), v.double(), softcap=cap)
             assert_close_to_reference(jf(q, k, v, cap), tcs.attention(q, k, v, softcap=cap), ref, f"O, softcap {cap}")
     assert "cudnn_safe_emulated_sdpa_fwd" not in trace_text(jf)[0]
+
+
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_a_row_masked_everywhere_by_a_float_mask_gets_zero_gradients(softcap):
+    """A float mask of -inf over a whole query row: zeros out and, as F.sdpa, finite gradients (that row's share 0).
+    The decomposition's safe softmax was ``where(dead, 0, softmax(s))``, whose backward multiplies the dead row's
+    NaN softmax by 0: NaN dQ and dK, in eager and wherever a declined call runs the decomposition."""
+    torch.manual_seed(0)
+    keep = torch.rand(8, 8) > 0.3
+    keep[:, 0], keep[3] = True, False
+    mask = torch.zeros(8, 8, dtype=torch.float64).masked_fill(~keep, float("-inf"))
+    q, k, v = (torch.randn(1, 2, 8, 16, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    grad = torch.randn(1, 2, 8, 16, dtype=torch.float64)
+    tcs.attention(q, k, v, mask, softcap=softcap).backward(grad)
+    got = [t.grad for t in (q, k, v)]
+    assert all(torch.isfinite(g).all() for g in got)
+    q2, k2, v2 = (t.detach().requires_grad_() for t in (q, k, v))
+    if softcap is None:
+        F.scaled_dot_product_attention(q2, k2, v2, mask).backward(grad)
+    else:  # the same function with the dead row left out: its out is 0 and it adds nothing to dK or dV
+        live = torch.ones(8, dtype=torch.bool)
+        live[3] = False
+        out = tcs.attention(q2[:, :, live], k2, v2, mask[live], softcap=softcap)
+        out.backward(grad[:, :, live])
+    for a, b in zip(got, (q2.grad, k2.grad, v2.grad)):
+        torch.testing.assert_close(a, b)

@@ -61,8 +61,9 @@ def decomposition(
         column = sinks.to(acc).reshape(1, -1, 1, 1).expand(*s.shape[:-1], 1)
         p = ops.cat([s, column], -1).softmax(-1)[..., :sk]
     else:
+        # a dead row's softmax is NaN, and where() passes a NaN gradient on (0 * NaN): it is softmaxed as zeros
         dead = s.amax(-1, keepdim=True) == float("-inf")
-        p = ops.where(dead, 0.0, s.softmax(-1))
+        p = ops.where(dead, 0.0, ops.where(dead, 0.0, s).softmax(-1))
     if dropout_p:
         p = ops.dropout(p, dropout_p)
     return p.to(value.dtype) @ value
