@@ -307,6 +307,34 @@ def test_the_custom_op_computes_the_function_and_its_gradients():
     assert torch.autograd.gradcheck(fn, (q, k, v, sinks))
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "bshd_transposed"])
+def test_the_custom_ops_fake_kernels_promise_the_real_layouts(layout):
+    """torch.compile's inductor asserts each custom op output's shape and strides against its fake kernel's. The
+    backward's fake promised each input's own strides (``empty_like``) where the vjp returns its own (dK transposed
+    for contiguous inputs, a BSHD query's dQ contiguous): every such call failed its backward under
+    ``torch.compile(backend="inductor")``. Both kernels now give contiguous outputs."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    b, h, lq, s, d = 1, 4, 6, 10, 8
+    bshd = layout == "bshd_transposed"
+    q, k, v = (
+        torch.randn(b, n, h, d, dtype=torch.float64).transpose(1, 2) if bshd else torch.randn(b, h, n, d).double()
+        for n in (lq, s, s)
+    )
+    mask, sinks, grad = torch.randn(lq, s, dtype=torch.float64), torch.randn(h), torch.randn(b, h, lq, d).double()
+    calls = [
+        (torch.ops.cudnn_safe.attention.default, (q, k, v, mask, 0.0, False, None, False, 3.0, sinks)),
+        (torch.ops.cudnn_safe.attention_backward.default, (grad, q, k, v, mask, False, None, False, 3.0, sinks)),
+    ]
+    mode = FakeTensorMode()
+    for op, args in calls:
+        real = op(*args)
+        with mode:
+            fake = op(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))
+        for r, f in zip(*((x,) if isinstance(x, torch.Tensor) else x for x in (real, fake))):
+            assert (r.shape, r.stride(), r.dtype) == (f.shape, f.stride(), f.dtype), op
+
+
 # -- softcap in training: no cuDNN engine (SOFTCAP_BACKWARD); inference is claimed ------------------------------
 def test_softcap_training_is_declined_and_its_inference_forward_claimed(fresh_cache):
     q, k, v = (torch.randn(1, 2, 16, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))

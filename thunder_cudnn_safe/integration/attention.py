@@ -86,10 +86,11 @@ def attention_op(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None, dropout_p: float,
     is_causal: bool, scale: float | None, enable_gqa: bool, softcap: float | None, sinks: torch.Tensor | None,
 ) -> torch.Tensor:  # fmt: skip
-    """:func:`attention` as one operator dynamo keeps whole."""
+    """:func:`attention` as one operator dynamo keeps whole; contiguous, as its fake says (inductor asserts the
+    strides a fake kernel promises)."""
     with torch.no_grad():
         args = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap, sinks)
-        return decomposition(_TORCH, *args)
+        return decomposition(_TORCH, *args).contiguous()
 
 
 @attention_op.register_fake
@@ -102,7 +103,9 @@ def attention_backward_op(
     grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
     is_causal: bool, scale: float | None, enable_gqa: bool, softcap: float | None, sinks: torch.Tensor | None,
 ) -> list[torch.Tensor]:  # fmt: skip
-    """dq, dk, dv, dmask, dsinks of :func:`attention_op` (an empty tensor for a float mask or sinks not given)."""
+    """dq, dk, dv, dmask, dsinks of :func:`attention_op` (an empty tensor for a float mask or sinks not given), each
+    contiguous: the fake kernel promises those strides (the vjp's own follow the inputs' layouts only sometimes, and
+    ``empty_like`` of a transposed query promised its strides, which inductor asserted against the vjp's)."""
     float_mask = attn_mask is not None and attn_mask.is_floating_point()
     # torch.func.vjp, not autograd.grad: an operator's kernel runs below the autograd dispatch key
     given = {"mask": attn_mask if float_mask else None, "sink": sinks}
@@ -115,20 +118,15 @@ def attention_backward_op(
     _, vjp = torch.func.vjp(fn, query, key, value, given)
     dq, dk, dv, extra = vjp(grad)
     empty = query.new_empty(0)
-    return [dq, dk, dv, extra.get("mask", empty), extra.get("sink", empty)]
+    return [g.contiguous() for g in (dq, dk, dv, extra.get("mask", empty), extra.get("sink", empty))]
 
 
 @attention_backward_op.register_fake
 def _(grad, query, key, value, attn_mask, is_causal, scale, enable_gqa, softcap, sinks):
     float_mask = attn_mask is not None and attn_mask.is_floating_point()
     empty = query.new_empty(0)
-    return [
-        torch.empty_like(query),
-        torch.empty_like(key),
-        torch.empty_like(value),
-        torch.empty_like(attn_mask) if float_mask else empty,
-        empty if sinks is None else torch.empty_like(sinks),
-    ]
+    like = [query, key, value, attn_mask if float_mask else None, sinks]
+    return [empty if t is None else t.new_empty(t.shape) for t in like]
 
 
 def _setup_context(ctx, inputs, output) -> None:
