@@ -454,3 +454,24 @@ def test_a_row_masked_everywhere_by_a_float_mask_gets_zero_gradients(softcap):
         out.backward(grad[:, :, live])
     for a, b in zip(got, (q2.grad, k2.grad, v2.grad)):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_a_declined_masked_call_gives_eagers_numbers_for_a_row_masked_everywhere(kind, fresh_cache):
+    """A declined call without softcap or sinks ran thunder's own SDPA, whose decomposition gives NaN for a query
+    row masked everywhere where the function (eager, and F.sdpa) gives zeros: with a mask it runs the decomposition."""
+    torch.manual_seed(0)
+    keep = torch.rand(16, 16) > 0.3
+    keep[:, 0], keep[3] = True, False
+    mask = keep if kind == "bool" else torch.zeros(16, 16).masked_fill(~keep, float("-inf"))
+    q, k, v = (torch.randn(1, 2, 16, 64, requires_grad=True) for _ in range(3))
+    jf = jit_with_ours(lambda q, k, v, m: tcs.attention(q, k, v, m))
+    out = jf(q, k, v, mask)
+    out.backward(torch.ones_like(out))
+    assert "cudnn_safe_emulated_sdpa_fwd" not in trace_text(jf)[0]  # float32: declined
+    got = [out, q.grad, k.grad, v.grad]
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    expected = tcs.attention(*leaves, mask)
+    expected.backward(torch.ones_like(expected))
+    for a, e in zip(got, (expected, *(t.grad for t in leaves))):
+        torch.testing.assert_close(a, e)

@@ -3,7 +3,7 @@
 * eager PyTorch: :func:`decomposition` in torch ops (autograd gives every gradient, dropout included);
 * ``thunder.jit``: the function is mapped to the symbol :data:`attention_symbol` (``cudnn_safe.attention``), which
   the executors claim (:mod:`executor`); a declined call runs the symbol's body, the same decomposition in
-  thunder's torch ops (plain SDPA calls: thunder's own SDPA, which other executors may claim);
+  thunder's torch ops (plain SDPA calls without a mask: thunder's own SDPA, which other executors may claim);
 * ThunderFX / ``torch.compile``: dynamo keeps the call whole as the custom op ``torch.ops.cudnn_safe.attention``
   (its autograd recomputes the decomposition), which thunder maps to the same symbol.
 """
@@ -74,8 +74,10 @@ def attention_symbol(
     query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
     softcap=None, sinks=None,
 ):  # fmt: skip
-    """:func:`attention` in a trace; its body (a declined call) is thunder's SDPA or the decomposition."""
-    if softcap is None and sinks is None:
+    """:func:`attention` in a trace; its body (a declined call) is thunder's SDPA or the decomposition. Only a call
+    without options or a mask is thunder's SDPA, which other executors may claim: with a mask, a query row may be
+    masked everywhere, which thunder's SDPA decomposition makes NaN where the function (eager) gives zeros."""
+    if softcap is None and sinks is None and attn_mask is None:
         return gqa.torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
     args = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap, sinks)
     return decomposition(_THUNDER, *args)
