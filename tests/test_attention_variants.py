@@ -475,3 +475,14 @@ def test_a_declined_masked_call_gives_eagers_numbers_for_a_row_masked_everywhere
     expected.backward(torch.ones_like(expected))
     for a, e in zip(got, (expected, *(t.grad for t in leaves))):
         torch.testing.assert_close(a, e)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "thunder.jit"])
+def test_sinks_with_unbatched_inputs(jit):
+    """F.sdpa takes (H, L, D) inputs, heads at dim -3; the sinks column was shaped (1, H, 1, 1) and failed to expand
+    to 3-D scores."""
+    q, k, v = (torch.randn(2, 8, 16, dtype=torch.float64) for _ in range(3))
+    sinks = torch.randn(2, dtype=torch.float64)
+    fn = lambda q, k, v, s: tcs.attention(q, k, v, is_causal=True, sinks=s)  # noqa: E731
+    out = (jit_with_ours(fn) if jit else fn)(q, k, v, sinks)
+    torch.testing.assert_close(out, fn(q[None], k[None], v[None], sinks)[0])

@@ -58,7 +58,7 @@ def decomposition(
         is_bool = torch_dtype(attn_mask.dtype) is torch.bool
         s = s.masked_fill(attn_mask.logical_not(), float("-inf")) if is_bool else s + attn_mask.to(acc)
     if sinks is not None:
-        column = sinks.to(acc).reshape(1, -1, 1, 1).expand(*s.shape[:-1], 1)
+        column = sinks.to(acc).reshape(-1, 1, 1).expand(*s.shape[:-1], 1)  # heads are dim -3, as F.sdpa's (3-D too)
         p = ops.cat([s, column], -1).softmax(-1)[..., :sk]
     else:
         # a dead row's softmax is NaN, and where() passes a NaN gradient on (0 * NaN): it is softmaxed as zeros
