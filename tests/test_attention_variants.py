@@ -486,3 +486,22 @@ def test_sinks_with_unbatched_inputs(jit):
     fn = lambda q, k, v, s: tcs.attention(q, k, v, is_causal=True, sinks=s)  # noqa: E731
     out = (jit_with_ours(fn) if jit else fn)(q, k, v, sinks)
     torch.testing.assert_close(out, fn(q[None], k[None], v[None], sinks)[0])
+
+
+@pytest.mark.parametrize("cap", [1e39, 1e38, 1e-39])
+def test_a_softcap_outside_float32s_normal_range_is_declined(cap, fresh_cache):
+    """cuDNN's modifier is c * tanh(s * (1/c)) from float32 scalars: c = 1e39 is inf there (the claimed call gave NaN
+    on the emulation, which evaluates the declared modifier), 1/c subnormal for c = 1e38 (flushed to zero on a GPU:
+    every score 0, uniform attention). Declined with why; the decomposition computes it as eager does (for c = 1e39
+    eager's float32 scores give NaN too: same numbers, so only the decline is checked)."""
+    q, k, v = (torch.randn(1, 2, 16, 64, dtype=torch.bfloat16) for _ in range(3))
+    reasons = tcs.explain(q, k, v, executor=tcs.emulated_ex, softcap=cap, need_stats=False)
+    assert [r.code for r in reasons] == [tcs.DeclineCode.SCALE] and "float32" in reasons[0]
+    if cap > torch.finfo(torch.float32).max:
+        return
+    jf = jit_with_ours(lambda q, k, v: tcs.attention(q, k, v, softcap=cap))
+    with torch.no_grad():
+        out = jf(q, k, v)
+    assert "cudnn_safe_emulated_sdpa_fwd" not in trace_text(jf)[0]
+    ref = tcs.attention(q.double(), k.double(), v.double(), softcap=cap)
+    assert_close_to_reference(out, tcs.attention(q, k, v, softcap=cap), ref, "O")

@@ -24,6 +24,7 @@ from thunder_cudnn_safe.rules import cudnn_rules
 from thunder_cudnn_safe.rules.facts import Facts
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+_FLOAT32 = torch.finfo(torch.float32)
 
 
 class DeclineCode(enum.Enum):
@@ -302,6 +303,14 @@ def _variant_reasons(call: Any, view: Facts) -> Iterator[Decline]:
         )
     elif cap is not None and not (_is_number(cap) and math.isfinite(float(cap)) and float(cap) > 0):
         yield Decline(DeclineCode.SCALE, f"softcap {cap!r} is not a finite number > 0 known at trace time")
+    elif cap is not None and not _FLOAT32.tiny <= float(cap) <= 1 / _FLOAT32.tiny:
+        # the graph's modifier is c * tanh(s * (1/c)) from float32 scalars: c or 1/c would be inf (NaN scores)
+        # or subnormal (flushed to zero on a GPU: every score 0)
+        yield Decline(
+            DeclineCode.SCALE,
+            f"softcap {cap!r}: cuDNN's modifier computes c * tanh(s * (1/c)) in float32, where c and 1/c must both be "
+            f"normal numbers (c in [{_FLOAT32.tiny:.3g}, {1 / _FLOAT32.tiny:.3g}])",
+        )
     if (sinks is not None or cap is not None) and view.dropout > 0:
         yield Decline(
             DeclineCode.DROPOUT,
