@@ -229,9 +229,16 @@ def explain(
     :class:`~thunder_cudnn_safe.rules.support.Decline`: a ``str`` with ``.code`` and ``.rule``.
     """
     call = ForwardCall(query, key, value, *args, **kwargs)
-    for field, t in zip(("query", "key", "value", "attn_mask"), call):
+    operands = {
+        "query": call.query,
+        "key": call.key,
+        "value": call.value,
+        "attn_mask": call.attn_mask,
+        "sinks": call.sinks,
+    }
+    for field, t in operands.items():
         is_tensor = all(hasattr(t, attr) for attr in ("shape", "dtype", "device")) and hasattr(t.device, "type")
-        if not is_tensor and (t is not None or field != "attn_mask"):
+        if not is_tensor and (t is not None or field not in ("attn_mask", "sinks")):
             raise TypeError(
                 f"explain(): {field} must be a torch tensor or a thunder TensorProxy, got {type(t).__name__}"
             )
