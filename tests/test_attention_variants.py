@@ -56,20 +56,6 @@ def test_gradients_reach_every_input_in_eager():
     assert torch.autograd.gradcheck(fn, (q, k, v, mask, sinks))
 
 
-def test_a_row_masked_everywhere_has_zero_output_and_gradients_in_eager():
-    """F.sdpa's safe softmax, gradients included: the decomposition's softmax never reads a row of -inf (whose NaN
-    reached dQ through the zeroing ``where`` before), as eager F.sdpa gives and the executor's kernels do."""
-    q, k, v = (torch.randn(1, 2, 6, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
-    mask = torch.zeros(6, 6, dtype=torch.float64)
-    mask[:2] = float("-inf")
-    out = tcs.attention(q, k, v, mask)
-    out.backward(torch.randn_like(out))
-    expected = F.scaled_dot_product_attention(*(t.detach() for t in (q, k, v)), mask)
-    torch.testing.assert_close(out, expected)
-    assert all(t.grad.isfinite().all() for t in (q, k, v))
-    assert (q.grad[..., :2, :] == 0).all() and (out[..., :2, :] == 0).all()
-
-
 def test_a_float32_mask_with_bf16_queries_is_traced_and_claimed(fresh_cache):
     """thunder's SDPA cannot trace a float mask of another dtype than the queries' (its matmul meets float32
     probabilities), which eager accepts: the symbol's body is the decomposition there, and the call is claimed."""
@@ -93,11 +79,33 @@ def test_a_float32_mask_with_bf16_queries_is_traced_and_claimed(fresh_cache):
         assert_close_to_reference(g, e, r, f"d{name}")
 
 
-@pytest.mark.parametrize("bad", [{"softcap": 0.0}, {"softcap": float("inf")}, {"sinks": torch.zeros(3)}])
-def test_bad_options_fail_with_their_name(bad):
+BAD_OPTIONS = [
+    {"softcap": 0.0},
+    {"softcap": -3.0},
+    {"softcap": float("inf")},
+    {"softcap": float("nan")},
+    {"sinks": torch.zeros(3)},
+    {"sinks": torch.zeros(1, 2)},
+]
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "thunder.jit"])
+@pytest.mark.parametrize("bad", BAD_OPTIONS, ids=lambda bad: repr(bad))
+def test_bad_options_fail_with_their_name(bad, jit):
+    """In eager and under thunder.jit alike: thunder's lookaside used to skip the checks, so a cap of 0 or below
+    ran (a cap of 0: uniform attention), a NaN cap gave NaN and (1, H) sinks broadcast, all silently."""
     q = torch.randn(1, 2, 4, 8)
+    fn = lambda q: tcs.attention(q, q, q, **bad)  # noqa: E731
     with pytest.raises(ValueError, match="softcap" if "softcap" in bad else "sinks"):
-        tcs.attention(q, q, q, **bad)
+        (jit_with_ours(fn) if jit else fn)(q)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "thunder.jit"])
+def test_sinks_that_are_no_tensor_fail_with_their_name(jit):
+    q = torch.randn(1, 2, 4, 8)
+    fn = lambda q: tcs.attention(q, q, q, sinks=[0.0, 1.0])  # noqa: E731
+    with pytest.raises(TypeError, match="sinks must be a tensor"):
+        (jit_with_ours(fn) if jit else fn)(q)
 
 
 # -- the sweep under thunder.jit ------------------------------------------------------------------------------
@@ -306,6 +314,34 @@ def test_the_custom_op_computes_the_function_and_its_gradients():
     assert torch.autograd.gradcheck(fn, (q, k, v, sinks))
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "bshd_transposed"])
+def test_the_custom_ops_fake_kernels_promise_the_real_layouts(layout):
+    """torch.compile's inductor asserts each custom op output's shape and strides against its fake kernel's. The
+    backward's fake promised each input's own strides (``empty_like``) where the vjp returns its own (dK transposed
+    for contiguous inputs, a BSHD query's dQ contiguous): every such call failed its backward under
+    ``torch.compile(backend="inductor")``. Both kernels now give contiguous outputs."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    b, h, lq, s, d = 1, 4, 6, 10, 8
+    bshd = layout == "bshd_transposed"
+    q, k, v = (
+        torch.randn(b, n, h, d, dtype=torch.float64).transpose(1, 2) if bshd else torch.randn(b, h, n, d).double()
+        for n in (lq, s, s)
+    )
+    mask, sinks, grad = torch.randn(lq, s, dtype=torch.float64), torch.randn(h), torch.randn(b, h, lq, d).double()
+    calls = [
+        (torch.ops.cudnn_safe.attention.default, (q, k, v, mask, 0.0, False, None, False, 3.0, sinks)),
+        (torch.ops.cudnn_safe.attention_backward.default, (grad, q, k, v, mask, False, None, False, 3.0, sinks)),
+    ]
+    mode = FakeTensorMode()
+    for op, args in calls:
+        real = op(*args)
+        with mode:
+            fake = op(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))
+        for r, f in zip(*((x,) if isinstance(x, torch.Tensor) else x for x in (real, fake))):
+            assert (r.shape, r.stride(), r.dtype) == (f.shape, f.stride(), f.dtype), op
+
+
 # -- softcap in training: a backward engine on sm90 and sm100; none on sm80 (SOFTCAP_BACKWARD) --------------------
 def _softcap_training(q, k, v):
     """A softcapped causal training step through thunder.jit: (the jitted function, its gradients of q, k, v)."""
@@ -403,3 +439,93 @@ def test_bottom_right_masks_with_sinks_run_as_cudnns_band(kind, fresh_cache):
     assert keys and all(key.bottom_right and key.bias is None and key.sink is not None for key in keys)
     ref = tcs.attention(q.double(), kv.double(), kv.double(), mask, sinks=sinks.double())
     assert_close_to_reference(out, tcs.attention(q, kv, kv, mask, sinks=sinks), ref, "O")
+
+
+def test_a_symbolic_softcap_is_declined_and_each_call_gets_its_own(fresh_cache):
+    """Under cache='symbolic values' the softcap is a NumberProxy whose value may change between calls of one trace;
+    the claimed call declared its trace-time value in the graph, so a second call with another cap silently ran the
+    first one's. It is declined (as a symbolic dropout_p is) and the decomposition reads each call's value."""
+    q, k, v = (torch.randn(1, 2, 16, 64, dtype=torch.bfloat16) for _ in range(3))
+    jf = jit_with_ours(lambda q, k, v, c: tcs.attention(q, k, v, softcap=c), cache="symbolic values")
+    with torch.no_grad():
+        for cap in (2.0, 50.0):
+            ref = tcs.attention(q.double(), k.double(), v.double(), softcap=cap)
+            assert_close_to_reference(jf(q, k, v, cap), tcs.attention(q, k, v, softcap=cap), ref, f"O, softcap {cap}")
+    assert "cudnn_safe_emulated_sdpa_fwd" not in trace_text(jf)[0]
+
+
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_a_row_masked_everywhere_by_a_float_mask_gets_zero_gradients(softcap):
+    """A float mask of -inf over a whole query row: zeros out and, as F.sdpa, finite gradients (that row's share 0).
+    The decomposition's safe softmax was ``where(dead, 0, softmax(s))``, whose backward multiplies the dead row's
+    NaN softmax by 0: NaN dQ and dK, in eager and wherever a declined call runs the decomposition."""
+    torch.manual_seed(0)
+    keep = torch.rand(8, 8) > 0.3
+    keep[:, 0], keep[3] = True, False
+    mask = torch.zeros(8, 8, dtype=torch.float64).masked_fill(~keep, float("-inf"))
+    q, k, v = (torch.randn(1, 2, 8, 16, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    grad = torch.randn(1, 2, 8, 16, dtype=torch.float64)
+    tcs.attention(q, k, v, mask, softcap=softcap).backward(grad)
+    got = [t.grad for t in (q, k, v)]
+    assert all(torch.isfinite(g).all() for g in got)
+    q2, k2, v2 = (t.detach().requires_grad_() for t in (q, k, v))
+    if softcap is None:
+        F.scaled_dot_product_attention(q2, k2, v2, mask).backward(grad)
+    else:  # the same function with the dead row left out: its out is 0 and it adds nothing to dK or dV
+        live = torch.ones(8, dtype=torch.bool)
+        live[3] = False
+        out = tcs.attention(q2[:, :, live], k2, v2, mask[live], softcap=softcap)
+        out.backward(grad[:, :, live])
+    for a, b in zip(got, (q2.grad, k2.grad, v2.grad)):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_a_declined_masked_call_gives_eagers_numbers_for_a_row_masked_everywhere(kind, fresh_cache):
+    """A declined call without softcap or sinks ran thunder's own SDPA, whose decomposition gives NaN for a query
+    row masked everywhere where the function (eager, and F.sdpa) gives zeros: with a mask it runs the decomposition."""
+    torch.manual_seed(0)
+    keep = torch.rand(16, 16) > 0.3
+    keep[:, 0], keep[3] = True, False
+    mask = keep if kind == "bool" else torch.zeros(16, 16).masked_fill(~keep, float("-inf"))
+    q, k, v = (torch.randn(1, 2, 16, 64, requires_grad=True) for _ in range(3))
+    jf = jit_with_ours(lambda q, k, v, m: tcs.attention(q, k, v, m))
+    out = jf(q, k, v, mask)
+    out.backward(torch.ones_like(out))
+    assert "cudnn_safe_emulated_sdpa_fwd" not in trace_text(jf)[0]  # float32: declined
+    got = [out, q.grad, k.grad, v.grad]
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    expected = tcs.attention(*leaves, mask)
+    expected.backward(torch.ones_like(expected))
+    for a, e in zip(got, (expected, *(t.grad for t in leaves))):
+        torch.testing.assert_close(a, e)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "thunder.jit"])
+def test_sinks_with_unbatched_inputs(jit):
+    """F.sdpa takes (H, L, D) inputs, heads at dim -3; the sinks column was shaped (1, H, 1, 1) and failed to expand
+    to 3-D scores."""
+    q, k, v = (torch.randn(2, 8, 16, dtype=torch.float64) for _ in range(3))
+    sinks = torch.randn(2, dtype=torch.float64)
+    fn = lambda q, k, v, s: tcs.attention(q, k, v, is_causal=True, sinks=s)  # noqa: E731
+    out = (jit_with_ours(fn) if jit else fn)(q, k, v, sinks)
+    torch.testing.assert_close(out, fn(q[None], k[None], v[None], sinks)[0])
+
+
+@pytest.mark.parametrize("cap", [1e39, 1e38, 1e-39])
+def test_a_softcap_outside_float32s_normal_range_is_declined(cap, fresh_cache):
+    """cuDNN's modifier is c * tanh(s * (1/c)) from float32 scalars: c = 1e39 is inf there (the claimed call gave NaN
+    on the emulation, which evaluates the declared modifier), 1/c subnormal for c = 1e38 (flushed to zero on a GPU:
+    every score 0, uniform attention). Declined with why; the decomposition computes it as eager does (for c = 1e39
+    eager's float32 scores give NaN too: same numbers, so only the decline is checked)."""
+    q, k, v = (torch.randn(1, 2, 16, 64, dtype=torch.bfloat16) for _ in range(3))
+    reasons = tcs.explain(q, k, v, executor=tcs.emulated_ex, softcap=cap, need_stats=False)
+    assert [r.code for r in reasons] == [tcs.DeclineCode.SCALE] and "float32" in reasons[0]
+    if cap > torch.finfo(torch.float32).max:
+        return
+    jf = jit_with_ours(lambda q, k, v: tcs.attention(q, k, v, softcap=cap))
+    with torch.no_grad():
+        out = jf(q, k, v)
+    assert "cudnn_safe_emulated_sdpa_fwd" not in trace_text(jf)[0]
+    ref = tcs.attention(q.double(), k.double(), v.double(), softcap=cap)
+    assert_close_to_reference(out, tcs.attention(q, k, v, softcap=cap), ref, "O")

@@ -188,7 +188,8 @@ def test_gqa_mask_declared_as_bound(mask_shape):
     "make, copied",
     [
         (lambda: torch.randn(4), False),  # float32 (H,): bound as a (1, H, 1, 1) view of itself
-        (lambda: torch.randn(8)[::2], False),  # strided: the view keeps its stride 2
+        (lambda: torch.randn(8)[::2], True),  # strided: a packed copy (the frontend's kernels read it flat)
+        (lambda: torch.randn(12)[4:8], False),  # a packed slice at an aligned offset: a view
         (lambda: torch.randn(4, dtype=torch.float16), True),  # the input dtype: one float32 copy
         (lambda: torch.randn(1).expand(4), True),  # one value broadcast over the heads
     ],
@@ -208,4 +209,6 @@ def test_sinks_declared_as_bound(make, copied):
         assert declaration_mismatches(graph, pack) == []
         bound = pack[Uid.SINK]
         assert (bound.untyped_storage().data_ptr() != sinks.untyped_storage().data_ptr()) == copied
+        # packed: frontend 1.32's own forward kernels bind the token as a flat (H,) array, raising for other strides
+        assert bound.is_contiguous() and bound.dtype == torch.float32
     assert int(Uid.DSINK) in runtime.calls[1][1]

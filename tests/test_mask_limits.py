@@ -252,3 +252,26 @@ def test_an_oversized_mask_gradient_after_a_cudnn_dropout_forward_raises_clearly
     out, stats, seed, offset = disp.forward(q, k, v, mask, 0.25, False)
     with pytest.raises(RuntimeError, match="2\\*\\*31 or more elements.*only cuDNN could reproduce its dropout mask"):
         disp.mask_gradient(torch.randn_like(out), q, k, v, mask, 0.25, False, out, stats, seed, offset)
+
+
+@pytest.mark.parametrize("mask", ["causal bool", "is_causal"])
+def test_a_softcapped_call_whose_mask_would_be_an_oversized_bias_is_declined(mask, small_int32_limit, fresh_cache):
+    """With softcap a mask, and ``is_causal``, always run as a bias (cuDNN allows no other masking beside a score
+    modifier): over the int32 limit the call was claimed as if its mask could be a pattern, and every call then
+    ran on the torch fallback. It is declined with why (``explain()``), and thunder runs the decomposition."""
+    from checks import jit_with_ours, trace_text
+
+    q, k, v = (t.detach() for t in _leaves())
+    m = causal_mask(128, 128) if mask == "causal bool" else None
+    kwargs = dict(is_causal=m is None, softcap=20.0, need_stats=False)
+    reasons = tcs.explain(q, k, v, m, executor="cudnn_safe_emulated", **kwargs)
+    assert [r.code for r in reasons] == [tcs.rules.support.DeclineCode.INT32], reasons
+    small = (t[:1, :1, :64] for t in (q, k, v))  # one batch element and head, 64 positions: under the limit
+    assert tcs.explain(*small, None if m is None else m[:64, :64], executor="cudnn_safe_emulated", **kwargs) == []
+    jf = jit_with_ours(lambda q, k, v, m: tcs.attention(q, k, v, m, is_causal=m is None, softcap=20.0))
+    before = tcs.cache_info().fallbacks
+    with torch.no_grad():
+        out = jf(q, k, v, m)
+    assert "cudnn_safe_emulated_sdpa_fwd" not in trace_text(jf)[0] and tcs.cache_info().fallbacks == before
+    ref = tcs.attention(q.double(), k.double(), v.double(), m, is_causal=m is None, softcap=20.0)
+    assert_close_to_reference(out, tcs.attention(q, k, v, m, is_causal=m is None, softcap=20.0), ref, "O")

@@ -146,6 +146,8 @@ def test_api_misuse_gives_clear_errors():
         tcs.explain(None, k, v)
     with pytest.raises(TypeError, match="attn_mask must be a torch tensor"):
         tcs.explain(q, k, v, 0.5)
+    with pytest.raises(TypeError, match="sinks must be a torch tensor"):  # was an AttributeError deep in the checker
+        tcs.explain(q, k, v, sinks=[0.0] * q.shape[1])
     assert tcs.explain(q, k, v, executor="cudnn_safe_emulated") == []
     with pytest.raises(TypeError, match="executor must be one of"):
         tcs.explain(q, k, v, executor=thunder.pytorch_executor)

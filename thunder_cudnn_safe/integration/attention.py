@@ -3,7 +3,7 @@
 * eager PyTorch: :func:`decomposition` in torch ops (autograd gives every gradient, dropout included);
 * ``thunder.jit``: the function is mapped to the symbol :data:`attention_symbol` (``cudnn_safe.attention``), which
   the executors claim (:mod:`executor`); a declined call runs the symbol's body, the same decomposition in
-  thunder's torch ops (plain SDPA calls: thunder's own SDPA, which other executors may claim);
+  thunder's torch ops (plain SDPA calls without a mask: thunder's own SDPA, which other executors may claim);
 * ThunderFX / ``torch.compile``: dynamo keeps the call whole as the custom op ``torch.ops.cudnn_safe.attention``
   (its autograd recomputes the decomposition), which thunder maps to the same symbol.
 """
@@ -14,7 +14,6 @@ import math
 from types import SimpleNamespace
 from typing import Any
 
-import thunder.core.dtypes as dtypes
 import thunder.torch as ltorch
 import torch
 from thunder.core.jit_ext import (
@@ -24,6 +23,7 @@ from thunder.core.jit_ext import (
     record_source_loc_in_symbol_header,
 )
 from thunder.core.prims import OpTags
+from thunder.core.proxies import NumberProxy
 
 from thunder_cudnn_safe.integration import gqa
 from thunder_cudnn_safe.integration.proxies import torch_dtype
@@ -59,9 +59,10 @@ def decomposition(
         is_bool = torch_dtype(attn_mask.dtype) is torch.bool
         s = s.masked_fill(attn_mask.logical_not(), float("-inf")) if is_bool else s + attn_mask.to(acc)
     if sinks is not None:
-        column = sinks.to(acc).reshape(1, -1, 1, 1).expand(*s.shape[:-1], 1)
+        column = sinks.to(acc).reshape(-1, 1, 1).expand(*s.shape[:-1], 1)  # heads are dim -3, as F.sdpa's (3-D too)
         p = ops.cat([s, column], -1).softmax(-1)[..., :sk]
-    else:  # the softmax reads 0 in a dead row, not -inf everywhere: its NaN would reach the gradient through where
+    else:
+        # a dead row's softmax is NaN, and where() passes a NaN gradient on (0 * NaN): it is softmaxed as zeros
         dead = s.amax(-1, keepdim=True) == float("-inf")
         p = ops.where(dead, 0.0, ops.where(dead, 0.0, s).softmax(-1))
     if dropout_p:
@@ -74,13 +75,10 @@ def attention_symbol(
     query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
     softcap=None, sinks=None,
 ):  # fmt: skip
-    """:func:`attention` in a trace; its body (a declined call) is thunder's SDPA or the decomposition. Thunder's
-    SDPA cannot trace a float mask of another dtype than the query's (a float32 mask with bf16 queries: its
-    matmul meets float32 probabilities), which eager torch and the decomposition accept."""
-    other_float_mask = (
-        attn_mask is not None and dtypes.is_float_dtype(attn_mask.dtype) and (attn_mask.dtype != query.dtype)
-    )
-    if softcap is None and sinks is None and not other_float_mask:
+    """:func:`attention` in a trace; its body (a declined call) is thunder's SDPA or the decomposition. Only a call
+    without options or a mask is thunder's SDPA, which other executors may claim: with a mask, a query row may be
+    masked everywhere, which thunder's SDPA decomposition makes NaN where the function (eager) gives zeros."""
+    if softcap is None and sinks is None and attn_mask is None:
         return gqa.torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
     args = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap, sinks)
     return decomposition(_THUNDER, *args)
@@ -91,10 +89,11 @@ def attention_op(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None, dropout_p: float,
     is_causal: bool, scale: float | None, enable_gqa: bool, softcap: float | None, sinks: torch.Tensor | None,
 ) -> torch.Tensor:  # fmt: skip
-    """:func:`attention` as one operator dynamo keeps whole."""
+    """:func:`attention` as one operator dynamo keeps whole; contiguous, as its fake says (inductor asserts the
+    strides a fake kernel promises)."""
     with torch.no_grad():
         args = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap, sinks)
-        return decomposition(_TORCH, *args)
+        return decomposition(_TORCH, *args).contiguous()
 
 
 @attention_op.register_fake
@@ -107,7 +106,9 @@ def attention_backward_op(
     grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
     is_causal: bool, scale: float | None, enable_gqa: bool, softcap: float | None, sinks: torch.Tensor | None,
 ) -> list[torch.Tensor]:  # fmt: skip
-    """dq, dk, dv, dmask, dsinks of :func:`attention_op` (an empty tensor for a float mask or sinks not given)."""
+    """dq, dk, dv, dmask, dsinks of :func:`attention_op` (an empty tensor for a float mask or sinks not given), each
+    contiguous: the fake kernel promises those strides (the vjp's own follow the inputs' layouts only sometimes, and
+    ``empty_like`` of a transposed query promised its strides, which inductor asserted against the vjp's)."""
     float_mask = attn_mask is not None and attn_mask.is_floating_point()
     # torch.func.vjp, not autograd.grad: an operator's kernel runs below the autograd dispatch key
     given = {"mask": attn_mask if float_mask else None, "sink": sinks}
@@ -120,20 +121,15 @@ def attention_backward_op(
     _, vjp = torch.func.vjp(fn, query, key, value, given)
     dq, dk, dv, extra = vjp(grad)
     empty = query.new_empty(0)
-    return [dq, dk, dv, extra.get("mask", empty), extra.get("sink", empty)]
+    return [g.contiguous() for g in (dq, dk, dv, extra.get("mask", empty), extra.get("sink", empty))]
 
 
 @attention_backward_op.register_fake
 def _(grad, query, key, value, attn_mask, is_causal, scale, enable_gqa, softcap, sinks):
     float_mask = attn_mask is not None and attn_mask.is_floating_point()
     empty = query.new_empty(0)
-    return [
-        torch.empty_like(query),
-        torch.empty_like(key),
-        torch.empty_like(value),
-        torch.empty_like(attn_mask) if float_mask else empty,
-        empty if sinks is None else torch.empty_like(sinks),
-    ]
+    like = [query, key, value, attn_mask if float_mask else None, sinks]
+    return [empty if t is None else t.new_empty(t.shape) for t in like]
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -184,11 +180,17 @@ def attention(
     return decomposition(_TORCH, *args)
 
 
-def _check_options(query: torch.Tensor, softcap: Any, sinks: Any) -> None:
-    """Bad options fail here, with the argument's name, instead of as a shape error deep in a kernel."""
-    if softcap is not None and not (isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap > 0):
-        raise ValueError(f"attention(): softcap must be a finite number > 0, got {softcap!r}")
-    if sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != query.shape[-3]):
+def _check_options(query: Any, softcap: Any, sinks: Any) -> None:
+    """Bad options fail here, with the argument's name, instead of as a shape error deep in a kernel or as silently
+    wrong numbers (a cap of 0 or below, NaN; sinks of shape (1, H) broadcast): in eager, and on the tensors' proxies
+    when thunder traces the call (a symbolic softcap is judged by its value at trace time)."""
+    cap = softcap.value if isinstance(softcap, NumberProxy) else softcap
+    number = isinstance(cap, (int, float)) and not isinstance(cap, bool)
+    if cap is not None and not (number and math.isfinite(cap) and cap > 0):
+        raise ValueError(f"attention(): softcap must be a finite number > 0, got {cap!r}")
+    if sinks is not None and not (hasattr(sinks, "shape") and hasattr(sinks, "dtype")):
+        raise TypeError(f"attention(): sinks must be a tensor, got {type(sinks).__name__}")
+    if sinks is not None and (len(sinks.shape) != 1 or sinks.shape[0] != query.shape[-3]):
         raise ValueError(f"attention(): sinks must have shape ({query.shape[-3]},) (one per query head), got "
                          f"{tuple(sinks.shape)}")  # fmt: skip
 
@@ -208,4 +210,6 @@ def _traced(
     query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, softcap=None,
     sinks=None,
 ):  # fmt: skip
+    """:func:`attention` as ``thunder.jit`` traces it: its options checked as in eager, then the symbol."""
+    _check_options(query, softcap, sinks)
     return attention_symbol(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap, sinks)

@@ -18,7 +18,7 @@ import thunder.torch as ltorch
 import torch
 from thunder.core.compile_data import get_compile_option
 from thunder.core.prims import OpTags
-from thunder.core.proxies import TensorProxy
+from thunder.core.proxies import NumberProxy, TensorProxy
 from thunder.core.transforms import get_grad, put_grad, put_grads
 from thunder.extend import OperatorExecutor, register_executor
 
@@ -69,9 +69,12 @@ def _attention_call(
     query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, softcap=None,
     sinks=None,
 ) -> ForwardCall:  # fmt: skip
-    """A ``cudnn_safe.attention`` call (:mod:`~thunder_cudnn_safe.integration.attention`) as the call value."""
+    """A ``cudnn_safe.attention`` call (:mod:`~thunder_cudnn_safe.integration.attention`) as the call value. A
+    symbolic ``softcap`` (``cache="symbolic values"``) stays the proxy it is: ``float()`` would bake its trace-time
+    value into the claimed call, which the checker must decline instead (its value is declared in the graph)."""
     call = _call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa=enable_gqa)
-    return call._replace(softcap=None if softcap is None else float(softcap), sinks=sinks)
+    cap = softcap if softcap is None or isinstance(softcap, NumberProxy) else float(softcap)
+    return call._replace(softcap=cap, sinks=sinks)
 
 
 def reasons_for(runtime: Runtime, *args, **kwargs) -> list[Decline]:
@@ -226,9 +229,16 @@ def explain(
     :class:`~thunder_cudnn_safe.rules.support.Decline`: a ``str`` with ``.code`` and ``.rule``.
     """
     call = ForwardCall(query, key, value, *args, **kwargs)
-    for field, t in zip(("query", "key", "value", "attn_mask"), call):
+    operands = {
+        "query": call.query,
+        "key": call.key,
+        "value": call.value,
+        "attn_mask": call.attn_mask,
+        "sinks": call.sinks,
+    }
+    for field, t in operands.items():
         is_tensor = all(hasattr(t, attr) for attr in ("shape", "dtype", "device")) and hasattr(t.device, "type")
-        if not is_tensor and (t is not None or field != "attn_mask"):
+        if not is_tensor and (t is not None or field not in ("attn_mask", "sinks")):
             raise TypeError(
                 f"explain(): {field} must be a torch tensor or a thunder TensorProxy, got {type(t).__name__}"
             )

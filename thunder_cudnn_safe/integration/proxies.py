@@ -34,6 +34,12 @@ def _value(x: Any) -> Any:
         return x
 
 
+def _number(x: Any) -> Any:
+    """A number option as the rules read it: a :class:`~thunder_cudnn_safe.rules.support.Symbolic` where thunder
+    passes it as a ``NumberProxy`` (its value may change between calls of one trace), else its value."""
+    return Symbolic(_value(x)) if isinstance(x, NumberProxy) else _value(x)
+
+
 def _operand(t: Any, grad_needed: bool | None = None) -> Operand:
     requires_grad = bool(getattr(t, "requires_grad", False))
     needed = requires_grad if grad_needed is None else grad_needed
@@ -56,9 +62,9 @@ def plain_call(call: ForwardCall) -> ForwardCall:
         key=_operand(call.key),
         value=_operand(call.value),
         attn_mask=None if mask is None else _operand(mask, _mask_grad(mask, bool(call.need_stats))),
-        dropout_p=Symbolic(_value(p)) if isinstance(p, NumberProxy) else _value(p),
+        dropout_p=_number(p),
         is_causal=_value(call.is_causal),
         scale=_value(call.scale),
-        softcap=_value(call.softcap),
+        softcap=_number(call.softcap),
         sinks=None if call.sinks is None else _operand(call.sinks),
     )

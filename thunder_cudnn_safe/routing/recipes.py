@@ -272,16 +272,18 @@ class _RecipeBuilder:
 
 
 def _sink(p: _RecipeBuilder, gradient: bool) -> None:
-    """Attention sinks (H,) declared as cuDNN's sink token, (1, H, 1, 1) float32: a view of a float32 tensor
-    cuDNN reads as it is, else one counted float32 copy; ``gradient``: also a zeroed dSink_token of that layout
-    (the dispatcher returns it as the sinks' gradient)."""
+    """Attention sinks (H,) declared as cuDNN's sink token, (1, H, 1, 1) float32 and packed: a view of a packed
+    float32 tensor cuDNN reads as it is, else one counted float32 copy of H values. Packed, not any strides cuDNN
+    could read: the frontend's own forward kernels (frontend 1.32, default candidates at sm90/sm100/sm120) bind the
+    token as a flat (H,) array and raise at execute for any other strides. ``gradient``: also a zeroed dSink_token
+    of that layout (the dispatcher returns it as the sinks' gradient)."""
     a = p.call.sinks
     if a is None:
         return
     h, st = a.shape[0], a.stride[0]
     viewed = ArgSig((1, h, 1, 1), (h * st, st, h * st, 1), a.dtype, a.aligned, a.neg)
     packed = TensorSig((1, h, 1, 1), packed_strides((1, h, 1, 1)), torch.float32)
-    if a.dtype == torch.float32 and layout_problem(viewed) is None:
+    if a.dtype == torch.float32 and (st == 1 or h == 1) and layout_problem(viewed) is None:
         p.operand(Uid.SINK, "sinks", viewed, viewed=True)
     else:
         src = p.call._fields.index("sinks")

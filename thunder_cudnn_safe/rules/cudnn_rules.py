@@ -193,20 +193,30 @@ def _grouped_kv_heads(rule: Rule, f: Facts) -> str | Finding | None:
 
 def _int32_sizes(rule: Rule, f: Facts) -> list[str]:
     """A call's query/key/value/output or a dense key's declared tensor (a huge bias too) whose elements reach
-    2**31 (cuDNN's int32 element offsets); a call's mask bound as a B*H*L*S bias."""
+    2**31 (cuDNN's int32 element offsets); a call's mask bound as a B*H*L*S bias: its gradient is computed,
+    patterns are off, or the call is softcapped (its mask, and ``is_causal``, are always a bias there:
+    :data:`SOFTCAP_NO_MASK_SUBGRAPH`), which the run path would send to the torch fallback."""
     found = [
         f"{name} has {n} elements; element offsets would overflow int32"
         for name, n in f.elements
         if n >= INT32_ELEMENT_LIMIT
     ]
-    bias = f.batch * f.heads * f.q_len * f.kv_len
-    if f.mask and bias >= INT32_ELEMENT_LIMIT and (f.dbias or not f.mask_patterns):
+    if f.batch * f.heads * f.q_len * f.kv_len < INT32_ELEMENT_LIMIT or f.backward is not None:
+        return found
+    if f.mask and (f.dbias or not f.mask_patterns or f.softcap):
         how = (
             "its gradient is computed, from it as a bias"
             if f.dbias
+            else "it is bound as a bias (with softcap, cuDNN allows no other masking)"
+            if f.softcap
             else "it is bound as a bias (mask patterns or the mask cache are off)"
         )
         found.append(f"the broadcast attention mask has more than 2**31 elements (int32 offsets), and {how}")
+    elif f.causal and f.softcap:
+        found.append(
+            "is_causal with softcap is bound as a causal bias (cuDNN allows no other masking beside a score "
+            "modifier) whose broadcast has more than 2**31 elements (int32 offsets)"
+        )
     return found
 
 

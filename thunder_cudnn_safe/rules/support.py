@@ -24,6 +24,7 @@ from thunder_cudnn_safe.rules import cudnn_rules
 from thunder_cudnn_safe.rules.facts import Facts
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+_FLOAT32 = torch.finfo(torch.float32)
 
 
 class DeclineCode(enum.Enum):
@@ -285,7 +286,7 @@ def _variant_reasons(call: Any, view: Facts) -> Iterator[Decline]:
     """Attention sinks and softcapping (``thunder_cudnn_safe.attention``): ``sinks`` one float32 or query-dtype
     value per query head on the query's device, ``softcap`` a finite number > 0 known at trace time; neither with
     dropout (the executor's dropout pairing is verified for plain SDPA only: such a call runs the decomposition)."""
-    sinks, cap = getattr(call, "sinks", None), _value(getattr(call, "softcap", None))
+    sinks, cap = getattr(call, "sinks", None), getattr(call, "softcap", None)
     if sinks is not None:
         shape, dtype = tuple(int(n) for n in sinks.shape), sinks.dtype
         if shape != (view.heads,):
@@ -294,8 +295,22 @@ def _variant_reasons(call: Any, view: Facts) -> Iterator[Decline]:
             yield Decline(DeclineCode.DTYPE, f"sinks dtype {dtype} is neither float32 nor the query dtype")
         if (sinks.device.type, sinks.device.index) != (call.query.device.type, call.query.device.index):
             yield Decline(DeclineCode.DEVICE, f"sinks are on {sinks.device}, the query on {call.query.device}")
-    if cap is not None and not (_is_number(cap) and math.isfinite(float(cap)) and float(cap) > 0):
+    if isinstance(cap, Symbolic):  # the graph declares the cap's value, which may change between calls of one trace
+        yield Decline(
+            DeclineCode.SCALE,
+            "softcap is symbolic (cache='symbolic values'): its value is declared in the cuDNN graph, so it must be "
+            "known at trace time; the call runs the decomposition",
+        )
+    elif cap is not None and not (_is_number(cap) and math.isfinite(float(cap)) and float(cap) > 0):
         yield Decline(DeclineCode.SCALE, f"softcap {cap!r} is not a finite number > 0 known at trace time")
+    elif cap is not None and not _FLOAT32.tiny <= float(cap) <= 1 / _FLOAT32.tiny:
+        # the graph's modifier is c * tanh(s * (1/c)) from float32 scalars: c or 1/c would be inf (NaN scores)
+        # or subnormal (flushed to zero on a GPU: every score 0)
+        yield Decline(
+            DeclineCode.SCALE,
+            f"softcap {cap!r}: cuDNN's modifier computes c * tanh(s * (1/c)) in float32, where c and 1/c must both be "
+            f"normal numbers (c in [{_FLOAT32.tiny:.3g}, {1 / _FLOAT32.tiny:.3g}])",
+        )
     if (sinks is not None or cap is not None) and view.dropout > 0:
         yield Decline(
             DeclineCode.DROPOUT,
