@@ -31,7 +31,12 @@ from thunder_cudnn_safe.testing import assert_close_to_reference
 #: the models tier (.ci/run runs it): a tiny-model training step per test, ~20 s each on 2 cores, too long for the
 #: default tier's budget
 pytestmark = pytest.mark.models
+_torch_compile = torch.compile
 litgpt = pytest.importorskip("litgpt")
+# litgpt imports lightning.fabric, which replaces torch.compile process-wide with a wrapper that deep-copies its
+# keyword arguments: a ThunderCompiler backend holds locks, so every later ThunderFX test in this process (pytest
+# imports this module at collection, whatever the tier) failed with "cannot pickle '_thread.lock'". Undo it.
+torch.compile = _torch_compile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "models"))  # harness.py's folder (its conftest's too)
 from harness import OUR_BWD, OUR_FWD, _count_trace_symbols, _grads  # noqa: E402
@@ -141,3 +146,9 @@ def test_every_layer_runs_fused(models, batch, fresh_cache):
     scores = score_tensors(thunder.last_traces(jm)[-1], B, N_HEAD, L, L)
     assert scores == [], f"score tensors left in the forward trace: {[p.name for p in scores]}"
     _assert_accurate(ours, models, batch)
+
+
+def test_importing_litgpt_leaves_torch_compile_alone():
+    """lightning.fabric's torch.compile wrapper deep-copies a ThunderCompiler backend (locks inside): with it,
+    every ThunderFX test collected with this module failed. The import above undoes the wrapper."""
+    assert torch.compile is _torch_compile and not hasattr(torch.compile, "__wrapped__")

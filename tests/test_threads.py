@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import types
 import weakref
 
 import checks
@@ -391,3 +392,21 @@ def test_cudnn_handles_are_per_thread_and_device():
     t.start()
     t.join()
     assert theirs[0] is not mine[0], "another thread must not get this thread's handle"
+
+
+def test_a_softcap_modifiers_forward_state_is_per_thread():
+    """The emulation evaluates a cached graph's softcap callbacks on torch tensors, the forward's s / c then the
+    backward reading it: two threads evaluating one graph must each read their own (a shared dict made thread A's
+    backward read thread B's scores)."""
+    from thunder_cudnn_safe.graphs.build import score_modifier
+    from thunder_cudnn_safe.runtimes.reference import PointwiseEvaluator
+
+    key = types.SimpleNamespace(softcap=4.0)
+    score_mod, score_mod_bprop = score_modifier(key)
+    graph, a, b = PointwiseEvaluator(), torch.full((2, 2), 1.0), torch.full((2, 2), 3.0)
+    score_mod(graph, a)
+    other = threading.Thread(target=score_mod, args=(graph, b))
+    other.start()
+    other.join()
+    expected = 1.0 - torch.tanh(a / 4.0).square()  # d/ds of 4 tanh(s / 4) at thread A's own scores
+    torch.testing.assert_close(score_mod_bprop(graph, torch.ones(2, 2)), expected)

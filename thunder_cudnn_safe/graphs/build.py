@@ -150,18 +150,20 @@ def score_modifier(key: ForwardKey | BackwardKey) -> tuple[Any, Any] | None:
     (docs/deviceless.md, "Softcap backward"). A new modifier (ALiBi, another cap) is a branch here."""
     if key.softcap is None:
         return None
-    cap, saved = float(key.softcap), {}
+    # per thread: the emulation evaluates a cached graph's callbacks on torch tensors, forward then backward, and
+    # two threads running one graph would otherwise read each other's s / c (cuDNN calls them once, at a build)
+    cap, saved = float(key.softcap), threading.local()
     # pass-by-value: a constant tensor (COMPILE_TIME_CONST) needs cuDNN 9.22 (CUDNN_ATTR_TENSOR_CONSTANT_VALUE)
     const = cudnn_module().scalar_type.RUNTIME_PARAM
 
     def score_mod(graph: Any, score: Any) -> Any:
-        saved["cap"] = graph.tensor_scalar(cap, const)
-        saved["before_tanh"] = graph.div(a=score, b=saved["cap"])
-        return graph.mul(a=graph.tanh(input=saved["before_tanh"]), b=saved["cap"])
+        saved.cap = graph.tensor_scalar(cap, const)
+        saved.before_tanh = graph.div(a=score, b=saved.cap)
+        return graph.mul(a=graph.tanh(input=saved.before_tanh), b=saved.cap)
 
     def score_mod_bprop(graph: Any, d_score: Any) -> Any:
-        d_tanh = graph.tanh_backward(loss=graph.mul(a=d_score, b=saved["cap"]), input=saved["before_tanh"])
-        return graph.div(a=d_tanh, b=saved["cap"])
+        d_tanh = graph.tanh_backward(loss=graph.mul(a=d_score, b=saved.cap), input=saved.before_tanh)
+        return graph.div(a=d_tanh, b=saved.cap)
 
     return score_mod, score_mod_bprop
 
