@@ -302,7 +302,7 @@ def _masks(w: TraceWalk, s: TensorProxy, region: Region) -> TensorProxy:
             if not (isinstance(a, TensorProxy) and isinstance(b, TensorProxy)):
                 raise NotAttention("a constant is added to the scores")
             scores, term = _which_is_scores(w, a, b)
-            _check_mask_shape(term, s)
+            _check_mask_shape(term, scores)
             if term.dtype == dtypes.bool8:
                 raise NotAttention("a boolean tensor is added to the scores")
             region.additive.append(term)
@@ -339,6 +339,8 @@ def _leads_to_qk(w: TraceWalk, t: TensorProxy, depth: int = 24) -> bool:
 
 
 def _check_mask_shape(term: TensorProxy, s: TensorProxy) -> None:
+    """``term`` broadcasts to ``s`` (the scores operand, not the op's output: a mask with more heads, queries or
+    batch than the scores would make the softmax, and ``@ v``, bigger than the fused call's (B, H, L, S))."""
     if term.ndim > s.ndim or any(
         m not in (1, n) for m, n in zip(reversed(term.shape), reversed(s.shape), strict=False)
     ):
@@ -361,7 +363,7 @@ def _boolean_mask(w: TraceWalk, bsym: BoundSymbol, s: TensorProxy, region: Regio
     value = _number(value)
     if not isinstance(cond, TensorProxy) or cond.dtype != dtypes.bool8 or not isinstance(scores, TensorProxy):
         raise NotAttention("a masked_fill / where on the scores without a boolean mask")
-    _check_mask_shape(cond, s)
+    _check_mask_shape(cond, scores)
     if value is None or not (value == -math.inf or value <= FINITE_FILL_LIMIT):
         raise NotAttention(f"a mask fill value {value!r} that is neither -inf nor <= {FINITE_FILL_LIMIT:g}")
     if value == -math.inf:

@@ -1,0 +1,68 @@
+"""Hand-written attention the recogniser must not get wrong (issue 43, review): each test is a region that was
+rewritten into a different function, crashed, or was left with no reason, before its fix.
+
+Every function runs under ``thunder.jit`` with :class:`FuseHandwrittenAttention` and the emulated executor; the
+output and every gradient are judged by the accuracy rule (float64 eager the reference, bf16 eager the yardstick).
+"""
+
+from __future__ import annotations
+
+import pytest
+import thunder
+import torch
+
+import thunder_cudnn_safe as tcs
+from thunder_cudnn_safe.testing import assert_close_to_reference
+
+B, H, L, S, D = 2, 4, 6, 6, 8
+
+
+def _jit(fn, tf):
+    return thunder.jit(fn, executors=[tcs.emulated_ex, *thunder.get_default_executors()], transforms=[tf])
+
+
+def _run(fn, inputs: list[torch.Tensor], dtype: torch.dtype, grads: tuple[int, ...], call=None):
+    """fn's output and the gradients of ``inputs[grads]`` (floating inputs cast to ``dtype``)."""
+    ins = [x.to(dtype) if x.is_floating_point() else x for x in inputs]
+    ins = [x.detach().requires_grad_(i in grads) for i, x in enumerate(ins)]
+    out = (call or fn)(*ins)
+    out.backward(torch.ones_like(out) + torch.arange(out.numel()).reshape(out.shape).to(out.dtype) % 3)
+    return [out, *(ins[i].grad for i in grads)]
+
+
+def _check(fn, inputs: list[torch.Tensor], grads: tuple[int, ...] = (0, 1, 2)) -> tcs.FuseHandwrittenAttention:
+    """Run ``fn`` jitted with the transform in bf16 and assert the accuracy rule on the output and gradients."""
+    tf = tcs.FuseHandwrittenAttention()
+    ours = _run(fn, inputs, torch.bfloat16, grads, call=_jit(fn, tf))
+    eager = _run(fn, inputs, torch.bfloat16, grads)
+    ref = _run(fn, inputs, torch.float64, grads)
+    for what, o, e, r in zip(["output", *(f"gradient of input {i}" for i in grads)], ours, eager, ref):
+        assert_close_to_reference(o, e, r, what)
+    return tf
+
+
+def _qkv(heads: int = H, lq: int = L) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(B, heads, n, D, generator=gen) for n in (lq, S, S)]
+
+
+@pytest.mark.parametrize("mask_kind", ["additive", "boolean"])
+def test_a_mask_broadcasting_the_scores_is_not_a_mask(mask_kind, fresh_cache):
+    """q, k, v with one head and a (B, H, L, S) mask: the softmax (and ``@ v``) has H heads, the fused call on
+    one-head q, k, v would give one; the mask's shape is checked against the scores, not the broadcast sum."""
+    gen = torch.Generator().manual_seed(1)
+    if mask_kind == "additive":
+        mask = torch.randn(B, H, L, S, generator=gen)
+
+        def fn(q, k, v, m):
+            return torch.softmax(q @ k.transpose(-1, -2) * 0.3 + m, -1) @ v
+    else:
+        mask = torch.rand(B, H, L, S, generator=gen) > 0.3
+        mask[..., 0] = True
+
+        def fn(q, k, v, m):
+            return torch.softmax((q @ k.transpose(-1, -2) * 0.3).masked_fill(~m, float("-inf")), -1) @ v
+
+    tf = _check(fn, [*_qkv(heads=1), mask])
+    assert tf.recognised == 0
+    assert "broadcast the scores" in tf.declined[0].reason
