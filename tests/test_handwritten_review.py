@@ -66,3 +66,32 @@ def test_a_mask_broadcasting_the_scores_is_not_a_mask(mask_kind, fresh_cache):
     tf = _check(fn, [*_qkv(heads=1), mask])
     assert tf.recognised == 0
     assert "broadcast the scores" in tf.declined[0].reason
+
+
+def test_a_sigmoid_sink_aligned_with_the_queries_is_not_per_head(fresh_cache):
+    """``lse - sink[None, :]`` with lse (B, H, L): broadcasting aligns the sink with the queries (L == H here),
+    a per-query sink; its dim 1 is not the heads dim, so this is not the sinks form."""
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(B, H, n, D, generator=gen) for n in (H, S, S))  # L == H
+    sinks = torch.randn(H, generator=gen)
+
+    def fn(q, k, v, sinks):
+        s = q @ k.transpose(-1, -2) * 0.3
+        return (torch.softmax(s, -1) @ v) * torch.sigmoid(torch.logsumexp(s, -1) - sinks[None, :])[..., None]
+
+    tf = _check(fn, [q, k, v, sinks], grads=(0, 1, 2, 3))
+    assert not any(r["sinks"] for r in tf.regions)
+
+
+def test_a_sigmoid_sink_per_head_is_still_fused(fresh_cache):
+    """The same with ``sinks[None, :, None]`` (per head): fused with sinks, and accurate."""
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(B, H, n, D, generator=gen) for n in (H, S, S))
+    sinks = torch.randn(H, generator=gen)
+
+    def fn(q, k, v, sinks):
+        s = q @ k.transpose(-1, -2) * 0.3
+        return (torch.softmax(s, -1) @ v) * torch.sigmoid(torch.logsumexp(s, -1) - sinks[None, :, None])[..., None]
+
+    tf = _check(fn, [q, k, v, sinks], grads=(0, 1, 2, 3))
+    assert tf.recognised == 1 and tf.regions[0]["sinks"]

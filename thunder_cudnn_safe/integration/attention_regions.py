@@ -493,6 +493,8 @@ def _sigmoid_factor(w: TraceWalk, region: Region, f: TensorProxy, mul: BoundSymb
         return False
     if w.skip_casts_probe(lb.args[0]) is not region.logits or lse_t.shape != base.shape:
         return False
+    if sink_view.ndim != lse_t.ndim:  # broadcast from the right: a (1, H) view would align with the queries
+        return False
     region.sinks = _per_head(w, sink_view, heads=o.shape[1], head_dim=1)
     region.output = mul.output
     region.bsyms.extend([mul, *probe.bsyms, *extra, sb, db, lb])
