@@ -95,3 +95,45 @@ def test_a_sigmoid_sink_per_head_is_still_fused(fresh_cache):
 
     tf = _check(fn, [q, k, v, sinks], grads=(0, 1, 2, 3))
     assert tf.recognised == 1 and tf.regions[0]["sinks"]
+
+
+def _mask_pair() -> tuple[torch.Tensor, torch.Tensor]:
+    """A large bias and a small one: their bf16 sum rounds by up to 0.25, far more than the scores' rounding."""
+    gen = torch.Generator().manual_seed(3)
+    return torch.full((1, 1, L, S), 100.0), torch.randn(1, 1, L, S, generator=gen) * 0.3
+
+
+def test_two_bf16_additive_masks_are_not_summed_in_bf16(fresh_cache):
+    """``s.float() + m1 + m2`` with bf16 masks: the model adds each to float32 scores; one fused mask would be
+    their sum rounded to bf16 (wrong output and gradients), so the region is left, with the reason."""
+
+    def fn(q, k, v, m1, m2):
+        return torch.softmax((q @ k.transpose(-1, -2)).float() * 0.3 + m1 + m2, -1).to(q.dtype) @ v
+
+    tf = _check(fn, [*_qkv(), *_mask_pair()])
+    assert tf.recognised == 0 and "additive masks" in tf.declined[0].reason
+
+
+def test_a_float32_mask_on_bf16_inputs_is_declined_not_a_crash(fresh_cache):
+    """A float32 bias on bf16 q, k, v (added to float32 scores): thunder's SDPA refuses the mixed dtypes inside the
+    transform, and rounding the bias to bf16 would change the scores; left as written, with the reason."""
+    gen = torch.Generator().manual_seed(4)
+    bias = torch.randn(1, H, L, S, generator=gen, dtype=torch.float64) * 0.01 + 100
+
+    def fn(q, k, v, bias):
+        return (
+            torch.softmax((q.float() @ k.float().transpose(-1, -2)) * 0.3 + bias.double().float(), -1).to(q.dtype) @ v
+        )
+
+    tf = _check(fn, [*_qkv(), bias])
+    assert tf.recognised == 0 and "float32" in tf.declined[0].reason
+
+
+def test_a_bf16_mask_widened_to_float32_is_fused(fresh_cache):
+    """``s.float() + mask.float()`` with a bf16 mask: the widening is exact, the bf16 mask is the fused call's."""
+
+    def fn(q, k, v, m):
+        return torch.softmax((q.float() @ k.float().transpose(-1, -2)) * 0.3 + m.float(), -1).to(q.dtype) @ v
+
+    tf = _check(fn, [*_qkv(), _mask_pair()[1]])
+    assert tf.recognised == 1, tf.report()

@@ -207,6 +207,29 @@ def match_region(w: TraceWalk, out_bsym: BoundSymbol, region: Region) -> None:
     s = _masks(w, x, region)
     s = _softcap(w, s, region)
     _scores(w, s, region)
+    _additive_in_input_dtype(w, region)
+
+
+def _additive_in_input_dtype(w: TraceWalk, region: Region) -> None:
+    """The fused call takes one mask in q/k/v's dtype, while the model adds each term to its scores: a term of
+    another dtype (a float32 bias on bf16 inputs: thunder's SDPA refuses it, and rounding it would change the
+    scores) is taken only where it is an exact widening cast of a term in the inputs' dtype; several terms in
+    bf16/fp16 would be summed and rounded to that dtype, which the model never does (100 + 0.3 rounds to 100.5)."""
+    dtype = region.query.dtype
+    for i, term in enumerate(region.additive):
+        if term.dtype == dtype:
+            continue
+        cast = w.producer(term)
+        src = _tensors(cast)[0] if cast is not None and len(_tensors(cast)) == 1 else None
+        leaves = leaf_prims(cast) if src is not None else []
+        widening = src is not None and src.dtype == dtype and term.dtype.bytes > dtype.bytes
+        if not (widening and leaves and all(x.sym.id in CAST_PRIMS for x in leaves) and term.shape == src.shape):
+            raise NotAttention(f"an additive mask in {term.dtype} on {dtype} q, k, v: the fused call takes its "
+                               "mask in the inputs' dtype, which would round it")  # fmt: skip
+        region.additive[i] = src
+    if len(region.additive) > 1 and dtype in (dtypes.bfloat16, dtypes.float16):
+        raise NotAttention(f"{len(region.additive)} additive masks on {dtype} q, k, v: the fused call would take "
+                           f"their sum rounded to {dtype}, the model adds each to the scores")  # fmt: skip
 
 
 def _drops_last_column(w: TraceWalk, bsym: BoundSymbol, out: TensorProxy) -> bool:
