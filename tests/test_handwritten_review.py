@@ -137,3 +137,21 @@ def test_a_bf16_mask_widened_to_float32_is_fused(fresh_cache):
 
     tf = _check(fn, [*_qkv(), _mask_pair()[1]])
     assert tf.recognised == 1, tf.report()
+
+
+@pytest.mark.parametrize("fill", [-1e30, "finfo"])
+def test_a_finite_fill_is_not_an_additive_mask(fill, fresh_cache):
+    """``masked_fill(~keep, -1e30)`` with a row masked everywhere: eager averages V there and sends no gradient to
+    q and k (the fill replaces the scores); the additive term the fill used to become gave that row a gradient
+    (dq, and dk from it). Left as written, with the reason."""
+    keep = torch.rand(B, 1, L, S, generator=torch.Generator().manual_seed(5)) > 0.4
+    keep[..., 0] = True
+    keep[:, :, 2, :] = False  # query 2 sees no key
+
+    def fn(q, k, v, keep):
+        s = (q.float() @ k.float().transpose(-1, -2)) * 0.3
+        value = torch.finfo(torch.float32).min if fill == "finfo" else fill
+        return torch.softmax(s.masked_fill(~keep, value), -1).to(q.dtype) @ v
+
+    tf = _check(fn, [*_qkv(), keep])
+    assert tf.recognised == 0 and "not -inf" in tf.declined[0].reason

@@ -23,10 +23,6 @@ from thunder.core.trace import TraceCtx
 from thunder_cudnn_safe.integration.gqa import find_head_repeat
 from thunder_cudnn_safe.integration.trace_views import CAST_PRIMS, dims_through, leaf_prims, own_dims, view_chain
 
-#: a finite masked_fill value at or below this is the same softmax as -inf everywhere but fully masked rows,
-#: and there too when it is turned into an additive term: s + v rounds to v in float32 for any |s| < 1e22
-FINITE_FILL_LIMIT = -1e30
-
 SOFTMAX = ltorch._softmax.id
 MATMUL = ltorch.matmul.id
 _DROPOUT = ltorch.dropout.id
@@ -49,8 +45,6 @@ class Region:
     #: additive mask terms (summed) and boolean keep masks (and-ed)
     additive: list[TensorProxy] = field(default_factory=list)
     keep: list[TensorProxy] = field(default_factory=list)
-    #: masked_fill(cond, v) with a finite v <= FINITE_FILL_LIMIT: (cond, v), an additive where(cond, v, 0)
-    fills: list[tuple[TensorProxy, float]] = field(default_factory=list)
     dropout_p: float = 0.0
     softcap: float | None = None
     sinks: TensorProxy | None = None
@@ -371,7 +365,11 @@ def _check_mask_shape(term: TensorProxy, s: TensorProxy) -> None:
 
 
 def _boolean_mask(w: TraceWalk, bsym: BoundSymbol, s: TensorProxy, region: Region) -> TensorProxy:
-    """masked_fill(s, cond, v) / where(c, s, v) / where(c, v, s) with v = -inf or a finite v <= -1e30."""
+    """masked_fill(s, cond, -inf) / where(c, s, -inf) / where(c, -inf, s).
+
+    A finite fill (HF's finfo.min, -1e30) is not taken: it replaces the scores, so a row masked everywhere averages
+    V with no gradient to q and k; as an additive term the forward matches but the gradient of that row does not
+    (nonzero dq, and dk from it), and as -inf the row gives zeros. No mask of the fused call is that function."""
     if bsym.sym.id == ltorch.masked_fill.id:
         scores, cond, value = bsym.args[0], bsym.args[1], _arg(bsym, 2, "value")
         masked_where_true = True
@@ -387,14 +385,11 @@ def _boolean_mask(w: TraceWalk, bsym: BoundSymbol, s: TensorProxy, region: Regio
     if not isinstance(cond, TensorProxy) or cond.dtype != dtypes.bool8 or not isinstance(scores, TensorProxy):
         raise NotAttention("a masked_fill / where on the scores without a boolean mask")
     _check_mask_shape(cond, scores)
-    if value is None or not (value == -math.inf or value <= FINITE_FILL_LIMIT):
-        raise NotAttention(f"a mask fill value {value!r} that is neither -inf nor <= {FINITE_FILL_LIMIT:g}")
-    if value == -math.inf:
-        region.keep.append(cond if not masked_where_true else _negated(w, cond))
-    elif masked_where_true:
-        region.fills.append((cond, value))
-    else:
-        region.fills.append((_negated(w, cond), value))
+    if value != -math.inf:
+        raise NotAttention(f"a mask fill value {value!r} that is not -inf (a finite fill replaces the scores: a "
+                           "row masked everywhere would average V with no gradient, a function the fused call "
+                           "has no mask for)")  # fmt: skip
+    region.keep.append(cond if not masked_where_true else _negated(w, cond))
     return scores
 
 

@@ -13,7 +13,8 @@ It recognises the *function*, walking back from each ``@ v``:
 * optionally a sink column appended (``cat([scores, col], -1)``) where ``col[b, h, i, 0]`` reads ``sinks[h]``,
   proved through the view chain (:mod:`trace_views`), not assumed from names: a per-token sink is refused;
 * additive masks and biases (``+ mask``, several are summed), boolean ones (``masked_fill(~keep, -inf)``,
-  ``where(keep, s, -inf)``), and finite fills <= -1e30 (the same softmax, fully masked rows included);
+  ``where(keep, s, -inf)``); a finite fill (``masked_fill(m, finfo.min)``) is left: it replaces the scores, and
+  a row masked everywhere then averages V with no gradient, which no mask of the fused call gives;
 * optionally a softcap ``tanh(s / c) * c`` (or ``* (1/c)``), which must come before every mask, as in Gemma 2;
 * scale factors (``* a``, ``/ a``) on the scores, on q or on k;
 * ``q @ k^T`` (``transpose``, ``permute`` or ``mT``), K/V ``repeat_kv``'d or ``repeat_interleave``'d over head
@@ -167,7 +168,7 @@ def _options(region: Region) -> dict:
         "softcap": region.softcap,
         "sinks": region.sinks is not None,
         "gqa": region.enable_gqa,
-        "masks": len(region.additive) + len(region.keep) + len(region.fills),
+        "masks": len(region.additive) + len(region.keep),
         "dropout_p": region.dropout_p,
         "scale": region.scale,
     }
@@ -195,16 +196,14 @@ def _fused(trace: TraceCtx, region: Region, last: BoundSymbol) -> list[BoundSymb
 
 
 def _combined_mask(region: Region) -> TensorProxy | None:
-    """One mask for the fused call: boolean keep masks and-ed; additive terms (finite fills as where(c, v, 0), a
-    boolean mask beside them as where(keep, 0, -inf)) summed in the order the model added them."""
+    """One mask for the fused call: boolean keep masks and-ed; additive terms (a boolean mask beside them as
+    where(keep, 0, -inf)) summed in the order the model added them."""
     keep = [ltorch.logical_not(k[1]) if isinstance(k, tuple) else k for k in region.keep]
-    fills = [(ltorch.logical_not(c[1]) if isinstance(c, tuple) else c, v) for c, v in region.fills]
     combined_keep = None
     for k in keep:
         combined_keep = k if combined_keep is None else ltorch.logical_and(combined_keep, k)
     additive = list(reversed(region.additive))  # found walking back: the model's first addition is last
     dtype = region.query.dtype
-    additive += [ltorch.where(c, v, 0.0).to(_torch_dtype(dtype)) for c, v in fills]
     if not additive:
         return combined_keep
     if combined_keep is not None:
