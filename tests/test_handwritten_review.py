@@ -155,3 +155,23 @@ def test_a_finite_fill_is_not_an_additive_mask(fill, fresh_cache):
 
     tf = _check(fn, [*_qkv(), keep])
     assert tf.recognised == 0 and "not -inf" in tf.declined[0].reason
+
+
+def _bmm(q, k, v):
+    return torch.softmax(torch.bmm(q.flatten(0, 1), k.flatten(0, 1).transpose(1, 2)) * 0.3, -1) @ v.flatten(0, 1)
+
+
+def _sink_first(q, k, v, sinks):
+    s = q @ k.transpose(-1, -2) * 0.3
+    column = sinks.reshape(1, -1, 1, 1).expand(s.shape[0], -1, s.shape[2], 1)
+    return torch.softmax(torch.cat([column, s], -1), -1)[..., 1:] @ v
+
+
+@pytest.mark.parametrize(("fn", "reason"), [(_bmm, "4-D"), (_sink_first, "sliced")], ids=["bmm", "sink_first"])
+def test_attention_left_as_written_has_a_reason(fn, reason, fresh_cache):
+    """Attention on 3-D (B*H, L, D) tensors, or with the sink column first and ``[..., 1:]``: the walk failed before
+    reaching the softmax, which was then counted as "not attention" with no reason; it is declined, with one."""
+    inputs = [*_qkv(), torch.randn(H)] if fn is _sink_first else _qkv()
+    tf = _check(fn, inputs, grads=tuple(range(len(inputs))))
+    assert tf.recognised == 0 and tf.other_softmaxes == 0, tf.report()
+    assert len(tf.declined) == 1 and reason in tf.declined[0].reason, tf.report()

@@ -21,7 +21,14 @@ from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx
 
 from thunder_cudnn_safe.integration.gqa import find_head_repeat
-from thunder_cudnn_safe.integration.trace_views import CAST_PRIMS, dims_through, leaf_prims, own_dims, view_chain
+from thunder_cudnn_safe.integration.trace_views import (
+    CAST_PRIMS,
+    VIEW_PRIMS,
+    dims_through,
+    leaf_prims,
+    own_dims,
+    view_chain,
+)
 
 SOFTMAX = ltorch._softmax.id
 MATMUL = ltorch.matmul.id
@@ -172,7 +179,41 @@ class TraceWalk:
 
 def match_region(w: TraceWalk, out_bsym: BoundSymbol, region: Region) -> None:
     """Fill ``region``, ending in ``out_bsym`` (``P @ V``); raises :class:`NotAttention` with the reason (the
-    bound symbols walked so far stay in ``region.bsyms``)."""
+    bound symbols walked so far stay in ``region.bsyms``, and the softmax feeding P always among them, so that a
+    softmax reaching ``@ v`` is declined with the reason, never counted as not attention: 3-D ``bmm``, a sink
+    column cut first, ... fail before the walk reaches it)."""
+    try:
+        _match_region(w, out_bsym, region)
+    except NotAttention:
+        if not any(b.sym.id == SOFTMAX for b in region.bsyms):
+            softmax = _softmax_upstream(w, out_bsym.args[0])
+            if softmax is not None:
+                region.bsyms.append(softmax)
+        raise
+
+
+#: what may lie between a softmax and the ``@ v`` it feeds for the softmax to count as attention: views, casts,
+#: slices, transposes (and dropout)
+_PASS_PRIMS = VIEW_PRIMS | CAST_PRIMS | {prims.PrimIDs.SLICE, prims.PrimIDs.TRANSPOSE, prims.PrimIDs.SQUEEZE}
+
+
+def _softmax_upstream(w: TraceWalk, t: Any, steps: int = 8) -> BoundSymbol | None:
+    """The softmax ``t`` is, through up to ``steps`` one-input views, casts, slices and dropouts, else None."""
+    for _ in range(steps):
+        bsym = w.producer(t)
+        if bsym is None:
+            return None
+        if bsym.sym.id == SOFTMAX:
+            return bsym
+        ins, leaves = _tensors(bsym), leaf_prims(bsym)
+        passes = bsym.sym.id == _DROPOUT or (leaves and all(x.sym.id in _PASS_PRIMS for x in leaves))
+        if len(ins) != 1 or not passes:
+            return None
+        t = ins[0]
+    return None
+
+
+def _match_region(w: TraceWalk, out_bsym: BoundSymbol, region: Region) -> None:
     p, v = out_bsym.args[0], out_bsym.args[1]
     region.bsyms.append(out_bsym)
     region.value, region.output = v, out_bsym.output
