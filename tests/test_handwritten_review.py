@@ -175,3 +175,14 @@ def test_attention_left_as_written_has_a_reason(fn, reason, fresh_cache):
     tf = _check(fn, inputs, grads=tuple(range(len(inputs))))
     assert tf.recognised == 0 and tf.other_softmaxes == 0, tf.report()
     assert len(tf.declined) == 1 and reason in tf.declined[0].reason, tf.report()
+
+
+def test_a_negative_scale_is_declined_not_a_crash(fresh_cache):
+    """``q @ k^T * -0.3``: thunder's SDPA (the fused call without softcap or sinks) scales q and k by sqrt(scale),
+    complex for a negative scale, and the transform crashed building the call; left as written, with the reason."""
+
+    def fn(q, k, v):
+        return torch.softmax(q @ k.transpose(-1, -2) * -0.3, -1) @ v
+
+    tf = _check(fn, _qkv())
+    assert tf.recognised == 0 and "negative scale" in tf.declined[0].reason

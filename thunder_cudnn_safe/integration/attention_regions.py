@@ -490,6 +490,8 @@ def _scores(w: TraceWalk, s: TensorProxy, region: Region) -> None:
     region.bsyms.append(tb)
     k, c = w.take_scales(_tensors(tb)[0], region, stop_at_shared=True)
     region.scale = scale * a * b * c
+    if region.scale < 0:  # thunder's SDPA scales q and k by sqrt(scale): complex for a negative one (a crash)
+        raise NotAttention(f"a negative scale {region.scale:g}")
     v = region.value
     if q.shape[:2] != k.shape[:2] or k.shape[:2] != v.shape[:2] or k.shape[2] != v.shape[2]:
         raise NotAttention("q, k and v do not share batch and heads (broadcast heads are not GQA repeats)")
