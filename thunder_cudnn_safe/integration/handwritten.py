@@ -14,8 +14,9 @@ It recognises the *function*, walking back from each ``@ v``:
   proved through the view chain (:mod:`trace_views`), not assumed from names: a per-token sink is refused;
 * additive masks and biases (``+ mask``) in q/k/v's dtype (or widened from it; several are summed only in
   float32/float64: a bf16 sum would round what the model adds term by term), boolean ones
-  (``masked_fill(~keep, -inf)``, ``where(keep, s, -inf)``); a finite fill (``masked_fill(m, finfo.min)``) is left: it replaces the scores, and
-  a row masked everywhere then averages V with no gradient, which no mask of the fused call gives;
+  (``masked_fill(~keep, -inf)``, ``where(keep, s, -inf)``); a finite fill (``masked_fill(m, finfo.min)``) is
+  left: it replaces the scores, and a row masked everywhere then averages V with no gradient, which no mask of
+  the fused call gives;
 * optionally a softcap ``tanh(s / c) * c`` (or ``* (1/c)``), which must come before every mask, as in Gemma 2;
 * scale factors (``* a``, ``/ a``) on the scores, on q or on k;
 * ``q @ k^T`` (``transpose``, ``permute`` or ``mT``), K/V ``repeat_kv``'d or ``repeat_interleave``'d over head
