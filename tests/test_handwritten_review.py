@@ -186,3 +186,18 @@ def test_a_negative_scale_is_declined_not_a_crash(fresh_cache):
 
     tf = _check(fn, _qkv())
     assert tf.recognised == 0 and "negative scale" in tf.declined[0].reason
+
+
+def test_a_row_max_of_another_tensor_is_declined_with_that_reason(fresh_cache):
+    """``cat([s, sink]) - s.amax(-1)`` (the max of the scores without the sink column, not of the softmax's input):
+    not the same function (the sink is shifted too); the reason used to be that the softmax's input "is not a
+    concatenated sink column", which it looks like; it names the max."""
+
+    def fn(q, k, v, sinks):
+        s = q @ k.transpose(-1, -2) * 0.3
+        column = sinks.reshape(1, -1, 1, 1).expand(s.shape[0], -1, s.shape[2], 1)
+        combined = torch.cat([s, column], -1) - s.amax(-1, keepdim=True)
+        return torch.softmax(combined, -1)[..., :-1] @ v
+
+    tf = _check(fn, [*_qkv(), torch.randn(H)], grads=(0, 1, 2, 3))
+    assert tf.recognised == 0 and "row max" in tf.declined[0].reason, tf.report()

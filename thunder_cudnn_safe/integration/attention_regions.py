@@ -291,7 +291,9 @@ def _drops_last_column(w: TraceWalk, bsym: BoundSymbol, out: TensorProxy) -> boo
 
 
 def _strip_row_max(w: TraceWalk, x: TensorProxy, region: Region) -> TensorProxy:
-    """``x - x.max(-1, keepdim=True)`` -> x (softmax is invariant to a per-row constant)."""
+    """``x - x.max(-1, keepdim=True)`` -> x (softmax is invariant to a per-row constant). A max or amax subtracted
+    that is not x's own row max (of the scores without the sink column, say) is declined here with that reason:
+    the walk on would only say that the softmax's input is not a concatenation or not ``q @ k^T``."""
     bsym = w.producer(x)
     if bsym is None or bsym.sym.id != ltorch.sub.id or len(bsym.args) < 2 or _arg(bsym, 2, "alpha", 1) != 1:
         return x
@@ -303,12 +305,16 @@ def _strip_row_max(w: TraceWalk, x: TensorProxy, region: Region) -> TensorProxy:
     while mb is not None and mb.sym.id == ltorch.detach.id:
         chain.append(mb)
         mb = w.producer(mb.args[0])
-    if mb is None or mb.sym.id not in (ltorch.torch_max.id, ltorch.amax.id) or mb.args[0] is not base:
+    if mb is None or mb.sym.id not in (ltorch.torch_max.id, ltorch.amax.id):
         return x
-    if not _last_dim(_arg(mb, 1, "dim"), base.ndim) or _arg(mb, 2, "keepdim") is not True:
-        return x
-    if mb.sym.id == ltorch.torch_max.id and m is not mb.output[0]:
-        return x
+    own_row_max = (
+        mb.args[0] is base
+        and _last_dim(_arg(mb, 1, "dim"), base.ndim)
+        and _arg(mb, 2, "keepdim") is True
+        and (mb.sym.id != ltorch.torch_max.id or m is mb.output[0])
+    )
+    if not own_row_max:
+        raise NotAttention("a max subtracted before the softmax that is not its input's own row max over the keys")
     region.bsyms.extend([bsym, *chain, mb])
     return w.skip_casts(base, region)
 
