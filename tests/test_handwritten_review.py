@@ -201,3 +201,21 @@ def test_a_row_max_of_another_tensor_is_declined_with_that_reason(fresh_cache):
 
     tf = _check(fn, [*_qkv(), torch.randn(H)], grads=(0, 1, 2, 3))
     assert tf.recognised == 0 and "row max" in tf.declined[0].reason, tf.report()
+
+
+def test_symbolic_shapes_are_declined_not_a_crash(fresh_cache):
+    """``thunder.jit(..., cache="symbolic values")``: shapes are proxies, and proving the sink column per head read
+    ``numel`` outside a trace (NotImplementedError inside the transform); left as written, with the reason."""
+
+    def fn(q, k, v, sinks):
+        s = q @ k.transpose(-1, -2) * 0.3
+        column = sinks.reshape(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[2], 1)
+        return torch.softmax(torch.cat([s, column], -1), -1)[..., :-1] @ v
+
+    tf = tcs.FuseHandwrittenAttention()
+    jf = thunder.jit(
+        fn, executors=[tcs.emulated_ex, *thunder.get_default_executors()], transforms=[tf], cache="symbolic values"
+    )
+    inputs = [*_qkv(), torch.randn(H)]
+    torch.testing.assert_close(jf(*inputs), fn(*inputs))
+    assert tf.recognised == 0 and "symbolic shapes" in tf.declined[0].reason

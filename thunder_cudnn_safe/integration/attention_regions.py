@@ -219,6 +219,9 @@ def _match_region(w: TraceWalk, out_bsym: BoundSymbol, region: Region) -> None:
     region.value, region.output = v, out_bsym.output
     if not (isinstance(p, TensorProxy) and isinstance(v, TensorProxy)) or p.ndim != 4 or v.ndim != 4:
         raise NotAttention("P @ V is not between 4-D (batch, heads, sequence, dim) tensors")
+    if not all(type(n) is int for t in (p, v) for n in t.shape):
+        # cache="symbolic values": shapes are proxies, and reading numel or multiplying them outside a trace raises
+        raise NotAttention("symbolic shapes (cache='symbolic values'): the views and shapes are proved with numbers")
     p = w.skip_casts(p, region, dropout=True)
     dropped_column = False
     bsym = w.producer(p)
