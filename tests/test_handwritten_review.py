@@ -219,3 +219,17 @@ def test_symbolic_shapes_are_declined_not_a_crash(fresh_cache):
     inputs = [*_qkv(), torch.randn(H)]
     torch.testing.assert_close(jf(*inputs), fn(*inputs))
     assert tf.recognised == 0 and "symbolic shapes" in tf.declined[0].reason
+
+
+def test_sinks_through_an_integer_cast_are_the_truncated_ones(fresh_cache):
+    """A sink column built from ``sinks.long().float()``: the view chain went through both casts back to the float
+    sinks, so the fused call read 0.7 where the model has 0; the sinks are taken after the integer cast."""
+
+    def fn(q, k, v, sinks):
+        s = (q @ k.transpose(-1, -2)).float() * 0.3
+        column = sinks.long().float().reshape(1, -1, 1, 1).expand(s.shape[0], -1, s.shape[2], 1)
+        return torch.softmax(torch.cat([s, column], -1), -1)[..., :-1].to(v.dtype) @ v
+
+    sinks = torch.tensor([0.7, 1.9, -2.6, 3.5]) * 2
+    tf = _check(fn, [*_qkv(), sinks])
+    assert tf.recognised == 1 and tf.regions[0]["sinks"]

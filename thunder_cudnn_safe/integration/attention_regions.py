@@ -336,12 +336,19 @@ def _sink_column(w: TraceWalk, x: TensorProxy, region: Region) -> TensorProxy:
 
 
 def _per_head(w: TraceWalk, col: TensorProxy, heads: int, head_dim: int) -> TensorProxy:
-    """The (H,) tensor X with ``col[..., h, ...] == X[h]`` for every other index (a view chain proves it)."""
+    """The (H,) tensor X with ``col[..., h, ...] == X[h]`` for every other index (a view chain proves it). The chain
+    may cast to float dtypes (rounding only) but not through an integer or bool cast after X: that truncates, and
+    the fused call would read X's untruncated values."""
     chain = view_chain(col, w.producers, through_casts=True)
     for i, (base, _) in enumerate(chain):
         if base.numel != heads:
             continue
-        dims = dims_through(base, [leaf for _, leaves in chain[i:] for leaf in leaves], col)
+        leaves = [leaf for _, step in chain[i:] for leaf in step]
+        if any(
+            x.sym.id == prims.PrimIDs.CONVERT_ELEMENT_TYPE and not dtypes.is_float_dtype(x.output.dtype) for x in leaves
+        ):
+            continue
+        dims = dims_through(base, leaves, col)
         if dims is None:
             continue
         factors = list(dims[head_dim])
