@@ -21,7 +21,14 @@ from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx
 
 from thunder_cudnn_safe.integration.gqa import find_head_repeat
-from thunder_cudnn_safe.integration.trace_views import CAST_PRIMS, dims_through, leaf_prims, own_dims, view_chain
+from thunder_cudnn_safe.integration.trace_views import (
+    CAST_PRIMS,
+    VIEW_PRIMS,
+    dims_through,
+    leaf_prims,
+    own_dims,
+    view_chain,
+)
 
 SOFTMAX = ltorch._softmax.id
 MATMUL = ltorch.matmul.id
@@ -172,12 +179,49 @@ class TraceWalk:
 
 def match_region(w: TraceWalk, out_bsym: BoundSymbol, region: Region) -> None:
     """Fill ``region``, ending in ``out_bsym`` (``P @ V``); raises :class:`NotAttention` with the reason (the
-    bound symbols walked so far stay in ``region.bsyms``)."""
+    bound symbols walked so far stay in ``region.bsyms``, and the softmax feeding P always among them, so that a
+    softmax reaching ``@ v`` is declined with the reason, never counted as not attention: 3-D ``bmm``, a sink
+    column cut first, ... fail before the walk reaches it)."""
+    try:
+        _match_region(w, out_bsym, region)
+    except NotAttention:
+        if not any(b.sym.id == SOFTMAX for b in region.bsyms):
+            softmax = _softmax_upstream(w, out_bsym.args[0])
+            if softmax is not None:
+                region.bsyms.append(softmax)
+        raise
+
+
+#: what may lie between a softmax and the ``@ v`` it feeds for the softmax to count as attention: views, casts,
+#: slices, transposes (and dropout)
+_PASS_PRIMS = VIEW_PRIMS | CAST_PRIMS | {prims.PrimIDs.SLICE, prims.PrimIDs.TRANSPOSE, prims.PrimIDs.SQUEEZE}
+
+
+def _softmax_upstream(w: TraceWalk, t: Any, steps: int = 8) -> BoundSymbol | None:
+    """The softmax ``t`` is, through up to ``steps`` one-input views, casts, slices and dropouts, else None."""
+    for _ in range(steps):
+        bsym = w.producer(t)
+        if bsym is None:
+            return None
+        if bsym.sym.id == SOFTMAX:
+            return bsym
+        ins, leaves = _tensors(bsym), leaf_prims(bsym)
+        passes = bsym.sym.id == _DROPOUT or (leaves and all(x.sym.id in _PASS_PRIMS for x in leaves))
+        if len(ins) != 1 or not passes:
+            return None
+        t = ins[0]
+    return None
+
+
+def _match_region(w: TraceWalk, out_bsym: BoundSymbol, region: Region) -> None:
     p, v = out_bsym.args[0], out_bsym.args[1]
     region.bsyms.append(out_bsym)
     region.value, region.output = v, out_bsym.output
     if not (isinstance(p, TensorProxy) and isinstance(v, TensorProxy)) or p.ndim != 4 or v.ndim != 4:
         raise NotAttention("P @ V is not between 4-D (batch, heads, sequence, dim) tensors")
+    if not all(type(n) is int for t in (p, v) for n in t.shape):
+        # cache="symbolic values": shapes are proxies, and reading numel or multiplying them outside a trace raises
+        raise NotAttention("symbolic shapes (cache='symbolic values'): the views and shapes are proved with numbers")
     p = w.skip_casts(p, region, dropout=True)
     dropped_column = False
     bsym = w.producer(p)
@@ -201,6 +245,29 @@ def match_region(w: TraceWalk, out_bsym: BoundSymbol, region: Region) -> None:
     s = _masks(w, x, region)
     s = _softcap(w, s, region)
     _scores(w, s, region)
+    _additive_in_input_dtype(w, region)
+
+
+def _additive_in_input_dtype(w: TraceWalk, region: Region) -> None:
+    """The fused call takes one mask in q/k/v's dtype, while the model adds each term to its scores: a term of
+    another dtype (a float32 bias on bf16 inputs: thunder's SDPA refuses it, and rounding it would change the
+    scores) is taken only where it is an exact widening cast of a term in the inputs' dtype; several terms in
+    bf16/fp16 would be summed and rounded to that dtype, which the model never does (100 + 0.3 rounds to 100.5)."""
+    dtype = region.query.dtype
+    for i, term in enumerate(region.additive):
+        if term.dtype == dtype:
+            continue
+        cast = w.producer(term)
+        src = _tensors(cast)[0] if cast is not None and len(_tensors(cast)) == 1 else None
+        leaves = leaf_prims(cast) if src is not None else []
+        widening = src is not None and src.dtype == dtype and term.dtype.bytes > dtype.bytes
+        if not (widening and leaves and all(x.sym.id in CAST_PRIMS for x in leaves) and term.shape == src.shape):
+            raise NotAttention(f"an additive mask in {term.dtype} on {dtype} q, k, v: the fused call takes its "
+                               "mask in the inputs' dtype, which would round it")  # fmt: skip
+        region.additive[i] = src
+    if len(region.additive) > 1 and dtype in (dtypes.bfloat16, dtypes.float16):
+        raise NotAttention(f"{len(region.additive)} additive masks on {dtype} q, k, v: the fused call would take "
+                           f"their sum rounded to {dtype}, the model adds each to the scores")  # fmt: skip
 
 
 def _drops_last_column(w: TraceWalk, bsym: BoundSymbol, out: TensorProxy) -> bool:
@@ -227,7 +294,9 @@ def _drops_last_column(w: TraceWalk, bsym: BoundSymbol, out: TensorProxy) -> boo
 
 
 def _strip_row_max(w: TraceWalk, x: TensorProxy, region: Region) -> TensorProxy:
-    """``x - x.max(-1, keepdim=True)`` -> x (softmax is invariant to a per-row constant)."""
+    """``x - x.max(-1, keepdim=True)`` -> x (softmax is invariant to a per-row constant). A max or amax subtracted
+    that is not x's own row max (of the scores without the sink column, say) is declined here with that reason:
+    the walk on would only say that the softmax's input is not a concatenation or not ``q @ k^T``."""
     bsym = w.producer(x)
     if bsym is None or bsym.sym.id != ltorch.sub.id or len(bsym.args) < 2 or _arg(bsym, 2, "alpha", 1) != 1:
         return x
@@ -239,12 +308,16 @@ def _strip_row_max(w: TraceWalk, x: TensorProxy, region: Region) -> TensorProxy:
     while mb is not None and mb.sym.id == ltorch.detach.id:
         chain.append(mb)
         mb = w.producer(mb.args[0])
-    if mb is None or mb.sym.id not in (ltorch.torch_max.id, ltorch.amax.id) or mb.args[0] is not base:
+    if mb is None or mb.sym.id not in (ltorch.torch_max.id, ltorch.amax.id):
         return x
-    if not _last_dim(_arg(mb, 1, "dim"), base.ndim) or _arg(mb, 2, "keepdim") is not True:
-        return x
-    if mb.sym.id == ltorch.torch_max.id and m is not mb.output[0]:
-        return x
+    own_row_max = (
+        mb.args[0] is base
+        and _last_dim(_arg(mb, 1, "dim"), base.ndim)
+        and _arg(mb, 2, "keepdim") is True
+        and (mb.sym.id != ltorch.torch_max.id or m is mb.output[0])
+    )
+    if not own_row_max:
+        raise NotAttention("a max subtracted before the softmax that is not its input's own row max over the keys")
     region.bsyms.extend([bsym, *chain, mb])
     return w.skip_casts(base, region)
 
@@ -263,12 +336,19 @@ def _sink_column(w: TraceWalk, x: TensorProxy, region: Region) -> TensorProxy:
 
 
 def _per_head(w: TraceWalk, col: TensorProxy, heads: int, head_dim: int) -> TensorProxy:
-    """The (H,) tensor X with ``col[..., h, ...] == X[h]`` for every other index (a view chain proves it)."""
+    """The (H,) tensor X with ``col[..., h, ...] == X[h]`` for every other index (a view chain proves it). The chain
+    may cast to float dtypes (rounding only) but not through an integer or bool cast after X: that truncates, and
+    the fused call would read X's untruncated values."""
     chain = view_chain(col, w.producers, through_casts=True)
     for i, (base, _) in enumerate(chain):
         if base.numel != heads:
             continue
-        dims = dims_through(base, [leaf for _, leaves in chain[i:] for leaf in leaves], col)
+        leaves = [leaf for _, step in chain[i:] for leaf in step]
+        if any(
+            x.sym.id == prims.PrimIDs.CONVERT_ELEMENT_TYPE and not dtypes.is_float_dtype(x.output.dtype) for x in leaves
+        ):
+            continue
+        dims = dims_through(base, leaves, col)
         if dims is None:
             continue
         factors = list(dims[head_dim])
@@ -296,7 +376,7 @@ def _masks(w: TraceWalk, s: TensorProxy, region: Region) -> TensorProxy:
             if not (isinstance(a, TensorProxy) and isinstance(b, TensorProxy)):
                 raise NotAttention("a constant is added to the scores")
             scores, term = _which_is_scores(w, a, b)
-            _check_mask_shape(term, s)
+            _check_mask_shape(term, scores)
             if term.dtype == dtypes.bool8:
                 raise NotAttention("a boolean tensor is added to the scores")
             region.additive.append(term)
@@ -333,6 +413,8 @@ def _leads_to_qk(w: TraceWalk, t: TensorProxy, depth: int = 24) -> bool:
 
 
 def _check_mask_shape(term: TensorProxy, s: TensorProxy) -> None:
+    """``term`` broadcasts to ``s`` (the scores operand, not the op's output: a mask with more heads, queries or
+    batch than the scores would make the softmax, and ``@ v``, bigger than the fused call's (B, H, L, S))."""
     if term.ndim > s.ndim or any(
         m not in (1, n) for m, n in zip(reversed(term.shape), reversed(s.shape), strict=False)
     ):
@@ -340,11 +422,11 @@ def _check_mask_shape(term: TensorProxy, s: TensorProxy) -> None:
 
 
 def _boolean_mask(w: TraceWalk, bsym: BoundSymbol, s: TensorProxy, region: Region) -> TensorProxy:
-    """masked_fill(s, cond, -inf) / where(keep, s, -inf) / where(cond, -inf, s): a boolean keep mask.
+    """masked_fill(s, cond, -inf) / where(c, s, -inf) / where(c, -inf, s).
 
-    A finite fill (``finfo.min``) is another function wherever a query row is masked everywhere: there the fill
-    gives a uniform row with no gradient to the scores (the fill replaces them); an additive mask gives the
-    gradient, a boolean one a zero row. No mask the fused call takes is the same, so such a region stays."""
+    A finite fill (HF's finfo.min, -1e30) is not taken: it replaces the scores, so a row masked everywhere averages
+    V with no gradient to q and k; as an additive term the forward matches but the gradient of that row does not
+    (nonzero dq, and dk from it), and as -inf the row gives zeros. No mask of the fused call is that function."""
     if bsym.sym.id == ltorch.masked_fill.id:
         scores, cond, value = bsym.args[0], bsym.args[1], _arg(bsym, 2, "value")
         masked_where_true = True
@@ -359,10 +441,11 @@ def _boolean_mask(w: TraceWalk, bsym: BoundSymbol, s: TensorProxy, region: Regio
     value = _number(value)
     if not isinstance(cond, TensorProxy) or cond.dtype != dtypes.bool8 or not isinstance(scores, TensorProxy):
         raise NotAttention("a masked_fill / where on the scores without a boolean mask")
-    _check_mask_shape(cond, s)
+    _check_mask_shape(cond, scores)
     if value != -math.inf:
-        raise NotAttention(f"a mask fill value {value!r}, not -inf: rows masked everywhere would differ (uniform, no "
-                           "gradient to the scores) from any mask the fused call takes")  # fmt: skip
+        raise NotAttention(f"a mask fill value {value!r} that is not -inf (a finite fill replaces the scores: a "
+                           "row masked everywhere would average V with no gradient, a function the fused call "
+                           "has no mask for)")  # fmt: skip
     region.keep.append(cond if not masked_where_true else _negated(w, cond))
     return scores
 
@@ -423,6 +506,8 @@ def _scores(w: TraceWalk, s: TensorProxy, region: Region) -> None:
     region.bsyms.append(tb)
     k, c = w.take_scales(_tensors(tb)[0], region, stop_at_shared=True)
     region.scale = scale * a * b * c
+    if region.scale < 0:  # thunder's SDPA scales q and k by sqrt(scale): complex for a negative one (a crash)
+        raise NotAttention(f"a negative scale {region.scale:g}")
     v = region.value
     if q.shape[:2] != k.shape[:2] or k.shape[:2] != v.shape[:2] or k.shape[2] != v.shape[2]:
         raise NotAttention("q, k and v do not share batch and heads (broadcast heads are not GQA repeats)")
@@ -434,18 +519,6 @@ def _scores(w: TraceWalk, s: TensorProxy, region: Region) -> None:
     if base_k and base_v and base_k[1] == base_v[1] and base_k[0].shape[1] == base_v[0].shape[1]:
         k, v, region.enable_gqa = base_k[0], base_v[0], True
     region.query, region.key, region.value = q, k, v
-    _check_mask_dtypes(region)
-
-
-def _check_mask_dtypes(region: Region) -> None:
-    """float16 queries with a wider mask: the executor refuses, at run time, a row masked everywhere with finite
-    values below float16's range (it would round them to -inf and zero the row where eager averages V), so a
-    model that ran would raise once rewritten. Such a region stays as written."""
-    if region.query.dtype != dtypes.float16:
-        return
-    wide = [t.dtype for t in region.additive if t.dtype != dtypes.float16]
-    if wide:
-        raise NotAttention(f"a {wide[0]} mask with float16 queries (its finite values may lie below float16's range)")
 
 
 # -- the sigmoid sinks form ----------------------------------------------------------------------------------
@@ -496,6 +569,8 @@ def _sigmoid_factor(w: TraceWalk, region: Region, f: TensorProxy, mul: BoundSymb
     if lb is None or lb.sym.id != ltorch.logsumexp.id or not _last_dim(_arg(lb, 1, "dim"), lb.args[0].ndim):
         return False
     if w.skip_casts_probe(lb.args[0]) is not region.logits or lse_t.shape != base.shape:
+        return False
+    if sink_view.ndim != lse_t.ndim:  # broadcast from the right: a (1, H) view would align with the queries
         return False
     region.sinks = _per_head(w, sink_view, heads=o.shape[1], head_dim=1)
     region.output = mul.output

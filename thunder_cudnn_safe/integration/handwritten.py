@@ -12,9 +12,11 @@ It recognises the *function*, walking back from each ``@ v``:
 * optionally the row max subtracted (``x - x.max(-1, keepdim=True)``, detached or not: softmax is invariant);
 * optionally a sink column appended (``cat([scores, col], -1)``) where ``col[b, h, i, 0]`` reads ``sinks[h]``,
   proved through the view chain (:mod:`trace_views`), not assumed from names: a per-token sink is refused;
-* additive masks and biases (``+ mask``, several are summed), boolean ones (``masked_fill(~keep, -inf)``,
-  ``where(keep, s, -inf)``; a finite fill such as ``finfo.min`` is another function in rows masked everywhere,
-  so it is left);
+* additive masks and biases (``+ mask``) in q/k/v's dtype (or widened from it; several are summed only in
+  float32/float64: a bf16 sum would round what the model adds term by term), boolean ones
+  (``masked_fill(~keep, -inf)``, ``where(keep, s, -inf)``); a finite fill (``masked_fill(m, finfo.min)``) is
+  left: it replaces the scores, and a row masked everywhere then averages V with no gradient, which no mask of
+  the fused call gives;
 * optionally a softcap ``tanh(s / c) * c`` (or ``* (1/c)``), which must come before every mask, as in Gemma 2;
 * scale factors (``* a``, ``/ a``) on the scores, on q or on k;
 * ``q @ k^T`` (``transpose``, ``permute`` or ``mT``), K/V ``repeat_kv``'d or ``repeat_interleave``'d over head
