@@ -550,11 +550,15 @@ SINK_DECODE = Rule(
     example=dict(arch=(9, 0), backend=92600, lq=1, s=64, sinks=True),
 )
 SINK_RAGGED = Rule(
-    "a learnable sink with packed (THD, ragged) sequences is not trusted before cuDNN 9.26: TransformerEngine "
-    "gates it there; the package runs documents with sinks as a bias instead (the planner) and never builds a "
-    "ragged graph with a sink token",
-    "TransformerEngine#3249 / #3470 (shared/notes/cudnn-defects.md, addendum of 2026-12-06); not reproduced here",
-    min_backend=10**9,
+    "a sink token with packed (THD, ragged) sequences needs cuDNN 9.26: older libraries read out of bounds in the "
+    "backward's dO * O pre-pass (cudnn-frontend refuses that backward below 9.26; TransformerEngine gates sinks "
+    "with THD there); from 9.26 libcudnn builds forward and backward on sm90 and sm100. The package still runs "
+    "documents with sinks as a bias (the planner: the variable-length binder declares no sink token)",
+    "cudnn-frontend 1.32 scaled_dot_product_flash_attention.h ('SDPA backward with ragged offsets and a sink token "
+    "requires cuDNN 9.26.0 or newer'); TransformerEngine#3249 / #3470 (shared/notes/cudnn-defects.md, addendum of "
+    "2026-12-06); the compile sweep, tests/test_cudnn_compile.py::test_ragged_sink_graphs_compile_from_9_26 "
+    "(libcudnn 9.27: sm90 and sm100 build forward and backward; 9.19 builds the forward only)",
+    min_backend=92600,
     trigger=lambda rule, f: _if(f.ragged and bool(f.sinks), "a ragged graph with sinks"),
     applies=WHERE_IT_FAILS,
     judged_on=("key",),
