@@ -238,7 +238,7 @@ def test_the_sweep_covers_every_option():
     assert any(c["d"] != c["dv"] for c in drawn) and any(c["hk"] == 1 < c["h"] for c in drawn)
 
 
-# -- masks with sinks stay patterns; with softcap they are a bias -------------------------------------------
+# -- masks with sinks stay patterns; with softcap a band runs in the modifier, padding as a bias ------------
 @pytest.mark.parametrize("kind, pattern", [("causal", "causal"), ("window", "window"), ("padding", "padding")])
 def test_masks_with_sinks_stay_cudnn_patterns(kind, pattern, fresh_cache):
     gen = torch.Generator().manual_seed(0)
@@ -248,7 +248,8 @@ def test_masks_with_sinks_stay_cudnn_patterns(kind, pattern, fresh_cache):
     report = tcs.describe(q, q, q, mask, executor=tcs.emulated_ex, sinks=sinks)
     assert not report.reasons and pattern in report.mask_pattern
     capped = tcs.describe(q, q, q, mask, executor=tcs.emulated_ex, sinks=sinks, softcap=20.0, need_stats=False)
-    assert not capped.reasons and capped.mask_pattern == "bias"
+    assert not capped.reasons
+    assert capped.mask_pattern == "bias" if kind == "padding" else pattern in capped.mask_pattern
 
 
 # -- declined calls run the decomposition --------------------------------------------------------------------

@@ -29,7 +29,7 @@ from support import compile_sweep
 from support.lowering_calls import CALLS, Call, explain, keys_of, tensors
 
 import thunder_cudnn_safe as tcs
-from thunder_cudnn_safe.graphs import lowering
+from thunder_cudnn_safe.graphs import build, lowering
 from thunder_cudnn_safe.layouts.keys import ForwardKey
 from thunder_cudnn_safe.rules import cudnn_rules
 from thunder_cudnn_safe.runtimes import aot, emulation
@@ -401,3 +401,87 @@ def test_attention_variant_graphs_compile(standin):
         if results[sm][key].ok != (isinstance(key, ForwardKey) or sm in (90, 100))
     ]
     assert {sm for call in calls if call.softcap is not None for sm in ARCHS if not claimed(call, sm)} == {90, 100}
+
+
+def _softcap_band_keys() -> list:
+    """Every key of the lowering sweep's softcapped calls whose band runs inside the score modifier."""
+    calls = [call for call in CALLS if call.softcap is not None]
+    keys = [key for call in calls for key in keys_of(call) if build.band_in_modifier(key)]
+    return list(dict.fromkeys(keys))
+
+
+def test_softcap_band_graphs_compile(standin):
+    """Issue 42: a softcapped call's band (causal, window, bottom-right, bottom-right window) declared inside the
+    score modifier (graphs.build._band_mask) gets a plan and NVRTC-compiled kernels: forwards on A100, H100 and
+    B200, backwards on H100 and B200 (A100's is SOFTCAP_BACKWARD's: no softcap backward engine there). This is
+    SOFTCAP_BAND_IN_MODIFIER's evidence (docs/deviceless.md, 'Softcap with causal and window masks')."""
+    keys = _softcap_band_keys()
+    bands = {(key.causal, key.left is not None, key.bottom_right) for key in keys}
+    assert {(True, False, False), (True, True, False), (True, False, True), (True, True, True)} <= bands, bands
+    assert all(key.bias is None for key in keys)
+    results = aot.compile_in_subprocess(keys, list(compile_sweep.ARCH_DEVICES.values()), extra_ld_path=standin)
+    wrong = [
+        (sm, type(key).__name__, key.left, key.bottom_right, r.reason)
+        for sm, device in compile_sweep.ARCH_DEVICES.items()
+        for key, r in zip(keys, results[device])
+        if (r.ok and bool(r.kernels)) != (isinstance(key, ForwardKey) or sm in (90, 100))
+    ]
+    assert not wrong, wrong
+
+
+def _with(keys: list, **changes) -> list:
+    return [key._replace(**{f: v for f, v in changes.items() if f in key._fields}) for key in keys]
+
+
+def test_dropout_with_sinks_or_softcap_graphs_compile(standin):
+    """Issue 42, question 2 (docs/deviceless.md, 'Dropout with sinks or softcap'): libcudnn builds dropout beside a
+    sink token (forward and dSink_token backward on A100, H100, B200) and beside the softcap modifier (forwards
+    everywhere, backwards where softcap's build: H100, B200). The executor still declines both (rules/support.py
+    ``_variant_reasons``): its dropout pairing of forward and backward is verified for plain SDPA only."""
+    donor = keys_of(next(c for c in CALLS if c.id == "dropout-L16-S16"))[0]
+    dropout = dict(dropout_p=0.125, seed=donor.seed, offset=donor.offset)
+    cases = {cid: _with(keys_of(next(c for c in CALLS if c.id == cid)), **dropout) for cid in ("sinks", "softcap")}
+    keys = [key for ks in cases.values() for key in ks]
+    results = aot.compile_in_subprocess(keys, list(compile_sweep.ARCH_DEVICES.values()), extra_ld_path=standin)
+    got = {
+        (cid, sm, type(key).__name__): r.ok
+        for sm, device in compile_sweep.ARCH_DEVICES.items()
+        for key, r in zip(keys, results[device])
+        for cid, ks in cases.items()
+        if key in ks
+    }
+    expected = {
+        (cid, sm, kind): kind == "ForwardKey" or cid == "sinks" or sm in (90, 100)
+        for cid in cases
+        for sm in compile_sweep.ARCH_DEVICES
+        for kind in ("ForwardKey", "BackwardKey")
+    }
+    assert got == expected
+
+
+def test_ragged_sink_graphs_compile_from_9_26(standin):
+    """Issue 42, question 3 (docs/deviceless.md, 'Sinks with documents'): a ragged (packed) graph with a sink token
+    (keys without a target: cuDNN's verdict, not the key gate's). Below cuDNN 9.26 the frontend's own node refuses
+    the backward ('SDPA backward with ragged offsets and a sink token requires cuDNN 9.26.0 or newer', an
+    out-of-bounds read in the compute_dot_do_o pre-pass), the forward builds; SINK_RAGGED refuses both there. From
+    9.26 (libcudnn 9.27) H100 and B200 build forward and backward. The planner still runs documents with sinks as
+    a bias: the variable-length binder declares no sink token."""
+    from thunder_cudnn_safe.layouts.keys import BackwardKey, TensorSig
+
+    keys = []
+    for cid in ("documents-contiguous-contiguous", "documents-window", "documents-gqa"):
+        for key in keys_of(next(c for c in CALLS if c.id == cid)):
+            heads = key.q.shape[1]
+            sink = TensorSig((1, heads, 1, 1), (heads, 1, 1, 1), torch.float32)
+            key = key._replace(sink=sink)
+            keys.append(key._replace(d_sink=sink) if isinstance(key, BackwardKey) else key)
+    assert keys and all(key.ragged is not None for key in keys)
+    devices = [compile_sweep.ARCH_DEVICES[sm] for sm in (90, 100)]
+    results = aot.compile_in_subprocess(keys, devices, extra_ld_path=standin)
+    version = lowering.backend_version()
+    for device in devices:
+        for key, r in zip(keys, results[device]):
+            if version < 92600 and isinstance(key, BackwardKey):
+                assert not r.ok and "requires cuDNN 9.26.0 or newer" in r.reason, (device, r.reason)
+            else:
+                assert r.ok and r.kernels, (device, type(key).__name__, r.reason)

@@ -301,7 +301,7 @@ def test_a_softcap_inference_step_runs_on_cudnn():
 
 
 def test_a_softcap_training_step_runs_on_cudnn():
-    """Softcap (Gemma 2's 50, causal as a bias) in a training step where cuDNN has a softcap backward engine
+    """Softcap (Gemma 2's 50, causal inside the modifier) in a training step where cuDNN has a softcap backward engine
     (sm90 and sm10x from 9.19, the compile sweep; SOFTCAP_BACKWARD declines it elsewhere): graphs built, no
     fallback, our operators in both traces, out/dq/dk/dv within the accuracy rule against float64. The numbers
     of the backward declared as cudnn-frontend's Softcap (MUL, TANH_BWD, DIV), which the compile sweep cannot see."""

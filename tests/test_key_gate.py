@@ -77,7 +77,7 @@ ROUTES = {  # calls that break a rule on some target, each through a different r
     "sinks, decode s_q = 1": lambda d: dispatch_step(
         d, *seeded_qkv(2, 2, 1, 40, d=32, bshd=True), sinks=torch.zeros(2)
     ),
-    "softcap, causal as a bias": lambda d: dispatch_step(
+    "softcap, causal (in the modifier; a bias before 9.19)": lambda d: dispatch_step(
         d, *seeded_qkv(1, 2, 16, 16, d=32, bshd=True), is_causal=True, softcap=20.0
     ),
     "sinks with documents (the bias)": lambda d: dispatch_step(
@@ -119,11 +119,12 @@ def test_no_key_that_breaks_a_rule_reaches_a_build_on_any_route(arch, backend, m
             assert info.get(rule), (rule, info)
 
 
-def _key(**changes):
-    """A claimed dense backward key planned by the dispatcher on sm90 / cuDNN 9.19, with ``changes``."""
+def _key(forward=False, **changes):
+    """A claimed dense backward key (``forward``: its forward's) planned by the dispatcher on sm90 / cuDNN 9.19,
+    with ``changes``."""
     disp = Dispatcher(EmulatedRuntime(arch=(9, 0), backend_version=91900), GraphCache())
     dispatch_step(disp, *seeded_qkv(1, 2, 16, 16, d=32, bshd=True))
-    (key,) = [k for k in disp.cache.keys() if isinstance(k, BackwardKey)]
+    (key,) = [k for k in disp.cache.keys() if isinstance(k, ForwardKey if forward else BackwardKey)]
     return key._replace(**changes)
 
 
@@ -143,7 +144,8 @@ def _key(**changes):
         ("SINK_DECODE", "sink_q1"),
         ("SINK_RAGGED", "sink_ragged"),
         ("SOFTCAP_BACKWARD", "softcap_sm80"),
-        ("SOFTCAP_NO_MASK_SUBGRAPH", {"softcap": 30.0, "causal": True}),
+        ("SOFTCAP_NO_MASK_SUBGRAPH", {"softcap": 30.0, "padded": True}),
+        ("SOFTCAP_BAND_IN_MODIFIER", "softcap_band_9_18"),
     ],
 )
 def test_a_key_that_breaks_a_rule_is_refused_by_name_and_counted(rule, changes, monkeypatch):
@@ -169,6 +171,9 @@ def test_a_key_that_breaks_a_rule_is_refused_by_name_and_counted(rule, changes, 
         monkeypatch.setenv(cudnn_rules.FRONTEND_OWN_ENGINES_ENV, "1")
         ragged = varlen.RaggedSig(TensorSig((3, 1, 1, 1), (1, 1, 1, 1), torch.int32), 32, True)
         key = key._replace(ragged=ragged, left=4, causal=True, target=key.target._replace(arch=(10, 0)))
+    elif changes == "softcap_band_9_18":  # the band in the modifier is swept from 9.19 (an inference forward)
+        key = _key(forward=True)._replace(softcap=30.0, causal=True, left=4)
+        key = key._replace(target=key.target._replace(backend_version=91800))
     elif changes == "softcap_sm80":  # sm90 and sm100 have a softcap backward engine (the compile sweep)
         key = key._replace(softcap=30.0, target=key.target._replace(arch=(8, 0)))
     elif changes in ("old_sink", "sink_q1", "sink_ragged"):

@@ -401,7 +401,7 @@ def test_a_softcap_modifiers_forward_state_is_per_thread():
     from thunder_cudnn_safe.graphs.build import score_modifier
     from thunder_cudnn_safe.runtimes.reference import PointwiseEvaluator
 
-    key = types.SimpleNamespace(softcap=4.0)
+    key = types.SimpleNamespace(softcap=4.0, causal=False, left=None)
     score_mod, score_mod_bprop = score_modifier(key)
     graph, a, b = PointwiseEvaluator(), torch.full((2, 2), 1.0), torch.full((2, 2), 3.0)
     score_mod(graph, a)

@@ -195,8 +195,9 @@ def bottom_right_mask(call: Call) -> torch.Tensor:
 
 
 def _variant_calls() -> list[Call]:
-    """Sinks (a sink token and dSink_token) with every mask pattern, softcap (a score modifier; its masks run as
-    a bias), both, with GQA, d_qk != d_v and bf16 (issue 42)."""
+    """Sinks (a sink token and dSink_token) with every mask pattern, softcap (a score modifier; its band, causal,
+    window or bottom-right, inside the modifier, its other masks as a bias), both, with GQA, d_qk != d_v and bf16
+    (issue 42)."""
     calls = []
     for sinks, softcap in ((True, None), (False, 30.0), (True, 30.0)):
         tag = "-".join(name for name, on in (("sinks", sinks), ("softcap", softcap)) if on)
@@ -212,6 +213,9 @@ def _variant_calls() -> list[Call]:
     br = dict(shape=(2, 2, 16, 48, 64, 64), mask_bool=True, bottom_right=True, sinks=True)  # prefill with sinks
     calls.append(Call("bottom-right-sinks", **br))
     calls.append(Call("bottom-right-window-padding-sinks", "bshd_transposed", br_window=7, br_lens=(40, 48), **br))
+    capped = dict(br, sinks=False, softcap=30.0)  # prefill with softcap: the band inside the score modifier
+    calls.append(Call("bottom-right-softcap", **capped))
+    calls.append(Call("bottom-right-window-softcap", br_window=7, **capped))
     return calls
 
 

@@ -111,12 +111,13 @@ def _options(graph: Any, key: ForwardKey | BackwardKey) -> dict[str, Any]:
         extra["dBias"] = _declare(graph, Uid.DBIAS, key.d_bias)
     if key.dropout_p:
         extra["dropout"] = (key.dropout_p, _declare(graph, Uid.SEED, key.seed), _declare(graph, Uid.OFFSET, key.offset))
-    if key.causal or key.left is not None:
+    banded = not band_in_modifier(key)  # a softcapped key's band is in its score modifier
+    if banded and (key.causal or key.left is not None):
         alignment = "BOTTOM_RIGHT" if key.bottom_right else "TOP_LEFT"
         extra["diagonal_alignment"] = getattr(cudnn_module().diagonal_alignment, alignment)
-    if key.causal:
+    if banded and key.causal:
         extra["diagonal_band_right_bound"] = 0
-    if key.left is not None:
+    if banded and key.left is not None:
         extra["diagonal_band_left_bound"] = int(key.left)
     if key.padded:
         lens = TensorSig((key.q.shape[0], 1, 1, 1), (1, 1, 1, 1), torch.int32)
@@ -134,6 +135,45 @@ def _options(graph: Any, key: ForwardKey | BackwardKey) -> dict[str, Any]:
     return extra
 
 
+def band_in_modifier(key: ForwardKey | BackwardKey) -> bool:
+    """Whether ``key``'s band (causal, sliding window, bottom-right) is declared inside its score modifier instead
+    of as the node's diagonal band: a score modifier turns cuDNN's masking subgraphs off (frontend 1.32
+    ``_sdpa_validate.py``), so a softcapped key with a band masks in its modifier (:func:`score_modifier`)."""
+    return key.softcap is not None and (bool(key.causal) or key.left is not None)
+
+
+def _typed(tensor: Any, data_type: Any) -> Any:
+    """``tensor`` declared with ``data_type`` (a graph tensor); a torch tensor the CPU evaluation computed
+    (``reference.PointwiseEvaluator``, which gives each op the dtype its ``compute_data_type`` names) as is."""
+    setter = getattr(tensor, "set_data_type", None)
+    return tensor if setter is None else setter(data_type)
+
+
+def _band_mask(graph: Any, key: ForwardKey | BackwardKey, score: Any, out: Any) -> Any:
+    """``out`` with the key's band applied as pointwise ops on ``score``'s indices: row i (shifted by S - L when
+    bottom-right) keeps key j where j <= i (causal) and j + left > i (window), else -inf. The form cuDNN's fused
+    engines take (docs/deviceless.md, "Softcap with causal and window masks"): int32 GEN_INDEX on rows and
+    columns, ADD of an int scalar, CMP_GE / CMP_GT to booleans, one BINARY_SELECT per bound (a LOGICAL_AND of the
+    two, or the window's ADD in float, gets no engine)."""
+    cudnn = cudnn_module()
+    dt, const = cudnn.data_type, cudnn.scalar_type.RUNTIME_PARAM
+    row = _typed(graph.gen_index(input=score, axis=2, compute_data_type=dt.INT32), dt.INT32)
+    col = _typed(graph.gen_index(input=score, axis=3, compute_data_type=dt.INT32), dt.INT32)
+    if key.bottom_right:  # query i stands at key position i + S - L
+        shift = graph.tensor_scalar(int(key.k.shape[2] - key.q.shape[2]), const)
+        row = _typed(graph.add(a=row, b=shift, compute_data_type=dt.INT32), dt.INT32)
+    masked = graph.tensor_scalar(float("-inf"), const)
+    if key.causal:
+        keep = _typed(graph.cmp_ge(input=row, comparison=col, compute_data_type=dt.BOOLEAN), dt.BOOLEAN)
+        out = graph.binary_select(input0=out, input1=masked, mask=keep)
+    if key.left is not None:
+        reach = graph.tensor_scalar(int(key.left), const)
+        col_reach = _typed(graph.add(a=col, b=reach, compute_data_type=dt.INT32), dt.INT32)
+        keep = _typed(graph.cmp_gt(input=col_reach, comparison=row, compute_data_type=dt.BOOLEAN), dt.BOOLEAN)
+        out = graph.binary_select(input0=out, input1=masked, mask=keep)
+    return out
+
+
 def score_modifier(key: ForwardKey | BackwardKey) -> tuple[Any, Any] | None:
     """The key's score modifier as cuDNN's two callbacks ``(score_mod(graph, s), score_mod_bprop(graph, dS))``,
     or None. The one declaration of a modifier: the graph gets these callbacks, and the emulated runtime and the
@@ -147,7 +187,9 @@ def score_modifier(key: ForwardKey | BackwardKey) -> tuple[Any, Any] | None:
     inside the backward graph before ``score_mod_bprop``, frontend 1.32's node). The cap is one pass-by-value
     scalar (the value travels in the graph; no tensor is bound). The fused backward engines match these ops:
     the same derivative as ``dS * (1 - t * t)`` (SUB and MUL of the saved tanh) gets no engine on any arch
-    (docs/deviceless.md, "Softcap backward"). A new modifier (ALiBi, another cap) is a branch here."""
+    (docs/deviceless.md, "Softcap backward"). A key's band (causal, window, bottom-right) follows the cap inside
+    the forward modifier (:func:`_band_mask`, :func:`band_in_modifier`); the backward needs no mask of its own
+    (a masked score's probability is 0, so its dS is 0). A new modifier (ALiBi, another cap) is a branch here."""
     if key.softcap is None:
         return None
     # per thread: the emulation evaluates a cached graph's callbacks on torch tensors, forward then backward, and
@@ -155,11 +197,13 @@ def score_modifier(key: ForwardKey | BackwardKey) -> tuple[Any, Any] | None:
     cap, saved = float(key.softcap), threading.local()
     # pass-by-value: a constant tensor (COMPILE_TIME_CONST) needs cuDNN 9.22 (CUDNN_ATTR_TENSOR_CONSTANT_VALUE)
     const = cudnn_module().scalar_type.RUNTIME_PARAM
+    banded = band_in_modifier(key)
 
     def score_mod(graph: Any, score: Any) -> Any:
         saved.cap = graph.tensor_scalar(cap, const)
         saved.before_tanh = graph.div(a=score, b=saved.cap)
-        return graph.mul(a=graph.tanh(input=saved.before_tanh), b=saved.cap)
+        capped = graph.mul(a=graph.tanh(input=saved.before_tanh), b=saved.cap)
+        return _band_mask(graph, key, score, capped) if banded else capped
 
     def score_mod_bprop(graph: Any, d_score: Any) -> Any:
         d_tanh = graph.tanh_backward(loss=graph.mul(a=d_score, b=saved.cap), input=saved.before_tanh)

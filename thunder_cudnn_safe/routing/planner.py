@@ -23,6 +23,7 @@ from thunder_cudnn_safe.masks.patterns import MaskPattern, pattern_of
 from thunder_cudnn_safe.routing import defect_routes, varlen
 from thunder_cudnn_safe.routing.calls import BackwardCall, ForwardCall, signature
 from thunder_cudnn_safe.routing.recipes import companion_backward_key, forward_recipe
+from thunder_cudnn_safe.rules import cudnn_rules
 
 
 class Route(str, enum.Enum):
@@ -65,7 +66,7 @@ def plan(call: ForwardCall | BackwardCall, target: Target, *, recognize: bool = 
     mask runs as its bias; a backward computing the mask's gradient never does). ``lens_device``: where a
     workaround's padding lengths are made (``"meta"`` to plan keys without running a kernel)."""
     if call.softcap is not None:
-        return _softcapped(call)
+        return _softcapped(call, target, recognize and not getattr(call, "mask_grad", False))
     if call.attn_mask is None and call.query.shape[2] != 1:  # the common case, decided first: no mask, no decode
         return Plan(Route.PLAIN, call, call)
     masked = with_mask_pattern(call) if recognize and not getattr(call, "mask_grad", False) else call
@@ -83,18 +84,39 @@ def plan(call: ForwardCall | BackwardCall, target: Target, *, recognize: bool = 
     return Plan(Route.PLAIN, call, call)
 
 
-def _softcapped(call: ForwardCall | BackwardCall) -> Plan:
-    """A softcapped call's plan: its score modifier turns off cuDNN's other masking (causal band, window, padding),
-    so a mask runs as its bias and ``is_causal`` as a causal bias (:func:`~thunder_cudnn_safe.masks.bias.causal_bias`),
-    never as a pattern; a decode step's workaround, a padding mask, is not taken either."""
+def _softcapped(call: ForwardCall | BackwardCall, target: Target, recognize: bool) -> Plan:
+    """A softcapped call's plan. Its score modifier turns off cuDNN's other masking (causal band, window, padding),
+    so where :data:`~thunder_cudnn_safe.rules.cudnn_rules.SOFTCAP_BAND_IN_MODIFIER` holds, ``is_causal`` and a mask
+    recognized as a band (causal, window, bottom-right; every query keeping a key) run inside the modifier
+    (:func:`~thunder_cudnn_safe.graphs.build.band_in_modifier`): no bias read. Otherwise, and for padding and
+    documents, a mask runs as its bias and ``is_causal`` as a causal bias
+    (:func:`~thunder_cudnn_safe.masks.bias.causal_bias`); a decode step's workaround, a padding mask, is not taken."""
+    in_modifier = cudnn_rules.SOFTCAP_BAND_IN_MODIFIER.holds(target)
     if call.is_causal:
+        if in_modifier and call.attn_mask is None:
+            return Plan(Route.PLAIN, call, call)
         q = call.query
         bias = causal_bias(q.shape[2], call.key.shape[2], q.dtype, q.device)
         masked = call._replace(attn_mask=bias, is_causal=False)
         return Plan(Route.OVERSIZED_BIAS if bias_too_large(masked) else Route.BIAS, masked, call)
     if isinstance(call.attn_mask, torch.Tensor):
+        if in_modifier and recognize:
+            masked = with_mask_pattern(call)
+            if masked is not call and _band_only(masked):
+                return Plan(Route.PATTERN, masked, call)
         return Plan(Route.OVERSIZED_BIAS if bias_too_large(call) else Route.BIAS, call, call)
     return Plan(Route.PLAIN, call, call)
+
+
+def _band_only(call: ForwardCall | BackwardCall) -> bool:
+    """Whether ``call``'s recognized mask is no mask, ``is_causal`` or a band (no padding, no documents) keeping a key
+    in every query's row (a top-left window with more queries than keys leaves rows empty: those run as a bias)."""
+    mask = call.attn_mask
+    if mask is None:
+        return True
+    if not isinstance(mask, MaskPattern) or mask.kv_lens is not None or mask.q_lens is not None:
+        return False
+    return mask.left is None or mask.bottom_right or call.query.shape[2] <= call.key.shape[2]
 
 
 def with_mask_pattern(call: ForwardCall | BackwardCall) -> ForwardCall | BackwardCall:

@@ -560,24 +560,46 @@ SINK_DECODE = Rule(
     example=dict(arch=(9, 0), backend=92600, lq=1, s=64, sinks=True),
 )
 SINK_RAGGED = Rule(
-    "a learnable sink with packed (THD, ragged) sequences is not trusted before cuDNN 9.26: TransformerEngine "
-    "gates it there; the package runs documents with sinks as a bias instead (the planner) and never builds a "
-    "ragged graph with a sink token",
-    "TransformerEngine#3249 / #3470 (shared/notes/cudnn-defects.md, addendum of 2026-12-06); not reproduced here",
-    min_backend=10**9,
+    "a sink token with packed (THD, ragged) sequences needs cuDNN 9.26: older libraries read out of bounds in the "
+    "backward's dO * O pre-pass (cudnn-frontend refuses that backward below 9.26; TransformerEngine gates sinks "
+    "with THD there); from 9.26 libcudnn builds forward and backward on sm90 and sm100. The package still runs "
+    "documents with sinks as a bias (the planner: the variable-length binder declares no sink token)",
+    "cudnn-frontend 1.32 scaled_dot_product_flash_attention.h ('SDPA backward with ragged offsets and a sink token "
+    "requires cuDNN 9.26.0 or newer'); TransformerEngine#3249 / #3470 (shared/notes/cudnn-defects.md, addendum of "
+    "2026-12-06); the compile sweep, tests/test_cudnn_compile.py::test_ragged_sink_graphs_compile_from_9_26 "
+    "(libcudnn 9.27: sm90 and sm100 build forward and backward; 9.19 builds the forward only)",
+    min_backend=92600,
     trigger=lambda rule, f: _if(f.ragged and bool(f.sinks), "a ragged graph with sinks"),
     applies=WHERE_IT_FAILS,
     judged_on=("key",),
 )
 SOFTCAP_NO_MASK_SUBGRAPH = Rule(
     "a score modifier (softcapping) turns off every other masking subgraph: no causal band, window, padding mask "
-    "or ALiBi beside it, a bias only; the planner runs a softcapped call's masks and is_causal as a bias",
+    "or ALiBi beside it, a bias only; the planner runs a softcapped call's padding and documents as a bias, its "
+    "band (is_causal, a causal, window or bottom-right mask) inside the modifier (SOFTCAP_BAND_IN_MODIFIER) or, "
+    "where that rule fails, as a bias",
     "cudnn-frontend 1.32 _sdpa_validate.py ('Attention score mod enabled and hence other subgraphs are disabled')",
     trigger=lambda rule, f: _if(
-        bool(f.softcap) and (f.causal or f.window is not None or bool(f.padded) or f.ragged),
-        "a score modifier beside a causal band, window, padding mask or ragged offsets",
+        bool(f.softcap) and (bool(f.padded) or f.ragged), "a score modifier beside a padding mask or ragged offsets"
     ),
-    # a call's is_causal and mask are planned as a bias beside a softcap: only its key shows a band
+    # a call's is_causal and mask are planned as a bias or a band in the modifier beside a softcap: only its key shows
+    judged_on=("key",),
+)
+SOFTCAP_BAND_IN_MODIFIER = Rule(
+    "a softcapped call's band (causal, sliding window, bottom-right) is declared inside the score modifier "
+    "(GEN_INDEX, CMP_GE / CMP_GT, BINARY_SELECT after the cap: graphs.build._band_mask) from cuDNN 9.19, where "
+    "libcudnn 9.19 and 9.27 build its forward (sm80, sm90, sm100) and backward (sm90, sm100; sm80's is "
+    "SOFTCAP_BACKWARD's); older versions are not swept, and there the planner runs the band as a bias instead",
+    "the compile sweep, tests/test_cudnn_compile.py::test_softcap_band_graphs_compile (libcudnn 9.19 and 9.27, "
+    "frontend 1.32, A100/H100/B200 descriptors); docs/deviceless.md, 'Softcap with causal and window masks' (a "
+    "window as LOGICAL_AND of two comparisons, or its reach added in float, gets no engine on any arch)",
+    min_arch=(8, 0),
+    min_backend=91900,
+    trigger=lambda rule, f: _if(
+        bool(f.softcap) and (f.causal or f.window is not None),
+        rule.stated(f, "a band inside a score modifier: "),
+    ),
+    applies=WHERE_IT_FAILS,
     judged_on=("key",),
 )
 

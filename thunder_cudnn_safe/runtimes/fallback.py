@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from thunder_cudnn_safe.graphs.build import score_modifier
+from thunder_cudnn_safe.graphs.build import band_in_modifier, score_modifier
 from thunder_cudnn_safe.layouts.keys import BackwardKey, ForwardKey, Uid
 from thunder_cudnn_safe.masks import bias
 from thunder_cudnn_safe.runtimes import handoff, reference
@@ -101,11 +101,11 @@ class FallbackRuntime:
         """One chunk (or the whole call; ``keep``: its dropout keep-mask): writes its outputs; returns a
         backward's float32 dBias share."""
         lens = pack[Uid.SEQ_LEN_KV].reshape(-1).long() if key.padded else None
-        causal, d_bias = 0 if key.causal else None, pack.get(Uid.DBIAS)
-        # the score modifier the key declares, the same callbacks its graph hands cuDNN
-        modifier, sink = score_modifier(key), pack.get(Uid.SINK)
+        # the score modifier the key declares, the same callbacks its graph hands cuDNN (a softcapped key's band too)
+        modifier, sink, banded = score_modifier(key), pack.get(Uid.SINK), not band_in_modifier(key)
+        causal, left, d_bias = 0 if key.causal and banded else None, key.left if banded else None, pack.get(Uid.DBIAS)
         bias = pack.get(Uid.BIAS)
-        how = reference.Scores(key.scale, bias, causal, key.left, lens, key.dropout_p, keep, key.bottom_right)
+        how = reference.Scores(key.scale, bias, causal, left, lens, key.dropout_p, keep, key.bottom_right)
         how = how._replace(modifier=modifier, sink=sink)
 
         def write(port: str, value: torch.Tensor) -> None:

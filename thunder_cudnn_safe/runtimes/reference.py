@@ -66,7 +66,28 @@ class PointwiseEvaluator:
     An op not listed here raises (the emulation must not guess what cuDNN computes)."""
 
     def tensor_scalar(self, value: float, scalar_type: object = None) -> torch.Tensor:
+        """A pass-by-value scalar: an int as an exact integer (cuDNN declares a Python int INT32), else float32."""
+        if isinstance(value, int) and not isinstance(value, bool):
+            return torch.tensor(value, dtype=torch.int64)
         return torch.tensor(float(value), dtype=torch.float32)
+
+    def gen_index(self, input: torch.Tensor, axis: int, **_: object) -> torch.Tensor:
+        """cuDNN's GEN_INDEX: each element's index along ``axis``, as exact integers broadcast like ``input``."""
+        shape = [1] * input.dim()
+        shape[axis] = input.shape[axis]
+        return torch.arange(input.shape[axis], device=input.device).view(shape)
+
+    def cmp_ge(self, input: torch.Tensor, comparison: torch.Tensor, **_: object) -> torch.Tensor:
+        return input >= comparison
+
+    def cmp_gt(self, input: torch.Tensor, comparison: torch.Tensor, **_: object) -> torch.Tensor:
+        return input > comparison
+
+    def binary_select(
+        self, input0: torch.Tensor, input1: torch.Tensor, mask: torch.Tensor, **_: object
+    ) -> torch.Tensor:
+        """cuDNN's BINARY_SELECT: ``input0`` where ``mask`` is true, else ``input1``."""
+        return torch.where(mask, input0, input1.to(input0.dtype))
 
     def mul(self, a: torch.Tensor, b: torch.Tensor, **_: object) -> torch.Tensor:
         return a * b
