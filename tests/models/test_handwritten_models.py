@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,13 +73,17 @@ class Family:
 
     config: Callable[[], Any]
     softcap: bool = False  # softcapped logits: SOFTCAP_BACKWARD declines their training on libcudnn 9.19
+    model: str = "AutoModelForCausalLM"  # the transformers class that builds it from the config
+    attention_layers: int = N_LAYER  # attention regions per forward (self and cross)
+    #: the model itself builds a tensor of a score's shape (Doge's learned per-head dynamic mask): not a score
+    score_shaped_mask: bool = False
 
 
 FAMILIES: dict[str, Family] = {
     "gpt_oss": Family(
         lambda: transformers.GptOssConfig(
-            **_COMMON, num_local_experts=4, num_experts_per_tok=2, sliding_window=4, layer_types=LAYER_TYPES
-        )
+            **_COMMON, num_local_experts=2, num_experts_per_tok=2, sliding_window=4, layer_types=LAYER_TYPES
+        )  # every token to every expert: a discrete top-k choice would flip between bf16 and float64 (not attention)
     ),
     "gemma2": Family(
         lambda: transformers.Gemma2Config(
@@ -92,6 +97,61 @@ FAMILIES: dict[str, Family] = {
         softcap=True,
     ),
 }
+
+_C = _COMMON
+_NO_HEAD_DIM = {k: v for k, v in _COMMON.items() if k != "head_dim"}
+#: families the issue does not name, each with hand-written attention under ``_attn_implementation="eager"``
+#: (docs/results.md: what each exercises); ``models_full``: run with THUNDER_CUDNN_SAFE_MODELS=all or by name
+OTHER_FAMILIES: dict[str, Family] = {
+    "granite_swa": Family(lambda: transformers.GraniteSWAConfig(**_C, sliding_window=4, layer_types=LAYER_TYPES)),
+    "flint": Family(
+        lambda: transformers.FlintConfig(
+            **_C,
+            sliding_window=4,
+            layer_types=LAYER_TYPES,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+            num_experts=4,
+            num_experts_per_tok=2,
+        )
+    ),
+    "mimo_v2_flash": Family(
+        lambda: transformers.MiMoV2FlashConfig(
+            **_C,
+            sliding_window=4,
+            layer_types=LAYER_TYPES,
+            moe_intermediate_size=32,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_group=1,
+            topk_group=1,
+            v_head_dim=HEAD_DIM,
+        )
+    ),
+    "vaultgemma": Family(
+        lambda: transformers.VaultGemmaConfig(
+            **_C, attn_logit_softcapping=50.0, sliding_window=4, layer_types=LAYER_TYPES, query_pre_attn_scalar=16
+        ),
+        softcap=True,
+    ),
+    # Gemma 3 keeps attn_logit_softcapping in its config but never passes it to the attention (transformers 5.24)
+    "gemma3": Family(
+        lambda: transformers.Gemma3TextConfig(
+            **_C, attn_logit_softcapping=50.0, sliding_window=4, layer_types=LAYER_TYPES, query_pre_attn_scalar=16
+        )
+    ),
+    "t5gemma": Family(
+        lambda: transformers.T5GemmaConfig(encoder=dict(**_C), decoder=dict(**_C), vocab_size=VOCAB),
+        softcap=True,  # attn_logit_softcapping 50 by default
+        model="AutoModelForSeq2SeqLM",
+        attention_layers=3 * N_LAYER,  # encoder self, decoder self and cross
+    ),
+    "doge": Family(
+        lambda: transformers.DogeConfig(**_NO_HEAD_DIM, sliding_window=4, keep_window_size=4),
+        score_shaped_mask=True,
+    ),
+}
+FAMILIES.update(OTHER_FAMILIES)
 
 
 @contextlib.contextmanager
@@ -116,10 +176,14 @@ def models(name: str) -> dict[torch.dtype, torch.nn.Module]:
     if name not in _MODELS:
         config = FAMILIES[name].config()
         config._attn_implementation = "eager"  # what these families run anyway (no SDPA path)
-        config._experts_implementation = "eager"  # MoE: torch._grouped_mm has no float64 kernel for the reference
         torch.manual_seed(SEED)
-        base = transformers.AutoModelForCausalLM.from_config(config).float().train()
+        cls = getattr(transformers, FAMILIES[name].model)
+        base = (cls.from_config(config) if hasattr(cls, "from_config") else cls(config)).float().train()
         _MODELS[name] = {dtype: copy.deepcopy(base).to(dtype) for dtype in (torch.bfloat16, torch.float64)}
+        # MoE experts: torch._grouped_mm has no float64 kernel, so the reference loops over the experts (the same
+        # function). The bf16 model keeps grouped_mm: under ThunderFX the eager loop's ``torch.no_grad()`` block
+        # leaves grad mode off after the compiled call (thunder 0.2.6's splitter), and the step has no gradient.
+        _MODELS[name][torch.float64].config._experts_implementation = "eager"
     return _MODELS[name]
 
 
@@ -135,14 +199,16 @@ def _step(model: torch.nn.Module, call: Callable | None = None) -> tuple:
     """One training step: cross-entropy of the logits (float32, float64 for the reference) and every parameter's
     gradient."""
     data = batch()
-    targets = data["targets"]
+    inputs = {"input_ids": data["input_ids"]}
+    if model.config.is_encoder_decoder:
+        inputs["decoder_input_ids"] = data["targets"]
 
     def loss(out: Any) -> torch.Tensor:
         logits = out.logits
         acc = torch.promote_types(logits.dtype, torch.float32)
-        return F.cross_entropy(logits.to(acc).flatten(0, 1), targets.flatten())
+        return F.cross_entropy(logits.to(acc).flatten(0, 1), data["targets"].flatten() % logits.shape[-1])
 
-    return _grads(model, {"input_ids": data["input_ids"]}, loss, torch.ones(()), call=call)
+    return _grads(model, inputs, loss, torch.ones(()), call=call)
 
 
 @dataclass
@@ -217,12 +283,12 @@ def _assert_accurate(name: str, ours: tuple) -> None:
 def _assert_fused(name: str, run: Run) -> None:
     """Every attention layer recognised and claimed forward and backward, no score tensor left in any final forward
     trace, the step within the accuracy rule."""
-    tf = run.tf
-    assert tf.recognised == N_LAYER, f"{name}: {tf.report()}"
+    tf, n = run.tf, FAMILIES[name].attention_layers
+    assert tf.recognised == n, f"{name}: {tf.report()}"
     assert tf.declined == [], f"{name}: regions the transform declined: {tf.declined}"
-    assert run.counts.get(OUR_FWD, 0) == N_LAYER, f"{name} forward: {run.counts}"
-    assert run.counts.get(OUR_BWD, 0) == N_LAYER, f"{name} backward: {run.counts}"
-    left = run.scores()
+    assert run.counts.get(OUR_FWD, 0) == n, f"{name} forward: {run.counts}"
+    assert run.counts.get(OUR_BWD, 0) == n, f"{name} backward: {run.counts}"
+    left = [] if FAMILIES[name].score_shaped_mask else run.scores()
     assert left == [], f"{name}: score tensors left in the forward traces: {[(p.name, p.shape) for p in left]}"
     _assert_accurate(name, run.ours)
 
@@ -300,3 +366,20 @@ def test_score_tensor_bytes_per_step(name, fresh_cache):
     assert before > 0 and after == 0, (before, after)
     if expected[0] is not None:
         assert (before, after) == expected, f"docs/results.md records {expected}, the traces hold {(before, after)}"
+
+
+def _selected(name: str) -> bool:
+    chosen = os.environ.get("THUNDER_CUDNN_SAFE_MODELS", "quick").strip()
+    return chosen == "all" or name in [n.strip() for n in chosen.split(",")]
+
+
+@pytest.mark.thunderfx
+@pytest.mark.models_full
+@pytest.mark.parametrize("name", list(OTHER_FAMILIES))
+def test_other_family_runs_fused_under_thunderfx(name, fresh_cache):
+    """Families the issue does not name (sigmoid sinks, sinks on some layers, softcap, cross-attention, a learned
+    mask with a gradient), checked as the named ones; 30-120 s each, so only with THUNDER_CUDNN_SAFE_MODELS=all
+    or the family's name."""
+    if not _selected(name):
+        pytest.skip(f"models_full: THUNDER_CUDNN_SAFE_MODELS=all or ={name} runs it")
+    _assert_fused(name, _run(name))
