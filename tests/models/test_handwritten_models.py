@@ -414,3 +414,36 @@ def test_other_family_runs_fused_under_thunderfx(name, fresh_cache):
     if not _selected(name):
         pytest.skip(f"models_full: THUNDER_CUDNN_SAFE_MODELS=all or ={name} runs it")
     _assert_fused(name, _run(name))
+
+
+def test_inkling2_per_token_sinks_are_declined(fresh_cache):
+    """Inkling 2's sinks are one logit per token (``sink_proj(hidden).transpose(1, 2).unsqueeze(-1)``, (B, H, L, 1)),
+    not one per head: the transform must leave that attention as written, with the reason, and the step must be
+    thunder's. Its own ``eager_attention_forward`` under ``thunder.jit`` (the whole model fails under ThunderFX with
+    and without the transform: an inductor-run split reads a float32 input as bf16)."""
+    from types import SimpleNamespace
+
+    from transformers.models.inkling2.modeling_inkling2 import eager_attention_forward
+
+    module = SimpleNamespace(num_key_value_groups=N_HEAD // N_KV_HEAD, training=False)
+
+    def attention(q, k, v, mask, hidden, w_sink):
+        sinks = (hidden @ w_sink).transpose(1, 2).unsqueeze(-1)
+        return eager_attention_forward(module, q, k, v, mask, scaling=HEAD_DIM**-0.5, sinks=sinks)[0]
+
+    gen = torch.Generator().manual_seed(SEED)
+    q = torch.randn(B, N_HEAD, L, HEAD_DIM, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(B, N_KV_HEAD, L, HEAD_DIM, generator=gen, dtype=torch.float64) for _ in range(2))
+    hidden = torch.randn(B, L, 32, generator=gen, dtype=torch.float64)
+    w_sink = torch.randn(32, N_HEAD, generator=gen, dtype=torch.float64) * 0.5
+    mask = torch.zeros(B, 1, L, L, dtype=torch.float64).masked_fill(torch.ones(L, L).triu(1).bool(), float("-inf"))
+    args = [t.to(torch.bfloat16).requires_grad_(t is not mask) for t in (q, k, v, mask, hidden, w_sink)]
+    tf = tcs.FuseHandwrittenAttention()
+    jf = thunder.jit(attention, executors=_executors(), transforms=[tf])
+    out = jf(*args)
+    assert tf.recognised == 0 and len(tf.declined) == 1, tf.report()
+    assert "not one value per head" in tf.declined[0].reason, tf.report()
+    assert _count_trace_symbols([jf]).get(OUR_FWD, 0) == 0
+    ref = attention(*(a.detach().double() for a in args))
+    eager = attention(*(a.detach() for a in args))
+    assert_close_to_reference(out.detach(), eager, ref, "inkling2 attention output")
