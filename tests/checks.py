@@ -188,6 +188,13 @@ def score_tensors(trace, b: int, h: int, lq: int, s: int) -> list:
     return list(found.values())
 
 
+def score_tensor_bytes(trace, b: int, h: int, lq: int, s: int) -> int:
+    """The bytes of :func:`score_tensors`' tensors in ``trace`` (numel times the dtype's size, each proxy once): what
+    a step's final forward trace materialises as scores and probabilities (docs/results.md's "Score tensors per
+    training step")."""
+    return sum(p.numel * p.dtype.bytes for p in score_tensors(trace, b, h, lq, s))
+
+
 def check_against_eager(
     jf,
     args: tuple,

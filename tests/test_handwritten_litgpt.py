@@ -152,3 +152,24 @@ def test_importing_litgpt_leaves_torch_compile_alone():
     """lightning.fabric's torch.compile wrapper deep-copies a ThunderCompiler backend (locks inside): with it,
     every ThunderFX test collected with this module failed. The import above undoes the wrapper."""
     assert torch.compile is _torch_compile and not hasattr(torch.compile, "__wrapped__")
+
+
+#: bytes of (B, H, L, S) and (B, H, L, S + 1) tensors in the final forward trace of one training step at this
+#: module's shape (B 2, H 4, L = S 12), without and with the transform: docs/results.md's "Score tensors per
+#: training step" table records them
+SCORE_BYTES = (147456, 0)
+
+
+def test_score_tensor_bytes_per_step(models, batch, fresh_cache):
+    """The numbers docs/results.md records: score-tensor bytes in the final forward trace before and after."""
+    from checks import score_tensor_bytes
+
+    found = []
+    for transforms in ([], [tcs.FuseHandwrittenAttention()]):
+        jm = _jit(models[torch.bfloat16], transforms)
+        _step(models[torch.bfloat16], batch, call=jm)
+        found.append(score_tensor_bytes(thunder.last_traces(jm)[-1], B, N_HEAD, L, L))
+    print(f"LitGPT Gemma 2: score tensor bytes per step {found[0]} -> {found[1]}")
+    assert found[0] > 0 and found[1] == 0, found
+    if SCORE_BYTES[0] is not None:
+        assert tuple(found) == SCORE_BYTES, f"docs/results.md records {SCORE_BYTES}, the traces hold {found}"
