@@ -139,22 +139,12 @@ def _count_trace_symbols(fns) -> dict:
     return dict(counts)
 
 
-def _unwrapped_compile():
-    """torch.compile itself: lightning.fabric (imported by litgpt, e.g. when tests/test_handwritten_litgpt.py is
-    collected in the same session) replaces it with a wrapper that deepcopies the kwargs of every module it
-    compiles, and ThunderCompiler holds a lock (``TypeError: cannot pickle '_thread.lock' object``)."""
-    fn = torch.compile
-    while hasattr(fn, "__wrapped__") and "lightning" in getattr(getattr(fn, "__code__", None), "co_filename", ""):
-        fn = fn.__wrapped__
-    return fn
-
-
 def _thunderfx(model, executors, transforms=()):
     from thunder.dynamo import ThunderCompiler
 
     torch._dynamo.reset()
     backend = ThunderCompiler(executors=executors, **({"transforms": list(transforms)} if transforms else {}))
-    compiled = _unwrapped_compile()(model, backend=backend)
+    compiled = torch.compile(model, backend=backend)
 
     def fns():
         return [f for info in backend.subgraph_infos for f in info.thunder_compiled_fns]

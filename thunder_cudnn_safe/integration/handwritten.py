@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import thunder.core.dtypes as dtypes
 import thunder.torch as ltorch
@@ -209,12 +208,8 @@ def _combined_mask(region: Region) -> TensorProxy | None:
     if not additive:
         return combined_keep
     if combined_keep is not None:
-        additive.append(ltorch.where(combined_keep, 0.0, -math.inf).to(_torch_dtype(dtype)))
+        additive.append(ltorch.where(combined_keep, 0.0, -math.inf).to(dtypes.to_torch_dtype(dtype)))
     mask = additive[0]
     for term in additive[1:]:
         mask = ltorch.add(mask, term)
     return mask
-
-
-def _torch_dtype(dtype: Any):
-    return dtypes.to_torch_dtype(dtype)
