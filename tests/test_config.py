@@ -35,6 +35,7 @@ CASES = {
     "deterministic": ("1", True, "maybe", True, 1),
     "bwd_may_cat_grad_qkv": ("1", True, "2", True, "true"),
     "fuse_handwritten_attention": ("0", False, "off", False, "no"),
+    "eager_runtime": (" Emulated", "emulated", "cudnn", "decomposition", "thunder"),
 }
 
 
