@@ -152,10 +152,9 @@ def attention_backward_op(
         dmask = extra.pop(0) if mask_grad else None
     else:
         dq, dk, dv, dmask, dsinks = _decomposition_vjp(grad, *args, mask_grad)
-    empty = query.new_empty(0)
     promised = [_as_promised(g, promised_strides(t.shape, t), t.dtype) for g, t in zip((dq, dk, dv), args)]
-    extra = [
-        empty if g is None else _as_promised(g, packed_strides(t.shape), t.dtype)
+    extra = [  # an empty tensor each: an op's outputs may not alias each other
+        query.new_empty(0) if g is None else _as_promised(g, packed_strides(t.shape), t.dtype)
         for g, t in ((dmask, attn_mask), (dsinks, sinks))
     ]
     return promised + extra
@@ -179,11 +178,9 @@ def _decomposition_vjp(grad, query, key, value, attn_mask, dropout_p, is_causal,
 @attention_backward_op.register_fake
 def _(grad, query, key, value, attn_mask, out, stats, is_causal, scale, enable_gqa, softcap, sinks, mask_grad):
     float_mask = attn_mask is not None and attn_mask.is_floating_point()
-    empty = query.new_empty(0)
     grads = [t.new_empty_strided(t.shape, promised_strides(t.shape, t)) for t in (query, key, value)]
-    extra = [t.new_empty(t.shape) if t is not None else empty for t in (attn_mask if mask_grad and float_mask else None,
-                                                                        sinks)]  # fmt: skip
-    return grads + extra
+    extra = (attn_mask if mask_grad and float_mask else None, sinks)
+    return grads + [query.new_empty(0) if t is None else t.new_empty(t.shape) for t in extra]
 
 
 def _setup_context(ctx, inputs, output) -> None:

@@ -1,0 +1,290 @@
+"""``thunder_cudnn_safe.attention()`` outside thunder: eager PyTorch and ``torch.compile`` (inductor) run the executor.
+
+The custom op ``cudnn_safe::attention``'s kernels are the executor's (``config.eager_runtime="emulated"`` puts the
+CPU emulated executor where a GPU would run cuDNN): each claimed call is asserted to have run there (graphs built,
+then hit, nothing on the torch fallback, counted by ``cache_info()``), its output and every gradient judged by the
+accuracy rule against float64 eager; a declined call is asserted to have run the decomposition (no graph looked
+up). The fake kernels promise the real kernels' strides and dtypes, which ``torch.compile(fullgraph=True)`` needs;
+the compile cases themselves are few and in the ``slow`` tier (inductor compiles C++ on the CPU).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from checks import inject_failures
+
+import thunder_cudnn_safe as tcs
+from thunder_cudnn_safe import config
+from thunder_cudnn_safe.integration.attention import TORCH_OPS, decomposition
+from thunder_cudnn_safe.testing import (
+    GRAD_OUT_LAYOUTS,
+    QKV_LAYOUTS,
+    assert_close_to_reference,
+    flash_backward_floor,
+    padding_mask,
+)
+
+B, H, L, S, D = 2, 4, 16, 24, 64
+
+
+def _f64(t):
+    return None if t is None else t.detach().double().requires_grad_(t.requires_grad)
+
+
+def _low(t):
+    return None if t is None else t.detach().clone().requires_grad_(t.requires_grad)
+
+
+def _run(fn, inputs, grad_out):
+    """fn's output and the gradients of the inputs that require grad (None for the others)."""
+    out = fn(*inputs)
+    wanted = [t for t in inputs if t is not None and t.requires_grad]
+    grads = iter(torch.autograd.grad(out, wanted, grad_out.to(out.dtype)))
+    return out, [next(grads) if t is not None and t.requires_grad else None for t in inputs]
+
+
+def _judge(fn, inputs, grad_out, names, scale=D**-0.5, floors=None):
+    """``fn(*inputs)`` run as it comes (config as the caller set it), eager in the inputs' precision and float64
+    eager (the decomposition), judged by the accuracy rule: the output and every gradient. ``floors``: gradient
+    index -> (the other operand, scale) of its :func:`flash_backward_floor` (dQ reads K, dK reads Q, dSinks reads
+    O's rounding alone); default: dQ and dK of (q, k, v, ...) inputs."""
+    out, grads = _run(fn, inputs, grad_out)
+    with config.patch(eager_runtime="decomposition"):
+        low_out, low_grads = _run(fn, [_low(t) for t in inputs], grad_out)
+        ref_out, ref_grads = _run(fn, [_f64(t) for t in inputs], grad_out.double())
+    assert_close_to_reference(out, low_out, ref_out, "O")
+    floors = {0: (inputs[1], scale), 1: (inputs[0], scale)} if floors is None else floors
+    for i, (name, g, e, r) in enumerate(zip(names, grads, low_grads, ref_grads)):
+        if g is None:
+            continue
+        other, s = floors.get(i, (None, None))
+        floor = 0.0 if other is None else flash_backward_floor(out.dtype, s, grad_out, ref_out, other.detach(), B * L)
+        assert_close_to_reference(g, e, r, name, floor=floor)
+    return out
+
+
+class _Counted:
+    """cache_info() deltas over a block: graphs built, looked up (hits + misses), fallbacks."""
+
+    def __enter__(self):
+        self.before = tcs.cache_info()
+        return self
+
+    def __exit__(self, *exc):
+        after = tcs.cache_info()
+        self.builds = after.builds - self.before.builds
+        self.hits = after.hits - self.before.hits
+        self.lookups = self.hits + after.misses - self.before.misses + after.negative_hits - self.before.negative_hits
+        self.fallbacks = after.fallbacks - self.before.fallbacks
+
+
+@pytest.fixture
+def emulated(fresh_cache):
+    with config.patch(eager_runtime="emulated"):
+        yield
+
+
+# -- eager: the executor's path, forward and backward ----------------------------------------------------------
+@pytest.mark.parametrize("grad_layout", ["contiguous", "transposed", "zero_stride"])
+@pytest.mark.parametrize("layout", sorted(QKV_LAYOUTS))
+def test_eager_calls_run_the_executor_in_any_layout(layout, grad_layout, emulated):
+    """The layout zoo, with grad_out contiguous, transposed or zero-stride (``out.sum().backward()``): the forward
+    and backward graphs are built once, a second call hits both, nothing falls back, and O, dQ, dK, dV pass."""
+    q, k, v = QKV_LAYOUTS[layout](B, H, L, L, D, D, torch.bfloat16)
+    grad_out = GRAD_OUT_LAYOUTS[grad_layout]((*q.shape[:2], L, D), torch.bfloat16)
+    fn = lambda q, k, v: tcs.attention(q, k, v, is_causal=True)  # noqa: E731
+    with _Counted() as first:
+        _judge(fn, [q, k, v], grad_out, ("dq", "dk", "dv"))
+    assert first.builds == 2 and first.fallbacks == 0, vars(first)
+    with _Counted() as second:
+        _run(fn, [q, k, v], grad_out)
+    assert (second.builds, second.hits, second.fallbacks) == (0, 2, 0), vars(second)
+
+
+def _case_inputs(case):
+    q, k, v = QKV_LAYOUTS["bshd_transposed"](B, H, L, S, D, D, torch.bfloat16)
+    sinks = mask = None
+    kwargs = {}
+    if case == "gqa":
+        k, v = (t.detach()[:, :2].clone().requires_grad_() for t in (k, v))
+        kwargs = {"enable_gqa": True}
+    if case in ("sinks_softcap", "sinks_bool_mask"):
+        sinks = torch.randn(H, requires_grad=True)
+        kwargs = {"softcap": 20.0} if case == "sinks_softcap" else {}
+    if case == "sinks_bool_mask":
+        mask = padding_mask([S - 5, S], L, S)
+    if case == "float_mask_with_grad":
+        mask = torch.randn(1, H, L, S, dtype=torch.bfloat16, requires_grad=True)
+    if case == "bool_mask_scale":
+        mask, kwargs = torch.rand(L, S) > 0.4, {"scale": 0.3}
+    if case == "causal_mqa_softcap":
+        k, v = (t.detach()[:, :1].clone().requires_grad_() for t in (k, v))
+        kwargs = {"enable_gqa": True, "is_causal": True, "softcap": 30.0}
+    return [q, k, v, mask, sinks], kwargs
+
+
+CASES = (
+    "gqa",
+    "sinks_softcap",
+    "sinks_bool_mask",
+    "float_mask_with_grad",
+    "bool_mask_scale",
+    "causal_mqa_softcap",
+)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_eager_options_run_the_executor(case, emulated):
+    """Sinks, softcap, GQA, boolean and float masks (the float mask's gradient from the executor's dBias), an
+    explicit scale: claimed (graphs built, no fallback) and within the accuracy rule, every gradient included."""
+    inputs, kwargs = _case_inputs(case)
+    assert tcs.explain(*inputs[:4], executor=tcs.emulated_ex, sinks=inputs[4], **kwargs) == []
+    fn = lambda q, k, v, m, sn: tcs.attention(q, k, v, m, sinks=sn, **kwargs)  # noqa: E731
+    grad_out = torch.randn(B, H, L, D, dtype=torch.bfloat16)
+    with _Counted() as c:
+        scale = kwargs.get("scale", D**-0.5)
+        floors = {0: (inputs[1], scale), 1: (inputs[0], scale), 4: (torch.ones(1), 1.0)}
+        _judge(fn, inputs, grad_out, ("dq", "dk", "dv", "dmask", "dsinks"), floors=floors)
+    assert c.builds >= 2 and c.fallbacks == 0, vars(c)
+
+
+def test_a_row_masked_everywhere_gives_zeros_and_finite_gradients(emulated):
+    """F.sdpa's safe softmax through the executor: a query row whose keys are all masked is 0, its gradients finite."""
+    q, k, v = QKV_LAYOUTS["contiguous"](1, 2, 8, 8, D, D, torch.bfloat16)
+    keep = torch.ones(8, 8, dtype=torch.bool)
+    keep[3] = False
+    with _Counted() as c:
+        out = tcs.attention(q, k, v, keep)
+        out.float().sum().backward()
+    assert c.builds == 2 and c.fallbacks == 0
+    assert out[:, :, 3].abs().max() == 0 and all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+def test_inference_builds_a_forward_without_stats(emulated):
+    """No backward follows (no_grad, or no input requiring grad): the forward's graph writes no stats."""
+    q, k, v = (torch.randn(B, H, L, D, dtype=torch.bfloat16) for _ in range(3))
+    with _Counted() as c, torch.no_grad():
+        out = tcs.attention(q, k, v)
+    assert c.builds == 1 and [g.key.stats for g in tcs.cached_graphs()] == [None]
+    torch.testing.assert_close(out, tcs.attention(q.double(), k.double(), v.double()).bfloat16(), atol=2e-2, rtol=0)
+
+
+# -- declined calls, other runtimes, the fallback --------------------------------------------------------------
+@pytest.mark.parametrize(
+    "why",
+    ["float32", "dropout", "rank3", "runtime_decomposition", "runtime_auto_on_cpu"],
+)
+def test_declined_calls_run_the_decomposition(why, fresh_cache):
+    """A call the executor declines (float32, three dims), a dropout call that needs a backward, and every call
+    under ``eager_runtime="decomposition"`` or ``"auto"`` on CPU run the decomposition with torch's autograd: no
+    graph looked up, and eager's own numbers."""
+    dtype = torch.float32 if why == "float32" else torch.bfloat16
+    shape = (H, L, D) if why == "rank3" else (B, H, L, D)
+    q, k, v = (torch.randn(*shape, dtype=dtype, requires_grad=True) for _ in range(3))
+    p = 0.25 if why == "dropout" else 0.0
+    mode = {"runtime_decomposition": "decomposition", "runtime_auto_on_cpu": "auto"}.get(why, "emulated")
+    with config.patch(eager_runtime=mode), _Counted() as c:
+        torch.manual_seed(0)
+        out = tcs.attention(q, k, v, dropout_p=p, is_causal=True)
+        out.sum().backward()
+    assert (c.lookups, c.builds, c.fallbacks) == (0, 0, 0), vars(c)
+    assert "cudnn_safe" not in type(out.grad_fn).__name__.lower()  # torch's own autograd nodes, not the op's
+    torch.manual_seed(0)
+    torch.testing.assert_close(out, decomposition(TORCH_OPS, q, k, v, None, p, True))
+
+
+def test_a_refused_graph_runs_on_the_fallback_warned_and_counted(emulated, caplog):
+    """A graph the runtime refuses: the call runs on the torch fallback, warned once and counted, as under thunder."""
+    q, k, v = QKV_LAYOUTS["contiguous"](B, H, L, L, D, D, torch.bfloat16)
+    grad_out = torch.randn(B, H, L, D, dtype=torch.bfloat16)
+    fn = lambda q, k, v: tcs.attention(q, k, v, is_causal=True)  # noqa: E731
+    with inject_failures(build=lambda key: "injected"), _Counted() as c, caplog.at_level(logging.WARNING):
+        _judge(fn, [q, k, v], grad_out, ("dq", "dk", "dv"))
+    assert c.fallbacks == 2 and c.builds == 0, vars(c)
+    assert "ran on the torch fallback" in caplog.text
+
+
+# -- the custom op: its fake kernels promise what the real ones return -------------------------------------------
+def _fake_and_real(op, args):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    real = op(*args)
+    mode = FakeTensorMode()
+    with mode:
+        fake = op(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))
+    return real, fake
+
+
+@pytest.mark.parametrize("runtime", ["emulated", "decomposition"])
+@pytest.mark.parametrize("layout", sorted(QKV_LAYOUTS))
+def test_the_fake_kernels_promise_the_real_strides_and_dtypes(layout, runtime, fresh_cache):
+    """inductor asserts each output of a custom op against its fake kernel (shape, strides, dtype): for the layout
+    zoo, the executor's kernels (``emulated``) and the decomposition's, forward and backward, with sinks and a
+    float mask whose gradient is asked for."""
+    q, k, v = (t.detach() for t in QKV_LAYOUTS[layout](B, H, L, L, D, D, torch.bfloat16))
+    mask, sinks = torch.randn(1, 1, L, L, dtype=torch.bfloat16), torch.randn(q.shape[1])
+    grad = GRAD_OUT_LAYOUTS["transposed"]((*q.shape[:2], L, D), torch.bfloat16)
+    with config.patch(eager_runtime=runtime), _Counted() as c:
+        fwd_args = (q, k, v, mask, 0.0, False, None, False, None, sinks, True)
+        (out, stats), fake = _fake_and_real(torch.ops.cudnn_safe.attention.default, fwd_args)
+        bwd_args = (grad, q, k, v, mask, out, stats, False, None, False, None, sinks, True)
+        real_grads, fake_grads = _fake_and_real(torch.ops.cudnn_safe.attention_backward.default, bwd_args)
+    assert (c.builds > 0) == (runtime == "emulated") and c.fallbacks == 0
+    for r, f in zip([out, stats, *real_grads], [*fake, *fake_grads]):
+        assert (r.shape, r.stride(), r.dtype) == (f.shape, f.stride(), f.dtype)
+
+
+def test_the_op_outside_thunder_computes_the_function_and_its_gradients(emulated):
+    """The op called directly (as dynamo records it), executor path: O and every gradient against the decomposition's
+    own vjp (the op under eager_runtime="decomposition")."""
+    q, k, v = QKV_LAYOUTS["bshd_transposed"](1, 2, 8, 8, D, D, torch.bfloat16)
+    sinks = torch.randn(2, requires_grad=True)
+    fn = lambda q, k, v, sn: torch.ops.cudnn_safe.attention(q, k, v, None, 0.0, True, None, False, 5.0, sn)[0]  # noqa: E731
+    with _Counted() as c:
+        floors = {0: (k, D**-0.5), 1: (q, D**-0.5), 3: (torch.ones(1), 1.0)}
+        grad_out = torch.randn(1, 2, 8, D, dtype=torch.bfloat16)
+        _judge(fn, [q, k, v, sinks], grad_out, ("dq", "dk", "dv", "dsinks"), floors=floors)
+    assert c.builds == 2 and c.fallbacks == 0
+
+
+# -- torch.compile (inductor): few cases, slow (C++ compiles on the CPU) ---------------------------------------------
+def _qkv_block(x, sinks, mask):
+    """A diffusers/HF-style block: one (B, L, 3, H, D) projection sliced into BHSD views, attention, BSHD back."""
+    q, k, v = (t.transpose(1, 2) for t in x.unbind(2))
+    o = tcs.attention(q, k, v, mask, is_causal=mask is None, sinks=sinks, softcap=None if mask is None else 25.0)
+    return o.transpose(1, 2).reshape(*x.shape[:2], -1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("with_mask", [False, True], ids=["causal_sinks", "float_mask_softcap_sinks"])
+def test_torch_compile_fullgraph_runs_the_executor(with_mask, emulated):
+    """``torch.compile(fullgraph=True)`` with inductor, forward and backward: claimed (built once, the second step
+    hits both graphs), within the accuracy rule against float64 eager; the same compiled function under
+    ``eager_runtime="decomposition"`` runs the decomposition inside the op (nothing looked up) and still passes."""
+    x = torch.randn(B, L, 3, H, D, dtype=torch.bfloat16, requires_grad=True)
+    sinks = torch.randn(H, requires_grad=True)
+    mask = torch.randn(B, 1, L, L, dtype=torch.bfloat16, requires_grad=True) if with_mask else None
+    grad_out = torch.randn(B, L, H * D, dtype=torch.bfloat16)
+    compiled = torch.compile(_qkv_block, fullgraph=True, backend="inductor")
+
+    def fn(x, sinks, mask):
+        return compiled(x, sinks, mask) if config.eager_runtime != "decomposition" else _qkv_block(x, sinks, mask)
+
+    with _Counted() as first:
+        floors = {0: (x, D**-0.5), 1: (torch.ones(1), 1.0)}
+        _judge(fn, [x, sinks, mask], grad_out, ("dqkv", "dsinks", "dmask"), floors=floors)
+    assert (first.builds, first.fallbacks) == (2, 0), vars(first)
+    with _Counted() as second:
+        _run(compiled, [x, sinks, mask], grad_out)
+    assert (second.builds, second.hits, second.fallbacks) == (0, 2, 0), vars(second)
+    with config.patch(eager_runtime="decomposition"), _Counted() as declined:
+        out, grads = _run(compiled, [x, sinks, mask], grad_out)
+        low_out, low_grads = _run(_qkv_block, [_low(x), _low(sinks), _low(mask)], grad_out)
+    assert declined.lookups == 0
+    torch.testing.assert_close(out, low_out, atol=1e-2, rtol=0)
+    for g, e in zip(grads, low_grads):
+        if g is not None:
+            torch.testing.assert_close(g, e, atol=2e-2, rtol=2e-2)
