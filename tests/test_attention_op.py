@@ -207,6 +207,35 @@ def test_a_refused_graph_runs_on_the_fallback_warned_and_counted(emulated, caplo
     assert "ran on the torch fallback" in caplog.text
 
 
+def test_the_fused_grad_qkv_knob_leaves_the_op_three_gradients(emulated):
+    """``bwd_may_cat_grad_qkv`` makes thunder's backward return one fused dQKV; the op returns dq, dk, dv apart, so
+    its calls never ask for the fused form."""
+    q, k, v = QKV_LAYOUTS["packed_qkv"](B, H, L, L, D, D, torch.bfloat16)
+    with config.patch(bwd_may_cat_grad_qkv=True), _Counted() as c:
+        _judge(lambda q, k, v: tcs.attention(q, k, v), [q, k, v], torch.randn(B, H, L, D), ("dq", "dk", "dv"))
+    assert c.builds == 2 and c.fallbacks == 0
+
+
+def test_the_backward_judges_the_mask_gradient_it_is_asked_for(emulated):
+    """Inside a compiled backward no tensor requires grad: the backward op is told that the float mask's gradient
+    is needed, and judges the call as one that needs it. A float32 mask with bf16 queries (cuDNN computes dBias in
+    the query dtype) is declined there and runs the decomposition's vjp, though its forward was claimed."""
+    q, k, v = (torch.randn(B, H, L, D, dtype=torch.bfloat16) for _ in range(3))
+    mask, grad = torch.randn(1, 1, L, L), torch.randn(B, H, L, D, dtype=torch.bfloat16)
+    with _Counted() as fwd:
+        out, stats = torch.ops.cudnn_safe.attention(q, k, v, mask, 0.0, False, None, False, None, None, True)
+    assert fwd.builds == 1
+    with _Counted() as bwd:
+        *_, dmask, _ = torch.ops.cudnn_safe.attention_backward(
+            grad, q, k, v, mask, out, stats, False, None, False, None, None, True
+        )
+    assert bwd.lookups == 0 and dmask.dtype == torch.float32
+    leaves = [t.double().requires_grad_() for t in (q, k, v, mask)]
+    ref = decomposition(TORCH_OPS, *leaves)
+    (ref_dmask,) = torch.autograd.grad(ref, leaves[3], grad.double())
+    torch.testing.assert_close(dmask.double(), ref_dmask, atol=1e-2, rtol=1e-2)
+
+
 # -- the custom op: its fake kernels promise what the real ones return -------------------------------------------
 def _fake_and_real(op, args):
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -248,6 +277,61 @@ def test_the_op_outside_thunder_computes_the_function_and_its_gradients(emulated
         grad_out = torch.randn(1, 2, 8, D, dtype=torch.bfloat16)
         _judge(fn, [q, k, v, sinks], grad_out, ("dq", "dk", "dv", "dsinks"), floors=floors)
     assert c.builds == 2 and c.fallbacks == 0
+
+
+# -- CUDA-graph capture: the warm-up builds, the capture builds nothing, replays are right ------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("masked", [False, True], ids=["causal", "bool_mask"])
+def test_eager_calls_follow_the_capture_rules(masked, fresh_cache, monkeypatch):
+    """An eager training step (forward and backward through the op) warmed up, captured with torch.cuda.graph and
+    replayed on new inputs: no graph is built while the stream captures (dispatch/capture.py's prebuild ran at the
+    warm-up; a mask runs as its bias there), and each replay passes the accuracy rule."""
+    import torch.nn.functional as F
+
+    runtime = tcs.cudnn_safe_ex.runtime
+    real_build, built_capturing = runtime.build, []
+
+    def build(key):
+        built_capturing.append(torch.cuda.is_current_stream_capturing())
+        return real_build(key)
+
+    monkeypatch.setattr(runtime, "build", build)
+    s = 128
+    q, k, v = (torch.randn(2, 4, s, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    grad = torch.randn(2, 4, s, 64, device="cuda", dtype=torch.bfloat16)
+    mask = torch.ones(s, s, dtype=torch.bool, device="cuda").tril() if masked else None
+
+    def step():
+        out = tcs.attention(q, k, v, mask, is_causal=not masked)
+        return (out, *torch.autograd.grad(out, (q, k, v), grad))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for replay in range(2):
+        with torch.no_grad():
+            for t in (q, k, v, grad):
+                t.copy_(torch.randn_like(t))
+        graph.replay()
+        torch.cuda.synchronize()
+        outs = []
+        for cast in (lambda t: t.detach().clone(), lambda t: t.detach().double()):
+            leaves = [cast(t).requires_grad_() for t in (q, k, v)]
+            out = F.scaled_dot_product_attention(*leaves, attn_mask=mask, is_causal=not masked)
+            outs.append((out, *torch.autograd.grad(out, leaves, grad.to(out.dtype))))
+        others = {"dq": k, "dk": q}
+        for name, got, low, ref in zip(("O", "dq", "dk", "dv"), captured, *outs):
+            other = others.get(name)
+            floor = 0.0 if other is None else flash_backward_floor(got.dtype, 64**-0.5, grad, outs[1][0], other, 2 * s)
+            assert_close_to_reference(got, low, ref, f"replay {replay} {name}", floor=floor)
+    assert built_capturing and not any(built_capturing), "a graph was built while a stream captured"
 
 
 # -- torch.compile (inductor): few cases, slow (C++ compiles on the CPU) ---------------------------------------------

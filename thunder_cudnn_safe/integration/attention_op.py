@@ -70,9 +70,10 @@ def claiming(call: ForwardCall) -> OperatorExecutor | None:
 
 
 def _call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap, sinks, need_stats):
-    """The call value of an op call, as thunder's checker makes it for the symbol (the knobs as compile options)."""
+    """The call value of an op call, as thunder's checker makes it for the symbol (the knobs as compile options),
+    never with fused dQKV: the op returns dq, dk, dv apart (``bwd_may_cat_grad_qkv`` serves thunder's traces)."""
     call = attention_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap, sinks)
-    return call._replace(need_stats=need_stats)
+    return call._replace(need_stats=need_stats, cat_grad_qkv=False)
 
 
 def promised_strides(shape: Sequence[int], like: torch.Tensor) -> tuple[int, ...]:
@@ -144,7 +145,10 @@ def attention_backward_op(
     mask_grad = mask_grad and float_mask
     args = (query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa, softcap, sinks)
     call = _call(*args, True)
-    ex = claiming(call)
+    # judged as a call whose mask's gradient is needed where it is (the rules on dBias: its dtype, its workspace),
+    # which the tensors inside a compiled backward no longer say (none requires grad there)
+    judged = call._replace(attn_mask=attn_mask.detach().requires_grad_()) if mask_grad else call
+    ex = claiming(judged)
     if ex is not None:
         grads = ex.dispatcher.backward(*backward_of(call, grad, out, stats, mask_grad=mask_grad))
         dq, dk, dv, extra = grads[0], grads[1], grads[2], list(grads[3:])  # (dsinks), (dmask)
