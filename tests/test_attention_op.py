@@ -196,6 +196,21 @@ def test_declined_calls_run_the_decomposition(why, fresh_cache):
     torch.testing.assert_close(out, decomposition(TORCH_OPS, q, k, v, None, p, True))
 
 
+def test_a_verdict_is_remembered_per_signature_and_a_knob_change_judges_again(emulated):
+    """Verdicts are remembered per call signature (asking the rules costs about a millisecond); a knob change
+    empties them: sinks claimed on cuDNN 9.19 are declined on 9.12 (SINK_TOKEN) and run the decomposition."""
+    q, k, v = (torch.randn(B, H, L, D, dtype=torch.bfloat16) for _ in range(3))
+    sinks = torch.randn(H)
+    with _Counted() as claimed:
+        tcs.attention(q, k, v, sinks=sinks)
+        tcs.attention(q, k, v, sinks=sinks)
+    assert (claimed.builds, claimed.hits) == (1, 1)
+    with config.patch(emulated_backend=91200), _Counted() as declined:
+        out = tcs.attention(q, k, v, sinks=sinks)
+    assert declined.lookups == 0
+    torch.testing.assert_close(out, decomposition(TORCH_OPS, q, k, v, sinks=sinks))
+
+
 def test_a_refused_graph_runs_on_the_fallback_warned_and_counted(emulated, caplog):
     """A graph the runtime refuses: the call runs on the torch fallback, warned once and counted, as under thunder."""
     q, k, v = QKV_LAYOUTS["contiguous"](B, H, L, L, D, D, torch.bfloat16)

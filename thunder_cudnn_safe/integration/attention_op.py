@@ -39,11 +39,12 @@ from thunder.core.jit_ext import (
 )
 from thunder.extend import OperatorExecutor
 
-from thunder_cudnn_safe import config
+from thunder_cudnn_safe import caches, config
 from thunder_cudnn_safe.integration.attention import TORCH_OPS, attention_symbol, check_options, decomposition
 from thunder_cudnn_safe.integration.executor import attention_call, cudnn_safe_ex, emulated_ex, reasons_for
 from thunder_cudnn_safe.layouts.layout import ArgSig, LayoutPolicy, packed_strides, strides_like
-from thunder_cudnn_safe.routing.calls import ForwardCall, backward_of
+from thunder_cudnn_safe.lru import LRU
+from thunder_cudnn_safe.routing.calls import ForwardCall, backward_of, memo_key
 
 
 def eager_executor(device: torch.device) -> OperatorExecutor | None:
@@ -58,15 +59,34 @@ def eager_executor(device: torch.device) -> OperatorExecutor | None:
     return None
 
 
+#: Distinct call signatures whose verdicts outside thunder are remembered.
+VERDICT_MEMO_SIZE = 4096
+#: Whether the executor claims a call, by its executor, signature (the dispatcher's memo key: every tensor's layout,
+#: the options, the target) and which operands require grad: all the rules read of a call of torch tensors besides
+#: the knobs, whose every change empties it (asking the rules costs about a millisecond, on every eager call).
+_verdicts = LRU(VERDICT_MEMO_SIZE)
+caches.register("attention()'s verdicts outside thunder", _verdicts.clear)
+for _knob in config.KNOBS:
+    config.on_change(_knob, lambda _value: _verdicts.clear())
+
+
 def claiming(call: ForwardCall) -> OperatorExecutor | None:
     """The executor that runs ``call`` outside thunder, or None where it runs the decomposition: no executor for
-    its device, a reason to decline (the rules thunder's checker reads), or a dropout call whose backward
-    follows: the op's autograd keeps no dropout seed (eager runs such a call as the decomposition, under torch's
-    RNG and autograd)."""
+    its device, a reason to decline (the rules thunder's checker reads, remembered per signature), or a dropout
+    call whose backward follows: the op's autograd keeps no dropout seed (eager runs such a call as the
+    decomposition, under torch's RNG and autograd)."""
     ex = eager_executor(call.query.device)
-    if ex is None or (call.dropout_p and call.need_stats) or reasons_for(ex.runtime, *call):
+    if ex is None or (call.dropout_p and call.need_stats):
         return None
-    return ex
+    grads = tuple(
+        t is not None and t.requires_grad for t in (call.query, call.key, call.value, call.attn_mask, call.sinks)
+    )
+    key = (ex.name, memo_key(call, ex.runtime.target(call.query.device)), grads)
+    claimed = _verdicts.get(key)
+    if claimed is None:
+        claimed = not reasons_for(ex.runtime, *call)
+        _verdicts.put(key, claimed)
+    return ex if claimed else None
 
 
 def _call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap, sinks, need_stats):
