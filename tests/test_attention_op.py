@@ -10,11 +10,14 @@ the compile cases themselves are few and in the ``slow`` tier (inductor compiles
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 import pytest
 import torch
 from checks import inject_failures
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import thunder_cudnn_safe as tcs
 from thunder_cudnn_safe import config
@@ -88,11 +91,15 @@ def emulated(fresh_cache):
 
 
 # -- eager: the executor's path, forward and backward ----------------------------------------------------------
-@pytest.mark.parametrize("grad_layout", ["contiguous", "transposed", "zero_stride"])
-@pytest.mark.parametrize("layout", sorted(QKV_LAYOUTS))
+#: Each layout of the zoo once, with each grad_out layout in turn (contiguous, transposed, zero-stride as
+#: ``out.sum().backward()`` gives it, expanded over the batch).
+ZOO = list(zip(sorted(QKV_LAYOUTS), itertools.cycle(sorted(GRAD_OUT_LAYOUTS))))
+
+
+@pytest.mark.parametrize("layout, grad_layout", ZOO)
 def test_eager_calls_run_the_executor_in_any_layout(layout, grad_layout, emulated):
-    """The layout zoo, with grad_out contiguous, transposed or zero-stride (``out.sum().backward()``): the forward
-    and backward graphs are built once, a second call hits both, nothing falls back, and O, dQ, dK, dV pass."""
+    """The layout zoo and every grad_out layout: the forward and backward graphs are built once, a second call hits
+    both, nothing falls back, and O, dQ, dK, dV pass the accuracy rule."""
     q, k, v = QKV_LAYOUTS[layout](B, H, L, L, D, D, torch.bfloat16)
     grad_out = GRAD_OUT_LAYOUTS[grad_layout]((*q.shape[:2], L, D), torch.bfloat16)
     fn = lambda q, k, v: tcs.attention(q, k, v, is_causal=True)  # noqa: E731
@@ -279,6 +286,30 @@ def test_the_fake_kernels_promise_the_real_strides_and_dtypes(layout, runtime, f
     assert (c.builds > 0) == (runtime == "emulated") and c.fallbacks == 0
     for r, f in zip([out, stats, *real_grads], [*fake, *fake_grads]):
         assert (r.shape, r.stride(), r.dtype) == (f.shape, f.stride(), f.dtype)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    order=st.permutations([0, 1, 2]),
+    sizes=st.tuples(st.sampled_from([1, 2]), st.sampled_from([1, 3]), st.sampled_from([1, 8, 9])),
+    d=st.sampled_from([8, 64]),
+)
+def test_the_output_is_laid_out_like_the_query_and_promised_so(order, sizes, d):
+    """Property: for a query stored in any order of (B, H, L) (size-1 dims included), the executor's O has the
+    strides the fake kernel promises, in the query's dimension order, so the usual ``transpose(1, 2).reshape``
+    after attention of a BSHD query is a view."""
+    b, h, lq = sizes
+    storage = torch.randn(*[sizes[i] for i in order], d, dtype=torch.bfloat16)
+    q = storage.permute(*[order.index(i) for i in range(3)], 3)  # (B, H, L, D) over that storage
+    with config.patch(eager_runtime="emulated"), torch.no_grad(), _Counted() as c:
+        (out, _), (fake, _) = _fake_and_real(
+            torch.ops.cudnn_safe.attention.default, (q, q, q, None, 0.0, False, None, False, None, None, False)
+        )
+    assert out.stride() == fake.stride() and c.lookups == 1 and c.fallbacks == 0  # the executor's O
+    assert sorted(range(3), key=lambda i: -out.stride(i)) == sorted(range(3), key=lambda i: -q.stride(i)) or 1 in sizes
+    if order == [0, 2, 1]:  # BSHD storage: O back to (B, L, H * D) is a view
+        assert out.transpose(1, 2).reshape(b, lq, h * d).data_ptr() == out.data_ptr()
+        assert out.transpose(1, 2).is_contiguous()
 
 
 def test_the_op_outside_thunder_computes_the_function_and_its_gradients(emulated):
