@@ -418,3 +418,21 @@ def test_torch_compile_fullgraph_runs_the_executor(with_mask, emulated):
     for g, e in zip(grads, low_grads):
         if g is not None:
             torch.testing.assert_close(g, e, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.slow
+def test_torch_compile_with_symbolic_lengths_runs_the_executor(emulated):
+    """``dynamic=True``: the fake kernels promise the same strides with symbolic sizes (one compiled graph serves
+    two lengths); each length builds its own forward and backward graphs, nothing falls back, O is right."""
+    fn = torch.compile(lambda q, k, v: tcs.attention(q, k, v, is_causal=True), fullgraph=True, dynamic=True)
+    graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for lq in (16, 24):
+        q, k, v = QKV_LAYOUTS["bshd_transposed"](B, H, lq, lq, D, D, torch.bfloat16)
+        with _Counted() as c:
+            out = fn(q, k, v)
+            out.float().sum().backward()
+        assert (c.builds, c.fallbacks) == (2, 0) and out.transpose(1, 2).is_contiguous()
+        ref = decomposition(TORCH_OPS, *(t.detach().double() for t in (q, k, v)), is_causal=True)
+        low = decomposition(TORCH_OPS, *(t.detach() for t in (q, k, v)), is_causal=True)
+        assert_close_to_reference(out, low, ref, f"O at length {lq}")
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before == 1
