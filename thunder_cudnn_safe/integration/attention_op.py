@@ -264,7 +264,9 @@ def attention(
     need_stats = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in operands)
     if torch.compiler.is_compiling():  # decided at run time by the op's kernel (ThunderFX: by thunder's checker)
         return attention_op(*args, need_stats)[0]
-    if claiming(_call(*args, need_stats)) is None:  # with torch's autograd, no recomputation in the backward
+    # a declined call: the decomposition with torch's autograd (no recomputation in the backward); no executor for
+    # the device (the default on CPU) is known before any call value is made
+    if eager_executor(query.device) is None or claiming(_call(*args, need_stats)) is None:
         return decomposition(TORCH_OPS, *args)
     return attention_op(*args, need_stats)[0]
 
