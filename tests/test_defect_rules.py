@@ -119,6 +119,21 @@ def test_hopper_kv_tail(s, version, causal, lq, declined):
     )
 
 
+def test_hopper_kv_tail_with_softcap_and_sinks(fresh_cache):
+    """The rule reads lengths, causal and the mask, whatever the modifier or a sink token: a softcapped causal call
+    (its band declared inside the score modifier, -inf on every column past the row, the zero-filled tail too) is
+    exempt as cuDNN's own band is, and its keys reach the build; without the band, softcap or sinks, declined."""
+    q, k, v = qkv(h=2, lq=64, s=64, d=32, dtype=BF16)
+    assert rules_on(H100, 91900, q, k, v, None, 0.0, True, softcap=30.0) == []
+    for options in ({"softcap": 30.0}, {"sinks": torch.zeros(2)}):
+        assert "HOPPER_BACKWARD_KV_TAIL_NAN" in rules_on(H100, 91900, q, k, v, None, 0.0, False, **options)
+    key_gate.reset_gate_info()
+    disp = Dispatcher(EmulatedRuntime(arch=H100, backend_version=91900), GraphCache())
+    dispatch_step(disp, *seeded_qkv(1, 2, 64, 64, d=32, bshd=True), is_causal=True, softcap=30.0)
+    assert key_gate.gate_info() == {} and disp.cache.info().fallbacks == 0
+    assert any(isinstance(key, BackwardKey) and key.softcap and key.bias is None for key in disp.cache.keys())
+
+
 def test_hopper_kv_tail_with_a_mask_even_causal_shaped():
     i, j = torch.arange(16)[:, None], torch.arange(704)[None, :]
     assert "HOPPER_BACKWARD_KV_TAIL_NAN" in rules_on(H100, 91900, *qkv(lq=16, s=704), j <= i)
