@@ -544,7 +544,8 @@ RAGGED_STATS_DECODE_GQA = Rule(
     "stats, MHA and s_q >= 2 are right. Seen on sm80, sm90 and sm100 with 9.26.0 and 9.27.0 (the report), 9.24 "
     "(a flashinfer review) and a 9.28 build (cudnn-frontend CI): no fixed version is known, so it holds on every "
     "version. A ragged key declares its longest document bucketed (>= 16 tokens), so the packed route's keys never "
-    "meet it; a packed step whose every document is one token is declined too (routing/varlen: runs as a bias)",
+    "meet it; a packed training step whose every document is one token, with grouped heads, is declined too "
+    "(routing/varlen.decline: it runs as a bias)",
     "NVIDIA/cudnn-frontend#1083 (open; NVBug 6783545: 'Stats (LSE) is written only for the first q head of every kv "
     "group ... cuDNN 9.26.0.51 and 9.27.0.21 ... SM80, SM90 and SM100'); flashinfer PR #5245 (keeps single-token "
     "GQA ragged steps off cuDNN); cudnn-frontend PR #1082 (CI at cuDNN 92800: the ragged GQA decode Stats cases "
