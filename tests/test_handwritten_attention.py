@@ -154,6 +154,32 @@ def test_fused_forward_and_backward_match_float64(case, fresh_cache):
     assert score_tensors(thunder.last_traces(jf)[-1], B, H, L, L) == []
 
 
+def sdpa_bool(q, k, v, mask, sinks):
+    """What :func:`bool_masked_fill` means, as F.scaled_dot_product_attention computes it (since torch 2.5 a query
+    row with no key kept gives zeros and no gradient, not NaN)."""
+    k, v = k.repeat_interleave(H // HK, dim=1), v.repeat_interleave(H // HK, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask == 0, scale=SCALE)
+
+
+def test_a_row_masked_everywhere_gives_zeros_where_the_hand_written_form_gives_nan(fresh_cache):
+    """``masked_fill(~keep, -inf)`` then a softmax is 0/0 in a query row whose every key is masked: eager gives
+    NaN there, and its backward spreads NaN into dK and dV. The fused call keeps F.sdpa's convention instead: that
+    row's output is zero and it sends no gradient, so one fully padded row no longer poisons a step. The other rows
+    and every gradient meet the accuracy rule against F.sdpa in float64, on the emulated cuDNN path."""
+    q, k, v, mask, sinks = _args(bool_masked_fill)
+    mask = mask.clone()
+    mask[..., :3, :] = float("-inf")  # query rows 0-2: no key kept, in every batch element and head
+    args = (q, k, v, mask, sinks)
+    eager = bool_masked_fill(*args)
+    assert torch.isnan(eager[:, :, :3]).all() and not torch.isnan(eager[:, :, 3:]).any()
+    tf = tcs.FuseHandwrittenAttention()
+    grad_out = torch.randn(B, H, L, D, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    out, grads = check_against_eager(_jit(bool_masked_fill, tf), args, grad_out, fn=sdpa_bool)
+    assert tf.recognised == 1, tf.report()
+    assert (out[:, :, :3] == 0).all() and (grads[0][:, :, :3] == 0).all()
+    assert all(torch.isfinite(g).all() for g in grads)
+
+
 def test_d_v_other_than_d_qk_and_no_window(fresh_cache):
     """d_v != d_qk (192/128 in one family): the value's own head dim reaches the fused call."""
     tf = tcs.FuseHandwrittenAttention()
