@@ -93,7 +93,7 @@ def test_dropout_verdict_is_per_backward_graph_not_per_forward_key():
 
 
 def test_cat_grad_qkv_with_used_mask_gradient_runs_one_backward():
-    """CHANGELOG: 'A used mask gradient no longer runs the backward twice'. With
+    """A used mask gradient does not run the backward twice. With
     cudnn_safe_bwd_may_cat_grad_qkv the stash is bypassed and the backward runs twice."""
     runs = []
     run = DISPATCH.run
