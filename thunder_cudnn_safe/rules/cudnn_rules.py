@@ -608,7 +608,7 @@ SINK_DETERMINISTIC = Rule(
     "use_dp_workspace / use_sm90_ordered_dq_deterministic)",
     passes=("backward",),
     trigger=lambda rule, f: _if(
-        bool(f.deterministic) and bool(f.sinks), rule.stated(f, "cudnn_safe_deterministic with attention sinks: ")
+        bool(f.deterministic) and bool(f.sinks), rule.stated(f, "a deterministic backward with attention sinks: ")
     ),
     example=dict(arch=(9, 0), backend=92600, sinks=True, deterministic=True),
 )
