@@ -73,7 +73,7 @@ def _gqa_call(*args, **kwargs) -> ForwardCall:
     return _call(*gqa.gqa_arguments(*args, **kwargs)._replace(enable_gqa=True))
 
 
-def _attention_call(
+def attention_call(
     query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, softcap=None,
     sinks=None,
 ) -> ForwardCall:  # fmt: skip
@@ -213,7 +213,7 @@ def make_executor(name: str, runtime: Runtime) -> OperatorExecutor:
 
         return {"checker": checker, "execution_transform": execution_transform, "grad_transform": grad_transform}
 
-    calls = {ltorch.scaled_dot_product_attention: _call, gqa.sdpa_gqa: _gqa_call, attention_symbol: _attention_call}
+    calls = {ltorch.scaled_dot_product_attention: _call, gqa.sdpa_gqa: _gqa_call, attention_symbol: attention_call}
     for symbol, make_call in calls.items():
         ex.register_implementation(symbol, **implementation(make_call))
     return ex
