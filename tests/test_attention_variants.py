@@ -380,6 +380,24 @@ def test_softcap_training_is_declined_on_sm80_and_its_inference_forward_claimed(
         assert "cudnn_safe_emulated_sdpa_fwd" in trace_text(jf)[0]
 
 
+def test_a_softcapped_decode_step_in_training_is_declined_on_sm90_below_9_26(fresh_cache):
+    """A single query keeps no padding mask beside softcap's score modifier (cuDNN allows none there), so the sm90
+    backward's workaround for HOPPER_DECODE_BACKWARD_NAN is not taken and the key gate refuses its key. explain()
+    reads the keys the call plans and says so (it said nothing, and the claimed step fell back at run time with a
+    warning): the step runs the decomposition, nothing on the torch fallback; its inference forward is claimed."""
+    q = torch.randn(1, 2, 1, 64, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(1, 2, 64, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    with tcs.config.patch(emulated_arch=(9, 0), emulated_backend=91900):
+        reasons = tcs.explain(q, k, v, None, 0.0, True, executor=tcs.emulated_ex, softcap=30.0)
+        assert [r.rule for r in reasons] == ["HOPPER_DECODE_BACKWARD_NAN"], reasons
+        assert "backward graph it plans" in reasons[0]
+        assert tcs.explain(q, k, v, None, 0.0, True, executor=tcs.emulated_ex, softcap=30.0, need_stats=False) == []
+        fallbacks = tcs.cache_info().fallbacks
+        jf = _softcap_training(q, k, v)
+        assert "cudnn_safe_emulated_sdpa_fwd" not in trace_text(jf)[0]
+        assert tcs.cache_info().fallbacks == fallbacks
+
+
 def test_the_torch_fallback_computes_sinks_softcap_and_bottom_right(fresh_cache):
     """A graph the runtime refuses runs on the torch fallback, which evaluates the same declared modifier (from
     the key) and sink token: the same numbers as the float64 reference, by the accuracy rule."""
