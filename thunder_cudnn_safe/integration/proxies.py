@@ -75,7 +75,9 @@ def _meta(t: Any, requires_grad: bool = False) -> torch.Tensor:
     if isinstance(t, torch.Tensor):
         meta = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
     else:
-        meta = torch.empty(tuple(t.shape), dtype=torch_dtype(t.dtype), device="meta")
+        # (a dim known only at run time, cache="symbolic values", is planned at its trace-time value, as the
+        # rules judge it)
+        meta = torch.empty(tuple(int(_value(n)) for n in t.shape), dtype=torch_dtype(t.dtype), device="meta")
     return meta.requires_grad_() if requires_grad else meta
 
 
