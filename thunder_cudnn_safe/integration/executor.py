@@ -33,7 +33,7 @@ from thunder_cudnn_safe.layouts.layout import LayoutPolicy, same_size_except_hea
 from thunder_cudnn_safe.masks.documents import DocumentPattern
 from thunder_cudnn_safe.masks.patterns import MaskPattern
 from thunder_cudnn_safe.routing.calls import BackwardCall, ForwardCall, backward_of, torch_deterministic
-from thunder_cudnn_safe.routing.planner import planned_keys
+from thunder_cudnn_safe.routing.planner import bias_too_large, planned_keys
 from thunder_cudnn_safe.rules.support import Decline, key_reasons, not_supported_reasons
 from thunder_cudnn_safe.runtimes import cudnn_runtime, emulation  # noqa: F401 (each registers its runtime)
 from thunder_cudnn_safe.runtimes.base import RUNTIMES, Runtime
@@ -80,7 +80,8 @@ def _attention_call(
 def reasons_for(runtime: Runtime, *args, **kwargs) -> list[Decline]:
     """Why ``runtime``'s executor would not claim ``ForwardCall(*args, **kwargs)`` (tensors or proxies): the call's
     own reasons, else what the key gate would refuse of the keys it plans (a mask as its bias: its pattern is
-    known only at run time), which only the planned route shows."""
+    known only at run time), which only the planned route shows. A mask too large for a bias has no keys to judge
+    here: it runs as its pattern, or on the torch fallback (the LAYOUT rule's call-side reading)."""
     call = ForwardCall(*args, **kwargs)
     problem = runtime.environment_problem()
     device = call.query.device  # a torch or a thunder device
@@ -91,7 +92,10 @@ def reasons_for(runtime: Runtime, *args, **kwargs) -> list[Decline]:
     reasons = not_supported_reasons(plain, target, runtime.device_type, problem)
     if reasons or target is None:
         return reasons
-    return key_reasons(planned_keys(planning_call(call, plain), target, recognize=False)[1:])
+    planning = planning_call(call, plain)
+    if bias_too_large(planning):  # a pattern at run time, or no cuDNN graph at all: the torch fallback runs it
+        return []
+    return key_reasons(planned_keys(planning, target, recognize=False)[1:])
 
 
 def _fwd_meta(*args, **kwargs):
