@@ -28,13 +28,13 @@ from thunder_cudnn_safe.dispatch.dispatcher import Dispatcher
 from thunder_cudnn_safe.graphs.cache import CachedGraph
 from thunder_cudnn_safe.integration import gqa
 from thunder_cudnn_safe.integration.attention import attention_symbol
-from thunder_cudnn_safe.integration.proxies import plain_call, torch_dtype
+from thunder_cudnn_safe.integration.proxies import plain_call, planning_call, torch_dtype
 from thunder_cudnn_safe.layouts.layout import LayoutPolicy, same_size_except_heads
 from thunder_cudnn_safe.masks.documents import DocumentPattern
 from thunder_cudnn_safe.masks.patterns import MaskPattern
 from thunder_cudnn_safe.routing.calls import BackwardCall, ForwardCall, backward_of, torch_deterministic
-from thunder_cudnn_safe.routing.planner import planned_keys
-from thunder_cudnn_safe.rules.support import Decline, not_supported_reasons
+from thunder_cudnn_safe.routing.planner import bias_too_large, planned_keys
+from thunder_cudnn_safe.rules.support import Decline, key_reasons, not_supported_reasons
 from thunder_cudnn_safe.runtimes import cudnn_runtime, emulation  # noqa: F401 (each registers its runtime)
 from thunder_cudnn_safe.runtimes.base import RUNTIMES, Runtime
 
@@ -86,14 +86,24 @@ def attention_call(
 
 
 def reasons_for(runtime: Runtime, *args, **kwargs) -> list[Decline]:
-    """Why ``runtime``'s executor would not claim ``ForwardCall(*args, **kwargs)`` (tensors or proxies)."""
+    """Why ``runtime``'s executor would not claim ``ForwardCall(*args, **kwargs)`` (tensors or proxies): the call's
+    own reasons, else what the key gate would refuse of the keys it plans (a mask as its bias: its pattern is
+    known only at run time), which only the planned route shows. A mask too large for a bias has no keys to judge
+    here: it runs as its pattern, or on the torch fallback (the LAYOUT rule's call-side reading)."""
     call = ForwardCall(*args, **kwargs)
     problem = runtime.environment_problem()
     device = call.query.device  # a torch or a thunder device
     target = None
     if problem is None and getattr(device, "type", None) == runtime.device_type:
         target = runtime.target(torch.device(device.type, device.index))
-    return not_supported_reasons(plain_call(call), target, runtime.device_type, problem)
+    plain = plain_call(call)
+    reasons = not_supported_reasons(plain, target, runtime.device_type, problem)
+    if reasons or target is None:
+        return reasons
+    planning = planning_call(call, plain)
+    if bias_too_large(planning):  # a pattern at run time, or no cuDNN graph at all: the torch fallback runs it
+        return []
+    return key_reasons(planned_keys(planning, target, recognize=False)[1:])
 
 
 def _fwd_meta(*args, **kwargs):
