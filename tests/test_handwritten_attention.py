@@ -84,8 +84,8 @@ def bool_masked_fill(q, k, v, mask, sinks):
 
 
 def where_finite_min(q, k, v, mask, sinks):
-    """where(keep, s, finfo.min), a division by sqrt(d) (GPT-2-likes): in a row masked everywhere the fill gives
-    a uniform row with no gradient to the scores, which no mask of the fused call does."""
+    """where(keep, s, finfo(float32).min) on bf16 scores, a division by sqrt(d) (GPT-2-likes): the fill rounds
+    to -inf in bf16, so it is a -inf mask (a row masked everywhere: zeros)."""
     keep = mask == 0
     w = q @ repeat_kv(k, H // HK).transpose(-1, -2) / math.sqrt(D)
     w = torch.where(keep, w, torch.finfo(torch.float32).min)
@@ -107,6 +107,13 @@ def no_mask_no_scale(q, k, v, mask, sinks):
     return torch.softmax(q @ k.repeat(1, H // HK, 1, 1).transpose(-2, -1), dim=-1) @ v.repeat(1, H // HK, 1, 1)
 
 
+def finite_fill(q, k, v, mask, sinks):
+    """masked_fill with -1e4 (-9984 in bf16): a finite fill, whose rows masked everywhere average V
+    (``masked_rows="average"``; tests/test_handwritten_forms.py has such rows)."""
+    w = (q @ repeat_kv(k, 2).mT * SCALE).masked_fill(mask != 0, -1e4)
+    return torch.softmax(w, -1) @ repeat_kv(v, 2)
+
+
 #: case -> (function, options of the fused region, whether the executor's rules let it train fused at 9.19)
 FUSED = {
     "sinks-column-max": (sinks_column_max, {"sinks": True, "gqa": True, "masks": 1}),
@@ -116,6 +123,8 @@ FUSED = {
     "softcap-litgpt": (softcap_litgpt, {"softcap": 50.0, "gqa": True, "masks": 1}),
     "bool-masked-fill": (bool_masked_fill, {"gqa": True, "masks": 1, "scale": SCALE}),
     "no-mask-no-scale": (no_mask_no_scale, {"gqa": False, "masks": 0, "scale": 1.0}),
+    "where-finite-min": (where_finite_min, {"gqa": True, "masks": 1, "masked_rows": "zeros"}),
+    "finite-fill": (finite_fill, {"gqa": True, "masks": 1, "masked_rows": "average"}),
 }
 
 
@@ -218,21 +227,13 @@ def softmax_over_queries(q, k, v, mask, sinks):
     return torch.softmax(w, -2) @ repeat_kv(v, 2)
 
 
-def finite_fill(q, k, v, mask, sinks):
-    """masked_fill with -1e4: fully masked rows would differ from -inf (uniform vs zeros)."""
-    w = (q @ repeat_kv(k, 2).mT * SCALE).masked_fill(mask != 0, -1e4)
-    return torch.softmax(w, -1) @ repeat_kv(v, 2)
-
-
 DECLINED = {
     "bias-and-mask": (bias_and_mask, "additive masks on"),
-    "where-finite-min": (where_finite_min, "not -inf"),
     "returns-probabilities": (returns_probabilities, "used outside the attention"),
     "per-token-sinks": (per_token_sinks, "not one value per head"),
     "mask-before-softcap": (mask_before_softcap, "the scores come from add"),
     "dropout-on-scores": (dropout_on_scores, "dropout on the scores"),
     "softmax-over-queries": (softmax_over_queries, "not over the last dim"),
-    "finite-fill": (finite_fill, "not -inf"),
 }
 
 

@@ -47,8 +47,8 @@ from thunder.core.transform_common import Transform, dce
 
 from thunder_cudnn_safe import config
 from thunder_cudnn_safe.integration.attention import attention_symbol
+from thunder_cudnn_safe.integration.attention_products import PRODUCTS
 from thunder_cudnn_safe.integration.attention_regions import (
-    MATMUL,
     SOFTMAX,
     NotAttention,
     Region,
@@ -107,7 +107,7 @@ class FuseHandwrittenAttention(Transform):
         regions: dict[str, Region] = {}
         reasons: dict[int, str] = {}  # id(softmax bsym) -> why its region was not rewritten
         for bsym in computation_trace.bound_symbols:
-            if bsym.sym.id != MATMUL:
+            if bsym.sym.id not in PRODUCTS:
                 continue
             region = Region(query=bsym.output, key=bsym.output, value=bsym.output, scale=1.0, output=bsym.output)
             try:
@@ -172,6 +172,9 @@ def _options(region: Region) -> dict:
         "masks": len(region.additive) + len(region.keep),
         "dropout_p": region.dropout_p,
         "scale": region.scale,
+        "masked_rows": region.masked_rows,
+        "folded_heads": region.fold is not None,
+        "permuted": sorted(region.permute),
     }
 
 
@@ -186,24 +189,41 @@ def _fused(trace: TraceCtx, region: Region, last: BoundSymbol) -> list[BoundSymb
             sinks = ltorch.reshape(sinks, (sinks.numel,))
         if sinks is not None and sinks.dtype not in (dtypes.float32, region.query.dtype):
             sinks = ltorch.to(sinks, dtypes.float32)
+        q, k, v = (_operand(region, name) for name in ("query", "key", "value"))
         out = attention_symbol(
-            region.query, region.key, region.value, mask, region.dropout_p, False, region.scale, region.enable_gqa,
-            region.softcap, sinks,
+            q, k, v, mask, region.dropout_p, False, region.scale, region.enable_gqa, region.softcap, sinks,
+            region.masked_rows,
         )  # fmt: skip
+        if region.fold is not None:
+            out = ltorch.reshape(out, tuple(region.output.shape))
         bsyms = trace.pop_scope()
     fused = bsyms[-1].from_bsym_swap_proxies({variableify(out): region.output}, skip_inputs=True)
     source = {name: getattr(last, name) for name in ("header", "source_filename", "source_positions")}
     return [*bsyms[:-1], fused.from_bsym(**source)]
 
 
+def _operand(region: Region, name: str) -> TensorProxy:
+    """The fused call's query, key or value: the region's tensor permuted as its product reads it."""
+    t = getattr(region, name)
+    return t if name not in region.permute else ltorch.permute(t, region.permute[name])
+
+
+def _unfolded(region: Region, mask: TensorProxy) -> TensorProxy:
+    """A mask of 3-D scores with the heads folded into the batch: a (B·H, ...) one as (B, H, ...) (the fold is
+    b-major, as the operands'); a broadcast one as it is."""
+    if region.fold is None or mask.ndim != 3 or mask.shape[0] == 1:
+        return mask
+    return ltorch.reshape(mask, (*region.fold, *mask.shape[1:]))
+
+
 def _combined_mask(region: Region) -> TensorProxy | None:
     """One mask for the fused call: boolean keep masks and-ed; additive terms (a boolean mask beside them as
     where(keep, 0, -inf)) summed in the order the model added them."""
-    keep = [ltorch.logical_not(k[1]) if isinstance(k, tuple) else k for k in region.keep]
+    keep = [_unfolded(region, ltorch.logical_not(k[1]) if isinstance(k, tuple) else k) for k in region.keep]
     combined_keep = None
     for k in keep:
         combined_keep = k if combined_keep is None else ltorch.logical_and(combined_keep, k)
-    additive = list(reversed(region.additive))  # found walking back: the model's first addition is last
+    additive = [_unfolded(region, t) for t in reversed(region.additive)]  # found walking back: first is last
     dtype = region.query.dtype
     if not additive:
         return combined_keep
