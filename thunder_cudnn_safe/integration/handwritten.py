@@ -12,15 +12,19 @@ It recognises the *function*, walking back from each ``@ v``:
 * optionally the row max subtracted (``x - x.max(-1, keepdim=True)``, detached or not: softmax is invariant);
 * optionally a sink column appended (``cat([scores, col], -1)``) where ``col[b, h, i, 0]`` reads ``sinks[h]``,
   proved through the view chain (:mod:`trace_views`), not assumed from names: a per-token sink is refused;
-* additive masks and biases (``+ mask``) in q/k/v's dtype (or widened from it; several are summed only in
+* additive masks and biases (``+ mask``, ``+=``) in q/k/v's dtype (or widened from it; several are summed only in
   float32/float64: a bf16 sum would round what the model adds term by term), boolean ones
-  (``masked_fill(~keep, -inf)``, ``where(keep, s, -inf)``); a finite fill (``masked_fill(m, finfo.min)``) is
-  left: it replaces the scores, and a row masked everywhere then averages V with no gradient, which no mask of
-  the fused call gives;
+  (``masked_fill(~keep, -inf)``, ``masked_fill_``, ``where(keep, s, -inf)``), constant factors between them; a
+  finite fill at most ``FINITE_FILL_AT_MOST`` (-1000: ``finfo.min``, ``-finfo.max``, ``-1e4``, ``-1e9``) is the same
+  function except in a row it masks everywhere, which averages V (gradient to V only): the fused call is told
+  (``masked_rows="average"``); a finite fill beside an additive mask, or fills of different values, are declined;
 * optionally a softcap ``tanh(s / c) * c`` (or ``* (1/c)``), which must come before every mask, as in Gemma 2;
 * scale factors (``* a``, ``/ a``) on the scores, on q or on k;
-* ``q @ k^T`` (``transpose``, ``permute`` or ``mT``), K/V ``repeat_kv``'d or ``repeat_interleave``'d over head
-  groups (GQA, :func:`~thunder_cudnn_safe.integration.gqa.find_head_repeat`).
+* ``q @ k^T`` and ``P @ V`` in every form of :mod:`~thunder_cudnn_safe.integration.attention_products` (matmul, k
+  transposed or pre-transposed; 3-D bmm / baddbmm / matmul with the heads folded into the batch, proved by the
+  view chain; einsum in any index naming, proved by its subscripts), K/V ``repeat_kv``'d or
+  ``repeat_interleave``'d over head groups (GQA, :func:`~thunder_cudnn_safe.integration.gqa.find_head_repeat`);
+* scale factors may be 0-d constant tensors (GPT-2's ``/ torch.full([], sqrt(d))``), the value rounded to its dtype.
 
 And the sinks form ``(P @ V) * sigmoid(logsumexp(s) - sink)`` (the same function: the factor is the share of the
 denominator that is not the sink's).
