@@ -312,3 +312,52 @@ def test_thunderfx_subgraphs_are_fused(fresh_cache):
     fwd = "".join(str(thunder.last_traces(f)[-1]) for f in fns)
     bwd = "".join(str(thunder.last_backward_traces(f)[-1]) for f in fns)
     assert tf.recognised == 1 and "cudnn_safe_emulated_sdpa_fwd" in fwd and "cudnn_safe_emulated_sdpa_bwd" in bwd
+
+
+def test_the_walk_visits_a_number_of_nodes_linear_in_the_layers(monkeypatch, fresh_cache):
+    """Trace time: the transform's work on an n-layer stack grows as n (counted, not timed): the producers the walk
+    reads and the bound-symbol comparisons it makes, for 2 and 4 layers. (Finding the softmaxes a region fused
+    once compared each with every region's bound symbols: quadratic in the layers.)"""
+    from thunder.core.symbol import BoundSymbol
+    from thunder.core.transform_common import Transform
+
+    from thunder_cudnn_safe.integration.attention_regions import TraceWalk
+
+    class Keep(Transform):
+        def transform_traces_pre_prologue(self, prologue, computation, epilogue, **kwargs):
+            self.traces = (prologue, computation, epilogue)
+            return prologue, computation, epilogue
+
+    def stack(n):
+        def fn(q, k, v, mask, sinks):
+            for _ in range(n):
+                q = sinks_column_max(q, k, v, mask, sinks) + q
+            return q
+
+        return fn
+
+    counts = {"producer": 0, "eq": 0}
+    producer, eq = TraceWalk.producer, BoundSymbol.__eq__
+
+    def counting_producer(self, t):
+        counts["producer"] += 1
+        return producer(self, t)
+
+    def counting_eq(self, other):
+        counts["eq"] += 1
+        return eq(self, other)
+
+    work = {}
+    for n in (2, 4):
+        keep = Keep()
+        thunder.jit(stack(n), transforms=[keep])(*(t.detach() for t in _args(sinks_column_max)))
+        tf = tcs.FuseHandwrittenAttention()
+        counts.update(producer=0, eq=0)
+        with monkeypatch.context() as m:
+            m.setattr(TraceWalk, "producer", counting_producer)
+            m.setattr(BoundSymbol, "__eq__", counting_eq)
+            tf.transform_traces_pre_prologue(*keep.traces)
+        assert tf.recognised == n, tf.report()
+        work[n] = dict(counts)
+    for what in ("producer", "eq"):
+        assert work[4][what] <= 2.2 * work[2][what] + 8, work

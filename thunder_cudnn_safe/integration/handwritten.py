@@ -134,12 +134,13 @@ class FuseHandwrittenAttention(Transform):
                 reasons[id(_softmax_of(region))] = f"an intermediate is used outside the attention: {why}"
                 continue
             final[id(next(b for b in region.bsyms if b.output is region.output))] = region
+        fused = {id(b) for r in final.values() for b in r.bsyms}  # by identity: a set, not `in` over every region
         for bsym in computation_trace.bound_symbols:
             if bsym.sym.id != SOFTMAX:
                 continue
             if id(bsym) in reasons:
                 self.declined.append(Declined(_where(bsym), reasons[id(bsym)]))
-            elif not any(bsym in r.bsyms for r in final.values()):
+            elif id(bsym) not in fused:
                 self.other_softmaxes += 1
         if not final:
             return prologue_trace, computation_trace, epilogue_trace
