@@ -103,6 +103,12 @@ def finite_fill_dead_rows(q, k, v, keep, bias):
     return F.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype) @ v
 
 
+def finite_fill_gqa(q, k, v, keep, bias):
+    """The finite fill with K/V repeated over head groups: the dead rows' dV sums over each group's query heads."""
+    k, v = k[:, :2].repeat_interleave(H // 2, dim=1), v[:, :2].repeat_interleave(H // 2, dim=1)
+    return finite_fill_dead_rows(q, k, v, keep, bias)
+
+
 def minus_1e9(q, k, v, keep, bias):
     """where(keep, s, -1e9), float32 scores."""
     s = torch.where(keep, q.float() @ k.float().transpose(2, 3) * SCALE, -1e9)
@@ -121,6 +127,7 @@ FUSED = {
     # the model divides by sqrt(d) rounded to the scores' dtype (bf16: 2.828125), and so does the fused call
     "gpt2-no-padding": (gpt2_no_padding, {"masked_rows": "average", "scale": 1 / 2.828125}),
     "finite-fill-dead-rows": (finite_fill_dead_rows, {"masked_rows": "average"}),
+    "finite-fill-gqa": (finite_fill_gqa, {"masked_rows": "average", "gqa": True}),
     "minus-1e9": (minus_1e9, {"masked_rows": "average"}),
 }
 
@@ -151,7 +158,7 @@ def test_form_is_fused_and_trains_within_the_rule(case, fresh_cache):
     fn, options = FUSED[case]
     tf = tcs.FuseHandwrittenAttention()
     jf = _jit(fn, tf)
-    args = _args(dead_rows=fn is finite_fill_dead_rows)
+    args = _args(dead_rows=fn in (finite_fill_dead_rows, finite_fill_gqa))
     grad_out = torch.randn(B, H, L, D, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     check_against_eager(jf, args, grad_out, fn=fn)
     assert tf.recognised == 1 and tf.declined == [], tf.report()
@@ -184,6 +191,16 @@ def test_a_finite_fill_masking_whole_rows_gives_the_models_numbers(fresh_cache):
     grad_live[:, :, [3, 9]] = 0
     (dv_live,) = torch.autograd.grad(live(q, k, v, keep_live, bias), (v,), grad_live)
     torch.testing.assert_close(dv.float(), dv_live.float() + dv_dead, atol=2e-2, rtol=2e-2)
+
+
+def test_the_decomposition_averages_the_rows_too(fresh_cache):
+    """Where no executor claims the fused call, thunder runs its decomposition: the same average in the dead rows,
+    forward and backward, within the rule against float64 eager."""
+    tf = tcs.FuseHandwrittenAttention()
+    jf = thunder.jit(finite_fill_dead_rows, transforms=[tf])  # thunder's own executors only
+    grad_out = torch.randn(B, H, L, D, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    check_against_eager(jf, _args(dead_rows=True), grad_out, fn=finite_fill_dead_rows, claimed=False)
+    assert tf.recognised == 1 and tf.regions[0]["masked_rows"] == "average"
 
 
 # -- forms that are not the fused call's function (or not proved to be): left as written, with the reason --------
