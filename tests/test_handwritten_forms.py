@@ -203,6 +203,26 @@ def test_the_decomposition_averages_the_rows_too(fresh_cache):
     assert tf.recognised == 1 and tf.regions[0]["masked_rows"] == "average"
 
 
+def padding_fill(q, k, v, keep, bias):
+    """A key-padding keep mask (B, 1, 1, S) filled with -1e9: batch element 1 keeps no key at all."""
+    s = (q.float() @ k.float().mT) * SCALE
+    return s.masked_fill(~keep, -1e9).softmax(-1).to(q.dtype) @ v
+
+
+def test_a_padding_pattern_masking_a_whole_batch_element_averages_it(fresh_cache):
+    """A padding mask is a pattern the executor runs natively (no bias): the dead rows' average is applied after
+    that route too."""
+    tf = tcs.FuseHandwrittenAttention()
+    jf = _jit(padding_fill, tf)
+    q, k, v, _, bias = _args()
+    keep = torch.ones(B, 1, 1, L, dtype=torch.bool)
+    keep[0, ..., 11:] = False
+    keep[1] = False
+    grad_out = torch.randn(B, H, L, D, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    check_against_eager(jf, (q, k, v, keep, bias), grad_out, fn=padding_fill)
+    assert tf.recognised == 1 and tf.regions[0]["masked_rows"] == "average"
+
+
 # -- forms that are not the fused call's function (or not proved to be): left as written, with the reason --------
 def fill_minus_one(q, k, v, keep, bias):
     return torch.softmax((q @ k.mT * SCALE).masked_fill(~keep, -1.0), -1) @ v
