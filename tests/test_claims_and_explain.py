@@ -70,6 +70,20 @@ def test_describe_finds_the_dbias_backward_of_a_mask_that_requires_grad(fresh_ca
     assert report.backward is not None and report.backward.key.d_bias is not None
 
 
+def test_describe_finds_the_deterministic_backward_torch_mode_runs(fresh_cache, request):
+    """Under torch.use_deterministic_algorithms(True) the backward runs deterministic (its key says so);
+    describe() plans that key, as the checker judges the call, and finds the graph that ran."""
+    mode = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    request.addfinalizer(lambda: torch.use_deterministic_algorithms(mode[0], warn_only=mode[1]))
+    q, k, v = (T(2, 2, 8, 64) for _ in range(3))
+    disp = tcs.emulated_ex.dispatcher
+    torch.use_deterministic_algorithms(True)
+    out, stats = disp.forward(q, k, v)
+    disp.backward(torch.randn_like(out), q, k, v, None, 0.0, False, out, stats, None, None)
+    report = tcs.describe(q, k, v, executor="cudnn_safe_emulated")
+    assert report.backward is not None and report.backward.key.deterministic
+
+
 # -- which implementation ran ---------------------------------------------------------------------
 def test_a_python_engine_is_reported_by_name():
     frost = types.SimpleNamespace(selected_engine=types.SimpleNamespace(name="sdpa_fwd_prefill_sm100"))

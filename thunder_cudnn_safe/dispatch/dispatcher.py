@@ -42,7 +42,7 @@ from thunder_cudnn_safe.routing.calls import (
 from thunder_cudnn_safe.routing.planner import Plan, Route, plan
 from thunder_cudnn_safe.routing.recipes import Bound, PackRecipe, backward_recipe, forward_recipe, with_grad_out_like_o
 from thunder_cudnn_safe.runtimes import fallback, handoff
-from thunder_cudnn_safe.runtimes.base import Runtime
+from thunder_cudnn_safe.runtimes.base import Runtime, try_execute
 from thunder_cudnn_safe.runtimes.reference import reduce_to_shape
 from thunder_cudnn_safe.telemetry import warn_once
 
@@ -139,11 +139,7 @@ class Dispatcher:
 
     def try_execute(self, bound: Bound) -> GraphBuildError | ExecuteError | None:
         """Execute ``bound`` on the runtime (its graph built once); the runtime's refusal, or None if it ran."""
-        try:
-            self.runtime.execute(self.cache.get_or_build(bound.key, self.runtime.build), bound.pack)
-            return None
-        except (GraphBuildError, ExecuteError) as exc:
-            return exc
+        return try_execute(self.runtime, self.cache, bound)
 
     def refused(self, bound: Bound, exc: GraphBuildError | ExecuteError, tried: Bound | None = None) -> None:
         """``bound`` refused by the runtime (or its retry ``tried``): warned once per key tried, run on the fallback."""
@@ -158,8 +154,7 @@ class Dispatcher:
 
     def run_fallback(self, bound: Bound) -> None:
         """Execute ``bound`` on the torch fallback, counted in ``cache_info().fallbacks``."""
-        self.cache.record_fallback()
-        fallback.FALLBACK.execute(fallback.FALLBACK.build(bound.key), bound.pack)
+        fallback.run(bound, self.cache)
 
     def run(self, bound: Bound) -> None:
         """Execute ``bound`` on the runtime, or on the torch fallback if the runtime refuses it."""
@@ -214,9 +209,9 @@ class Dispatcher:
         dropout_forward = isinstance(call, ForwardCall) and call.dropout_p and call.need_stats
         p = plan(call, target)
         if p.recognized and bias.capture_may_follow(call.query, isinstance(call, BackwardCall) or call.need_stats):
-            capture.prebuild(self, call, target)
+            capture.prebuild(call, target, self.runtime, self.cache, self.capture_marks, self.memo)
         if p.route is Route.PACKED:
-            outputs = packed.run(self, p.call)
+            outputs = packed.run(self.runtime, self.cache, p.call)
             if outputs is not None:
                 return p, None, outputs
             p = p.as_bias(target)
@@ -225,8 +220,8 @@ class Dispatcher:
             entry.used = True
         bound = entry.run(p.call, p.call.query.device)
         if p.route is Route.OVERSIZED_BIAS:
-            fallback.run_oversized_bias(self, bound)
-        elif dropout_forward and not dropout.backward_builds(self, call, p.call, entry):
+            fallback.run_oversized_bias(bound, self.cache, self.runtime.name)
+        elif dropout_forward and not dropout.backward_builds(self.runtime, self.cache, call, p.call, entry):
             self.run_fallback(bound)
         else:
             self.run(bound)
