@@ -25,7 +25,7 @@ import torch
 
 from thunder_cudnn_safe import config
 from thunder_cudnn_safe.codegen import compile_function
-from thunder_cudnn_safe.dispatch import capture, dropout, packed
+from thunder_cudnn_safe.dispatch import capture, dropout, masked_rows, packed
 from thunder_cudnn_safe.errors import ExecuteError, GraphBuildError
 from thunder_cudnn_safe.graphs.cache import GraphCache, Slot, graph_cache
 from thunder_cudnn_safe.layouts.keys import BackwardKey, Target, Uid
@@ -77,7 +77,8 @@ def memoizable(p: Plan, call: ForwardCall | BackwardCall) -> bool:
     as given (a plain route is; no mask: a mask's route follows its values, read per call; not a decode step's
     workaround), with no dropout (a forward falls back where its backward does not build: its memo's answer, read
     on the full path; a backward asks whether its forward fell back) and so no mask gradient (a mask gradient's
-    recipe needs a mask), and no sinks (a backward returns their gradient beside the recipe's outputs). Everything
+    recipe needs a mask; so are ``masked_rows="average"``'s dead rows, :mod:`.masked_rows`), and no sinks (a
+    backward returns their gradient beside the recipe's outputs). Everything
     else the run path decides follows from the memo key."""
     return p.route is Route.PLAIN and call.attn_mask is None and not call.dropout_p and call.sinks is None
 
@@ -187,6 +188,8 @@ class Dispatcher:
         p, bound, outputs = self._full(call, target, memo, entry)
         if bound is not None and p.call.attn_mask is not None and Uid.BIAS in bound.pack:
             _zero_fully_masked_rows(p.call.attn_mask, bound)
+        if masked_rows.applies(call):
+            masked_rows.average_forward(call, outputs[0])
         return outputs
 
     def _backward(self, call: BackwardCall, target: Target, memo: tuple, entry: Memo | None) -> tuple:
@@ -194,6 +197,8 @@ class Dispatcher:
         if kept is not None:
             return kept
         _, bound, outputs = self._full(call, target, memo, entry)
+        if masked_rows.applies(call):
+            masked_rows.average_backward(call, outputs)
         return outputs if bound is None else outputs + _extra_gradients(call, bound)
 
     def _full(
