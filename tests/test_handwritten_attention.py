@@ -20,6 +20,7 @@ from checks import check_against_eager, on_the_runtime, score_tensors
 
 import thunder_cudnn_safe as tcs
 from thunder_cudnn_safe import config
+from thunder_cudnn_safe.testing import seeded_qkv
 
 B, H, HK, L, D = 2, 4, 2, 16, 8  # D != L: no other tensor has a score tensor's shape
 SCALE = 1 / math.sqrt(D)
@@ -334,8 +335,7 @@ DECLINED = {
 
 def _plain_qkv(heads: int = H, lq: int = 6, s: int = 6, seed: int = 0) -> list[torch.Tensor]:
     """bf16 q, k, v of (B, heads, lq or s, D), no K/V groups, requiring grad."""
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(B, heads, n, D, generator=gen).to(torch.bfloat16).requires_grad_() for n in (lq, s, s)]
+    return [t.requires_grad_() for t in seeded_qkv(B, heads, lq, s, D, seed=seed)]
 
 
 def _keep(heads: int, seed: int, dead_row: bool = False) -> torch.Tensor:
