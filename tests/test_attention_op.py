@@ -218,6 +218,21 @@ def test_a_verdict_is_remembered_per_signature_and_a_knob_change_judges_again(em
     torch.testing.assert_close(out, decomposition(TORCH_OPS, q, k, v, sinks=sinks))
 
 
+@pytest.mark.parametrize("operand", ["key", "attn_mask", "sinks"])
+def test_a_remembered_verdict_is_not_reused_for_an_operand_on_another_device(operand, emulated):
+    """The rules decline operands on different devices; a verdict remembered for the same layouts all on one device
+    must not claim the call again (cuDNN would read another device's memory: here a meta tensor's, NaN). It runs
+    the decomposition, which raises torch's own device error."""
+    q, k, v = (torch.randn(B, H, L, D, dtype=torch.bfloat16) for _ in range(3))
+    operands = {"key": k, "attn_mask": torch.randn(L, L, dtype=torch.bfloat16), "sinks": torch.randn(H)}
+    args = lambda ops: (q, ops["key"], v, ops["attn_mask"])  # noqa: E731
+    tcs.attention(*args(operands), sinks=operands["sinks"])
+    moved = {**operands, operand: operands[operand].to("meta")}
+    with _Counted() as c, pytest.raises(RuntimeError, match="device"):
+        tcs.attention(*args(moved), sinks=moved["sinks"])
+    assert c.lookups == 0
+
+
 def test_a_refused_graph_runs_on_the_fallback_warned_and_counted(emulated, caplog):
     """A graph the runtime refuses: the call runs on the torch fallback, warned once and counted, as under thunder."""
     q, k, v = QKV_LAYOUTS["contiguous"](B, H, L, L, D, D, torch.bfloat16)

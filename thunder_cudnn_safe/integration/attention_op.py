@@ -62,8 +62,9 @@ def eager_executor(device: torch.device) -> OperatorExecutor | None:
 #: Distinct call signatures whose verdicts outside thunder are remembered.
 VERDICT_MEMO_SIZE = 4096
 #: Whether the executor claims a call, by its executor, signature (the dispatcher's memo key: every tensor's layout,
-#: the options, the target) and which operands require grad: all the rules read of a call of torch tensors besides
-#: the knobs, whose every change empties it (asking the rules costs about a millisecond, on every eager call).
+#: the options, the target), which operands require grad and every operand's device: all the rules read of a call
+#: of torch tensors besides the knobs, whose every change empties it (asking the rules costs about a millisecond, on
+#: every eager call).
 _verdicts = LRU(VERDICT_MEMO_SIZE)
 caches.register("attention()'s verdicts outside thunder", _verdicts.clear)
 for _knob in config.KNOBS:
@@ -78,10 +79,12 @@ def claiming(call: ForwardCall) -> OperatorExecutor | None:
     ex = eager_executor(call.query.device)
     if ex is None or (call.dropout_p and call.need_stats):
         return None
-    grads = tuple(
-        t is not None and t.requires_grad for t in (call.query, call.key, call.value, call.attn_mask, call.sinks)
-    )
-    key = (ex.name, memo_key(call, ex.runtime.target(call.query.device)), grads)
+    operands = (call.query, call.key, call.value, call.attn_mask, call.sinks)
+    grads = tuple(t is not None and t.requires_grad for t in operands)
+    # every operand's device, not only the query's (the target's): the rules decline operands on different
+    # devices, and a verdict reused for them would bind another device's pointer (or a host one) into cuDNN
+    devices = tuple(None if t is None else t.device for t in operands)
+    key = (ex.name, memo_key(call, ex.runtime.target(call.query.device)), grads, devices)
     claimed = _verdicts.get(key)
     if claimed is None:
         claimed = not reasons_for(ex.runtime, *call)
