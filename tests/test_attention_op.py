@@ -273,6 +273,29 @@ def test_the_backward_judges_the_mask_gradient_it_is_asked_for(emulated):
     torch.testing.assert_close(dmask.double(), ref_dmask, atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("runtime", ["emulated", "decomposition"])
+def test_the_op_kernels_compute_the_same_under_autocast(runtime, fresh_cache):
+    """Autocast applies at the op's boundary, not inside its kernels (the caller's autocast reaches a custom op's
+    kernel): under ``torch.autocast`` the executor's and the decomposition's O, float32 stats and gradients are
+    the very numbers computed without it, not scores and stats rounded to bfloat16."""
+    q, k, v = (torch.randn(B, H, L, D, dtype=torch.bfloat16) for _ in range(3))
+    sinks, grad = torch.randn(H), torch.randn(B, H, L, D, dtype=torch.bfloat16)
+
+    def both():
+        out, stats = torch.ops.cudnn_safe.attention(q, k, v, None, 0.0, True, None, False, None, sinks, True)
+        grads = torch.ops.cudnn_safe.attention_backward(
+            grad, q, k, v, None, out, stats, True, None, False, None, sinks, False
+        )
+        return [out, stats, *grads]
+
+    with config.patch(eager_runtime=runtime):
+        plain = both()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            cast = both()
+    for name, a, b in zip(("O", "stats", "dq", "dk", "dv", "dmask", "dsinks"), plain, cast):
+        assert torch.equal(a, b), name
+
+
 # -- the custom op: its fake kernels promise what the real ones return -------------------------------------------
 def _fake_and_real(op, args):
     from torch._subclasses.fake_tensor import FakeTensorMode

@@ -27,7 +27,8 @@ policy, the decomposition) copies it once into the promised layout.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 
 import thunder.torch as ltorch
 import torch
@@ -123,7 +124,23 @@ def _stats_shape(query: torch.Tensor, need_stats: bool) -> tuple:
     return (*query.shape[:-1], 1) if need_stats else (0,)
 
 
+def _without_autocast(kernel: Callable) -> Callable:
+    """``kernel`` run with autocast off on its first tensor's device: autocast applies at the op's boundary (to
+    what :func:`attention` is given), never inside a kernel, as in torch's own operators. A custom op's kernel is
+    reached with the caller's autocast still on (no autocast kernel is registered, so the key falls through), and
+    the decomposition, the torch fallback and the emulation inside it would compute their float32 scores and
+    softmax stats in the autocast dtype instead (stats off by about 2e-2, read by the executor's backward)."""
+
+    @functools.wraps(kernel)
+    def run(*args, **kwargs):
+        with torch.autocast(args[0].device.type, enabled=False):
+            return kernel(*args, **kwargs)
+
+    return run
+
+
 @torch.library.custom_op("cudnn_safe::attention", mutates_args=())
+@_without_autocast
 def attention_op(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None, dropout_p: float,
     is_causal: bool, scale: float | None, enable_gqa: bool, softcap: float | None, sinks: torch.Tensor | None,
@@ -154,6 +171,7 @@ def _(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, sof
 
 
 @torch.library.custom_op("cudnn_safe::attention_backward", mutates_args=())
+@_without_autocast
 def attention_backward_op(
     grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
     out: torch.Tensor, stats: torch.Tensor, is_causal: bool, scale: float | None, enable_gqa: bool,
