@@ -296,6 +296,25 @@ def test_the_op_kernels_compute_the_same_under_autocast(runtime, fresh_cache):
         assert torch.equal(a, b), name
 
 
+def test_autocast_casts_the_inputs_and_runs_the_executor(emulated):
+    """Under ``torch.autocast`` a float32 model's attention() is cast as autocast casts F.sdpa (query, key, value
+    and a float mask to bfloat16; sinks kept float32) and claimed: the very output and gradients of the call made
+    on the cast inputs without autocast, in the autocast dtype, the float32 leaves' gradients float32."""
+    q, k, v = (torch.randn(B, H, L, D, requires_grad=True) for _ in range(3))
+    mask, sinks = torch.randn(1, H, L, L, requires_grad=True), torch.randn(H, requires_grad=True)
+    leaves, grad = (q, k, v, mask, sinks), torch.randn(B, H, L, D, dtype=torch.bfloat16)
+    with _Counted() as c, torch.autocast("cpu", dtype=torch.bfloat16):
+        out = tcs.attention(q, k, v, mask, sinks=sinks)
+    grads = torch.autograd.grad(out, leaves, grad)
+    assert c.builds == 1 and c.fallbacks == 0 and out.dtype == torch.bfloat16, vars(c)
+    assert [g.dtype for g in grads] == [torch.float32] * 5
+    cast = [t.detach().to(torch.bfloat16).requires_grad_() for t in leaves[:4]] + [_low(sinks)]
+    expected = tcs.attention(*cast[:4], sinks=cast[4])
+    assert torch.equal(out, expected)
+    for name, g, e in zip(("dq", "dk", "dv", "dmask", "dsinks"), grads, torch.autograd.grad(expected, cast, grad)):
+        assert torch.equal(g, e.float()), name
+
+
 # -- the custom op: its fake kernels promise what the real ones return -------------------------------------------
 def _fake_and_real(op, args):
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -474,3 +493,18 @@ def test_torch_compile_with_symbolic_lengths_runs_the_executor(emulated):
         low = decomposition(TORCH_OPS, *(t.detach() for t in (q, k, v)), is_causal=True)
         assert_close_to_reference(out, low, ref, f"O at length {lq}")
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before == 1
+
+
+@pytest.mark.slow
+def test_torch_compile_under_autocast_runs_the_executor_as_eager_does(emulated):
+    """``torch.compile`` under ``torch.autocast`` with float32 inputs: the same cast inputs and claimed call as
+    eager (the op has no autocast kernel: compiled, it used to return float32, unfused, where eager returned
+    bfloat16), so the compiled output is eager's, dtype and numbers."""
+    q, k, v = (torch.randn(B, H, L, D) for _ in range(3))
+    fn = lambda q, k, v: tcs.attention(q, k, v, is_causal=True)  # noqa: E731
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        eager = fn(q, k, v)
+        with _Counted() as c:
+            compiled = torch.compile(fn, fullgraph=True)(q, k, v)
+    assert (c.lookups, c.fallbacks) == (1, 0) and compiled.dtype == torch.bfloat16, vars(c)
+    assert torch.equal(compiled, eager)

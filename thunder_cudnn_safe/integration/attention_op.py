@@ -280,6 +280,9 @@ def attention(
     ``sinks`` ((H_q,), float32 or the query dtype): each head's softmax denominator gains ``exp(sinks[h])``, and the
     gradient reaches ``sinks`` (gpt-oss). The other arguments mean what they mean for F.sdpa."""
     check_options(query, softcap, sinks)
+    device_type = query.device.type
+    if torch.is_autocast_enabled(device_type):
+        query, key, value, attn_mask = autocast_inputs(query, key, value, attn_mask, device_type)
     args = (query, key, value, attn_mask, float(dropout_p), bool(is_causal), scale, bool(enable_gqa), softcap, sinks)
     operands = (query, key, value, attn_mask, sinks)
     need_stats = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in operands)
@@ -288,8 +291,26 @@ def attention(
     # a declined call: the decomposition with torch's autograd (no recomputation in the backward); no executor for
     # the device (the default on CPU) is known before any call value is made
     if eager_executor(query.device) is None or claiming(_call(*args, need_stats)) is None:
-        return decomposition(TORCH_OPS, *args)
+        with torch.autocast(device_type, enabled=False):  # as inside the op's kernel: cast once, above
+            return decomposition(TORCH_OPS, *args)
     return attention_op(*args, need_stats)[0]
+
+
+def autocast_inputs(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None, device_type: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Query, key, value and a float mask in autocast's dtype for ``device_type``, as autocast casts
+    ``F.scaled_dot_product_attention``'s (its lower-precision policy: every floating tensor but float64). So a
+    float32 model under ``torch.autocast`` runs the fused call, in eager and under ``torch.compile`` alike (the op
+    has no autocast kernel: compiled, it returned float32 where eager returned the autocast dtype). Sinks stay as
+    given (float32 is one of their dtypes)."""
+    dtype = torch.get_autocast_dtype(device_type)
+
+    def cast(t: torch.Tensor | None) -> torch.Tensor | None:
+        eligible = t is not None and t.is_floating_point() and t.dtype not in (dtype, torch.float64)
+        return t.to(dtype) if eligible else t
+
+    return cast(query), cast(key), cast(value), cast(attn_mask)
 
 
 def register_attention() -> None:
