@@ -203,6 +203,22 @@ def test_declined_calls_run_the_decomposition(why, fresh_cache):
     torch.testing.assert_close(out, decomposition(TORCH_OPS, q, k, v, None, p, True))
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine where real cuDNN cannot run")
+def test_auto_on_cuda_tensors_where_cudnn_cannot_run_runs_the_decomposition(fresh_cache):
+    """``eager_runtime="auto"`` gives CUDA tensors to the cuDNN executor; where it cannot run (no driver here; no
+    libcudnn on a GPU machine) the call runs the decomposition, as ``explain()`` says, instead of raising from the
+    runtime's target (the device's capability, libcudnn's version). Fake CUDA tensors stand in for real ones
+    (their backward would need a driver)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    assert tcs.cudnn_safe_ex.runtime.environment_problem() is not None
+    with config.patch(eager_runtime="auto"), FakeTensorMode(), _Counted() as c:
+        q, k, v = (torch.randn(B, H, L, D, dtype=torch.bfloat16, device="cuda", requires_grad=True) for _ in range(3))
+        out = tcs.attention(q, k, v, is_causal=True)
+    assert out.shape == (B, H, L, D) and c.lookups == 0
+    assert "cudnn_safe" not in type(out.grad_fn).__name__.lower()
+
+
 def test_a_verdict_is_remembered_per_signature_and_a_knob_change_judges_again(emulated):
     """Verdicts are remembered per call signature (asking the rules costs about a millisecond); a knob change
     empties them: sinks claimed on cuDNN 9.19 are declined on 9.12 (SINK_TOKEN) and run the decomposition."""

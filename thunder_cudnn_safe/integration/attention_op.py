@@ -74,11 +74,14 @@ for _knob in config.KNOBS:
 
 def claiming(call: ForwardCall) -> OperatorExecutor | None:
     """The executor that runs ``call`` outside thunder, or None where it runs the decomposition: no executor for
-    its device, a reason to decline (the rules thunder's checker reads, remembered per signature), or a dropout
-    call whose backward follows: the op's autograd keeps no dropout seed (eager runs such a call as the
-    decomposition, under torch's RNG and autograd)."""
+    its device, a runtime that cannot run here (``explain()``'s environment reason: asked first, as its target
+    needs the driver and libcudnn), a reason to decline (the rules thunder's checker reads, remembered per
+    signature), or a dropout call whose backward follows: the op's autograd keeps no dropout seed (eager runs such
+    a call as the decomposition, under torch's RNG and autograd)."""
     ex = eager_executor(call.query.device)
     if ex is None or (call.dropout_p and call.need_stats):
+        return None
+    if ex.runtime.environment_problem() is not None:  # no libcudnn, driver or GPU: it has no target to key on
         return None
     operands = (call.query, call.key, call.value, call.attn_mask, call.sinks)
     grads = tuple(t is not None and t.requires_grad for t in operands)
