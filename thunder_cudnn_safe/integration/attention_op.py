@@ -136,7 +136,10 @@ def _without_autocast(kernel: Callable) -> Callable:
 
     @functools.wraps(kernel)
     def run(*args, **kwargs):
-        with torch.autocast(args[0].device.type, enabled=False):
+        device_type = args[0].device.type
+        if not torch.is_autocast_enabled(device_type):  # the usual case: no context to enter on every call
+            return kernel(*args, **kwargs)
+        with torch.autocast(device_type, enabled=False):
             return kernel(*args, **kwargs)
 
     return run
