@@ -219,6 +219,24 @@ def test_auto_on_cuda_tensors_where_cudnn_cannot_run_runs_the_decomposition(fres
     assert "cudnn_safe" not in type(out.grad_fn).__name__.lower()
 
 
+@pytest.mark.parametrize("transform", ["grad", "vmap"])
+def test_torch_func_transforms_run_the_decomposition(transform, emulated):
+    """Inside ``torch.func.grad`` or ``vmap`` the operands are wrapper tensors without a data pointer for the
+    executor to bind (the op has no batching rule): attention() runs the decomposition there, and gives its numbers,
+    instead of raising from the executor's layout key."""
+    q, k, v = (torch.randn(B, H, L, D, dtype=torch.bfloat16) for _ in range(3))
+    if transform == "grad":
+        fn = torch.func.grad(lambda q: tcs.attention(q, k, v, is_causal=True).float().sum())
+        expected = torch.func.grad(lambda q: decomposition(TORCH_OPS, q, k, v, None, 0.0, True).float().sum())
+    else:
+        fn = torch.vmap(lambda q: tcs.attention(q, k[0], v[0], is_causal=True))
+        expected = torch.vmap(lambda q: decomposition(TORCH_OPS, q, k[0], v[0], None, 0.0, True))
+    with _Counted() as c:
+        got = fn(q)
+    assert c.lookups == 0
+    torch.testing.assert_close(got, expected(q))
+
+
 def test_a_verdict_is_remembered_per_signature_and_a_knob_change_judges_again(emulated):
     """Verdicts are remembered per call signature (asking the rules costs about a millisecond); a knob change
     empties them: sinks claimed on cuDNN 9.19 are declined on 9.12 (SINK_TOKEN) and run the decomposition."""

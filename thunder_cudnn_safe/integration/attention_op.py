@@ -295,8 +295,11 @@ def attention(
     if torch.compiler.is_compiling():  # decided at run time by the op's kernel (ThunderFX: by thunder's checker)
         return attention_op(*args, need_stats)[0]
     # a declined call: the decomposition with torch's autograd (no recomputation in the backward); no executor for
-    # the device (the default on CPU) is known before any call value is made
-    if eager_executor(query.device) is None or claiming(_call(*args, need_stats)) is None:
+    # the device (the default on CPU) is known before any call value is made, and inside a torch.func transform
+    # (grad, vmap, jacrev) the operands are wrapper tensors with no data pointer for the executor to bind (and
+    # the op has no batching rule), so the transform runs the decomposition's torch ops
+    in_transform = torch._C._functorch.peek_interpreter_stack() is not None
+    if eager_executor(query.device) is None or in_transform or claiming(_call(*args, need_stats)) is None:
         with torch.autocast(device_type, enabled=False):  # as inside the op's kernel: cast once, above
             return decomposition(TORCH_OPS, *args)
     return attention_op(*args, need_stats)[0]
