@@ -204,19 +204,34 @@ def test_declined_calls_run_the_decomposition(why, fresh_cache):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine where real cuDNN cannot run")
-def test_auto_on_cuda_tensors_where_cudnn_cannot_run_runs_the_decomposition(fresh_cache):
+def test_auto_on_cuda_tensors_where_cudnn_cannot_run_declines(fresh_cache):
     """``eager_runtime="auto"`` gives CUDA tensors to the cuDNN executor; where it cannot run (no driver here; no
-    libcudnn on a GPU machine) the call runs the decomposition, as ``explain()`` says, instead of raising from the
-    runtime's target (the device's capability, libcudnn's version). Fake CUDA tensors stand in for real ones
-    (their backward would need a driver)."""
+    libcudnn on a GPU machine) the call is declined, as ``explain()`` says, and runs the decomposition, instead of
+    raising from the runtime's target (the device's capability, libcudnn's version). Fake CUDA tensors stand in
+    for real ones."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from thunder_cudnn_safe.integration.attention_op import claiming
+    from thunder_cudnn_safe.integration.executor import attention_call
+
     assert tcs.cudnn_safe_ex.runtime.environment_problem() is not None
-    with config.patch(eager_runtime="auto"), FakeTensorMode(), _Counted() as c:
-        q, k, v = (torch.randn(B, H, L, D, dtype=torch.bfloat16, device="cuda", requires_grad=True) for _ in range(3))
-        out = tcs.attention(q, k, v, is_causal=True)
-    assert out.shape == (B, H, L, D) and c.lookups == 0
-    assert "cudnn_safe" not in type(out.grad_fn).__name__.lower()
+    with config.patch(eager_runtime="auto"), FakeTensorMode():
+        q, k, v = (torch.randn(B, H, L, D, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+        assert claiming(attention_call(q, k, v, is_causal=True)) is None
+
+
+def test_a_tracer_outside_dynamo_records_the_op(emulated):
+    """``make_fx`` (as ``aot_function`` traces) with fake tensors records the op, whose fake kernel answers,
+    instead of the executor reading the fake operands' data pointers; the recorded graph runs the executor."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    q, k, v = (torch.randn(B, H, L, D, dtype=torch.bfloat16) for _ in range(3))
+    fn = lambda q, k, v: tcs.attention(q, k, v, is_causal=True)  # noqa: E731
+    traced = make_fx(fn, tracing_mode="fake")(q, k, v)
+    assert torch.ops.cudnn_safe.attention.default in [n.target for n in traced.graph.nodes]
+    with _Counted() as c:
+        out = traced(q, k, v)
+    assert c.lookups == 1 and c.fallbacks == 0 and torch.equal(out, fn(q, k, v))
 
 
 @pytest.mark.parametrize("transform", ["grad", "vmap"])

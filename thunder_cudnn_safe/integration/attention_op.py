@@ -292,7 +292,7 @@ def attention(
     args = (query, key, value, attn_mask, float(dropout_p), bool(is_causal), scale, bool(enable_gqa), softcap, sinks)
     operands = (query, key, value, attn_mask, sinks)
     need_stats = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in operands)
-    if torch.compiler.is_compiling():  # decided at run time by the op's kernel (ThunderFX: by thunder's checker)
+    if torch.compiler.is_compiling() or _tracing():  # decided at run time by the op's kernel (ThunderFX: thunder's)
         return attention_op(*args, need_stats)[0]
     # a declined call: the decomposition with torch's autograd (no recomputation in the backward); no executor for
     # the device (the default on CPU) is known before any call value is made, and inside a torch.func transform
@@ -303,6 +303,14 @@ def attention(
         with torch.autocast(device_type, enabled=False):  # as inside the op's kernel: cast once, above
             return decomposition(TORCH_OPS, *args)
     return attention_op(*args, need_stats)[0]
+
+
+def _tracing() -> bool:
+    """Whether a tracer records this call outside dynamo (``make_fx``, ``aot_function``, a ``FakeTensorMode``: a
+    fake or proxy dispatch mode is on). It records the op, whose fake kernel answers, as under ``torch.compile``;
+    the executor would read its fake operands' data pointers, which they do not have."""
+    modes = (torch._C._TorchDispatchModeKey.FAKE, torch._C._TorchDispatchModeKey.PROXY)
+    return any(torch._C._get_dispatch_mode(mode) is not None for mode in modes)
 
 
 def autocast_inputs(
