@@ -220,17 +220,25 @@ def test_auto_on_cuda_tensors_where_cudnn_cannot_run_declines(fresh_cache):
         assert claiming(attention_call(q, k, v, is_causal=True)) is None
 
 
-def test_a_tracer_outside_dynamo_records_the_op(emulated):
-    """``make_fx`` (as ``aot_function`` traces) with fake tensors records the op, whose fake kernel answers,
-    instead of the executor reading the fake operands' data pointers; the recorded graph runs the executor."""
+@pytest.mark.parametrize("tracer", ["make_fx_fake", "functional_mode"])
+def test_a_tracer_outside_dynamo_records_the_op(tracer, emulated):
+    """``make_fx`` (as ``aot_function`` traces) with fake tensors, or a functionalization mode (as non-strict export
+    runs), gets the op, whose fake kernel answers, instead of the executor reading data pointers that such tensors
+    do not have; the op then runs the executor on the real tensors."""
+    from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
 
     q, k, v = (torch.randn(B, H, L, D, dtype=torch.bfloat16) for _ in range(3))
     fn = lambda q, k, v: tcs.attention(q, k, v, is_causal=True)  # noqa: E731
-    traced = make_fx(fn, tracing_mode="fake")(q, k, v)
-    assert torch.ops.cudnn_safe.attention.default in [n.target for n in traced.graph.nodes]
     with _Counted() as c:
-        out = traced(q, k, v)
+        if tracer == "make_fx_fake":
+            traced = make_fx(fn, tracing_mode="fake")(q, k, v)
+            assert torch.ops.cudnn_safe.attention.default in [n.target for n in traced.graph.nodes]
+            out = traced(q, k, v)
+        else:
+            with FunctionalTensorMode():
+                out = fn(*(FunctionalTensor.to_functional(t) for t in (q, k, v)))
+            out = torch._from_functional_tensor(out.elem)
     assert c.lookups == 1 and c.fallbacks == 0 and torch.equal(out, fn(q, k, v))
 
 

@@ -307,9 +307,10 @@ def attention(
 
 def _tracing() -> bool:
     """Whether a tracer records this call outside dynamo (``make_fx``, ``aot_function``, a ``FakeTensorMode``: a
-    fake or proxy dispatch mode is on). It records the op, whose fake kernel answers, as under ``torch.compile``;
-    the executor would read its fake operands' data pointers, which they do not have."""
+    fake, proxy or functionalization dispatch mode is on). It records the op, whose fake kernel answers, as under
+    ``torch.compile``; the executor would read its operands' data pointers, which such tensors do not have."""
     modes = (torch._C._TorchDispatchModeKey.FAKE, torch._C._TorchDispatchModeKey.PROXY)
+    modes += (torch._C._TorchDispatchModeKey.FUNCTIONAL,)
     return any(torch._C._get_dispatch_mode(mode) is not None for mode in modes)
 
 
