@@ -203,6 +203,63 @@ def test_declined_calls_run_the_decomposition(why, fresh_cache):
     torch.testing.assert_close(out, decomposition(TORCH_OPS, q, k, v, None, p, True))
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine where real cuDNN cannot run")
+def test_auto_on_cuda_tensors_where_cudnn_cannot_run_declines(fresh_cache):
+    """``eager_runtime="auto"`` gives CUDA tensors to the cuDNN executor; where it cannot run (no driver here; no
+    libcudnn on a GPU machine) the call is declined, as ``explain()`` says, and runs the decomposition, instead of
+    raising from the runtime's target (the device's capability, libcudnn's version). Fake CUDA tensors stand in
+    for real ones."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from thunder_cudnn_safe.integration.attention_op import claiming
+    from thunder_cudnn_safe.integration.executor import attention_call
+
+    assert tcs.cudnn_safe_ex.runtime.environment_problem() is not None
+    with config.patch(eager_runtime="auto"), FakeTensorMode():
+        q, k, v = (torch.randn(B, H, L, D, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+        assert claiming(attention_call(q, k, v, is_causal=True)) is None
+
+
+@pytest.mark.parametrize("tracer", ["make_fx_fake", "functional_mode"])
+def test_a_tracer_outside_dynamo_records_the_op(tracer, emulated):
+    """``make_fx`` (as ``aot_function`` traces) with fake tensors, or a functionalization mode (as non-strict export
+    runs), gets the op, whose fake kernel answers, instead of the executor reading data pointers that such tensors
+    do not have; the op then runs the executor on the real tensors."""
+    from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    q, k, v = (torch.randn(B, H, L, D, dtype=torch.bfloat16) for _ in range(3))
+    fn = lambda q, k, v: tcs.attention(q, k, v, is_causal=True)  # noqa: E731
+    with _Counted() as c:
+        if tracer == "make_fx_fake":
+            traced = make_fx(fn, tracing_mode="fake")(q, k, v)
+            assert torch.ops.cudnn_safe.attention.default in [n.target for n in traced.graph.nodes]
+            out = traced(q, k, v)
+        else:
+            with FunctionalTensorMode():
+                out = fn(*(FunctionalTensor.to_functional(t) for t in (q, k, v)))
+            out = torch._from_functional_tensor(out.elem)
+    assert c.lookups == 1 and c.fallbacks == 0 and torch.equal(out, fn(q, k, v))
+
+
+@pytest.mark.parametrize("transform", ["grad", "vmap"])
+def test_torch_func_transforms_run_the_decomposition(transform, emulated):
+    """Inside ``torch.func.grad`` or ``vmap`` the operands are wrapper tensors without a data pointer for the
+    executor to bind (the op has no batching rule): attention() runs the decomposition there, and gives its numbers,
+    instead of raising from the executor's layout key."""
+    q, k, v = (torch.randn(B, H, L, D, dtype=torch.bfloat16) for _ in range(3))
+    if transform == "grad":
+        fn = torch.func.grad(lambda q: tcs.attention(q, k, v, is_causal=True).float().sum())
+        expected = torch.func.grad(lambda q: decomposition(TORCH_OPS, q, k, v, None, 0.0, True).float().sum())
+    else:
+        fn = torch.vmap(lambda q: tcs.attention(q, k[0], v[0], is_causal=True))
+        expected = torch.vmap(lambda q: decomposition(TORCH_OPS, q, k[0], v[0], None, 0.0, True))
+    with _Counted() as c:
+        got = fn(q)
+    assert c.lookups == 0
+    torch.testing.assert_close(got, expected(q))
+
+
 def test_a_verdict_is_remembered_per_signature_and_a_knob_change_judges_again(emulated):
     """Verdicts are remembered per call signature (asking the rules costs about a millisecond); a knob change
     empties them: sinks claimed on cuDNN 9.19 are declined on 9.12 (SINK_TOKEN) and run the decomposition."""
@@ -216,6 +273,21 @@ def test_a_verdict_is_remembered_per_signature_and_a_knob_change_judges_again(em
         out = tcs.attention(q, k, v, sinks=sinks)
     assert declined.lookups == 0
     torch.testing.assert_close(out, decomposition(TORCH_OPS, q, k, v, sinks=sinks))
+
+
+@pytest.mark.parametrize("operand", ["key", "attn_mask", "sinks"])
+def test_a_remembered_verdict_is_not_reused_for_an_operand_on_another_device(operand, emulated):
+    """The rules decline operands on different devices; a verdict remembered for the same layouts all on one device
+    must not claim the call again (cuDNN would read another device's memory: here a meta tensor's, NaN). It runs
+    the decomposition, which raises torch's own device error."""
+    q, k, v = (torch.randn(B, H, L, D, dtype=torch.bfloat16) for _ in range(3))
+    operands = {"key": k, "attn_mask": torch.randn(L, L, dtype=torch.bfloat16), "sinks": torch.randn(H)}
+    args = lambda ops: (q, ops["key"], v, ops["attn_mask"])  # noqa: E731
+    tcs.attention(*args(operands), sinks=operands["sinks"])
+    moved = {**operands, operand: operands[operand].to("meta")}
+    with _Counted() as c, pytest.raises(RuntimeError, match="device"):
+        tcs.attention(*args(moved), sinks=moved["sinks"])
+    assert c.lookups == 0
 
 
 def test_a_refused_graph_runs_on_the_fallback_warned_and_counted(emulated, caplog):
@@ -256,6 +328,48 @@ def test_the_backward_judges_the_mask_gradient_it_is_asked_for(emulated):
     ref = decomposition(TORCH_OPS, *leaves)
     (ref_dmask,) = torch.autograd.grad(ref, leaves[3], grad.double())
     torch.testing.assert_close(dmask.double(), ref_dmask, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("runtime", ["emulated", "decomposition"])
+def test_the_op_kernels_compute_the_same_under_autocast(runtime, fresh_cache):
+    """Autocast applies at the op's boundary, not inside its kernels (the caller's autocast reaches a custom op's
+    kernel): under ``torch.autocast`` the executor's and the decomposition's O, float32 stats and gradients are
+    the very numbers computed without it, not scores and stats rounded to bfloat16."""
+    q, k, v = (torch.randn(B, H, L, D, dtype=torch.bfloat16) for _ in range(3))
+    sinks, grad = torch.randn(H), torch.randn(B, H, L, D, dtype=torch.bfloat16)
+
+    def both():
+        out, stats = torch.ops.cudnn_safe.attention(q, k, v, None, 0.0, True, None, False, None, sinks, True)
+        grads = torch.ops.cudnn_safe.attention_backward(
+            grad, q, k, v, None, out, stats, True, None, False, None, sinks, False
+        )
+        return [out, stats, *grads]
+
+    with config.patch(eager_runtime=runtime):
+        plain = both()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            cast = both()
+    for name, a, b in zip(("O", "stats", "dq", "dk", "dv", "dmask", "dsinks"), plain, cast):
+        assert torch.equal(a, b), name
+
+
+def test_autocast_casts_the_inputs_and_runs_the_executor(emulated):
+    """Under ``torch.autocast`` a float32 model's attention() is cast as autocast casts F.sdpa (query, key, value
+    and a float mask to bfloat16; sinks kept float32) and claimed: the very output and gradients of the call made
+    on the cast inputs without autocast, in the autocast dtype, the float32 leaves' gradients float32."""
+    q, k, v = (torch.randn(B, H, L, D, requires_grad=True) for _ in range(3))
+    mask, sinks = torch.randn(1, H, L, L, requires_grad=True), torch.randn(H, requires_grad=True)
+    leaves, grad = (q, k, v, mask, sinks), torch.randn(B, H, L, D, dtype=torch.bfloat16)
+    with _Counted() as c, torch.autocast("cpu", dtype=torch.bfloat16):
+        out = tcs.attention(q, k, v, mask, sinks=sinks)
+    grads = torch.autograd.grad(out, leaves, grad)
+    assert c.builds == 1 and c.fallbacks == 0 and out.dtype == torch.bfloat16, vars(c)
+    assert [g.dtype for g in grads] == [torch.float32] * 5
+    cast = [t.detach().to(torch.bfloat16).requires_grad_() for t in leaves[:4]] + [_low(sinks)]
+    expected = tcs.attention(*cast[:4], sinks=cast[4])
+    assert torch.equal(out, expected)
+    for name, g, e in zip(("dq", "dk", "dv", "dmask", "dsinks"), grads, torch.autograd.grad(expected, cast, grad)):
+        assert torch.equal(g, e.float()), name
 
 
 # -- the custom op: its fake kernels promise what the real ones return -------------------------------------------
@@ -436,3 +550,18 @@ def test_torch_compile_with_symbolic_lengths_runs_the_executor(emulated):
         low = decomposition(TORCH_OPS, *(t.detach() for t in (q, k, v)), is_causal=True)
         assert_close_to_reference(out, low, ref, f"O at length {lq}")
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before == 1
+
+
+@pytest.mark.slow
+def test_torch_compile_under_autocast_runs_the_executor_as_eager_does(emulated):
+    """``torch.compile`` under ``torch.autocast`` with float32 inputs: the same cast inputs and claimed call as
+    eager (the op has no autocast kernel: compiled, it used to return float32, unfused, where eager returned
+    bfloat16), so the compiled output is eager's, dtype and numbers."""
+    q, k, v = (torch.randn(B, H, L, D) for _ in range(3))
+    fn = lambda q, k, v: tcs.attention(q, k, v, is_causal=True)  # noqa: E731
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        eager = fn(q, k, v)
+        with _Counted() as c:
+            compiled = torch.compile(fn, fullgraph=True)(q, k, v)
+    assert (c.lookups, c.fallbacks) == (1, 0) and compiled.dtype == torch.bfloat16, vars(c)
+    assert torch.equal(compiled, eager)

@@ -27,7 +27,8 @@ policy, the decomposition) copies it once into the promised layout.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 
 import thunder.torch as ltorch
 import torch
@@ -62,8 +63,9 @@ def eager_executor(device: torch.device) -> OperatorExecutor | None:
 #: Distinct call signatures whose verdicts outside thunder are remembered.
 VERDICT_MEMO_SIZE = 4096
 #: Whether the executor claims a call, by its executor, signature (the dispatcher's memo key: every tensor's layout,
-#: the options, the target) and which operands require grad: all the rules read of a call of torch tensors besides
-#: the knobs, whose every change empties it (asking the rules costs about a millisecond, on every eager call).
+#: the options, the target), which operands require grad and every operand's device: all the rules read of a call
+#: of torch tensors besides the knobs, whose every change empties it (asking the rules costs about a millisecond, on
+#: every eager call).
 _verdicts = LRU(VERDICT_MEMO_SIZE)
 caches.register("attention()'s verdicts outside thunder", _verdicts.clear)
 for _knob in config.KNOBS:
@@ -72,16 +74,21 @@ for _knob in config.KNOBS:
 
 def claiming(call: ForwardCall) -> OperatorExecutor | None:
     """The executor that runs ``call`` outside thunder, or None where it runs the decomposition: no executor for
-    its device, a reason to decline (the rules thunder's checker reads, remembered per signature), or a dropout
-    call whose backward follows: the op's autograd keeps no dropout seed (eager runs such a call as the
-    decomposition, under torch's RNG and autograd)."""
+    its device, a runtime that cannot run here (``explain()``'s environment reason: asked first, as its target
+    needs the driver and libcudnn), a reason to decline (the rules thunder's checker reads, remembered per
+    signature), or a dropout call whose backward follows: the op's autograd keeps no dropout seed (eager runs such
+    a call as the decomposition, under torch's RNG and autograd)."""
     ex = eager_executor(call.query.device)
     if ex is None or (call.dropout_p and call.need_stats):
         return None
-    grads = tuple(
-        t is not None and t.requires_grad for t in (call.query, call.key, call.value, call.attn_mask, call.sinks)
-    )
-    key = (ex.name, memo_key(call, ex.runtime.target(call.query.device)), grads)
+    if ex.runtime.environment_problem() is not None:  # no libcudnn, driver or GPU: it has no target to key on
+        return None
+    operands = (call.query, call.key, call.value, call.attn_mask, call.sinks)
+    grads = tuple(t is not None and t.requires_grad for t in operands)
+    # every operand's device, not only the query's (the target's): the rules decline operands on different
+    # devices, and a verdict reused for them would bind another device's pointer (or a host one) into cuDNN
+    devices = tuple(None if t is None else t.device for t in operands)
+    key = (ex.name, memo_key(call, ex.runtime.target(call.query.device)), grads, devices)
     claimed = _verdicts.get(key)
     if claimed is None:
         claimed = not reasons_for(ex.runtime, *call)
@@ -120,7 +127,26 @@ def _stats_shape(query: torch.Tensor, need_stats: bool) -> tuple:
     return (*query.shape[:-1], 1) if need_stats else (0,)
 
 
+def _without_autocast(kernel: Callable) -> Callable:
+    """``kernel`` run with autocast off on its first tensor's device: autocast applies at the op's boundary (to
+    what :func:`attention` is given), never inside a kernel, as in torch's own operators. A custom op's kernel is
+    reached with the caller's autocast still on (no autocast kernel is registered, so the key falls through), and
+    the decomposition, the torch fallback and the emulation inside it would compute their float32 scores and
+    softmax stats in the autocast dtype instead (stats off by about 2e-2, read by the executor's backward)."""
+
+    @functools.wraps(kernel)
+    def run(*args, **kwargs):
+        device_type = args[0].device.type
+        if not torch.is_autocast_enabled(device_type):  # the usual case: no context to enter on every call
+            return kernel(*args, **kwargs)
+        with torch.autocast(device_type, enabled=False):
+            return kernel(*args, **kwargs)
+
+    return run
+
+
 @torch.library.custom_op("cudnn_safe::attention", mutates_args=())
+@_without_autocast
 def attention_op(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None, dropout_p: float,
     is_causal: bool, scale: float | None, enable_gqa: bool, softcap: float | None, sinks: torch.Tensor | None,
@@ -151,6 +177,7 @@ def _(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, sof
 
 
 @torch.library.custom_op("cudnn_safe::attention_backward", mutates_args=())
+@_without_autocast
 def attention_backward_op(
     grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
     out: torch.Tensor, stats: torch.Tensor, is_causal: bool, scale: float | None, enable_gqa: bool,
@@ -259,16 +286,49 @@ def attention(
     ``sinks`` ((H_q,), float32 or the query dtype): each head's softmax denominator gains ``exp(sinks[h])``, and the
     gradient reaches ``sinks`` (gpt-oss). The other arguments mean what they mean for F.sdpa."""
     check_options(query, softcap, sinks)
+    device_type = query.device.type
+    if torch.is_autocast_enabled(device_type):
+        query, key, value, attn_mask = autocast_inputs(query, key, value, attn_mask, device_type)
     args = (query, key, value, attn_mask, float(dropout_p), bool(is_causal), scale, bool(enable_gqa), softcap, sinks)
     operands = (query, key, value, attn_mask, sinks)
     need_stats = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in operands)
-    if torch.compiler.is_compiling():  # decided at run time by the op's kernel (ThunderFX: by thunder's checker)
+    if torch.compiler.is_compiling() or _tracing():  # decided at run time by the op's kernel (ThunderFX: thunder's)
         return attention_op(*args, need_stats)[0]
     # a declined call: the decomposition with torch's autograd (no recomputation in the backward); no executor for
-    # the device (the default on CPU) is known before any call value is made
-    if eager_executor(query.device) is None or claiming(_call(*args, need_stats)) is None:
-        return decomposition(TORCH_OPS, *args)
+    # the device (the default on CPU) is known before any call value is made, and inside a torch.func transform
+    # (grad, vmap, jacrev) the operands are wrapper tensors with no data pointer for the executor to bind (and
+    # the op has no batching rule), so the transform runs the decomposition's torch ops
+    in_transform = torch._C._functorch.peek_interpreter_stack() is not None
+    if eager_executor(query.device) is None or in_transform or claiming(_call(*args, need_stats)) is None:
+        with torch.autocast(device_type, enabled=False):  # as inside the op's kernel: cast once, above
+            return decomposition(TORCH_OPS, *args)
     return attention_op(*args, need_stats)[0]
+
+
+def _tracing() -> bool:
+    """Whether a tracer records this call outside dynamo (``make_fx``, ``aot_function``, a ``FakeTensorMode``: a
+    fake, proxy or functionalization dispatch mode is on). It records the op, whose fake kernel answers, as under
+    ``torch.compile``; the executor would read its operands' data pointers, which such tensors do not have."""
+    modes = (torch._C._TorchDispatchModeKey.FAKE, torch._C._TorchDispatchModeKey.PROXY)
+    modes += (torch._C._TorchDispatchModeKey.FUNCTIONAL,)
+    return any(torch._C._get_dispatch_mode(mode) is not None for mode in modes)
+
+
+def autocast_inputs(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None, device_type: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Query, key, value and a float mask in autocast's dtype for ``device_type``, as autocast casts
+    ``F.scaled_dot_product_attention``'s (its lower-precision policy: every floating tensor but float64). So a
+    float32 model under ``torch.autocast`` runs the fused call, in eager and under ``torch.compile`` alike (the op
+    has no autocast kernel: compiled, it returned float32 where eager returned the autocast dtype). Sinks stay as
+    given (float32 is one of their dtypes)."""
+    dtype = torch.get_autocast_dtype(device_type)
+
+    def cast(t: torch.Tensor | None) -> torch.Tensor | None:
+        eligible = t is not None and t.is_floating_point() and t.dtype not in (dtype, torch.float64)
+        return t.to(dtype) if eligible else t
+
+    return cast(query), cast(key), cast(value), cast(attn_mask)
 
 
 def register_attention() -> None:
