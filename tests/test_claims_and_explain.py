@@ -57,6 +57,33 @@ def test_quadratic_workspace_is_declined_over_the_budget(monkeypatch):
     assert reasons_for(blackwell, q, k, v, deterministic=True) == [], "sm100's deterministic engine has no dP workspace"
 
 
+# -- explain(): the cost of planning ---------------------------------------------------------------
+def test_explain_plans_keys_without_compiling_a_binder(monkeypatch):
+    """The checkers plan a call's forward and backward keys on every claim (32 times for a 32-layer model):
+    building no pack recipe's binder for them, the generated code only a call that binds runs."""
+    from thunder_cudnn_safe import codegen
+    from thunder_cudnn_safe.routing import recipes
+
+    compiled = []
+    real = codegen.compile_function
+    monkeypatch.setattr(recipes, "compile_function", lambda *a: compiled.append(a[-1]) or real(*a))
+    q, k, v = (torch.randn(2, 4, 128, 32, dtype=torch.float16, requires_grad=True) for _ in range(3))
+    kv = torch.randn(2, 2, 128, 32, dtype=torch.float16, requires_grad=True)
+    mask = torch.randn(2, 1, 128, 128, dtype=torch.float16, requires_grad=True)
+    calls = [
+        ((q, k, v), {"is_causal": True}),
+        ((q, k, v, torch.ones(128, 128, dtype=torch.bool).tril()), {}),
+        ((q, k, v, mask), {}),  # a float mask requiring grad: the dBias backward's key
+        ((q, k, v), {"softcap": 30.0, "sinks": torch.zeros(4), "is_causal": True}),
+        ((q, kv, kv), {"enable_gqa": True, "is_causal": True}),
+    ]
+    for args, kwargs in calls:
+        call = ForwardCall(*args, need_stats=True, **kwargs)
+        assert reasons_for(EmulatedRuntime(), *call) == [], kwargs
+        assert planned_keys(call, EmulatedRuntime().target(q.device), recognize=False)[2] is not None
+    assert compiled == []
+
+
 # -- describe() -----------------------------------------------------------------------------------
 def test_describe_draws_no_random_numbers(fresh_cache):
     q, k, v = (T(2, 2, 8, 64) for _ in range(3))
