@@ -17,6 +17,8 @@ import types
 from typing import Any
 
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import thunder_cudnn_safe as tcs
 from thunder_cudnn_safe.graphs import lowering
@@ -55,6 +57,126 @@ def test_quadratic_workspace_is_declined_over_the_budget(monkeypatch):
         assert [r.rule for r in reasons] == (["DP_WORKSPACE"] if call[3].requires_grad else []), reasons
     assert [r.rule for r in reasons_for(hopper, q, k, v, deterministic=True)] == ["DP_WORKSPACE"]
     assert reasons_for(blackwell, q, k, v, deterministic=True) == [], "sm100's deterministic engine has no dP workspace"
+
+
+# -- explain(): the cost of planning ---------------------------------------------------------------
+def test_explain_plans_keys_without_compiling_a_binder(monkeypatch):
+    """The checkers plan a call's forward and backward keys on every claim (32 times for a 32-layer model):
+    building no pack recipe's binder for them, the generated code only a call that binds runs."""
+    from thunder_cudnn_safe import codegen
+    from thunder_cudnn_safe.routing import recipes
+
+    compiled = []
+    real = codegen.compile_function
+    monkeypatch.setattr(recipes, "compile_function", lambda *a: compiled.append(a[-1]) or real(*a))
+    q, k, v = (torch.randn(2, 4, 128, 32, dtype=torch.float16, requires_grad=True) for _ in range(3))
+    kv = torch.randn(2, 2, 128, 32, dtype=torch.float16, requires_grad=True)
+    mask = torch.randn(2, 1, 128, 128, dtype=torch.float16, requires_grad=True)
+    calls = [
+        ((q, k, v), {"is_causal": True}),
+        ((q, k, v, torch.ones(128, 128, dtype=torch.bool).tril()), {}),
+        ((q, k, v, mask), {}),  # a float mask requiring grad: the dBias backward's key
+        ((q, k, v), {"softcap": 30.0, "sinks": torch.zeros(4), "is_causal": True}),
+        ((q, kv, kv), {"enable_gqa": True, "is_causal": True}),
+    ]
+    for args, kwargs in calls:
+        call = ForwardCall(*args, need_stats=True, **kwargs)
+        assert reasons_for(EmulatedRuntime(), *call) == [], kwargs
+        assert planned_keys(call, EmulatedRuntime().target(q.device), recognize=False)[2] is not None
+    assert compiled == []
+
+
+def _count_planning(monkeypatch) -> list:
+    """Every call of the planner the checkers make (the work a memoized verdict saves)."""
+    from thunder_cudnn_safe.integration import executor
+
+    planned = []
+    real = executor.planned_keys
+    monkeypatch.setattr(executor, "planned_keys", lambda *a, **kw: planned.append(a[0]) or real(*a, **kw))
+    return planned
+
+
+def test_a_signature_checked_again_reuses_its_key_verdict_until_a_knob_changes(monkeypatch, fresh_cache):
+    """A 32-layer model checks one signature 32 times: its keys are planned and judged once; a mask requiring grad
+    or not is another signature (the dBias backward is planned). A knob the planner or the gate reads (here
+    ``dp_workspace_limit``, which the gate reads off the dBias backward's key) forgets every verdict, and so does
+    ``clear_cache()``."""
+    from thunder_cudnn_safe.integration import executor
+    from thunder_cudnn_safe.integration.proxies import plain_call, planning_call
+    from thunder_cudnn_safe.rules import cudnn_rules
+
+    planned = _count_planning(monkeypatch)
+    hopper = EmulatedRuntime(arch=(9, 0), backend_version=91900)
+    q, k, v = (torch.empty(2, 4, 512, 64, dtype=torch.float16) for _ in range(3))
+    mask = torch.empty(2, 4, 512, 512, dtype=torch.float16, requires_grad=True)
+    need = cudnn_rules.dp_workspace_bytes(2, 4, 512, 512)
+    with tcs.config.patch(dp_workspace_limit=need):
+        for _ in range(3):
+            assert reasons_for(hopper, q, k, v, mask, need_stats=True) == []
+        assert len(planned) == 1
+        assert reasons_for(hopper, q, k, v, mask.detach(), need_stats=True) == [] and len(planned) == 2
+
+    # the call's own rules decline it too under a lower budget: the memo is asked directly
+    call = ForwardCall(q, k, v, mask, need_stats=True)
+    planning, target = planning_call(call, plain_call(call)), hopper.target(q.device)
+    with tcs.config.patch(dp_workspace_limit=need):
+        assert executor._planned_key_reasons(planning, target) == [] and len(planned) == 3
+        assert executor._planned_key_reasons(planning, target) == [] and len(planned) == 3
+        tcs.config.set(dp_workspace_limit=need - 1)
+        assert [r.rule for r in executor._planned_key_reasons(planning, target)] == ["DP_WORKSPACE"]
+        assert len(planned) == 4
+        tcs.clear_cache()
+        assert [r.rule for r in executor._planned_key_reasons(planning, target)] == ["DP_WORKSPACE"]
+        assert len(planned) == 5
+
+
+@st.composite
+def _checked_calls(draw):
+    """fp16 calls varying every fact the planned keys read: lengths (the tail rules), heads
+    (GQA, one K/V head broadcast), layouts, mask kind and gradient, causal, deterministic, inference or training."""
+    b, h, d = draw(st.sampled_from([1, 2])), draw(st.sampled_from([2, 4])), draw(st.sampled_from([64, 128]))
+    lq, s = draw(st.sampled_from([1, 64, 128])), draw(st.sampled_from([64, 128, 192]))
+    hk = draw(st.sampled_from([1, 2, h]))
+    bshd = draw(st.booleans())
+
+    def tensor(heads, length):
+        shape = (b, length, heads, d) if bshd else (b, heads, length, d)
+        t = torch.empty(shape, dtype=torch.float16)
+        return t.transpose(1, 2) if bshd else t
+
+    q, k, v = tensor(h, lq), tensor(hk, s), tensor(hk, s)
+    mask_kind = draw(st.sampled_from([None, "bool", "float", "float grad"]))
+    mask = None
+    if mask_kind == "bool":
+        mask = torch.ones(lq, s, dtype=torch.bool)
+    elif mask_kind is not None:
+        mask = torch.zeros(b, 1, lq, s, dtype=torch.float16, requires_grad=mask_kind == "float grad")
+    causal = mask is None and draw(st.booleans())
+    return ForwardCall(
+        q, k, v, mask, 0.0, causal, enable_gqa=hk not in (1, h), deterministic=draw(st.booleans()),
+        need_stats=draw(st.booleans()),
+    )  # fmt: skip
+
+
+_TARGETS = [EmulatedRuntime(arch=a, backend_version=v).target(torch.device("cpu")) for a in ((8, 0), (9, 0), (10, 0))
+            for v in (91900, 92600)]  # fmt: skip
+
+
+@settings(max_examples=40, deadline=None)
+@given(call=_checked_calls())
+def test_a_memoized_key_verdict_is_the_verdict_planned_afresh(call):
+    """Whatever was checked before (the memo outlives each example), a signature's memoized key verdict on each
+    target is the one its keys, planned and judged afresh, give: no two signatures or targets the gate tells apart
+    share a memo entry."""
+    from thunder_cudnn_safe.integration import executor
+    from thunder_cudnn_safe.integration.proxies import plain_call, planning_call
+    from thunder_cudnn_safe.rules.support import key_reasons
+
+    planning = planning_call(call, plain_call(call))
+    for target in _TARGETS:
+        fresh = key_reasons(planned_keys(planning, target, recognize=False)[1:])
+        for _ in range(2):  # planned, then memoized
+            assert executor._planned_key_reasons(planning, target) == fresh, target
 
 
 # -- describe() -----------------------------------------------------------------------------------

@@ -29,10 +29,12 @@ from thunder_cudnn_safe.graphs.cache import CachedGraph
 from thunder_cudnn_safe.integration import gqa
 from thunder_cudnn_safe.integration.attention import attention_symbol
 from thunder_cudnn_safe.integration.proxies import plain_call, planning_call, torch_dtype
+from thunder_cudnn_safe.layouts.keys import Target
 from thunder_cudnn_safe.layouts.layout import LayoutPolicy, same_size_except_heads
+from thunder_cudnn_safe.lru import LRU
 from thunder_cudnn_safe.masks.documents import DocumentPattern
 from thunder_cudnn_safe.masks.patterns import MaskPattern
-from thunder_cudnn_safe.routing.calls import BackwardCall, ForwardCall, backward_of, torch_deterministic
+from thunder_cudnn_safe.routing.calls import BackwardCall, ForwardCall, backward_of, signature, torch_deterministic
 from thunder_cudnn_safe.routing.planner import bias_too_large, planned_keys
 from thunder_cudnn_safe.rules.support import Decline, key_reasons, not_supported_reasons
 from thunder_cudnn_safe.runtimes import cudnn_runtime, emulation  # noqa: F401 (each registers its runtime)
@@ -103,7 +105,30 @@ def reasons_for(runtime: Runtime, *args, **kwargs) -> list[Decline]:
     planning = planning_call(call, plain)
     if bias_too_large(planning):  # a pattern at run time, or no cuDNN graph at all: the torch fallback runs it
         return []
-    return key_reasons(planned_keys(planning, target, recognize=False)[1:])
+    return _planned_key_reasons(planning, target)
+
+
+#: The key gate's declines of the keys a call signature plans (:func:`_planned_key_reasons`), by that signature.
+_key_verdicts = LRU(1024)
+caches.register("the checkers' key-gate verdicts by call signature", _key_verdicts.clear)
+for _knob in config.KNOBS:  # a knob the planner or a rule reads (dynamic_shapes, dp_workspace_limit): judged again
+    config.on_change(_knob, lambda _value: _key_verdicts.clear())
+
+
+def _planned_key_reasons(planning: ForwardCall, target: Target) -> list[Decline]:
+    """What the key gate would refuse of the keys ``planning`` (meta tensors) plans on ``target``, memoized: a model
+    checks one signature once per layer at trace time, and planning and judging the keys is most of a checker
+    call. The memo key is all :func:`planned_keys` and the gate read: the target, the call's signature (every
+    tensor's shape, strides and dtype, every option; a meta tensor has no address to align) and whether the mask
+    requires grad (its dBias backward). ``config.set`` / ``config.patch`` of any knob forgets every verdict, as it
+    does the dispatchers' memos (assigning a knob's attribute directly, which :mod:`config` forbids, does not), and
+    so does ``clear_cache()``."""
+    memo = (target, signature(planning), bool(getattr(planning.attn_mask, "requires_grad", False)))
+    reasons = _key_verdicts.get(memo)
+    if reasons is None:
+        reasons = key_reasons(planned_keys(planning, target, recognize=False)[1:])
+        _key_verdicts.put(memo, reasons)
+    return list(reasons)
 
 
 def _fwd_meta(*args, **kwargs):

@@ -22,7 +22,7 @@ from thunder_cudnn_safe.masks.documents import DocumentPattern
 from thunder_cudnn_safe.masks.patterns import MaskPattern, pattern_of
 from thunder_cudnn_safe.routing import defect_routes, varlen
 from thunder_cudnn_safe.routing.calls import BackwardCall, ForwardCall, signature
-from thunder_cudnn_safe.routing.recipes import companion_backward_key, forward_recipe
+from thunder_cudnn_safe.routing.recipes import companion_backward_key, forward_key
 from thunder_cudnn_safe.rules import cudnn_rules
 
 
@@ -151,7 +151,7 @@ def bias_too_large(call: ForwardCall | BackwardCall) -> bool:
 
 def planned_keys(call: ForwardCall, target: Target, *, recognize: bool = True) -> tuple[ForwardCall, Any, Any]:
     """The call as it runs (a pattern swapped in) and the keys of its forward and of its backward for dO in
-    O's layout, planned from layouts alone (nothing bound, built, drawn or run, except the recognition of a
+    O's layout, planned from layouts alone (nothing bound, compiled, built, drawn or run, except the recognition of a
     mask not seen before: :func:`~thunder_cudnn_safe.describe`): for ``describe()``, ``aot.describe_target()`` and
     ``explain()``. ``recognize=False``: a mask runs as its bias, the route ``explain()`` judges (at trace time a
     mask's values, and so its pattern, are unknown; the call's own rules read any mask as a bias too); the
@@ -166,5 +166,5 @@ def planned_keys(call: ForwardCall, target: Target, *, recognize: bool = True) -
         if planned is not None:
             return planned
         p = p.as_bias(target, lens_device="meta")
-    fkey = forward_recipe(signature(p.call), target).key  # an inference forward has no backward:
+    fkey = forward_key(signature(p.call), target)  # an inference forward has no backward:
     return p.call, fkey, companion_backward_key(signature(p.call), fkey, mask_grad) if call.need_stats else None
