@@ -1,5 +1,5 @@
 """thunder_cudnn_safe.config: every knob has a default, an environment variable with a parser that
-warns on a typo, a setter and a scoped patch() (README's "Removed in this release" lists the older
+warns on a typo, a setter and a scoped patch() (docs/design.md's "Removed in 0.1.0" lists the older
 spellings; tests/test_public_api.py checks they are gone); clear_cache() clears every cache and says which."""
 
 from __future__ import annotations

@@ -206,7 +206,8 @@ _KNOBS = (
         False,
         *_FLAG,
         "a bitwise reproducible backward (cuDNN's deterministic algorithm: slower, needs dP workspace) "
-        "against speed; torch.use_deterministic_algorithms(True) turns it on too",
+        "against speed; torch.use_deterministic_algorithms(True) turns it on too; training with attention sinks is "
+        "declined under it (cuDNN's dSink_token is not deterministic: rule SINK_DETERMINISTIC)",
     ),
     Knob(
         "bwd_may_cat_grad_qkv",

@@ -1,6 +1,6 @@
 """The per-call loop shared by both executors: recipe -> bind -> cache -> runtime -> fallback if refused.
 
-A hit skips the loop: :meth:`Dispatcher.forward` and :meth:`Dispatcher.backward` read one :class:`Memo` by the
+A hit skips the loop: :meth:`Dispatcher.forward` and :meth:`Dispatcher.backward` read one :class:`~.replay.Memo` by the
 call's memo key (its signature: every tensor's shape, strides, dtype and base alignment, the options, the target).
 Where that signature's plan is the call as given and nothing in it depends on a tensor's values
 (:func:`~.replay.memoizable`: no mask, no dropout), the memo also holds the graph cache's slot of the graph it
@@ -29,8 +29,9 @@ import torch
 from thunder_cudnn_safe import config
 from thunder_cudnn_safe.codegen import compile_function
 from thunder_cudnn_safe.dispatch import capture, dead_rows, dropout, packed, replay
+from thunder_cudnn_safe.dispatch.replay import Memo, spare
 from thunder_cudnn_safe.errors import ExecuteError, GraphBuildError
-from thunder_cudnn_safe.graphs.cache import GraphCache, Slot, graph_cache
+from thunder_cudnn_safe.graphs.cache import GraphCache, graph_cache
 from thunder_cudnn_safe.layouts.keys import BackwardKey, Target, Uid
 from thunder_cudnn_safe.lru import LRU
 from thunder_cudnn_safe.masks import bias
@@ -45,48 +46,17 @@ from thunder_cudnn_safe.routing.calls import (
 from thunder_cudnn_safe.routing.planner import Plan, Route, plan
 from thunder_cudnn_safe.routing.recipes import (
     Bound,
-    PackRecipe,
     backward_recipe,
     finished,
     forward_recipe,
     with_grad_out_like_o,
 )
 from thunder_cudnn_safe.runtimes import fallback, handoff
-from thunder_cudnn_safe.runtimes.base import Runtime
+from thunder_cudnn_safe.runtimes.base import Runtime, try_execute
 from thunder_cudnn_safe.telemetry import warn_once
 
 #: Distinct call signatures whose pack recipes are remembered per dispatcher.
 RECIPE_MEMO_SIZE = 4096
-
-
-class Memo:
-    """What a dispatcher remembers for one call signature: its pack recipe and, for a :func:`~.replay.memoizable`
-    call, ``slot``: the graph cache's :class:`~thunder_cudnn_safe.graphs.cache.Slot` of the graph it ran;
-    for a call with a mask or dropout, ``routes``: its plan's outcome per verdict of its mask
-    (:class:`~.replay.Replay`);
-    for a dropout forward, ``dropout``: whether its backward builds (:func:`.dropout.backward_builds`)."""
-
-    __slots__ = ("recipe", "run", "gradients", "slot", "routes", "verdict_of", "seen", "dropout", "used")
-
-    def __init__(self, recipe: PackRecipe) -> None:
-        self.recipe, self.run, self.gradients = recipe, recipe.run, recipe.gradients
-        self.slot: Slot | None = None
-        #: verdict key (:func:`~.replay.verdict_key`) -> :class:`~.replay.Replay`, replaced whole (no half-made read)
-        self.routes: dict | None = None
-        #: (batch, L, S) where the plan reads the mask's pattern verdict (:func:`~.planner.reads_mask_values`), or None
-        self.verdict_of: tuple | None = None
-        #: the last mask a hit read the verdict of, and that verdict's replay (:func:`~.replay.replay`)
-        self.seen: tuple | None = None
-        self.dropout: dict | None = None
-        #: read since the memo last passed it at an eviction (set by every read: :func:`spare`)
-        self.used = False
-
-
-def spare(entry: Memo) -> bool:
-    """Whether the dispatch memo keeps ``entry`` at an eviction: it was read since the memo last passed it (a
-    hit sets ``used``; the LRU's second chance, so the hottest signatures outlive any number of new ones)."""
-    used, entry.used = entry.used, False
-    return used
 
 
 def _entry_point(call_type: type, miss: str, doc: str) -> Callable:
@@ -151,11 +121,7 @@ class Dispatcher:
 
     def try_execute(self, bound: Bound) -> GraphBuildError | ExecuteError | None:
         """Execute ``bound`` on the runtime (its graph built once); the runtime's refusal, or None if it ran."""
-        try:
-            self.runtime.execute(self.cache.get_or_build(bound.key, self.runtime.build), bound.pack)
-            return None
-        except (GraphBuildError, ExecuteError) as exc:
-            return exc
+        return try_execute(self.runtime, self.cache, bound)
 
     def refused(self, bound: Bound, exc: GraphBuildError | ExecuteError, tried: Bound | None = None) -> None:
         """``bound`` refused by the runtime (or its retry ``tried``): warned once per key tried, run on the fallback."""
@@ -170,8 +136,7 @@ class Dispatcher:
 
     def run_fallback(self, bound: Bound) -> None:
         """Execute ``bound`` on the torch fallback, counted in ``cache_info().fallbacks``."""
-        self.cache.record_fallback()
-        fallback.FALLBACK.execute(fallback.FALLBACK.build(bound.key), bound.pack)
+        fallback.run(bound, self.cache)
 
     def run(self, bound: Bound) -> None:
         """Execute ``bound`` on the runtime, or on the torch fallback if the runtime refuses it."""
@@ -223,9 +188,9 @@ class Dispatcher:
         p = plan(call, target)
         verdict = replay.verdict_read(call, target)  # before a conversion in the mask cache may evict it
         if p.recognized and bias.capture_may_follow(call.query, isinstance(call, BackwardCall) or call.need_stats):
-            capture.prebuild(self, call, target)
+            capture.prebuild(call, target, self.runtime, self.cache, self.capture_marks, self.memo)
         if p.route is Route.PACKED:
-            outputs = packed.run(self, p.call)
+            outputs = packed.run(self.runtime, self.cache, p.call)
             if outputs is not None:
                 return p, None, outputs
             p = p.as_bias(target)
@@ -235,8 +200,8 @@ class Dispatcher:
         planned.used = True
         bound = planned.run(p.call, p.call.query.device)
         if p.route is Route.OVERSIZED_BIAS:
-            fallback.run_oversized_bias(self, bound)
-        elif dropout_forward and not dropout.backward_builds(self, call, p.call, planned):
+            fallback.run_oversized_bias(bound, self.cache, self.runtime.name)
+        elif dropout_forward and not dropout.backward_builds(self.runtime, self.cache, call, p.call, planned):
             self.run_fallback(bound)
         else:
             self.run(bound)

@@ -1,4 +1,5 @@
-"""A memo hit of a call whose plan depends on more than its signature: a mask's values, dropout's pairing.
+"""The dispatch memo's entries (:class:`Memo`), and a hit of a call whose plan depends on more than its signature:
+a mask's values, dropout's pairing.
 
 A mask's route follows its values (a pattern, or its bias), so the full path keeps its plan's outcome per verdict
 of the mask (:class:`Replay`, :func:`remember`), and a hit (:func:`replay`) reads the mask's present verdict from
@@ -12,21 +13,65 @@ builds (an answer its memo keeps); a dropout backward still asks whether its for
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from thunder_cudnn_safe.dispatch import capture, dead_rows, dropout
 from thunder_cudnn_safe.errors import ExecuteError, GraphBuildError
-from thunder_cudnn_safe.graphs.cache import Slot
+from thunder_cudnn_safe.graphs.cache import GraphCache, Slot
 from thunder_cudnn_safe.layouts.keys import Target, Uid
 from thunder_cudnn_safe.masks import bias
 from thunder_cudnn_safe.masks.patterns import UNKNOWN, MaskPattern, known_pattern
 from thunder_cudnn_safe.routing.calls import BackwardCall, ForwardCall, arg_key
 from thunder_cudnn_safe.routing.planner import Plan, Route, reads_mask_values
-from thunder_cudnn_safe.routing.recipes import finished
+from thunder_cudnn_safe.routing.recipes import Bound, PackRecipe, finished
 from thunder_cudnn_safe.runtimes import handoff
 
-if TYPE_CHECKING:  # the dispatcher calls this module: its types only, no import at run time
-    from thunder_cudnn_safe.dispatch.dispatcher import Dispatcher, Memo
+
+class Memo:
+    """What a dispatcher remembers for one call signature: its pack recipe and, for a :func:`memoizable`
+    call, ``slot``: the graph cache's :class:`~thunder_cudnn_safe.graphs.cache.Slot` of the graph it ran;
+    for a call with a mask or dropout, ``routes``: its plan's outcome per verdict of its mask (:class:`Replay`);
+    for a dropout forward, ``dropout``: whether its backward builds (:func:`.dropout.backward_builds`)."""
+
+    __slots__ = ("recipe", "run", "gradients", "slot", "routes", "verdict_of", "seen", "dropout", "used")
+
+    def __init__(self, recipe: PackRecipe) -> None:
+        self.recipe, self.run, self.gradients = recipe, recipe.run, recipe.gradients
+        self.slot: Slot | None = None
+        #: verdict key (:func:`verdict_key`) -> :class:`Replay`, replaced whole (no half-made read)
+        self.routes: dict | None = None
+        #: (batch, L, S) where the plan reads the mask's pattern verdict (:func:`~.planner.reads_mask_values`), or None
+        self.verdict_of: tuple | None = None
+        #: the last mask a hit read the verdict of, and that verdict's replay (:func:`replay`)
+        self.seen: tuple | None = None
+        self.dropout: dict | None = None
+        #: read since the memo last passed it at an eviction (set by every read: :func:`spare`)
+        self.used = False
+
+
+def spare(entry: Memo) -> bool:
+    """Whether the dispatch memo keeps ``entry`` at an eviction: it was read since the memo last passed it (a
+    hit sets ``used``; the LRU's second chance, so the hottest signatures outlive any number of new ones)."""
+    used, entry.used = entry.used, False
+    return used
+
+
+class Dispatching(Protocol):
+    """The dispatcher as a hit runs its calls (:func:`replay`): its runtime and graph cache, its capture marks and
+    memo (a capture's prebuild), and its ways to run a bound call (with dropout's pairing, on the fallback, after
+    a refusal)."""
+
+    runtime: Any
+    cache: GraphCache
+    capture_marks: capture.Marks
+
+    def memo(self, call: ForwardCall | BackwardCall, target: Target, memo: tuple | None = None) -> Memo: ...
+
+    def run(self, bound: Bound) -> None: ...
+
+    def run_fallback(self, bound: Bound) -> None: ...
+
+    def refused(self, bound: Bound, exc: GraphBuildError | ExecuteError, tried: Bound | None = None) -> None: ...
 
 
 class Replay(NamedTuple):
@@ -78,7 +123,7 @@ def memoizable(p: Plan, call: ForwardCall | BackwardCall) -> bool:
     return p.route is Route.PLAIN and call.attn_mask is None and not call.dropout_p
 
 
-def remember(disp: Dispatcher, p: Plan, verdict: Any, entry: Memo, planned: Memo, key: Any, target: Target) -> None:
+def remember(disp: Dispatching, p: Plan, verdict: Any, entry: Memo, planned: Memo, key: Any, target: Target) -> None:
     """Keep what a hit of ``p.given``'s signature needs to skip planning: the slot of the graph that ran (key
     ``key``), on the memo of a :func:`memoizable` call, else as the :class:`Replay` of ``verdict`` (the mask's
     verdict the plan read). Only outcomes a replay remakes exactly: a plain, pattern or bias route whose planned
@@ -105,7 +150,7 @@ def remember(disp: Dispatcher, p: Plan, verdict: Any, entry: Memo, planned: Memo
     entry.seen = None  # it may hold the replay this one replaces (its graph evicted)
 
 
-def replay(disp: Dispatcher, entry: Memo, call: ForwardCall | BackwardCall, target: Target) -> tuple | None:
+def replay(disp: Dispatching, entry: Memo, call: ForwardCall | BackwardCall, target: Target) -> tuple | None:
     """A memo hit of a call with a mask or dropout: the outputs of the plan remembered for its mask's present
     verdict (:class:`Replay`), with what the full path does around the run (a backward's kept mask-gradient
     results, a forward's dead bias rows, dropout's pairing, a capture's prebuild); None where nothing is
@@ -123,7 +168,7 @@ def replay(disp: Dispatcher, entry: Memo, call: ForwardCall | BackwardCall, targ
     if built is None:
         return None
     if replay.recognized and bias.capture_may_follow(call.query, not forward or call.need_stats):
-        capture.prebuild(disp, call, target)
+        capture.prebuild(call, target, disp.runtime, disp.cache, disp.capture_marks, disp.memo)
     planned = call
     if replay.mask != "given" or replay.is_causal != call.is_causal:
         planned = list(call)
@@ -132,7 +177,13 @@ def replay(disp: Dispatcher, entry: Memo, call: ForwardCall | BackwardCall, targ
         planned[i_causal] = replay.is_causal
         planned = tuple.__new__(type(call), planned)
     bound = replay.memo.run(planned, call.query.device)
-    if forward and call.dropout_p and call.need_stats and not dropout.backward_builds(disp, call, planned, replay.memo):
+    builds = dropout.backward_builds  # a dropout forward runs in cuDNN only where its backward builds
+    if (
+        forward
+        and call.dropout_p
+        and call.need_stats
+        and not builds(disp.runtime, disp.cache, call, planned, replay.memo)
+    ):
         disp.run_fallback(bound)
     elif not forward and call.dropout_p:
         disp.run(bound)  # a backward of a forward that fell back falls back; a refusal retries dO in O's layout

@@ -31,6 +31,12 @@ a reason in :attr:`FuseHandwrittenAttention.declined`.
 
 Numerics: the fused call computes the same function over the reals and rounds less (scores and softmax in
 float32, never in bf16/fp16 as some models write them), which the accuracy rule against float64 judges.
+
+One deliberate difference: a query row whose every key is masked with -inf (``masked_fill(~keep, -inf)``,
+``where(keep, s, -inf)``, an additive mask of -inf) is 0/0 as written, so eager gives NaN there and NaN gradients
+to K and V. The fused call gives that row zeros and sends no gradient from it, as F.scaled_dot_product_attention
+does since torch 2.5: one fully padded row would otherwise poison the whole step. With a sink column the row is not
+empty (the sink takes all of it) and both give zeros.
 """
 
 from __future__ import annotations

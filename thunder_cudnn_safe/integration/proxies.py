@@ -1,7 +1,7 @@
 """What the rules read of a thunder call, read here, in the one layer that meets thunder: each tensor operand
 (a torch tensor or a thunder proxy) as a :class:`~thunder_cudnn_safe.rules.support.Operand` with torch's dtype,
 each number as its Python value (a ``NumberProxy`` ``dropout_p`` as a
-:class:`~thunder_cudnn_safe.rules.support.Symbolic`), and whether a mask's gradient may be needed, which only the
+:class:`~thunder_cudnn_safe.rules.facts.Symbolic`), and whether a mask's gradient may be needed, which only the
 trace shows for a mask computed inside the traced function (:mod:`.grad_need`).
 """
 
@@ -15,7 +15,8 @@ from thunder.core.proxies import NumberProxy, pyval
 
 from thunder_cudnn_safe.integration.grad_need import mask_needs_grad
 from thunder_cudnn_safe.routing.calls import ForwardCall
-from thunder_cudnn_safe.rules.support import Operand, Symbolic
+from thunder_cudnn_safe.rules.facts import Symbolic
+from thunder_cudnn_safe.rules.support import Operand
 
 
 def torch_dtype(dtype: Any) -> torch.dtype | None:
@@ -35,7 +36,7 @@ def _value(x: Any) -> Any:
 
 
 def _number(x: Any) -> Any:
-    """A number option as the rules read it: a :class:`~thunder_cudnn_safe.rules.support.Symbolic` where thunder
+    """A number option as the rules read it: a :class:`~thunder_cudnn_safe.rules.facts.Symbolic` where thunder
     passes it as a ``NumberProxy`` (its value may change between calls of one trace), else its value."""
     return Symbolic(_value(x)) if isinstance(x, NumberProxy) else _value(x)
 
