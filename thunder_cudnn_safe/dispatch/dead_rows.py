@@ -7,24 +7,32 @@ converted-mask cache), not per call.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from thunder_cudnn_safe.layouts.keys import Uid
 from thunder_cudnn_safe.masks import bias
 from thunder_cudnn_safe.routing.recipes import Bound
 
+#: ``dead`` of :func:`zero_fully_masked_rows` where no rows were kept: read them (once per mask and state).
+UNREAD = "unread"
 
-def zero_fully_masked_rows(mask: torch.Tensor, bound: Bound) -> None:
+
+def zero_fully_masked_rows(mask: torch.Tensor, bound: Bound, dead: Any = None) -> torch.Tensor | None:
     """Eager's "safe softmax" for a query row whose every key is masked with -inf: zeros, no gradient. A flash
     kernel gives NaN there (poisoning dV of the whole batch element). The dead rows of a forward run with a bias
     are set to 0 and their stats to +inf, so the backward recomputes P = 0 for them. No host synchronization per
-    call; none at all where no row is dead (:func:`fully_masked_rows`)."""
-    dead = fully_masked_rows(mask, bound.pack[Uid.BIAS])
+    call; none at all where no row is dead (:func:`fully_masked_rows`). ``dead``: the rows, where the caller kept
+    them for this mask's state (a memo hit: :mod:`.replay`), else :data:`UNREAD`; returns the rows."""
+    if dead is UNREAD:
+        dead = fully_masked_rows(mask, bound.pack[Uid.BIAS])
     if dead is None:
-        return
+        return None
     bound.outputs[0].masked_fill_(dead, 0.0)
     if Uid.STATS in bound.pack:
         bound.pack[Uid.STATS].masked_fill_(dead, float("inf"))
+    return dead
 
 
 def fully_masked_rows(mask: torch.Tensor, bias_tensor: torch.Tensor) -> torch.Tensor | None:

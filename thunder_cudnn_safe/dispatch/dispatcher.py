@@ -169,7 +169,7 @@ class Dispatcher:
     def _forward(self, call: ForwardCall, target: Target, memo: tuple, entry: Memo | None) -> tuple:
         p, bound, outputs = self._full(call, target, memo, entry)
         if bound is not None and p.call.attn_mask is not None and Uid.BIAS in bound.pack:
-            dead_rows.zero_fully_masked_rows(p.call.attn_mask, bound)
+            dead_rows.zero_fully_masked_rows(p.call.attn_mask, bound, dead_rows.UNREAD)
         return outputs
 
     def _backward(self, call: BackwardCall, target: Target, memo: tuple, entry: Memo | None) -> tuple:

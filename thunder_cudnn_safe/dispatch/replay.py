@@ -15,6 +15,8 @@ from __future__ import annotations
 import weakref
 from typing import Any, NamedTuple, Protocol
 
+import torch
+
 from thunder_cudnn_safe.dispatch import capture, dead_rows, dropout
 from thunder_cudnn_safe.errors import ExecuteError, GraphBuildError
 from thunder_cudnn_safe.graphs.cache import GraphCache, Slot
@@ -43,7 +45,7 @@ class Memo:
         #: (batch, L, S) where the plan reads the mask's pattern verdict (:func:`~.planner.reads_mask_values`), or None
         self.verdict_of: tuple | None = None
         #: the last mask a hit read the verdict of, and that verdict's replay (:func:`replay`)
-        self.seen: tuple | None = None
+        self.seen: Seen | None = None
         self.dropout: dict | None = None
         #: read since the memo last passed it at an eviction (set by every read: :func:`spare`)
         self.used = False
@@ -161,7 +163,7 @@ def replay(disp: Dispatching, entry: Memo, call: ForwardCall | BackwardCall, tar
         kept = handoff.take_gradients(call)
         if kept is not None:
             return kept
-    verdict, replay = _route(entry, mask)
+    verdict, replay, seen = _route(entry, mask)
     if replay is None:
         return None
     built = disp.cache.touch(replay.slot)
@@ -193,33 +195,48 @@ def replay(disp: Dispatching, entry: Memo, call: ForwardCall | BackwardCall, tar
         except (GraphBuildError, ExecuteError) as exc:
             disp.refused(bound, exc)
     if forward and Uid.BIAS in bound.pack:
-        dead_rows.zero_fully_masked_rows(planned.attn_mask, bound)
+        dead = dead_rows.UNREAD if seen is None else seen.dead
+        dead = dead_rows.zero_fully_masked_rows(planned.attn_mask, bound, dead)
+        if seen is not None:
+            seen.dead = dead  # the same for every call while the mask's state holds
     return finished(replay.memo.recipe, bound) if replay.memo.gradients else bound.outputs
 
 
-def _route(entry: Memo, mask: Any) -> tuple[Any, Replay | None]:
-    """The present verdict of ``mask`` (None where the plan reads none) and the :class:`Replay` kept for it.
+class Seen:
+    """The last mask a memo entry read the verdict of: its state (``_version``, data pointer, stream, whether its
+    gradient is computed), that verdict, the :class:`Replay` kept for it and, once a forward ran it as a bias, its
+    fully masked rows. Replaced whole when another mask or state comes (``entry.seen``)."""
 
-    The memo also keeps the last mask whose verdict it read, by identity, ``_version``, data pointer and stream
-    (``entry.seen``), so the layers of a step, which pass one mask, read no cache: the verdict and its replay
-    are those of that mask's state, which the converted-mask cache keys the same way. Not kept, nor read, for a
-    mask the cache keeps nothing for (inference tensors, capture, the cache off: their verdict is a bias anyway)
-    or whose gradient is computed (never a pattern)."""
+    __slots__ = ("ref", "state", "verdict", "replay", "dead")
+
+    def __init__(self, mask: torch.Tensor, verdict: Any, replay: Replay) -> None:
+        self.ref, self.state, self.verdict, self.replay = weakref.ref(mask), _state(mask), verdict, replay
+        self.dead: Any = dead_rows.UNREAD
+
+
+def _state(mask: torch.Tensor) -> tuple:
+    """What of ``mask`` a verdict (and a bias's dead rows) depends on besides its identity, as the converted-mask
+    cache keys it (its storage's version and data pointer, the stream) and whether its gradient is computed (such a
+    mask is never a pattern)."""
+    return mask._version, mask.data_ptr(), bias.stream_key(mask), mask.requires_grad
+
+
+def _route(entry: Memo, mask: Any) -> tuple[Any, Replay | None, Seen | None]:
+    """The present verdict of ``mask`` (None where the plan reads none), the :class:`Replay` kept for it, and the
+    entry's :class:`Seen` record of that mask's state, where one is kept.
+
+    The memo keeps the last mask whose verdict it read (:class:`Seen`), so the layers of a step, which pass one
+    mask, read no cache: the verdict, its replay and the bias's dead rows are those of that mask's state, which the
+    converted-mask cache keys the same way. Not kept, nor read, for a mask the cache keeps nothing for (inference
+    tensors, capture, the cache off: their verdict is a bias, and their dead rows are read every call)."""
     if entry.verdict_of is None:
-        return None, entry.routes.get(None)
+        return None, entry.routes.get(None), None
     seen = entry.seen
-    if (
-        seen is not None
-        and seen[0]() is mask
-        and seen[1] == mask._version
-        and seen[2] == mask.data_ptr()
-        and seen[3] == bias.stream_key(mask)
-        and not mask.requires_grad
-        and not bias.capturing(mask)
-    ):
-        return seen[4], seen[5]
+    if seen is not None and seen.ref() is mask and seen.state == _state(mask) and not bias.capturing(mask):
+        return seen.verdict, seen.replay, seen
     verdict = known_pattern(mask, *entry.verdict_of)
     replay = entry.routes.get(verdict_key(verdict))
-    if replay is not None and bias.converted_masks.keeps(mask) and not mask.requires_grad:
-        entry.seen = (weakref.ref(mask), mask._version, mask.data_ptr(), bias.stream_key(mask), verdict, replay)
-    return verdict, replay
+    if replay is None or not bias.converted_masks.keeps(mask):
+        return verdict, replay, None
+    entry.seen = seen = Seen(mask, verdict, replay)
+    return verdict, replay, seen
