@@ -231,3 +231,42 @@ def test_under_capture_a_remembered_pattern_is_never_replayed(plans, monkeypatch
     ran.clear()
     dispatch_step(disp, q, k, v, mask)
     assert ran and all(key.bias is None for key in ran), "after the capture the mask runs as its pattern again"
+
+
+def _gpt_oss_attention(q, k, v, mask, sinks):
+    """gpt-oss's hand-written attention: a sink column, the row max subtracted, repeated K/V heads."""
+    k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    w = torch.matmul(q, k.transpose(2, 3)) * q.shape[-1] ** -0.5 + mask
+    c = torch.cat([w, sinks.reshape(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[-2], -1).to(w.dtype)], dim=-1)
+    c = c - c.max(dim=-1, keepdim=True)[0]
+    return torch.matmul(F.softmax(c, dim=-1, dtype=c.dtype)[..., :-1].to(v.dtype), v)
+
+
+def _sdpa_bool_mask(q, k, v, mask, sinks):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize("form", ["F.sdpa with a boolean mask", "FuseHandwrittenAttention (gpt-oss)"])
+def test_a_jitted_training_step_plans_only_in_its_first_step(form, plans, fresh_cache):
+    """End to end under thunder.jit: the attention a model writes, claimed by the emulated executor, plans in its
+    first training step only; later steps (new q, k, v, the same mask and sinks) are memo hits."""
+    import thunder
+    from checks import assert_claimed_in_traces
+
+    import thunder_cudnn_safe as tcs
+
+    fused = form.startswith("Fuse")
+    fn = _gpt_oss_attention if fused else _sdpa_bool_mask
+    transforms = [tcs.FuseHandwrittenAttention()] if fused else []
+    jf = thunder.jit(fn, executors=[tcs.emulated_ex, *thunder.get_default_executors()], transforms=transforms)
+    keep = causal_mask(L, L)
+    mask = torch.zeros(1, 1, L, L).masked_fill(~keep, float("-inf")).bfloat16() if fused else keep
+    sinks = torch.randn(H, generator=torch.Generator().manual_seed(5)).requires_grad_()
+    counts = []
+    for seed in range(3):
+        q, k, v = (t.requires_grad_() for t in seeded_qkv(B, H, L, d=D, h_kv=2 if fused else None, seed=seed))
+        out = jf(q, k, v, mask, sinks)
+        torch.autograd.grad(out, (q, k, v, sinks) if fused else (q, k, v), torch.ones_like(out))
+        counts.append(len(plans))
+    assert_claimed_in_traces(jf)
+    assert counts[0] >= 2 and counts[2] == counts[0], f"plans after each step: {counts}"
