@@ -11,12 +11,21 @@
 
 from __future__ import annotations
 
+import collections
+import random
 import types
+from typing import Any
 
 import torch
 
 import thunder_cudnn_safe as tcs
 from thunder_cudnn_safe.graphs import lowering
+from thunder_cudnn_safe.integration.executor import reasons_for
+from thunder_cudnn_safe.routing.calls import ForwardCall
+from thunder_cudnn_safe.routing.planner import Route, plan, planned_keys
+from thunder_cudnn_safe.rules import key_gate
+from thunder_cudnn_safe.runtimes.emulation import EmulatedRuntime
+from thunder_cudnn_safe.testing import document_mask, seeded_qkv
 
 
 def T(*shape, dtype=torch.float16):
@@ -70,6 +79,20 @@ def test_describe_finds_the_dbias_backward_of_a_mask_that_requires_grad(fresh_ca
     assert report.backward is not None and report.backward.key.d_bias is not None
 
 
+def test_describe_finds_the_deterministic_backward_torch_mode_runs(fresh_cache, request):
+    """Under torch.use_deterministic_algorithms(True) the backward runs deterministic (its key says so);
+    describe() plans that key, as the checker judges the call, and finds the graph that ran."""
+    mode = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    request.addfinalizer(lambda: torch.use_deterministic_algorithms(mode[0], warn_only=mode[1]))
+    q, k, v = (T(2, 2, 8, 64) for _ in range(3))
+    disp = tcs.emulated_ex.dispatcher
+    torch.use_deterministic_algorithms(True)
+    out, stats = disp.forward(q, k, v)
+    disp.backward(torch.randn_like(out), q, k, v, None, 0.0, False, out, stats, None, None)
+    report = tcs.describe(q, k, v, executor="cudnn_safe_emulated")
+    assert report.backward is not None and report.backward.key.deterministic
+
+
 # -- which implementation ran ---------------------------------------------------------------------
 def test_a_python_engine_is_reported_by_name():
     frost = types.SimpleNamespace(selected_engine=types.SimpleNamespace(name="sdpa_fwd_prefill_sm100"))
@@ -98,3 +121,111 @@ def test_one_executor_per_registered_runtime():
         assert str(exc).startswith("explain(): executor must be one of ['cudnn_safe', 'cudnn_safe_emulated']")
     else:
         raise AssertionError("an unknown executor name was accepted")
+
+
+# -- explain() and the key gate: a call explain() lets through is never refused ---------------------------------
+#: The targets the emulation poses as: each architecture the rules tell apart, at the CI's two cuDNN versions.
+GATE_TARGETS = [(arch, backend) for arch in ((8, 0), (9, 0), (10, 0)) for backend in (91900, 92700)]
+#: How a drawn call masks: nothing, ``is_causal``, or a mask tensor that runs as a bias (random, additive, learned:
+#: its gradient computed) or is recognized at run time (a band, padding, bottom-right, documents, every key kept).
+GATE_MASKS = (
+    "none", "is_causal", "random", "additive", "learned", "causal", "window", "bottom_right", "padding",
+    "bottom_right_padding", "documents", "all_kept",
+)  # fmt: skip
+
+
+def _gate_mask(kind: str, rng: random.Random, b: int, lq: int, s: int) -> torch.Tensor | None:
+    i, j = torch.arange(lq)[:, None], torch.arange(s)[None, :]
+    lens = torch.tensor([rng.randint(1, s) for _ in range(b)]).view(b, 1, 1, 1)
+    gen = torch.Generator().manual_seed(rng.randrange(2**16))
+    masks = {
+        "random": lambda: torch.rand(lq, s, generator=gen) > 0.3,
+        "additive": lambda: torch.randn(b, 1, lq, s, generator=gen).to(rng.choice([torch.float32, torch.bfloat16])),
+        "learned": lambda: torch.randn(lq, s, generator=gen).bfloat16().requires_grad_(),
+        "causal": lambda: j <= i,
+        "window": lambda: (j <= i) & (i - j < rng.choice([4, 8])),
+        "bottom_right": lambda: j <= i + s - lq,
+        "padding": lambda: (j < lens).expand(b, 1, lq, s),
+        "bottom_right_padding": lambda: (j <= i + lens - lq) & (j < lens),
+        "all_kept": lambda: torch.ones(lq, s, dtype=torch.bool),
+    }
+    return masks[kind]() if kind in masks else None
+
+
+def _gate_call(rng: random.Random) -> tuple[Any, ForwardCall, str]:
+    """A random call over every option the rules and the planner read, drawn towards the edges (one query, one key,
+    key lengths with a 64-key tail, 33-token tails), with the emulated runtime of a random target."""
+    arch, backend = rng.choice(GATE_TARGETS)
+    b, h, d = rng.choice([1, 2]), rng.choice([2, 4]), rng.choice([16, 32])
+    lq, s = rng.choice([1, 1, 2, 16, 33, 64]), rng.choice([1, 24, 33, 64, 128, 192])
+    kind = rng.choice(GATE_MASKS)
+    if kind == "documents":
+        lq = s = rng.choice([16, 33, 64])
+    heads = rng.choice(["same", "same", "grouped", "broadcast"])
+    q, k, v = seeded_qkv(
+        b, h, lq, s, d=d, h_kv=h if heads == "same" else rng.choice([1, 2]), seed=rng.randrange(2**16),
+        dtype=rng.choice([torch.bfloat16, torch.bfloat16, torch.float16]), bshd=rng.random() < 0.5,
+    )  # fmt: skip
+    if heads == "broadcast":  # one K/V head expanded (stride 0), no enable_gqa
+        k, v = (t[:, :1].expand(b, h, s, d) for t in (k, v))
+    if kind == "documents":
+        cut = rng.randint(1, lq - 1)
+        mask = document_mask([[cut, lq - cut]] * b, lq, causal=rng.random() < 0.5, window=rng.choice([None, 8]))
+    else:
+        mask = _gate_mask(kind, rng, b, lq, s)
+    call = ForwardCall(
+        q, k, v, mask, rng.choice([0.0, 0.0, 0.125, 0.1]), kind == "is_causal",
+        deterministic=rng.random() < 0.3, enable_gqa=heads == "grouped", need_stats=rng.random() < 0.7,
+        softcap=rng.choice([None, 30.0]), sinks=torch.randn(h) if rng.random() < 0.3 else None,
+    )  # fmt: skip
+    return EmulatedRuntime(arch=arch, backend_version=backend), call, kind
+
+
+def _gate_refusals(call: ForwardCall, target: Any) -> tuple[Route, list[str]]:
+    """The route ``call`` takes on ``target`` (its mask's pattern recognized, as the dispatcher does) and the rules
+    the key gate refuses its forward's and backward's keys for. A packed call's refused key is its route's decline
+    path, not a fallback (it runs as a bias): then the bias's keys must pass."""
+    route = plan(call, target).route
+    keys = planned_keys(call, target)[1:]
+    if route is Route.PACKED and any(k is not None and key_gate.violations(k) for k in keys):
+        keys = planned_keys(call, target, recognize=False)[1:]
+    return route, [rule.name for k in keys if k is not None for rule, _ in key_gate.violations(k)]
+
+
+def test_a_causal_decode_step_with_one_kv_head_broadcast_is_declined_from_its_planned_key():
+    """K/V with one head expanded to the query's (stride 0) are declared with one head, so the forward's key is a
+    causal decode with grouped heads (CAUSAL_DECODE_GQA), which the call's own shapes (equal heads) do not show:
+    explain() reads it off the planned key, inference and training alike (it was claimed and refused at run time)."""
+    q, k, v = seeded_qkv(2, 2, 1, 33, d=32, h_kv=1)
+    k, v = (t.expand(2, 2, 33, 32) for t in (k, v))
+    runtime = EmulatedRuntime(arch=(8, 0), backend_version=91900)
+    for need_stats in (False, True):
+        reasons = reasons_for(runtime, q, k, v, None, 0.0, True, need_stats=need_stats)
+        assert [r.rule for r in reasons] == ["CAUSAL_DECODE_GQA"], reasons
+        assert reasons[0].startswith("the forward graph it plans: ")
+    assert reasons_for(runtime, q, k, v, None, 0.0, False) == []  # not causal: claimed
+    assert reasons_for(runtime, q, k.contiguous(), v.contiguous(), None, 0.0, True) == []  # two heads declared
+
+
+def test_a_call_explain_lets_through_is_never_refused_by_the_key_gate():
+    """A seeded sweep of random calls over every option (masks of each kind, causal and bottom-right, window, sinks,
+    softcap, GQA and one broadcast head, dropout, deterministic, training or not, one query or key, tails) and
+    target (sm80, sm90, sm100 at cuDNN 9.19 and 9.27), planned only (nothing built or run): every call explain()
+    claims passes the key gate on the route it takes (plain, pattern, bias, packed, workaround), so none is sent to
+    the torch fallback. Before explain() read the planned keys, a softcapped decode step in training at sm90 and a
+    causal decode step with one K/V head broadcast (declared as one head: CAUSAL_DECODE_GQA) were claimed and
+    refused."""
+    rng, routes, claimed = random.Random(47), collections.Counter(), 0
+    for _ in range(400):
+        runtime, call, kind = _gate_call(rng)
+        if reasons_for(runtime, *call):
+            continue
+        claimed += 1
+        target = runtime.target(torch.device("cpu"))
+        route, refused = _gate_refusals(call, target)
+        routes[route] += 1
+        shapes = [tuple(t.shape) for t in call[:3]]
+        options = {f: getattr(call, f) for f in ("dropout_p", "deterministic", "enable_gqa", "need_stats", "softcap")}
+        assert not refused, (refused, route, target.arch, target.backend_version, kind, shapes, options)
+    assert claimed >= 100, claimed
+    assert set(routes) >= {Route.PLAIN, Route.PATTERN, Route.BIAS, Route.PACKED, Route.WORKAROUND}, routes

@@ -19,6 +19,7 @@ fallback), and a call it declines is declined by a named rule. Self-check of the
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import checks
@@ -323,6 +324,24 @@ def test_sinks_in_deterministic_training_run_the_decomposition(how, fresh_cache)
     claimed = checks.jit_with_ours(fn)
     claimed(q, k, v, sinks).sum().backward()
     assert "cudnn_safe_emulated_sdpa_bwd" in checks.trace_text(claimed)[1]
+
+
+@pytest.mark.parametrize("how", ["knob", "torch.use_deterministic_algorithms"])
+def test_explain_reads_the_deterministic_switches_the_checker_reads(how, request):
+    """explain() answers as the checker does: a call with sinks asked without ``deterministic=True`` while the
+    ``deterministic`` knob or torch's deterministic mode is on is declined by SINK_DETERMINISTIC, as thunder.jit
+    declines it (its inference forward is claimed). Off again, the same call is claimed."""
+    mode = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    request.addfinalizer(lambda: torch.use_deterministic_algorithms(mode[0], warn_only=mode[1]))
+    switch = tcs.config.patch(deterministic=True) if how == "knob" else contextlib.nullcontext()
+    rule, args = cudnn_rules.SINK_DETERMINISTIC.name, (*qkv(), None)
+    with switch:
+        torch.use_deterministic_algorithms(how != "knob")
+        reasons = tcs.explain(*args, executor=tcs.emulated_ex, sinks=torch.zeros(4))
+        assert [r.rule for r in reasons] == [rule] and "a deterministic backward with attention sinks" in reasons[0]
+        assert tcs.explain(*args, executor=tcs.emulated_ex, sinks=torch.zeros(4), need_stats=False) == []
+    torch.use_deterministic_algorithms(False)
+    assert tcs.explain(*args, executor=tcs.emulated_ex, sinks=torch.zeros(4)) == []
 
 
 def test_a_deterministic_backward_key_with_sinks_is_refused_and_runs_the_fallback(fresh_cache):

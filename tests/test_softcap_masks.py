@@ -23,7 +23,7 @@ from thunder_cudnn_safe.graphs.cache import GraphCache
 from thunder_cudnn_safe.layouts.keys import BackwardKey, ForwardKey
 from thunder_cudnn_safe.runtimes import reference
 from thunder_cudnn_safe.runtimes.emulation import EmulatedRuntime
-from thunder_cudnn_safe.testing import assert_close_to_reference, flash_backward_floor
+from thunder_cudnn_safe.testing import assert_close_to_reference, flash_backward_floor, sink_gradient_floor
 
 #: mask kind -> (L, S, keep(i, j) as the call's boolean mask; None: is_causal), the band fields its keys carry
 KINDS = {
@@ -144,10 +144,10 @@ def _run(kind: str, dtype: torch.dtype, sinks: bool, hk: int, seed: int = 0):
         [ref, *(t.grad for t in ref_leaves)],
     ):
         floor = 0.0
-        if name in ("dQ", "dK", "dSinks"):
-            other = {"dQ": k, "dK": q, "dSinks": torch.ones(1)}[name]
-            scale = 1.0 if name == "dSinks" else 1 / math.sqrt(64)
-            floor = flash_backward_floor(dtype, scale, grad, out, other, rows)
+        if name in ("dQ", "dK"):
+            floor = flash_backward_floor(dtype, 1 / math.sqrt(64), grad, out, {"dQ": k, "dK": q}[name], rows)
+        elif name == "dSinks":
+            floor = sink_gradient_floor(dtype, grad, out)
         assert_close_to_reference(a, e, ref_t, f"{name} of {kind}", floor=floor)
 
 

@@ -26,6 +26,7 @@ from thunder_cudnn_safe._env import env_value, knob_env, parse_arch
 
 DYNAMIC_SHAPE_MODES = ("off", "inference", "forward")
 LAYOUTS = ("preserve", "contiguous")
+EAGER_RUNTIMES = ("auto", "emulated", "decomposition")
 
 
 class Knob(NamedTuple):
@@ -222,6 +223,13 @@ _KNOBS = (
         *_FLAG,
         "FuseHandwrittenAttention, where a user passed it, replaces hand-written attention with one fused call "
         "(no score tensor kept); 0 leaves every trace as the model wrote it",
+    ),
+    Knob(
+        "eager_runtime",
+        "auto",
+        *_choice(EAGER_RUNTIMES),
+        "what attention() runs outside thunder (eager, torch.compile): 'auto' the cuDNN executor for CUDA tensors "
+        "and the decomposition elsewhere, 'emulated' the CPU emulated executor (tests), 'decomposition' torch ops",
     ),
 )
 

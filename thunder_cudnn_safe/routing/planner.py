@@ -160,14 +160,18 @@ def bias_too_large(call: ForwardCall | BackwardCall) -> bool:
     return isinstance(call.attn_mask, torch.Tensor) and scores >= INT32_ELEMENT_LIMIT
 
 
-def planned_keys(call: ForwardCall, target: Target) -> tuple[ForwardCall, Any, Any]:
+def planned_keys(call: ForwardCall, target: Target, *, recognize: bool = True) -> tuple[ForwardCall, Any, Any]:
     """The call as it runs (a pattern swapped in) and the keys of its forward and of its backward for dO in
     O's layout, planned from layouts alone (nothing bound, built, drawn or run, except the recognition of a
-    mask not seen before: :func:`~thunder_cudnn_safe.describe`): for ``describe()`` and ``aot.describe_target()``."""
+    mask not seen before: :func:`~thunder_cudnn_safe.describe`): for ``describe()``, ``aot.describe_target()`` and
+    ``explain()``. ``recognize=False``: a mask runs as its bias, the route ``explain()`` judges (at trace time a
+    mask's values, and so its pattern, are unknown; the call's own rules read any mask as a bias too); the
+    tensors may then be meta tensors."""
     mask = call.attn_mask
     mask_grad = mask is not None and mask.dtype is not torch.bool and bool(mask.requires_grad)
     call = call._replace(layout=LayoutPolicy.parse(call.layout).value, dropout_p=float(call.dropout_p))
-    p = plan(call, target, recognize=not mask_grad, lens_device="meta")  # lengths' values: no kernel fills them
+    # lengths' values: no kernel fills them
+    p = plan(call, target, recognize=recognize and not mask_grad, lens_device="meta")
     if p.route is Route.PACKED:
         planned = varlen.planned_keys(p.call, target)
         if planned is not None:

@@ -221,8 +221,9 @@ def _int32_sizes(rule: Rule, f: Facts) -> list[str]:
 
 
 def _decode_backward_nan(rule: Rule, f: Facts) -> str | None:
-    """A call with a mask tensor (one without is routed to the padding mask, routing/defect_routes); a key without
-    the padding mask."""
+    """A call with a mask tensor (one without is routed to the padding mask, routing/defect_routes, except beside
+    softcap's score modifier, which allows no padding mask: its backward key breaks the rule, and ``explain()`` reads
+    it there, support.key_reasons); a key without the padding mask."""
     if f.ragged or f.q_len != 1 or not (f.mask or f.padded is False):
         return None
     return rule.defect(
@@ -608,7 +609,7 @@ SINK_DETERMINISTIC = Rule(
     "use_dp_workspace / use_sm90_ordered_dq_deterministic)",
     passes=("backward",),
     trigger=lambda rule, f: _if(
-        bool(f.deterministic) and bool(f.sinks), rule.stated(f, "cudnn_safe_deterministic with attention sinks: ")
+        bool(f.deterministic) and bool(f.sinks), rule.stated(f, "a deterministic backward with attention sinks: ")
     ),
     example=dict(arch=(9, 0), backend=92600, sinks=True, deterministic=True),
 )

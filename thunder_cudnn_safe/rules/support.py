@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
 
 import torch
 
-from thunder_cudnn_safe.layouts.keys import Target
-from thunder_cudnn_safe.rules import cudnn_rules
+from thunder_cudnn_safe.layouts.keys import BackwardKey, Target
+from thunder_cudnn_safe.rules import cudnn_rules, key_gate
 from thunder_cudnn_safe.rules.facts import Facts, Symbolic, call_shapes, is_number, of_call, value_of
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
@@ -121,6 +121,21 @@ def rule_reasons(view: Facts) -> list[Decline]:
     found = [(rule, code, text) for rule in cudnn_rules.RULES for code, text in rule.broken_by(view)]
     fired = {rule.name for rule, _, _ in found}
     return [Decline(DeclineCode[code], text, rule) for rule, code, text in found if not fired & set(rule.yields_to)]
+
+
+def key_reasons(keys: Iterable[Any]) -> list[Decline]:
+    """What the key gate (:mod:`~thunder_cudnn_safe.rules.key_gate`) would refuse of the graph keys a call plans
+    (its forward's, and its backward's where one follows), as declines: the same rules read off the same facts the
+    gate reads before a build, so a call ``explain()`` lets through is not refused there and sent to the torch
+    fallback. A call's own facts cannot show everything its keys do (which route the planner takes: a decode step's
+    padding-mask workaround is not taken beside softcap's score modifier, so its backward keeps a single query
+    without the padding mask)."""
+    found: dict[str, Decline] = {}
+    for key in keys:
+        graph = "backward" if isinstance(key, BackwardKey) else "forward"
+        for rule, code, text in key_gate.findings(key):
+            found.setdefault(rule.name, Decline(DeclineCode[code], f"the {graph} graph it plans: {text}", rule))
+    return list(found.values())
 
 
 def _device_reasons(tensors: list[tuple[str, Any]], device_type: str) -> Iterator[Decline]:

@@ -1,0 +1,438 @@
+"""``thunder_cudnn_safe.attention()`` outside thunder: eager PyTorch and ``torch.compile`` (inductor) run the executor.
+
+The custom op ``cudnn_safe::attention``'s kernels are the executor's (``config.eager_runtime="emulated"`` puts the
+CPU emulated executor where a GPU would run cuDNN): each claimed call is asserted to have run there (graphs built,
+then hit, nothing on the torch fallback, counted by ``cache_info()``), its output and every gradient judged by the
+accuracy rule against float64 eager; a declined call is asserted to have run the decomposition (no graph looked
+up). The fake kernels promise the real kernels' strides and dtypes, which ``torch.compile(fullgraph=True)`` needs;
+the compile cases themselves are few and in the ``slow`` tier (inductor compiles C++ on the CPU).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+import pytest
+import torch
+from checks import inject_failures
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import thunder_cudnn_safe as tcs
+from thunder_cudnn_safe import config
+from thunder_cudnn_safe.integration.attention import TORCH_OPS, decomposition
+from thunder_cudnn_safe.testing import (
+    GRAD_OUT_LAYOUTS,
+    QKV_LAYOUTS,
+    assert_close_to_reference,
+    flash_backward_floor,
+    padding_mask,
+)
+
+B, H, L, S, D = 2, 4, 16, 24, 64
+
+
+def _f64(t):
+    return None if t is None else t.detach().double().requires_grad_(t.requires_grad)
+
+
+def _low(t):
+    return None if t is None else t.detach().clone().requires_grad_(t.requires_grad)
+
+
+def _run(fn, inputs, grad_out):
+    """fn's output and the gradients of the inputs that require grad (None for the others)."""
+    out = fn(*inputs)
+    wanted = [t for t in inputs if t is not None and t.requires_grad]
+    grads = iter(torch.autograd.grad(out, wanted, grad_out.to(out.dtype)))
+    return out, [next(grads) if t is not None and t.requires_grad else None for t in inputs]
+
+
+def _judge(fn, inputs, grad_out, names, scale=D**-0.5, floors=None):
+    """``fn(*inputs)`` run as it comes (config as the caller set it), eager in the inputs' precision and float64
+    eager (the decomposition), judged by the accuracy rule: the output and every gradient. ``floors``: gradient
+    index -> (the other operand, scale) of its :func:`flash_backward_floor` (dQ reads K, dK reads Q, dSinks reads
+    O's rounding alone); default: dQ and dK of (q, k, v, ...) inputs."""
+    out, grads = _run(fn, inputs, grad_out)
+    with config.patch(eager_runtime="decomposition"):
+        low_out, low_grads = _run(fn, [_low(t) for t in inputs], grad_out)
+        ref_out, ref_grads = _run(fn, [_f64(t) for t in inputs], grad_out.double())
+    assert_close_to_reference(out, low_out, ref_out, "O")
+    floors = {0: (inputs[1], scale), 1: (inputs[0], scale)} if floors is None else floors
+    for i, (name, g, e, r) in enumerate(zip(names, grads, low_grads, ref_grads)):
+        if g is None:
+            continue
+        other, s = floors.get(i, (None, None))
+        floor = 0.0 if other is None else flash_backward_floor(out.dtype, s, grad_out, ref_out, other.detach(), B * L)
+        assert_close_to_reference(g, e, r, name, floor=floor)
+    return out
+
+
+class _Counted:
+    """cache_info() deltas over a block: graphs built, looked up (hits + misses), fallbacks."""
+
+    def __enter__(self):
+        self.before = tcs.cache_info()
+        return self
+
+    def __exit__(self, *exc):
+        after = tcs.cache_info()
+        self.builds = after.builds - self.before.builds
+        self.hits = after.hits - self.before.hits
+        self.lookups = self.hits + after.misses - self.before.misses + after.negative_hits - self.before.negative_hits
+        self.fallbacks = after.fallbacks - self.before.fallbacks
+
+
+@pytest.fixture
+def emulated(fresh_cache):
+    with config.patch(eager_runtime="emulated"):
+        yield
+
+
+# -- eager: the executor's path, forward and backward ----------------------------------------------------------
+#: Each layout of the zoo once, with each grad_out layout in turn (contiguous, transposed, zero-stride as
+#: ``out.sum().backward()`` gives it, expanded over the batch).
+ZOO = list(zip(sorted(QKV_LAYOUTS), itertools.cycle(sorted(GRAD_OUT_LAYOUTS))))
+
+
+@pytest.mark.parametrize("layout, grad_layout", ZOO)
+def test_eager_calls_run_the_executor_in_any_layout(layout, grad_layout, emulated):
+    """The layout zoo and every grad_out layout: the forward and backward graphs are built once, a second call hits
+    both, nothing falls back, and O, dQ, dK, dV pass the accuracy rule."""
+    q, k, v = QKV_LAYOUTS[layout](B, H, L, L, D, D, torch.bfloat16)
+    grad_out = GRAD_OUT_LAYOUTS[grad_layout]((*q.shape[:2], L, D), torch.bfloat16)
+    fn = lambda q, k, v: tcs.attention(q, k, v, is_causal=True)  # noqa: E731
+    with _Counted() as first:
+        _judge(fn, [q, k, v], grad_out, ("dq", "dk", "dv"))
+    assert first.builds == 2 and first.fallbacks == 0, vars(first)
+    with _Counted() as second:
+        _run(fn, [q, k, v], grad_out)
+    assert (second.builds, second.hits, second.fallbacks) == (0, 2, 0), vars(second)
+
+
+def _case_inputs(case):
+    q, k, v = QKV_LAYOUTS["bshd_transposed"](B, H, L, S, D, D, torch.bfloat16)
+    sinks = mask = None
+    kwargs = {}
+    if case == "gqa":
+        k, v = (t.detach()[:, :2].clone().requires_grad_() for t in (k, v))
+        kwargs = {"enable_gqa": True}
+    if case in ("sinks_softcap", "sinks_bool_mask"):
+        sinks = torch.randn(H, requires_grad=True)
+        kwargs = {"softcap": 20.0} if case == "sinks_softcap" else {}
+    if case == "sinks_bool_mask":
+        mask = padding_mask([S - 5, S], L, S)
+    if case == "float_mask_with_grad":
+        mask = torch.randn(1, H, L, S, dtype=torch.bfloat16, requires_grad=True)
+    if case == "bool_mask_scale":
+        mask, kwargs = torch.rand(L, S) > 0.4, {"scale": 0.3}
+    if case == "causal_mqa_softcap":
+        k, v = (t.detach()[:, :1].clone().requires_grad_() for t in (k, v))
+        kwargs = {"enable_gqa": True, "is_causal": True, "softcap": 30.0}
+    return [q, k, v, mask, sinks], kwargs
+
+
+CASES = (
+    "gqa",
+    "sinks_softcap",
+    "sinks_bool_mask",
+    "float_mask_with_grad",
+    "bool_mask_scale",
+    "causal_mqa_softcap",
+)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_eager_options_run_the_executor(case, emulated):
+    """Sinks, softcap, GQA, boolean and float masks (the float mask's gradient from the executor's dBias), an
+    explicit scale: claimed (graphs built, no fallback) and within the accuracy rule, every gradient included."""
+    inputs, kwargs = _case_inputs(case)
+    assert tcs.explain(*inputs[:4], executor=tcs.emulated_ex, sinks=inputs[4], **kwargs) == []
+    fn = lambda q, k, v, m, sn: tcs.attention(q, k, v, m, sinks=sn, **kwargs)  # noqa: E731
+    grad_out = torch.randn(B, H, L, D, dtype=torch.bfloat16)
+    with _Counted() as c:
+        scale = kwargs.get("scale", D**-0.5)
+        floors = {0: (inputs[1], scale), 1: (inputs[0], scale), 4: (torch.ones(1), 1.0)}
+        _judge(fn, inputs, grad_out, ("dq", "dk", "dv", "dmask", "dsinks"), floors=floors)
+    assert c.builds >= 2 and c.fallbacks == 0, vars(c)
+
+
+def test_a_row_masked_everywhere_gives_zeros_and_finite_gradients(emulated):
+    """F.sdpa's safe softmax through the executor: a query row whose keys are all masked is 0, its gradients finite."""
+    q, k, v = QKV_LAYOUTS["contiguous"](1, 2, 8, 8, D, D, torch.bfloat16)
+    keep = torch.ones(8, 8, dtype=torch.bool)
+    keep[3] = False
+    with _Counted() as c:
+        out = tcs.attention(q, k, v, keep)
+        out.float().sum().backward()
+    assert c.builds == 2 and c.fallbacks == 0
+    assert out[:, :, 3].abs().max() == 0 and all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+def test_inference_builds_a_forward_without_stats(emulated):
+    """No backward follows (no_grad, or no input requiring grad): the forward's graph writes no stats."""
+    q, k, v = (torch.randn(B, H, L, D, dtype=torch.bfloat16) for _ in range(3))
+    with _Counted() as c, torch.no_grad():
+        out = tcs.attention(q, k, v)
+    assert c.builds == 1 and [g.key.stats for g in tcs.cached_graphs()] == [None]
+    torch.testing.assert_close(out, tcs.attention(q.double(), k.double(), v.double()).bfloat16(), atol=2e-2, rtol=0)
+
+
+# -- declined calls, other runtimes, the fallback --------------------------------------------------------------
+@pytest.mark.parametrize(
+    "why",
+    ["float32", "dropout", "rank3", "runtime_decomposition", "runtime_auto_on_cpu"],
+)
+def test_declined_calls_run_the_decomposition(why, fresh_cache):
+    """A call the executor declines (float32, three dims), a dropout call that needs a backward, and every call
+    under ``eager_runtime="decomposition"`` or ``"auto"`` on CPU run the decomposition with torch's autograd: no
+    graph looked up, and eager's own numbers."""
+    dtype = torch.float32 if why == "float32" else torch.bfloat16
+    shape = (H, L, D) if why == "rank3" else (B, H, L, D)
+    q, k, v = (torch.randn(*shape, dtype=dtype, requires_grad=True) for _ in range(3))
+    p = 0.25 if why == "dropout" else 0.0
+    mode = {"runtime_decomposition": "decomposition", "runtime_auto_on_cpu": "auto"}.get(why, "emulated")
+    with config.patch(eager_runtime=mode), _Counted() as c:
+        torch.manual_seed(0)
+        out = tcs.attention(q, k, v, dropout_p=p, is_causal=True)
+        out.sum().backward()
+    assert (c.lookups, c.builds, c.fallbacks) == (0, 0, 0), vars(c)
+    assert "cudnn_safe" not in type(out.grad_fn).__name__.lower()  # torch's own autograd nodes, not the op's
+    torch.manual_seed(0)
+    torch.testing.assert_close(out, decomposition(TORCH_OPS, q, k, v, None, p, True))
+
+
+def test_a_verdict_is_remembered_per_signature_and_a_knob_change_judges_again(emulated):
+    """Verdicts are remembered per call signature (asking the rules costs about a millisecond); a knob change
+    empties them: sinks claimed on cuDNN 9.19 are declined on 9.12 (SINK_TOKEN) and run the decomposition."""
+    q, k, v = (torch.randn(B, H, L, D, dtype=torch.bfloat16) for _ in range(3))
+    sinks = torch.randn(H)
+    with _Counted() as claimed:
+        tcs.attention(q, k, v, sinks=sinks)
+        tcs.attention(q, k, v, sinks=sinks)
+    assert (claimed.builds, claimed.hits) == (1, 1)
+    with config.patch(emulated_backend=91200), _Counted() as declined:
+        out = tcs.attention(q, k, v, sinks=sinks)
+    assert declined.lookups == 0
+    torch.testing.assert_close(out, decomposition(TORCH_OPS, q, k, v, sinks=sinks))
+
+
+def test_a_refused_graph_runs_on_the_fallback_warned_and_counted(emulated, caplog):
+    """A graph the runtime refuses: the call runs on the torch fallback, warned once and counted, as under thunder."""
+    q, k, v = QKV_LAYOUTS["contiguous"](B, H, L, L, D, D, torch.bfloat16)
+    grad_out = torch.randn(B, H, L, D, dtype=torch.bfloat16)
+    fn = lambda q, k, v: tcs.attention(q, k, v, is_causal=True)  # noqa: E731
+    with inject_failures(build=lambda key: "injected"), _Counted() as c, caplog.at_level(logging.WARNING):
+        _judge(fn, [q, k, v], grad_out, ("dq", "dk", "dv"))
+    assert c.fallbacks == 2 and c.builds == 0, vars(c)
+    assert "ran on the torch fallback" in caplog.text
+
+
+def test_the_fused_grad_qkv_knob_leaves_the_op_three_gradients(emulated):
+    """``bwd_may_cat_grad_qkv`` makes thunder's backward return one fused dQKV; the op returns dq, dk, dv apart, so
+    its calls never ask for the fused form."""
+    q, k, v = QKV_LAYOUTS["packed_qkv"](B, H, L, L, D, D, torch.bfloat16)
+    with config.patch(bwd_may_cat_grad_qkv=True), _Counted() as c:
+        _judge(lambda q, k, v: tcs.attention(q, k, v), [q, k, v], torch.randn(B, H, L, D), ("dq", "dk", "dv"))
+    assert c.builds == 2 and c.fallbacks == 0
+
+
+def test_the_backward_judges_the_mask_gradient_it_is_asked_for(emulated):
+    """Inside a compiled backward no tensor requires grad: the backward op is told that the float mask's gradient
+    is needed, and judges the call as one that needs it. A float32 mask with bf16 queries (cuDNN computes dBias in
+    the query dtype) is declined there and runs the decomposition's vjp, though its forward was claimed."""
+    q, k, v = (torch.randn(B, H, L, D, dtype=torch.bfloat16) for _ in range(3))
+    mask, grad = torch.randn(1, 1, L, L), torch.randn(B, H, L, D, dtype=torch.bfloat16)
+    with _Counted() as fwd:
+        out, stats = torch.ops.cudnn_safe.attention(q, k, v, mask, 0.0, False, None, False, None, None, True)
+    assert fwd.builds == 1
+    with _Counted() as bwd:
+        *_, dmask, _ = torch.ops.cudnn_safe.attention_backward(
+            grad, q, k, v, mask, out, stats, False, None, False, None, None, True
+        )
+    assert bwd.lookups == 0 and dmask.dtype == torch.float32
+    leaves = [t.double().requires_grad_() for t in (q, k, v, mask)]
+    ref = decomposition(TORCH_OPS, *leaves)
+    (ref_dmask,) = torch.autograd.grad(ref, leaves[3], grad.double())
+    torch.testing.assert_close(dmask.double(), ref_dmask, atol=1e-2, rtol=1e-2)
+
+
+# -- the custom op: its fake kernels promise what the real ones return -------------------------------------------
+def _fake_and_real(op, args):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    real = op(*args)
+    mode = FakeTensorMode()
+    with mode:
+        fake = op(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))
+    return real, fake
+
+
+@pytest.mark.parametrize("runtime", ["emulated", "decomposition"])
+@pytest.mark.parametrize("layout", sorted(QKV_LAYOUTS))
+def test_the_fake_kernels_promise_the_real_strides_and_dtypes(layout, runtime, fresh_cache):
+    """inductor asserts each output of a custom op against its fake kernel (shape, strides, dtype): for the layout
+    zoo, the executor's kernels (``emulated``) and the decomposition's, forward and backward, with sinks and a
+    float mask whose gradient is asked for."""
+    q, k, v = (t.detach() for t in QKV_LAYOUTS[layout](B, H, L, L, D, D, torch.bfloat16))
+    mask, sinks = torch.randn(1, 1, L, L, dtype=torch.bfloat16), torch.randn(q.shape[1])
+    grad = GRAD_OUT_LAYOUTS["transposed"]((*q.shape[:2], L, D), torch.bfloat16)
+    with config.patch(eager_runtime=runtime), _Counted() as c:
+        fwd_args = (q, k, v, mask, 0.0, False, None, False, None, sinks, True)
+        (out, stats), fake = _fake_and_real(torch.ops.cudnn_safe.attention.default, fwd_args)
+        bwd_args = (grad, q, k, v, mask, out, stats, False, None, False, None, sinks, True)
+        real_grads, fake_grads = _fake_and_real(torch.ops.cudnn_safe.attention_backward.default, bwd_args)
+    assert (c.builds > 0) == (runtime == "emulated") and c.fallbacks == 0
+    for r, f in zip([out, stats, *real_grads], [*fake, *fake_grads]):
+        assert (r.shape, r.stride(), r.dtype) == (f.shape, f.stride(), f.dtype)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    order=st.permutations([0, 1, 2]),
+    sizes=st.tuples(st.sampled_from([1, 2]), st.sampled_from([1, 3]), st.sampled_from([1, 8, 9])),
+    d=st.sampled_from([8, 64]),
+)
+def test_the_output_is_laid_out_like_the_query_and_promised_so(order, sizes, d):
+    """Property: for a query stored in any order of (B, H, L) (size-1 dims included), the executor's O has the
+    strides the fake kernel promises, in the query's dimension order, so the usual ``transpose(1, 2).reshape``
+    after attention of a BSHD query is a view."""
+    b, h, lq = sizes
+    storage = torch.randn(*[sizes[i] for i in order], d, dtype=torch.bfloat16)
+    q = storage.permute(*[order.index(i) for i in range(3)], 3)  # (B, H, L, D) over that storage
+    with config.patch(eager_runtime="emulated"), torch.no_grad(), _Counted() as c:
+        (out, _), (fake, _) = _fake_and_real(
+            torch.ops.cudnn_safe.attention.default, (q, q, q, None, 0.0, False, None, False, None, None, False)
+        )
+    assert out.stride() == fake.stride() and c.lookups == 1 and c.fallbacks == 0  # the executor's O
+    assert sorted(range(3), key=lambda i: -out.stride(i)) == sorted(range(3), key=lambda i: -q.stride(i)) or 1 in sizes
+    if order == [0, 2, 1]:  # BSHD storage: O back to (B, L, H * D) is a view
+        assert out.transpose(1, 2).reshape(b, lq, h * d).data_ptr() == out.data_ptr()
+        assert out.transpose(1, 2).is_contiguous()
+
+
+def test_the_op_outside_thunder_computes_the_function_and_its_gradients(emulated):
+    """The op called directly (as dynamo records it), executor path: O and every gradient against the decomposition's
+    own vjp (the op under eager_runtime="decomposition")."""
+    q, k, v = QKV_LAYOUTS["bshd_transposed"](1, 2, 8, 8, D, D, torch.bfloat16)
+    sinks = torch.randn(2, requires_grad=True)
+    fn = lambda q, k, v, sn: torch.ops.cudnn_safe.attention(q, k, v, None, 0.0, True, None, False, 5.0, sn)[0]  # noqa: E731
+    with _Counted() as c:
+        floors = {0: (k, D**-0.5), 1: (q, D**-0.5), 3: (torch.ones(1), 1.0)}
+        grad_out = torch.randn(1, 2, 8, D, dtype=torch.bfloat16)
+        _judge(fn, [q, k, v, sinks], grad_out, ("dq", "dk", "dv", "dsinks"), floors=floors)
+    assert c.builds == 2 and c.fallbacks == 0
+
+
+# -- CUDA-graph capture: the warm-up builds, the capture builds nothing, replays are right ------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("masked", [False, True], ids=["causal", "bool_mask"])
+def test_eager_calls_follow_the_capture_rules(masked, fresh_cache, monkeypatch):
+    """An eager training step (forward and backward through the op) warmed up, captured with torch.cuda.graph and
+    replayed on new inputs: no graph is built while the stream captures (dispatch/capture.py's prebuild ran at the
+    warm-up; a mask runs as its bias there), and each replay passes the accuracy rule."""
+    import torch.nn.functional as F
+
+    runtime = tcs.cudnn_safe_ex.runtime
+    real_build, built_capturing = runtime.build, []
+
+    def build(key):
+        built_capturing.append(torch.cuda.is_current_stream_capturing())
+        return real_build(key)
+
+    monkeypatch.setattr(runtime, "build", build)
+    s = 128
+    q, k, v = (torch.randn(2, 4, s, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    grad = torch.randn(2, 4, s, 64, device="cuda", dtype=torch.bfloat16)
+    mask = torch.ones(s, s, dtype=torch.bool, device="cuda").tril() if masked else None
+
+    def step():
+        out = tcs.attention(q, k, v, mask, is_causal=not masked)
+        return (out, *torch.autograd.grad(out, (q, k, v), grad))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for replay in range(2):
+        with torch.no_grad():
+            for t in (q, k, v, grad):
+                t.copy_(torch.randn_like(t))
+        graph.replay()
+        torch.cuda.synchronize()
+        outs = []
+        for cast in (lambda t: t.detach().clone(), lambda t: t.detach().double()):
+            leaves = [cast(t).requires_grad_() for t in (q, k, v)]
+            out = F.scaled_dot_product_attention(*leaves, attn_mask=mask, is_causal=not masked)
+            outs.append((out, *torch.autograd.grad(out, leaves, grad.to(out.dtype))))
+        others = {"dq": k, "dk": q}
+        for name, got, low, ref in zip(("O", "dq", "dk", "dv"), captured, *outs):
+            other = others.get(name)
+            floor = 0.0 if other is None else flash_backward_floor(got.dtype, 64**-0.5, grad, outs[1][0], other, 2 * s)
+            assert_close_to_reference(got, low, ref, f"replay {replay} {name}", floor=floor)
+    assert built_capturing and not any(built_capturing), "a graph was built while a stream captured"
+
+
+# -- torch.compile (inductor): few cases, slow (C++ compiles on the CPU) ---------------------------------------------
+def _qkv_block(x, sinks, mask):
+    """A diffusers/HF-style block: one (B, L, 3, H, D) projection sliced into BHSD views, attention, BSHD back."""
+    q, k, v = (t.transpose(1, 2) for t in x.unbind(2))
+    o = tcs.attention(q, k, v, mask, is_causal=mask is None, sinks=sinks, softcap=None if mask is None else 25.0)
+    return o.transpose(1, 2).reshape(*x.shape[:2], -1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("with_mask", [False, True], ids=["causal_sinks", "float_mask_softcap_sinks"])
+def test_torch_compile_fullgraph_runs_the_executor(with_mask, emulated):
+    """``torch.compile(fullgraph=True)`` with inductor, forward and backward: claimed (built once, the second step
+    hits both graphs), within the accuracy rule against float64 eager; the same compiled function under
+    ``eager_runtime="decomposition"`` runs the decomposition inside the op (nothing looked up) and still passes."""
+    x = torch.randn(B, L, 3, H, D, dtype=torch.bfloat16, requires_grad=True)
+    sinks = torch.randn(H, requires_grad=True)
+    mask = torch.randn(B, 1, L, L, dtype=torch.bfloat16, requires_grad=True) if with_mask else None
+    grad_out = torch.randn(B, L, H * D, dtype=torch.bfloat16)
+    compiled = torch.compile(_qkv_block, fullgraph=True, backend="inductor")
+
+    def fn(x, sinks, mask):
+        return compiled(x, sinks, mask) if config.eager_runtime != "decomposition" else _qkv_block(x, sinks, mask)
+
+    with _Counted() as first:
+        floors = {0: (x, D**-0.5), 1: (torch.ones(1), 1.0)}
+        _judge(fn, [x, sinks, mask], grad_out, ("dqkv", "dsinks", "dmask"), floors=floors)
+    assert (first.builds, first.fallbacks) == (2, 0), vars(first)
+    with _Counted() as second:
+        _run(compiled, [x, sinks, mask], grad_out)
+    assert (second.builds, second.hits, second.fallbacks) == (0, 2, 0), vars(second)
+    with config.patch(eager_runtime="decomposition"), _Counted() as declined:
+        out, grads = _run(compiled, [x, sinks, mask], grad_out)
+        low_out, low_grads = _run(_qkv_block, [_low(x), _low(sinks), _low(mask)], grad_out)
+    assert declined.lookups == 0
+    torch.testing.assert_close(out, low_out, atol=1e-2, rtol=0)
+    for g, e in zip(grads, low_grads):
+        if g is not None:
+            torch.testing.assert_close(g, e, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.slow
+def test_torch_compile_with_symbolic_lengths_runs_the_executor(emulated):
+    """``dynamic=True``: the fake kernels promise the same strides with symbolic sizes (one compiled graph serves
+    two lengths); each length builds its own forward and backward graphs, nothing falls back, O is right."""
+    fn = torch.compile(lambda q, k, v: tcs.attention(q, k, v, is_causal=True), fullgraph=True, dynamic=True)
+    graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for lq in (16, 24):
+        q, k, v = QKV_LAYOUTS["bshd_transposed"](B, H, lq, lq, D, D, torch.bfloat16)
+        with _Counted() as c:
+            out = fn(q, k, v)
+            out.float().sum().backward()
+        assert (c.builds, c.fallbacks) == (2, 0) and out.transpose(1, 2).is_contiguous()
+        ref = decomposition(TORCH_OPS, *(t.detach().double() for t in (q, k, v)), is_causal=True)
+        low = decomposition(TORCH_OPS, *(t.detach() for t in (q, k, v)), is_causal=True)
+        assert_close_to_reference(out, low, ref, f"O at length {lq}")
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before == 1
