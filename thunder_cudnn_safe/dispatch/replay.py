@@ -4,9 +4,10 @@ a mask's values, dropout's pairing.
 A mask's route follows its values (a pattern, or its bias), so the full path keeps its plan's outcome per verdict
 of the mask (:class:`Replay`, :func:`remember`), and a hit (:func:`replay`) reads the mask's present verdict from
 the converted-mask cache (:func:`~thunder_cudnn_safe.masks.patterns.known_pattern`: one lookup by the mask's
-storage and ``_version``; nothing recognized, nothing planned) and runs the outcome kept for it. A mask written in
-place or a new mask has no verdict yet: the full path recognizes and plans it, once. Under CUDA-graph capture no
-verdict is read (the mask is its bias, as on the full path). A dropout forward still asks whether its backward
+storage and ``_version``, none where the mask is the one its memo entry read last: :class:`Seen`; nothing
+recognized, nothing planned) and runs the outcome kept for it. A mask written in place or a new mask has no
+verdict yet: the full path recognizes and plans it, once. Under CUDA-graph capture no verdict is read (the mask
+is its bias, as on the full path). A dropout forward still asks whether its backward
 builds (an answer its memo keeps); a dropout backward still asks whether its forward fell back.
 """
 
@@ -27,6 +28,7 @@ from thunder_cudnn_safe.routing.calls import BackwardCall, ForwardCall, arg_key
 from thunder_cudnn_safe.routing.planner import Plan, Route, reads_mask_values
 from thunder_cudnn_safe.routing.recipes import Bound, PackRecipe, finished
 from thunder_cudnn_safe.runtimes import handoff
+from thunder_cudnn_safe.runtimes.base import Runtime
 
 
 class Memo:
@@ -44,7 +46,7 @@ class Memo:
         self.routes: dict | None = None
         #: (batch, L, S) where the plan reads the mask's pattern verdict (:func:`~.planner.reads_mask_values`), or None
         self.verdict_of: tuple | None = None
-        #: the last mask a hit read the verdict of, and that verdict's replay (:func:`replay`)
+        #: the last mask a hit read the verdict of, with that verdict, its replay and dead rows (:class:`Seen`)
         self.seen: Seen | None = None
         self.dropout: dict | None = None
         #: read since the memo last passed it at an eviction (set by every read: :func:`spare`)
@@ -63,7 +65,7 @@ class Dispatching(Protocol):
     memo (a capture's prebuild), and its ways to run a bound call (with dropout's pairing, on the fallback, after
     a refusal)."""
 
-    runtime: Any
+    runtime: Runtime
     cache: GraphCache
     capture_marks: capture.Marks
 
