@@ -170,6 +170,7 @@ def test_compile_option_defaults_come_from_config():
     assert (call.layout, call.deterministic, call.cat_grad_qkv) == ("preserve", False, False)
 
 
+@pytest.mark.environments  # a child interpreter imports torch, thunder and the package (seconds): that tier
 def test_environment_reaches_the_package_at_import():
     code = "import thunder_cudnn_safe as t; print(t.config.values())"
     env = {

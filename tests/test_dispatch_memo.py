@@ -56,7 +56,15 @@ def _kinds() -> dict:
         "as FuseHandwrittenAttention emits it": dict(mask=_float_causal(), sinks=sinks, kv=True, scale=0.3),
         "dropout": dict(is_causal=True, dropout_p=0.25),
         "mask gradient": dict(mask=torch.randn(1, H, L, L, generator=g).bfloat16(), mask_grad=True),
+        "a finite fill's dead rows (masked_rows='average')": dict(mask=_dead_row_mask(), masked_rows="average"),
     }
+
+
+def _dead_row_mask() -> torch.Tensor:
+    """A boolean causal mask whose query row 5 keeps no key (no pattern: a bias)."""
+    keep = causal_mask(L, L).clone()
+    keep[5] = False
+    return keep
 
 
 def _step(disp: Dispatcher, kind: dict) -> tuple:
@@ -91,7 +99,9 @@ def test_a_repeated_call_of_each_kind_plans_once(name, plans):
     (one backward graph run per step)."""
     kind = _kinds()[name]
     q, k, v = seeded_qkv(B, H, L, d=D, h_kv=2 if kind.get("kv") else None)
-    claim = {x: y for x, y in kind.items() if x in ("is_causal", "dropout_p", "scale", "softcap", "sinks")}
+    claim = {
+        x: y for x, y in kind.items() if x in ("is_causal", "dropout_p", "scale", "softcap", "sinks", "masked_rows")
+    }
     assert_claimed(q, k, v, kind.get("mask"), enable_gqa=bool(kind.get("kv")), **claim)
     runtime = EmulatedRuntime()
     disp = Dispatcher(runtime, GraphCache(32))

@@ -20,6 +20,7 @@ from checks import check_against_eager, on_the_runtime, score_tensors
 
 import thunder_cudnn_safe as tcs
 from thunder_cudnn_safe import config
+from thunder_cudnn_safe.testing import seeded_qkv
 
 B, H, HK, L, D = 2, 4, 2, 16, 8  # D != L: no other tensor has a score tensor's shape
 SCALE = 1 / math.sqrt(D)
@@ -84,8 +85,8 @@ def bool_masked_fill(q, k, v, mask, sinks):
 
 
 def where_finite_min(q, k, v, mask, sinks):
-    """where(keep, s, finfo.min), a division by sqrt(d) (GPT-2-likes): in a row masked everywhere the fill gives
-    a uniform row with no gradient to the scores, which no mask of the fused call does."""
+    """where(keep, s, finfo(float32).min) on bf16 scores, a division by sqrt(d) (GPT-2-likes): the fill rounds
+    to -inf in bf16, so it is a -inf mask (a row masked everywhere: zeros)."""
     keep = mask == 0
     w = q @ repeat_kv(k, H // HK).transpose(-1, -2) / math.sqrt(D)
     w = torch.where(keep, w, torch.finfo(torch.float32).min)
@@ -107,6 +108,13 @@ def no_mask_no_scale(q, k, v, mask, sinks):
     return torch.softmax(q @ k.repeat(1, H // HK, 1, 1).transpose(-2, -1), dim=-1) @ v.repeat(1, H // HK, 1, 1)
 
 
+def finite_fill(q, k, v, mask, sinks):
+    """masked_fill with -1e4 (-9984 in bf16): a finite fill, whose rows masked everywhere average V
+    (``masked_rows="average"``; tests/test_handwritten_forms.py has such rows)."""
+    w = (q @ repeat_kv(k, 2).mT * SCALE).masked_fill(mask != 0, -1e4)
+    return torch.softmax(w, -1) @ repeat_kv(v, 2)
+
+
 #: case -> (function, options of the fused region, whether the executor's rules let it train fused at 9.19)
 FUSED = {
     "sinks-column-max": (sinks_column_max, {"sinks": True, "gqa": True, "masks": 1}),
@@ -116,6 +124,8 @@ FUSED = {
     "softcap-litgpt": (softcap_litgpt, {"softcap": 50.0, "gqa": True, "masks": 1}),
     "bool-masked-fill": (bool_masked_fill, {"gqa": True, "masks": 1, "scale": SCALE}),
     "no-mask-no-scale": (no_mask_no_scale, {"gqa": False, "masks": 0, "scale": 1.0}),
+    "where-finite-min": (where_finite_min, {"gqa": True, "masks": 1, "masked_rows": "zeros"}),
+    "finite-fill": (finite_fill, {"gqa": True, "masks": 1, "masked_rows": "average"}),
 }
 
 
@@ -244,12 +254,6 @@ def softmax_over_queries(q, k, v, mask, sinks):
     return torch.softmax(w, -2) @ repeat_kv(v, 2)
 
 
-def finite_fill(q, k, v, mask, sinks):
-    """masked_fill with -1e4: fully masked rows would differ from -inf (uniform vs zeros)."""
-    w = (q @ repeat_kv(k, 2).mT * SCALE).masked_fill(mask != 0, -1e4)
-    return torch.softmax(w, -1) @ repeat_kv(v, 2)
-
-
 # forms that were rewritten into another function, crashed, or were left with no reason, before their fix
 def mask_broadcasting_the_scores(q, k, v, mask):
     """One-head q, k, v and a (B, H, L, S) additive mask: the softmax (and ``@ v``) has H heads, a fused call on
@@ -314,20 +318,15 @@ def row_max_of_other_scores(q, k, v, sinks):
 
 DECLINED = {
     "bias-and-mask": (bias_and_mask, "additive masks on"),
-    "where-finite-min": (where_finite_min, "not -inf"),
     "returns-probabilities": (returns_probabilities, "used outside the attention"),
     "per-token-sinks": (per_token_sinks, "not one value per head"),
     "mask-before-softcap": (mask_before_softcap, "the scores come from add"),
     "dropout-on-scores": (dropout_on_scores, "dropout on the scores"),
     "softmax-over-queries": (softmax_over_queries, "not over the last dim"),
-    "finite-fill": (finite_fill, "not -inf"),
     "mask-broadcasting-the-scores": (mask_broadcasting_the_scores, "broadcast the scores"),
     "keep-mask-broadcasting-the-scores": (keep_mask_broadcasting_the_scores, "broadcast the scores"),
     "two-bf16-masks": (two_bf16_masks, "additive masks"),
     "float32-bias-on-bf16": (float32_bias_on_bf16, "float32"),
-    "fill-minus-1e30": (fill_minus_1e30, "not -inf"),
-    "fill-finfo-min": (fill_finfo_min, "not -inf"),
-    "bmm-3d": (bmm_3d, "4-D"),
     "sink-column-first": (sink_column_first, "sliced"),
     "negative-scale": (negative_scale, "negative scale"),
     "row-max-of-other-scores": (row_max_of_other_scores, "row max"),
@@ -336,8 +335,7 @@ DECLINED = {
 
 def _plain_qkv(heads: int = H, lq: int = 6, s: int = 6, seed: int = 0) -> list[torch.Tensor]:
     """bf16 q, k, v of (B, heads, lq or s, D), no K/V groups, requiring grad."""
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(B, heads, n, D, generator=gen).to(torch.bfloat16).requires_grad_() for n in (lq, s, s)]
+    return [t.requires_grad_() for t in seeded_qkv(B, heads, lq, s, D, seed=seed)]
 
 
 def _keep(heads: int, seed: int, dead_row: bool = False) -> torch.Tensor:
@@ -359,13 +357,31 @@ DECLINED_INPUTS = {
     "keep-mask-broadcasting-the-scores": lambda: [*_plain_qkv(heads=1), _keep(H, 1)],
     "two-bf16-masks": lambda: [*_plain_qkv(), _bf16(torch.full((1, 1, 6, 6), 100.0)), _bf16(torch.randn(1, 1, 6, 6))],
     "float32-bias-on-bf16": lambda: [*_plain_qkv(), _bf16(torch.randn(1, H, 6, 6) * 0.01 + 100)],
-    "fill-minus-1e30": lambda: [*_plain_qkv(), _keep(1, 5, dead_row=True)],
-    "fill-finfo-min": lambda: [*_plain_qkv(), _keep(1, 5, dead_row=True)],
-    "bmm-3d": _plain_qkv,
     "sink-column-first": lambda: [*_plain_qkv(), _bf16(torch.randn(H))],
     "negative-scale": _plain_qkv,
     "row-max-of-other-scores": lambda: [*_plain_qkv(), _bf16(torch.randn(H))],
 }
+
+
+#: forms main's review declined that issue 49 fuses: finite fills whose rows masked everywhere average V
+#: (``masked_rows="average"``) and 3-D ``bmm`` on tensors the view chain proves are (B, H, ...) folded
+NOW_FUSED = {
+    "fill-minus-1e30": (fill_minus_1e30, lambda: [*_plain_qkv(), _keep(1, 5, dead_row=True)], "average"),
+    "fill-finfo-min": (fill_finfo_min, lambda: [*_plain_qkv(), _keep(1, 5, dead_row=True)], "average"),
+    "bmm-3d": (bmm_3d, _plain_qkv, "zeros"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(NOW_FUSED))
+def test_finite_fills_and_folded_heads_are_fused(case, fresh_cache):
+    fn, inputs, masked_rows = NOW_FUSED[case]
+    tf = tcs.FuseHandwrittenAttention()
+    jf = _jit(fn, tf)
+    args = inputs()
+    shape = fn(*(t.detach() for t in args)).shape
+    grad_out = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    check_against_eager(jf, args, grad_out, fn=fn)
+    assert tf.recognised == 1 and tf.declined == [] and tf.regions[0]["masked_rows"] == masked_rows, tf.report()
 
 
 @pytest.mark.parametrize("case", sorted(DECLINED))
@@ -512,3 +528,54 @@ def test_thunderfx_subgraphs_are_fused(fresh_cache):
     fwd = "".join(str(thunder.last_traces(f)[-1]) for f in fns)
     bwd = "".join(str(thunder.last_backward_traces(f)[-1]) for f in fns)
     assert tf.recognised == 1 and "cudnn_safe_emulated_sdpa_fwd" in fwd and "cudnn_safe_emulated_sdpa_bwd" in bwd
+
+
+def test_the_walk_visits_a_number_of_nodes_linear_in_the_layers(monkeypatch, fresh_cache):
+    """Trace time: the transform's work on an n-layer stack grows as n (counted, not timed): the producers the walk
+    reads and the bound-symbol comparisons it makes, for 2 and 4 layers. (Finding the softmaxes a region fused
+    once compared each with every region's bound symbols: quadratic in the layers.)"""
+    from thunder.core.symbol import BoundSymbol
+    from thunder.core.transform_common import Transform
+
+    from thunder_cudnn_safe.integration.attention_regions import TraceWalk
+
+    class Captured(Exception):
+        """The traces the transform would get (the rest of the compilation is not needed)."""
+
+    class Keep(Transform):
+        def transform_traces_pre_prologue(self, prologue, computation, epilogue, **kwargs):
+            raise Captured(prologue, computation, epilogue)
+
+    def stack(n):
+        def fn(q, k, v, mask, sinks):
+            for _ in range(n):
+                q = sinks_column_max(q, k, v, mask, sinks) + q
+            return q
+
+        return fn
+
+    counts = {"producer": 0, "eq": 0}
+    producer, eq = TraceWalk.producer, BoundSymbol.__eq__
+
+    def counting_producer(self, t):
+        counts["producer"] += 1
+        return producer(self, t)
+
+    def counting_eq(self, other):
+        counts["eq"] += 1
+        return eq(self, other)
+
+    work = {}
+    for n in (2, 4):
+        with pytest.raises(Captured) as captured:
+            thunder.jit(stack(n), transforms=[Keep()])(*(t.detach() for t in _args(sinks_column_max)))
+        tf = tcs.FuseHandwrittenAttention()
+        counts.update(producer=0, eq=0)
+        with monkeypatch.context() as m:
+            m.setattr(TraceWalk, "producer", counting_producer)
+            m.setattr(BoundSymbol, "__eq__", counting_eq)
+            tf.transform_traces_pre_prologue(*captured.value.args)
+        assert tf.recognised == n, tf.report()
+        work[n] = dict(counts)
+    for what in ("producer", "eq"):
+        assert work[4][what] <= 2.2 * work[2][what] + 8, work

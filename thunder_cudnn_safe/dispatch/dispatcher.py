@@ -28,7 +28,7 @@ import torch
 
 from thunder_cudnn_safe import config
 from thunder_cudnn_safe.codegen import compile_function
-from thunder_cudnn_safe.dispatch import capture, dead_rows, dropout, packed, replay
+from thunder_cudnn_safe.dispatch import capture, dropout, masked_rows, packed, replay
 from thunder_cudnn_safe.dispatch.replay import Memo, spare
 from thunder_cudnn_safe.errors import ExecuteError, GraphBuildError
 from thunder_cudnn_safe.graphs.cache import GraphCache, graph_cache
@@ -169,14 +169,19 @@ class Dispatcher:
     def _forward(self, call: ForwardCall, target: Target, memo: tuple, entry: Memo | None) -> tuple:
         p, bound, outputs = self._full(call, target, memo, entry)
         if bound is not None and p.call.attn_mask is not None and Uid.BIAS in bound.pack:
-            dead_rows.zero_fully_masked_rows(p.call.attn_mask, bound, dead_rows.UNREAD)
+            masked_rows.zero_fully_masked_rows(p.call.attn_mask, bound, masked_rows.UNREAD)
+        if masked_rows.applies(call):
+            masked_rows.average_forward(call, outputs[0])
         return outputs
 
     def _backward(self, call: BackwardCall, target: Target, memo: tuple, entry: Memo | None) -> tuple:
         kept = handoff.take_gradients(call) if call.attn_mask is not None else None
         if kept is not None:
             return kept
-        return self._full(call, target, memo, entry)[2]
+        outputs = self._full(call, target, memo, entry)[2]
+        if masked_rows.applies(call):
+            masked_rows.average_backward(call, outputs)
+        return outputs
 
     def _full(
         self, call: ForwardCall | BackwardCall, target: Target, memo: tuple, entry: Memo | None

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from thunder_cudnn_safe.dispatch import capture, dead_rows, dropout
+from thunder_cudnn_safe.dispatch import capture, dropout, masked_rows
 from thunder_cudnn_safe.errors import ExecuteError, GraphBuildError
 from thunder_cudnn_safe.graphs.cache import GraphCache, Slot
 from thunder_cudnn_safe.layouts.keys import Target, Uid
@@ -157,8 +157,8 @@ def remember(disp: Dispatching, p: Plan, verdict: Any, entry: Memo, planned: Mem
 def replay(disp: Dispatching, entry: Memo, call: ForwardCall | BackwardCall, target: Target) -> tuple | None:
     """A memo hit of a call with a mask or dropout: the outputs of the plan remembered for its mask's present
     verdict (:class:`Replay`), with what the full path does around the run (a backward's kept mask-gradient
-    results, a forward's dead bias rows, dropout's pairing, a capture's prebuild); None where nothing is
-    remembered for that verdict (the full path then plans). Nothing is planned or recognized here."""
+    results, dead rows as zeros on a bias or as V's average, dropout's pairing, a capture's prebuild); None where
+    nothing is remembered for that verdict (the full path then plans). Nothing is planned or recognized here."""
     mask = call.attn_mask
     forward = type(call) is ForwardCall
     if not forward and mask is not None:  # the mask-gradient call left dQ, dK, dV for this one
@@ -197,11 +197,17 @@ def replay(disp: Dispatching, entry: Memo, call: ForwardCall | BackwardCall, tar
         except (GraphBuildError, ExecuteError) as exc:
             disp.refused(bound, exc)
     if forward and Uid.BIAS in bound.pack:
-        dead = dead_rows.UNREAD if seen is None else seen.dead
-        dead = dead_rows.zero_fully_masked_rows(planned.attn_mask, bound, dead)
+        dead = masked_rows.UNREAD if seen is None else seen.dead
+        dead = masked_rows.zero_fully_masked_rows(planned.attn_mask, bound, dead)
         if seen is not None:
             seen.dead = dead  # the same for every call while the mask's state holds
-    return finished(replay.memo.recipe, bound) if replay.memo.gradients else bound.outputs
+    outputs = finished(replay.memo.recipe, bound) if replay.memo.gradients else bound.outputs
+    if masked_rows.applies(call):  # a finite fill's dead rows: the average of V, as on the full path
+        if forward:
+            masked_rows.average_forward(call, outputs[0])
+        else:
+            masked_rows.average_backward(call, outputs)
+    return outputs
 
 
 class Seen:
@@ -213,7 +219,7 @@ class Seen:
 
     def __init__(self, mask: torch.Tensor, verdict: Any, replay: Replay) -> None:
         self.ref, self.state, self.verdict, self.replay = weakref.ref(mask), _state(mask), verdict, replay
-        self.dead: Any = dead_rows.UNREAD
+        self.dead: Any = masked_rows.UNREAD
 
 
 def _state(mask: torch.Tensor) -> tuple:

@@ -23,6 +23,7 @@ from thunder.core.proxies import NumberProxy
 
 from thunder_cudnn_safe.integration import gqa
 from thunder_cudnn_safe.integration.proxies import torch_dtype
+from thunder_cudnn_safe.routing.calls import MASKED_ROWS
 
 ATTENTION_SYMBOL_ID = "cudnn_safe.attention"
 
@@ -32,12 +33,13 @@ _THUNDER = SimpleNamespace(cat=ltorch.cat, arange=ltorch.arange, dropout=ltorch.
 
 def decomposition(
     ops: Any, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
-    softcap=None, sinks=None, *, with_stats=False,
+    softcap=None, sinks=None, masked_rows="zeros", *, with_stats=False,
 ):  # fmt: skip
     """The function itself, in ``ops``' namespace (torch's or thunder's) and tensor methods: scores in float32
     (float64 for float64 inputs), the softcap before the mask, sinks as an extra softmax column that is dropped,
     a query row masked everywhere gives zeros and no gradient (eager SDPA's safe softmax; with sinks it does
-    anyway), the
+    anyway), or with ``masked_rows="average"`` uniform weights (a finite fill's function: V's average, a gradient
+    to V only), the
     probabilities cast to the value dtype before ``@ v`` (as the models' hand-written attention does).
     ``with_stats``: also the softmax stats cuDNN's backward reads, (..., L, 1) float32, for a declined call of the
     custom op (:mod:`attention_op`), whose backward may then run the executor's."""
@@ -63,7 +65,7 @@ def decomposition(
     else:
         # a dead row's softmax is NaN, and where() passes a NaN gradient on (0 * NaN): it is softmaxed as zeros
         dead = s.amax(-1, keepdim=True) == float("-inf")
-        p = ops.where(dead, 0.0, ops.where(dead, 0.0, s).softmax(-1))
+        p = ops.where(dead, 0.0 if masked_rows == "zeros" else 1.0 / sk, ops.where(dead, 0.0, s).softmax(-1))
     if dropout_p:
         p = ops.dropout(p, dropout_p)
     out = p.to(value.dtype) @ value
@@ -78,14 +80,17 @@ def decomposition(
 @ltorch.torchsymbol(id=ATTENTION_SYMBOL_ID, tags=(OpTags.DONT_AUTO_RECOMPUTE_IN_BACKWARD,))
 def attention_symbol(
     query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
-    softcap=None, sinks=None,
+    softcap=None, sinks=None, masked_rows="zeros",
 ):  # fmt: skip
     """:func:`attention` in a trace; its body (a declined call) is thunder's SDPA or the decomposition. Only a call
     without options or a mask is thunder's SDPA, which other executors may claim: with a mask, a query row may be
-    masked everywhere, which thunder's SDPA decomposition makes NaN where the function (eager) gives zeros."""
+    masked everywhere, which thunder's SDPA decomposition makes NaN where the function (eager) gives zeros.
+    ``masked_rows``: what such a row gives (:data:`~thunder_cudnn_safe.routing.calls.MASKED_ROWS`)."""
+    if masked_rows not in MASKED_ROWS:
+        raise ValueError(f"masked_rows must be one of {MASKED_ROWS}, not {masked_rows!r}")
     if softcap is None and sinks is None and attn_mask is None:
         return gqa.torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
-    args = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap, sinks)
+    args = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap, sinks, masked_rows)
     return decomposition(_THUNDER, *args)
 
 

@@ -75,14 +75,14 @@ def _gqa_call(*args, **kwargs) -> ForwardCall:
 
 def attention_call(
     query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, softcap=None,
-    sinks=None,
+    sinks=None, masked_rows="zeros",
 ) -> ForwardCall:  # fmt: skip
     """A ``cudnn_safe.attention`` call (:mod:`~thunder_cudnn_safe.integration.attention`) as the call value. A
     symbolic ``softcap`` (``cache="symbolic values"``) stays the proxy it is: ``float()`` would bake its trace-time
     value into the claimed call, which the checker must decline instead (its value is declared in the graph)."""
     call = _call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa=enable_gqa)
     cap = softcap if softcap is None or isinstance(softcap, NumberProxy) else float(softcap)
-    return call._replace(softcap=cap, sinks=sinks)
+    return call._replace(softcap=cap, sinks=sinks, masked_rows=masked_rows)
 
 
 def reasons_for(runtime: Runtime, *args, **kwargs) -> list[Decline]:
