@@ -36,9 +36,11 @@ from thunder_cudnn_safe.graphs import build as graphs
 from thunder_cudnn_safe.routing.calls import BackwardCall, ForwardCall, memo_key, signature
 from thunder_cudnn_safe.routing.recipes import bind, forward_recipe
 
-from . import harness
+from . import call_kinds, harness
 
 TARGET_FWD_US = 10.0
+#: Issue 48's goals: each call kind at most this many times the plain hit; the plain hit within FLOOR_GOAL x the floor.
+KIND_GOAL, FLOOR_GOAL = 1.3, 2.0
 
 METHOD = (
     "Median wall time per call (perf_counter over batches of 10 calls, after warm-up), CPU tensors. 'ours': "
@@ -290,7 +292,58 @@ def run(*, quick: bool = False, iters: int | None = None, log=print) -> dict[str
             results[label]["building_blocks"] = _components(disp, q, k, v, g, out, stats, iters=max(500, iters // 4))
             results[label]["fwd_profile"] = _profile(fns["ours_fwd"], calls=max(500, iters // 4))
             results[label]["bwd_profile"] = _profile(fns["ours_bwd"], calls=max(500, iters // 4))
-    return {"method": METHOD, "iters": iters, "seconds": time.perf_counter() - started, "cases": results}
+    kinds = _call_kinds(iters, warmup, log)
+    return {
+        "method": METHOD,
+        "iters": iters,
+        "seconds": time.perf_counter() - started,
+        "cases": results,
+        "kinds": kinds,
+    }
+
+
+def _call_kinds(iters: int, warmup: int, log=print) -> dict[str, Any]:
+    """Each call kind a model makes (:mod:`benchmarks.call_kinds`), forward and backward on a memo hit, interleaved in
+    rounds with the plain hit and the allocation floor (out + stats; dq + dk + dv): the least of the rounds' medians,
+    and its ratio to the plain hit."""
+    disp = harness.make_dispatcher("cpu")
+    fns: dict[str, Any] = {}
+    for name in call_kinds.KINDS:
+        fns[f"{name}|fwd"], fns[f"{name}|bwd"] = call_kinds.calls(disp, name)[:2]
+    plain_out, plain_stats = call_kinds.calls(disp, call_kinds.KINDS[0])[2:]
+    fns["floor|fwd"] = lambda: (
+        torch.empty_strided(plain_out.shape, plain_out.stride(), dtype=plain_out.dtype),
+        torch.empty_strided(plain_stats.shape, plain_stats.stride(), dtype=torch.float32),
+    )
+    fns["floor|bwd"] = lambda: tuple(
+        torch.empty_strided(plain_out.shape, plain_out.stride(), dtype=plain_out.dtype) for _ in range(3)
+    )
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    rounds = 5
+    with call_kinds.steady(disp, "host suite call kinds"):
+        for _ in range(rounds):
+            for name, fn in fns.items():
+                samples[name].append(harness.median_us(fn, iters=iters // rounds, warmup=warmup // rounds)["median_us"])
+    us = {name: min(v) for name, v in samples.items()}  # a loaded machine's extra time only adds: the least round
+    plain = {d: us[f"{call_kinds.KINDS[0]}|{d}"] for d in ("fwd", "bwd")}
+    rows = {
+        name: {d: {"us": us[f"{name}|{d}"], "x_plain": us[f"{name}|{d}"] / plain[d]} for d in ("fwd", "bwd")}
+        for name in call_kinds.KINDS
+    }
+    floor = {d: plain[d] / us[f"floor|{d}"] for d in ("fwd", "bwd")}
+    for name, r in rows.items():
+        f, b = r["fwd"], r["bwd"]
+        log(
+            f"host kinds: {name}: fwd {f['us']:.1f} us ({f['x_plain']:.2f}x), "
+            f"bwd {b['us']:.1f} us ({b['x_plain']:.2f}x)"
+        )
+    return {
+        "shape": [call_kinds.B, call_kinds.H, call_kinds.S, call_kinds.D],
+        "dtype": str(call_kinds.DTYPE),
+        "rows": rows,
+        "floor_us": {d: us[f"floor|{d}"] for d in ("fwd", "bwd")},
+        "plain_x_floor": floor,
+    }
 
 
 # -- report ------------------------------------------------------------------------------------
@@ -316,6 +369,7 @@ def markdown(suite: dict[str, Any]) -> str:
         )
     parts += lines
     parts.append("")
+    parts += _kinds_markdown(suite.get("kinds"))
     parts.append(
         "Ratio = built-in pygraph time / ours (above 1: ours is cheaper per call). Interquartile ranges "
         "(p25-p75 of the batch medians) are in results.json."
@@ -353,6 +407,33 @@ def markdown(suite: dict[str, Any]) -> str:
                     f"| `{row['function']}` | {row['ncalls_per_call']:.0f} | {row['tottime_share'] * 100:.0f}% |"
                 )
     return "\n".join(parts)
+
+
+def _kinds_markdown(kinds: dict[str, Any] | None) -> list[str]:
+    if not kinds:
+        return []
+    b, h, s, d = kinds["shape"]
+    lines = [
+        f"### Each call kind on a memo hit ({kinds['dtype']}, B {b}, H {h}, S {s}, D {d}; execute excluded)",
+        "",
+        f"Goal (issue 48): each kind at most {KIND_GOAL}x the plain hit, the plain hit at most {FLOOR_GOAL}x the "
+        "allocation floor. Microseconds: the least of 5 interleaved rounds' medians. Every row checked to run no "
+        "plan, no build, no fallback while timed.",
+        "",
+        "| call | fwd us | fwd x plain | bwd us | bwd x plain |",
+        "|---|---|---|---|---|",
+    ]
+    for name, r in kinds["rows"].items():
+        f, bw = r["fwd"], r["bwd"]
+        lines.append(f"| {name} | {f['us']:.1f} | {f['x_plain']:.2f}x | {bw['us']:.1f} | {bw['x_plain']:.2f}x |")
+    fl, x = kinds["floor_us"], kinds["plain_x_floor"]
+    lines += [
+        "",
+        f"Allocation floor fwd / bwd {fl['fwd']:.1f} / {fl['bwd']:.1f} us: "
+        f"the plain hit {x['fwd']:.2f}x / {x['bwd']:.2f}x.",
+        "",
+    ]
+    return lines
 
 
 def plot(suite: dict[str, Any], path) -> str | None:

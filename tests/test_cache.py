@@ -440,10 +440,11 @@ def test_a_memo_hit_runs_each_threads_own_graph(monkeypatch):
     assert torch.equal(results[0][0], disp.forward(q, k, v)[0])
 
 
-def test_masked_and_dropout_calls_are_never_served_by_the_memo(monkeypatch):
-    """A mask's route follows its values (a pattern or its bias), read per call; a dropout forward asks
-    whether its backward builds on every call: neither is remembered, so writing a causal mask over with a
-    random bias in place runs the bias, not the causal graph."""
+def test_masked_and_dropout_calls_never_take_the_plain_hit(monkeypatch):
+    """A mask's route follows its values (a pattern or its bias): its memo keeps the plan per verdict of the mask,
+    never a plain hit's slot, so writing a causal mask over with a random bias in place runs the bias, not the
+    causal graph; a dropout forward still asks whether its backward builds on every call (an answer its memo
+    keeps). Planning itself is counted per call kind in tests/test_dispatch_memo.py."""
     from thunder_cudnn_safe.dispatch import dropout
 
     disp = Dispatcher(EmulatedRuntime(), GraphCache(16))

@@ -65,11 +65,12 @@ def plan(call: ForwardCall | BackwardCall, target: Target, *, recognize: bool = 
     """How ``call`` runs on ``target``. ``recognize``: look for a mask pattern (not under capture, where the
     mask runs as its bias; a backward computing the mask's gradient never does). ``lens_device``: where a
     workaround's padding lengths are made (``"meta"`` to plan keys without running a kernel)."""
+    recognize = recognize and reads_mask_values(call, target)
     if call.softcap is not None:
-        return _softcapped(call, target, recognize and not getattr(call, "mask_grad", False))
+        return _softcapped(call, target, recognize)
     if call.attn_mask is None and call.query.shape[2] != 1:  # the common case, decided first: no mask, no decode
         return Plan(Route.PLAIN, call, call)
-    masked = with_mask_pattern(call) if recognize and not getattr(call, "mask_grad", False) else call
+    masked = with_mask_pattern(call) if recognize else call
     if isinstance(masked.attn_mask, DocumentPattern):
         if call.sinks is not None:  # the variable-length binder declares no sink token (SINK_RAGGED): the bias
             return Plan(Route.OVERSIZED_BIAS if bias_too_large(call) else Route.BIAS, call, call)
@@ -82,6 +83,16 @@ def plan(call: ForwardCall | BackwardCall, target: Target, *, recognize: bool = 
     if isinstance(call.attn_mask, torch.Tensor):
         return Plan(Route.OVERSIZED_BIAS if bias_too_large(call) else Route.BIAS, call, call)
     return Plan(Route.PLAIN, call, call)
+
+
+def reads_mask_values(call: ForwardCall | BackwardCall, target: Target) -> bool:
+    """Whether :func:`plan` asks for ``call``'s mask pattern (:func:`~thunder_cudnn_safe.masks.patterns.pattern_of`):
+    a mask tensor, without ``is_causal`` (the mask then stays a bias), not for a backward computing the mask's
+    gradient (its bias is what is differentiated), and beside a softcap only where a band can go in the score
+    modifier. Otherwise the plan follows from the call's signature alone: a dispatch memo hit reads no verdict."""
+    if not isinstance(call.attn_mask, torch.Tensor) or call.is_causal or getattr(call, "mask_grad", False):
+        return False
+    return call.softcap is None or cudnn_rules.SOFTCAP_BAND_IN_MODIFIER.holds(target)
 
 
 def _softcapped(call: ForwardCall | BackwardCall, target: Target, recognize: bool) -> Plan:

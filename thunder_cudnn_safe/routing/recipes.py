@@ -78,12 +78,33 @@ class PackRecipe(NamedTuple):
     run: Callable[[tuple, torch.device], Bound]
     #: the generated source of ``run``, for a reader (``str(recipe)``); never read on a call
     source: str = ""
+    #: a backward's gradients for operands besides q, k, v, read off the pack once cuDNN wrote them
+    #: (:func:`finished`): (uid, the 4-D shape summed to, the operand's shape, its dtype) for dSinks, then dBias
+    gradients: tuple = ()
 
     def describe(self) -> str:
         """The key's kind and the generated straight-line function, as :func:`_compile` wrote it."""
         return f"# {type(self.key).__name__} recipe: {len(self.steps)} steps\n{self.source}"
 
     __str__ = describe
+
+
+def finished(recipe: PackRecipe, bound: Bound) -> tuple[torch.Tensor, ...]:
+    """The operator's outputs once the graph ran: ``bound.outputs``, then each of ``recipe.gradients`` (dSink_token
+    as the sinks' gradient, dBias summed over the dims the mask broadcast over), in the operand's shape and dtype."""
+    if not recipe.gradients:
+        return bound.outputs
+    pack = bound.pack
+    grads = (
+        reduce_to_shape(pack[uid], summed).reshape(shape).to(dtype) for uid, summed, shape, dtype in recipe.gradients
+    )
+    return bound.outputs + tuple(grads)
+
+
+def reduce_to_shape(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """Sum ``t`` over the dims where ``shape`` has size 1 (the gradient of a broadcast)."""
+    dims = [i for i, (n, m) in enumerate(zip(shape, t.shape)) if n == 1 and m != 1]
+    return t.sum(dim=dims, keepdim=True) if dims else t
 
 
 def _like(call: tuple, fill: TensorSig) -> int | None:
@@ -276,6 +297,18 @@ class _RecipeBuilder:
         return self
 
 
+def _gradients(call: tuple, sigs: dict[Uid, TensorSig]) -> tuple:
+    """:attr:`PackRecipe.gradients` of a recipe declaring ``sigs`` for the call signature ``call``: dSink_token for
+    the sinks (a view of (H,)), dBias for the mask (summed over the dims the mask broadcast over)."""
+    grads = []
+    for uid, field in ((Uid.DSINK, "sinks"), (Uid.DBIAS, "attn_mask")):
+        if uid in sigs:
+            a = getattr(call, field)
+            summed = (1,) * (4 - len(a.shape)) + tuple(a.shape) if uid is Uid.DBIAS else sigs[uid].shape
+            grads.append((uid, summed, tuple(a.shape), a.dtype))
+    return tuple(grads)
+
+
 def _sink(p: _RecipeBuilder, gradient: bool) -> None:
     """Attention sinks (H,) declared as cuDNN's sink token, (1, H, 1, 1) float32 and packed: a view of a packed
     float32 tensor cuDNN reads as it is, else one counted float32 copy of H values. Packed, not any strides cuDNN
@@ -300,7 +333,7 @@ def _sink(p: _RecipeBuilder, gradient: bool) -> None:
 def _compiled(p: _RecipeBuilder) -> PackRecipe:
     """A finished builder's steps compiled into a recipe: only a call that binds needs this (planning a key
     compiles no binder: :func:`forward_key`, :func:`backward_key`)."""
-    return _compile(p.key, p.steps, p.outputs, p.call)
+    return _compile(p.key, p.steps, p.outputs, p.call)._replace(gradients=_gradients(p.call, p.sigs))
 
 
 def forward_recipe(call: ForwardCall, target: Target, dynamic_shapes: str | None = None) -> PackRecipe:
