@@ -503,3 +503,24 @@ def test_torch_compile_with_symbolic_lengths_runs_the_executor(emulated):
         low = decomposition(TORCH_OPS, *(t.detach() for t in (q, k, v)), is_causal=True)
         assert_close_to_reference(out, low, ref, f"O at length {lq}")
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before == 1
+
+
+@pytest.mark.slow
+def test_torch_compile_masked_rows_average_gives_the_finite_fill_numbers(emulated):
+    """``masked_rows="average"`` under ``torch.compile(fullgraph=True)`` with inductor, forward and backward: the
+    op's kernels run the executor (built once, the second step hits both graphs, nothing on the fallback), O and
+    every gradient are the model's own finite-fill numbers by the accuracy rule, and a dead row is exactly V's
+    mean with a gradient to V only, through the compiled backward."""
+    keep = _dead_row_mask("whole_rows")
+    q, k, v = QKV_LAYOUTS["bshd_transposed"](B, H, L, S, D, D, torch.bfloat16)
+    compiled = torch.compile(
+        lambda q, k, v, m: tcs.attention(q, k, v, m, masked_rows="average"), fullgraph=True, backend="inductor"
+    )
+    model = lambda q, k, v, m: finite_fill_attention(q, k, v, m)  # noqa: E731
+    grad_out = torch.randn(B, H, L, D, dtype=torch.bfloat16)
+    with _Counted() as first:
+        out = _judge(compiled, [q, k, v, keep], grad_out, ("dq", "dk", "dv", "dmask"), model=model)
+    assert (first.builds, first.fallbacks) == (2, 0), vars(first)
+    with _Counted() as second:
+        assert_dead_rows_average_v(q, k, v, out, keep, lambda g: _run(compiled, [q, k, v, keep], g)[1][:3])
+    assert (second.builds, second.hits, second.fallbacks) == (0, 2, 0), vars(second)
