@@ -424,6 +424,30 @@ def test_thunderfx_maps_the_custom_op_to_the_executor(fresh_cache):
     assert sinks.grad is not None and torch.isfinite(sinks.grad).all()
 
 
+@pytest.mark.thunderfx
+def test_thunderfx_passes_masked_rows_to_the_executor(fresh_cache):
+    """ThunderFX maps the op to the symbol with its ``masked_rows``: claimed forward and backward, a row masked
+    everywhere is V's mean (not zeros) and passes no gradient to Q, the rest is the model's finite fill."""
+    from thunder.dynamo import ThunderCompiler
+
+    backend = ThunderCompiler(executors=[tcs.emulated_ex, *thunder.get_default_executors()])
+    q, k, v = (torch.randn(1, 2, 8, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    keep = torch.rand(8, 8) > 0.3
+    keep[:, 0], keep[3] = True, False
+    fn = torch.compile(lambda q, k, v, m: tcs.attention(q, k, v, m, masked_rows="average"), backend=backend)
+    with on_the_runtime():
+        out = fn(q, k, v, keep)
+        out.float().sum().backward()
+    compiled = [fn for sub in backend.subgraph_infos for fn in sub.thunder_compiled_fns]
+    traces = [str(t) for fn in compiled for t in thunder.last_traces(fn) + thunder.last_backward_traces(fn)]
+    assert any("cudnn_safe_emulated_sdpa_fwd" in t for t in traces)
+    assert any("cudnn_safe_emulated_sdpa_bwd" in t for t in traces)
+    expected = finite_fill_attention(*(t.detach().double() for t in (q, k, v)), keep)
+    torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=2e-2)
+    assert torch.equal(out.detach()[:, :, 3], v.detach().float().mean(-2).bfloat16())
+    assert q.grad[:, :, 3].abs().max() == 0
+
+
 def test_the_custom_op_computes_the_function_and_its_gradients():
     """The op dynamo keeps (and torch.compile without thunder runs), with its autograd, in eager."""
     q, k, v = (torch.randn(1, 2, 6, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
