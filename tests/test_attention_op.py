@@ -237,6 +237,23 @@ def test_masked_rows_average_with_sinks_is_the_zeros_function(emulated):
     assert out.detach()[dead_rows(keep).expand(B, H, L)].abs().max() == 0
 
 
+def test_masked_rows_average_with_dropout_runs_the_decomposition(emulated):
+    """With dropout the function drops out a dead row's uniform weights like any row's, where the dispatcher would
+    write V's exact mean after the route: such a call is declined (``explain()`` says why, thunder's checker reads
+    the same rules) and runs the decomposition, even without a backward (no_grad, where dropout calls are claimed)."""
+    keep = _dead_row_mask("whole_rows")
+    q, k, v = (torch.randn(B, H, n, D, dtype=torch.bfloat16) for n in (L, S, S))
+    reasons = tcs.explain(q, k, v, keep, 0.25, executor=tcs.emulated_ex, masked_rows="average")
+    assert any("masked_rows='average' with dropout" in str(r) for r in reasons), reasons
+    assert tcs.explain(q, k, v, keep, 0.25, executor=tcs.emulated_ex) == []  # "zeros": dead rows stay 0 either way
+    with torch.no_grad(), _Counted() as c:
+        torch.manual_seed(0)
+        out = tcs.attention(q, k, v, keep, 0.25, masked_rows="average")
+    assert c.lookups == 0, vars(c)
+    torch.manual_seed(0)
+    torch.testing.assert_close(out, decomposition(TORCH_OPS, q, k, v, keep, 0.25, masked_rows="average"))
+
+
 def test_inference_builds_a_forward_without_stats(emulated):
     """No backward follows (no_grad, or no input requiring grad): the forward's graph writes no stats."""
     q, k, v = (torch.randn(B, H, L, D, dtype=torch.bfloat16) for _ in range(3))
