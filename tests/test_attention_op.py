@@ -177,9 +177,10 @@ def test_a_row_masked_everywhere_gives_zeros_and_finite_gradients(emulated):
 
 # -- masked_rows="average": a row masked everywhere gives what a finite fill computes ----------------------------
 #: Boolean keep masks, (B, 1, L, S), that mask whole query rows: a random mask with rows 3 and 10 of element 0
-#: masked everywhere and element 1 keeping no key at all (the mask as a bias); key padding with element 1 padded
-#: entirely (the padding pattern, a sequence of no keys).
-DEAD_ROW_MASKS = ("whole_rows", "key_padding")
+#: masked everywhere and element 1 keeping no key at all (the mask as a bias), also with K/V of 2 heads for 4 query
+#: heads (GQA: a dead row's dV sums over its group); key padding with element 1 padded entirely (the padding
+#: pattern, a sequence of no keys).
+DEAD_ROW_MASKS = ("whole_rows", "whole_rows_gqa", "key_padding")
 
 
 def _dead_row_mask(case: str) -> torch.Tensor:
@@ -201,7 +202,10 @@ def test_masked_rows_average_gives_the_finite_fill_numbers_in_eager(case, emulat
     same tensors gives zeros there (the option reaches the executor, not a remembered verdict of the other)."""
     keep = _dead_row_mask(case)
     q, k, v = QKV_LAYOUTS["bshd_transposed"](B, H, L, S, D, D, torch.bfloat16)
-    fn = lambda q, k, v: tcs.attention(q, k, v, keep, masked_rows="average")  # noqa: E731
+    gqa = case.endswith("_gqa")
+    if gqa:
+        k, v = (t.detach()[:, :2].clone().requires_grad_() for t in (k, v))
+    fn = lambda q, k, v: tcs.attention(q, k, v, keep, enable_gqa=gqa, masked_rows="average")  # noqa: E731
     model = lambda q, k, v: finite_fill_attention(q, k, v, keep)  # noqa: E731
     grad_out = torch.randn(B, H, L, D, dtype=torch.bfloat16)
     with _Counted() as first:
@@ -210,7 +214,7 @@ def test_masked_rows_average_gives_the_finite_fill_numbers_in_eager(case, emulat
     with _Counted() as second:
         assert_dead_rows_average_v(q, k, v, out, keep, lambda g: _run(fn, [q, k, v], g)[1])
     assert (second.builds, second.hits, second.fallbacks) == (0, 2, 0), vars(second)
-    zeros = tcs.attention(q, k, v, keep).detach()
+    zeros = tcs.attention(q, k, v, keep, enable_gqa=gqa).detach()
     assert zeros[dead_rows(keep).expand(B, H, L)].abs().max() == 0
 
 
