@@ -214,8 +214,29 @@ def test_masked_rows_average_gives_the_finite_fill_numbers_in_eager(case, emulat
     with _Counted() as second:
         assert_dead_rows_average_v(q, k, v, out, keep, lambda g: _run(fn, [q, k, v], g)[1])
     assert (second.builds, second.hits, second.fallbacks) == (0, 2, 0), vars(second)
+    with torch.no_grad():  # no backward follows: a forward graph without stats, the same dead rows
+        assert torch.equal(fn(q, k, v), out.detach())
     zeros = tcs.attention(q, k, v, keep, enable_gqa=gqa).detach()
     assert zeros[dead_rows(keep).expand(B, H, L)].abs().max() == 0
+
+
+@pytest.mark.parametrize("runtime", ["emulated", "decomposition"])
+def test_the_op_carries_masked_rows_to_either_kernel(runtime, fresh_cache):
+    """The op called directly (as dynamo records it) with ``masked_rows="average"``: its kernels are the executor's,
+    or the decomposition's with its stats and vjp (a call declined inside the op under ``torch.compile``), forward
+    and backward. Either way O and every gradient are the finite-fill model's numbers and a dead row is V's mean
+    with a gradient to V only; no graph is looked up by the decomposition, nothing falls back."""
+    keep = _dead_row_mask("whole_rows")
+    q, k, v = QKV_LAYOUTS["contiguous"](B, H, L, S, D, D, torch.bfloat16)
+    op = torch.ops.cudnn_safe.attention
+    fn = lambda q, k, v: op(q, k, v, keep, 0.0, False, None, False, None, None, True, "average")[0]  # noqa: E731
+    model = lambda q, k, v: finite_fill_attention(q, k, v, keep)  # noqa: E731
+    grad_out = torch.randn(B, H, L, D, dtype=torch.bfloat16)
+    with config.patch(eager_runtime=runtime), _Counted() as c:
+        out = _judge(fn, [q, k, v], grad_out, ("dq", "dk", "dv"), model=model)
+        backward = lambda g: _run(fn, [q, k, v], g)[1]  # noqa: E731
+        assert_dead_rows_average_v(q, k, v, out, keep, backward, exact=runtime == "emulated")
+    assert (c.lookups > 0) == (runtime == "emulated") and c.fallbacks == 0, vars(c)
 
 
 def test_masked_rows_average_with_sinks_is_the_zeros_function(emulated):
