@@ -15,7 +15,7 @@ import logging
 
 import pytest
 import torch
-from checks import inject_failures
+from checks import assert_dead_rows_average_v, dead_rows, finite_fill_attention, inject_failures
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -34,7 +34,10 @@ B, H, L, S, D = 2, 4, 16, 24, 64
 
 
 def _f64(t):
-    return None if t is None else t.detach().double().requires_grad_(t.requires_grad)
+    """``t`` in float64 for the reference; a boolean mask stays boolean (as float64 it would be an additive 0/1)."""
+    if t is None or not t.is_floating_point():
+        return t
+    return t.detach().double().requires_grad_(t.requires_grad)
 
 
 def _low(t):
@@ -49,15 +52,17 @@ def _run(fn, inputs, grad_out):
     return out, [next(grads) if t is not None and t.requires_grad else None for t in inputs]
 
 
-def _judge(fn, inputs, grad_out, names, scale=D**-0.5, floors=None):
+def _judge(fn, inputs, grad_out, names, scale=D**-0.5, floors=None, model=None):
     """``fn(*inputs)`` run as it comes (config as the caller set it), eager in the inputs' precision and float64
-    eager (the decomposition), judged by the accuracy rule: the output and every gradient. ``floors``: gradient
-    index -> (the other operand, scale) of its :func:`flash_backward_floor` (dQ reads K, dK reads Q, dSinks reads
-    O's rounding alone); default: dQ and dK of (q, k, v, ...) inputs."""
+    eager (the decomposition, or ``model``: the function a model computes itself), judged by the accuracy rule: the
+    output and every gradient. ``floors``: gradient index -> (the other operand, scale) of its
+    :func:`flash_backward_floor` (dQ reads K, dK reads Q, dSinks reads O's rounding alone); default: dQ and dK of
+    (q, k, v, ...) inputs."""
     out, grads = _run(fn, inputs, grad_out)
+    model = fn if model is None else model
     with config.patch(eager_runtime="decomposition"):
-        low_out, low_grads = _run(fn, [_low(t) for t in inputs], grad_out)
-        ref_out, ref_grads = _run(fn, [_f64(t) for t in inputs], grad_out.double())
+        low_out, low_grads = _run(model, [_low(t) for t in inputs], grad_out)
+        ref_out, ref_grads = _run(model, [_f64(t) for t in inputs], grad_out.double())
     assert_close_to_reference(out, low_out, ref_out, "O")
     floors = {0: (inputs[1], scale), 1: (inputs[0], scale)} if floors is None else floors
     for i, (name, g, e, r) in enumerate(zip(names, grads, low_grads, ref_grads)):
@@ -168,6 +173,110 @@ def test_a_row_masked_everywhere_gives_zeros_and_finite_gradients(emulated):
         out.float().sum().backward()
     assert c.builds == 2 and c.fallbacks == 0
     assert out[:, :, 3].abs().max() == 0 and all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+# -- masked_rows="average": a row masked everywhere gives what a finite fill computes ----------------------------
+#: Boolean keep masks, (B, 1, L, S), that mask whole query rows: a random mask with rows 3 and 10 of element 0
+#: masked everywhere and element 1 keeping no key at all (the mask as a bias), also with K/V of 2 heads for 4 query
+#: heads (GQA: a dead row's dV sums over its group); key padding with element 1 padded entirely (the padding
+#: pattern, a sequence of no keys).
+DEAD_ROW_MASKS = ("whole_rows", "whole_rows_gqa", "key_padding")
+
+
+def _dead_row_mask(case: str) -> torch.Tensor:
+    """``case``'s keep mask."""
+    if case == "key_padding":
+        return padding_mask([S - 5, 0], L, S)
+    keep = torch.rand(B, 1, L, S) > 0.3
+    keep[..., 0] = True  # no other row dies by chance
+    keep[0, :, [3, 10]] = False
+    keep[1] = False
+    return keep
+
+
+@pytest.mark.parametrize("case", DEAD_ROW_MASKS)
+def test_masked_rows_average_gives_the_finite_fill_numbers_in_eager(case, emulated):
+    """``masked_rows="average"`` in eager, on the executor's path (graphs built, then hit, nothing on the
+    fallback): O and every gradient are the numbers of the model's own ``masked_fill(~keep, finfo.min)`` attention
+    by the accuracy rule, a dead row is exactly V's mean with a gradient to V only; the default ``"zeros"`` on the
+    same tensors gives zeros there (the option reaches the executor, not a remembered verdict of the other)."""
+    keep = _dead_row_mask(case)
+    q, k, v = QKV_LAYOUTS["bshd_transposed"](B, H, L, S, D, D, torch.bfloat16)
+    gqa = case.endswith("_gqa")
+    if gqa:
+        k, v = (t.detach()[:, :2].clone().requires_grad_() for t in (k, v))
+    fn = lambda q, k, v: tcs.attention(q, k, v, keep, enable_gqa=gqa, masked_rows="average")  # noqa: E731
+    model = lambda q, k, v: finite_fill_attention(q, k, v, keep)  # noqa: E731
+    grad_out = torch.randn(B, H, L, D, dtype=torch.bfloat16)
+    with _Counted() as first:
+        out = _judge(fn, [q, k, v], grad_out, ("dq", "dk", "dv"), model=model)
+    assert (first.builds, first.fallbacks) == (2, 0), vars(first)
+    with _Counted() as second:
+        assert_dead_rows_average_v(q, k, v, out, keep, lambda g: _run(fn, [q, k, v], g)[1])
+    assert (second.builds, second.hits, second.fallbacks) == (0, 2, 0), vars(second)
+    with torch.no_grad():  # no backward follows: a forward graph without stats, the same dead rows
+        assert torch.equal(fn(q, k, v), out.detach())
+    zeros = tcs.attention(q, k, v, keep, enable_gqa=gqa).detach()
+    assert zeros[dead_rows(keep).expand(B, H, L)].abs().max() == 0
+
+
+@pytest.mark.parametrize("runtime", ["emulated", "decomposition"])
+def test_the_op_carries_masked_rows_to_either_kernel(runtime, fresh_cache):
+    """The op called directly (as dynamo records it) with ``masked_rows="average"``: its kernels are the executor's,
+    or the decomposition's with its stats and vjp (a call declined inside the op under ``torch.compile``), forward
+    and backward. Either way O and every gradient are the finite-fill model's numbers and a dead row is V's mean
+    with a gradient to V only; no graph is looked up by the decomposition, nothing falls back."""
+    keep = _dead_row_mask("whole_rows")
+    q, k, v = QKV_LAYOUTS["contiguous"](B, H, L, S, D, D, torch.bfloat16)
+    op = torch.ops.cudnn_safe.attention
+    fn = lambda q, k, v: op(q, k, v, keep, 0.0, False, None, False, None, None, True, "average")[0]  # noqa: E731
+    model = lambda q, k, v: finite_fill_attention(q, k, v, keep)  # noqa: E731
+    grad_out = torch.randn(B, H, L, D, dtype=torch.bfloat16)
+    with config.patch(eager_runtime=runtime), _Counted() as c:
+        out = _judge(fn, [q, k, v], grad_out, ("dq", "dk", "dv"), model=model)
+        backward = lambda g: _run(fn, [q, k, v], g)[1]  # noqa: E731
+        assert_dead_rows_average_v(q, k, v, out, keep, backward, exact=runtime == "emulated")
+    assert (c.lookups > 0) == (runtime == "emulated") and c.fallbacks == 0, vars(c)
+
+
+def test_masked_rows_average_with_sinks_is_the_zeros_function(emulated):
+    """With sinks, a row masked everywhere gives the sink all its weight in a finite-fill model too (exp(finfo.min
+    - sink) is 0): ``"average"`` computes what ``"zeros"`` does, as the dispatcher and the decomposition apply no
+    average there and the transform emits ``"zeros"``. Claimed, within the accuracy rule against the model's
+    finite fill with a sink column, and equal to the ``"zeros"`` call, dead rows 0."""
+    keep = _dead_row_mask("whole_rows")
+    q, k, v = QKV_LAYOUTS["bshd_transposed"](B, H, L, S, D, D, torch.bfloat16)
+    sinks = torch.randn(H, requires_grad=True)
+    call = lambda rows: lambda q, k, v, sn: tcs.attention(q, k, v, keep, sinks=sn, masked_rows=rows)  # noqa: E731
+    model = lambda q, k, v, sn: finite_fill_attention(q, k, v, keep, sinks=sn)  # noqa: E731
+    grad_out = torch.randn(B, H, L, D, dtype=torch.bfloat16)
+    floors = {0: (k, D**-0.5), 1: (q, D**-0.5), 3: (torch.ones(1), 1.0)}
+    with _Counted() as c:
+        out = _judge(
+            call("average"), [q, k, v, sinks], grad_out, ("dq", "dk", "dv", "dsinks"), floors=floors, model=model
+        )
+    assert (c.builds, c.fallbacks) == (2, 0), vars(c)
+    zeros_out, zeros_grads = _run(call("zeros"), [q, k, v, sinks], grad_out)
+    _, average_grads = _run(call("average"), [q, k, v, sinks], grad_out)
+    assert torch.equal(out, zeros_out) and all(map(torch.equal, average_grads, zeros_grads))
+    assert out.detach()[dead_rows(keep).expand(B, H, L)].abs().max() == 0
+
+
+def test_masked_rows_average_with_dropout_runs_the_decomposition(emulated):
+    """With dropout the function drops out a dead row's uniform weights like any row's, where the dispatcher would
+    write V's exact mean after the route: such a call is declined (``explain()`` says why, thunder's checker reads
+    the same rules) and runs the decomposition, even without a backward (no_grad, where dropout calls are claimed)."""
+    keep = _dead_row_mask("whole_rows")
+    q, k, v = (torch.randn(B, H, n, D, dtype=torch.bfloat16) for n in (L, S, S))
+    reasons = tcs.explain(q, k, v, keep, 0.25, executor=tcs.emulated_ex, masked_rows="average")
+    assert any("masked_rows='average' with dropout" in str(r) for r in reasons), reasons
+    assert tcs.explain(q, k, v, keep, 0.25, executor=tcs.emulated_ex) == []  # "zeros": dead rows stay 0 either way
+    with torch.no_grad(), _Counted() as c:
+        torch.manual_seed(0)
+        out = tcs.attention(q, k, v, keep, 0.25, masked_rows="average")
+    assert c.lookups == 0, vars(c)
+    torch.manual_seed(0)
+    torch.testing.assert_close(out, decomposition(TORCH_OPS, q, k, v, keep, 0.25, masked_rows="average"))
 
 
 def test_inference_builds_a_forward_without_stats(emulated):
@@ -565,3 +674,23 @@ def test_torch_compile_under_autocast_runs_the_executor_as_eager_does(emulated):
             compiled = torch.compile(fn, fullgraph=True)(q, k, v)
     assert (c.lookups, c.fallbacks) == (1, 0) and compiled.dtype == torch.bfloat16, vars(c)
     assert torch.equal(compiled, eager)
+
+
+def test_torch_compile_masked_rows_average_gives_the_finite_fill_numbers(emulated):
+    """``masked_rows="average"`` under ``torch.compile(fullgraph=True)`` with inductor, forward and backward: the
+    op's kernels run the executor (built once, the second step hits both graphs, nothing on the fallback), O and
+    every gradient are the model's own finite-fill numbers by the accuracy rule, and a dead row is exactly V's
+    mean with a gradient to V only, through the compiled backward."""
+    keep = _dead_row_mask("whole_rows")
+    q, k, v = QKV_LAYOUTS["bshd_transposed"](B, H, L, S, D, D, torch.bfloat16)
+    compiled = torch.compile(
+        lambda q, k, v, m: tcs.attention(q, k, v, m, masked_rows="average"), fullgraph=True, backend="inductor"
+    )
+    model = lambda q, k, v, m: finite_fill_attention(q, k, v, m)  # noqa: E731
+    grad_out = torch.randn(B, H, L, D, dtype=torch.bfloat16)
+    with _Counted() as first:
+        out = _judge(compiled, [q, k, v, keep], grad_out, ("dq", "dk", "dv", "dmask"), model=model)
+    assert (first.builds, first.fallbacks) == (2, 0), vars(first)
+    with _Counted() as second:
+        assert_dead_rows_average_v(q, k, v, out, keep, lambda g: _run(compiled, [q, k, v, keep], g)[1][:3])
+    assert (second.builds, second.hits, second.fallbacks) == (0, 2, 0), vars(second)

@@ -15,7 +15,15 @@ import pytest
 import thunder
 import torch
 import torch.nn.functional as F
-from checks import assert_claimed_in_traces, jit_with_ours, on_the_runtime, trace_text
+from checks import (
+    assert_claimed_in_traces,
+    assert_dead_rows_average_v,
+    dead_rows,
+    finite_fill_attention,
+    jit_with_ours,
+    on_the_runtime,
+    trace_text,
+)
 
 import thunder_cudnn_safe as tcs
 from thunder_cudnn_safe.testing import (
@@ -112,6 +120,61 @@ def test_sinks_that_are_no_tensor_fail_with_their_name(jit):
     fn = lambda q: tcs.attention(q, q, q, sinks=[0.0, 1.0])  # noqa: E731
     with pytest.raises(TypeError, match="sinks must be a tensor"):
         (jit_with_ours(fn) if jit else fn)(q)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "thunder.jit"])
+@pytest.mark.parametrize("bad", ["mean", "Zeros", None])
+def test_a_masked_rows_of_neither_value_fails_with_its_name(bad, jit):
+    """Any other value would run as ``"zeros"`` silently (only ``"average"`` is tested for): refused in eager, under
+    thunder.jit, and on the custom op called directly (as dynamo records it)."""
+    q = torch.randn(1, 2, 4, 8)
+    fn = lambda q: tcs.attention(q, q, q, masked_rows=bad)  # noqa: E731
+    with pytest.raises(ValueError, match="masked_rows must be one of"):
+        (jit_with_ours(fn) if jit else fn)(q)
+    with pytest.raises(ValueError, match="masked_rows must be one of"):
+        torch.ops.cudnn_safe.attention(q, q, q, None, 0.0, False, None, False, None, None, True, str(bad))
+
+
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["no_sinks", "sinks"])
+def test_masked_rows_average_under_thunder_jit(with_sinks, fresh_cache):
+    """``attention(..., masked_rows="average")`` under thunder.jit: the lookaside hands the option to the symbol,
+    which the executor claims forward and backward (nothing on the fallback). O and every gradient are the numbers
+    of the model's own ``masked_fill(~keep, finfo.min)`` attention by the accuracy rule; a row masked everywhere is
+    V's mean with a gradient to V only, or with sinks 0, as in the model (the sink takes the whole row)."""
+    b, h, lq, s, d = 2, 4, 16, 24, 64
+    q, k, v = QKV_LAYOUTS["bshd_transposed"](b, h, lq, s, d, d, torch.bfloat16)
+    keep = torch.rand(b, 1, lq, s) > 0.3
+    keep[..., 0] = True  # no other row dies by chance
+    keep[0, :, [3, 10]] = False
+    keep[1] = False
+    sinks = torch.randn(h, requires_grad=True) if with_sinks else None
+    jf = jit_with_ours(lambda q, k, v, m, sn: tcs.attention(q, k, v, m, sinks=sn, masked_rows="average"))
+    grad = torch.randn(b, h, lq, d, dtype=torch.bfloat16)
+    leaves = [t for t in (q, k, v, sinks) if t is not None]
+    with on_the_runtime():
+        out = jf(q, k, v, keep, sinks)
+        got = [out, *torch.autograd.grad(out, leaves, grad)]
+    assert_claimed_in_traces(jf)
+    expected, eager_all = [], []
+    for inputs, g in ((_f64(*leaves), grad.double()), ([t.detach().clone().requires_grad_() for t in leaves], grad)):
+        q_, k_, v_, *sn = inputs
+        o = finite_fill_attention(q_, k_, v_, keep, sinks=sn[0] if sn else None)
+        (expected if o.dtype == torch.float64 else eager_all).extend([o, *torch.autograd.grad(o, inputs, g)])
+    floors = {
+        "dQ": flash_backward_floor(torch.bfloat16, d**-0.5, grad, out, k, b * lq),
+        "dK": flash_backward_floor(torch.bfloat16, d**-0.5, grad, out, q, b * lq),
+        "dSinks": sink_gradient_floor(torch.bfloat16, grad, out),
+    }
+    for name, a, e, r in zip(["O", "dQ", "dK", "dV", "dSinks"], got, eager_all, expected):
+        assert_close_to_reference(a, e, r, name, floor=floors.get(name, 0.0))
+    dead = dead_rows(keep).expand(b, h, lq)
+    if with_sinks:
+        assert out.detach()[dead].abs().max() == 0
+    else:
+        with on_the_runtime():
+            assert_dead_rows_average_v(
+                q, k, v, out, keep, lambda g: torch.autograd.grad(jf(q, k, v, keep, None), (q, k, v), g)
+            )
 
 
 # -- the sweep under thunder.jit ------------------------------------------------------------------------------
@@ -359,6 +422,30 @@ def test_thunderfx_maps_the_custom_op_to_the_executor(fresh_cache):
     expected = tcs.attention(*(t.detach() for t in (q, k, v)), is_causal=True, sinks=sinks.detach())
     torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
     assert sinks.grad is not None and torch.isfinite(sinks.grad).all()
+
+
+@pytest.mark.thunderfx
+def test_thunderfx_passes_masked_rows_to_the_executor(fresh_cache):
+    """ThunderFX maps the op to the symbol with its ``masked_rows``: claimed forward and backward, a row masked
+    everywhere is V's mean (not zeros) and passes no gradient to Q, the rest is the model's finite fill."""
+    from thunder.dynamo import ThunderCompiler
+
+    backend = ThunderCompiler(executors=[tcs.emulated_ex, *thunder.get_default_executors()])
+    q, k, v = (torch.randn(1, 2, 8, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    keep = torch.rand(8, 8) > 0.3
+    keep[:, 0], keep[3] = True, False
+    fn = torch.compile(lambda q, k, v, m: tcs.attention(q, k, v, m, masked_rows="average"), backend=backend)
+    with on_the_runtime():
+        out = fn(q, k, v, keep)
+        out.float().sum().backward()
+    compiled = [fn for sub in backend.subgraph_infos for fn in sub.thunder_compiled_fns]
+    traces = [str(t) for fn in compiled for t in thunder.last_traces(fn) + thunder.last_backward_traces(fn)]
+    assert any("cudnn_safe_emulated_sdpa_fwd" in t for t in traces)
+    assert any("cudnn_safe_emulated_sdpa_bwd" in t for t in traces)
+    expected = finite_fill_attention(*(t.detach().double() for t in (q, k, v)), keep)
+    torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=2e-2)
+    assert torch.equal(out.detach()[:, :, 3], v.detach().float().mean(-2).bfloat16())
+    assert q.grad[:, :, 3].abs().max() == 0
 
 
 def test_the_custom_op_computes_the_function_and_its_gradients():

@@ -86,18 +86,26 @@ def attention_symbol(
     without options or a mask is thunder's SDPA, which other executors may claim: with a mask, a query row may be
     masked everywhere, which thunder's SDPA decomposition makes NaN where the function (eager) gives zeros.
     ``masked_rows``: what such a row gives (:data:`~thunder_cudnn_safe.routing.calls.MASKED_ROWS`)."""
-    if masked_rows not in MASKED_ROWS:
-        raise ValueError(f"masked_rows must be one of {MASKED_ROWS}, not {masked_rows!r}")
+    check_masked_rows(masked_rows)
     if softcap is None and sinks is None and attn_mask is None:
         return gqa.torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
     args = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap, sinks, masked_rows)
     return decomposition(_THUNDER, *args)
 
 
-def check_options(query: Any, softcap: Any, sinks: Any) -> None:
+def check_masked_rows(masked_rows: Any) -> None:
+    """A ``masked_rows`` other than :data:`~thunder_cudnn_safe.routing.calls.MASKED_ROWS`' fails with its name: any
+    other value would silently run as ``"zeros"`` (the decomposition and the dispatcher test for ``"average"``)."""
+    if not isinstance(masked_rows, str) or masked_rows not in MASKED_ROWS:
+        raise ValueError(f"attention(): masked_rows must be one of {MASKED_ROWS}, got {masked_rows!r}")
+
+
+def check_options(query: Any, softcap: Any, sinks: Any, masked_rows: Any = "zeros") -> None:
     """Bad options fail here, with the argument's name, instead of as a shape error deep in a kernel or as silently
-    wrong numbers (a cap of 0 or below, NaN; sinks of shape (1, H) broadcast): in eager, and on the tensors' proxies
-    when thunder traces the call (a symbolic softcap is judged by its value at trace time)."""
+    wrong numbers (a cap of 0 or below, NaN; sinks of shape (1, H) broadcast; a ``masked_rows`` that is neither
+    value): in eager, and on the tensors' proxies when thunder traces the call (a symbolic softcap is judged by its
+    value at trace time)."""
+    check_masked_rows(masked_rows)
     cap = softcap.value if isinstance(softcap, NumberProxy) else softcap
     number = isinstance(cap, (int, float)) and not isinstance(cap, bool)
     if cap is not None and not (number and math.isfinite(cap) and cap > 0):

@@ -41,7 +41,13 @@ from thunder.core.jit_ext import (
 from thunder.extend import OperatorExecutor
 
 from thunder_cudnn_safe import caches, config
-from thunder_cudnn_safe.integration.attention import TORCH_OPS, attention_symbol, check_options, decomposition
+from thunder_cudnn_safe.integration.attention import (
+    TORCH_OPS,
+    attention_symbol,
+    check_masked_rows,
+    check_options,
+    decomposition,
+)
 from thunder_cudnn_safe.integration.executor import attention_call, cudnn_safe_ex, emulated_ex, reasons_for
 from thunder_cudnn_safe.layouts.layout import ArgSig, LayoutPolicy, packed_strides, strides_like
 from thunder_cudnn_safe.lru import LRU
@@ -96,11 +102,16 @@ def claiming(call: ForwardCall) -> OperatorExecutor | None:
     return ex if claimed else None
 
 
-def _call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap, sinks, need_stats):
+def _call(
+    query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap, sinks, need_stats, masked_rows
+):  # fmt: skip
     """The call value of an op call, as thunder's checker makes it for the symbol (the knobs as compile options),
-    never with fused dQKV: the op returns dq, dk, dv apart (``bwd_may_cat_grad_qkv`` serves thunder's traces)."""
-    call = attention_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap, sinks)
-    return call._replace(need_stats=need_stats, cat_grad_qkv=False)
+    never with fused dQKV: the op returns dq, dk, dv apart (``bwd_may_cat_grad_qkv`` serves thunder's traces).
+    ``masked_rows`` is a field of the call, so it is in the verdict memo's key and the dispatcher's; it is checked
+    here too, for the op called directly (as dynamo records it), which :func:`attention`'s checks do not guard."""
+    check_masked_rows(masked_rows)
+    args = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap, sinks, masked_rows)
+    return attention_call(*args)._replace(need_stats=need_stats, cat_grad_qkv=False)
 
 
 def promised_strides(shape: Sequence[int], like: torch.Tensor) -> tuple[int, ...]:
@@ -150,27 +161,31 @@ def _without_autocast(kernel: Callable) -> Callable:
 def attention_op(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None, dropout_p: float,
     is_causal: bool, scale: float | None, enable_gqa: bool, softcap: float | None, sinks: torch.Tensor | None,
-    need_stats: bool = True,
+    need_stats: bool = True, masked_rows: str = "zeros",
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """:func:`attention` as one operator: (O, stats). ``stats`` is the softmax's natural-log logsumexp per query
     row, (..., L, 1) float32, which the backward reads; empty (0,) without ``need_stats`` (no backward follows:
-    the executor builds an inference graph). Under thunder the op is its symbol and ``stats`` is empty."""
+    the executor builds an inference graph). Under thunder the op is its symbol and ``stats`` is empty.
+    ``masked_rows``: what a query row whose every key is masked gives, as :func:`attention`'s."""
     args = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap, sinks)
-    call = _call(*args, need_stats)
+    call = _call(*args, need_stats, masked_rows)
     ex = claiming(call)
     if ex is not None:
         out, *rest = ex.dispatcher.forward(*call)
         stats = rest[0] if need_stats else query.new_empty((0,), dtype=torch.float32)
     else:
         with torch.no_grad():
-            out, stats = decomposition(TORCH_OPS, *args, with_stats=True)
+            out, stats = decomposition(TORCH_OPS, *args, masked_rows, with_stats=True)
         stats = stats if need_stats else query.new_empty((0,), dtype=torch.float32)
     out_shape = _out_shape(query, value)
     return _as_promised(out, promised_strides(out_shape, query), query.dtype), stats
 
 
 @attention_op.register_fake
-def _(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap, sinks, need_stats=True):
+def _(
+    query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap, sinks, need_stats=True,
+    masked_rows="zeros",
+):  # fmt: skip
     out_shape, stats_shape = _out_shape(query, value), _stats_shape(query, need_stats)
     out = query.new_empty_strided(out_shape, promised_strides(out_shape, query))
     return out, query.new_empty_strided(stats_shape, packed_strides(stats_shape), dtype=torch.float32)
@@ -181,7 +196,7 @@ def _(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, sof
 def attention_backward_op(
     grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
     out: torch.Tensor, stats: torch.Tensor, is_causal: bool, scale: float | None, enable_gqa: bool,
-    softcap: float | None, sinks: torch.Tensor | None, mask_grad: bool,
+    softcap: float | None, sinks: torch.Tensor | None, mask_grad: bool, masked_rows: str = "zeros",
 ) -> list[torch.Tensor]:  # fmt: skip
     """dq, dk, dv, dmask, dsinks of :func:`attention_op` from its saved O and stats (an empty tensor for a mask
     gradient not asked for, ``mask_grad`` False or a boolean mask, or sinks not given). A claimed call runs the
@@ -191,7 +206,7 @@ def attention_backward_op(
     float_mask = attn_mask is not None and attn_mask.is_floating_point()
     mask_grad = mask_grad and float_mask
     args = (query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa, softcap, sinks)
-    call = _call(*args, True)
+    call = _call(*args, True, masked_rows)
     # judged as a call whose mask's gradient is needed where it is (the rules on dBias: its dtype, its workspace),
     # which the tensors inside a compiled backward no longer say (none requires grad there)
     judged = call._replace(attn_mask=attn_mask.detach().requires_grad_()) if mask_grad else call
@@ -202,7 +217,7 @@ def attention_backward_op(
         dsinks = extra.pop(0) if sinks is not None else None
         dmask = extra.pop(0) if mask_grad else None
     else:
-        dq, dk, dv, dmask, dsinks = _decomposition_vjp(grad, *args, mask_grad)
+        dq, dk, dv, dmask, dsinks = _decomposition_vjp(grad, *args, masked_rows, mask_grad)
     promised = [_as_promised(g, promised_strides(t.shape, t), t.dtype) for g, t in zip((dq, dk, dv), args)]
     extra = [  # an empty tensor each: an op's outputs may not alias each other
         query.new_empty(0) if g is None else _as_promised(g, packed_strides(t.shape), t.dtype)
@@ -212,14 +227,15 @@ def attention_backward_op(
 
 
 def _decomposition_vjp(grad, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap, sinks,
-                       mask_grad):  # fmt: skip
+                       masked_rows, mask_grad):  # fmt: skip
     """dq, dk, dv, dmask (or None), dsinks (or None) of the decomposition. ``torch.func.vjp``, not
     ``autograd.grad``: an operator's kernel runs below the autograd dispatch key."""
     given = {name: t for name, t in (("mask", attn_mask if mask_grad else None), ("sink", sinks)) if t is not None}
 
     def fn(q, k, v, extra):
         mask = extra.get("mask", attn_mask)
-        return decomposition(TORCH_OPS, q, k, v, mask, 0.0, is_causal, scale, enable_gqa, softcap, extra.get("sink"))
+        sink = extra.get("sink")
+        return decomposition(TORCH_OPS, q, k, v, mask, 0.0, is_causal, scale, enable_gqa, softcap, sink, masked_rows)
 
     _, vjp = torch.func.vjp(fn, query, key, value, given)
     dq, dk, dv, extra = vjp(grad)
@@ -227,7 +243,10 @@ def _decomposition_vjp(grad, query, key, value, attn_mask, dropout_p, is_causal,
 
 
 @attention_backward_op.register_fake
-def _(grad, query, key, value, attn_mask, out, stats, is_causal, scale, enable_gqa, softcap, sinks, mask_grad):
+def _(
+    grad, query, key, value, attn_mask, out, stats, is_causal, scale, enable_gqa, softcap, sinks, mask_grad,
+    masked_rows="zeros",
+):  # fmt: skip
     float_mask = attn_mask is not None and attn_mask.is_floating_point()
     grads = [t.new_empty_strided(t.shape, promised_strides(t.shape, t)) for t in (query, key, value)]
     extra = (attn_mask if mask_grad and float_mask else None, sinks)
@@ -235,7 +254,9 @@ def _(grad, query, key, value, attn_mask, out, stats, is_causal, scale, enable_g
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap, sinks, need_stats = inputs
+    query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap, sinks, need_stats, masked_rows = (
+        inputs
+    )
     if dropout_p:
         raise NotImplementedError(
             "cudnn_safe.attention under torch.compile without thunder: dropout_p > 0 has no backward here (its "
@@ -248,18 +269,19 @@ def _setup_context(ctx, inputs, output) -> None:
         )
     out, stats = output
     ctx.save_for_backward(query, key, value, attn_mask, sinks, out, stats)
-    ctx.options = (is_causal, scale, enable_gqa, softcap)
+    ctx.options = (is_causal, scale, enable_gqa, softcap, masked_rows)
 
 
 def _backward(ctx, grad, _grad_stats):
     query, key, value, attn_mask, sinks, out, stats = ctx.saved_tensors
-    is_causal, scale, enable_gqa, softcap = ctx.options
+    is_causal, scale, enable_gqa, softcap, masked_rows = ctx.options
     mask_grad = attn_mask is not None and attn_mask.is_floating_point() and ctx.needs_input_grad[3]
     dq, dk, dv, dmask, dsinks = attention_backward_op(
-        grad, query, key, value, attn_mask, out, stats, is_causal, scale, enable_gqa, softcap, sinks, mask_grad
-    )
+        grad, query, key, value, attn_mask, out, stats, is_causal, scale, enable_gqa, softcap, sinks, mask_grad,
+        masked_rows,
+    )  # fmt: skip
     dmask, dsinks = dmask if mask_grad else None, dsinks if sinks is not None else None
-    return dq, dk, dv, dmask, None, None, None, None, None, dsinks, None
+    return dq, dk, dv, dmask, None, None, None, None, None, dsinks, None, None
 
 
 attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -277,6 +299,7 @@ def attention(
     *,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    masked_rows: str = "zeros",
 ) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` plus logit softcapping and attention sinks, as one fused cuDNN call
     under thunder, in eager PyTorch and under ``torch.compile`` (README, "Beyond F.sdpa"; outside thunder the knob
@@ -284,8 +307,14 @@ def attention(
 
     ``softcap`` (c > 0): the scaled scores become ``c * tanh(s / c)`` before the mask is applied (Gemma 2).
     ``sinks`` ((H_q,), float32 or the query dtype): each head's softmax denominator gains ``exp(sinks[h])``, and the
-    gradient reaches ``sinks`` (gpt-oss). The other arguments mean what they mean for F.sdpa."""
-    check_options(query, softcap, sinks)
+    gradient reaches ``sinks`` (gpt-oss).
+    ``masked_rows``: what a query row whose every key is masked (by ``attn_mask`` and the causal band) gives.
+    ``"zeros"`` (F.sdpa's safe softmax): zeros, and no gradient. ``"average"``: the average of ``value`` over all its
+    keys, with a gradient to ``value`` only, which is what a model that masks with a finite fill computes
+    (``scores.masked_fill(~keep, torch.finfo(dtype).min)`` or ``-1e9`` and then softmax): the row's scores are all
+    the same, so the softmax is uniform. With ``sinks`` both give zeros (the sink takes the whole row).
+    The other arguments mean what they mean for F.sdpa."""
+    check_options(query, softcap, sinks, masked_rows)
     device_type = query.device.type
     if torch.is_autocast_enabled(device_type):
         query, key, value, attn_mask = autocast_inputs(query, key, value, attn_mask, device_type)
@@ -293,16 +322,16 @@ def attention(
     operands = (query, key, value, attn_mask, sinks)
     need_stats = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in operands)
     if torch.compiler.is_compiling() or _tracing():  # decided at run time by the op's kernel (ThunderFX: thunder's)
-        return attention_op(*args, need_stats)[0]
+        return attention_op(*args, need_stats, masked_rows)[0]
     # a declined call: the decomposition with torch's autograd (no recomputation in the backward); no executor for
     # the device (the default on CPU) is known before any call value is made, and inside a torch.func transform
     # (grad, vmap, jacrev) the operands are wrapper tensors with no data pointer for the executor to bind (and
     # the op has no batching rule), so the transform runs the decomposition's torch ops
     in_transform = torch._C._functorch.peek_interpreter_stack() is not None
-    if eager_executor(query.device) is None or in_transform or claiming(_call(*args, need_stats)) is None:
+    if eager_executor(query.device) is None or in_transform or claiming(_call(*args, need_stats, masked_rows)) is None:
         with torch.autocast(device_type, enabled=False):  # as inside the op's kernel: cast once, above
-            return decomposition(TORCH_OPS, *args)
-    return attention_op(*args, need_stats)[0]
+            return decomposition(TORCH_OPS, *args, masked_rows)
+    return attention_op(*args, need_stats, masked_rows)[0]
 
 
 def _tracing() -> bool:
@@ -346,17 +375,20 @@ def register_attention() -> None:
 
 def _traced(
     query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, softcap=None,
-    sinks=None,
+    sinks=None, masked_rows="zeros",
 ):  # fmt: skip
     """:func:`attention` as ``thunder.jit`` traces it: its options checked as in eager, then the symbol."""
-    check_options(query, softcap, sinks)
-    return attention_symbol(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap, sinks)
+    check_options(query, softcap, sinks, masked_rows)
+    args = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap, sinks, masked_rows)
+    return attention_symbol(*args)
 
 
 def _op_traced(
-    query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap, sinks, need_stats=True
+    query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap, sinks, need_stats=True,
+    masked_rows="zeros",
 ):  # fmt: skip
     """The custom op as thunder traces it (ThunderFX): the symbol, whose backward thunder makes itself, and an
     empty stats output, which nothing under thunder reads (only the op's autograd outside thunder does)."""
-    out = _traced(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap, sinks)
+    args = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap, sinks, masked_rows)
+    out = _traced(*args)
     return out, ltorch.empty((0,), device=query.device, dtype=torch.float32)

@@ -238,7 +238,9 @@ def _scalar_reasons(call: Any) -> Iterator[Decline]:
 def _variant_reasons(call: Any, view: Facts) -> Iterator[Decline]:
     """Attention sinks and softcapping (``thunder_cudnn_safe.attention``): ``sinks`` one float32 or query-dtype
     value per query head on the query's device, ``softcap`` a finite number > 0 known at trace time; neither with
-    dropout (the executor's dropout pairing is verified for plain SDPA only: such a call runs the decomposition)."""
+    dropout (the executor's dropout pairing is verified for plain SDPA only: such a call runs the decomposition),
+    nor ``masked_rows="average"`` with a mask and dropout (the dispatcher writes the dead rows' mean after the
+    route, without the dropout the function applies to their weights)."""
     sinks, cap = getattr(call, "sinks", None), getattr(call, "softcap", None)
     if sinks is not None:
         shape, dtype = tuple(int(n) for n in sinks.shape), sinks.dtype
@@ -269,4 +271,10 @@ def _variant_reasons(call: Any, view: Facts) -> Iterator[Decline]:
             DeclineCode.DROPOUT,
             "dropout together with sinks or softcap: the executor pairs dropout forwards and backwards for plain "
             "SDPA only; the call runs the decomposition",
+        )
+    if getattr(call, "masked_rows", "zeros") == "average" and call.attn_mask is not None and view.dropout > 0:
+        yield Decline(
+            DeclineCode.DROPOUT,
+            "masked_rows='average' with dropout: a row masked everywhere would be V's exact mean, where the function "
+            "drops out its uniform weights like any other row's; the call runs the decomposition",
         )
