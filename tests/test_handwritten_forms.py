@@ -262,6 +262,27 @@ def two_fills(q, k, v, keep, bias):
     return torch.softmax(s, -1) @ v
 
 
+def softcap_then_scale(q, k, v, keep, bias):
+    """A factor after the softcap (``c * tanh(s / c) * a``): the fused call would cap ``a * s`` instead."""
+    s = torch.tanh(q @ k.mT / 2.0) * 2.0
+    return torch.softmax(s.masked_fill(~keep, float("-inf")) * 0.5, -1) @ v
+
+
+def baddbmm_mask_then_scale(q, k, v, keep, bias):
+    """baddbmm's input (a mask, beta = 1) then a factor: the model scales its mask, the fused call would not."""
+    q3, k3, v3 = (t.reshape(B * H, L, D) for t in (q, k, v))
+    s = torch.baddbmm(bias.expand(B, H, L, L).reshape(B * H, L, L), q3, k3.mT, beta=1, alpha=SCALE) * 2.0
+    return (s.softmax(-1) @ v3).reshape(B, H, L, D)
+
+
+def baddbmm_mask_under_softcap(q, k, v, keep, bias):
+    """baddbmm's input under a softcap: the model caps the masked scores, the fused call adds the mask after."""
+    q3, k3, v3 = (t.reshape(B * H, L, D) for t in (q, k, v))
+    s = torch.baddbmm(bias.expand(B, H, L, L).reshape(B * H, L, L), q3, k3.mT, beta=1, alpha=SCALE)
+    s = torch.tanh(s / 3.0) * 3.0
+    return (s.softmax(-1) @ v3).reshape(B, H, L, D)
+
+
 DECLINED = {
     "fill-minus-one": (fill_minus_one, "a bias, not a mask"),
     "softmax-over-queries": (softmax_over_queries, "not over the last dim"),
@@ -270,6 +291,9 @@ DECLINED = {
     "gpt2-with-padding": (gpt2_with_padding, "a finite fill"),
     "bmm-unproved-fold": (bmm_unproved_fold, "not proved to be the heads folded"),
     "two-fills": (two_fills, "different values"),
+    "softcap-then-scale": (softcap_then_scale, "applied after the softcap"),
+    "baddbmm-mask-then-scale": (baddbmm_mask_then_scale, "baddbmm's input (an additive mask) under"),
+    "baddbmm-mask-under-softcap": (baddbmm_mask_under_softcap, "baddbmm's input (an additive mask) under"),
 }
 
 

@@ -307,7 +307,7 @@ def _match_region(w: TraceWalk, out_bsym: BoundSymbol, region: Region) -> None:
         x = _sink_column(w, x, region)
     region.logits = x
     s = _masks(w, x, region)
-    s = _softcap(w, s, region)
+    s = _softcap(w, s, region, after=region.scale)
     _scores(w, s, region)
     _additive_in_input_dtype(w, region)
     _finite_fills(region)
@@ -566,8 +566,10 @@ def _negated(w: TraceWalk, cond: TensorProxy) -> TensorProxy | tuple[str, Tensor
     return ("not", cond)
 
 
-def _softcap(w: TraceWalk, s: TensorProxy, region: Region) -> TensorProxy:
-    """``tanh(s * (1/c)) * c`` -> s, recording c."""
+def _softcap(w: TraceWalk, s: TensorProxy, region: Region, after: float) -> TensorProxy:
+    """``tanh(s * (1/c)) * c`` -> s, recording c. ``after``: the constant factors :func:`_masks` found applied
+    after it (``c * tanh(s / c) * a``): the fused call scales the scores before capping them, ``c * tanh(a * s /
+    c)``, which is another function for any a != 1, so such a softcap is declined."""
     bsym = w.producer(s)
     outer = w.scalar_factor(bsym) if bsym is not None else None
     if outer is None:
@@ -580,6 +582,9 @@ def _softcap(w: TraceWalk, s: TensorProxy, region: Region) -> TensorProxy:
     inner = w.scalar_factor(ib) if ib is not None else None
     if inner is None or c <= 0 or not math.isclose(inner[1] * c, 1.0, rel_tol=1e-6):
         raise NotAttention("a tanh on the scores that is not a softcap c * tanh(s / c)")
+    if after != 1.0:
+        raise NotAttention(f"a constant factor {after:g} applied after the softcap c * tanh(s / c): the fused call "
+                           "scales the scores before capping them")  # fmt: skip
     region.bsyms.append(bsym)
     w.skip_casts(t, region)
     region.bsyms.append(tb)
@@ -613,6 +618,9 @@ def _scores(w: TraceWalk, s: TensorProxy, region: Region) -> None:
     except NotAProduct as why:
         raise NotAttention(str(why)) from None
     if product.addend is not None:  # baddbmm's input, beta = 1: the model's first addition
+        if region.softcap is not None or region.scale * scale != 1.0:
+            raise NotAttention("baddbmm's input (an additive mask) under a softcap or a constant factor applied after "
+                               "the baddbmm: the fused call adds its mask to the scaled, capped scores")  # fmt: skip
         _check_mask_shape(product.addend, s)
         region.additive.append(product.addend)
     k, c = w.take_scales(k_operand.source, region, stop_at_shared=True)
