@@ -283,6 +283,11 @@ def baddbmm_mask_under_softcap(q, k, v, keep, bias):
     return (s.softmax(-1) @ v3).reshape(B, H, L, D)
 
 
+def probabilities_masked_again(q, k, v, keep, bias):
+    """The probabilities updated after the softmax: attention all the same, left as written with the reason."""
+    return (q @ k.mT * SCALE).softmax(-1).masked_fill(~keep, 0.0) @ v
+
+
 DECLINED = {
     "fill-minus-one": (fill_minus_one, "a bias, not a mask"),
     "softmax-over-queries": (softmax_over_queries, "not over the last dim"),
@@ -294,6 +299,7 @@ DECLINED = {
     "softcap-then-scale": (softcap_then_scale, "applied after the softcap"),
     "baddbmm-mask-then-scale": (baddbmm_mask_then_scale, "baddbmm's input (an additive mask) under"),
     "baddbmm-mask-under-softcap": (baddbmm_mask_under_softcap, "baddbmm's input (an additive mask) under"),
+    "probabilities-masked-again": (probabilities_masked_again, "not a softmax's output"),
 }
 
 

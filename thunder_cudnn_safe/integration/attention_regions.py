@@ -239,7 +239,8 @@ def match_region(w: TraceWalk, out_bsym: BoundSymbol, region: Region) -> None:
         _match_region(w, out_bsym, region)
     except NotAttention:
         if not any(b.sym.id == SOFTMAX for b in region.bsyms):
-            softmax = next(filter(None, (_softmax_upstream(w, t) for t in _tensors(out_bsym))), None)
+            found = (_softmax_upstream(w, t, through_updates=True) for t in _tensors(out_bsym))
+            softmax = next(filter(None, found), None)
             if softmax is not None:
                 region.bsyms.append(softmax)
         raise
@@ -250,8 +251,11 @@ def match_region(w: TraceWalk, out_bsym: BoundSymbol, region: Region) -> None:
 _PASS_PRIMS = VIEW_PRIMS | CAST_PRIMS | {prims.PrimIDs.SLICE, prims.PrimIDs.TRANSPOSE, prims.PrimIDs.SQUEEZE}
 
 
-def _softmax_upstream(w: TraceWalk, t: Any, steps: int = 8) -> BoundSymbol | None:
-    """The softmax ``t`` is, through up to ``steps`` one-input views, casts, slices and dropouts, else None."""
+def _softmax_upstream(w: TraceWalk, t: Any, steps: int = 8, through_updates: bool = False) -> BoundSymbol | None:
+    """The softmax ``t`` is, through up to ``steps`` one-input views, casts, slices and dropouts, else None. With
+    ``through_updates`` (to name the softmax a declined region's reason belongs to, never to pick P) also through
+    ops whose first float operand has their output's shape: the probabilities updated after the softmax
+    (``p.masked_fill(~keep, 0)``, ``p / p.sum(-1, keepdim=True)``) still make it attention that stays as written."""
     for _ in range(steps):
         bsym = w.producer(t)
         if bsym is None:
@@ -260,9 +264,14 @@ def _softmax_upstream(w: TraceWalk, t: Any, steps: int = 8) -> BoundSymbol | Non
             return bsym
         ins, leaves = _tensors(bsym), leaf_prims(bsym)
         passes = bsym.sym.id == _DROPOUT or (leaves and all(x.sym.id in _PASS_PRIMS for x in leaves))
-        if len(ins) != 1 or not passes:
+        if len(ins) == 1 and passes:
+            t = ins[0]
+            continue
+        floats = [i for i in ins if dtypes.is_float_dtype(i.dtype)]
+        outs = bsym.flat_proxy_outs
+        if not (through_updates and floats and outs and tuple(floats[0].shape) == tuple(outs[0].shape)):
             return None
-        t = ins[0]
+        t = floats[0]
     return None
 
 
