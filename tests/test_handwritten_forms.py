@@ -223,6 +223,31 @@ def test_a_padding_pattern_masking_a_whole_batch_element_averages_it(fresh_cache
     assert tf.recognised == 1 and tf.regions[0]["masked_rows"] == "average"
 
 
+def fill_then_cast(q, k, v, keep, bias):
+    """finfo(float32).min filled into float32 scores, then cast to bf16 for the softmax: -inf there."""
+    s = (q.float() @ k.float().mT * SCALE).masked_fill(~keep, torch.finfo(torch.float32).min)
+    return s.to(q.dtype).softmax(-1) @ v
+
+
+def fill_then_doubled(q, k, v, keep, bias):
+    """finfo(float32).min filled, then the scores doubled: the fill overflows to -inf."""
+    s = (q.float() @ k.float().mT).masked_fill(~keep, torch.finfo(torch.float32).min) * 2.0
+    return s.softmax(-1).to(q.dtype) @ v
+
+
+@pytest.mark.parametrize("fn", [fill_then_cast, fill_then_doubled], ids=lambda f: f.__name__)
+def test_a_fill_that_reaches_the_softmax_as_minus_inf_is_minus_infs_function(fn, fresh_cache):
+    """The fill as the softmax reads it decides: -inf there, so a row masked everywhere is -inf's (eager NaN, the
+    fused call's zeros, as for any -inf mask), never the average a finite fill gives; the other rows are eager's."""
+    tf = tcs.FuseHandwrittenAttention()
+    q, k, v, keep, bias = (t.detach() for t in _args(dead_rows=True))
+    out = _jit(fn, tf)(q, k, v, keep, bias)
+    assert tf.recognised == 1 and tf.regions[0]["masked_rows"] == "zeros", tf.report()
+    assert out[:, :, [3, 9]].abs().max() == 0
+    live = [row for row in range(L) if row not in (3, 9)]
+    torch.testing.assert_close(out[:, :, live], fn(q, k, v, keep, bias)[:, :, live], atol=1e-2, rtol=2e-2)
+
+
 # -- forms that are not the fused call's function (or not proved to be): left as written, with the reason --------
 def fill_minus_one(q, k, v, keep, bias):
     return torch.softmax((q @ k.mT * SCALE).masked_fill(~keep, -1.0), -1) @ v

@@ -490,7 +490,7 @@ def _masks(w: TraceWalk, s: TensorProxy, region: Region) -> TensorProxy:
                 raise NotAttention("a boolean tensor is added to the scores")
             region.additive.append(term)
         elif sid in (ltorch.masked_fill.id, ltorch.where.id):
-            scores = _boolean_mask(w, bsym, s, region, above)
+            scores = _boolean_mask(w, bsym, s, region)
         else:
             break
         region.bsyms.append(bsym)
@@ -532,7 +532,7 @@ def _check_mask_shape(term: TensorProxy, s: TensorProxy) -> None:
         raise NotAttention(f"a mask of shape {tuple(term.shape)} would broadcast the scores {tuple(s.shape)}")
 
 
-def _boolean_mask(w: TraceWalk, bsym: BoundSymbol, s: TensorProxy, region: Region, above: float) -> TensorProxy:
+def _boolean_mask(w: TraceWalk, bsym: BoundSymbol, s: TensorProxy, region: Region) -> TensorProxy:
     """masked_fill(s, cond, -inf) / where(c, s, -inf) / where(c, -inf, s).
 
     A finite fill (HF's finfo.min, -1e9) at most :data:`FINITE_FILL_AT_MOST` is taken as the keep mask, its value
@@ -551,9 +551,7 @@ def _boolean_mask(w: TraceWalk, bsym: BoundSymbol, s: TensorProxy, region: Regio
             raise NotAttention("a where() on the scores that is not a mask with a constant")
     value = w.constant(value)
     if value is not None and isinstance(scores, TensorProxy) and dtypes.is_float_dtype(scores.dtype):
-        # the fill as the model holds it: rounded to the scores' dtype (finfo(float32).min is -inf in bf16), then
-        # scaled by the factors after it
-        value = float(torch.tensor(value, dtype=dtypes.to_torch_dtype(scores.dtype))) * above
+        value = _fill_as_the_softmax_reads_it(w, value, scores, region)
     if not isinstance(cond, TensorProxy) or cond.dtype != dtypes.bool8 or not isinstance(scores, TensorProxy):
         raise NotAttention("a masked_fill / where on the scores without a boolean mask")
     _check_mask_shape(cond, scores)
@@ -563,6 +561,24 @@ def _boolean_mask(w: TraceWalk, bsym: BoundSymbol, s: TensorProxy, region: Regio
     region.fills.add(value)
     region.keep.append(cond if not masked_where_true else _negated(w, cond))
     return scores
+
+
+def _fill_as_the_softmax_reads_it(w: TraceWalk, value: float, scores: TensorProxy, region: Region) -> float:
+    """A fill's value as the softmax reads it: rounded to the scores' dtype, then through every bound symbol the
+    walk passed from the softmax down to the fill (``region.bsyms`` after the softmax), each factor applied and
+    each result rounded to its dtype. A finite fill may end as -inf there (``finfo(float32).min`` cast to bf16
+    before the softmax, or scaled by 2), where the model's row masked everywhere is -inf's, not an average."""
+    x = torch.tensor(value, dtype=dtypes.to_torch_dtype(scores.dtype))
+    start = max(i for i, b in enumerate(region.bsyms) if b.sym.id == SOFTMAX)
+    for bsym in reversed(region.bsyms[start + 1 :]):  # walked back from the softmax: the fill's way is reversed
+        out = next((o for o in bsym.flat_proxy_outs if isinstance(o, TensorProxy)), None)
+        if out is None or not dtypes.is_float_dtype(out.dtype):
+            continue
+        factor = w.scalar_factor(bsym, in_place=True)
+        if factor is not None:
+            x = torch.tensor(float(x) * factor[1], dtype=torch.float64)
+        x = x.to(dtypes.to_torch_dtype(out.dtype))
+    return float(x)
 
 
 def _negated(w: TraceWalk, cond: TensorProxy) -> TensorProxy | tuple[str, TensorProxy]:
