@@ -248,6 +248,19 @@ def test_a_fill_that_reaches_the_softmax_as_minus_inf_is_minus_infs_function(fn,
     torch.testing.assert_close(out[:, :, live], fn(q, k, v, keep, bias)[:, :, live], atol=1e-2, rtol=2e-2)
 
 
+def test_the_average_of_a_dead_row_with_dropout_is_refused():
+    """``masked_rows="average"`` with dropout has two meanings (the dispatcher averages after any route, undropped;
+    the decomposition drops the uniform row out): the symbol refuses it with a clear error, never one of them."""
+    from thunder_cudnn_safe.integration.attention import attention_symbol
+
+    def fn(q, k, v, keep):
+        return attention_symbol(q, k, v, keep, 0.1, False, SCALE, False, None, None, "average")
+
+    q, k, v, keep, _ = (t.detach() for t in _args(dead_rows=True))
+    with pytest.raises(ValueError, match="masked_rows='average' with dropout"):
+        _jit(fn, tcs.FuseHandwrittenAttention())(q, k, v, keep)
+
+
 # -- forms that are not the fused call's function (or not proved to be): left as written, with the reason --------
 def fill_minus_one(q, k, v, keep, bias):
     return torch.softmax((q @ k.mT * SCALE).masked_fill(~keep, -1.0), -1) @ v

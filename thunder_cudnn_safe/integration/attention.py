@@ -88,6 +88,10 @@ def attention_symbol(
     ``masked_rows``: what such a row gives (:data:`~thunder_cudnn_safe.routing.calls.MASKED_ROWS`)."""
     if masked_rows not in MASKED_ROWS:
         raise ValueError(f"masked_rows must be one of {MASKED_ROWS}, not {masked_rows!r}")
+    if masked_rows == "average" and dropout_p:
+        # the dispatcher writes V's mean into a dead row after any route, undropped; the decomposition would drop
+        # the uniform row out: two functions for one call, so the call is refused (the transform never emits it)
+        raise ValueError("masked_rows='average' with dropout: a row masked everywhere has no one defined value")
     if softcap is None and sinks is None and attn_mask is None:
         return gqa.torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
     args = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap, sinks, masked_rows)
