@@ -223,6 +223,47 @@ def test_a_padding_pattern_masking_a_whole_batch_element_averages_it(fresh_cache
     assert tf.recognised == 1 and tf.regions[0]["masked_rows"] == "average"
 
 
+def fill_then_cast(q, k, v, keep, bias):
+    """finfo(float32).min filled into float32 scores, then cast to bf16 for the softmax: -inf there."""
+    s = (q.float() @ k.float().mT * SCALE).masked_fill(~keep, torch.finfo(torch.float32).min)
+    return s.to(q.dtype).softmax(-1) @ v
+
+
+def fill_then_doubled(q, k, v, keep, bias):
+    """finfo(float32).min filled, then the scores doubled: the fill overflows to -inf."""
+    s = (q.float() @ k.float().mT).masked_fill(~keep, torch.finfo(torch.float32).min) * 2.0
+    return s.softmax(-1).to(q.dtype) @ v
+
+
+@pytest.mark.parametrize("fn", [fill_then_cast, fill_then_doubled], ids=lambda f: f.__name__)
+def test_a_fill_that_reaches_the_softmax_as_minus_inf_is_minus_infs_function(fn, fresh_cache):
+    """The fill as the softmax reads it decides: -inf there, so a row masked everywhere is -inf's (eager NaN, the
+    fused call's zeros, as for any -inf mask), never the average a finite fill gives; the other rows are eager's."""
+    tf = tcs.FuseHandwrittenAttention()
+    q, k, v, keep, bias = (t.detach() for t in _args(dead_rows=True))
+    out = _jit(fn, tf)(q, k, v, keep, bias)
+    assert tf.recognised == 1 and tf.regions[0]["masked_rows"] == "zeros", tf.report()
+    assert out[:, :, [3, 9]].abs().max() == 0
+    live = [row for row in range(L) if row not in (3, 9)]
+    torch.testing.assert_close(out[:, :, live], fn(q, k, v, keep, bias)[:, :, live], atol=1e-2, rtol=2e-2)
+
+
+def test_the_average_of_a_dead_row_with_dropout_is_declined_and_runs_the_decomposition():
+    """``masked_rows="average"`` with dropout: the function drops out a dead row's uniform weights like any row's,
+    where the dispatcher would write V's exact mean after the route; the checker declines the call (the support
+    rule, one meaning) and thunder runs the symbol's decomposition, never the executor."""
+    from thunder_cudnn_safe.integration.attention import attention_symbol
+
+    def fn(q, k, v, keep):
+        return attention_symbol(q, k, v, keep, 0.1, False, SCALE, False, None, None, "average")
+
+    q, k, v, keep, _ = (t.detach() for t in _args(dead_rows=True))
+    jf = _jit(fn, tcs.FuseHandwrittenAttention())
+    out = jf(q, k, v, keep)
+    assert "cudnn_safe_emulated_sdpa_fwd" not in str(thunder.last_traces(jf)[-1])
+    assert out.shape == q.shape and torch.isfinite(out).all()
+
+
 # -- forms that are not the fused call's function (or not proved to be): left as written, with the reason --------
 def fill_minus_one(q, k, v, keep, bias):
     return torch.softmax((q @ k.mT * SCALE).masked_fill(~keep, -1.0), -1) @ v
@@ -262,6 +303,32 @@ def two_fills(q, k, v, keep, bias):
     return torch.softmax(s, -1) @ v
 
 
+def softcap_then_scale(q, k, v, keep, bias):
+    """A factor after the softcap (``c * tanh(s / c) * a``): the fused call would cap ``a * s`` instead."""
+    s = torch.tanh(q @ k.mT / 2.0) * 2.0
+    return torch.softmax(s.masked_fill(~keep, float("-inf")) * 0.5, -1) @ v
+
+
+def baddbmm_mask_then_scale(q, k, v, keep, bias):
+    """baddbmm's input (a mask, beta = 1) then a factor: the model scales its mask, the fused call would not."""
+    q3, k3, v3 = (t.reshape(B * H, L, D) for t in (q, k, v))
+    s = torch.baddbmm(bias.expand(B, H, L, L).reshape(B * H, L, L), q3, k3.mT, beta=1, alpha=SCALE) * 2.0
+    return (s.softmax(-1) @ v3).reshape(B, H, L, D)
+
+
+def baddbmm_mask_under_softcap(q, k, v, keep, bias):
+    """baddbmm's input under a softcap: the model caps the masked scores, the fused call adds the mask after."""
+    q3, k3, v3 = (t.reshape(B * H, L, D) for t in (q, k, v))
+    s = torch.baddbmm(bias.expand(B, H, L, L).reshape(B * H, L, L), q3, k3.mT, beta=1, alpha=SCALE)
+    s = torch.tanh(s / 3.0) * 3.0
+    return (s.softmax(-1) @ v3).reshape(B, H, L, D)
+
+
+def probabilities_masked_again(q, k, v, keep, bias):
+    """The probabilities updated after the softmax: attention all the same, left as written with the reason."""
+    return (q @ k.mT * SCALE).softmax(-1).masked_fill(~keep, 0.0) @ v
+
+
 DECLINED = {
     "fill-minus-one": (fill_minus_one, "a bias, not a mask"),
     "softmax-over-queries": (softmax_over_queries, "not over the last dim"),
@@ -270,6 +337,10 @@ DECLINED = {
     "gpt2-with-padding": (gpt2_with_padding, "a finite fill"),
     "bmm-unproved-fold": (bmm_unproved_fold, "not proved to be the heads folded"),
     "two-fills": (two_fills, "different values"),
+    "softcap-then-scale": (softcap_then_scale, "applied after the softcap"),
+    "baddbmm-mask-then-scale": (baddbmm_mask_then_scale, "baddbmm's input (an additive mask) under"),
+    "baddbmm-mask-under-softcap": (baddbmm_mask_under_softcap, "baddbmm's input (an additive mask) under"),
+    "probabilities-masked-again": (probabilities_masked_again, "not a softmax's output"),
 }
 
 

@@ -239,7 +239,8 @@ def match_region(w: TraceWalk, out_bsym: BoundSymbol, region: Region) -> None:
         _match_region(w, out_bsym, region)
     except NotAttention:
         if not any(b.sym.id == SOFTMAX for b in region.bsyms):
-            softmax = next(filter(None, (_softmax_upstream(w, t) for t in _tensors(out_bsym))), None)
+            found = (_softmax_upstream(w, t, through_updates=True) for t in _tensors(out_bsym))
+            softmax = next(filter(None, found), None)
             if softmax is not None:
                 region.bsyms.append(softmax)
         raise
@@ -250,8 +251,11 @@ def match_region(w: TraceWalk, out_bsym: BoundSymbol, region: Region) -> None:
 _PASS_PRIMS = VIEW_PRIMS | CAST_PRIMS | {prims.PrimIDs.SLICE, prims.PrimIDs.TRANSPOSE, prims.PrimIDs.SQUEEZE}
 
 
-def _softmax_upstream(w: TraceWalk, t: Any, steps: int = 8) -> BoundSymbol | None:
-    """The softmax ``t`` is, through up to ``steps`` one-input views, casts, slices and dropouts, else None."""
+def _softmax_upstream(w: TraceWalk, t: Any, steps: int = 8, through_updates: bool = False) -> BoundSymbol | None:
+    """The softmax ``t`` is, through up to ``steps`` one-input views, casts, slices and dropouts, else None. With
+    ``through_updates`` (to name the softmax a declined region's reason belongs to, never to pick P) also through
+    ops whose first float operand has their output's shape: the probabilities updated after the softmax
+    (``p.masked_fill(~keep, 0)``, ``p / p.sum(-1, keepdim=True)``) still make it attention that stays as written."""
     for _ in range(steps):
         bsym = w.producer(t)
         if bsym is None:
@@ -260,9 +264,14 @@ def _softmax_upstream(w: TraceWalk, t: Any, steps: int = 8) -> BoundSymbol | Non
             return bsym
         ins, leaves = _tensors(bsym), leaf_prims(bsym)
         passes = bsym.sym.id == _DROPOUT or (leaves and all(x.sym.id in _PASS_PRIMS for x in leaves))
-        if len(ins) != 1 or not passes:
+        if len(ins) == 1 and passes:
+            t = ins[0]
+            continue
+        floats = [i for i in ins if dtypes.is_float_dtype(i.dtype)]
+        outs = bsym.flat_proxy_outs
+        if not (through_updates and floats and outs and tuple(floats[0].shape) == tuple(outs[0].shape)):
             return None
-        t = ins[0]
+        t = floats[0]
     return None
 
 
@@ -307,7 +316,7 @@ def _match_region(w: TraceWalk, out_bsym: BoundSymbol, region: Region) -> None:
         x = _sink_column(w, x, region)
     region.logits = x
     s = _masks(w, x, region)
-    s = _softcap(w, s, region)
+    s = _softcap(w, s, region, after=region.scale)
     _scores(w, s, region)
     _additive_in_input_dtype(w, region)
     _finite_fills(region)
@@ -481,7 +490,7 @@ def _masks(w: TraceWalk, s: TensorProxy, region: Region) -> TensorProxy:
                 raise NotAttention("a boolean tensor is added to the scores")
             region.additive.append(term)
         elif sid in (ltorch.masked_fill.id, ltorch.where.id):
-            scores = _boolean_mask(w, bsym, s, region, above)
+            scores = _boolean_mask(w, bsym, s, region)
         else:
             break
         region.bsyms.append(bsym)
@@ -523,7 +532,7 @@ def _check_mask_shape(term: TensorProxy, s: TensorProxy) -> None:
         raise NotAttention(f"a mask of shape {tuple(term.shape)} would broadcast the scores {tuple(s.shape)}")
 
 
-def _boolean_mask(w: TraceWalk, bsym: BoundSymbol, s: TensorProxy, region: Region, above: float) -> TensorProxy:
+def _boolean_mask(w: TraceWalk, bsym: BoundSymbol, s: TensorProxy, region: Region) -> TensorProxy:
     """masked_fill(s, cond, -inf) / where(c, s, -inf) / where(c, -inf, s).
 
     A finite fill (HF's finfo.min, -1e9) at most :data:`FINITE_FILL_AT_MOST` is taken as the keep mask, its value
@@ -542,9 +551,7 @@ def _boolean_mask(w: TraceWalk, bsym: BoundSymbol, s: TensorProxy, region: Regio
             raise NotAttention("a where() on the scores that is not a mask with a constant")
     value = w.constant(value)
     if value is not None and isinstance(scores, TensorProxy) and dtypes.is_float_dtype(scores.dtype):
-        # the fill as the model holds it: rounded to the scores' dtype (finfo(float32).min is -inf in bf16), then
-        # scaled by the factors after it
-        value = float(torch.tensor(value, dtype=dtypes.to_torch_dtype(scores.dtype))) * above
+        value = _fill_as_the_softmax_reads_it(w, value, scores, region)
     if not isinstance(cond, TensorProxy) or cond.dtype != dtypes.bool8 or not isinstance(scores, TensorProxy):
         raise NotAttention("a masked_fill / where on the scores without a boolean mask")
     _check_mask_shape(cond, scores)
@@ -554,6 +561,24 @@ def _boolean_mask(w: TraceWalk, bsym: BoundSymbol, s: TensorProxy, region: Regio
     region.fills.add(value)
     region.keep.append(cond if not masked_where_true else _negated(w, cond))
     return scores
+
+
+def _fill_as_the_softmax_reads_it(w: TraceWalk, value: float, scores: TensorProxy, region: Region) -> float:
+    """A fill's value as the softmax reads it: rounded to the scores' dtype, then through every bound symbol the
+    walk passed from the softmax down to the fill (``region.bsyms`` after the softmax), each factor applied and
+    each result rounded to its dtype. A finite fill may end as -inf there (``finfo(float32).min`` cast to bf16
+    before the softmax, or scaled by 2), where the model's row masked everywhere is -inf's, not an average."""
+    x = torch.tensor(value, dtype=dtypes.to_torch_dtype(scores.dtype))
+    start = max(i for i, b in enumerate(region.bsyms) if b.sym.id == SOFTMAX)
+    for bsym in reversed(region.bsyms[start + 1 :]):  # walked back from the softmax: the fill's way is reversed
+        out = next((o for o in bsym.flat_proxy_outs if isinstance(o, TensorProxy)), None)
+        if out is None or not dtypes.is_float_dtype(out.dtype):
+            continue
+        factor = w.scalar_factor(bsym, in_place=True)
+        if factor is not None:
+            x = torch.tensor(float(x) * factor[1], dtype=torch.float64)
+        x = x.to(dtypes.to_torch_dtype(out.dtype))
+    return float(x)
 
 
 def _negated(w: TraceWalk, cond: TensorProxy) -> TensorProxy | tuple[str, TensorProxy]:
@@ -566,8 +591,10 @@ def _negated(w: TraceWalk, cond: TensorProxy) -> TensorProxy | tuple[str, Tensor
     return ("not", cond)
 
 
-def _softcap(w: TraceWalk, s: TensorProxy, region: Region) -> TensorProxy:
-    """``tanh(s * (1/c)) * c`` -> s, recording c."""
+def _softcap(w: TraceWalk, s: TensorProxy, region: Region, after: float) -> TensorProxy:
+    """``tanh(s * (1/c)) * c`` -> s, recording c. ``after``: the constant factors :func:`_masks` found applied
+    after it (``c * tanh(s / c) * a``): the fused call scales the scores before capping them, ``c * tanh(a * s /
+    c)``, which is another function for any a != 1, so such a softcap is declined."""
     bsym = w.producer(s)
     outer = w.scalar_factor(bsym) if bsym is not None else None
     if outer is None:
@@ -580,6 +607,9 @@ def _softcap(w: TraceWalk, s: TensorProxy, region: Region) -> TensorProxy:
     inner = w.scalar_factor(ib) if ib is not None else None
     if inner is None or c <= 0 or not math.isclose(inner[1] * c, 1.0, rel_tol=1e-6):
         raise NotAttention("a tanh on the scores that is not a softcap c * tanh(s / c)")
+    if after != 1.0:
+        raise NotAttention(f"a constant factor {after:g} applied after the softcap c * tanh(s / c): the fused call "
+                           "scales the scores before capping them")  # fmt: skip
     region.bsyms.append(bsym)
     w.skip_casts(t, region)
     region.bsyms.append(tb)
@@ -613,6 +643,9 @@ def _scores(w: TraceWalk, s: TensorProxy, region: Region) -> None:
     except NotAProduct as why:
         raise NotAttention(str(why)) from None
     if product.addend is not None:  # baddbmm's input, beta = 1: the model's first addition
+        if region.softcap is not None or region.scale * scale != 1.0:
+            raise NotAttention("baddbmm's input (an additive mask) under a softcap or a constant factor applied after "
+                               "the baddbmm: the fused call adds its mask to the scaled, capped scores")  # fmt: skip
         _check_mask_shape(product.addend, s)
         region.additive.append(product.addend)
     k, c = w.take_scales(k_operand.source, region, stop_at_shared=True)
