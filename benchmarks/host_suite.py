@@ -144,7 +144,7 @@ class HostCase(NamedTuple):
     A row is one entry of :data:`CASES`; a call kind that needs more than the zoo's q/k/v and grad_out (a mask,
     sinks, softcap, K/V with fewer heads) adds its field here and makes its tensors in :meth:`inputs`. The shape
     must be one no rule declines on the harness's target (emulated sm90, cuDNN 9.19; a GPU's own on CUDA): a
-    declined call would time the fallback, so :func:`check_claimed` raises :class:`DeclinedCase` naming the rule.
+    declined call would time the fallback, so :func:`run` raises :class:`harness.DeclinedCase` naming the rule.
     """
 
     label: str
@@ -168,48 +168,6 @@ CASES = (
     HostCase("bshd_transposed x transposed (diffusers)", "bshd_transposed", "transposed", breakdown=True),
     HostCase("contiguous x contiguous", "contiguous", "contiguous"),
 )
-
-
-_PICK_ANOTHER = "pick a shape no rule declines (benchmarks/host_suite.py CASES)"
-
-
-class DeclinedCase(RuntimeError):
-    """A host case the executor declines on the harness's target: its timed calls would run the fallback."""
-
-
-def _target_name(disp, device: torch.device) -> str:
-    target = disp.runtime.target(device)
-    return f"sm{''.join(map(str, target.arch))}, cuDNN {target.backend_version}"
-
-
-def check_claimed(case: HostCase, disp, inputs: HostInputs) -> None:
-    """Raise :class:`DeclinedCase`, naming each rule, if the checker declines ``case`` on ``disp``'s target
-    (the reasons ``explain()`` gives, for the harness's own runtime)."""
-    from thunder_cudnn_safe.integration.executor import reasons_for
-
-    q, k, v, _, mask, options = inputs
-    reasons = reasons_for(disp.runtime, q, k, v, mask, 0.0, case.causal, **options)
-    if reasons:
-        raise DeclinedCase(
-            f"host case {case.label!r} (shape {case.shape}) is declined on {_target_name(disp, q.device)} by "
-            + "; ".join(f"{r.rule or r.code}: {r}" for r in reasons)
-            + f". Its timed calls would run the fallback: {_PICK_ANOTHER}."
-        )
-
-
-def check_built(case: HostCase, disp, refused_before: dict) -> None:
-    """After the cold call: raise :class:`DeclinedCase` naming the rule if the key gate refused a graph of
-    ``case`` (a rule only the planned keys show) or any call ran the fallback."""
-    from thunder_cudnn_safe.rules import key_gate
-
-    refused = {rule: n - refused_before.get(rule, 0) for rule, n in key_gate.gate_info().items()}
-    refused = {rule: n for rule, n in refused.items() if n}
-    info = disp.cache.info()
-    if refused or info.fallbacks or info.build_failures:
-        raise DeclinedCase(
-            f"host case {case.label!r} (shape {case.shape}) ran the fallback: the key gate refused "
-            f"{', '.join(refused) or 'nothing'}; {info}. {_PICK_ANOTHER[0].upper()}{_PICK_ANOTHER[1:]}."
-        )
 
 
 def _components(disp, q, k, v, g, out, stats, iters: int) -> list[dict[str, Any]]:
@@ -295,8 +253,6 @@ def _profile(fn, calls: int, top: int = 14) -> list[dict[str, Any]]:
 def run(
     *, quick: bool = False, iters: int | None = None, log=print, cases: tuple[HostCase, ...] = CASES
 ) -> dict[str, Any]:
-    from thunder_cudnn_safe.rules import key_gate
-
     iters = iters or (1000 if quick else 4000)
     warmup = max(100, iters // 10)
     started = time.perf_counter()
@@ -306,12 +262,13 @@ def run(
         inputs = case.inputs()
         q, k, v, g, mask, options = inputs
         disp = harness.make_dispatcher("cpu")
-        check_claimed(case, disp, inputs)
-        refused_before = dict(key_gate.gate_info())
+        what = f"host case {label!r} (shape {case.shape}, benchmarks/host_suite.py CASES)"
+        harness.check_claimed(what, disp, q, k, v, mask, case.causal, **options)
+        refused_before = harness.gate_refusals()
         # cold: builds both graphs
         out, stats = disp.forward(q, k, v, mask, 0.0, case.causal, layout="preserve", **options)[:2]
         disp.backward(g, q, k, v, mask, 0.0, case.causal, out, stats, None, None, layout="preserve", **options)
-        check_built(case, disp, refused_before)
+        harness.check_built(what, disp, refused_before)
         # Whether the dispatcher remembered these layouts' recipes and graphs (its memo-hit path).
         kinds = [
             type(entry.recipe.key).__name__

@@ -12,7 +12,7 @@ import thunder_cudnn_safe
 from benchmarks import harness, host_suite
 from thunder_cudnn_safe import testing
 from thunder_cudnn_safe.integration.executor import reasons_for
-from thunder_cudnn_safe.rules import cudnn_rules, key_gate
+from thunder_cudnn_safe.rules import cudnn_rules
 
 _UIDS = {
     "q": 1,
@@ -40,12 +40,12 @@ def _declared(key) -> dict:
 def case():
     """The host suite's first row (the diffusers layouts), claimed and built: what its timings measure."""
     row = host_suite.CASES[0]
-    q, k, v, g, _, _ = inputs = row.inputs()
+    q, k, v, g, _, _ = row.inputs()
     disp = harness.make_dispatcher("cpu")
-    host_suite.check_claimed(row, disp, inputs)
-    gate_before = dict(key_gate.gate_info())
+    harness.check_claimed(row.label, disp, q, k, v)
+    gate_before = harness.gate_refusals()
     out, stats, _ = harness.forward_backward(disp, q, k, v, g, "preserve")
-    host_suite.check_built(row, disp, gate_before)
+    harness.check_built(row.label, disp, gate_before)
     return dict(q=q, k=k, v=v, g=g, out=out, stats=stats, disp=disp)
 
 
@@ -53,14 +53,13 @@ def case():
 def test_every_host_case_is_claimed_and_built(row):
     """Each row of the host suite is claimed on the harness's target and its graphs build (no fallback), so the
     suite times the executor, not the fallback."""
-    inputs = row.inputs()
+    q, k, v, g, mask, options = row.inputs()
     disp = harness.make_dispatcher("cpu")
-    host_suite.check_claimed(row, disp, inputs)
-    gate_before = dict(key_gate.gate_info())
-    q, k, v, g, mask, options = inputs
+    harness.check_claimed(row.label, disp, q, k, v, mask, row.causal, **options)
+    gate_before = harness.gate_refusals()
     out, stats = disp.forward(q, k, v, mask, 0.0, row.causal, **options)[:2]
     disp.backward(g, q, k, v, mask, 0.0, row.causal, out, stats, None, None, **options)
-    host_suite.check_built(row, disp, gate_before)
+    harness.check_built(row.label, disp, gate_before)
     assert disp.cache.info().builds == 2 and disp.runtime.executes == 2
 
 
@@ -72,7 +71,7 @@ def test_a_declined_host_case_fails_naming_its_rule():
     """A row the checker declines makes the suite fail before timing, naming every rule explain() gives."""
     reasons = reasons_for(harness.make_dispatcher("cpu").runtime, *_DECLINED.inputs()[:3])
     assert reasons and all(r.rule for r in reasons)
-    with pytest.raises(host_suite.DeclinedCase, match="declined on sm90") as err:
+    with pytest.raises(harness.DeclinedCase, match="declined on sm90") as err:
         host_suite.run(quick=True, iters=10, cases=(_DECLINED,), log=lambda _: None)
     assert all(r.rule in str(err.value) for r in reasons), err.value
 
@@ -83,7 +82,7 @@ def test_a_case_the_key_gate_refuses_fails_naming_its_rule(monkeypatch):
     from thunder_cudnn_safe.integration import executor
 
     monkeypatch.setattr(executor, "reasons_for", lambda *args, **kwargs: [])
-    with pytest.raises(host_suite.DeclinedCase, match="ran the fallback") as err:
+    with pytest.raises(harness.DeclinedCase, match="ran the fallback") as err:
         host_suite.run(quick=True, iters=10, cases=(_DECLINED,), log=lambda _: None)
     assert any(f"refused {rule.name}" in str(err.value) for rule in cudnn_rules.RULES), err.value
 
