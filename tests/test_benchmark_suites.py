@@ -47,7 +47,9 @@ def test_ci_runs_every_benchmark_module_and_suite():
 def _readme_run_commands() -> list[list[str]]:
     """Every ``python -m benchmarks.run ...`` command in benchmarks/README.md's code blocks, as its arguments."""
     blocks = "\n".join(re.findall(r"^```bash\n(.*?)^```", BENCH_README, re.S | re.M))
-    commands = [shlex.split(line.split("#")[0])[3:] for line in re.findall(r"^python -m benchmarks\.run .*", blocks, re.M)]
+    commands = [
+        shlex.split(line.split("#")[0])[3:] for line in re.findall(r"^python -m benchmarks\.run .*", blocks, re.M)
+    ]
     assert len(commands) >= 6, commands
     return commands
 
