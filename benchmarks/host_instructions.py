@@ -43,6 +43,11 @@ o, st = d.forward(q, k, v, None, 0.0, True)[:2]
 for _ in range(50):
     d.forward(q, k, v, None, 0.0, True)
     d.backward(g, q, k, v, None, 0.0, True, o, st, None, None)
+info = d.cache.info()
+if info.fallbacks or info.build_failures:  # counting the fallback would say nothing about the executor
+    from thunder_cudnn_safe.rules.key_gate import gate_info
+    refused = dict(gate_info()) or "nothing"
+    raise SystemExit(f"the counted calls ran the fallback (the key gate refused {{refused}}): {{info}}")
 os.getppid()
 for _ in range({calls}):
     d.forward(q, k, v, None, 0.0, True)
@@ -96,7 +101,7 @@ def count(checkout: Path, calls: int, work: Path, child: str = CHILD, loops: tup
     """Instructions per call of each loop of ``loops`` (:data:`LOOPS`) for the package in ``checkout``."""
     out = work / f"cg.{checkout.name}"
     env = {**os.environ, "PYTHONPATH": str(checkout)}
-    subprocess.run(
+    proc = subprocess.run(
         [
             "valgrind",
             "--tool=callgrind",
@@ -108,9 +113,10 @@ def count(checkout: Path, calls: int, work: Path, child: str = CHILD, loops: tup
         ],
         env=env,
         cwd=work,  # not the checkout this runs from: ``python -c`` puts its working directory first on sys.path
-        check=True,
         capture_output=True,
     )
+    if proc.returncode:
+        raise RuntimeError(f"{checkout}: the counted child failed: {proc.stderr.decode(errors='replace')[-2000:]}")
 
     def total(part: int) -> int:
         text = Path(f"{out}.{part}").read_text(errors="replace")

@@ -28,7 +28,7 @@ from __future__ import annotations
 import cProfile
 import pstats
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -128,10 +128,48 @@ def builtin_backward_graph(q, k, v, is_causal: bool = False):
     return graph
 
 
-def _case(qkv_layout: str, grad_layout: str, b=2, h=8, s=64, d=96, dtype=torch.float16):
-    q, k, v = harness.make_qkv(qkv_layout, b, h, s, d, dtype)
-    g = harness.make_grad(grad_layout, (q.shape[0], q.shape[1], q.shape[2], v.shape[3]), dtype)
-    return q, k, v, g
+class HostInputs(NamedTuple):
+    """The tensors and options of one host case's forward and backward dispatch."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    grad_out: torch.Tensor
+    mask: torch.Tensor | None = None
+    #: keyword options of ForwardCall / BackwardCall both dispatches take (softcap=..., sinks=..., enable_gqa=...)
+    options: dict[str, Any] = {}
+
+
+class HostCase(NamedTuple):
+    """One row of the host suite: a call kind timed forward and backward on a graph-cache hit.
+
+    A row is one entry of :data:`CASES`; a call kind that needs more than the zoo's q/k/v and grad_out (a mask,
+    sinks, softcap, K/V with fewer heads) adds its field here and makes its tensors in :meth:`inputs`. The shape
+    must be one no rule declines on the harness's target (emulated sm90, cuDNN 9.19; a GPU's own on CUDA): a
+    declined call would time the fallback, so :func:`run` raises :class:`harness.DeclinedCase` naming the rule.
+    """
+
+    label: str
+    qkv_layout: str
+    grad_layout: str
+    #: B, H, S, D. S = 128, not 64: HOPPER_BACKWARD_KV_TAIL_NAN declines sm90 backwards with S % 128 == 64 below 9.26
+    shape: tuple[int, int, int, int] = (2, 8, 128, 96)
+    dtype: torch.dtype = torch.float16
+    causal: bool = False
+    #: also time the building blocks of a memo-hit dispatch and profile it (one plain row: no mask, not causal)
+    breakdown: bool = False
+
+    def inputs(self) -> HostInputs:
+        b, h, s, d = self.shape
+        q, k, v = harness.make_qkv(self.qkv_layout, b, h, s, d, self.dtype)
+        return HostInputs(q, k, v, harness.make_grad(self.grad_layout, (b, h, s, v.shape[3]), self.dtype))
+
+
+#: The host suite's rows (the first also gets its building blocks and profiles).
+CASES = (
+    HostCase("bshd_transposed x transposed (diffusers)", "bshd_transposed", "transposed", breakdown=True),
+    HostCase("contiguous x contiguous", "contiguous", "contiguous"),
+)
 
 
 def _components(disp, q, k, v, g, out, stats, iters: int) -> list[dict[str, Any]]:
@@ -214,19 +252,25 @@ def _profile(fn, calls: int, top: int = 14) -> list[dict[str, Any]]:
     return rows
 
 
-def run(*, quick: bool = False, iters: int | None = None, log=print) -> dict[str, Any]:
+def run(
+    *, quick: bool = False, iters: int | None = None, log=print, cases: tuple[HostCase, ...] = CASES
+) -> dict[str, Any]:
     iters = iters or (1000 if quick else 4000)
     warmup = max(100, iters // 10)
     started = time.perf_counter()
-    cases = {
-        "bshd_transposed x transposed (diffusers)": ("bshd_transposed", "transposed"),
-        "contiguous x contiguous": ("contiguous", "contiguous"),
-    }
     results: dict[str, Any] = {}
-    for label, (ql, gl) in cases.items():
-        q, k, v, g = _case(ql, gl)
+    for case in cases:
+        label = case.label
+        inputs = case.inputs()
+        q, k, v, g, mask, options = inputs
         disp = harness.make_dispatcher("cpu")
-        out, stats, _ = harness.forward_backward(disp, q, k, v, g, "preserve")  # cold: builds both graphs
+        what = f"host case {label!r} (shape {case.shape}, benchmarks/host_suite.py CASES)"
+        harness.check_claimed(what, disp, q, k, v, mask, case.causal, **options)
+        refused_before = harness.gate_refusals()
+        # cold: builds both graphs
+        out, stats = disp.forward(q, k, v, mask, 0.0, case.causal, layout="preserve", **options)[:2]
+        disp.backward(g, q, k, v, mask, 0.0, case.causal, out, stats, None, None, layout="preserve", **options)
+        harness.check_built(what, disp, refused_before)
         # Whether the dispatcher remembered these layouts' recipes and graphs (its memo-hit path).
         kinds = [
             type(entry.recipe.key).__name__
@@ -238,10 +282,12 @@ def run(*, quick: bool = False, iters: int | None = None, log=print) -> dict[str
         harness.reset_copy_stats()
 
         fns = {
-            "ours_fwd": lambda: disp.forward(q, k, v, None, 0.0, False, layout="preserve"),
-            "ours_bwd": lambda: disp.backward(g, q, k, v, None, 0.0, False, out, stats, None, None, layout="preserve"),
-            "builtin_fwd_pygraph": lambda: builtin_forward_graph(q, k, v),
-            "builtin_bwd_pygraph": lambda: builtin_backward_graph(q, k, v),
+            "ours_fwd": lambda: disp.forward(q, k, v, mask, 0.0, case.causal, layout="preserve", **options),
+            "ours_bwd": lambda: disp.backward(
+                g, q, k, v, mask, 0.0, case.causal, out, stats, None, None, layout="preserve", **options
+            ),
+            "builtin_fwd_pygraph": lambda: builtin_forward_graph(q, k, v, case.causal),
+            "builtin_bwd_pygraph": lambda: builtin_backward_graph(q, k, v, case.causal),
             "floor_fwd_alloc": lambda: (
                 torch.empty_strided(out.shape, out.stride(), dtype=out.dtype),
                 torch.empty_strided(stats.shape, stats.stride(), dtype=torch.float32),
@@ -262,12 +308,13 @@ def run(*, quick: bool = False, iters: int | None = None, log=print) -> dict[str
         copies = harness.copy_stats()
         info = disp.cache.info()
         if copies.bytes_copied or info.builds != builds_before or info.fallbacks:
-            raise RuntimeError(f"host timing was not a zero-copy cache hit: {copies}, {info}")
+            raise RuntimeError(f"host timing of {label!r} was not a zero-copy cache hit: {copies}, {info}")
         ours_f, ours_b = summary["ours_fwd"]["median_us"], summary["ours_bwd"]["median_us"]
         bi_f, bi_b = summary["builtin_fwd_pygraph"]["median_us"], summary["builtin_bwd_pygraph"]["median_us"]
         results[label] = {
-            "qkv_layout": ql,
-            "grad_layout": gl,
+            "qkv_layout": case.qkv_layout,
+            "grad_layout": case.grad_layout,
+            "causal": case.causal,
             "shape": list(q.shape),
             "dtype": str(q.dtype),
             "q": harness.describe(q),
@@ -288,7 +335,7 @@ def run(*, quick: bool = False, iters: int | None = None, log=print) -> dict[str
             f"{results[label]['ratio_ours_over_floor_fwd']:.2f}x / {results[label]['ratio_ours_over_floor_bwd']:.2f}x "
             "the allocation floor"
         )
-        if label.startswith("bshd"):
+        if case.breakdown:
             results[label]["building_blocks"] = _components(disp, q, k, v, g, out, stats, iters=max(500, iters // 4))
             results[label]["fwd_profile"] = _profile(fns["ours_fwd"], calls=max(500, iters // 4))
             results[label]["bwd_profile"] = _profile(fns["ours_bwd"], calls=max(500, iters // 4))
