@@ -12,7 +12,7 @@ from pathlib import Path
 import thunder_cudnn_safe as tcs
 
 #: Names README quotes from cuDNN, libcudnn, thunder and torch (a keyword), not from this package.
-FOREIGN = {"build_operation_graph", "enable_gqa", "rowsum", "thunderfx", "validate"}
+FOREIGN = {"build_operation_graph", "enable_gqa", "masked_fill", "rowsum", "thunderfx", "validate"}
 ROOT = Path(__file__).resolve().parents[1]
 #: README: every name it quotes exists
 README = (ROOT / "README.md").read_text()

@@ -117,8 +117,13 @@ RUN: dict[str, Callable[[str, dict], None]] = {
     "jm = thunder.jit(model, executors=[thunder_cudnn_safe.emulated_ex, *thunder.get_default_executors()])": _emulated,
     "import torch, thunder, thunder_cudnn_safe as tcs": _fuses,
 }
-#: README's blocks not run here, by key, each with why (none today: every block runs on a CPU)
-NOT_RUN: dict[str, str] = {}
+#: README's blocks not run here, by key, each with why
+NOT_RUN: dict[str, str] = {
+    "fn = torch.compile(lambda q, k, v, s: tcs.attention(q, k, v, is_causal=True, sinks=s), fullgraph=True)": (
+        "an inductor compile (tens of seconds): tests/test_attention_op.py's torch.compile tests (slow tier) run "
+        "this call, forward and backward, through the emulated executor with config.eager_runtime='emulated'"
+    ),
+}
 
 
 def test_every_python_block_is_classified():
