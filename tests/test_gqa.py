@@ -571,6 +571,7 @@ def test_a_failure_of_ours_is_raised_not_skipped():
     assert unless_thunder_fails_without_us(lambda: 3, _thunder_interpreter_error) == 3
 
 
+@pytest.mark.slow  # a whole HF Llama under ThunderFX: the default tier's longest test (over a minute on 2 cores)
 @pytest.mark.thunderfx
 def test_hf_llama_thunderfx_repeat_kv_rewritten():
     """Under ThunderFX transformers 5 builds a mask and calls repeat_kv; the transform rewrites it."""
