@@ -16,6 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import thunder_cudnn_safe as tcs
 from thunder_cudnn_safe.dispatch.ring import add_sinks, block_mask, block_plan, merge
 from thunder_cudnn_safe.integration.attention import _TORCH, decomposition
 from thunder_cudnn_safe.layouts.sequence_shards import SequenceLayout, shard, unshard
@@ -166,3 +167,8 @@ def test_the_causal_schedule_is_the_notes_table():
     upper = block_plan(SequenceLayout(2, 0), 1, 2 * c, True, None, CPU)
     assert (upper.rows, upper.cols, upper.is_causal, upper.mask) == (slice(c, 2 * c), slice(0, 2 * c), False, None)
     assert block_plan(SequenceLayout(2, 0, load_balance=False), 1, 2 * c, True, None, CPU) is None
+
+
+def test_shard_sequence_needs_a_process_group():
+    with pytest.raises(RuntimeError, match="torch.distributed initialized"):
+        tcs.shard_sequence(torch.zeros(1, 8))
