@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 import thunder_cudnn_safe as tcs
 from thunder_cudnn_safe.dispatch.ring import add_sinks, block_mask, block_plan, merge
 from thunder_cudnn_safe.integration.attention import _TORCH, decomposition
+from thunder_cudnn_safe.integration.context_parallel import _global_meaning, _ring
 from thunder_cudnn_safe.layouts.sequence_shards import SequenceLayout, shard, unshard
 
 CPU = torch.device("cpu")
@@ -172,3 +173,51 @@ def test_the_causal_schedule_is_the_notes_table():
 def test_shard_sequence_needs_a_process_group():
     with pytest.raises(RuntimeError, match="torch.distributed initialized"):
         tcs.shard_sequence(torch.zeros(1, 8))
+
+
+def _local_mask(length: int, causal: bool = True, window: int | None = None, kept=None) -> torch.Tensor:
+    i, j = torch.arange(length)[:, None], torch.arange(length)[None]
+    mask = torch.ones(length, length, dtype=torch.bool)
+    if causal:
+        mask &= j <= i
+    if window is not None:
+        mask &= j > i - window
+    if kept is not None:
+        mask = mask & (j < torch.tensor(kept)[:, None, None, None])
+    return mask
+
+
+def test_a_local_mask_is_read_for_its_global_meaning():
+    """Causal, a causal window and key padding built from local positions become the ring's global relation; the
+    padding's kept keys (a prefix per batch element) travel as (B, L) key validity."""
+    q = torch.zeros(2, 1, 8, 4)
+    assert _global_meaning(None, q, True) == (True, None, None)
+    assert _global_meaning(_local_mask(8), q, False) == (True, None, None)
+    assert _global_meaning(_local_mask(8, window=3), q, False) == (True, 3, None)
+    causal, window, valid = _global_meaning(_local_mask(8, kept=[5, 0]), q, False)
+    assert (causal, window) == (True, None)
+    assert valid.tolist() == [[True] * 5 + [False] * 3, [False] * 8]
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [
+        torch.randn(8, 8),  # a general bias
+        torch.block_diag(_local_mask(4), _local_mask(4)),  # packed documents
+        _local_mask(8).logical_not(),  # no pattern at all
+    ],
+    ids=["bias", "documents", "no_pattern"],
+)
+def test_a_mask_the_ring_cannot_place_globally_is_refused(mask):
+    """Never run on local keys alone: the mask was built from local positions and has no known global meaning."""
+    with pytest.raises(ValueError, match="silently wrong"):
+        _global_meaning(mask, torch.zeros(1, 1, 8, 4), False)
+
+
+def test_cuda_graph_capture_is_refused_under_context_parallelism(monkeypatch):
+    """The ring's P2P exchanges and mask verdicts are host decisions: a capture is refused before any of them."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    q = torch.zeros(1, 1, 8, 4)
+    with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph"):
+        _ring(q, q, q, None, True, None, False, None, ring=-1)

@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # the package first, as users should: its compat steps run before thunder is imported
 import thunder_cudnn_safe as tcs  # noqa: I001
 import thunder
+import cp_models
 from cp_cases import CASES, REFUSED, Case, inputs
 from worker import _ours, main
 
@@ -89,10 +90,65 @@ def refusals(device, rank, world) -> dict:
             res[name] = None
         except Exception as exc:
             res[name] = (type(exc).__name__, str(exc))
+    res["explain"] = _explain(device)
     return res
 
 
-SCENARIOS = {f.__name__: f for f in (calls, refusals)}
+def _explain(device) -> dict:
+    """``ContextParallel.explain`` on this rank's tensors: a claimed call, a declined one, and the ring's refusals."""
+    case = CASES["causal"]
+    q, k, v, _, _ = inputs(case, DTYPE, device)
+    q, k, v = (tcs.shard_sequence(t, None, 2) for t in (q, k, v))
+    cp = tcs.ContextParallel()
+    bias = torch.randn(q.shape[2], q.shape[2], device=device)
+    as_codes = lambda reasons: [(r.code.value, str(r)) for r in reasons]  # noqa: E731
+    return {
+        "claimed": as_codes(cp.explain(q, k, v, is_causal=True)),
+        "float64": as_codes(cp.explain(q.double(), k.double(), v.double(), is_causal=True)),
+        "bias": as_codes(cp.explain(q, k, v, bias)),
+        "dropout": as_codes(cp.explain(q, k, v, dropout_p=0.1, is_causal=True)),
+    }
+
+
+def _model_step(name: str, device, rank, world) -> dict:
+    from thunder.dynamo import ThunderCompiler
+
+    model = cp_models.build(name, DTYPE, device)
+    data = {k: tcs.shard_sequence(t, None, 1) for k, t in cp_models.batch(device).items()}
+    cp = tcs.ContextParallel()
+    transforms = [tcs.FuseHandwrittenAttention(), cp] if name == "gpt_oss" else [cp]
+    executors, _ = _ours(device)
+    torch._dynamo.reset()
+    backend = ThunderCompiler(executors=executors, transforms=transforms)
+    compiled = torch.compile(model, backend=backend)
+    tcs.clear_cache()
+    tcs.reset_ring_info()
+    loss, grads = cp_models.step(model, data, compiled)
+    fns = [f for info in backend.subgraph_infos for f in info.thunder_compiled_fns]
+    ops = {"fwd": 0, "bwd": 0, "other_attention": 0}
+    for fn in fns:
+        for what, n in _ring_ops(fn).items():
+            ops[what] += n
+    return {
+        "loss": loss.cpu(),
+        "grads": {n: g.cpu() for n, g in grads.items()},
+        "ops": ops,
+        "cache": {"builds": tcs.cache_info().builds, "fallbacks": tcs.cache_info().fallbacks},
+        "ring": tcs.ring_info(),
+    }
+
+
+def llama(device, rank, world) -> dict:
+    """One training step of the tiny Llama under ThunderFX with ContextParallel."""
+    return _model_step("llama", device, rank, world)
+
+
+def gpt_oss(device, rank, world) -> dict:
+    """One training step of the tiny gpt-oss under ThunderFX with FuseHandwrittenAttention, then ContextParallel."""
+    return _model_step("gpt_oss", device, rank, world)
+
+
+SCENARIOS = {f.__name__: f for f in (calls, refusals, llama, gpt_oss)}
 
 if __name__ == "__main__":
     main(SCENARIOS)

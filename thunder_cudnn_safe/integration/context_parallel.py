@@ -34,13 +34,14 @@ from thunder.core.transforms import get_grad, put_grad, put_grads, register_grad
 from thunder.extend import OperatorExecutor, register_executor
 
 from thunder_cudnn_safe._version import __version__
-from thunder_cudnn_safe.dispatch.ring import RingCall, ring_backward, ring_forward
+from thunder_cudnn_safe.dispatch.ring import RingCall, block_mask, block_plan, ring_backward, ring_forward
 from thunder_cudnn_safe.integration import gqa
 from thunder_cudnn_safe.integration.attention import attention_symbol, decomposition
-from thunder_cudnn_safe.integration.executor import EXECUTORS
+from thunder_cudnn_safe.integration.executor import EXECUTORS, explain
 from thunder_cudnn_safe.layouts.sequence_shards import SequenceLayout, group_layout
 from thunder_cudnn_safe.masks.documents import DocumentPattern
 from thunder_cudnn_safe.masks.patterns import MaskPattern, pattern_of
+from thunder_cudnn_safe.rules.support import Decline, DeclineCode
 
 RING_SYMBOL_ID = "cudnn_safe.ring_attention"
 #: ring id -> (process group, this rank's layout); a trace names its ring by this int (a group is no proxy)
@@ -63,6 +64,10 @@ def _global_meaning(mask: torch.Tensor | None, q: torch.Tensor, is_causal: bool)
     b, _, length, _ = q.shape
     why = "it needs a gradient" if mask.requires_grad else "it is no pattern the ring can place globally"
     pattern = pattern_of(mask, b, length, length)
+    if pattern is None and not mask.requires_grad:
+        found = _padding_with_empty_elements(mask, b, length)
+        if found is not None:
+            return found
     if isinstance(pattern, DocumentPattern) or not isinstance(pattern, MaskPattern) or _pads_queries(pattern, length):
         name = "packed documents" if isinstance(pattern, DocumentPattern) else "a general mask or bias"
         raise ValueError(
@@ -78,6 +83,28 @@ def _global_meaning(mask: torch.Tensor | None, q: torch.Tensor, is_causal: bool)
         lens = pattern.kv_lens.reshape(-1, 1).to(q.device)
         key_valid = (torch.arange(length, device=q.device)[None] < lens).expand(b, length)
     return bool(is_causal) or pattern.right == 0, pattern.left, key_valid
+
+
+def _padding_with_empty_elements(mask: torch.Tensor, batch: int, length: int) -> tuple | None:
+    """(causal, None, key_valid) of key padding where some batch element keeps no local key at all (a rank holding
+    only padding of that sequence), which the executor's pattern check leaves as a bias (its rows are all masked);
+    None where the mask is not that (one host sync). The keys' validity is read off the diagonal (causal) or
+    the first row, and the whole mask must be exactly the causal (or full) relation and-ed with it."""
+    if mask.dtype == torch.bool:
+        kept = mask
+    else:  # an additive mask is a pattern only where it adds 0 or masks (-inf, or at most its lowest finite value)
+        kept = mask > torch.finfo(mask.dtype).min
+        if not bool(((mask == 0) | ~kept).all()):
+            return None
+    if mask.dim() == 4 and mask.shape[1] != 1:
+        return None
+    kept = kept.expand(batch, 1, length, length)
+    tril = torch.ones(length, length, dtype=torch.bool, device=kept.device).tril()
+    for causal, valid in ((True, kept[:, 0].diagonal(dim1=-2, dim2=-1)), (False, kept[:, 0, 0])):
+        relation = tril if causal else torch.ones_like(tril)
+        if bool(torch.equal(kept[:, 0], relation & valid[:, None, :])):
+            return causal, None, valid
+    return None
 
 
 def _pads_queries(pattern: MaskPattern, length: int) -> bool:
@@ -198,6 +225,36 @@ class ContextParallel(Transform):
         self.ring = next(_ids)
         _RINGS[self.ring] = (torch.distributed.group.WORLD if group is None else group, self.layout)
         self.rewritten = 0
+
+    def explain(
+        self, query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0,
+        is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False, *, softcap: float | None = None,
+        sinks: Any = None, executor: Any = None,
+    ) -> list[Decline]:  # fmt: skip
+        """Why this rank's ring would not run this call (on its local tensors) exactly on ``executor`` (default:
+        ours for the tensors' device): the ring's own refusals (dropout, a mask it cannot place globally, shapes),
+        else :func:`~thunder_cudnn_safe.explain` of every block call it would make (a declined block runs on the
+        torch fallback, merged the same way). Empty where every block is claimed."""
+        if dropout_p:
+            return [Decline(DeclineCode.DROPOUT, "context parallelism: dropout_p > 0 is refused (per-block masks)")]
+        if query.ndim != 4 or key.ndim != 4:
+            return [Decline(DeclineCode.RANK, "context parallelism needs 4-D (B, H, L, D) operands")]
+        try:
+            call, key_valid = _ring(query, key, value, attn_mask, is_causal, scale, enable_gqa, softcap, self.ring)
+        except (ValueError, RuntimeError) as exc:
+            return [Decline(DeclineCode.MASK if attn_mask is not None else DeclineCode.SHAPE, str(exc))]
+        executor = executor or next(e for e in EXECUTORS.values() if e.runtime.device_type == query.device.type)
+        reasons: list[Decline] = []
+        for src in range(self.layout.world):
+            plan = block_plan(self.layout, src, query.shape[-2], call.causal, call.window, query.device)
+            if plan is None:
+                continue
+            mask, causal = block_mask(plan, key_valid)
+            q, k, v = query[:, :, plan.rows], key[:, :, plan.cols], value[:, :, plan.cols]
+            block = (q, k, v, mask, 0.0, causal, scale)
+            found = explain(*block, enable_gqa=call.enable_gqa, softcap=softcap, executor=executor)
+            reasons += [Decline(r.code, f"ring block from rank {src}: {r}") for r in found]
+        return reasons
 
     def transform_traces_pre_prologue(
         self, prologue_trace: TraceCtx, computation_trace: TraceCtx, epilogue_trace: TraceCtx | None, **kwargs
