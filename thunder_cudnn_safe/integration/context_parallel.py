@@ -36,7 +36,7 @@ from thunder.extend import OperatorExecutor, register_executor
 from thunder_cudnn_safe._version import __version__
 from thunder_cudnn_safe.dispatch.ring import RingCall, block_mask, block_plan, ring_backward, ring_forward
 from thunder_cudnn_safe.integration import gqa
-from thunder_cudnn_safe.integration.attention import attention_symbol, decomposition
+from thunder_cudnn_safe.integration.attention import attention_symbol
 from thunder_cudnn_safe.integration.executor import EXECUTORS, explain
 from thunder_cudnn_safe.layouts.sequence_shards import SequenceLayout, group_layout
 from thunder_cudnn_safe.masks.documents import DocumentPattern
@@ -183,13 +183,10 @@ def _ring_grad(query, key, value, attn_mask, is_causal, scale, enable_gqa, softc
 
 register_grad(ring_attention.id, _ring_grad)
 
-#: The symbols a ContextParallel transform rewrites, with the Python signature their arguments bind to.
+#: The symbols a ContextParallel transform rewrites (what our executors claim), with the signature their arguments
+#: bind to (each symbol's own; sdpa_gqa's is torch's SDPA with enable_gqa).
 _ATTENTION_SIGNATURES = {
-    ltorch.scaled_dot_product_attention.id: inspect.signature(gqa.gqa_arguments),
-    gqa.sdpa_gqa.id: inspect.signature(gqa.gqa_arguments),
-    attention_symbol.id: inspect.signature(lambda *a, **k: None).replace(
-        parameters=list(inspect.signature(decomposition).parameters.values())[1:]
-    ),
+    sym.id: inspect.signature(sym.meta) for sym in (ltorch.scaled_dot_product_attention, gqa.sdpa_gqa, attention_symbol)
 }
 
 
