@@ -3,7 +3,8 @@
 Both ranks (``tests/distributed_support/cp_worker.py``, started by ``distributed_support.launch``) run every
 attention case of ``distributed_support/cp_cases.py`` under ``thunder.jit(fn, transforms=[ContextParallel()])``
 on their shard of one sequence (``shard_sequence``): causal (balanced and plain layout), no mask, grouped heads,
-a sliding window and a key-padding mask the function builds from local positions, sinks, softcap. Checked here
+a sliding window and a key-padding mask the function builds from local positions, sinks, softcap, and blocks
+the runtime refuses (each runs on the torch fallback and merges the same way). Checked here
 against one process running the whole sequence, by the accuracy rule (error to float64 <= 2x eager bfloat16's
 own + floor): each rank's output and dQ, dK, dV of its shard; the sinks' gradient summed over the ranks (each
 rank's is its own contribution). The ring's path ran: every call was rewritten into the ring operators (no
@@ -72,7 +73,10 @@ def test_every_rank_computes_what_one_process_computes(two_ranks, name):
         what = f"rank {rank} {name}"
         assert res["rewritten"] == 1 and res["ops"] == {"fwd": 1, "bwd": 1, "other_attention": 0}, (what, res["ops"])
         assert res["ring"]["blocks"] >= 1 and res["ring"]["backward_blocks"] == res["ring"]["blocks"], res["ring"]
-        assert res["cache"]["builds"] > 0 and res["cache"]["fallbacks"] == 0, (what, res["cache"])
+        if CASES[name].refuse_graphs:  # every block refused: each ran on the torch fallback, merged the same way
+            assert res["cache"]["fallbacks"] == 2 * res["ring"]["blocks"], (what, res["cache"], res["ring"])
+        else:
+            assert res["cache"]["builds"] > 0 and res["cache"]["fallbacks"] == 0, (what, res["cache"])
         layout = SequenceLayout(WORLD, rank, balance)
         mine = lambda t, layout=layout: shard(t, layout, 2)  # noqa: E731
         assert_close_to_reference(res["out"], mine(eager["out"]), mine(ref["out"]), f"{what}: output")

@@ -18,8 +18,9 @@ import thunder_cudnn_safe as tcs
 BATCH, HEADS, KV_HEADS, SEQ, HEAD_DIM = 2, 4, 2, 32, 16
 WINDOW = 6
 SOFTCAP = 5.0
-#: kept keys per batch element of the key-padding case: a prefix of the global sequence (right padding)
-KEPT = (27, 10)
+#: kept keys per batch element of the key-padding case: a prefix of the global sequence (right padding); the
+#: second sequence's 4 are all on rank 0, so rank 1 holds none of them (its mask is no pattern the executor names)
+KEPT = (27, 4)
 DATA_SEED = 7
 
 
@@ -69,6 +70,8 @@ class Case(NamedTuple):
     #: what ``extra`` is: None, "valid" ((B, S) bool, sharded on dim 1), "sinks" ((H,) float32, a parameter)
     extra: str | None = None
     load_balance: bool = True
+    #: the runtime refuses every graph (tests/checks.py's inject_failures): every block runs on the torch fallback
+    refuse_graphs: bool = False
 
 
 CASES = {
@@ -80,6 +83,7 @@ CASES = {
     "key_padding": Case(key_padding, extra="valid"),
     "sinks": Case(sinks, kv_heads=KV_HEADS, extra="sinks"),
     "softcap": Case(softcap),
+    "blocks_refused": Case(grouped_heads, kv_heads=KV_HEADS, refuse_graphs=True),
 }
 #: calls the ring cannot compute exactly: refused with the reason, never run on local keys alone
 REFUSED = {"general_bias": Case(general_bias, extra="bias"), "dropout": Case(with_dropout)}

@@ -10,17 +10,20 @@ ring operators in the final traces, this process's graph-cache counters and the 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: checks.py
 
 # the package first, as users should: its compat steps run before thunder is imported
 import thunder_cudnn_safe as tcs  # noqa: I001
 import thunder
 import cp_models
+from checks import inject_failures
 from cp_cases import CASES, REFUSED, Case, inputs
 from worker import _ours, main
 
@@ -55,8 +58,10 @@ def _run_case(case: Case, device, rank, world) -> dict:
     jf = thunder.jit(case.fn, executors=executors, transforms=[cp])
     tcs.clear_cache()
     tcs.reset_ring_info()
-    out = jf(*leaves, extra)
-    out.backward(shard(grad_out))
+    refused = inject_failures(build=lambda key: "every graph, for the test") if case.refuse_graphs else None
+    with refused or contextlib.nullcontext():
+        out = jf(*leaves, extra)
+        out.backward(shard(grad_out))
     info = tcs.cache_info()
     res = {
         "out": out.detach().cpu(),

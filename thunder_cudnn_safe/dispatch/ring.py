@@ -138,7 +138,7 @@ def ring_info() -> dict[str, int]:
     """This rank's context-parallel counts since the last reset: ``calls`` / ``backward_calls`` (ring calls),
     ``blocks`` / ``backward_blocks`` (block calls run), ``pairs`` / ``backward_pairs`` (query-key pairs those
     blocks keep), ``bytes_sent_forward`` / ``bytes_sent_backward`` (P2P bytes this rank sent) and
-    ``peak_kv_bytes`` (the most K/V bytes a ring held at once: its own, the block's, the one arriving)."""
+    ``peak_kv_bytes`` (the most K/V bytes a forward ring held at once: its own, the block's, the one arriving)."""
     return _info.info()
 
 

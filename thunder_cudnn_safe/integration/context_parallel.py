@@ -64,7 +64,7 @@ def _global_meaning(mask: torch.Tensor | None, q: torch.Tensor, is_causal: bool)
     b, _, length, _ = q.shape
     why = "it needs a gradient" if mask.requires_grad else "it is no pattern the ring can place globally"
     pattern = pattern_of(mask, b, length, length)
-    if pattern is None and not mask.requires_grad:
+    if not isinstance(pattern, MaskPattern) and not mask.requires_grad:
         found = _padding_with_empty_elements(mask, b, length)
         if found is not None:
             return found
@@ -88,7 +88,8 @@ def _global_meaning(mask: torch.Tensor | None, q: torch.Tensor, is_causal: bool)
 def _padding_with_empty_elements(mask: torch.Tensor, batch: int, length: int) -> tuple | None:
     """(causal, None, key_valid) of key padding where some batch element keeps no local key at all (a rank holding
     only padding of that sequence), which the executor's pattern check leaves as a bias (its rows are all masked);
-    None where the mask is not that (one host sync). The keys' validity is read off the diagonal (causal) or
+    None where the mask is not that (one host sync). Such a mask may also read as packed documents (one document
+    per kept element). The keys' validity is read off the diagonal (causal) or
     the first row, and the whole mask must be exactly the causal (or full) relation and-ed with it."""
     if mask.dtype == torch.bool:
         kept = mask
@@ -133,8 +134,27 @@ def _ring(query, key, value, attn_mask, is_causal, scale, enable_gqa, softcap, r
     return call, key_valid
 
 
+def _agreed(problem: Exception | None, group: Any, device: torch.device) -> None:
+    """Raise on every rank where any rank refuses the call (one 1-element all-reduce): a refusal read off one rank's
+    local mask would otherwise leave the other ranks waiting in the ring's P2P until the group's timeout."""
+    flag = torch.tensor([0.0 if problem is None else 1.0], device=device)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
+    if problem is not None:
+        raise problem
+    if flag.item():
+        raise RuntimeError("context-parallel attention: another rank of the group refused this call (its error says "
+                           "why); no rank ran it")  # fmt: skip
+
+
 def _ring_fwd_impl(query, key, value, attn_mask, sinks, is_causal, scale, enable_gqa, softcap, ring):
-    call, key_valid = _ring(query, key, value, attn_mask, is_causal, scale, enable_gqa, softcap, ring)
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        _ring(query, key, value, attn_mask, is_causal, scale, enable_gqa, softcap, ring)  # refuses the capture
+    call = key_valid = problem = None
+    try:
+        call, key_valid = _ring(query, key, value, attn_mask, is_causal, scale, enable_gqa, softcap, ring)
+    except ValueError as exc:
+        problem = exc
+    _agreed(problem, _RINGS[ring][0], query.device)
     return ring_forward(_dispatcher(query.device), call, query, key, value, key_valid, sinks)
 
 
