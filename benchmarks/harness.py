@@ -28,6 +28,7 @@ from thunder_cudnn_safe.dispatch.dispatcher import Dispatcher
 from thunder_cudnn_safe.graphs import build as graphs
 from thunder_cudnn_safe.graphs.cache import GraphCache
 from thunder_cudnn_safe.layouts.keys import ForwardKey
+from thunder_cudnn_safe.rules import key_gate
 from thunder_cudnn_safe.runtimes.base import BuiltGraph, Runtime
 from thunder_cudnn_safe.runtimes.cudnn_runtime import CudnnRuntime
 from thunder_cudnn_safe.runtimes.emulation import EmulatedRuntime
@@ -112,6 +113,50 @@ def forward_backward(
         after_forward()
     grads = dispatcher.backward(grad_out, q, k, v, None, 0.0, is_causal, out, stats, None, None, layout=layout)
     return out, stats, grads
+
+
+# -- the guard: a measured call must be the executor's, not the fallback's -------------------------
+class DeclinedCase(RuntimeError):
+    """A benchmark case the executor declines on the harness's target: its measured calls would run the fallback."""
+
+
+PICK_ANOTHER = "pick a shape no rule declines"
+
+
+def target_name(dispatcher: Dispatcher, device: torch.device) -> str:
+    target = dispatcher.runtime.target(device)
+    return f"sm{''.join(map(str, target.arch))}, cuDNN {target.backend_version}"
+
+
+def check_claimed(case: str, dispatcher: Dispatcher, q, k, v, mask=None, is_causal: bool = False, **options) -> None:
+    """Raise :class:`DeclinedCase`, naming each rule, if the checker declines the call on ``dispatcher``'s target
+    (the reasons ``explain()`` gives, asked of the harness's own runtime)."""
+    from thunder_cudnn_safe.integration.executor import reasons_for
+
+    reasons = reasons_for(dispatcher.runtime, q, k, v, mask, 0.0, is_causal, **options)
+    if reasons:
+        raise DeclinedCase(
+            f"{case} is declined on {target_name(dispatcher, q.device)} by "
+            + "; ".join(f"{r.rule or r.code}: {r}" for r in reasons)
+            + f". Its measured calls would run the fallback: {PICK_ANOTHER}."
+        )
+
+
+def gate_refusals() -> dict[str, int]:
+    """The key gate's refusals so far, by rule (pass to :func:`check_built` to count only a case's own)."""
+    return dict(key_gate.gate_info())
+
+
+def check_built(case: str, dispatcher: Dispatcher, refused_before: dict[str, int]) -> None:
+    """After a case's cold call: raise :class:`DeclinedCase` naming the rule if the key gate refused one of its
+    graphs (a rule only the planned keys show) or any call ran the fallback."""
+    refused = [rule for rule, n in key_gate.gate_info().items() if n > refused_before.get(rule, 0)]
+    info = dispatcher.cache.info()
+    if refused or info.fallbacks or info.build_failures:
+        raise DeclinedCase(
+            f"{case} ran the fallback: the key gate refused {', '.join(refused) or 'nothing'}; {info}. "
+            f"{PICK_ANOTHER[0].upper()}{PICK_ANOTHER[1:]}."
+        )
 
 
 # -- zoo tensors ------------------------------------------------------------------------------

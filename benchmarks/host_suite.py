@@ -28,7 +28,7 @@ from __future__ import annotations
 import cProfile
 import pstats
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -36,9 +36,11 @@ from thunder_cudnn_safe.graphs import build as graphs
 from thunder_cudnn_safe.routing.calls import BackwardCall, ForwardCall, memo_key, signature
 from thunder_cudnn_safe.routing.recipes import bind, forward_recipe
 
-from . import harness
+from . import call_kinds, harness
 
 TARGET_FWD_US = 10.0
+#: Issue 48's goals: each call kind at most this many times the plain hit; the plain hit within FLOOR_GOAL x the floor.
+KIND_GOAL, FLOOR_GOAL = 1.3, 2.0
 
 METHOD = (
     "Median wall time per call (perf_counter over batches of 10 calls, after warm-up), CPU tensors. 'ours': "
@@ -126,10 +128,48 @@ def builtin_backward_graph(q, k, v, is_causal: bool = False):
     return graph
 
 
-def _case(qkv_layout: str, grad_layout: str, b=2, h=8, s=64, d=96, dtype=torch.float16):
-    q, k, v = harness.make_qkv(qkv_layout, b, h, s, d, dtype)
-    g = harness.make_grad(grad_layout, (q.shape[0], q.shape[1], q.shape[2], v.shape[3]), dtype)
-    return q, k, v, g
+class HostInputs(NamedTuple):
+    """The tensors and options of one host case's forward and backward dispatch."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    grad_out: torch.Tensor
+    mask: torch.Tensor | None = None
+    #: keyword options of ForwardCall / BackwardCall both dispatches take (softcap=..., sinks=..., enable_gqa=...)
+    options: dict[str, Any] = {}
+
+
+class HostCase(NamedTuple):
+    """One row of the host suite: a call kind timed forward and backward on a graph-cache hit.
+
+    A row is one entry of :data:`CASES`; a call kind that needs more than the zoo's q/k/v and grad_out (a mask,
+    sinks, softcap, K/V with fewer heads) adds its field here and makes its tensors in :meth:`inputs`. The shape
+    must be one no rule declines on the harness's target (emulated sm90, cuDNN 9.19; a GPU's own on CUDA): a
+    declined call would time the fallback, so :func:`run` raises :class:`harness.DeclinedCase` naming the rule.
+    """
+
+    label: str
+    qkv_layout: str
+    grad_layout: str
+    #: B, H, S, D. S = 128, not 64: HOPPER_BACKWARD_KV_TAIL_NAN declines sm90 backwards with S % 128 == 64 below 9.26
+    shape: tuple[int, int, int, int] = (2, 8, 128, 96)
+    dtype: torch.dtype = torch.float16
+    causal: bool = False
+    #: also time the building blocks of a memo-hit dispatch and profile it (one plain row: no mask, not causal)
+    breakdown: bool = False
+
+    def inputs(self) -> HostInputs:
+        b, h, s, d = self.shape
+        q, k, v = harness.make_qkv(self.qkv_layout, b, h, s, d, self.dtype)
+        return HostInputs(q, k, v, harness.make_grad(self.grad_layout, (b, h, s, v.shape[3]), self.dtype))
+
+
+#: The host suite's rows (the first also gets its building blocks and profiles).
+CASES = (
+    HostCase("bshd_transposed x transposed (diffusers)", "bshd_transposed", "transposed", breakdown=True),
+    HostCase("contiguous x contiguous", "contiguous", "contiguous"),
+)
 
 
 def _components(disp, q, k, v, g, out, stats, iters: int) -> list[dict[str, Any]]:
@@ -212,19 +252,25 @@ def _profile(fn, calls: int, top: int = 14) -> list[dict[str, Any]]:
     return rows
 
 
-def run(*, quick: bool = False, iters: int | None = None, log=print) -> dict[str, Any]:
+def run(
+    *, quick: bool = False, iters: int | None = None, log=print, cases: tuple[HostCase, ...] = CASES
+) -> dict[str, Any]:
     iters = iters or (1000 if quick else 4000)
     warmup = max(100, iters // 10)
     started = time.perf_counter()
-    cases = {
-        "bshd_transposed x transposed (diffusers)": ("bshd_transposed", "transposed"),
-        "contiguous x contiguous": ("contiguous", "contiguous"),
-    }
     results: dict[str, Any] = {}
-    for label, (ql, gl) in cases.items():
-        q, k, v, g = _case(ql, gl)
+    for case in cases:
+        label = case.label
+        inputs = case.inputs()
+        q, k, v, g, mask, options = inputs
         disp = harness.make_dispatcher("cpu")
-        out, stats, _ = harness.forward_backward(disp, q, k, v, g, "preserve")  # cold: builds both graphs
+        what = f"host case {label!r} (shape {case.shape}, benchmarks/host_suite.py CASES)"
+        harness.check_claimed(what, disp, q, k, v, mask, case.causal, **options)
+        refused_before = harness.gate_refusals()
+        # cold: builds both graphs
+        out, stats = disp.forward(q, k, v, mask, 0.0, case.causal, layout="preserve", **options)[:2]
+        disp.backward(g, q, k, v, mask, 0.0, case.causal, out, stats, None, None, layout="preserve", **options)
+        harness.check_built(what, disp, refused_before)
         # Whether the dispatcher remembered these layouts' recipes and graphs (its memo-hit path).
         kinds = [
             type(entry.recipe.key).__name__
@@ -236,10 +282,12 @@ def run(*, quick: bool = False, iters: int | None = None, log=print) -> dict[str
         harness.reset_copy_stats()
 
         fns = {
-            "ours_fwd": lambda: disp.forward(q, k, v, None, 0.0, False, layout="preserve"),
-            "ours_bwd": lambda: disp.backward(g, q, k, v, None, 0.0, False, out, stats, None, None, layout="preserve"),
-            "builtin_fwd_pygraph": lambda: builtin_forward_graph(q, k, v),
-            "builtin_bwd_pygraph": lambda: builtin_backward_graph(q, k, v),
+            "ours_fwd": lambda: disp.forward(q, k, v, mask, 0.0, case.causal, layout="preserve", **options),
+            "ours_bwd": lambda: disp.backward(
+                g, q, k, v, mask, 0.0, case.causal, out, stats, None, None, layout="preserve", **options
+            ),
+            "builtin_fwd_pygraph": lambda: builtin_forward_graph(q, k, v, case.causal),
+            "builtin_bwd_pygraph": lambda: builtin_backward_graph(q, k, v, case.causal),
             "floor_fwd_alloc": lambda: (
                 torch.empty_strided(out.shape, out.stride(), dtype=out.dtype),
                 torch.empty_strided(stats.shape, stats.stride(), dtype=torch.float32),
@@ -260,12 +308,13 @@ def run(*, quick: bool = False, iters: int | None = None, log=print) -> dict[str
         copies = harness.copy_stats()
         info = disp.cache.info()
         if copies.bytes_copied or info.builds != builds_before or info.fallbacks:
-            raise RuntimeError(f"host timing was not a zero-copy cache hit: {copies}, {info}")
+            raise RuntimeError(f"host timing of {label!r} was not a zero-copy cache hit: {copies}, {info}")
         ours_f, ours_b = summary["ours_fwd"]["median_us"], summary["ours_bwd"]["median_us"]
         bi_f, bi_b = summary["builtin_fwd_pygraph"]["median_us"], summary["builtin_bwd_pygraph"]["median_us"]
         results[label] = {
-            "qkv_layout": ql,
-            "grad_layout": gl,
+            "qkv_layout": case.qkv_layout,
+            "grad_layout": case.grad_layout,
+            "causal": case.causal,
             "shape": list(q.shape),
             "dtype": str(q.dtype),
             "q": harness.describe(q),
@@ -286,11 +335,62 @@ def run(*, quick: bool = False, iters: int | None = None, log=print) -> dict[str
             f"{results[label]['ratio_ours_over_floor_fwd']:.2f}x / {results[label]['ratio_ours_over_floor_bwd']:.2f}x "
             "the allocation floor"
         )
-        if label.startswith("bshd"):
+        if case.breakdown:
             results[label]["building_blocks"] = _components(disp, q, k, v, g, out, stats, iters=max(500, iters // 4))
             results[label]["fwd_profile"] = _profile(fns["ours_fwd"], calls=max(500, iters // 4))
             results[label]["bwd_profile"] = _profile(fns["ours_bwd"], calls=max(500, iters // 4))
-    return {"method": METHOD, "iters": iters, "seconds": time.perf_counter() - started, "cases": results}
+    kinds = _call_kinds(iters, warmup, log)
+    return {
+        "method": METHOD,
+        "iters": iters,
+        "seconds": time.perf_counter() - started,
+        "cases": results,
+        "kinds": kinds,
+    }
+
+
+def _call_kinds(iters: int, warmup: int, log=print) -> dict[str, Any]:
+    """Each call kind a model makes (:mod:`benchmarks.call_kinds`), forward and backward on a memo hit, interleaved in
+    rounds with the plain hit and the allocation floor (out + stats; dq + dk + dv): the least of the rounds' medians,
+    and its ratio to the plain hit."""
+    disp = harness.make_dispatcher("cpu")
+    fns: dict[str, Any] = {}
+    for name in call_kinds.KINDS:
+        fns[f"{name}|fwd"], fns[f"{name}|bwd"] = call_kinds.calls(disp, name)[:2]
+    plain_out, plain_stats = call_kinds.calls(disp, call_kinds.KINDS[0])[2:]
+    fns["floor|fwd"] = lambda: (
+        torch.empty_strided(plain_out.shape, plain_out.stride(), dtype=plain_out.dtype),
+        torch.empty_strided(plain_stats.shape, plain_stats.stride(), dtype=torch.float32),
+    )
+    fns["floor|bwd"] = lambda: tuple(
+        torch.empty_strided(plain_out.shape, plain_out.stride(), dtype=plain_out.dtype) for _ in range(3)
+    )
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    rounds = 5
+    with call_kinds.steady(disp, "host suite call kinds"):
+        for _ in range(rounds):
+            for name, fn in fns.items():
+                samples[name].append(harness.median_us(fn, iters=iters // rounds, warmup=warmup // rounds)["median_us"])
+    us = {name: min(v) for name, v in samples.items()}  # a loaded machine's extra time only adds: the least round
+    plain = {d: us[f"{call_kinds.KINDS[0]}|{d}"] for d in ("fwd", "bwd")}
+    rows = {
+        name: {d: {"us": us[f"{name}|{d}"], "x_plain": us[f"{name}|{d}"] / plain[d]} for d in ("fwd", "bwd")}
+        for name in call_kinds.KINDS
+    }
+    floor = {d: plain[d] / us[f"floor|{d}"] for d in ("fwd", "bwd")}
+    for name, r in rows.items():
+        f, b = r["fwd"], r["bwd"]
+        log(
+            f"host kinds: {name}: fwd {f['us']:.1f} us ({f['x_plain']:.2f}x), "
+            f"bwd {b['us']:.1f} us ({b['x_plain']:.2f}x)"
+        )
+    return {
+        "shape": [call_kinds.B, call_kinds.H, call_kinds.S, call_kinds.D],
+        "dtype": str(call_kinds.DTYPE),
+        "rows": rows,
+        "floor_us": {d: us[f"floor|{d}"] for d in ("fwd", "bwd")},
+        "plain_x_floor": floor,
+    }
 
 
 # -- report ------------------------------------------------------------------------------------
@@ -316,6 +416,7 @@ def markdown(suite: dict[str, Any]) -> str:
         )
     parts += lines
     parts.append("")
+    parts += _kinds_markdown(suite.get("kinds"))
     parts.append(
         "Ratio = built-in pygraph time / ours (above 1: ours is cheaper per call). Interquartile ranges "
         "(p25-p75 of the batch medians) are in results.json."
@@ -353,6 +454,33 @@ def markdown(suite: dict[str, Any]) -> str:
                     f"| `{row['function']}` | {row['ncalls_per_call']:.0f} | {row['tottime_share'] * 100:.0f}% |"
                 )
     return "\n".join(parts)
+
+
+def _kinds_markdown(kinds: dict[str, Any] | None) -> list[str]:
+    if not kinds:
+        return []
+    b, h, s, d = kinds["shape"]
+    lines = [
+        f"### Each call kind on a memo hit ({kinds['dtype']}, B {b}, H {h}, S {s}, D {d}; execute excluded)",
+        "",
+        f"Goal (issue 48): each kind at most {KIND_GOAL}x the plain hit, the plain hit at most {FLOOR_GOAL}x the "
+        "allocation floor. Microseconds: the least of 5 interleaved rounds' medians. Every row checked to run no "
+        "plan, no build, no fallback while timed.",
+        "",
+        "| call | fwd us | fwd x plain | bwd us | bwd x plain |",
+        "|---|---|---|---|---|",
+    ]
+    for name, r in kinds["rows"].items():
+        f, bw = r["fwd"], r["bwd"]
+        lines.append(f"| {name} | {f['us']:.1f} | {f['x_plain']:.2f}x | {bw['us']:.1f} | {bw['x_plain']:.2f}x |")
+    fl, x = kinds["floor_us"], kinds["plain_x_floor"]
+    lines += [
+        "",
+        f"Allocation floor fwd / bwd {fl['fwd']:.1f} / {fl['bwd']:.1f} us: "
+        f"the plain hit {x['fwd']:.2f}x / {x['bwd']:.2f}x.",
+        "",
+    ]
+    return lines
 
 
 def plot(suite: dict[str, Any], path) -> str | None:

@@ -1,4 +1,7 @@
-"""Host time per call on a graph-cache hit (execute excluded) vs building one pygraph per call."""
+"""Host time per call on a graph-cache hit (execute excluded) vs building one pygraph per call, and the host
+suite's guard: every row is claimed and built on the harness's target, and a declined row fails naming its rule.
+The guard's tests take no ``benchmark`` fixture: ``--benchmark-disable`` (.ci/run) runs them, ``--benchmark-only``
+skips them."""
 
 from __future__ import annotations
 
@@ -8,8 +11,8 @@ import torch
 import thunder_cudnn_safe
 from benchmarks import harness, host_suite
 from thunder_cudnn_safe import testing
-
-B, H, S, D, DTYPE = 2, 8, 64, 96, torch.float16
+from thunder_cudnn_safe.integration.executor import reasons_for
+from thunder_cudnn_safe.rules import cudnn_rules
 
 _UIDS = {
     "q": 1,
@@ -35,11 +38,53 @@ def _declared(key) -> dict:
 
 @pytest.fixture(scope="module")
 def case():
-    q, k, v = harness.make_qkv("bshd_transposed", B, H, S, D, DTYPE)
-    g = harness.make_grad("transposed", (B, H, S, D), DTYPE)
+    """The host suite's first row (the diffusers layouts), claimed and built: what its timings measure."""
+    row = host_suite.CASES[0]
+    q, k, v, g, _, _ = row.inputs()
     disp = harness.make_dispatcher("cpu")
+    harness.check_claimed(row.label, disp, q, k, v)
+    gate_before = harness.gate_refusals()
     out, stats, _ = harness.forward_backward(disp, q, k, v, g, "preserve")
+    harness.check_built(row.label, disp, gate_before)
     return dict(q=q, k=k, v=v, g=g, out=out, stats=stats, disp=disp)
+
+
+@pytest.mark.parametrize("row", host_suite.CASES, ids=lambda row: row.label)
+def test_every_host_case_is_claimed_and_built(row):
+    """Each row of the host suite is claimed on the harness's target and its graphs build (no fallback), so the
+    suite times the executor, not the fallback."""
+    q, k, v, g, mask, options = row.inputs()
+    disp = harness.make_dispatcher("cpu")
+    harness.check_claimed(row.label, disp, q, k, v, mask, row.causal, **options)
+    gate_before = harness.gate_refusals()
+    out, stats = disp.forward(q, k, v, mask, 0.0, row.causal, **options)[:2]
+    disp.backward(g, q, k, v, mask, 0.0, row.causal, out, stats, None, None, **options)
+    harness.check_built(row.label, disp, gate_before)
+    assert disp.cache.info().builds == 2 and disp.runtime.executes == 2
+
+
+#: Key length 1 in training: BACKWARD_KEY_LENGTH_1 (a cuDNN known issue) declines it on every target.
+_DECLINED = host_suite.HostCase("key length 1", "contiguous", "contiguous", shape=(2, 2, 1, 64))
+
+
+def test_a_declined_host_case_fails_naming_its_rule():
+    """A row the checker declines makes the suite fail before timing, naming every rule explain() gives."""
+    reasons = reasons_for(harness.make_dispatcher("cpu").runtime, *_DECLINED.inputs()[:3])
+    assert reasons and all(r.rule for r in reasons)
+    with pytest.raises(harness.DeclinedCase, match="declined on sm90") as err:
+        host_suite.run(quick=True, iters=10, cases=(_DECLINED,), log=lambda _: None)
+    assert all(r.rule in str(err.value) for r in reasons), err.value
+
+
+def test_a_case_the_key_gate_refuses_fails_naming_its_rule(monkeypatch):
+    """A row the checker lets through but the key gate refuses (a rule only the planned keys show) ran the
+    fallback in its cold call: the suite fails there, naming the gate's rule."""
+    from thunder_cudnn_safe.integration import executor
+
+    monkeypatch.setattr(executor, "reasons_for", lambda *args, **kwargs: [])
+    with pytest.raises(harness.DeclinedCase, match="ran the fallback") as err:
+        host_suite.run(quick=True, iters=10, cases=(_DECLINED,), log=lambda _: None)
+    assert any(f"refused {rule.name}" in str(err.value) for rule in cudnn_rules.RULES), err.value
 
 
 def _hit_only(disp, fn):

@@ -16,6 +16,7 @@ into a temporary folder and loaded only by aot's child.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import sys
 import tempfile
@@ -31,13 +32,20 @@ def _knobs(knobs: dict) -> str:
 
 
 def _graph_names(keys: list) -> list[str]:
+    """Each key's row name: its pass, then what tells a call's graphs apart (dBias, a ragged or padded graph)."""
     names, seen = [], {}
     for key in keys:
-        kind = (
-            "forward"
-            if type(key).__name__ == "ForwardKey"
-            else "backward" + (" dBias" if key.d_bias is not None else "")
-        )
+        forward = type(key).__name__ == "ForwardKey"
+        tags = [
+            tag
+            for tag, on in (
+                ("dBias", not forward and key.d_bias is not None),
+                ("ragged", key.ragged is not None),
+                ("padded", key.padded),
+            )
+            if on
+        ]
+        kind = " ".join(["forward" if forward else "backward", *tags])
         seen[kind] = seen.get(kind, 0) + 1
         names.append(kind if seen[kind] == 1 else f"{kind} #{seen[kind]}")
     return names
@@ -56,8 +64,8 @@ def sweep_rows() -> list[dict]:
         )
     rows = []
     for call in calls:
-        keys = lowering_calls.keys_of(call)
         for sm, device in compile_sweep.ARCH_DEVICES.items():
+            keys = lowering_calls.keys_of(call, sm)
             reasons = lowering_calls.explain(call, sm)
             declined = str(reasons[0].rule or reasons[0]) if reasons else None
             for name, key in zip(_graph_names(keys), keys):
@@ -132,8 +140,27 @@ def summary_page(records: list[dict]) -> str:
             ok = sum(r["ok"] for r in rows)
             cells.append(f"{ok} / {len(rows)} graphs compiled; {len(declined)} of {len(calls)} calls declined")
         lines.append(f"| {gpu} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "Engines cuDNN chose, per GPU and pass (engine id x graphs compiled; a forward built by the composite "
+        "retry counts as `c`):",
+        "",
+        f"| GPU | pass | {head} |",
+        "|---|---|" + "---|" * len(records),
+    ]
+    for gpu in gpus:
+        for kind in ("forward", "backward"):
+            cells = []
+            for rec in records:
+                engines = collections.Counter(
+                    r["engine"].replace(" (composite retry)", "c")
+                    for r in rec["rows"]
+                    if r["gpu"] == gpu and r["ok"] and r["graph"].startswith(kind)
+                )
+                cells.append(", ".join(f"{e} x{n}" for e, n in sorted(engines.items())) or "-")
+            lines.append(f"| {gpu} | {kind} | " + " | ".join(cells) + " |")
     if len(records) > 1:
-        lines += ["", "Where the versions differ (compiled or not, declined or not):", ""]
+        lines += ["", "Where the versions that swept a graph differ (compiled or not, declined or not):", ""]
         lines += [f"| call | graph | GPU | {head} |", "|---|---|---|" + "---|" * len(records)]
         index = [{(r["call"], r["graph"], r["gpu"]): r for r in rec["rows"]} for rec in records]
         differs = 0
@@ -148,7 +175,7 @@ def summary_page(records: list[dict]) -> str:
                         ("compiled" if r["ok"] else "refused: " + r["reason"][:80])
                         + (f" (declined: {r['declined']})" if r["declined"] else "")
                     )
-            if len(set(verdicts)) > 1:
+            if len(set(verdicts) - {"not swept"}) > 1:  # a row one version did not sweep is no difference
                 differs += 1
                 lines.append(f"| {where[0]} | {where[1]} | {where[2]} | " + " | ".join(verdicts) + " |")
         if not differs:

@@ -397,3 +397,47 @@ def runtime_executions():
         yield counts
     finally:
         del runtime.execute
+
+
+# -- a model's own attention with a finite fill (``masked_rows="average"``) -------------------------------------
+def finite_fill_attention(q, k, v, keep, sinks=None, scale=None):
+    """Attention as HF eager and GPT-2 write it: the scores (float32, float64 for float64 inputs) filled with that
+    dtype's ``finfo.min`` where ``keep`` masks a key, a sink column where ``sinks`` are given, softmax, the
+    probabilities cast to V's dtype. A row whose keys are all masked holds equal scores: its softmax is uniform
+    (V's average) and its scores get no gradient, the function of ``masked_rows="average"``."""
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    groups = q.shape[-3] // k.shape[-3]  # K/V repeated over each group's query heads (GQA)
+    k, v = k.repeat_interleave(groups, -3), v.repeat_interleave(groups, -3)
+    s = (q.to(acc) @ k.to(acc).transpose(-2, -1)) * scale
+    s = s.masked_fill(~keep, torch.finfo(acc).min)
+    if sinks is not None:
+        s = torch.cat([s, sinks.to(acc).reshape(-1, 1, 1).expand(*s.shape[:-1], 1)], -1)
+    return s.softmax(-1)[..., : k.shape[-2]].to(v.dtype) @ v
+
+
+def dead_rows(keep: torch.Tensor) -> torch.Tensor:
+    """(..., L) booleans: the query rows whose every key ``keep`` masks."""
+    return ~keep.any(-1)
+
+
+def assert_dead_rows_average_v(q, k, v, out, keep, run_backward: Callable, exact: bool = True) -> None:
+    """The rows ``keep`` masks everywhere are exactly V's mean over the keys (in float32, rounded once; each query
+    head its group's K/V head), and their gradient reaches V only: ``run_backward(grad_out)`` with a grad_out that is
+    0 outside those rows gives dQ = dK = 0 and dV[j] = the dead rows' sum of dO / S over the group's query heads.
+    (B, H, L, D) tensors. Not ``exact``: the mean to V's rounding (the decomposition, like the model, multiplies
+    V by the weights 1/S rounded to V's dtype)."""
+    dead = dead_rows(keep).expand(*out.shape[:-1])  # (B, H, L)
+    assert dead.any(), "the mask masks no row everywhere"
+    b, hq, hk = q.shape[0], q.shape[1], v.shape[1]
+    mean = v.detach().float().mean(-2, keepdim=True).to(out.dtype).repeat_interleave(hq // hk, 1).expand_as(out)
+    if exact:
+        assert torch.equal(out.detach()[dead], mean[dead]), "a dead row is not V's mean"
+    else:
+        torch.testing.assert_close(out.detach()[dead], mean[dead], msg="a dead row is not V's mean")
+    grad_out = torch.randn(out.shape, dtype=out.dtype) * dead[..., None]
+    dq, dk, dv = run_backward(grad_out)
+    assert dq.abs().max() == 0 and dk.abs().max() == 0, "a dead row passed a gradient to Q or K"
+    per_head = grad_out.double().sum(-2, keepdim=True) / k.shape[-2]  # (B, Hq, 1, Dv)
+    expected = per_head.reshape(b, hk, hq // hk, 1, -1).sum(2).expand(v.shape)
+    torch.testing.assert_close(dv.double(), expected, atol=4e-3, rtol=1e-2)

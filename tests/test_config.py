@@ -1,5 +1,5 @@
 """thunder_cudnn_safe.config: every knob has a default, an environment variable with a parser that
-warns on a typo, a setter and a scoped patch() (README's "Removed in this release" lists the older
+warns on a typo, a setter and a scoped patch() (docs/design.md's "Removed in 0.1.0" lists the older
 spellings; tests/test_public_api.py checks they are gone); clear_cache() clears every cache and says which."""
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ CASES = {
     "deterministic": ("1", True, "maybe", True, 1),
     "bwd_may_cat_grad_qkv": ("1", True, "2", True, "true"),
     "fuse_handwritten_attention": ("0", False, "off", False, "no"),
+    "eager_runtime": (" Emulated", "emulated", "cudnn", "decomposition", "thunder"),
 }
 
 
@@ -169,6 +170,7 @@ def test_compile_option_defaults_come_from_config():
     assert (call.layout, call.deterministic, call.cat_grad_qkv) == ("preserve", False, False)
 
 
+@pytest.mark.environments  # a child interpreter imports torch, thunder and the package (seconds): that tier
 def test_environment_reaches_the_package_at_import():
     code = "import thunder_cudnn_safe as t; print(t.config.values())"
     env = {
@@ -193,7 +195,7 @@ def test_clear_cache_clears_every_cache_and_says_which(caplog):
     assert len(tcs.cached_graphs()) and len(disp.memos) and len(bias.converted_masks._lru)
     with caplog.at_level(logging.INFO, logger="thunder_cudnn_safe"):
         names = tcs.clear_cache()
-    assert names == tcs.caches.registered() and len(names) == 8  # one registry: each cache registers itself
+    assert names == tcs.caches.registered() and len(names) == 9  # one registry: each cache registers itself
     assert "clear_cache cleared" in caplog.text
     assert tcs.cached_graphs() == [] and tcs.cache_info().misses == 0
     assert len(disp.memos) == 0 and len(bias.converted_masks._lru) == 0

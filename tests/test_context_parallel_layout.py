@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 import thunder_cudnn_safe as tcs
 from thunder_cudnn_safe.dispatch.ring import add_sinks, block_mask, block_plan, merge
-from thunder_cudnn_safe.integration.attention import _TORCH, decomposition
+from thunder_cudnn_safe.integration.attention import TORCH_OPS, decomposition
 from thunder_cudnn_safe.integration.context_parallel import _global_meaning, _ring
 from thunder_cudnn_safe.layouts.sequence_shards import SequenceLayout, shard, unshard
 
@@ -93,7 +93,7 @@ def test_blocks_merged_by_logsumexp_are_full_attention(
     kept = _kept(pos, pos, causal, window)[None, None]
     if valid is not None:
         kept = kept & valid[:, None, None, :]
-    want = decomposition(_TORCH, q, k, v, kept, 0.0, False, None, False, softcap, sink)
+    want = decomposition(TORCH_OPS, q, k, v, kept, 0.0, False, None, False, softcap, sink)
     length = s // world
     for rank in range(world):
         layout = SequenceLayout(world, rank, balance)

@@ -90,7 +90,7 @@ def _params():
 @pytest.mark.parametrize("call,sm", list(_params()))
 def test_claimed_calls_compile(call: Call, sm: int, sweep) -> None:
     reasons = claimed(call, sm)
-    failed = [(type(key).__name__, sweep[sm][key].reason) for key in keys_of(call) if not sweep[sm][key].ok]
+    failed = [(type(key).__name__, sweep[sm][key].reason) for key in keys_of(call, sm) if not sweep[sm][key].ok]
     if not reasons:
         assert not failed, f"explain() claims {call.id} on sm{sm} but cuDNN builds no plan: {failed}"
     assert all(r.strip() for r in reasons)
@@ -101,11 +101,11 @@ def test_compile_sweep_counts(sm: int, sweep, figure) -> None:
     """Per arch: claimed calls, plans built, engines used, calls built only by the composite retry."""
     results = sweep[sm]
     claimed_calls = [call for call in SWEPT if not claimed(call, sm)]
-    keys = {key for call in claimed_calls for key in keys_of(call)}
+    keys = {key for call in claimed_calls for key in keys_of(call, sm)}
     engines = collections.Counter(
         f"{type(k).__name__[:-3].lower()} eng{results[k].engine}" for k in keys if results[k].ok
     )
-    retried = sorted({call.id for call in claimed_calls for k in keys_of(call) if results[k].composite_retry})
+    retried = sorted({call.id for call in claimed_calls for k in keys_of(call, sm) if results[k].composite_retry})
     built = sum(results[k].ok for k in keys)
     assert built == len(keys) and all(results[k].kernels for k in keys)
     figure(
@@ -140,12 +140,12 @@ def test_the_rules_this_sweep_added_decline_what_does_not_build(call_id: str, sw
     assert [r.rule for r in claimed(call, sm) if r.rule not in other] == [rule.name for rule in inside], claimed(
         call, sm
     )
-    refused = [sweep[sm][key].reason for key in keys_of(call) if not sweep[sm][key].ok]
+    refused = [sweep[sm][key].reason for key in keys_of(call, sm) if not sweep[sm][key].ok]
     if inside:
         assert refused and all(cause in reason for reason in refused), refused
     else:
         assert not refused, f"cuDNN {lowering.backend_version()} is outside {rules[0].name}'s window but refuses"
-    assert all(r.rule in other for r in claimed(call, 90)) and all(sweep[90][key].ok for key in keys_of(call))
+    assert all(r.rule in other for r in claimed(call, 90)) and all(sweep[90][key].ok for key in keys_of(call, 90))
 
 
 def test_the_key_length_1_rule_holds_on_sm120_too() -> None:

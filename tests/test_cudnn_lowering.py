@@ -71,7 +71,7 @@ def _restore_target():
 
 def _verdict(call: Call, sm: int) -> tuple[list[str], list[tuple[Any, lowering.Lowering]]]:
     reasons = explain(call, sm)
-    return reasons, [(key, lowered(key, sm)) for key in keys_of(call)]
+    return reasons, [(key, lowered(key, sm)) for key in keys_of(call, sm)]
 
 
 def _params():

@@ -19,6 +19,7 @@ fallback), and a call it declines is declined by a named rule. Self-check of the
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import checks
@@ -26,16 +27,19 @@ import pytest
 import thunder
 import torch
 import torch.nn.functional as F
-from checks import BF16, EMULATE, GPU_DEVICE, GPU_EXECUTOR, needs_gpu
+from checks import BF16, EMULATE, GPU_DEVICE, GPU_EXECUTOR, dispatch_step, needs_gpu
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import thunder_cudnn_safe as tcs
-from thunder_cudnn_safe.graphs.cache import graph_cache
+from thunder_cudnn_safe.dispatch import packed
+from thunder_cudnn_safe.dispatch.dispatcher import Dispatcher
+from thunder_cudnn_safe.graphs.cache import GraphCache, graph_cache
 from thunder_cudnn_safe.layouts.keys import BackwardKey, ForwardKey, Target
 from thunder_cudnn_safe.masks.patterns import MaskPattern, recognize
-from thunder_cudnn_safe.rules import cudnn_rules
-from thunder_cudnn_safe.testing import assert_close_to_reference
+from thunder_cudnn_safe.rules import cudnn_rules, key_gate
+from thunder_cudnn_safe.runtimes.emulation import EmulatedRuntime
+from thunder_cudnn_safe.testing import assert_close_to_reference, document_mask, seeded_qkv
 
 
 @pytest.fixture(autouse=True)
@@ -114,6 +118,21 @@ def test_hopper_kv_tail(s, version, causal, lq, declined):
     assert "HOPPER_BACKWARD_KV_TAIL_NAN" not in rules_on(
         H100, version, *qkv(lq=lq, s=s), None, 0.0, causal, need_stats=False
     )
+
+
+def test_hopper_kv_tail_with_softcap_and_sinks(fresh_cache):
+    """The rule reads lengths, causal and the mask, whatever the modifier or a sink token: a softcapped causal call
+    (its band declared inside the score modifier, -inf on every column past the row, the zero-filled tail too) is
+    exempt as cuDNN's own band is, and its keys reach the build; without the band, softcap or sinks, declined."""
+    q, k, v = qkv(h=2, lq=64, s=64, d=32, dtype=BF16)
+    assert rules_on(H100, 91900, q, k, v, None, 0.0, True, softcap=30.0) == []
+    for options in ({"softcap": 30.0}, {"sinks": torch.zeros(2)}):
+        assert "HOPPER_BACKWARD_KV_TAIL_NAN" in rules_on(H100, 91900, q, k, v, None, 0.0, False, **options)
+    key_gate.reset_gate_info()
+    disp = Dispatcher(EmulatedRuntime(arch=H100, backend_version=91900), GraphCache())
+    dispatch_step(disp, *seeded_qkv(1, 2, 64, 64, d=32, bshd=True), is_causal=True, softcap=30.0)
+    assert key_gate.gate_info() == {} and disp.cache.info().fallbacks == 0
+    assert any(isinstance(key, BackwardKey) and key.softcap and key.bias is None for key in disp.cache.keys())
 
 
 def test_hopper_kv_tail_with_a_mask_even_causal_shaped():
@@ -262,6 +281,143 @@ def test_deterministic_training_on_old_blackwell_runs_on_the_next_executor():
     fwd, bwd = checks.trace_text(jf)
     assert "cudnn_safe_emulated" not in fwd + bwd
     torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+
+
+# -- dSink_token is not deterministic, even with use_deterministic_algorithm ------------------------------------
+@pytest.mark.parametrize("arch,version", [(A100, 91900), (H100, 91900), (H100, 92700), (B200, 92700)])
+def test_sinks_in_deterministic_training_are_declined(arch, version):
+    """Every engine that builds a sink token computes dSink_token by an unordered reduction (SINK_DETERMINISTIC):
+    declined in deterministic training on every arch; claimed without determinism, without sinks, or without a
+    backward."""
+    rule, sinks = cudnn_rules.SINK_DETERMINISTIC.name, torch.zeros(4)
+    assert rule in rules_on(arch, version, *qkv(), sinks=sinks, deterministic=True)
+    assert rule not in rules_on(arch, version, *qkv(), sinks=sinks)
+    assert rule not in rules_on(arch, version, *qkv(), deterministic=True)
+    assert rule not in rules_on(arch, version, *qkv(), sinks=sinks, deterministic=True, need_stats=False)
+
+
+@pytest.mark.parametrize("how", ["compile option", "torch.use_deterministic_algorithms"])
+def test_sinks_in_deterministic_training_run_the_decomposition(how, fresh_cache):
+    """Either switch turns on the deterministic backward: the call with sinks is declined at trace time and thunder
+    runs the decomposition (eager's numbers); without either switch the same call is claimed."""
+    tcs.config.set(emulated_arch=H100, emulated_backend=92700)
+    q, k, v = qkv(b=1, h=2, lq=16, s=16, dtype=BF16, grad=True)
+    sinks = torch.randn(2, requires_grad=True)
+
+    def fn(q, k, v, sinks):
+        return tcs.attention(q, k, v, sinks=sinks)
+
+    options = {"cudnn_safe_deterministic": True} if how == "compile option" else {}
+    jf = checks.jit_with_ours(fn, **options)
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(how != "compile option" or before)
+    try:
+        out = jf(q, k, v, sinks)
+        grads = torch.autograd.grad(out, (q, k, v, sinks), torch.ones_like(out))
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert "cudnn_safe_emulated" not in "".join(checks.trace_text(jf))
+    ref = fn(q, k, v, sinks)
+    torch.testing.assert_close(out, ref)
+    for ours, theirs in zip(grads, torch.autograd.grad(ref, (q, k, v, sinks), torch.ones_like(ref))):
+        torch.testing.assert_close(ours, theirs)
+    claimed = checks.jit_with_ours(fn)
+    claimed(q, k, v, sinks).sum().backward()
+    assert "cudnn_safe_emulated_sdpa_bwd" in checks.trace_text(claimed)[1]
+
+
+@pytest.mark.parametrize("how", ["knob", "torch.use_deterministic_algorithms"])
+def test_explain_reads_the_deterministic_switches_the_checker_reads(how, request):
+    """explain() answers as the checker does: a call with sinks asked without ``deterministic=True`` while the
+    ``deterministic`` knob or torch's deterministic mode is on is declined by SINK_DETERMINISTIC, as thunder.jit
+    declines it (its inference forward is claimed). Off again, the same call is claimed."""
+    mode = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    request.addfinalizer(lambda: torch.use_deterministic_algorithms(mode[0], warn_only=mode[1]))
+    switch = tcs.config.patch(deterministic=True) if how == "knob" else contextlib.nullcontext()
+    rule, args = cudnn_rules.SINK_DETERMINISTIC.name, (*qkv(), None)
+    with switch:
+        torch.use_deterministic_algorithms(how != "knob")
+        reasons = tcs.explain(*args, executor=tcs.emulated_ex, sinks=torch.zeros(4))
+        assert [r.rule for r in reasons] == [rule] and "a deterministic backward with attention sinks" in reasons[0]
+        assert tcs.explain(*args, executor=tcs.emulated_ex, sinks=torch.zeros(4), need_stats=False) == []
+    torch.use_deterministic_algorithms(False)
+    assert tcs.explain(*args, executor=tcs.emulated_ex, sinks=torch.zeros(4)) == []
+
+
+def test_a_deterministic_backward_key_with_sinks_is_refused_and_runs_the_fallback(fresh_cache):
+    """The key gate reads SINK_DETERMINISTIC off a backward key, whatever planned it: a call whose backward runs
+    deterministic (torch's mode turned on after tracing, or a direct dispatcher call) is refused there, and the
+    torch fallback gives the same numbers as the claimed backward."""
+    q, k, v = seeded_qkv(1, 2, 16, 16, d=32, seed=3, bshd=True)
+    sinks = torch.randn(2, generator=torch.Generator().manual_seed(4))
+    disp = Dispatcher(EmulatedRuntime(arch=H100, backend_version=92700), GraphCache())
+    claimed = dispatch_step(disp, q, k, v, sinks=sinks)
+    (key,) = [key for key in disp.cache.keys() if isinstance(key, BackwardKey)]
+    assert key.sink is not None and key_gate.violations(key) == []
+    assert [r.name for r, _ in key_gate.violations(key._replace(deterministic=True))] == ["SINK_DETERMINISTIC"]
+    key_gate.reset_gate_info()
+    disp = Dispatcher(EmulatedRuntime(arch=H100, backend_version=92700), GraphCache())
+    out, grads, _ = dispatch_step(disp, q, k, v, sinks=sinks, deterministic=True)
+    assert key_gate.gate_info() == {"SINK_DETERMINISTIC": 1} and disp.cache.info().fallbacks == 1
+    for ours, theirs in zip((out, *grads), (claimed[0], *claimed[1])):
+        torch.testing.assert_close(ours, theirs, atol=2e-2, rtol=2e-2)
+
+
+# -- ragged stats of one query with grouped heads (cudnn-frontend#1083) ----------------------------------------
+def _ragged_forward_key() -> ForwardKey:
+    """The packed route's training forward key (ragged stats) for 4 query and 4 key/value heads."""
+    disp = Dispatcher(EmulatedRuntime(arch=H100, backend_version=92700), GraphCache())
+    dispatch_step(disp, *seeded_qkv(2, 4, 8, seed=1, bshd=True), document_mask([[3, 5], [8]], 8))
+    (key,) = [key for key in disp.cache.keys() if isinstance(key, ForwardKey)]
+    assert key.ragged is not None and key.ragged.stats and key.stats is not None
+    return key
+
+
+@pytest.mark.parametrize("arch,version", [(A100, 91900), (H100, 92600), (H100, 92700), (B200, 92800)])
+@pytest.mark.parametrize(
+    "lq,hk,stats,ragged,refused",
+    [
+        (1, 2, True, True, True),
+        (1, 4, True, True, False),  # MHA is right
+        (2, 2, True, True, False),  # s_q >= 2 is right
+        (1, 2, False, True, False),  # no stats written (inference)
+        (1, 2, True, False, False),  # padded (dense) stats are right
+    ],
+)
+def test_ragged_stats_of_one_query_with_grouped_heads_are_refused(arch, version, lq, hk, stats, ragged, refused):
+    key = _ragged_forward_key()
+    n, h, _, d = key.q.shape
+    key = key._replace(
+        q=key.q._replace(shape=(n, h, lq, d)),
+        k=key.k._replace(shape=(n, hk, *key.k.shape[2:])),
+        v=key.v._replace(shape=(n, hk, *key.v.shape[2:])),
+        stats=key.stats if stats else None,
+        ragged=key.ragged._replace(stats=stats) if ragged else None,
+        target=key.target._replace(arch=arch, backend_version=version),
+    )
+    names = [rule.name for rule, _ in key_gate.violations(key)]
+    assert ("RAGGED_STATS_DECODE_GQA" in names) == refused, names
+
+
+@pytest.mark.parametrize("hk,need_stats,ragged", [(2, True, False), (4, True, True), (2, False, True)])
+def test_a_packed_step_of_one_token_documents_with_grouped_heads(hk, need_stats, ragged, fresh_cache):
+    """Every document one query (a chunk remainder): the ragged key declares S = 16, but the decode-class kernel's
+    choice is not shown to read only that, so with grouped heads and stats the step runs as a bias; MHA and
+    inference stay variable-length. The numbers are eager's either way."""
+    mask = document_mask([[1, 1, 1], [1, 1]], 8)  # the tokens after the documents keep no key: not a band
+    q, k, v = seeded_qkv(2, 4, 8, h_kv=hk, seed=1, bshd=True)
+    packed.reset_varlen_info()
+    disp = Dispatcher(EmulatedRuntime(arch=H100, backend_version=92700), GraphCache())
+    gqa = dict(enable_gqa=hk != 4)
+    ref = F.scaled_dot_product_attention(*(t.double() for t in (q, k, v)), attn_mask=mask, **gqa)
+    if need_stats:
+        out, _, _ = dispatch_step(disp, q, k, v, mask)
+    else:
+        (out,) = disp.forward(q, k, v, mask, 0.0, False, need_stats=False, **gqa)
+    assert torch.isfinite(out).all() and (out.double() - ref).abs().max() < 2e-2
+    assert any(key.ragged is not None for key in disp.cache.keys()) == ragged
+    declined = [r for r in packed.varlen_info() if cudnn_rules.RAGGED_STATS_DECODE_GQA.text in r]
+    assert bool(declined) != ragged, packed.varlen_info()
 
 
 # -- a declined call runs on the next executor, with eager's numbers -----------------------------------------

@@ -93,8 +93,8 @@ def test_dropout_verdict_is_per_backward_graph_not_per_forward_key():
 
 
 def test_cat_grad_qkv_with_used_mask_gradient_runs_one_backward():
-    """CHANGELOG: 'A used mask gradient no longer runs the backward twice'. With
-    cudnn_safe_bwd_may_cat_grad_qkv the stash is bypassed and the backward runs twice."""
+    """A used mask gradient does not run the backward twice, with cudnn_safe_bwd_may_cat_grad_qkv too (where
+    the stash of dQ, dK, dV was bypassed and the backward ran twice)."""
     runs = []
     run = DISPATCH.run
     DISPATCH.run = lambda bound: (runs.append(type(bound.key).__name__), run(bound))[1]

@@ -94,13 +94,14 @@ def test_a_repeated_dropout_forward_compiles_nothing_and_looks_up_only_its_graph
     disp.forward(q, k, v, m, 0.25, False)
     first = disp.cache.info()
     assert first.builds == (3 if mask == "float" else 2) and first.fallbacks == 0  # the forward, its backward(s)
-    compiled = []
-    real = recipes._compile
+    compiled, asked = [], []
+    real, real_key = recipes._compile, recipes.backward_key
     monkeypatch.setattr(recipes, "_compile", lambda *a: compiled.append(a[0]) or real(*a))
+    monkeypatch.setattr(recipes, "backward_key", lambda *a: asked.append(a[0]) or real_key(*a))
     for _ in range(3):
         disp.forward(q, k, v, m, 0.25, False)
     info = disp.cache.info()
-    assert compiled == [], "a repeated dropout forward compiled a recipe"
+    assert compiled == [] and asked == [], "a repeated dropout forward planned its backward again"
     assert (info.builds, info.misses, info.fallbacks) == (first.builds, first.misses, 0)
     assert info.hits == first.hits + 3, "a repeated dropout forward looked up more than its own graph"
     was, was_warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
@@ -109,7 +110,7 @@ def test_a_repeated_dropout_forward_compiles_nothing_and_looks_up_only_its_graph
         disp.forward(q, k, v, m, 0.25, False)  # the deterministic backward will run: asked again
     finally:
         torch.use_deterministic_algorithms(was, warn_only=was_warn)
-    assert compiled and disp.cache.info().builds > info.builds
+    assert asked and disp.cache.info().builds > info.builds
 
 
 def test_dropout_forward_falls_back_when_cudnn_refuses_its_backward(fresh_cache):

@@ -886,7 +886,13 @@ def _copies(model):
 
 
 # -- thunder.jit: the attention module (enable_gqa=True, no mask) -----------------------------
-JIT_CASES = [(name, dtype) for name in MODELS for dtype in (torch.float16, torch.bfloat16)]
+#: one dtype per model in the default tier (float16 and bfloat16 alternate), the other in the slow tier
+JIT_DEFAULT = [("llama", torch.float16), ("mistral", torch.bfloat16), ("qwen2", torch.float16)]
+JIT_CASES = [
+    pytest.param(name, dtype, marks=[] if (name, dtype) in JIT_DEFAULT else [pytest.mark.slow])
+    for name in MODELS
+    for dtype in (torch.float16, torch.bfloat16)
+]
 
 
 @pytest.mark.parametrize("name,dtype", JIT_CASES, ids=lambda v: str(v).removeprefix("torch."))
@@ -949,7 +955,8 @@ def _fx_case(name, dtype, transform, slow=False):
     return pytest.param(name, dtype, transform, marks=marks, id=ident)
 
 
-FX_DEFAULT = [("llama", torch.float16, True), ("mistral", torch.bfloat16, True), ("qwen2", torch.float16, False)]
+#: the default tier's cases (the transform and transformers' own repeat_kv); the rest, 7 s each, in the slow tier
+FX_DEFAULT = [("llama", torch.float16, True), ("qwen2", torch.float16, False)]
 FX_CASES = [
     _fx_case(name, dtype, transform, slow=(name, dtype, transform) not in FX_DEFAULT)
     for name in MODELS
@@ -996,8 +1003,9 @@ def test_hf_model_thunderfx(name, dtype, transform, fresh_cache):
     assert_grads_close(model, eager, ref, name)
 
 
-@pytest.mark.thunderfx
 # -- diffusers Flux through ThunderFX (enable_gqa=False on every call) ----------------------------
+@pytest.mark.slow  # 24 s of CPU: a whole diffusers transformer through dynamo and thunder
+@pytest.mark.thunderfx
 def test_flux_transformer_thunderfx(fresh_cache):
     diffusers = pytest.importorskip("diffusers")
     torch._dynamo.reset()

@@ -318,7 +318,7 @@ def test_a_call_and_the_keys_it_plans_give_one_record_of_facts(mask):
     plain = call._replace(
         attn_mask=None if attn_mask is None else support.operand(attn_mask)
     )  # as the checker reads it
-    on_call, on_forward, on_backward = support.call_view(plain, target), facts.of_key(forward), facts.of_key(backward)
+    on_call, on_forward, on_backward = facts.of_call(plain, target), facts.of_key(forward), facts.of_key(backward)
     shared = ("target", "batch", "heads", "kv_heads", "v_heads", "q_len", "kv_len", "d_qk", "d_v", "dropout", "causal")
     for name in shared:
         assert getattr(on_call, name) == getattr(on_forward, name) == getattr(on_backward, name), name

@@ -8,9 +8,11 @@ import of the package hides inside a function, and only :data:`THUNDER_LAYER` im
 from __future__ import annotations
 
 import ast
+import io
 import pathlib
 
 import pytest
+import torch
 
 import thunder_cudnn_safe
 
@@ -144,3 +146,101 @@ def test_no_class_or_function_is_over_the_unit_limit():
         and node.end_lineno - node.lineno + 1 > UNIT_LINE_LIMIT
     ]
     assert not over, over
+
+
+def _module_name(path: pathlib.Path) -> str:
+    return ".".join(("thunder_cudnn_safe", *path.relative_to(PACKAGE).with_suffix("").parts)).removesuffix(".__init__")
+
+
+def _imported_modules(path: pathlib.Path) -> set[str]:
+    """The package's modules ``path`` imports anywhere, a type-only import (``if TYPE_CHECKING:``) included:
+    ``from a.b import c`` counts as ``a.b.c`` where that is a module, else as ``a.b``."""
+    modules = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            modules.update(a.name for a in node.names if a.name.startswith("thunder_cudnn_safe"))
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("thunder_cudnn_safe"):
+            for alias in node.names:
+                sub = PACKAGE.joinpath(*f"{node.module}.{alias.name}".split(".")[1:])
+                is_module = sub.with_suffix(".py").exists() or (sub / "__init__.py").exists()
+                modules.add(f"{node.module}.{alias.name}" if is_module else node.module)
+    return modules
+
+
+def test_no_module_imports_a_module_that_calls_it():
+    """A module's callers sit above it, so it never names them, not even for a type: a helper handed its caller
+    (``capture.prebuild(disp)`` typed ``Dispatcher`` under ``TYPE_CHECKING``) reaches back up through it. The
+    graph of module imports, type-only imports included, has no cycle."""
+    # (a module run as ``__main__`` may import itself by name: runtimes/aot.py's child process)
+    graph = {(m := _module_name(p)): _imported_modules(p) - {m} for p in sorted(PACKAGE.rglob("*.py"))}
+    cycles = []
+
+    def visit(module: str, path: list[str], done: set[str]) -> None:
+        for nxt in sorted(graph.get(module, ())):
+            if nxt in path:
+                cycles.append(" -> ".join(path[path.index(nxt) :] + [nxt]))
+            elif nxt not in done:
+                visit(nxt, [*path, nxt], done)
+        done.add(module)
+
+    done: set[str] = set()
+    for module in graph:
+        if module not in done:
+            visit(module, [module], done)
+    assert not cycles, f"modules that import (or type-import) a module importing them: {sorted(set(cycles))}"
+
+
+#: The library objects the layers call (tensors, strings, files; cuDNN's graphs below): a call of one of their
+#: methods' names is not a call into the package, whatever else defines the name too.
+LIBRARY_TYPES = (torch.Tensor, str, bytes, dict, list, tuple, set, pathlib.Path, io.BufferedWriter, io.TextIOWrapper)
+
+
+def _library_names() -> set[str]:
+    names = set().union(*(dir(t) for t in LIBRARY_TYPES))
+    try:
+        import cudnn
+
+        names |= set(dir(cudnn.pygraph)) | set(dir(cudnn.tensor))
+    except (ImportError, AttributeError):  # no frontend: its methods cannot be told from the package's
+        pytest.skip("cudnn-frontend is not importable")
+    return names
+
+
+def _names_by_layer() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    """Per subpackage (the plumbing: ""): every name it defines (functions, methods, class attributes and fields),
+    and the methods of its classes."""
+    defined: dict[str, set[str]] = {}
+    methods: dict[str, set[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        layer = path.relative_to(PACKAGE).parts[0] if path.parent != PACKAGE else ""
+        names, own = defined.setdefault(layer, set()), methods.setdefault(layer, set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                names.add(node.name)
+            elif isinstance(node, ast.ClassDef):
+                for item in node.body:
+                    if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef):
+                        own.add(item.name)
+                    targets = item.targets if isinstance(item, ast.Assign) else [getattr(item, "target", None)]
+                    names.update(t.id for t in targets if isinstance(t, ast.Name))
+    return defined, methods
+
+
+@pytest.mark.parametrize("subpackage", sorted(ALLOWED))
+def test_no_lower_layer_calls_a_method_only_a_higher_layer_defines(subpackage):
+    """A lower layer handed an object of a higher layer (typed ``Any``, so no import shows it) and calling its
+    method calls back up: ``fallback.run_oversized_bias(disp, ...)`` calling ``disp.run_fallback``. A call
+    ``x.name(...)`` in a module of ``subpackage`` where ``name`` is a method of a class only layers above it
+    define (no name of its own layer, the layers it may import, the plumbing or the libraries it calls) is one."""
+    defined, methods = _names_by_layer()
+    below = ALLOWED[subpackage] | {subpackage, ""}
+    visible = set().union(*(defined.get(layer, set()) for layer in below)) | _library_names()
+    above = set().union(*(names for layer, names in methods.items() if layer not in below))
+    only_above = {name for name in above - visible if not name.startswith("__")}
+    calls = [
+        f"{path.relative_to(PACKAGE)}:{node.lineno} .{node.func.attr}()"
+        for path in sorted((PACKAGE / subpackage).glob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in only_above
+    ]
+    assert not calls, f"calls back up into a higher layer's methods: {calls}"

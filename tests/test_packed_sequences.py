@@ -489,7 +489,7 @@ def test_more_than_32768_documents_decline_to_the_bias_not_a_grid_crash():
     disp = _dispatcher()
     built = []
     disp.runtime._build_one = lambda key, impl: built.append(key)  # never reached: the gate refuses first
-    assert packed.run(disp, ForwardCall(q, q, q, p)) is None
+    assert packed.run(disp.runtime, disp.cache, ForwardCall(q, q, q, p)) is None
     assert built == [] and packed.varlen_info() == {"declined: GRID_65535 (key gate)": 1}
 
 

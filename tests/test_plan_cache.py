@@ -266,6 +266,7 @@ def _compile(keys: list, standin: str, monkeypatch) -> tuple[list, str]:
     return results, seen[0].stderr.decode(errors="replace")
 
 
+@pytest.mark.compile  # NVRTC compiles a step's kernels twice, in child processes: the compile tier
 @pytest.mark.skipif(_PROBLEM is not None, reason=f"cannot plan graphs here: {_PROBLEM}")
 def test_a_second_process_starts_warm(tmp_path, monkeypatch, figure) -> None:
     from support import compile_sweep

@@ -1,6 +1,6 @@
 """The public API is deliberate: every name README tells users to touch is importable from the
-package, and every name in ``__all__`` is documented in README; the names README lists as removed
-are gone, and what replaces each is a knob."""
+package, and every name in ``__all__`` is documented in README; the names docs/design.md lists as removed
+are gone, and what replaces each is a knob; its knobs table names every knob."""
 
 from __future__ import annotations
 
@@ -13,19 +13,20 @@ import thunder_cudnn_safe as tcs
 
 #: Names README quotes from cuDNN, libcudnn, thunder and torch (a keyword), not from this package.
 FOREIGN = {"build_operation_graph", "enable_gqa", "rowsum", "thunderfx", "validate"}
-FULL_README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-_REMOVED_AT = FULL_README.index("\n### Removed in this release\n")
-_REMOVED_END = min(i for i in (FULL_README.find(h, _REMOVED_AT + 1) for h in ("\n## ", "\n### ")) if i != -1)
-#: README's note of the names removed in this release (and what replaces each)
-REMOVED = FULL_README[_REMOVED_AT:_REMOVED_END]
-#: README without that note: every name it quotes exists
-README = FULL_README[:_REMOVED_AT] + FULL_README[_REMOVED_END:]
+ROOT = Path(__file__).resolve().parents[1]
+#: README: every name it quotes exists
+README = (ROOT / "README.md").read_text()
+DESIGN = (ROOT / "docs" / "design.md").read_text()
 
 
-def _section(title: str) -> str:
-    start = README.index(f"\n## {title}\n")
-    end = README.find("\n## ", start + 1)
-    return README[start : end if end != -1 else None]
+def _section(title: str, text: str = README) -> str:
+    start = text.index(f"\n## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end != -1 else None]
+
+
+#: docs/design.md's note of the names removed in 0.1.0 (and what replaces each)
+REMOVED = _section("Removed in 0.1.0", DESIGN)
 
 
 def test_every_exported_name_is_documented_in_readme():
@@ -64,8 +65,8 @@ def test_every_readme_name_is_importable():
         assert name in tcs.__all__
 
 
-def test_readme_names_every_knob_and_its_variable():
-    knobs = _section("Knobs")
+def test_the_knobs_table_names_every_knob_and_its_variable():
+    knobs = _section("Knobs", DESIGN)
     for knob in tcs.config.KNOBS.values():
         assert f"`{knob.name}`" in knobs and f"`{knob.env}`" in knobs, knob.name
 

@@ -90,3 +90,28 @@ def test_a_traceback_through_generated_code_shows_its_lines():
 
     _, other = _forward()
     assert other.run.__code__.co_filename != recipe.run.__code__.co_filename  # one filename per generated function
+
+
+def _backward_call() -> BackwardCall:
+    call, frecipe = _forward()
+    o, stats = bind(frecipe, call).outputs
+    g = torch.randn(o.shape).transpose(1, 2).contiguous().transpose(1, 2)  # dO in another layout than O
+    seed = offset = torch.zeros((1, 1, 1, 1), dtype=torch.int64)
+    return BackwardCall(g, call.query, call.key, call.value, call.attn_mask, 0.0, False, o, stats, seed, offset)
+
+
+def test_a_key_is_planned_without_compiling_a_binder(monkeypatch):
+    """``forward_key`` / ``backward_key`` (what ``explain()`` and the checkers plan) declare the recipe's very key
+    and compile nothing; only a recipe, which binds, compiles its binder."""
+    from thunder_cudnn_safe.routing import recipes
+
+    compiled = []
+    real = recipes.compile_function
+    monkeypatch.setattr(recipes, "compile_function", lambda *a: compiled.append(a[-1]) or real(*a))
+    target = emulation.emulated_target()
+    call, bcall = signature(_forward()[0]), signature(_backward_call())
+    compiled.clear()
+    fkey, bkey = recipes.forward_key(call, target), recipes.backward_key(bcall, target)
+    assert compiled == []
+    assert fkey == forward_recipe(call, target).key and bkey == backward_recipe(bcall, target).key
+    assert compiled == ["ForwardKey recipe", "BackwardKey recipe"]

@@ -23,7 +23,12 @@ from thunder_cudnn_safe.graphs.cache import GraphCache
 from thunder_cudnn_safe.layouts.keys import BackwardKey, ForwardKey
 from thunder_cudnn_safe.runtimes import reference
 from thunder_cudnn_safe.runtimes.emulation import EmulatedRuntime
-from thunder_cudnn_safe.testing import assert_close_to_reference, flash_backward_floor
+from thunder_cudnn_safe.testing import (
+    assert_close_to_reference,
+    flash_backward_floor,
+    seeded_qkv,
+    sink_gradient_floor,
+)
 
 #: mask kind -> (L, S, keep(i, j) as the call's boolean mask; None: is_causal), the band fields its keys carry
 KINDS = {
@@ -40,13 +45,6 @@ KINDS = {
 }
 
 
-def _qkv(lq: int, s: int, dtype=torch.bfloat16, h: int = 4, hk: int = 4, seed: int = 0):
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(2, lq, h, 64, generator=gen).to(dtype).transpose(1, 2).requires_grad_()
-    k, v = (torch.randn(2, s, hk, 64, generator=gen).to(dtype).transpose(1, 2).requires_grad_() for _ in range(2))
-    return q, k, v
-
-
 def _mask(kind: str):
     lq, s, keep, _ = KINDS[kind]
     if keep is None:
@@ -58,7 +56,7 @@ def _keys(kind: str, backend: int = 91900, training: bool = True) -> list:
     """The keys a softcapped call of ``kind`` builds on sm90 (a forward and its backward; an inference forward)."""
     lq, s, _, _ = KINDS[kind]
     disp = Dispatcher(EmulatedRuntime(arch=(9, 0), backend_version=backend), GraphCache())
-    q, k, v = (t.detach() for t in _qkv(lq, s))
+    q, k, v = seeded_qkv(2, 4, lq, s, 64, bshd=True)
     if training:
         dispatch_step(disp, q, k, v, _mask(kind), is_causal=kind == "is_causal", softcap=20.0)
     else:
@@ -94,7 +92,7 @@ def test_padding_beside_the_band_still_runs_as_a_bias(kind):
     lq, s, keep, _ = KINDS[kind]
     mask = _mask(kind).expand(2, 1, lq, s).clone()
     mask[1, ..., s - 12 :] = False  # the second sequence's last 12 keys are padding
-    q, k, v = (t.detach() for t in _qkv(lq, s))
+    q, k, v = seeded_qkv(2, 4, lq, s, 64, bshd=True)
     report = tcs.describe(q, k, v, mask, executor=tcs.emulated_ex, softcap=20.0)
     assert not report.reasons and report.mask_pattern == "bias"
 
@@ -118,7 +116,7 @@ def _attend(q, k, v, mask, sinks, kind):
 
 def _run(kind: str, dtype: torch.dtype, sinks: bool, hk: int, seed: int = 0):
     lq, s, _, _ = KINDS[kind]
-    q, k, v = _qkv(lq, s, dtype, hk=hk, seed=seed)
+    q, k, v = (t.requires_grad_() for t in seeded_qkv(2, 4, lq, s, 64, h_kv=hk, dtype=dtype, seed=seed, bshd=True))
     mask = _mask(kind)
     sink = (torch.randn(4, generator=torch.Generator().manual_seed(seed)) * 2).requires_grad_() if sinks else None
     jf = jit_with_ours(lambda q, k, v, mask, sink: _attend(q, k, v, mask, sink, kind))
@@ -144,10 +142,10 @@ def _run(kind: str, dtype: torch.dtype, sinks: bool, hk: int, seed: int = 0):
         [ref, *(t.grad for t in ref_leaves)],
     ):
         floor = 0.0
-        if name in ("dQ", "dK", "dSinks"):
-            other = {"dQ": k, "dK": q, "dSinks": torch.ones(1)}[name]
-            scale = 1.0 if name == "dSinks" else 1 / math.sqrt(64)
-            floor = flash_backward_floor(dtype, scale, grad, out, other, rows)
+        if name in ("dQ", "dK"):
+            floor = flash_backward_floor(dtype, 1 / math.sqrt(64), grad, out, {"dQ": k, "dK": q}[name], rows)
+        elif name == "dSinks":
+            floor = sink_gradient_floor(dtype, grad, out)
         assert_close_to_reference(a, e, ref_t, f"{name} of {kind}", floor=floor)
 
 
@@ -173,7 +171,7 @@ def test_the_torch_fallback_runs_the_same_declared_band(monkeypatch, fresh_cache
     from thunder_cudnn_safe.runtimes.fallback import FALLBACK
 
     lq, s, _, _ = KINDS["bottom_right_window"]
-    q, k, v = (t.detach() for t in _qkv(lq, s))
+    q, k, v = seeded_qkv(2, 4, lq, s, 64, bshd=True)
     outs = []
     for on_fallback in (False, True):
         runtime = EmulatedRuntime(arch=(9, 0), backend_version=91900)

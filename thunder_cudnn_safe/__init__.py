@@ -17,7 +17,7 @@ Importing this package changes thunder, in this order:
 4. :func:`thunder_cudnn_safe.integration.gqa.register`: thunder's SDPA translation accepts ``enable_gqa`` (thunder
    0.2.6 raises ``TypeError`` on it) and grouped heads trace as ``cudnn_safe.sdpa_gqa``;
    ``gqa.unregister()`` undoes it;
-5. :func:`~thunder_cudnn_safe.integration.attention.register_attention`: :func:`attention` (sinks, softcapping)
+5. :func:`~thunder_cudnn_safe.integration.attention_op.register_attention`: :func:`attention` (sinks, softcapping)
    and its custom op ``torch.ops.cudnn_safe.attention`` trace as the symbol ``cudnn_safe.attention``.
 """
 
@@ -34,7 +34,7 @@ from thunder_cudnn_safe.errors import EmulationError, GraphBuildError  # noqa: E
 from thunder_cudnn_safe.graphs.cache import CachedGraph, CacheInfo, cache_info, cached_graphs  # noqa: E402
 from thunder_cudnn_safe.graphs.plan_cache import PlanCacheInfo, plan_cache_info  # noqa: E402
 from thunder_cudnn_safe.integration import gqa  # noqa: E402
-from thunder_cudnn_safe.integration.attention import attention, register_attention  # noqa: E402
+from thunder_cudnn_safe.integration.attention_op import attention, register_attention  # noqa: E402
 from thunder_cudnn_safe.integration.context_parallel import ContextParallel  # noqa: E402
 from thunder_cudnn_safe.integration.executor import CallReport, cudnn_safe_ex, describe, emulated_ex, explain  # noqa: E402
 from thunder_cudnn_safe.integration.gqa import RepeatKVToGQA  # noqa: E402

@@ -26,6 +26,7 @@ from thunder_cudnn_safe._env import env_value, knob_env, parse_arch
 
 DYNAMIC_SHAPE_MODES = ("off", "inference", "forward")
 LAYOUTS = ("preserve", "contiguous")
+EAGER_RUNTIMES = ("auto", "emulated", "decomposition")
 
 
 class Knob(NamedTuple):
@@ -206,7 +207,8 @@ _KNOBS = (
         False,
         *_FLAG,
         "a bitwise reproducible backward (cuDNN's deterministic algorithm: slower, needs dP workspace) "
-        "against speed; torch.use_deterministic_algorithms(True) turns it on too",
+        "against speed; torch.use_deterministic_algorithms(True) turns it on too; training with attention sinks is "
+        "declined under it (cuDNN's dSink_token is not deterministic: rule SINK_DETERMINISTIC)",
     ),
     Knob(
         "bwd_may_cat_grad_qkv",
@@ -221,6 +223,13 @@ _KNOBS = (
         *_FLAG,
         "FuseHandwrittenAttention, where a user passed it, replaces hand-written attention with one fused call "
         "(no score tensor kept); 0 leaves every trace as the model wrote it",
+    ),
+    Knob(
+        "eager_runtime",
+        "auto",
+        *_choice(EAGER_RUNTIMES),
+        "what attention() runs outside thunder (eager, torch.compile): 'auto' the cuDNN executor for CUDA tensors "
+        "and the decomposition elsewhere, 'emulated' the CPU emulated executor (tests), 'decomposition' torch ops",
     ),
 )
 

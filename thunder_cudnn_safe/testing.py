@@ -215,6 +215,23 @@ def flash_backward_floor(
     return 4 * eps * abs(scale) * mag(grad_out) * mag(out) * out.shape[-1] ** 0.5 * mag(other) * max(1, rows) ** 0.5
 
 
+def sink_gradient_floor(dtype: torch.dtype, grad_out: torch.Tensor, out: torch.Tensor) -> float:
+    """Extra error allowed for dSinks (the sink token's gradient) of a flash-attention backward.
+
+    cuDNN computes ``dSink[h] = -sum over batch and queries of P_sink * rowsum(dO * O)`` with O as it stored it, in
+    ``dtype`` (the emulation computes the same, and matches that formula evaluated in float64 with O rounded to
+    ``dtype`` to float32 round-off: neither the reduction order nor float32 intermediates add a visible error). Eager
+    attention sums ``P * dP`` from float32 probabilities instead, so its error is no scale for this term: each O
+    element's rounding (at most half an ulp, uniform, standard deviation ``u * |O| / sqrt(3)`` with ``u`` the unit
+    roundoff) enters the sum weighted by ``P_sink * dO <= |dO|``. This floor is 4 standard deviations of that sum
+    for the worst head: ``4 u / sqrt(3) * sqrt(sum over (b, i, d) of (dO * O)^2)``, with the candidate's ``out``.
+    """
+    u = _FLOOR.get(dtype, 1e-6)
+    terms = (grad_out.detach().double() * out.detach().double()).square()
+    per_head = terms.sum(dim=[d for d in range(terms.dim()) if d != terms.dim() - 3])  # (H,) heads are dim -3
+    return 4 * u / 3**0.5 * per_head.max().item() ** 0.5 if per_head.numel() else 0.0
+
+
 def assert_close_to_reference(
     candidate: torch.Tensor,
     eager: torch.Tensor,

@@ -18,10 +18,12 @@ SOURCE = Path(__file__).resolve().parents[2] / "tests" / "standin_libcuda.c"
 ARCH_DEVICES = {80: "A100", 90: "H100", 100: "B200"}
 #: ``THUNDER_CUDNN_SAFE_COMPILE_SWEEP=all`` compiles every call of the lowering sweep instead of :data:`SUBSET`.
 SWEEP_ENV = "THUNDER_CUDNN_SAFE_COMPILE_SWEEP"
-#: Representative calls of the lowering sweep (:data:`support.lowering_calls.CALLS`, by id): layouts, masks of
-#: odd shapes (key length 1), mask gradients, dropout, deterministic, fused dQKV, head dims up to 256, L != S,
-#: one K/V head.
+#: Representative calls of the lowering sweep (:data:`support.lowering_calls.CALLS`, by id), one or more of every
+#: graph kind the dispatcher builds. A new graph kind adds its calls here, so the compile tier and the generated
+#: record (docs/compile_sweep.md, scripts/compile_table.py) judge it at every cuDNN version.
 SUBSET = (
+    # plain SDPA: layouts, masks of odd shapes (key length 1), mask gradients, dropout, deterministic, fused dQKV,
+    # head dims up to 256, L != S, one K/V head, a single query in training
     "zoo-contiguous-contiguous-fp16-full",
     "zoo-contiguous-contiguous-bf16-causal",
     "zoo-bshd_transposed-transposed-bf16-full",
@@ -46,6 +48,36 @@ SUBSET = (
     "kv-one-head-causal",
     "kv-one-head-LneS-dropout",
     "decode-train-mqa",
+    # grouped-query attention (K/V with fewer real heads)
+    "gqa",
+    "gqa-causal-bf16",
+    # the sink token and dSink_token: alone, GQA, a bias, a padding pattern, a single query
+    "sinks",
+    "sinks-gqa",
+    "sinks-bias",
+    "sinks-pattern-padding",
+    "sinks-decode",
+    # the softcap score modifier: alone, a bias beside it, MLA head dims, with sinks and GQA
+    "softcap",
+    "softcap-bias",
+    "softcap-mla",
+    "sinks-softcap-gqa",
+    # bands declared inside the softcap modifier: causal, window, bottom-right, bottom-right window
+    "softcap-causal-bf16",
+    "softcap-pattern-window",
+    "bottom-right-softcap",
+    "bottom-right-window-softcap",
+    # bottom-right causal (prefill against a KV cache): window, key padding, GQA, sinks
+    "bottom-right-causal",
+    "bottom-right-window",
+    "bottom-right-window-padding",
+    "bottom-right-gqa",
+    "bottom-right-sinks",
+    # packed documents (ragged, variable-length graphs where the arch allows; else a bias)
+    "documents-bshd_transposed-transposed",
+    "documents-not-causal",
+    "documents-window",
+    "documents-gqa",
 )
 
 
@@ -75,10 +107,11 @@ def build_standin(folder: Path) -> str:
 
 
 def compile_calls(calls: list, keys_of, folder: str) -> tuple[list, dict]:
-    """Every distinct key of ``calls`` (``keys_of(call)``), compiled for every arch of :data:`ARCH_DEVICES` in
-    one child process: ``(keys, {sm: {key: CompileResult}})``."""
+    """Every distinct key of ``calls`` at any arch (``keys_of(call, sm)``: a packed-sequence call's graphs are the
+    arch's own), compiled for every arch of :data:`ARCH_DEVICES` in one child process per arch:
+    ``(keys, {sm: {key: CompileResult}})``."""
     from thunder_cudnn_safe.runtimes import aot
 
-    keys = list(dict.fromkeys(key for call in calls for key in keys_of(call)))
+    keys = list(dict.fromkeys(key for call in calls for sm in ARCH_DEVICES for key in keys_of(call, sm)))
     results = aot.compile_in_subprocess(keys, list(ARCH_DEVICES.values()), extra_ld_path=folder)
     return keys, {sm: dict(zip(keys, results[device])) for sm, device in ARCH_DEVICES.items()}

@@ -155,6 +155,9 @@ def _calls() -> list[Call]:
         )
     calls.append(Call("kv-one-head-LneS-dropout", shape=(2, 4, 16, 24, 64, 64), kv_heads=1, dropout=0.125))
     calls.append(Call("kv-broadcast-head-dropout", layout="kv_broadcast_head", dropout=0.125))
+    # Grouped-query attention without a variant (enable_gqa: K/V with fewer, real heads).
+    calls.append(Call("gqa", shape=(2, 4, 16, 24, 64, 64), kv_heads=2))
+    calls.append(Call("gqa-causal-bf16", dtype=torch.bfloat16, shape=(2, 8, 16, 16, 64, 64), kv_heads=2, causal=True))
     # One query in training: on sm90 forward and backward run with the padding mask at full lengths
     # (cudnn_rules.HOPPER_DECODE_BACKWARD_NAN); keys_of records every arch's graphs, so the padded ones
     # are lowered (and compiled) at every arch too.
@@ -312,18 +315,20 @@ def _recording(dispatcher) -> Any:
 _KEYS: dict[str, list] = {}
 
 
-def keys_of(call: Call) -> list:
+def keys_of(call: Call, sm: int | None = None) -> list:
     """Every graph key (target stripped) the dispatcher builds for ``call`` posing as any arch of :data:`ARCHS`:
     the graphs depend on the arch only where a defect's workaround applies
     (:mod:`thunder_cudnn_safe.routing.defect_routes`), and those graphs are then checked at every arch too.
     Packed-sequence calls are the exception: whether they run as variable-length graphs is itself per arch,
-    so their keys are those of the emulated arch."""
+    so their keys are those of arch ``sm`` (default: the emulated arch)."""
     import cudnn
 
     if call.documents is not None:
-        memo = (call.id, emulation.emulated_target().arch)
+        arch = ARCHS[sm] if sm is not None else emulation.emulated_target().arch
+        memo = (call.id, arch)
         if memo not in _KEYS:
-            _KEYS[memo] = list(dict.fromkeys(key._replace(target=None) for key in _record_keys(call)))
+            with tcs.config.patch(emulated_arch=arch, emulated_backend=cudnn.backend_version()):
+                _KEYS[memo] = list(dict.fromkeys(key._replace(target=None) for key in _record_keys(call)))
         return _KEYS[memo]
     if call.id in _KEYS:
         return _KEYS[call.id]

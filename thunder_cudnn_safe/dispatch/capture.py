@@ -17,19 +17,21 @@ any graph it holds (the cache evicting or clearing one voids the mark, so the ne
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
 
 import torch
 
 from thunder_cudnn_safe.dispatch import dropout
 from thunder_cudnn_safe.errors import ExecuteError, GraphBuildError
+from thunder_cudnn_safe.graphs.cache import GraphCache
 from thunder_cudnn_safe.layouts.keys import BackwardKey, Target
 from thunder_cudnn_safe.lru import LRU
 from thunder_cudnn_safe.routing.calls import BackwardCall, ForwardCall, forward_of, memo_key
 from thunder_cudnn_safe.routing.planner import Route, plan
+from thunder_cudnn_safe.runtimes.base import GraphRuntime
 
-if TYPE_CHECKING:  # the dispatcher calls this module: its type only, no import at run time
-    from thunder_cudnn_safe.dispatch.dispatcher import Dispatcher
+#: A dispatcher's memo of a call's signature on a target (made with its pack recipe on first use).
+MemoOf = Callable[[ForwardCall | BackwardCall, Target], dropout.Remembered]
 
 
 class Marks:
@@ -55,7 +57,7 @@ class Marks:
             marks = local.marks = LRU(self.maxsize)
         return marks
 
-    def holds(self, memo: tuple, cache: Any) -> bool:
+    def holds(self, memo: tuple, cache: GraphCache) -> bool:
         """Whether this thread prebuilt ``memo``'s graphs and the cache still holds all of them."""
         mark = self._mine().peek(memo)
         return mark is not None and all(s.graph is not None for s in mark[0]) and all(map(cache.remembers, mark[1]))
@@ -64,18 +66,26 @@ class Marks:
         self._mine().put(memo, (slots, refused))
 
 
-def prebuild(disp: Dispatcher, call: ForwardCall | BackwardCall, target: Target) -> None:
-    """Build (and copy for this thread) the graphs ``call`` would run under capture; once per signature and
-    thread while the cache holds them (a later call reads its mark's slots, no cache lookup)."""
+def prebuild(
+    call: ForwardCall | BackwardCall,
+    target: Target,
+    runtime: GraphRuntime,
+    cache: GraphCache,
+    marks: Marks,
+    memo_of: MemoOf,
+) -> None:
+    """Build through ``cache`` (and copy for this thread) the graphs ``call`` would run on ``runtime`` under
+    capture, planned by the dispatcher's ``memo_of``; once per signature and thread while the cache holds them
+    (``marks``: a later call reads its mark's slots, no cache lookup)."""
     memo = memo_key(call, target)
-    if disp.capture_marks.holds(memo, disp.cache):
+    if marks.holds(memo, cache):
         return
     bias = plan(call, target, recognize=False)  # no pattern under capture; an oversized bias: the fallback runs it
-    keys = [] if bias.route is Route.OVERSIZED_BIAS else list(_keys(disp, call, bias.call, target))
+    keys = [] if bias.route is Route.OVERSIZED_BIAS else list(_keys(memo_of, call, bias.call, target))
     slots, refused, complete = [], [], True
     for key in keys:  # grows by a refused dropout backward's retry
         try:
-            disp.runtime.graph_for_this_thread(disp.cache.get_or_build(key, disp.runtime.build))
+            runtime.graph_for_this_thread(cache.get_or_build(key, runtime.build))
         except GraphBuildError:
             refused.append(key)
             retry = key._replace(d_o=key.o) if isinstance(key, BackwardKey) and key.dropout_p else key
@@ -85,26 +95,24 @@ def prebuild(disp: Dispatcher, call: ForwardCall | BackwardCall, target: Target)
         except ExecuteError:  # this thread's copy failed (transient): no mark, the next warm-up tries again
             complete = False
             continue
-        slots.append(disp.cache.slot(key))
+        slots.append(cache.slot(key))
         if isinstance(call, ForwardCall) and call.dropout_p and call.need_stats:
-            dropout.backward_builds(disp, call, bias.call, disp.memo(bias.call, target))
+            dropout.backward_builds(runtime, cache, call, bias.call, memo_of(bias.call, target))
     if complete and None not in slots:  # None: a later key of this call evicted it (a cache smaller than a step)
-        disp.capture_marks.put(memo, tuple(slots), tuple(refused))
+        marks.put(memo, tuple(slots), tuple(refused))
 
 
-def _keys(
-    disp: Dispatcher, call: ForwardCall | BackwardCall, bias: ForwardCall | BackwardCall, target: Target
-) -> tuple:
+def _keys(memo_of: MemoOf, call: ForwardCall | BackwardCall, bias: ForwardCall | BackwardCall, target: Target) -> tuple:
     """The keys of the bias call's graphs. A backward's captured forward runs the bias too, and its O and stats
     (the backward's inputs) are laid out as the bias forward lays them out, which a packed-sequence forward does
     not: those are planned too, with dO as it comes and with dO in that O's layout (a grad_out made like O)."""
-    keys = [disp.memo(bias, target).recipe.key]
+    keys = [memo_of(bias, target).recipe.key]
     if isinstance(call, BackwardCall):
-        fkey = disp.memo(forward_of(call), target).recipe.key
+        fkey = memo_of(forward_of(call), target).recipe.key
         # O and stats as the bias forward lays them out, with no storage: to plan a recipe's key (never bound)
         o, stats = (torch.empty_strided(s.shape, s.stride, dtype=s.dtype, device="meta") for s in (fkey.o, fkey.stats))
         like_bias_forward = bias._replace(out=o, stats=stats)
-        if disp.memo(like_bias_forward, target).recipe.key != keys[0]:
+        if memo_of(like_bias_forward, target).recipe.key != keys[0]:
             grad_out_like_o = like_bias_forward._replace(grad_out=o)
-            keys += [disp.memo(c, target).recipe.key for c in (like_bias_forward, grad_out_like_o)]
+            keys += [memo_of(c, target).recipe.key for c in (like_bias_forward, grad_out_like_o)]
     return tuple(dict.fromkeys(keys))

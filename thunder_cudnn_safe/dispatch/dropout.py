@@ -7,26 +7,37 @@ which draws its own mask from the same seed and offset (:mod:`handoff` marks the
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Protocol
 
 import torch
 
 from thunder_cudnn_safe.errors import GraphBuildError
+from thunder_cudnn_safe.graphs.cache import GraphCache
 from thunder_cudnn_safe.layouts.keys import ForwardKey
 from thunder_cudnn_safe.routing.calls import ForwardCall, arg_key, signature, torch_deterministic
 from thunder_cudnn_safe.routing.planner import bias_too_large
-from thunder_cudnn_safe.routing.recipes import companion_backward_key
+from thunder_cudnn_safe.routing.recipes import PackRecipe, companion_backward_key
 from thunder_cudnn_safe.rules import cudnn_rules
 from thunder_cudnn_safe.rules.key_gate import RuleRefusal
+from thunder_cudnn_safe.runtimes.base import Runtime
 from thunder_cudnn_safe.telemetry import warn_once
 
-if TYPE_CHECKING:  # the dispatcher calls this module: its type only, no import at run time
-    from thunder_cudnn_safe.dispatch.dispatcher import Dispatcher
+
+class Remembered(Protocol):
+    """Where a dropout forward's answer is kept: the memo of the signature the forward binds by (the
+    dispatcher's ``Memo``), as far as this module reads and writes it."""
+
+    #: the forward's pack recipe (its key is the forward's graph key)
+    recipe: PackRecipe
+    #: :func:`backward_builds`'s answers so far, by what else they depend on; None before the first
+    dropout: dict | None
 
 
-def backward_builds(disp: Dispatcher, call: ForwardCall, masked: ForwardCall, entry: Any) -> bool:
-    """Whether the runtime builds the backward of a dropout forward (dO in O's layout), asked of the cache once
-    per signature: the answer is kept with ``entry``, the :class:`~thunder_cudnn_safe.dispatch.dispatcher.Memo`
+def backward_builds(
+    runtime: Runtime, cache: GraphCache, call: ForwardCall, masked: ForwardCall, entry: Remembered
+) -> bool:
+    """Whether ``runtime`` builds the backward of a dropout forward (dO in O's layout), asked of ``cache`` once
+    per signature: the answer is kept with ``entry``, the memo
     ``masked`` binds by (its key is the forward's), per what else it depends on (the deterministic mode the
     backward will read; a float mask's layout, which a pattern swapped out of ``masked``). A repeated forward
     compiles no backward recipe and looks nothing up; ``config`` changes and ``clear_cache()`` empty the memo,
@@ -49,30 +60,36 @@ def backward_builds(disp: Dispatcher, call: ForwardCall, masked: ForwardCall, en
     answers = entry.dropout if entry.dropout is not None else {}
     known = answers.get(asked)
     if known is None:
-        known, definitive = _ask(disp, call, masked, entry.recipe.key, float_mask, deterministic)
+        known, definitive = _ask(runtime, cache, call, masked, entry.recipe.key, float_mask, deterministic)
         if definitive:
             entry.dropout = {**answers, asked: known}  # replaced whole: a reader never sees it half made
     return known
 
 
 def _ask(
-    disp: Dispatcher, call: ForwardCall, masked: ForwardCall, fkey: ForwardKey, float_mask: bool, deterministic: bool
+    runtime: Runtime,
+    cache: GraphCache,
+    call: ForwardCall,
+    masked: ForwardCall,
+    fkey: ForwardKey,
+    float_mask: bool,
+    deterministic: bool,
 ) -> tuple[bool, bool]:
     """Whether every backward a dropout forward may run builds, and whether that answer is for good."""
     for mask_grad in (False, True) if float_mask else (False,):
         bcall = signature(call if mask_grad else masked)._replace(deterministic=deterministic)
         companion = companion_backward_key(bcall, fkey, mask_grad)
         try:
-            disp.cache.get_or_build(companion, disp.runtime.build)
+            cache.get_or_build(companion, runtime.build)
         except GraphBuildError as exc:
             if mask_grad and isinstance(exc, RuleRefusal) and exc.rule == cudnn_rules.DP_WORKSPACE.name:
                 continue  # judged at trace time, where the need for dBias is known (:mod:`support`)
             warn_once(
-                ("fallback", disp.runtime.name, companion),
+                ("fallback", runtime.name, companion),
                 "cudnn_safe: %s refuses the backward graph of an attention call with dropout (%s), and only "
                 "cuDNN could reproduce its dropout mask: the forward runs on the torch fallback too. Shown once "
                 "per distinct graph.",
-                disp.runtime.name,
+                runtime.name,
                 exc,
             )
             return False, exc.definitive

@@ -7,16 +7,15 @@ so a forward and a backward may take different routes.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from thunder_cudnn_safe.graphs.cache import GraphCache
 from thunder_cudnn_safe.routing import varlen
 from thunder_cudnn_safe.rules.key_gate import RuleRefusal
+from thunder_cudnn_safe.runtimes.base import Runtime, try_execute
 from thunder_cudnn_safe.telemetry import Counts, warn_once
-
-if TYPE_CHECKING:  # the dispatcher calls this module: its type only, no import at run time
-    from thunder_cudnn_safe.dispatch.dispatcher import Dispatcher
 
 _counts = Counts()
 varlen_info, reset_varlen_info = _counts.public(
@@ -24,28 +23,29 @@ varlen_info, reset_varlen_info = _counts.public(
 )
 
 
-def run(disp: Dispatcher, call: Any) -> tuple[torch.Tensor, ...] | None:
-    """A :class:`~thunder_cudnn_safe.masks.documents.DocumentPattern` call's outputs as variable-length attention: a
+def run(runtime: Runtime, cache: GraphCache, call: Any) -> tuple[torch.Tensor, ...] | None:
+    """A :class:`~thunder_cudnn_safe.masks.documents.DocumentPattern` call's outputs as variable-length attention on
+    ``runtime``, its graphs through ``cache``: a
     forward's (O[, stats]), a backward's (dq, dk, dv) or (grad_qkv,); None where declined by a named rule
     (:func:`~thunder_cudnn_safe.routing.varlen.decline`) or refused (the call then runs as a bias)."""
     forward = not hasattr(call, "grad_out")
-    target = disp.runtime.target(call.query.device)
+    target = runtime.target(call.query.device)
     reason = varlen.decline(call, target, forward=forward)
     if reason is not None:
         _counts.count(f"declined: {reason}")
         return None
     bound = (varlen.bind_forward if forward else varlen.bind_backward)(call, target)
-    refusal = disp.try_execute(bound)
+    refusal = try_execute(runtime, cache, bound)
     if isinstance(refusal, RuleRefusal):  # the planned key breaks a known cuDNN rule: never built, the bias runs
         _counts.count(f"declined: {refusal.rule} (key gate)")
         return None
     if refusal is not None:
         _counts.count(f"refused: {type(refusal).__name__}")
         warn_once(
-            ("varlen", disp.runtime.name, bound.key),
+            ("varlen", runtime.name, bound.key),
             "cudnn_safe: %s refused a variable-length (packed sequences) graph (%s); the call runs with its "
             "mask as a bias. Shown once per distinct graph.",
-            disp.runtime.name,
+            runtime.name,
             refusal,
         )
         return None

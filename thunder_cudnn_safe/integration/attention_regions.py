@@ -16,10 +16,20 @@ import thunder.core.dtypes as dtypes
 import thunder.core.prims as prims
 import thunder.core.utils as utils
 import thunder.torch as ltorch
+import torch
 from thunder.core.proxies import TensorProxy
 from thunder.core.symbol import BoundSymbol
 from thunder.core.trace import TraceCtx
 
+from thunder_cudnn_safe.integration.attention_products import (
+    PRODUCTS,
+    NotAProduct,
+    Operand,
+    pv_product,
+    qk_product,
+    unfold_heads,
+    untransposed,
+)
 from thunder_cudnn_safe.integration.gqa import find_head_repeat
 from thunder_cudnn_safe.integration.trace_views import (
     CAST_PRIMS,
@@ -31,9 +41,22 @@ from thunder_cudnn_safe.integration.trace_views import (
 )
 
 SOFTMAX = ltorch._softmax.id
-MATMUL = ltorch.matmul.id
 _DROPOUT = ltorch.dropout.id
-_TRANSPOSE_PRIMS = frozenset({prims.PrimIDs.TRANSPOSE})
+#: in-place updates of the scores (``s += mask``, ``s.masked_fill_(m, v)``, ``s /= d``) as the functions they
+#: compute: thunder's trace holds the in-place op (its output the updated value) and ``update_aliases`` after it
+_IN_PLACE = {
+    ltorch.add_.id: ltorch.add.id,
+    ltorch.masked_fill_.id: ltorch.masked_fill.id,
+    ltorch.mul_.id: ltorch.mul.id,
+    ltorch.div_.id: ltorch.div.id,
+    ltorch.true_divide_.id: ltorch.true_divide.id,
+}
+#: the most a finite fill may be (in the scores' dtype) and still mask: every softmax (bf16 and fp16 ones too: torch
+#: and cuDNN compute it in float32) gives a filled key ``exp(fill - row max)``, exactly 0 in float32 below -103.97,
+#: so a fill of -1000 or less weighs 0 wherever a live score of its row is above -896 (-1e4, -9984 in bf16, above
+#: -9880). Scores are bounded only at run time: this is a bound trained attention stays inside, not a proof (a run
+#: whose live scores all sit below it gets a row the model leaks weight into). -1 or -100 are biases.
+FINITE_FILL_AT_MOST = -1e3
 
 
 class NotAttention(Exception):
@@ -59,6 +82,16 @@ class Region:
     #: the scores the softmax reads, casts stripped (the sigmoid sinks form checks its logsumexp reads them)
     logits: TensorProxy | None = None
     bsyms: list[BoundSymbol] = field(default_factory=list)
+    #: the permutation that makes query / key / value the fused call's operand (einsum subscripts, a k
+    #: pre-transposed), by field name; absent: the tensor as it is
+    permute: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    #: (B, H) where the model folds the heads into a 3-D batch: query/key/value are the 4-D tensors the 3-D ones
+    #: are reshapes of, the fused output is reshaped back, a (B·H, ...) mask to (B, H, ...)
+    fold: tuple[int, int] | None = None
+    #: the values boolean masks fill the scores with (-inf, or a finite fill at most FINITE_FILL_AT_MOST)
+    fills: set[float] = field(default_factory=set)
+    #: what a query row whose every key is masked gives: the fused call's option of that name
+    masked_rows: str = "zeros"
 
 
 def _number(x: Any) -> float | None:
@@ -66,6 +99,11 @@ def _number(x: Any) -> float | None:
     if isinstance(x, bool) or not isinstance(x, int | float):
         return None
     return float(x)
+
+
+def _functional_id(bsym: BoundSymbol) -> Any:
+    """The symbol id of the function ``bsym`` computes (an in-place update's out-of-place twin)."""
+    return _IN_PLACE.get(bsym.sym.id, bsym.sym.id)
 
 
 def _tensors(bsym: BoundSymbol) -> list[TensorProxy]:
@@ -105,6 +143,10 @@ class TraceWalk:
         ``.to``, ``.float()``, ``type_as``, ``contiguous``, dropout with p = 0 or in eval; with ``dropout`` (the
         probabilities' side only: dropout on the scores is another function) a dropout with p > 0 too."""
         while (bsym := self.producer(t)) is not None and not (stop_at_shared and self.shared(t)):
+            if bsym.sym.id == prims.PrimIDs.UPDATE_ALIASES:  # after an in-place update: the same value renamed
+                region.bsyms.append(bsym)
+                t = bsym.args[0][[o.name for o in bsym.flat_proxy_outs].index(t.name)]
+                continue
             ins = _tensors(bsym)
             if not ins or ins[0].shape != t.shape or not dtypes.is_float_dtype(t.dtype) or ins[0].device != t.device:
                 break
@@ -128,17 +170,27 @@ class TraceWalk:
             t = ins[0]
         return t
 
-    def scalar_factor(self, bsym: BoundSymbol) -> tuple[TensorProxy, float] | None:
-        """``(x, a)`` where ``bsym`` computes ``x * a`` (a mul or a true division by a constant), else None."""
-        sid = bsym.sym.id
+    def constant(self, x: Any) -> float | None:
+        """A Python number, or a 0-d tensor ``torch.full([], v, dtype=...)`` (GPT-2's ``/ full([], sqrt(d))`` and
+        ``finfo.min`` fill) as the value it holds (rounded to its dtype), else None."""
+        n = _number(x)
+        if n is not None or not isinstance(x, TensorProxy) or x.ndim != 0:
+            return n
+        bsym = self.producer(x)
+        value = _number(_arg(bsym, 1, "fill_value")) if bsym is not None and bsym.sym.id == ltorch.full.id else None
+        return None if value is None else float(torch.tensor(value, dtype=dtypes.to_torch_dtype(x.dtype)))
+
+    def scalar_factor(self, bsym: BoundSymbol, in_place: bool = False) -> tuple[TensorProxy, float] | None:
+        """``(x, a)`` where ``bsym`` computes ``x * a`` (a mul or a true division by a constant), else None; with
+        ``in_place`` (the scores, never an input: its update would be lost) ``*=`` and ``/=`` too."""
+        sid = _functional_id(bsym) if in_place else bsym.sym.id
         if sid == ltorch.mul.id and len(bsym.args) == 2:
             a, b = bsym.args
-            if isinstance(a, TensorProxy) and _number(b) is not None:
-                return a, _number(b)
-            if isinstance(b, TensorProxy) and _number(a) is not None:
-                return b, _number(a)
+            for x, c in ((a, b), (b, a)):
+                if isinstance(x, TensorProxy) and x.ndim and self.constant(c) is not None:
+                    return x, self.constant(c)
         if sid in (ltorch.true_divide.id, ltorch.div.id) and isinstance(bsym.args[0], TensorProxy):
-            d = _number(_arg(bsym, 1, "other"))
+            d = self.constant(_arg(bsym, 1, "other"))
             if d is not None and d != 0 and _arg(bsym, 2, "rounding_mode") is None:
                 return bsym.args[0], 1.0 / d
         return None
@@ -150,7 +202,8 @@ class TraceWalk:
         while True:
             t = self.skip_casts(t, region, stop_at_shared)
             bsym = self.producer(t)
-            factor = self.scalar_factor(bsym) if bsym is not None and not (stop_at_shared and self.shared(t)) else None
+            shared = stop_at_shared and self.shared(t)
+            factor = self.scalar_factor(bsym, in_place=not stop_at_shared) if bsym is not None and not shared else None
             if factor is None:
                 return t, scale
             region.bsyms.append(bsym)
@@ -186,7 +239,8 @@ def match_region(w: TraceWalk, out_bsym: BoundSymbol, region: Region) -> None:
         _match_region(w, out_bsym, region)
     except NotAttention:
         if not any(b.sym.id == SOFTMAX for b in region.bsyms):
-            softmax = _softmax_upstream(w, out_bsym.args[0])
+            found = (_softmax_upstream(w, t, through_updates=True) for t in _tensors(out_bsym))
+            softmax = next(filter(None, found), None)
             if softmax is not None:
                 region.bsyms.append(softmax)
         raise
@@ -197,8 +251,11 @@ def match_region(w: TraceWalk, out_bsym: BoundSymbol, region: Region) -> None:
 _PASS_PRIMS = VIEW_PRIMS | CAST_PRIMS | {prims.PrimIDs.SLICE, prims.PrimIDs.TRANSPOSE, prims.PrimIDs.SQUEEZE}
 
 
-def _softmax_upstream(w: TraceWalk, t: Any, steps: int = 8) -> BoundSymbol | None:
-    """The softmax ``t`` is, through up to ``steps`` one-input views, casts, slices and dropouts, else None."""
+def _softmax_upstream(w: TraceWalk, t: Any, steps: int = 8, through_updates: bool = False) -> BoundSymbol | None:
+    """The softmax ``t`` is, through up to ``steps`` one-input views, casts, slices and dropouts, else None. With
+    ``through_updates`` (to name the softmax a declined region's reason belongs to, never to pick P) also through
+    ops whose first float operand has their output's shape: the probabilities updated after the softmax
+    (``p.masked_fill(~keep, 0)``, ``p / p.sum(-1, keepdim=True)``) still make it attention that stays as written."""
     for _ in range(steps):
         bsym = w.producer(t)
         if bsym is None:
@@ -207,21 +264,37 @@ def _softmax_upstream(w: TraceWalk, t: Any, steps: int = 8) -> BoundSymbol | Non
             return bsym
         ins, leaves = _tensors(bsym), leaf_prims(bsym)
         passes = bsym.sym.id == _DROPOUT or (leaves and all(x.sym.id in _PASS_PRIMS for x in leaves))
-        if len(ins) != 1 or not passes:
+        if len(ins) == 1 and passes:
+            t = ins[0]
+            continue
+        floats = [i for i in ins if dtypes.is_float_dtype(i.dtype)]
+        outs = bsym.flat_proxy_outs
+        if not (through_updates and floats and outs and tuple(floats[0].shape) == tuple(outs[0].shape)):
             return None
-        t = ins[0]
+        t = floats[0]
     return None
 
 
 def _match_region(w: TraceWalk, out_bsym: BoundSymbol, region: Region) -> None:
-    p, v = out_bsym.args[0], out_bsym.args[1]
     region.bsyms.append(out_bsym)
-    region.value, region.output = v, out_bsym.output
-    if not (isinstance(p, TensorProxy) and isinstance(v, TensorProxy)) or p.ndim != 4 or v.ndim != 4:
-        raise NotAttention("P @ V is not between 4-D (batch, heads, sequence, dim) tensors")
+    region.output = out_bsym.output
+    try:
+        product = pv_product(out_bsym, lambda t: _softmax_upstream(w, t) is not None)
+    except NotAProduct as why:
+        raise NotAttention(str(why)) from None
+    p, v = product.left.source, product.right.source
     if not all(type(n) is int for t in (p, v) for n in t.shape):
         # cache="symbolic values": shapes are proxies, and reading numel or multiplying them outside a trace raises
         raise NotAttention("symbolic shapes (cache='symbolic values'): the views and shapes are proved with numbers")
+    region.value = v
+    if product.right.permute is not None:
+        region.permute["value"] = product.right.permute
+    if v.ndim == 3:
+        v4 = unfold_heads(v, w.producer)
+        if v4 is None:
+            raise NotAttention("3-D P @ V whose V is not a reshape of a 4-D (B, H, S, D) tensor: the batch is not "
+                               "proved to be the heads folded")  # fmt: skip
+        region.value, region.fold = v4, tuple(v4.shape[:2])
     p = w.skip_casts(p, region, dropout=True)
     dropped_column = False
     bsym = w.producer(p)
@@ -243,9 +316,32 @@ def _match_region(w: TraceWalk, out_bsym: BoundSymbol, region: Region) -> None:
         x = _sink_column(w, x, region)
     region.logits = x
     s = _masks(w, x, region)
-    s = _softcap(w, s, region)
+    s = _softcap(w, s, region, after=region.scale)
     _scores(w, s, region)
     _additive_in_input_dtype(w, region)
+    _finite_fills(region)
+
+
+def _finite_fills(region: Region) -> None:
+    """A finite fill is -inf's function except in a query row it masks everywhere: there every key holds the fill,
+    the softmax is uniform, and the row is the average of V with a gradient to V only. The fused call computes that
+    (``masked_rows="average"``) where the row's keys all hold one value: every fill the same, and no additive term
+    (a -inf in it, or a sum with the fill, would decide which keys the row averages). With sinks the sink takes the
+    row (``exp(fill - sink)`` is 0 as a live key's), which ``"zeros"`` computes."""
+    finite = {f for f in region.fills if f != -math.inf}
+    if not finite:
+        return
+    if len(region.fills) > 1:
+        raise NotAttention(f"masks filling the scores with different values {sorted(region.fills)}: a row masked "
+                           "everywhere averages only the keys holding the largest one")  # fmt: skip
+    if region.additive:
+        raise NotAttention(f"a finite fill ({finite.pop():g}) with an additive mask: in a row the fill masks "
+                           "everywhere the model weighs the keys by the mask (finfo.min + finfo.min is -inf), which "
+                           "the fused call does not compute")  # fmt: skip
+    if region.dropout_p:
+        raise NotAttention("a finite fill with dropout: a row masked everywhere averages V through a dropout mask "
+                           "the fused call does not expose")  # fmt: skip
+    region.masked_rows = "zeros" if region.sinks is not None else "average"
 
 
 def _additive_in_input_dtype(w: TraceWalk, region: Region) -> None:
@@ -364,18 +460,31 @@ def _per_head(w: TraceWalk, col: TensorProxy, heads: int, head_dim: int) -> Tens
 
 
 def _masks(w: TraceWalk, s: TensorProxy, region: Region) -> TensorProxy:
-    """Back through additive and boolean masks; each one must keep the scores' shape."""
+    """Back through additive and boolean masks, and constant factors between them (``masked_fill(...) * scale``:
+    a fill scaled is a fill, an additive mask scaled is not the model's mask); each mask must keep the scores'
+    shape."""
+    above = 1.0  # the factors applied after the masks found so far
     while True:
         s = w.skip_casts(s, region)
         bsym = w.producer(s)
         if bsym is None:
-            return s
-        sid = bsym.sym.id
+            break
+        factor = w.scalar_factor(bsym, in_place=True)
+        if factor is not None:
+            tb = w.producer(w.skip_casts_probe(factor[0]))
+            if tb is not None and tb.sym.id == ltorch.tanh.id:  # a softcap's outer factor
+                break
+            region.bsyms.append(bsym)
+            s, above = factor[0], above * factor[1]
+            continue
+        sid = _functional_id(bsym)
         if sid == ltorch.add.id and len(bsym.args) >= 2 and _arg(bsym, 2, "alpha", 1) == 1:
             a, b = bsym.args[0], bsym.args[1]
-            if not (isinstance(a, TensorProxy) and isinstance(b, TensorProxy)):
+            if not (isinstance(a, TensorProxy) and isinstance(b, TensorProxy)) or w.constant(a) or w.constant(b):
                 raise NotAttention("a constant is added to the scores")
             scores, term = _which_is_scores(w, a, b)
+            if above != 1.0:
+                raise NotAttention("a constant factor applied after an additive mask (the model scales its mask)")
             _check_mask_shape(term, scores)
             if term.dtype == dtypes.bool8:
                 raise NotAttention("a boolean tensor is added to the scores")
@@ -383,9 +492,11 @@ def _masks(w: TraceWalk, s: TensorProxy, region: Region) -> TensorProxy:
         elif sid in (ltorch.masked_fill.id, ltorch.where.id):
             scores = _boolean_mask(w, bsym, s, region)
         else:
-            return s
+            break
         region.bsyms.append(bsym)
         s = scores
+    region.scale *= above
+    return s
 
 
 def _which_is_scores(w: TraceWalk, a: TensorProxy, b: TensorProxy) -> tuple[TensorProxy, TensorProxy]:
@@ -401,12 +512,12 @@ def _leads_to_qk(w: TraceWalk, t: TensorProxy, depth: int = 24) -> bool:
         bsym = w.producer(t)
         if bsym is None:
             return False
-        if bsym.sym.id == MATMUL:
+        if bsym.sym.id in PRODUCTS:
             return True
-        ins = _tensors(bsym)
+        ins = [i for i in _tensors(bsym) if i.dtype != dtypes.bool8 and w.constant(i) is None]
         if not ins:
             return False
-        t, depth = ins[0] if bsym.sym.id != ltorch.where.id else ins[-1], depth - 1
+        t, depth = ins[0], depth - 1
         if bsym.sym.id == ltorch.add.id:
             return any(_leads_to_qk(w, i, depth) for i in ins)
     return False
@@ -424,30 +535,50 @@ def _check_mask_shape(term: TensorProxy, s: TensorProxy) -> None:
 def _boolean_mask(w: TraceWalk, bsym: BoundSymbol, s: TensorProxy, region: Region) -> TensorProxy:
     """masked_fill(s, cond, -inf) / where(c, s, -inf) / where(c, -inf, s).
 
-    A finite fill (HF's finfo.min, -1e30) is not taken: it replaces the scores, so a row masked everywhere averages
-    V with no gradient to q and k; as an additive term the forward matches but the gradient of that row does not
-    (nonzero dq, and dk from it), and as -inf the row gives zeros. No mask of the fused call is that function."""
-    if bsym.sym.id == ltorch.masked_fill.id:
+    A finite fill (HF's finfo.min, -1e9) at most :data:`FINITE_FILL_AT_MOST` is taken as the keep mask, its value
+    recorded: it replaces the scores, so a row masked everywhere averages V with no gradient to q and k (not an
+    additive term's function: that passes a gradient to them), which :func:`_finite_fills` decides."""
+    if _functional_id(bsym) == ltorch.masked_fill.id:
         scores, cond, value = bsym.args[0], bsym.args[1], _arg(bsym, 2, "value")
         masked_where_true = True
     else:
         cond, a, b = bsym.args[0], bsym.args[1], bsym.args[2]
-        if isinstance(a, TensorProxy) and _number(b) is not None:
+        if isinstance(a, TensorProxy) and a.ndim and w.constant(b) is not None:
             scores, value, masked_where_true = a, b, False
-        elif isinstance(b, TensorProxy) and _number(a) is not None:
+        elif isinstance(b, TensorProxy) and b.ndim and w.constant(a) is not None:
             scores, value, masked_where_true = b, a, True
         else:
             raise NotAttention("a where() on the scores that is not a mask with a constant")
-    value = _number(value)
+    value = w.constant(value)
+    if value is not None and isinstance(scores, TensorProxy) and dtypes.is_float_dtype(scores.dtype):
+        value = _fill_as_the_softmax_reads_it(w, value, scores, region)
     if not isinstance(cond, TensorProxy) or cond.dtype != dtypes.bool8 or not isinstance(scores, TensorProxy):
         raise NotAttention("a masked_fill / where on the scores without a boolean mask")
     _check_mask_shape(cond, scores)
-    if value != -math.inf:
-        raise NotAttention(f"a mask fill value {value!r} that is not -inf (a finite fill replaces the scores: a "
-                           "row masked everywhere would average V with no gradient, a function the fused call "
-                           "has no mask for)")  # fmt: skip
+    if value is None or math.isnan(value) or value > FINITE_FILL_AT_MOST:
+        raise NotAttention(f"a mask fill value {value!r} above {FINITE_FILL_AT_MOST:g}: a bias, not a mask (a "
+                           "filled key's weight exp(fill - row max) is not 0)")  # fmt: skip
+    region.fills.add(value)
     region.keep.append(cond if not masked_where_true else _negated(w, cond))
     return scores
+
+
+def _fill_as_the_softmax_reads_it(w: TraceWalk, value: float, scores: TensorProxy, region: Region) -> float:
+    """A fill's value as the softmax reads it: rounded to the scores' dtype, then through every bound symbol the
+    walk passed from the softmax down to the fill (``region.bsyms`` after the softmax), each factor applied and
+    each result rounded to its dtype. A finite fill may end as -inf there (``finfo(float32).min`` cast to bf16
+    before the softmax, or scaled by 2), where the model's row masked everywhere is -inf's, not an average."""
+    x = torch.tensor(value, dtype=dtypes.to_torch_dtype(scores.dtype))
+    start = max(i for i, b in enumerate(region.bsyms) if b.sym.id == SOFTMAX)
+    for bsym in reversed(region.bsyms[start + 1 :]):  # walked back from the softmax: the fill's way is reversed
+        out = next((o for o in bsym.flat_proxy_outs if isinstance(o, TensorProxy)), None)
+        if out is None or not dtypes.is_float_dtype(out.dtype):
+            continue
+        factor = w.scalar_factor(bsym, in_place=True)
+        if factor is not None:
+            x = torch.tensor(float(x) * factor[1], dtype=torch.float64)
+        x = x.to(dtypes.to_torch_dtype(out.dtype))
+    return float(x)
 
 
 def _negated(w: TraceWalk, cond: TensorProxy) -> TensorProxy | tuple[str, TensorProxy]:
@@ -460,8 +591,10 @@ def _negated(w: TraceWalk, cond: TensorProxy) -> TensorProxy | tuple[str, Tensor
     return ("not", cond)
 
 
-def _softcap(w: TraceWalk, s: TensorProxy, region: Region) -> TensorProxy:
-    """``tanh(s * (1/c)) * c`` -> s, recording c."""
+def _softcap(w: TraceWalk, s: TensorProxy, region: Region, after: float) -> TensorProxy:
+    """``tanh(s * (1/c)) * c`` -> s, recording c. ``after``: the constant factors :func:`_masks` found applied
+    after it (``c * tanh(s / c) * a``): the fused call scales the scores before capping them, ``c * tanh(a * s /
+    c)``, which is another function for any a != 1, so such a softcap is declined."""
     bsym = w.producer(s)
     outer = w.scalar_factor(bsym) if bsym is not None else None
     if outer is None:
@@ -474,6 +607,9 @@ def _softcap(w: TraceWalk, s: TensorProxy, region: Region) -> TensorProxy:
     inner = w.scalar_factor(ib) if ib is not None else None
     if inner is None or c <= 0 or not math.isclose(inner[1] * c, 1.0, rel_tol=1e-6):
         raise NotAttention("a tanh on the scores that is not a softcap c * tanh(s / c)")
+    if after != 1.0:
+        raise NotAttention(f"a constant factor {after:g} applied after the softcap c * tanh(s / c): the fused call "
+                           "scales the scores before capping them")  # fmt: skip
     region.bsyms.append(bsym)
     w.skip_casts(t, region)
     region.bsyms.append(tb)
@@ -484,40 +620,60 @@ def _softcap(w: TraceWalk, s: TensorProxy, region: Region) -> TensorProxy:
 
 
 def _scores(w: TraceWalk, s: TensorProxy, region: Region) -> None:
-    """``(q * a) @ (k * b)^T * c`` -> query, key (and value) with GQA seen through, scale a * b * c."""
+    """``(q * a) @ (k * b)^T * c`` (any form of :mod:`attention_products`) -> query, key (and value) with GQA seen
+    through, scale a * b * c (and baddbmm's alpha)."""
     s, scale = w.take_scales(s, region)
     bsym = w.producer(s)
     if bsym is not None and bsym.sym.id == ltorch.tanh.id:
         raise NotAttention("a tanh on the scores that is not a softcap c * tanh(s / c) before every mask")
-    if bsym is None or bsym.sym.id != MATMUL:
+    if bsym is None or bsym.sym.id not in PRODUCTS:
         source = bsym.sym.name if bsym is not None else "an input"
         raise NotAttention(f"the scores come from {source}, not from q @ k^T (or in a mask/softcap order "
                             "this recogniser does not prove)")  # fmt: skip
     region.bsyms.append(bsym)
-    q, kt = bsym.args[0], bsym.args[1]
-    if not (isinstance(q, TensorProxy) and isinstance(kt, TensorProxy)) or q.ndim != 4 or kt.ndim != 4:
-        raise NotAttention("q @ k^T is not between 4-D tensors")
-    q, a = w.take_scales(q, region, stop_at_shared=True)
-    kt, b = w.take_scales(kt, region)
-    tb = w.producer(kt)
-    leaves = leaf_prims(tb) if tb is not None else []
-    if len(leaves) != 1 or leaves[0].sym.id not in _TRANSPOSE_PRIMS or tuple(leaves[0].args[1]) != (0, 1, 3, 2):
-        raise NotAttention("the right operand of q @ k^T is not k transposed over its last two dims")
-    region.bsyms.append(tb)
-    k, c = w.take_scales(_tensors(tb)[0], region, stop_at_shared=True)
-    region.scale = scale * a * b * c
+    try:
+        product = qk_product(bsym)
+        q, a = w.take_scales(product.left.source, region, stop_at_shared=True)
+        if product.transposed:
+            kt, b = w.take_scales(product.right.source, region)
+            k_operand, tb = untransposed(kt, w.producer)
+            region.bsyms.append(tb)
+        else:
+            k_operand, b = product.right, 1.0
+    except NotAProduct as why:
+        raise NotAttention(str(why)) from None
+    if product.addend is not None:  # baddbmm's input, beta = 1: the model's first addition
+        if region.softcap is not None or region.scale * scale != 1.0:
+            raise NotAttention("baddbmm's input (an additive mask) under a softcap or a constant factor applied after "
+                               "the baddbmm: the fused call adds its mask to the scaled, capped scores")  # fmt: skip
+        _check_mask_shape(product.addend, s)
+        region.additive.append(product.addend)
+    k, c = w.take_scales(k_operand.source, region, stop_at_shared=True)
+    region.scale *= scale * a * b * c * product.alpha
     if region.scale < 0:  # thunder's SDPA scales q and k by sqrt(scale): complex for a negative one (a crash)
         raise NotAttention(f"a negative scale {region.scale:g}")
+    for name, operand in (("query", product.left), ("key", k_operand)):
+        if operand.permute is not None:
+            region.permute[name] = operand.permute
+    if (q.ndim == 3) != (region.fold is not None):
+        raise NotAttention("q @ k^T and P @ V do not both fold the heads into a 3-D batch")
+    if region.fold is not None:
+        q, k = unfold_heads(q, w.producer), unfold_heads(k, w.producer)
+        if q is None or k is None or tuple(q.shape[:2]) != region.fold or tuple(k.shape[:2]) != region.fold:
+            raise NotAttention("3-D q @ k^T whose q or k is not a reshape of a 4-D (B, H, L, D) tensor with V's batch "
+                               "and heads: the batch is not proved to be the heads folded")  # fmt: skip
     v = region.value
-    if q.shape[:2] != k.shape[:2] or k.shape[:2] != v.shape[:2] or k.shape[2] != v.shape[2]:
+    qs, ks, vs = (Operand(t, region.permute.get(n)).shape for t, n in ((q, "query"), (k, "key"), (v, "value")))
+    if qs[:2] != ks[:2] or ks[:2] != vs[:2] or ks[2] != vs[2] or qs[3] != ks[3]:
         raise NotAttention("q, k and v do not share batch and heads (broadcast heads are not GQA repeats)")
     if not (q.dtype == k.dtype == v.dtype) or not dtypes.is_float_dtype(q.dtype):
         raise NotAttention(f"q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})")
     if region.output.dtype != v.dtype:
         raise NotAttention(f"the output is {region.output.dtype}, not the inputs' {v.dtype}")
-    base_k, base_v = find_head_repeat(k, w.producers), find_head_repeat(v, w.producers)
-    if base_k and base_v and base_k[1] == base_v[1] and base_k[0].shape[1] == base_v[0].shape[1]:
-        k, v, region.enable_gqa = base_k[0], base_v[0], True
+    if "key" not in region.permute and "value" not in region.permute:
+        base_k, base_v = find_head_repeat(k, w.producers), find_head_repeat(v, w.producers)
+        if base_k and base_v and base_k[1] == base_v[1] and base_k[0].shape[1] == base_v[0].shape[1]:
+            k, v, region.enable_gqa = base_k[0], base_v[0], True
     region.query, region.key, region.value = q, k, v
 
 
@@ -529,7 +685,13 @@ def sigmoid_sinks(w: TraceWalk, mul: BoundSymbol, regions: dict[str, Region]) ->
         return None
     for o, f in (mul.args, mul.args[::-1]):
         region = regions.get(o.name)
-        if region is None or region.sinks is not None or mul.output.shape != o.shape or mul.output.dtype != o.dtype:
+        if (
+            region is None
+            or region.fold is not None
+            or region.sinks is not None
+            or mul.output.shape != o.shape
+            or mul.output.dtype != o.dtype
+        ):
             continue
         try:
             if _sigmoid_factor(w, region, f, mul):
@@ -573,6 +735,7 @@ def _sigmoid_factor(w: TraceWalk, region: Region, f: TensorProxy, mul: BoundSymb
     if sink_view.ndim != lse_t.ndim:  # broadcast from the right: a (1, H) view would align with the queries
         return False
     region.sinks = _per_head(w, sink_view, heads=o.shape[1], head_dim=1)
+    region.masked_rows = "zeros"  # a row a finite fill masks everywhere: its factor sigmoid(fill - sink) is 0
     region.output = mul.output
     region.bsyms.extend([mul, *probe.bsyms, *extra, sb, db, lb])
     return True

@@ -28,13 +28,15 @@ from thunder_cudnn_safe.dispatch.dispatcher import Dispatcher
 from thunder_cudnn_safe.graphs.cache import CachedGraph
 from thunder_cudnn_safe.integration import gqa
 from thunder_cudnn_safe.integration.attention import attention_symbol
-from thunder_cudnn_safe.integration.proxies import plain_call, torch_dtype
+from thunder_cudnn_safe.integration.proxies import plain_call, planning_call, torch_dtype
+from thunder_cudnn_safe.layouts.keys import Target
 from thunder_cudnn_safe.layouts.layout import LayoutPolicy, same_size_except_heads
+from thunder_cudnn_safe.lru import LRU
 from thunder_cudnn_safe.masks.documents import DocumentPattern
 from thunder_cudnn_safe.masks.patterns import MaskPattern
-from thunder_cudnn_safe.routing.calls import BackwardCall, ForwardCall, backward_of, torch_deterministic
-from thunder_cudnn_safe.routing.planner import planned_keys
-from thunder_cudnn_safe.rules.support import Decline, not_supported_reasons
+from thunder_cudnn_safe.routing.calls import BackwardCall, ForwardCall, backward_of, signature, torch_deterministic
+from thunder_cudnn_safe.routing.planner import bias_too_large, planned_keys
+from thunder_cudnn_safe.rules.support import Decline, key_reasons, not_supported_reasons
 from thunder_cudnn_safe.runtimes import cudnn_runtime, emulation  # noqa: F401 (each registers its runtime)
 from thunder_cudnn_safe.runtimes.base import RUNTIMES, Runtime
 
@@ -51,11 +53,19 @@ def _option(knob_name: str, *aliases: str) -> Any:
     return getattr(config, knob_name)
 
 
+def _deterministic() -> bool:
+    """Whether the backward will run cuDNN's deterministic algorithm, as the checker reads it: the compile option
+    (or the knob), or torch's deterministic mode. The dispatcher turns it on again at run time where torch's mode
+    is on then, but a call claimed now must already break no rule of the deterministic backward (DP_WORKSPACE,
+    SINK_DETERMINISTIC)."""
+    return bool(_option("deterministic")) or torch_deterministic()
+
+
 def _call(*args, **kwargs) -> ForwardCall:
     """A thunder SDPA call (its arguments bind as the call value's) with this trace's compile options."""
     call = ForwardCall(*args, **kwargs)
     layout = LayoutPolicy.parse(_option("layout")).value
-    deterministic = _option("deterministic") or torch_deterministic()
+    deterministic = _deterministic()
     cat = _option("bwd_may_cat_grad_qkv", "cudnn_sdpa_bwd_may_cat_grad_qkv")
     cat = cat and same_size_except_heads(call.query, call.key, call.value)
     return call._replace(layout=layout, deterministic=deterministic, cat_grad_qkv=cat, enable_gqa=bool(call.enable_gqa))
@@ -65,27 +75,60 @@ def _gqa_call(*args, **kwargs) -> ForwardCall:
     return _call(*gqa.gqa_arguments(*args, **kwargs)._replace(enable_gqa=True))
 
 
-def _attention_call(
+def attention_call(
     query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, softcap=None,
-    sinks=None,
+    sinks=None, masked_rows="zeros",
 ) -> ForwardCall:  # fmt: skip
     """A ``cudnn_safe.attention`` call (:mod:`~thunder_cudnn_safe.integration.attention`) as the call value. A
     symbolic ``softcap`` (``cache="symbolic values"``) stays the proxy it is: ``float()`` would bake its trace-time
     value into the claimed call, which the checker must decline instead (its value is declared in the graph)."""
     call = _call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa=enable_gqa)
     cap = softcap if softcap is None or isinstance(softcap, NumberProxy) else float(softcap)
-    return call._replace(softcap=cap, sinks=sinks)
+    return call._replace(softcap=cap, sinks=sinks, masked_rows=masked_rows)
 
 
 def reasons_for(runtime: Runtime, *args, **kwargs) -> list[Decline]:
-    """Why ``runtime``'s executor would not claim ``ForwardCall(*args, **kwargs)`` (tensors or proxies)."""
+    """Why ``runtime``'s executor would not claim ``ForwardCall(*args, **kwargs)`` (tensors or proxies): the call's
+    own reasons, else what the key gate would refuse of the keys it plans (a mask as its bias: its pattern is
+    known only at run time), which only the planned route shows. A mask too large for a bias has no keys to judge
+    here: it runs as its pattern, or on the torch fallback (the LAYOUT rule's call-side reading)."""
     call = ForwardCall(*args, **kwargs)
     problem = runtime.environment_problem()
     device = call.query.device  # a torch or a thunder device
     target = None
     if problem is None and getattr(device, "type", None) == runtime.device_type:
         target = runtime.target(torch.device(device.type, device.index))
-    return not_supported_reasons(plain_call(call), target, runtime.device_type, problem)
+    plain = plain_call(call)
+    reasons = not_supported_reasons(plain, target, runtime.device_type, problem)
+    if reasons or target is None:
+        return reasons
+    planning = planning_call(call, plain)
+    if bias_too_large(planning):  # a pattern at run time, or no cuDNN graph at all: the torch fallback runs it
+        return []
+    return _planned_key_reasons(planning, target)
+
+
+#: The key gate's declines of the keys a call signature plans (:func:`_planned_key_reasons`), by that signature.
+_key_verdicts = LRU(1024)
+caches.register("the checkers' key-gate verdicts by call signature", _key_verdicts.clear)
+for _knob in config.KNOBS:  # a knob the planner or a rule reads (dynamic_shapes, dp_workspace_limit): judged again
+    config.on_change(_knob, lambda _value: _key_verdicts.clear())
+
+
+def _planned_key_reasons(planning: ForwardCall, target: Target) -> list[Decline]:
+    """What the key gate would refuse of the keys ``planning`` (meta tensors) plans on ``target``, memoized: a model
+    checks one signature once per layer at trace time, and planning and judging the keys is most of a checker
+    call. The memo key is all :func:`planned_keys` and the gate read: the target, the call's signature (every
+    tensor's shape, strides and dtype, every option; a meta tensor has no address to align) and whether the mask
+    requires grad (its dBias backward). ``config.set`` / ``config.patch`` of any knob forgets every verdict, as it
+    does the dispatchers' memos (assigning a knob's attribute directly, which :mod:`config` forbids, does not), and
+    so does ``clear_cache()``."""
+    memo = (target, signature(planning), bool(getattr(planning.attn_mask, "requires_grad", False)))
+    reasons = _key_verdicts.get(memo)
+    if reasons is None:
+        reasons = key_reasons(planned_keys(planning, target, recognize=False)[1:])
+        _key_verdicts.put(memo, reasons)
+    return list(reasons)
 
 
 def _fwd_meta(*args, **kwargs):
@@ -205,7 +248,7 @@ def make_executor(name: str, runtime: Runtime) -> OperatorExecutor:
 
         return {"checker": checker, "execution_transform": execution_transform, "grad_transform": grad_transform}
 
-    calls = {ltorch.scaled_dot_product_attention: _call, gqa.sdpa_gqa: _gqa_call, attention_symbol: _attention_call}
+    calls = {ltorch.scaled_dot_product_attention: _call, gqa.sdpa_gqa: _gqa_call, attention_symbol: attention_call}
     for symbol, make_call in calls.items():
         ex.register_implementation(symbol, **implementation(make_call))
     return ex
@@ -225,10 +268,11 @@ def explain(
     """Why ``executor`` (default: ``cudnn_safe_ex``) would not claim this call; empty if it would.
 
     Takes torch's SDPA arguments and :class:`~thunder_cudnn_safe.routing.calls.ForwardCall`'s options, on
-    tensors or thunder proxies (the checkers use the same function). Each reason is a
-    :class:`~thunder_cudnn_safe.rules.support.Decline`: a ``str`` with ``.code`` and ``.rule``.
+    tensors or thunder proxies (the checkers use the same function). ``deterministic`` is on where the checker
+    would turn it on (the ``deterministic`` knob or compile option, torch's deterministic mode) or where passed.
+    Each reason is a :class:`~thunder_cudnn_safe.rules.support.Decline`: a ``str`` with ``.code`` and ``.rule``.
     """
-    call = ForwardCall(query, key, value, *args, **kwargs)
+    call = _asked(ForwardCall(query, key, value, *args, **kwargs))
     operands = {
         "query": call.query,
         "key": call.key,
@@ -243,6 +287,11 @@ def explain(
                 f"explain(): {field} must be a torch tensor or a thunder TensorProxy, got {type(t).__name__}"
             )
     return reasons_for(_resolve_executor(executor).runtime, *call)
+
+
+def _asked(call: ForwardCall) -> ForwardCall:
+    """``call`` as the checker would judge it: deterministic where :func:`_deterministic` says so."""
+    return call._replace(deterministic=bool(call.deterministic) or _deterministic())
 
 
 class CallReport(NamedTuple):
@@ -263,7 +312,7 @@ def describe(
     them, from the tensors' layouts: nothing is copied, built or drawn, and no kernel runs, except once
     for a mask not seen before: recognizing its pattern runs its comparisons on the mask's device and
     one host sync, exactly what the call's first run does (the verdict is cached for the call)."""
-    call = ForwardCall(query, key, value, *args, **kwargs)
+    call = _asked(ForwardCall(query, key, value, *args, **kwargs))  # the backward key the call would plan
     reasons = explain(*call, executor=executor)
     if reasons or not isinstance(query, torch.Tensor):
         return CallReport(reasons, None, None)

@@ -12,15 +12,19 @@ It recognises the *function*, walking back from each ``@ v``:
 * optionally the row max subtracted (``x - x.max(-1, keepdim=True)``, detached or not: softmax is invariant);
 * optionally a sink column appended (``cat([scores, col], -1)``) where ``col[b, h, i, 0]`` reads ``sinks[h]``,
   proved through the view chain (:mod:`trace_views`), not assumed from names: a per-token sink is refused;
-* additive masks and biases (``+ mask``) in q/k/v's dtype (or widened from it; several are summed only in
+* additive masks and biases (``+ mask``, ``+=``) in q/k/v's dtype (or widened from it; several are summed only in
   float32/float64: a bf16 sum would round what the model adds term by term), boolean ones
-  (``masked_fill(~keep, -inf)``, ``where(keep, s, -inf)``); a finite fill (``masked_fill(m, finfo.min)``) is
-  left: it replaces the scores, and a row masked everywhere then averages V with no gradient, which no mask of
-  the fused call gives;
+  (``masked_fill(~keep, -inf)``, ``masked_fill_``, ``where(keep, s, -inf)``), constant factors between them; a
+  finite fill at most ``FINITE_FILL_AT_MOST`` (-1000: ``finfo.min``, ``-finfo.max``, ``-1e4``, ``-1e9``) is the same
+  function except in a row it masks everywhere, which averages V (gradient to V only): the fused call is told
+  (``masked_rows="average"``); a finite fill beside an additive mask, or fills of different values, are declined;
 * optionally a softcap ``tanh(s / c) * c`` (or ``* (1/c)``), which must come before every mask, as in Gemma 2;
 * scale factors (``* a``, ``/ a``) on the scores, on q or on k;
-* ``q @ k^T`` (``transpose``, ``permute`` or ``mT``), K/V ``repeat_kv``'d or ``repeat_interleave``'d over head
-  groups (GQA, :func:`~thunder_cudnn_safe.integration.gqa.find_head_repeat`).
+* ``q @ k^T`` and ``P @ V`` in every form of :mod:`~thunder_cudnn_safe.integration.attention_products` (matmul, k
+  transposed or pre-transposed; 3-D bmm / baddbmm / matmul with the heads folded into the batch, proved by the
+  view chain; einsum in any index naming, proved by its subscripts), K/V ``repeat_kv``'d or
+  ``repeat_interleave``'d over head groups (GQA, :func:`~thunder_cudnn_safe.integration.gqa.find_head_repeat`);
+* scale factors may be 0-d constant tensors (GPT-2's ``/ torch.full([], sqrt(d))``), the value rounded to its dtype.
 
 And the sinks form ``(P @ V) * sigmoid(logsumexp(s) - sink)`` (the same function: the factor is the share of the
 denominator that is not the sink's).
@@ -31,6 +35,12 @@ a reason in :attr:`FuseHandwrittenAttention.declined`.
 
 Numerics: the fused call computes the same function over the reals and rounds less (scores and softmax in
 float32, never in bf16/fp16 as some models write them), which the accuracy rule against float64 judges.
+
+One deliberate difference: a query row whose every key is masked with -inf (``masked_fill(~keep, -inf)``,
+``where(keep, s, -inf)``, an additive mask of -inf) is 0/0 as written, so eager gives NaN there and NaN gradients
+to K and V. The fused call gives that row zeros and sends no gradient from it, as F.scaled_dot_product_attention
+does since torch 2.5: one fully padded row would otherwise poison the whole step. With a sink column the row is not
+empty (the sink takes all of it) and both give zeros.
 """
 
 from __future__ import annotations
@@ -47,8 +57,8 @@ from thunder.core.transform_common import Transform, dce
 
 from thunder_cudnn_safe import config
 from thunder_cudnn_safe.integration.attention import attention_symbol
+from thunder_cudnn_safe.integration.attention_products import PRODUCTS
 from thunder_cudnn_safe.integration.attention_regions import (
-    MATMUL,
     SOFTMAX,
     NotAttention,
     Region,
@@ -107,7 +117,7 @@ class FuseHandwrittenAttention(Transform):
         regions: dict[str, Region] = {}
         reasons: dict[int, str] = {}  # id(softmax bsym) -> why its region was not rewritten
         for bsym in computation_trace.bound_symbols:
-            if bsym.sym.id != MATMUL:
+            if bsym.sym.id not in PRODUCTS:
                 continue
             region = Region(query=bsym.output, key=bsym.output, value=bsym.output, scale=1.0, output=bsym.output)
             try:
@@ -130,12 +140,13 @@ class FuseHandwrittenAttention(Transform):
                 reasons[id(_softmax_of(region))] = f"an intermediate is used outside the attention: {why}"
                 continue
             final[id(next(b for b in region.bsyms if b.output is region.output))] = region
+        fused = {id(b) for r in final.values() for b in r.bsyms}  # by identity: a set, not `in` over every region
         for bsym in computation_trace.bound_symbols:
             if bsym.sym.id != SOFTMAX:
                 continue
             if id(bsym) in reasons:
                 self.declined.append(Declined(_where(bsym), reasons[id(bsym)]))
-            elif not any(bsym in r.bsyms for r in final.values()):
+            elif id(bsym) not in fused:
                 self.other_softmaxes += 1
         if not final:
             return prologue_trace, computation_trace, epilogue_trace
@@ -172,6 +183,9 @@ def _options(region: Region) -> dict:
         "masks": len(region.additive) + len(region.keep),
         "dropout_p": region.dropout_p,
         "scale": region.scale,
+        "masked_rows": region.masked_rows,
+        "folded_heads": region.fold is not None,
+        "permuted": sorted(region.permute),
     }
 
 
@@ -186,24 +200,41 @@ def _fused(trace: TraceCtx, region: Region, last: BoundSymbol) -> list[BoundSymb
             sinks = ltorch.reshape(sinks, (sinks.numel,))
         if sinks is not None and sinks.dtype not in (dtypes.float32, region.query.dtype):
             sinks = ltorch.to(sinks, dtypes.float32)
+        q, k, v = (_operand(region, name) for name in ("query", "key", "value"))
         out = attention_symbol(
-            region.query, region.key, region.value, mask, region.dropout_p, False, region.scale, region.enable_gqa,
-            region.softcap, sinks,
+            q, k, v, mask, region.dropout_p, False, region.scale, region.enable_gqa, region.softcap, sinks,
+            region.masked_rows,
         )  # fmt: skip
+        if region.fold is not None:
+            out = ltorch.reshape(out, tuple(region.output.shape))
         bsyms = trace.pop_scope()
     fused = bsyms[-1].from_bsym_swap_proxies({variableify(out): region.output}, skip_inputs=True)
     source = {name: getattr(last, name) for name in ("header", "source_filename", "source_positions")}
     return [*bsyms[:-1], fused.from_bsym(**source)]
 
 
+def _operand(region: Region, name: str) -> TensorProxy:
+    """The fused call's query, key or value: the region's tensor permuted as its product reads it."""
+    t = getattr(region, name)
+    return t if name not in region.permute else ltorch.permute(t, region.permute[name])
+
+
+def _unfolded(region: Region, mask: TensorProxy) -> TensorProxy:
+    """A mask of 3-D scores with the heads folded into the batch: a (B·H, ...) one as (B, H, ...) (the fold is
+    b-major, as the operands'); a broadcast one as it is."""
+    if region.fold is None or mask.ndim != 3 or mask.shape[0] == 1:
+        return mask
+    return ltorch.reshape(mask, (*region.fold, *mask.shape[1:]))
+
+
 def _combined_mask(region: Region) -> TensorProxy | None:
     """One mask for the fused call: boolean keep masks and-ed; additive terms (a boolean mask beside them as
     where(keep, 0, -inf)) summed in the order the model added them."""
-    keep = [ltorch.logical_not(k[1]) if isinstance(k, tuple) else k for k in region.keep]
+    keep = [_unfolded(region, ltorch.logical_not(k[1]) if isinstance(k, tuple) else k) for k in region.keep]
     combined_keep = None
     for k in keep:
         combined_keep = k if combined_keep is None else ltorch.logical_and(combined_keep, k)
-    additive = list(reversed(region.additive))  # found walking back: the model's first addition is last
+    additive = [_unfolded(region, t) for t in reversed(region.additive)]  # found walking back: first is last
     dtype = region.query.dtype
     if not additive:
         return combined_keep

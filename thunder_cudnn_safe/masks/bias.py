@@ -71,8 +71,35 @@ class ConvertedMasks:
     def get(self, mask: torch.Tensor, how: Hashable, convert: Callable[[], Any], count: bool = True) -> Any:
         """The bias ``convert()`` makes from ``mask``, made once per distinct (mask, state, ``how``);
         ``count``: in the hits and conversions (pattern verdicts are not conversions)."""
-        if self._lru.maxsize == 0 or mask.is_inference() or capturing(mask):
+        storage, key = self._key(mask, how)
+        if key is None:
             return convert()
+        entry = self._lru.get(key)
+        if entry is not None and entry[0]() is storage:
+            self.hits += count
+            return entry[1]
+        bias = convert()
+        self.conversions += count
+        self._lru.put(key, (weakref.ref(storage, lambda _, key=key: self._dead.append(key)), bias))
+        return bias
+
+    def lookup(self, mask: torch.Tensor, how: Hashable, missing: Any = None) -> Any:
+        """What :meth:`get` made from ``mask`` in its present state for ``how``, or ``missing``: never converts,
+        counts nothing (a dispatch memo hit reads a mask's pattern verdict this way: :mod:`.patterns`)."""
+        storage, key = self._key(mask, how)
+        entry = None if key is None else self._lru.get(key)
+        return missing if entry is None or entry[0]() is not storage else entry[1]
+
+    def keeps(self, mask: torch.Tensor) -> bool:
+        """Whether what is made from ``mask`` is kept: not with the cache off, for an inference tensor (no version
+        counter) or under CUDA-graph capture."""
+        return self._lru.maxsize > 0 and not mask.is_inference() and not capturing(mask)
+
+    def _key(self, mask: torch.Tensor, how: Hashable) -> tuple[Any, tuple | None]:
+        """``mask``'s storage and its key in its present state, or (None, None) where nothing is kept for it
+        (:meth:`keeps`); purges the keys of freed masks first."""
+        if not self.keeps(mask):
+            return None, None
         while self._dead:
             self._lru.pop(self._dead.pop())
         storage = mask.untyped_storage()
@@ -86,14 +113,7 @@ class ConvertedMasks:
             how,
             stream_key(mask),
         )
-        entry = self._lru.get(key)
-        if entry is not None and entry[0]() is storage:
-            self.hits += count
-            return entry[1]
-        bias = convert()
-        self.conversions += count
-        self._lru.put(key, (weakref.ref(storage, lambda _, key=key: self._dead.append(key)), bias))
-        return bias
+        return storage, key
 
     @property
     def maxsize(self) -> int:

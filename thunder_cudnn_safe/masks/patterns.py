@@ -65,12 +65,34 @@ def patterns_on() -> bool:
     return bool(config.mask_patterns) and converted_masks.maxsize > 0
 
 
+#: :func:`known_pattern`'s answer for a mask whose verdict is not cached: only :func:`pattern_of` can tell.
+UNKNOWN = "unknown"
+
+
 def pattern_of(mask: torch.Tensor, batch: int, lq: int, s: int) -> MaskPattern | None:
     """``mask``'s pattern for a (batch, H, lq, s) call, or None (a bias): cached per distinct mask."""
-    if not patterns_on() or capturing(mask) or mask.is_inference() or mask.requires_grad:
+    if not _may_be_pattern(mask):
         return None
     verdict = converted_masks.get(mask, ("pattern", batch, lq, s), lambda: _recognize(mask, batch, lq, s), count=False)
     return None if verdict == _NOT_A_PATTERN else verdict
+
+
+def known_pattern(mask: torch.Tensor, batch: int, lq: int, s: int) -> MaskPattern | DocumentPattern | str | None:
+    """What :func:`pattern_of` answers for ``mask`` now, without reading the mask: its cached verdict (a pattern,
+    or None: a bias), None where no mask may be a pattern, or :data:`UNKNOWN` (a mask not seen in this state: a
+    new one, or one written in place since). A dispatch memo hit reuses the verdict this way, so a mask's route
+    follows its values with one cache lookup and no planning."""
+    if not _may_be_pattern(mask):
+        return None
+    verdict = converted_masks.lookup(mask, ("pattern", batch, lq, s), UNKNOWN)
+    return None if verdict == _NOT_A_PATTERN else verdict
+
+
+def _may_be_pattern(mask: torch.Tensor) -> bool:
+    """Whether :func:`pattern_of` reads ``mask`` at all: not with patterns off, under CUDA-graph capture (a verdict
+    is a host decision replays would not re-check), for an inference tensor (no version counter to key a verdict)
+    or for a mask whose gradient is computed (its bias is what is differentiated)."""
+    return patterns_on() and not capturing(mask) and not mask.is_inference() and not mask.requires_grad
 
 
 def _recognize(mask: torch.Tensor, batch: int, lq: int, s: int) -> MaskPattern | DocumentPattern | str:

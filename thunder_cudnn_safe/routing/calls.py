@@ -55,6 +55,8 @@ class ForwardCall(NamedTuple):
     softcap: float | None = None
     #: attention sinks, (H_q,): each head's softmax denominator gains ``exp(sinks[h])`` (gpt-oss)
     sinks: Any = None
+    #: what a query row whose every key is masked gives (:data:`MASKED_ROWS`); without sinks (they take the row)
+    masked_rows: str = "zeros"
 
 
 class BackwardCall(NamedTuple):
@@ -80,6 +82,14 @@ class BackwardCall(NamedTuple):
     softcap: float | None = None
     #: with sinks, the backward also returns their gradient (before the mask's)
     sinks: Any = None
+    masked_rows: str = "zeros"
+
+
+#: What a query row whose every key is masked gives, by ``masked_rows``: ``"zeros"``, zeros and no gradient (eager
+#: F.sdpa's safe softmax); ``"average"``, the average of V over every key with a gradient to V only: the function of
+#: a finite fill (``masked_fill(~keep, finfo.min)``, ``-1e9``), whose row of equal scores softmaxes to uniform and
+#: passes no gradient to the scores it replaced (:mod:`~thunder_cudnn_safe.dispatch.masked_rows` computes it)
+MASKED_ROWS = ("zeros", "average")
 
 
 #: The fields a forward and its backward share, by name (both call values carry them).

@@ -22,7 +22,7 @@ from thunder_cudnn_safe.masks.documents import DocumentPattern
 from thunder_cudnn_safe.masks.patterns import MaskPattern, pattern_of
 from thunder_cudnn_safe.routing import defect_routes, varlen
 from thunder_cudnn_safe.routing.calls import BackwardCall, ForwardCall, signature
-from thunder_cudnn_safe.routing.recipes import companion_backward_key, forward_recipe
+from thunder_cudnn_safe.routing.recipes import companion_backward_key, forward_key
 from thunder_cudnn_safe.rules import cudnn_rules
 
 
@@ -65,11 +65,12 @@ def plan(call: ForwardCall | BackwardCall, target: Target, *, recognize: bool = 
     """How ``call`` runs on ``target``. ``recognize``: look for a mask pattern (not under capture, where the
     mask runs as its bias; a backward computing the mask's gradient never does). ``lens_device``: where a
     workaround's padding lengths are made (``"meta"`` to plan keys without running a kernel)."""
+    recognize = recognize and reads_mask_values(call, target)
     if call.softcap is not None:
-        return _softcapped(call, target, recognize and not getattr(call, "mask_grad", False))
+        return _softcapped(call, target, recognize)
     if call.attn_mask is None and call.query.shape[2] != 1:  # the common case, decided first: no mask, no decode
         return Plan(Route.PLAIN, call, call)
-    masked = with_mask_pattern(call) if recognize and not getattr(call, "mask_grad", False) else call
+    masked = with_mask_pattern(call) if recognize else call
     if isinstance(masked.attn_mask, DocumentPattern):
         if call.sinks is not None:  # the variable-length binder declares no sink token (SINK_RAGGED): the bias
             return Plan(Route.OVERSIZED_BIAS if bias_too_large(call) else Route.BIAS, call, call)
@@ -82,6 +83,16 @@ def plan(call: ForwardCall | BackwardCall, target: Target, *, recognize: bool = 
     if isinstance(call.attn_mask, torch.Tensor):
         return Plan(Route.OVERSIZED_BIAS if bias_too_large(call) else Route.BIAS, call, call)
     return Plan(Route.PLAIN, call, call)
+
+
+def reads_mask_values(call: ForwardCall | BackwardCall, target: Target) -> bool:
+    """Whether :func:`plan` asks for ``call``'s mask pattern (:func:`~thunder_cudnn_safe.masks.patterns.pattern_of`):
+    a mask tensor, without ``is_causal`` (the mask then stays a bias), not for a backward computing the mask's
+    gradient (its bias is what is differentiated), and beside a softcap only where a band can go in the score
+    modifier. Otherwise the plan follows from the call's signature alone: a dispatch memo hit reads no verdict."""
+    if not isinstance(call.attn_mask, torch.Tensor) or call.is_causal or getattr(call, "mask_grad", False):
+        return False
+    return call.softcap is None or cudnn_rules.SOFTCAP_BAND_IN_MODIFIER.holds(target)
 
 
 def _softcapped(call: ForwardCall | BackwardCall, target: Target, recognize: bool) -> Plan:
@@ -149,18 +160,22 @@ def bias_too_large(call: ForwardCall | BackwardCall) -> bool:
     return isinstance(call.attn_mask, torch.Tensor) and scores >= INT32_ELEMENT_LIMIT
 
 
-def planned_keys(call: ForwardCall, target: Target) -> tuple[ForwardCall, Any, Any]:
+def planned_keys(call: ForwardCall, target: Target, *, recognize: bool = True) -> tuple[ForwardCall, Any, Any]:
     """The call as it runs (a pattern swapped in) and the keys of its forward and of its backward for dO in
-    O's layout, planned from layouts alone (nothing bound, built, drawn or run, except the recognition of a
-    mask not seen before: :func:`~thunder_cudnn_safe.describe`): for ``describe()`` and ``aot.describe_target()``."""
+    O's layout, planned from layouts alone (nothing bound, compiled, built, drawn or run, except the recognition of a
+    mask not seen before: :func:`~thunder_cudnn_safe.describe`): for ``describe()``, ``aot.describe_target()`` and
+    ``explain()``. ``recognize=False``: a mask runs as its bias, the route ``explain()`` judges (at trace time a
+    mask's values, and so its pattern, are unknown; the call's own rules read any mask as a bias too); the
+    tensors may then be meta tensors."""
     mask = call.attn_mask
     mask_grad = mask is not None and mask.dtype is not torch.bool and bool(mask.requires_grad)
     call = call._replace(layout=LayoutPolicy.parse(call.layout).value, dropout_p=float(call.dropout_p))
-    p = plan(call, target, recognize=not mask_grad, lens_device="meta")  # lengths' values: no kernel fills them
+    # lengths' values: no kernel fills them
+    p = plan(call, target, recognize=recognize and not mask_grad, lens_device="meta")
     if p.route is Route.PACKED:
         planned = varlen.planned_keys(p.call, target)
         if planned is not None:
             return planned
         p = p.as_bias(target, lens_device="meta")
-    fkey = forward_recipe(signature(p.call), target).key  # an inference forward has no backward:
+    fkey = forward_key(signature(p.call), target)  # an inference forward has no backward:
     return p.call, fkey, companion_backward_key(signature(p.call), fkey, mask_grad) if call.need_stats else None

@@ -4,8 +4,9 @@ the graph key and its ``{uid: tensor}`` pack.
 The one place to check the rule *declared layout == bound layout*. :func:`forward_recipe` /
 :func:`backward_recipe` decide from the arguments' signatures alone how each uid's tensor is made
 (the argument, a view of it, or a fresh buffer) and its layout, and read the key off those layouts
-(the dispatcher memoizes recipes). :func:`bind` gives each bound tensor exactly the recorded layout.
-A recipe is not cuDNN's execution plan (that is ``CachedGraph.plan``, :mod:`plan_cache`).
+(the dispatcher memoizes recipes); :func:`forward_key` / :func:`backward_key` read the same key with no binder
+compiled (planning a call needs its keys, never its binder). :func:`bind` gives each bound tensor exactly the
+recorded layout. A recipe is not cuDNN's execution plan (that is ``CachedGraph.plan``, :mod:`plan_cache`).
 """
 
 from __future__ import annotations
@@ -77,12 +78,33 @@ class PackRecipe(NamedTuple):
     run: Callable[[tuple, torch.device], Bound]
     #: the generated source of ``run``, for a reader (``str(recipe)``); never read on a call
     source: str = ""
+    #: a backward's gradients for operands besides q, k, v, read off the pack once cuDNN wrote them
+    #: (:func:`finished`): (uid, the 4-D shape summed to, the operand's shape, its dtype) for dSinks, then dBias
+    gradients: tuple = ()
 
     def describe(self) -> str:
         """The key's kind and the generated straight-line function, as :func:`_compile` wrote it."""
         return f"# {type(self.key).__name__} recipe: {len(self.steps)} steps\n{self.source}"
 
     __str__ = describe
+
+
+def finished(recipe: PackRecipe, bound: Bound) -> tuple[torch.Tensor, ...]:
+    """The operator's outputs once the graph ran: ``bound.outputs``, then each of ``recipe.gradients`` (dSink_token
+    as the sinks' gradient, dBias summed over the dims the mask broadcast over), in the operand's shape and dtype."""
+    if not recipe.gradients:
+        return bound.outputs
+    pack = bound.pack
+    grads = (
+        reduce_to_shape(pack[uid], summed).reshape(shape).to(dtype) for uid, summed, shape, dtype in recipe.gradients
+    )
+    return bound.outputs + tuple(grads)
+
+
+def reduce_to_shape(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """Sum ``t`` over the dims where ``shape`` has size 1 (the gradient of a broadcast)."""
+    dims = [i for i, (n, m) in enumerate(zip(shape, t.shape)) if n == 1 and m != 1]
+    return t.sum(dim=dims, keepdim=True) if dims else t
 
 
 def _like(call: tuple, fill: TensorSig) -> int | None:
@@ -163,6 +185,9 @@ class _RecipeBuilder:
         self.left: int | None = None
         self.padded = False
         self.bottom_right = False
+        #: the key and the output values, once :meth:`finish` has the last step
+        self.key: ForwardKey | BackwardKey | None = None
+        self.outputs: tuple[int, ...] = ()
 
     def add(self, step: Step, sig: TensorSig) -> int:
         self.steps.append(step)
@@ -250,11 +275,11 @@ class _RecipeBuilder:
             self.add(Step(uid, buf, view), TensorSig(view[0], view[1], q.dtype))
         return buf
 
-    def recipe(self, kind: type, target: Target, outputs: tuple[int, ...], **options: Any) -> PackRecipe:
-        """The recipe of the steps so far, under the key declaring their layouts and the options both keys read
-        off the call (a pattern keeping no key right of the diagonal is causal)."""
+    def finish(self, kind: type, target: Target, outputs: tuple[int, ...], **options: Any) -> _RecipeBuilder:
+        """The steps so far are all: record the key declaring their layouts and the options both keys read off the
+        call (a pattern keeping no key right of the diagonal is causal), and which values are the outputs."""
         c = self.call
-        key = key_of(
+        self.key = key_of(
             kind,
             self.sigs,
             causal=bool(c.is_causal) or (isinstance(c.attn_mask, MaskPattern) and c.attn_mask.right == 0),
@@ -268,7 +293,20 @@ class _RecipeBuilder:
             softcap=None if c.softcap is None else float(c.softcap),
             **options,
         )
-        return _compile(key, self.steps, outputs, c)
+        self.outputs = outputs
+        return self
+
+
+def _gradients(call: tuple, sigs: dict[Uid, TensorSig]) -> tuple:
+    """:attr:`PackRecipe.gradients` of a recipe declaring ``sigs`` for the call signature ``call``: dSink_token for
+    the sinks (a view of (H,)), dBias for the mask (summed over the dims the mask broadcast over)."""
+    grads = []
+    for uid, field in ((Uid.DSINK, "sinks"), (Uid.DBIAS, "attn_mask")):
+        if uid in sigs:
+            a = getattr(call, field)
+            summed = (1,) * (4 - len(a.shape)) + tuple(a.shape) if uid is Uid.DBIAS else sigs[uid].shape
+            grads.append((uid, summed, tuple(a.shape), a.dtype))
+    return tuple(grads)
 
 
 def _sink(p: _RecipeBuilder, gradient: bool) -> None:
@@ -292,7 +330,24 @@ def _sink(p: _RecipeBuilder, gradient: bool) -> None:
         p.new(Uid.DSINK, packed, zero=True)
 
 
+def _compiled(p: _RecipeBuilder) -> PackRecipe:
+    """A finished builder's steps compiled into a recipe: only a call that binds needs this (planning a key
+    compiles no binder: :func:`forward_key`, :func:`backward_key`)."""
+    return _compile(p.key, p.steps, p.outputs, p.call)._replace(gradients=_gradients(p.call, p.sigs))
+
+
 def forward_recipe(call: ForwardCall, target: Target, dynamic_shapes: str | None = None) -> PackRecipe:
+    """The pack recipe of a forward call signature (its binder compiled): what the dispatcher memoizes."""
+    return _compiled(_forward(call, target, dynamic_shapes))
+
+
+def forward_key(call: ForwardCall, target: Target, dynamic_shapes: str | None = None) -> ForwardKey:
+    """The key :func:`forward_recipe` would declare, with no binder compiled (planning: ``explain()``, the
+    checkers, ``describe()``)."""
+    return _forward(call, target, dynamic_shapes).key
+
+
+def _forward(call: ForwardCall, target: Target, dynamic_shapes: str | None) -> _RecipeBuilder:
     p = _RecipeBuilder(call, LayoutPolicy.parse(call.layout))
     q = p.operand(Uid.Q, "query")
     k, v = call.key, call.value
@@ -312,10 +367,20 @@ def forward_recipe(call: ForwardCall, target: Target, dynamic_shapes: str | None
     mode = config.dynamic_shapes if dynamic_shapes is None else dynamic_shapes  # the memo key's, read once per call
     dynamic = not call.dropout_p and (mode == "forward" or mode == "inference" and not call.need_stats)
     dynamic = dynamic and cudnn_rules.DYNAMIC_SHAPE_FORWARD.holds(target)
-    return p.recipe(ForwardKey, target, tuple(outputs), dynamic=dynamic)
+    return p.finish(ForwardKey, target, tuple(outputs), dynamic=dynamic)
 
 
 def backward_recipe(call: BackwardCall, target: Target) -> PackRecipe:
+    """The pack recipe of a backward call signature (its binder compiled): what the dispatcher memoizes."""
+    return _compiled(_backward(call, target))
+
+
+def backward_key(call: BackwardCall, target: Target) -> BackwardKey:
+    """The key :func:`backward_recipe` would declare, with no binder compiled."""
+    return _backward(call, target).key
+
+
+def _backward(call: BackwardCall, target: Target) -> _RecipeBuilder:
     p = _RecipeBuilder(call, LayoutPolicy.parse(call.layout))
     q, k, v, o = (p.operand(uid, f) for uid, f in ((Uid.Q, "query"), (Uid.K, "key"), (Uid.V, "value"), (Uid.O, "out")))
     p.stats()
@@ -336,7 +401,7 @@ def backward_recipe(call: BackwardCall, target: Target) -> PackRecipe:
             p.new(uid, t._replace(stride=strides_like(t.shape, t, p.policy)), zero=p.padded and uid != Uid.DQ)
             for uid, t in ((Uid.DQ, q), (Uid.DK, k), (Uid.DV, v))
         )
-    return p.recipe(BackwardKey, target, outputs, deterministic=bool(call.deterministic))
+    return p.finish(BackwardKey, target, outputs, deterministic=bool(call.deterministic))
 
 
 def companion_backward_key(call: ForwardCall, fkey: ForwardKey, mask_grad: bool) -> BackwardKey:
@@ -344,7 +409,7 @@ def companion_backward_key(call: ForwardCall, fkey: ForwardKey, mask_grad: bool)
     a refused backward retries with): a dropout forward runs in cuDNN only if this builds."""
     o, stats, rng = (ArgSig(*s) for s in (fkey.o, fkey.stats, RNG_SIG))
     bcall = backward_of(call, o, o, stats, rng, rng, mask_grad)
-    return backward_recipe(bcall, fkey.target).key
+    return backward_key(bcall, fkey.target)
 
 
 def bind(recipe: PackRecipe, call: ForwardCall | BackwardCall) -> Bound:

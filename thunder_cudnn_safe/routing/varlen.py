@@ -117,6 +117,10 @@ def decline(call: Any, target: Target, forward: bool) -> str | None:
         return "the documents do not match the call's rows and tokens"
     if q.shape[1] % k.shape[1]:
         return "query heads are not a multiple of key heads"
+    if (not forward or call.need_stats) and p.max_len == 1 and q.shape[1] != k.shape[1]:
+        # every document one query: the key declares S = 16, but whether cuDNN's decode-class kernel (ragged stats
+        # written for one head per K/V group) is chosen from the declared length alone is not shown
+        return cudnn_rules.RAGGED_STATS_DECODE_GQA.text
     return None  # every rule read off the planned keys (lengths, grid, dP workspace) is the key gate's
 
 

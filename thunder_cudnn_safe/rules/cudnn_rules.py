@@ -221,8 +221,9 @@ def _int32_sizes(rule: Rule, f: Facts) -> list[str]:
 
 
 def _decode_backward_nan(rule: Rule, f: Facts) -> str | None:
-    """A call with a mask tensor (one without is routed to the padding mask, routing/defect_routes); a key without
-    the padding mask."""
+    """A call with a mask tensor (one without is routed to the padding mask, routing/defect_routes, except beside
+    softcap's score modifier, which allows no padding mask: its backward key breaks the rule, and ``explain()`` reads
+    it there, support.key_reasons); a key without the padding mask."""
     if f.ragged or f.q_len != 1 or not (f.mask or f.padded is False):
         return None
     return rule.defect(
@@ -537,6 +538,27 @@ VARLEN_WINDOW_BACKWARD_FRONTEND_BLACKWELL = Rule(
     judged_on=("key",),
 )
 
+RAGGED_STATS_DECODE_GQA = Rule(
+    "a forward writing ragged (THD) stats with a single query (s_q == 1) and grouped K/V heads (H_q > H_kv) writes "
+    "the logsumexp only for the first query head of each K/V group (the decode-class kernel packs a group's query "
+    "heads); the other heads' stats keep whatever the buffer held, and the backward reads them. O is right; padded "
+    "stats, MHA and s_q >= 2 are right. Seen on sm80, sm90 and sm100 with 9.26.0 and 9.27.0 (the report), 9.24 "
+    "(a flashinfer review) and a 9.28 build (cudnn-frontend CI): no fixed version is known, so it holds on every "
+    "version. A ragged key declares its longest document bucketed (>= 16 tokens), so the packed route's keys never "
+    "meet it; a packed training step whose every document is one token, with grouped heads, is declined too "
+    "(routing/varlen.decline: it runs as a bias)",
+    "NVIDIA/cudnn-frontend#1083 (open; NVBug 6783545: 'Stats (LSE) is written only for the first q head of every kv "
+    "group ... cuDNN 9.26.0.51 and 9.27.0.21 ... SM80, SM90 and SM100'); flashinfer PR #5245 (keeps single-token "
+    "GQA ragged steps off cuDNN); cudnn-frontend PR #1082 (CI at cuDNN 92800: the ragged GQA decode Stats cases "
+    "still fail)",
+    trigger=lambda rule, f: _if(
+        f.ragged and f.backward is False and f.training and f.q_len == 1 and f.heads != f.kv_heads,
+        rule.defect(f, f"ragged stats of a single query with {f.heads} query and {f.kv_heads} key/value heads"),
+    ),
+    silent=True,
+    judged_on=("key",),
+)
+
 
 # -- attention beyond F.sdpa: the sink token and the score modifier (shared/notes/attention-variants.md) ----
 SINK_TOKEN = Rule(
@@ -572,6 +594,24 @@ SINK_RAGGED = Rule(
     trigger=lambda rule, f: _if(f.ragged and bool(f.sinks), "a ragged graph with sinks"),
     applies=WHERE_IT_FAILS,
     judged_on=("key",),
+)
+SINK_DETERMINISTIC = Rule(
+    "cuDNN computes dSink_token non-deterministically even with use_deterministic_algorithm=True: the frontend "
+    "declares it as an ADD reduction over batch and queries of exp(sink - stats) * rowsum(dO * O) in the backward's "
+    "dO * O pre-pass, which the deterministic flag does not order (it only forces the dP workspace, or sm90's "
+    "ordered dQ). A deterministic backward with sinks (cudnn_safe_deterministic, torch.use_deterministic_algorithms) "
+    "is declined on every arch and version (no fixed version known): thunder runs the decomposition, whose torch "
+    "reductions are reproducible; the inference forward stays claimed",
+    "cudnn-frontend test/python/sdpa/fp16.py, check_deterministic ('NOTE: dSink_token is implemented "
+    "non-deterministically (even if determinism enabled), therefore not included in this check'); cudnn-frontend "
+    "1.32 include/cudnn_frontend/node/scaled_dot_product_flash_attention.h, CompositeSDPABackwardNode "
+    "('reduce_per_token_grad': ReductionMode_t::ADD into DSINK_TOKEN; is_deterministic_algorithm only sets "
+    "use_dp_workspace / use_sm90_ordered_dq_deterministic)",
+    passes=("backward",),
+    trigger=lambda rule, f: _if(
+        bool(f.deterministic) and bool(f.sinks), rule.stated(f, "a deterministic backward with attention sinks: ")
+    ),
+    example=dict(arch=(9, 0), backend=92600, sinks=True, deterministic=True),
 )
 SOFTCAP_NO_MASK_SUBGRAPH = Rule(
     "a score modifier (softcapping) turns off every other masking subgraph: no causal band, window, padding mask "

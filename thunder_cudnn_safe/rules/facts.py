@@ -1,5 +1,5 @@
 """The one record of facts a rule's trigger reads (:class:`Facts`), from a call at trace time
-(:func:`~thunder_cudnn_safe.rules.support.call_view`) or from a graph key (:func:`of_key`), so that each rule of
+(:func:`of_call`) or from a graph key (:func:`of_key`), so that each rule of
 :mod:`~thunder_cudnn_safe.rules.cudnn_rules` states its trigger once.
 
 Where a fact differs between the two sources, both are named: a call's mask tensor (which may run as a pattern or
@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 
 from thunder_cudnn_safe.layouts.keys import BackwardKey, Target, TensorSig
 from thunder_cudnn_safe.layouts.layout import packed_strides, span_elements
+from thunder_cudnn_safe.masks.patterns import patterns_on
 
 
 class Facts(NamedTuple):
@@ -83,6 +84,73 @@ class Facts(NamedTuple):
         """Whether a fact about ``passes`` applies: a forward fact to every call and key, a backward fact to a
         backward key or a call a backward follows."""
         return "forward" in passes or (self.training if self.backward is None else self.backward)
+
+
+class Symbolic(NamedTuple):
+    """A number known only at run time (a thunder ``NumberProxy``, cache='symbolic values'), with the value it
+    has at trace time."""
+
+    value: Any
+
+
+def value_of(x: Any) -> Any:
+    """The value of a number, known at trace time or not (anything else, None too, as it is)."""
+    return x.value if isinstance(x, Symbolic) else x
+
+
+def of_call(call: Any, target: Target | None) -> Facts:
+    """The facts of a call at trace time (rank-4 query, key and value: a
+    :class:`~thunder_cudnn_safe.routing.calls.ForwardCall` of torch tensors or of
+    :class:`~thunder_cudnn_safe.rules.support.Operand` values), on ``target``."""
+    (b, h, lq, d_qk), (_, hk, s, dk), (bv, hv, sv, d_v) = call_shapes(call)
+    p = value_of(call.dropout_p)
+    return Facts(
+        target=target,
+        backward=None,
+        training=bool(getattr(call, "need_stats", True)),
+        batch=b,
+        heads=h,
+        kv_heads=hk,
+        v_heads=hv,
+        q_len=lq,
+        kv_len=s,
+        d_qk=d_qk,
+        d_v=d_v,
+        dropout=float(p) if is_number(p) else 0.0,
+        causal=value_of(call.is_causal) is True,
+        deterministic=bool(call.deterministic),
+        dbias=_mask_grad(call),
+        mask=call.attn_mask is not None,
+        enable_gqa=bool(call.enable_gqa),
+        elements=(
+            ("query", b * h * lq * d_qk),
+            ("key", b * hk * s * dk),
+            ("value", bv * hv * sv * d_v),
+            ("output", b * h * lq * d_v),
+        ),
+        # decided on the mask's data at run time; one too large for a bias that is not a pattern runs on the
+        # torch fallback (:func:`~thunder_cudnn_safe.runtimes.fallback.run_oversized_bias`)
+        mask_patterns=patterns_on(),
+        sinks=getattr(call, "sinks", None) is not None,
+        softcap=getattr(call, "softcap", None) is not None,
+    )
+
+
+def call_shapes(call: Any) -> list[tuple[int, ...]]:
+    """The shapes of a call's query, key and value as ints (a proxy's dims may be thunder numbers)."""
+    return [tuple(int(x) for x in t.shape) for t in (call.query, call.key, call.value)]
+
+
+def is_number(x: Any) -> bool:
+    """Whether ``x`` is a plain int or float known at trace time (not a bool, not a :class:`Symbolic`)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _mask_grad(call: Any) -> bool:
+    """Whether dBias runs: a float mask's gradient is needed (a leaf that requires grad, or a mask computed inside
+    the function from one, a learned position bias, which only the trace shows:
+    :attr:`~thunder_cudnn_safe.rules.support.Operand.grad_needed`)."""
+    return call.attn_mask is not None and call.attn_mask.grad_needed
 
 
 def _tensors(key: Any) -> list[tuple[str, TensorSig]]:

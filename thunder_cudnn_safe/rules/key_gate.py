@@ -47,10 +47,17 @@ def violations(key: Any) -> list[tuple[cudnn_rules.Rule, str]]:
     on the key's :class:`~thunder_cudnn_safe.rules.facts.Facts`). A key without a target (the compile sweep's,
     judged for several GPUs at once, or any other key the graph cache holds) has none to judge: no rule is read
     off it."""
+    return [(rule, text) for rule, _, text in findings(key)]
+
+
+def findings(key: Any) -> list[tuple[cudnn_rules.Rule, str, str]]:
+    """:func:`violations` with each one's ``DeclineCode`` name: (rule, code, text), the first finding of each rule
+    broken. ``explain()`` reports them for the keys a call plans
+    (:func:`~thunder_cudnn_safe.rules.support.key_reasons`), so that a call it lets through is never refused here."""
     if getattr(key, "target", None) is None:
         return []
     facts = of_key(key)
-    return [(rule, found[0][1]) for rule in cudnn_rules.RULES if (found := rule.broken_by(facts))]
+    return [(rule, *found[0]) for rule in cudnn_rules.RULES if (found := rule.broken_by(facts))]
 
 
 def check(key: Any) -> None:

@@ -1,27 +1,27 @@
 """Why a call is or is not claimed: :func:`not_supported_reasons`, for real tensors and thunder proxies alike.
 
-Nothing here reads thunder: a proxy's facts (its dtype as torch's, a number's value, whether a mask computed
-inside the traced function needs its gradient) are read by :mod:`~thunder_cudnn_safe.integration.proxies`
-into an :class:`Operand` per tensor and plain numbers (:class:`Symbolic` for a number known only at run time);
-a torch tensor is read here. The checkers claim a call exactly when it returns no reason; ``explain()`` returns
-its list. A declined call runs on another executor, so every rule errs towards declining: a decline costs speed, a wrong
-claim could crash inside cuDNN. Arch and version rules come from :mod:`cudnn_rules`, each
-:class:`Decline` (a ``str`` with a :class:`DeclineCode`) names the rule behind it.
+Nothing here reads thunder: a proxy's facts (its dtype as torch's, a number's value, whether a mask computed inside
+the traced function needs its gradient) are read by :mod:`~thunder_cudnn_safe.integration.proxies` into an
+:class:`Operand` per tensor and plain numbers (:class:`~thunder_cudnn_safe.rules.facts.Symbolic` for a number known
+only at run time); a torch tensor is read here, and the facts the rules read come from
+:func:`~thunder_cudnn_safe.rules.facts.of_call`. The checkers claim a call exactly when it returns no reason;
+``explain()`` returns its list. A declined call runs on another executor, so every rule errs towards declining: a
+decline costs speed, a wrong claim could crash inside cuDNN. Arch and version rules come from :mod:`cudnn_rules`,
+each :class:`Decline` (a ``str`` with a :class:`DeclineCode`) names the rule behind it.
 """
 
 from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
 
 import torch
 
-from thunder_cudnn_safe.layouts.keys import Target
-from thunder_cudnn_safe.masks.patterns import patterns_on
-from thunder_cudnn_safe.rules import cudnn_rules
-from thunder_cudnn_safe.rules.facts import Facts
+from thunder_cudnn_safe.layouts.keys import BackwardKey, Target
+from thunder_cudnn_safe.rules import cudnn_rules, key_gate
+from thunder_cudnn_safe.rules.facts import Facts, Symbolic, call_shapes, is_number, of_call, value_of
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 _FLOAT32 = torch.finfo(torch.float32)
@@ -75,21 +75,9 @@ class Operand(NamedTuple):
     grad_needed: bool
 
 
-class Symbolic(NamedTuple):
-    """A number known only at run time (a thunder ``NumberProxy``, cache='symbolic values'), with the value it
-    has at trace time."""
-
-    value: Any
-
-
 def operand(t: torch.Tensor) -> Operand:
     """A torch tensor's :class:`Operand`."""
     return Operand(tuple(t.shape), t.dtype, t.device, t.requires_grad, t.requires_grad)
-
-
-def _value(x: Any) -> Any:
-    """The value of a number, known at trace time or not (anything else, None too, as it is)."""
-    return x.value if isinstance(x, Symbolic) else x
 
 
 def not_supported_reasons(
@@ -115,7 +103,7 @@ def not_supported_reasons(
     if ranks != [4, 4, 4]:  # nothing below can read the shapes
         text = f"query/key/value ranks are {ranks}; cuDNN SDPA takes rank-4 (batch, heads, seq, dim) tensors"
         return [*reasons, Decline(DeclineCode.RANK, text)]
-    view = call_view(call, target)
+    view = of_call(call, target)
     return [
         *reasons,
         *_dtype_reasons(tensors),
@@ -135,54 +123,19 @@ def rule_reasons(view: Facts) -> list[Decline]:
     return [Decline(DeclineCode[code], text, rule) for rule, code, text in found if not fired & set(rule.yields_to)]
 
 
-def call_view(call: Any, target: Target | None) -> Facts:
-    """The plain facts of ``call`` (rank-4 query, key and value) the rules read."""
-    (b, h, lq, d_qk), (_, hk, s, dk), (bv, hv, sv, d_v) = _shapes(call)
-    p = _value(call.dropout_p)
-    return Facts(
-        target=target,
-        backward=None,
-        training=bool(getattr(call, "need_stats", True)),
-        batch=b,
-        heads=h,
-        kv_heads=hk,
-        v_heads=hv,
-        q_len=lq,
-        kv_len=s,
-        d_qk=d_qk,
-        d_v=d_v,
-        dropout=float(p) if _is_number(p) else 0.0,
-        causal=_value(call.is_causal) is True,
-        deterministic=bool(call.deterministic),
-        dbias=_mask_grad(call),
-        mask=call.attn_mask is not None,
-        enable_gqa=bool(call.enable_gqa),
-        elements=(
-            ("query", b * h * lq * d_qk),
-            ("key", b * hk * s * dk),
-            ("value", bv * hv * sv * d_v),
-            ("output", b * h * lq * d_v),
-        ),
-        # decided on the mask's data at run time; one too large for a bias that is not a pattern runs on the
-        # torch fallback (:meth:`~thunder_cudnn_safe.dispatch.dispatcher.Dispatcher.run_oversized_bias`)
-        mask_patterns=patterns_on(),
-        sinks=getattr(call, "sinks", None) is not None,
-        softcap=getattr(call, "softcap", None) is not None,
-    )
-
-
-def _shapes(call: Any) -> list[tuple[int, ...]]:
-    return [tuple(int(x) for x in t.shape) for t in (call.query, call.key, call.value)]
-
-
-def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def _mask_grad(call: Any) -> bool:
-    """Whether dBias runs: a float mask's gradient is needed (a leaf that requires grad, or a mask computed inside
-    the function from one, a learned position bias, which only the trace shows: :attr:`Operand.grad_needed`)."""
-    return call.attn_mask is not None and call.attn_mask.grad_needed
+def key_reasons(keys: Iterable[Any]) -> list[Decline]:
+    """What the key gate (:mod:`~thunder_cudnn_safe.rules.key_gate`) would refuse of the graph keys a call plans
+    (its forward's, and its backward's where one follows), as declines: the same rules read off the same facts the
+    gate reads before a build, so a call ``explain()`` lets through is not refused there and sent to the torch
+    fallback. A call's own facts cannot show everything its keys do (which route the planner takes: a decode step's
+    padding-mask workaround is not taken beside softcap's score modifier, so its backward keeps a single query
+    without the padding mask)."""
+    found: dict[str, Decline] = {}
+    for key in keys:
+        graph = "backward" if isinstance(key, BackwardKey) else "forward"
+        for rule, code, text in key_gate.findings(key):
+            found.setdefault(rule.name, Decline(DeclineCode[code], f"the {graph} graph it plans: {text}", rule))
+    return list(found.values())
 
 
 def _device_reasons(tensors: list[tuple[str, Any]], device_type: str) -> Iterator[Decline]:
@@ -205,7 +158,7 @@ def _dtype_reasons(tensors: list[tuple[str, Any]]) -> Iterator[Decline]:
 def _shape_reasons(call: Any) -> Iterator[Decline]:
     """Shapes torch's SDPA rejects, and an empty input; grouped K/V heads (``enable_gqa``) are judged by
     :data:`~thunder_cudnn_safe.rules.cudnn_rules.GROUPED_KV_HEADS`."""
-    (b, h, lq, d_qk), (bk, hk, s, dk), (bv, hv, sv, d_v) = _shapes(call)
+    (b, h, lq, d_qk), (bk, hk, s, dk), (bv, hv, sv, d_v) = call_shapes(call)
     S = DeclineCode.SHAPE
     if not (b == bk == bv):
         yield Decline(S, f"batch sizes differ: query {b}, key {bk}, value {bv}")
@@ -228,7 +181,7 @@ def _mask_reasons(call: Any, view: Facts) -> Iterator[Decline]:
     if attn_mask is None:
         return
     M = DeclineCode.MASK
-    if bool(_value(call.is_causal)):
+    if bool(value_of(call.is_causal)):
         yield Decline(
             DeclineCode.CAUSAL, "is_causal=True together with an explicit attn_mask (torch rejects this combination)"
         )
@@ -271,12 +224,12 @@ def _scalar_reasons(call: Any) -> Iterator[Decline]:
             "dropout_p is symbolic (cache='symbolic values'): whether dropout runs, and so the operator's "
             "outputs, must be known at trace time",
         )
-    p, scale, causal = _value(call.dropout_p), _value(call.scale), _value(call.is_causal)
-    if not _is_number(p):
+    p, scale, causal = value_of(call.dropout_p), value_of(call.scale), value_of(call.is_causal)
+    if not is_number(p):
         yield Decline(DeclineCode.DROPOUT, f"dropout_p {p!r} is not a number known at trace time")
     elif not cudnn_rules.dropout_in_range(float(p)):
         yield Decline(DeclineCode.DROPOUT, f"dropout_p={p} is outside [0, 1)")
-    if scale is not None and not (_is_number(scale) and math.isfinite(float(scale))):
+    if scale is not None and not (is_number(scale) and math.isfinite(float(scale))):
         yield Decline(DeclineCode.SCALE, f"scale {scale!r} is not a finite number known at trace time")
     if not isinstance(causal, bool):
         yield Decline(DeclineCode.CAUSAL, f"is_causal {causal!r} is not a bool known at trace time")
@@ -285,7 +238,9 @@ def _scalar_reasons(call: Any) -> Iterator[Decline]:
 def _variant_reasons(call: Any, view: Facts) -> Iterator[Decline]:
     """Attention sinks and softcapping (``thunder_cudnn_safe.attention``): ``sinks`` one float32 or query-dtype
     value per query head on the query's device, ``softcap`` a finite number > 0 known at trace time; neither with
-    dropout (the executor's dropout pairing is verified for plain SDPA only: such a call runs the decomposition)."""
+    dropout (the executor's dropout pairing is verified for plain SDPA only: such a call runs the decomposition),
+    nor ``masked_rows="average"`` with a mask and dropout (the dispatcher writes the dead rows' mean after the
+    route, without the dropout the function applies to their weights)."""
     sinks, cap = getattr(call, "sinks", None), getattr(call, "softcap", None)
     if sinks is not None:
         shape, dtype = tuple(int(n) for n in sinks.shape), sinks.dtype
@@ -301,7 +256,7 @@ def _variant_reasons(call: Any, view: Facts) -> Iterator[Decline]:
             "softcap is symbolic (cache='symbolic values'): its value is declared in the cuDNN graph, so it must be "
             "known at trace time; the call runs the decomposition",
         )
-    elif cap is not None and not (_is_number(cap) and math.isfinite(float(cap)) and float(cap) > 0):
+    elif cap is not None and not (is_number(cap) and math.isfinite(float(cap)) and float(cap) > 0):
         yield Decline(DeclineCode.SCALE, f"softcap {cap!r} is not a finite number > 0 known at trace time")
     elif cap is not None and not _FLOAT32.tiny <= float(cap) <= 1 / _FLOAT32.tiny:
         # the graph's modifier is c * tanh(s * (1/c)) from float32 scalars: c or 1/c would be inf (NaN scores)
@@ -316,4 +271,10 @@ def _variant_reasons(call: Any, view: Facts) -> Iterator[Decline]:
             DeclineCode.DROPOUT,
             "dropout together with sinks or softcap: the executor pairs dropout forwards and backwards for plain "
             "SDPA only; the call runs the decomposition",
+        )
+    if getattr(call, "masked_rows", "zeros") == "average" and call.attn_mask is not None and view.dropout > 0:
+        yield Decline(
+            DeclineCode.DROPOUT,
+            "masked_rows='average' with dropout: a row masked everywhere would be V's exact mean, where the function "
+            "drops out its uniform weights like any other row's; the call runs the decomposition",
         )

@@ -16,8 +16,10 @@ import torch
 
 from thunder_cudnn_safe import caches
 from thunder_cudnn_safe.errors import ExecuteError, GraphBuildError
+from thunder_cudnn_safe.graphs.cache import GraphCache
 from thunder_cudnn_safe.layouts.keys import BackwardKey, ForwardKey, Target, TensorSig
 from thunder_cudnn_safe.lru import LRU
+from thunder_cudnn_safe.routing.recipes import Bound
 from thunder_cudnn_safe.rules import key_gate
 from thunder_cudnn_safe.runtimes.per_thread import PerThread
 
@@ -66,6 +68,16 @@ class Runtime(abc.ABC):
     @abc.abstractmethod
     def execute(self, built: BuiltGraph, pack: dict[int, torch.Tensor]) -> None:
         """Run ``built`` on the tensors bound to its uids; raises ExecuteError on a refusal."""
+
+
+def try_execute(runtime: Runtime, cache: GraphCache, bound: Bound) -> GraphBuildError | ExecuteError | None:
+    """Execute ``bound`` on ``runtime``, its graph built once through ``cache`` (which asks the key gate first);
+    the runtime's refusal, or None if it ran. Every route that runs a bound call on a runtime runs it here."""
+    try:
+        runtime.execute(cache.get_or_build(bound.key, runtime.build), bound.pack)
+        return None
+    except (GraphBuildError, ExecuteError) as exc:
+        return exc
 
 
 #: The forward's implementation ladder: the frontend's choice first, then the composite

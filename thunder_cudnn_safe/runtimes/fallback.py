@@ -8,13 +8,13 @@ gradients for another mask (the dispatcher avoids that where it can).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from thunder_cudnn_safe.graphs.build import band_in_modifier, score_modifier
+from thunder_cudnn_safe.graphs.cache import GraphCache
 from thunder_cudnn_safe.layouts.keys import BackwardKey, ForwardKey, Uid
 from thunder_cudnn_safe.masks import bias
+from thunder_cudnn_safe.routing.recipes import Bound
 from thunder_cudnn_safe.runtimes import handoff, reference
 from thunder_cudnn_safe.runtimes.base import BuiltGraph
 from thunder_cudnn_safe.telemetry import warn_once
@@ -122,7 +122,14 @@ class FallbackRuntime:
 FALLBACK = FallbackRuntime()
 
 
-def run_oversized_bias(disp: Any, bound: Any) -> None:
+def run(bound: Bound, cache: GraphCache) -> None:
+    """Execute ``bound`` on the torch fallback, counted in ``cache``'s ``fallbacks``
+    (:func:`~thunder_cudnn_safe.graphs.cache.cache_info`)."""
+    cache.record_fallback()
+    FALLBACK.execute(FALLBACK.build(bound.key), bound.pack)
+
+
+def run_oversized_bias(bound: Bound, cache: GraphCache, runtime_name: str) -> None:
     """A mask claimed at trace time because it may be a pattern (:mod:`support`: the int32 rule counts
     only masks bound as a bias) that is not one at run time: its broadcast bias would have 2**31 or
     more elements, whose offsets overflow cuDNN's int32 element offsets. It never reaches cuDNN: the
@@ -140,8 +147,8 @@ def run_oversized_bias(disp: Any, bound: Any) -> None:
             "no gradient: make it a tensor that requires grad, or pass is_causal=True instead of a causal mask."
         )
     warn_once(
-        ("fallback", "oversized bias", disp.runtime.name, bound.key),
+        ("fallback", "oversized bias", runtime_name, bound.key),
         "cudnn_safe: an attention mask that is no pattern cuDNN masks natively would be a bias of 2**31 or "
         "more elements (int32 offsets); the call ran on the torch fallback. Shown once per distinct layout.",
     )
-    disp.run_fallback(bound)
+    run(bound, cache)

@@ -12,6 +12,8 @@ from typing import NamedTuple
 
 import torch
 
+from thunder_cudnn_safe.routing.recipes import reduce_to_shape
+
 
 def dropout_keep_mask(seed: int, offset: int, shape: tuple[int, ...], p: float, device: torch.device) -> torch.Tensor:
     """Which attention probabilities dropout keeps, a pure function of (seed, offset)."""
@@ -229,9 +231,3 @@ def attend(
         if value is not None:
             write(port, value)
     return d_bias
-
-
-def reduce_to_shape(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """Sum ``t`` over the dims where ``shape`` has size 1 (the gradient of a broadcast)."""
-    dims = [i for i, (n, m) in enumerate(zip(shape, t.shape)) if n == 1 and m != 1]
-    return t.sum(dim=dims, keepdim=True) if dims else t

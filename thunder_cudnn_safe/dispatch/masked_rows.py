@@ -1,0 +1,110 @@
+"""A query row whose every key is masked: zeros where a mask runs as cuDNN's bias, or the average of V.
+
+Zeros (``masked_rows="zeros"``, eager's safe softmax): a flash kernel gives NaN for such a row (poisoning dV of the
+whole batch element), so where a mask runs as a bias its dead rows are set to 0 and their stats to +inf
+(:func:`zero_fully_masked_rows`), found once per distinct mask and state (:func:`fully_masked_rows`).
+
+``masked_rows="average"``: a query row whose every key is masked gives the average of V, not zeros.
+
+That is a finite fill's function (``masked_fill(~keep, finfo.min)``, ``where(keep, s, -1e9)``): the fill replaces
+every score of such a row, the softmax of equal scores is uniform, and no gradient reaches the replaced scores, so
+the row is V's mean over the keys with ``dV[j] += dO[i] / S`` and nothing to q, k or the mask. Every route runs the
+row as ``"zeros"`` (P = 0: no contribution to any gradient), and these two steps turn it into the average, after
+the forward and after the backward, whichever runtime (cuDNN, emulation, fallback) ran the call. The dead rows are
+read off the mask (and the causal band) on the device: no host synchronization, so a capture is unaffected.
+Without a mask no row is dead; with sinks the sink takes the row (``"zeros"`` is the function).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from thunder_cudnn_safe.layouts.keys import Uid
+from thunder_cudnn_safe.masks import bias
+from thunder_cudnn_safe.routing.calls import BackwardCall, ForwardCall
+from thunder_cudnn_safe.routing.recipes import Bound
+
+
+def applies(call: ForwardCall | BackwardCall) -> bool:
+    """Whether ``call``'s dead rows need the average (an ``"average"`` call with a mask tensor and no sinks)."""
+    return call.masked_rows == "average" and isinstance(call.attn_mask, torch.Tensor) and call.sinks is None
+
+
+def dead_rows(call: ForwardCall | BackwardCall) -> torch.Tensor:
+    """(…, L, 1) booleans, broadcastable to the output: the query rows whose every key the mask (a boolean keep
+    mask, or -inf in an additive one) and the causal band (top-left, as the call's) mask."""
+    mask = call.attn_mask
+    keep = mask if mask.dtype == torch.bool else ~torch.isneginf(mask)
+    if call.is_causal:
+        lq, sk = call.query.shape[-2], call.key.shape[-2]
+        keep = keep & torch.ones(lq, sk, dtype=torch.bool, device=mask.device).tril()
+    return ~keep.any(-1, keepdim=True)
+
+
+def _per_query_head(t: torch.Tensor, heads: int) -> torch.Tensor:
+    return t if t.shape[-3] == heads else t.repeat_interleave(heads // t.shape[-3], -3)
+
+
+def average_forward(call: ForwardCall, out: torch.Tensor) -> None:
+    """Write V's mean over the keys into ``out``'s dead rows (computed in float32, rounded once)."""
+    mean = _per_query_head(call.value.float().mean(-2, keepdim=True), call.query.shape[-3])
+    out.copy_(torch.where(dead_rows(call), mean.to(out.dtype), out))
+
+
+def average_backward(call: BackwardCall, grads: tuple) -> None:
+    """Add the dead rows' gradient to dV in ``grads`` (``(dq, dk, dv, ...)``, or ``(dqkv, ...)`` concatenated over
+    heads): ``dV[b, g, j] += sum of dO[b, h, i] / S`` over the dead rows i of the query heads h of group g."""
+    dv = grads[0][:, -call.value.shape[1] :] if call.cat_grad_qkv else grads[2]
+    dead = dead_rows(call)
+    g = call.grad_out.float().mul(dead).sum(-2, keepdim=True) / call.key.shape[-2]  # (B|1, Hq, 1, Dv)
+    g = g.expand(dv.shape[0], call.query.shape[1], 1, dv.shape[-1])
+    hk = dv.shape[1]
+    g = g.reshape(dv.shape[0], hk, call.query.shape[1] // hk, 1, dv.shape[-1]).sum(2)
+    dv.copy_(dv.float() + g)
+
+
+#: ``dead`` of :func:`zero_fully_masked_rows` where no rows were kept: read them (once per mask and state).
+UNREAD = "unread"
+
+
+def zero_fully_masked_rows(mask: torch.Tensor, bound: Bound, dead: Any = None) -> torch.Tensor | None:
+    """Eager's "safe softmax" for a query row whose every key is masked with -inf: zeros, no gradient. A flash
+    kernel gives NaN there (poisoning dV of the whole batch element). The dead rows of a forward run with a bias
+    are set to 0 and their stats to +inf, so the backward recomputes P = 0 for them. No host synchronization per
+    call; none at all where no row is dead (:func:`fully_masked_rows`). ``dead``: the rows, where the caller kept
+    them for this mask's state (a memo hit: :mod:`.replay`), else :data:`UNREAD`; returns the rows."""
+    if dead is UNREAD:
+        dead = fully_masked_rows(mask, bound.pack[Uid.BIAS])
+    if dead is None:
+        return None
+    bound.outputs[0].masked_fill_(dead, 0.0)
+    if Uid.STATS in bound.pack:
+        bound.pack[Uid.STATS].masked_fill_(dead, float("inf"))
+    return dead
+
+
+def fully_masked_rows(mask: torch.Tensor, bias_tensor: torch.Tensor) -> torch.Tensor | None:
+    """Which query rows of ``bias_tensor`` (bound for ``mask``) mask every key with -inf, broadcastable to (B, H, L, 1);
+    None where the mask is kept and none is (one host sync per distinct mask spares two masked fills per call: most
+    biases, ALiBi or relative positions, leave every row a key).
+
+    Read once per distinct mask and state, not per call (a (1, 32, 4096, 4096) bf16 bias is 1 GiB read again per
+    forward): kept in the converted-mask cache (:mod:`~thunder_cudnn_safe.masks.bias`) by the mask's storage,
+    layout and ``_version``, as its conversion and its pattern verdict are; an in-place write reads them again.
+    A write torch does not version (``.data``, an aliased numpy array) is not seen, as for those:
+    ``config.mask_cache_size = 0`` reads them on every call. Read off the mask's own elements where the bias is a
+    view of it, never its (B, H, L, S) broadcast, so the read costs what the mask holds, not the scores.
+
+    Not derived from the forward's own stats (a row with no visible key should have a logsumexp of -inf): no
+    public source says what cuDNN writes there, so that route waits for a GPU check."""
+    own = bias_tensor.untyped_storage().data_ptr() == mask.untyped_storage().data_ptr()
+    keeps = bias.converted_masks.keeps(mask)
+
+    def rows() -> torch.Tensor | None:
+        dead = torch.isneginf(mask if own else bias_tensor).all(dim=-1, keepdim=True)
+        return dead if not keeps or bool(dead.any()) else None  # a host sync only for a mask kept
+
+    how = ("fully masked rows", tuple(bias_tensor.shape), bias_tensor.stride(), bias_tensor.dtype)
+    return bias.converted_masks.get(mask, how, rows, count=False)
