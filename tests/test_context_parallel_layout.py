@@ -10,6 +10,7 @@ load balance of the head-tail layout. The two-rank runs are in tests/test_contex
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,8 +19,8 @@ from hypothesis import strategies as st
 
 import thunder_cudnn_safe as tcs
 from thunder_cudnn_safe.dispatch.ring import add_sinks, block_mask, block_plan, merge
-from thunder_cudnn_safe.integration.attention import TORCH_OPS, decomposition
-from thunder_cudnn_safe.integration.context_parallel import _global_meaning, _ring
+from thunder_cudnn_safe.integration.attention import TORCH_OPS, attention_symbol, decomposition
+from thunder_cudnn_safe.integration.context_parallel import _global_meaning, _ring, _ring_arguments
 from thunder_cudnn_safe.layouts.sequence_shards import SequenceLayout, shard, unshard
 
 CPU = torch.device("cpu")
@@ -221,3 +222,23 @@ def test_cuda_graph_capture_is_refused_under_context_parallelism(monkeypatch):
     q = torch.zeros(1, 1, 8, 4)
     with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph"):
         _ring(q, q, q, None, True, None, False, None, ring=-1)
+
+
+def _attention_call(*args, **kwargs) -> SimpleNamespace:
+    """A traced ``cudnn_safe.attention`` call as the transform reads it (its symbol's id, args and kwargs)."""
+    return SimpleNamespace(sym=SimpleNamespace(id=attention_symbol.id), args=args, kwargs=kwargs)
+
+
+def test_average_masked_rows_with_a_mask_are_refused_at_trace_time():
+    """A row masked on every rank must give V's mean over the whole sequence (``masked_rows="average"``), which the
+    ring's merge (zeros there) cannot: refused with the reason. Without a mask no row is dead, and with sinks the
+    sink takes the row, so those calls go on the ring."""
+    q, mask, sink = torch.zeros(1, 2, 8, 4), _local_mask(8), torch.zeros(2)
+    with pytest.raises(ValueError, match="masked_rows='average' with a mask is not supported"):
+        _ring_arguments(_attention_call(q, q, q, mask, masked_rows="average"), ring=0)
+    for call in (
+        _attention_call(q, q, q, None, is_causal=True, masked_rows="average"),
+        _attention_call(q, q, q, mask, sinks=sink, masked_rows="average"),
+        _attention_call(q, q, q, mask, masked_rows="zeros"),
+    ):
+        assert _ring_arguments(call, ring=0)[3] is call.args[3]

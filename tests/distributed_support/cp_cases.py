@@ -64,6 +64,11 @@ def with_dropout(q, k, v, extra):
     return F.scaled_dot_product_attention(q, k, v, dropout_p=0.1, is_causal=True)
 
 
+def average_rows(q, k, v, extra):
+    i = torch.arange(q.shape[-2]).reshape(-1, 1)
+    return tcs.attention(q, k, v, attn_mask=torch.arange(k.shape[-2]) <= i, masked_rows="average")
+
+
 class Case(NamedTuple):
     fn: object
     kv_heads: int = HEADS
@@ -86,7 +91,11 @@ CASES = {
     "blocks_refused": Case(grouped_heads, kv_heads=KV_HEADS, refuse_graphs=True),
 }
 #: calls the ring cannot compute exactly: refused with the reason, never run on local keys alone
-REFUSED = {"general_bias": Case(general_bias, extra="bias"), "dropout": Case(with_dropout)}
+REFUSED = {
+    "general_bias": Case(general_bias, extra="bias"),
+    "dropout": Case(with_dropout),
+    "average_rows": Case(average_rows),
+}
 
 
 def inputs(case: Case, dtype: torch.dtype, device: str = "cpu") -> tuple:

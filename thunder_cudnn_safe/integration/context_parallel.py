@@ -11,7 +11,8 @@ The model sees only its rank's tokens and builds its mask from local positions, 
 pattern it is (one host sync per distinct mask, as the executor's own pattern check): causal, a causal sliding
 window, key padding (kept keys a prefix of the local keys, per batch element; it then travels with its K/V), or
 all kept, each applied with its global meaning. What the ring cannot compute exactly is refused with the reason,
-never run on local keys alone: dropout (at trace time: its masks would differ from one process's), and at run
+never run on local keys alone: dropout (at trace time: its masks would differ from one process's),
+``masked_rows="average"`` with a mask (at trace time: a row dead on every rank needs V's global mean), and at run
 time a mask that is no such pattern (a general bias, packed documents), a mask that needs a gradient, a local
 query length that differs from the key length (a KV cache), and CUDA-graph capture (the ring's P2P exchanges
 and mask verdicts are host decisions a captured graph would freeze).
@@ -210,6 +211,20 @@ _ATTENTION_SIGNATURES = {
 }
 
 
+def _average_refusal(masked_rows: str, attn_mask: Any, sinks: Any) -> str | None:
+    """Why the ring refuses ``masked_rows="average"`` (None where it does not). With a mask and no sinks, a query
+    row masked on every rank's keys must give V's mean over the *global* keys (gradient dO/S to every rank's V): the
+    ring's logsumexp merge gives zeros there, and no block sees the whole sequence's V. Without a mask no row is
+    dead, and with sinks the sink takes the row, so ``"zeros"`` is then the function and the ring runs the call."""
+    if masked_rows != "average" or attn_mask is None or sinks is not None:
+        return None
+    return (
+        "context-parallel attention: masked_rows='average' with a mask is not supported (a row masked on every "
+        "rank would need V's mean over the whole sequence; the ring's merge gives zeros): pass "
+        "masked_rows='zeros', or mask with -inf instead of a finite fill in hand-written attention"
+    )
+
+
 def _ring_arguments(bsym: Any, ring: int) -> tuple:
     """A claimed attention call's arguments as :data:`ring_attention`'s; ValueError for what the ring refuses."""
     bound = _ATTENTION_SIGNATURES[bsym.sym.id].bind(*bsym.args, **bsym.kwargs)
@@ -223,6 +238,9 @@ def _ring_arguments(bsym: Any, ring: int) -> tuple:
         )
     if q.ndim != 4 or k.ndim != 4:
         raise ValueError(f"context-parallel attention needs 4-D (B, H, L, D) operands, got {q.ndim}-D queries")
+    problem = _average_refusal(a.get("masked_rows", "zeros"), a["attn_mask"], a.get("sinks"))
+    if problem is not None:
+        raise ValueError(problem)
     softcap = a.get("softcap")
     gqa_heads = q.shape[1] != k.shape[1]
     return q, k, a["value"], a["attn_mask"], bool(a["is_causal"]), a["scale"], gqa_heads, softcap, a.get("sinks"), ring
@@ -246,7 +264,7 @@ class ContextParallel(Transform):
     def explain(
         self, query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0,
         is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False, *, softcap: float | None = None,
-        sinks: Any = None, executor: Any = None,
+        sinks: Any = None, masked_rows: str = "zeros", executor: Any = None,
     ) -> list[Decline]:  # fmt: skip
         """Why this rank's ring would not run this call (on its local tensors) exactly on ``executor`` (default:
         ours for the tensors' device): the ring's own refusals (dropout, a mask it cannot place globally, shapes),
@@ -254,6 +272,8 @@ class ContextParallel(Transform):
         torch fallback, merged the same way). Empty where every block is claimed."""
         if dropout_p:
             return [Decline(DeclineCode.DROPOUT, "context parallelism: dropout_p > 0 is refused (per-block masks)")]
+        if (average := _average_refusal(masked_rows, attn_mask, sinks)) is not None:
+            return [Decline(DeclineCode.MASK, average)]
         if query.ndim != 4 or key.ndim != 4:
             return [Decline(DeclineCode.RANK, "context parallelism needs 4-D (B, H, L, D) operands")]
         try:
