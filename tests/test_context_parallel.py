@@ -88,20 +88,17 @@ def test_every_rank_computes_what_one_process_computes(two_ranks, name):
 
 
 def test_the_ring_refuses_what_it_cannot_compute_exactly(two_ranks):
-    """A general bias (no pattern: its global meaning is unknown), dropout and ``masked_rows="average"`` with a mask
-    (a row dead on every rank needs V's global mean) are refused with the reason."""
+    """A general bias (no pattern: its global meaning is unknown) and dropout are refused with the reason."""
     for res in two_ranks.scenario("refusals"):
         kind, message = res["general_bias"]
         assert kind == "ValueError" and "general mask or bias" in message and "silently wrong" in message
         kind, message = res["dropout"]
         assert kind == "ValueError" and "dropout_p > 0 is not supported" in message
-        kind, message = res["average_rows"]
-        assert kind == "ValueError" and "masked_rows='average' with a mask is not supported" in message
 
 
 def test_explain_covers_the_ring(two_ranks):
     """``ContextParallel.explain``: nothing for a claimed call; each declined block named with its source rank;
-    the ring's own refusals (a general bias, dropout, averaged dead rows) with their codes."""
+    the ring's own refusals (a general bias, dropout) with their codes."""
     for res in two_ranks.scenario("refusals"):
         why = res["explain"]
         assert why["claimed"] == [], why["claimed"]
@@ -109,7 +106,6 @@ def test_explain_covers_the_ring(two_ranks):
         assert [code for code, _ in why["float64"]] == [code for code, _ in why["float64"] if code == "dtype"]
         assert [code for code, _ in why["bias"]] == ["mask"] and "general mask or bias" in why["bias"][0][1]
         assert [code for code, _ in why["dropout"]] == ["dropout"]
-        assert [code for code, _ in why["average_rows"]] == ["mask"] and "masked_rows" in why["average_rows"][0][1]
 
 
 def test_the_balanced_causal_ring_splits_the_work_evenly(two_ranks):

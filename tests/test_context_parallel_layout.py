@@ -18,9 +18,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import thunder_cudnn_safe as tcs
-from thunder_cudnn_safe.dispatch.ring import add_sinks, block_mask, block_plan, merge
+from thunder_cudnn_safe.dispatch.ring import add_sinks, block_mask, block_plan, fill_dead_rows, merge
 from thunder_cudnn_safe.integration.attention import TORCH_OPS, attention_symbol, decomposition
-from thunder_cudnn_safe.integration.context_parallel import _global_meaning, _ring, _ring_arguments
+from thunder_cudnn_safe.integration.context_parallel import _RINGS, _global_meaning, _ring, _ring_arguments
 from thunder_cudnn_safe.layouts.sequence_shards import SequenceLayout, shard, unshard
 
 CPU = torch.device("cpu")
@@ -77,13 +77,16 @@ def _kept(qp: torch.Tensor, kp: torch.Tensor, causal: bool, window: int | None) 
     softcap=st.none() | st.floats(0.5, 4.0),
     sinks=st.booleans(),
     padded=st.booleans(),
+    average=st.booleans(),
     seed=st.integers(0, 2**16),
 )
 @settings(max_examples=60, deadline=None)
 def test_blocks_merged_by_logsumexp_are_full_attention(
-    world, chunk, balance, causal, window, softcap, sinks, padded, seed
+    world, chunk, balance, causal, window, softcap, sinks, padded, average, seed
 ):
-    """Every rank's blocks (its plan's rows, columns and mask), merged, then the sinks once: full attention."""
+    """Every rank's blocks (its plan's rows, columns and mask), merged, then the sinks once: full attention. With
+    ``masked_rows="average"`` a row no key of any rank reaches gets V's mean over the global keys (without sinks:
+    with them the sink takes the row)."""
     gen = torch.Generator().manual_seed(seed)
     probe = SequenceLayout(world, 0, balance)
     b, h, d, s = 2, 2, 4, probe.pieces * chunk
@@ -94,7 +97,8 @@ def test_blocks_merged_by_logsumexp_are_full_attention(
     kept = _kept(pos, pos, causal, window)[None, None]
     if valid is not None:
         kept = kept & valid[:, None, None, :]
-    want = decomposition(TORCH_OPS, q, k, v, kept, 0.0, False, None, False, softcap, sink)
+    rows = "average" if average else "zeros"
+    want = decomposition(TORCH_OPS, q, k, v, kept, 0.0, False, None, False, softcap, sink, rows)
     length = s // world
     for rank in range(world):
         layout = SequenceLayout(world, rank, balance)
@@ -122,6 +126,8 @@ def test_blocks_merged_by_logsumexp_are_full_attention(
             merge(o[:, :, plan.rows], lse[:, :, plan.rows], o_b, lse_b)
         if sink is not None:
             add_sinks(o, lse, sink)
+        elif average:
+            fill_dead_rows(o, lse, v.mean(-2, keepdim=True))
         assert not o.isnan().any()
         torch.testing.assert_close(o, want[:, :, qp], rtol=1e-10, atol=1e-10)
 
@@ -221,7 +227,7 @@ def test_cuda_graph_capture_is_refused_under_context_parallelism(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     q = torch.zeros(1, 1, 8, 4)
     with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph"):
-        _ring(q, q, q, None, True, None, False, None, ring=-1)
+        _ring(q, q, q, None, True, None, False, None, "zeros", ring=-1)
 
 
 def _attention_call(*args, **kwargs) -> SimpleNamespace:
@@ -229,16 +235,13 @@ def _attention_call(*args, **kwargs) -> SimpleNamespace:
     return SimpleNamespace(sym=SimpleNamespace(id=attention_symbol.id), args=args, kwargs=kwargs)
 
 
-def test_average_masked_rows_with_a_mask_are_refused_at_trace_time():
-    """A row masked on every rank must give V's mean over the whole sequence (``masked_rows="average"``), which the
-    ring's merge (zeros there) cannot: refused with the reason. Without a mask no row is dead, and with sinks the
-    sink takes the row, so those calls go on the ring."""
-    q, mask, sink = torch.zeros(1, 2, 8, 4), _local_mask(8), torch.zeros(2)
-    with pytest.raises(ValueError, match="masked_rows='average' with a mask is not supported"):
-        _ring_arguments(_attention_call(q, q, q, mask, masked_rows="average"), ring=0)
-    for call in (
-        _attention_call(q, q, q, None, is_causal=True, masked_rows="average"),
-        _attention_call(q, q, q, mask, sinks=sink, masked_rows="average"),
-        _attention_call(q, q, q, mask, masked_rows="zeros"),
-    ):
-        assert _ring_arguments(call, ring=0)[3] is call.args[3]
+def test_average_masked_rows_reach_the_ring(monkeypatch):
+    """``masked_rows="average"`` goes from the traced call to the ring's call (whose forward then writes V's global
+    mean into rows no rank's key reaches); without a mask no row is masked everywhere, so the ring runs "zeros"."""
+    monkeypatch.setitem(_RINGS, -2, (None, SequenceLayout(2, 0, True)))
+    q, mask = torch.zeros(1, 2, 8, 4), _local_mask(8)
+    for attn_mask, want in ((mask, "average"), (None, "zeros")):
+        args = _ring_arguments(_attention_call(q, q, q, attn_mask, masked_rows="average"), ring=-2)
+        assert args[-2] == "average"
+        call, _ = _ring(*args[:8], *args[9:])  # all but the sinks
+        assert call.masked_rows == want

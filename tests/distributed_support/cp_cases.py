@@ -21,6 +21,9 @@ SOFTCAP = 5.0
 #: kept keys per batch element of the key-padding case: a prefix of the global sequence (right padding); the
 #: second sequence's 4 are all on rank 0, so rank 1 holds none of them (its mask is no pattern the executor names)
 KEPT = (27, 4)
+#: kept keys of the averaged-rows case: the first sequence's 4 all on rank 0 (rank 1's rows reach them only through
+#: the ring), the second's none at all (every row masked on every rank: V's mean over the whole sequence)
+KEPT_NONE = (4, 0)
 DATA_SEED = 7
 
 
@@ -48,6 +51,13 @@ def key_padding(q, k, v, valid):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=(j <= i) & valid[:, None, None, :])
 
 
+def average_rows(q, k, v, valid):
+    i = torch.arange(q.shape[-2]).reshape(-1, 1)
+    j = torch.arange(k.shape[-2])
+    mask = (j <= i) & valid[:, None, None, :]
+    return tcs.attention(q, k, v, attn_mask=mask, enable_gqa=True, masked_rows="average")
+
+
 def sinks(q, k, v, sink):
     return tcs.attention(q, k, v, is_causal=True, enable_gqa=True, sinks=sink)
 
@@ -64,11 +74,6 @@ def with_dropout(q, k, v, extra):
     return F.scaled_dot_product_attention(q, k, v, dropout_p=0.1, is_causal=True)
 
 
-def average_rows(q, k, v, extra):
-    i = torch.arange(q.shape[-2]).reshape(-1, 1)
-    return tcs.attention(q, k, v, attn_mask=torch.arange(k.shape[-2]) <= i, masked_rows="average")
-
-
 class Case(NamedTuple):
     fn: object
     kv_heads: int = HEADS
@@ -77,6 +82,8 @@ class Case(NamedTuple):
     load_balance: bool = True
     #: the runtime refuses every graph (tests/checks.py's inject_failures): every block runs on the torch fallback
     refuse_graphs: bool = False
+    #: kept keys per batch element where ``extra`` is "valid"
+    kept: tuple = KEPT
 
 
 CASES = {
@@ -86,16 +93,13 @@ CASES = {
     "grouped_heads": Case(grouped_heads, kv_heads=KV_HEADS),
     "sliding_window": Case(sliding_window),
     "key_padding": Case(key_padding, extra="valid"),
+    "average_rows": Case(average_rows, kv_heads=KV_HEADS, extra="valid", kept=KEPT_NONE),
     "sinks": Case(sinks, kv_heads=KV_HEADS, extra="sinks"),
     "softcap": Case(softcap),
     "blocks_refused": Case(grouped_heads, kv_heads=KV_HEADS, refuse_graphs=True),
 }
 #: calls the ring cannot compute exactly: refused with the reason, never run on local keys alone
-REFUSED = {
-    "general_bias": Case(general_bias, extra="bias"),
-    "dropout": Case(with_dropout),
-    "average_rows": Case(average_rows),
-}
+REFUSED = {"general_bias": Case(general_bias, extra="bias"), "dropout": Case(with_dropout)}
 
 
 def inputs(case: Case, dtype: torch.dtype, device: str = "cpu") -> tuple:
@@ -106,7 +110,7 @@ def inputs(case: Case, dtype: torch.dtype, device: str = "cpu") -> tuple:
     grad_out = torch.randn(BATCH, HEADS, SEQ, HEAD_DIM, generator=gen)
     extra = None
     if case.extra == "valid":
-        extra = torch.arange(SEQ)[None] < torch.tensor(KEPT)[:, None]
+        extra = torch.arange(SEQ)[None] < torch.tensor(case.kept)[:, None]
     elif case.extra == "sinks":
         extra = torch.randn(HEADS, generator=gen)
     elif case.extra == "bias":

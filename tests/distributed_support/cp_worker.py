@@ -112,7 +112,6 @@ def _explain(device) -> dict:
         "float64": as_codes(cp.explain(q.double(), k.double(), v.double(), is_causal=True)),
         "bias": as_codes(cp.explain(q, k, v, bias)),
         "dropout": as_codes(cp.explain(q, k, v, dropout_p=0.1, is_causal=True)),
-        "average_rows": as_codes(cp.explain(q, k, v, bias > 0, masked_rows="average")),
     }
 
 

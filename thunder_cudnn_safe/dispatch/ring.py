@@ -14,6 +14,8 @@ stream). Every block is an ordinary call through a :class:`~thunder_cudnn_safe.d
   afterwards, ``lse' = logaddexp(lse, sink_h)``, ``o' = o exp(lse - lse')`` (option (a) of the notes; a sink in
   every block would count it N times, TransformerEngine#2541).
 * Softcap applies inside each block, to its own logits, before its mask: it is elementwise.
+* ``masked_rows="average"``: a row no key of any rank reaches gives V's mean over the global keys (gradient
+  ``dO / S`` to every rank's V), from V's per-rank sums added up by one all-reduce (:func:`average_dead_rows`).
 
 The backward runs the ring again: every block's backward is fed the merged ``o`` and ``lse`` (sink included)
 and this rank's dO, never its own step's partials, with the K/V it receives on that step (diffusers#14265:
@@ -52,6 +54,9 @@ class RingCall(NamedTuple):
     scale: float | None = None
     softcap: float | None = None
     enable_gqa: bool = False
+    #: what a row no key of the whole sequence reaches gives: ``"zeros"``, or ``"average"`` (V's mean over the global
+    #: keys, :func:`average_dead_rows`), as :data:`~thunder_cudnn_safe.routing.calls.MASKED_ROWS`
+    masked_rows: str = "zeros"
 
 
 class BlockPlan(NamedTuple):
@@ -202,6 +207,40 @@ def add_sinks(o: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> None:
     lse.copy_(new)
 
 
+def _global_key_count(call: RingCall, local: int) -> int:
+    return local * call.layout.world  # every rank holds as many keys (the layout cuts the sequence evenly)
+
+
+def fill_dead_rows(o: torch.Tensor, lse: torch.Tensor, mean: torch.Tensor) -> None:
+    """Write ``mean`` ((B, H_kv, 1, D): V's mean over the global keys) into the merged ``o``'s rows that no key of
+    any rank reaches (``lse`` -inf after every block), in place, each query head its group's."""
+    per_head = mean.repeat_interleave(o.shape[-3] // mean.shape[-3], -3).to(o.dtype)
+    o.copy_(torch.where(torch.isneginf(lse), per_head, o))
+
+
+def average_dead_rows(call: RingCall, o: torch.Tensor, lse: torch.Tensor, v: torch.Tensor) -> None:
+    """``masked_rows="average"``, a finite fill's function: a row no key of the whole sequence reaches (the fill
+    replaces every score of it: uniform weights over all keys) gives V's mean over the global keys. Every block
+    ran the row as ``"zeros"`` (weight 0 in the merge) and no block sees every rank's V, so the ranks sum V over
+    their own keys and add the sums up (one all-reduce of (B, H_kv, 1, D) per call, on every rank: whether some
+    row is dead is not asked first, so no rank waits on another's verdict)."""
+    total = v.float().sum(-2, keepdim=True)
+    dist.all_reduce(total, group=call.group)
+    fill_dead_rows(o, lse, total / _global_key_count(call, v.shape[-2]))
+
+
+def average_dead_rows_dv(call: RingCall, d_o: torch.Tensor, lse: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The dead rows' part of dV ((B, H_kv, 1, D) float32, the same for every key of every rank):
+    ``dV[j] += sum of dO[i] / S`` over the dead rows i (``lse`` +inf, as :func:`ring_forward` returns them) of
+    every rank and the query heads of j's group; nothing to Q or K (the fill replaced their scores). One
+    all-reduce: a rank's dead rows reach every rank's V."""
+    b, heads, _, d = d_o.shape
+    part = torch.where(torch.isposinf(lse), d_o.float(), 0.0).sum(-2, keepdim=True)
+    part = part.reshape(b, v.shape[-3], heads // v.shape[-3], 1, d).sum(2)
+    dist.all_reduce(part, group=call.group)
+    return part / _global_key_count(call, v.shape[-2])
+
+
 def _check(call: RingCall, q: torch.Tensor, k: torch.Tensor) -> None:
     if q.shape[-2] != k.shape[-2]:
         raise ValueError(
@@ -238,8 +277,10 @@ def ring_forward(
             _info.add(blocks=1, pairs=plan.pairs)
         if incoming is not None:
             kv = incoming.wait()
-    if sinks is not None:
+    if sinks is not None:  # the sink takes a row no key reaches: "zeros" is the function there
         add_sinks(o, lse, sinks)
+    elif call.masked_rows == "average":
+        average_dead_rows(call, o, lse, v)
     _info.add(calls=1)
     # a row no key reaches: +inf, so the backward's exp(s - lse) is 0 there (as the dispatcher's dead rows)
     return o.to(q.dtype), lse.masked_fill_(torch.isneginf(lse), float("inf"))
@@ -283,6 +324,8 @@ def ring_backward(
         if incoming is not None:
             kv = incoming.wait()
     dk, dv = arriving.wait() if arriving is not None else dkv
+    if sinks is None and call.masked_rows == "average":
+        dv += average_dead_rows_dv(call, d_o, lse, v)
     _info.add(backward_calls=1)
     d_sinks = None
     if sinks is not None:  # dsink_h = -sum_rows exp(sink_h - lse) * rowsum(dO o)

@@ -10,12 +10,13 @@ tensors' device (``emulated_ex`` on CPU, ``cudnn_safe_ex`` on CUDA).
 The model sees only its rank's tokens and builds its mask from local positions, so a mask is taken for the
 pattern it is (one host sync per distinct mask, as the executor's own pattern check): causal, a causal sliding
 window, key padding (kept keys a prefix of the local keys, per batch element; it then travels with its K/V), or
-all kept, each applied with its global meaning. What the ring cannot compute exactly is refused with the reason,
-never run on local keys alone: dropout (at trace time: its masks would differ from one process's),
-``masked_rows="average"`` with a mask (at trace time: a row dead on every rank needs V's global mean), and at run
-time a mask that is no such pattern (a general bias, packed documents), a mask that needs a gradient, a local
-query length that differs from the key length (a KV cache), and CUDA-graph capture (the ring's P2P exchanges
-and mask verdicts are host decisions a captured graph would freeze).
+all kept, each applied with its global meaning; ``masked_rows="average"`` too (a row masked on every rank gives
+V's mean over the whole sequence: :func:`~thunder_cudnn_safe.dispatch.ring.average_dead_rows`). What the ring
+cannot compute exactly is refused with the reason, never run on local keys alone: dropout (at trace time: its
+masks would differ from one process's), and at run time a mask that is no such pattern (a general bias, packed
+documents), a mask that needs a gradient, a local query length that differs from the key length (a KV cache),
+and CUDA-graph capture (the ring's P2P exchanges and mask verdicts are host decisions a captured graph would
+freeze).
 """
 
 from __future__ import annotations
@@ -118,7 +119,9 @@ def _pads_queries(pattern: MaskPattern, length: int) -> bool:
     return bool(((pattern.q_lens.flatten() != length) & (pattern.kv_lens.flatten() != 0)).any())
 
 
-def _ring(query, key, value, attn_mask, is_causal, scale, enable_gqa, softcap, ring) -> tuple[RingCall, Any]:
+def _ring(
+    query, key, value, attn_mask, is_causal, scale, enable_gqa, softcap, masked_rows, ring
+) -> tuple[RingCall, Any]:
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
             "context-parallel attention cannot be captured in a CUDA graph: its P2P exchanges and mask "
@@ -131,7 +134,8 @@ def _ring(query, key, value, attn_mask, is_causal, scale, enable_gqa, softcap, r
         )
     group, layout = _RINGS[ring]
     causal, window, key_valid = _global_meaning(attn_mask, query, is_causal)
-    call = RingCall(layout, group, causal, window, scale, softcap, bool(enable_gqa))
+    rows = masked_rows if attn_mask is not None else "zeros"  # without a mask no row is masked everywhere
+    call = RingCall(layout, group, causal, window, scale, softcap, bool(enable_gqa), rows)
     return call, key_valid
 
 
@@ -147,32 +151,37 @@ def _agreed(problem: Exception | None, group: Any, device: torch.device) -> None
                            "why); no rank ran it")  # fmt: skip
 
 
-def _ring_fwd_impl(query, key, value, attn_mask, sinks, is_causal, scale, enable_gqa, softcap, ring):
+def _ring_fwd_impl(query, key, value, attn_mask, sinks, is_causal, scale, enable_gqa, softcap, masked_rows, ring):
+    options = (is_causal, scale, enable_gqa, softcap, masked_rows, ring)
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        _ring(query, key, value, attn_mask, is_causal, scale, enable_gqa, softcap, ring)  # refuses the capture
+        _ring(query, key, value, attn_mask, *options)  # refuses the capture
     call = key_valid = problem = None
     try:
-        call, key_valid = _ring(query, key, value, attn_mask, is_causal, scale, enable_gqa, softcap, ring)
+        call, key_valid = _ring(query, key, value, attn_mask, *options)
     except ValueError as exc:
         problem = exc
     _agreed(problem, _RINGS[ring][0], query.device)
     return ring_forward(_dispatcher(query.device), call, query, key, value, key_valid, sinks)
 
 
-def _ring_bwd_impl(grad, query, key, value, attn_mask, sinks, out, lse, is_causal, scale, enable_gqa, softcap, ring):
-    call, key_valid = _ring(query, key, value, attn_mask, is_causal, scale, enable_gqa, softcap, ring)
+def _ring_bwd_impl(
+    grad, query, key, value, attn_mask, sinks, out, lse, is_causal, scale, enable_gqa, softcap, masked_rows, ring
+):
+    call, key_valid = _ring(query, key, value, attn_mask, is_causal, scale, enable_gqa, softcap, masked_rows, ring)
     grads = ring_backward(_dispatcher(query.device), call, grad, query, key, value, key_valid, sinks, out, lse)
     return grads if sinks is not None else grads[:3]
 
 
-def _fwd_meta(query, key, value, attn_mask, sinks, is_causal, scale, enable_gqa, softcap, ring):
+def _fwd_meta(query, key, value, attn_mask, sinks, is_causal, scale, enable_gqa, softcap, masked_rows, ring):
     b, h, length, _ = query.shape
     out = TensorProxy(like=query, shape=(b, h, length, value.shape[-1]))
     lse = TensorProxy(shape=(b, h, length, 1), dtype=dtypes.float32, device=query.device, requires_grad=False)
     return out, lse
 
 
-def _bwd_meta(grad, query, key, value, attn_mask, sinks, out, lse, is_causal, scale, enable_gqa, softcap, ring):
+def _bwd_meta(
+    grad, query, key, value, attn_mask, sinks, out, lse, is_causal, scale, enable_gqa, softcap, masked_rows, ring
+):
     grads = (TensorProxy(like=query), TensorProxy(like=key), TensorProxy(like=value))
     return grads + ((TensorProxy(like=sinks),) if sinks is not None else ())
 
@@ -187,13 +196,13 @@ ring_bwd = ring_ex.register_operator("cudnn_safe_ring_bwd", meta=_bwd_meta, fn=_
 
 
 @ltorch.torchsymbol(id=RING_SYMBOL_ID, tags=(OpTags.DONT_AUTO_RECOMPUTE_IN_BACKWARD,))
-def ring_attention(query, key, value, attn_mask, is_causal, scale, enable_gqa, softcap, sinks, ring):
+def ring_attention(query, key, value, attn_mask, is_causal, scale, enable_gqa, softcap, sinks, masked_rows, ring):
     """Attention of this rank's queries against the whole sequence's keys (ring ``ring`` of :data:`_RINGS`)."""
-    return ring_fwd(query, key, value, attn_mask, sinks, is_causal, scale, enable_gqa, softcap, ring)[0]
+    return ring_fwd(query, key, value, attn_mask, sinks, is_causal, scale, enable_gqa, softcap, masked_rows, ring)[0]
 
 
-def _ring_grad(query, key, value, attn_mask, is_causal, scale, enable_gqa, softcap, sinks, ring):
-    options = (is_causal, scale, enable_gqa, softcap, ring)
+def _ring_grad(query, key, value, attn_mask, is_causal, scale, enable_gqa, softcap, sinks, masked_rows, ring):
+    options = (is_causal, scale, enable_gqa, softcap, masked_rows, ring)
     out, lse = ring_fwd(query, key, value, attn_mask, sinks, *options)
     grads = ring_bwd(get_grad(out), query, key, value, attn_mask, sinks, out, lse, *options)
     put_grads((query, key, value), tuple(grads[:3]))
@@ -211,20 +220,6 @@ _ATTENTION_SIGNATURES = {
 }
 
 
-def _average_refusal(masked_rows: str, attn_mask: Any, sinks: Any) -> str | None:
-    """Why the ring refuses ``masked_rows="average"`` (None where it does not). With a mask and no sinks, a query
-    row masked on every rank's keys must give V's mean over the *global* keys (gradient dO/S to every rank's V): the
-    ring's logsumexp merge gives zeros there, and no block sees the whole sequence's V. Without a mask no row is
-    dead, and with sinks the sink takes the row, so ``"zeros"`` is then the function and the ring runs the call."""
-    if masked_rows != "average" or attn_mask is None or sinks is not None:
-        return None
-    return (
-        "context-parallel attention: masked_rows='average' with a mask is not supported (a row masked on every "
-        "rank would need V's mean over the whole sequence; the ring's merge gives zeros): pass "
-        "masked_rows='zeros', or mask with -inf instead of a finite fill in hand-written attention"
-    )
-
-
 def _ring_arguments(bsym: Any, ring: int) -> tuple:
     """A claimed attention call's arguments as :data:`ring_attention`'s; ValueError for what the ring refuses."""
     bound = _ATTENTION_SIGNATURES[bsym.sym.id].bind(*bsym.args, **bsym.kwargs)
@@ -238,12 +233,10 @@ def _ring_arguments(bsym: Any, ring: int) -> tuple:
         )
     if q.ndim != 4 or k.ndim != 4:
         raise ValueError(f"context-parallel attention needs 4-D (B, H, L, D) operands, got {q.ndim}-D queries")
-    problem = _average_refusal(a.get("masked_rows", "zeros"), a["attn_mask"], a.get("sinks"))
-    if problem is not None:
-        raise ValueError(problem)
     softcap = a.get("softcap")
     gqa_heads = q.shape[1] != k.shape[1]
-    return q, k, a["value"], a["attn_mask"], bool(a["is_causal"]), a["scale"], gqa_heads, softcap, a.get("sinks"), ring
+    sinks, rows = a.get("sinks"), a.get("masked_rows", "zeros")
+    return q, k, a["value"], a["attn_mask"], bool(a["is_causal"]), a["scale"], gqa_heads, softcap, sinks, rows, ring
 
 
 class ContextParallel(Transform):
@@ -272,12 +265,12 @@ class ContextParallel(Transform):
         torch fallback, merged the same way). Empty where every block is claimed."""
         if dropout_p:
             return [Decline(DeclineCode.DROPOUT, "context parallelism: dropout_p > 0 is refused (per-block masks)")]
-        if (average := _average_refusal(masked_rows, attn_mask, sinks)) is not None:
-            return [Decline(DeclineCode.MASK, average)]
         if query.ndim != 4 or key.ndim != 4:
             return [Decline(DeclineCode.RANK, "context parallelism needs 4-D (B, H, L, D) operands")]
         try:
-            call, key_valid = _ring(query, key, value, attn_mask, is_causal, scale, enable_gqa, softcap, self.ring)
+            call, key_valid = _ring(
+                query, key, value, attn_mask, is_causal, scale, enable_gqa, softcap, masked_rows, self.ring
+            )
         except (ValueError, RuntimeError) as exc:
             return [Decline(DeclineCode.MASK if attn_mask is not None else DeclineCode.SHAPE, str(exc))]
         executor = executor or next(e for e in EXECUTORS.values() if e.runtime.device_type == query.device.type)
