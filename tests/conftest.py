@@ -126,6 +126,7 @@ SLOW_TIERS = {
     "test_cudnn_compile.py": "compile",  # NVRTC compiles real kernels in child processes
     "test_environments.py": "environments",  # child interpreters, a torch 2.13 virtualenv from the registry
     "test_distributed.py": "distributed",  # two-rank FSDP2/DDP launches
+    "test_context_parallel.py": "distributed",  # two-rank context-parallel launches
     "test_generation.py": "generation",  # HF generate with real caches, token by token
     "test_torch_versions.py": "environments",  # child interpreters with a stand-in thunder
 }

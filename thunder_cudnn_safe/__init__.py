@@ -29,16 +29,19 @@ from thunder_cudnn_safe import config  # noqa: E402
 from thunder_cudnn_safe._version import __version__  # noqa: E402
 from thunder_cudnn_safe.caches import clear_cache  # noqa: E402
 from thunder_cudnn_safe.dispatch.packed import reset_varlen_info, varlen_info  # noqa: E402
+from thunder_cudnn_safe.dispatch.ring import reset_ring_info, ring_info  # noqa: E402
 from thunder_cudnn_safe.errors import EmulationError, GraphBuildError  # noqa: E402
 from thunder_cudnn_safe.graphs.cache import CachedGraph, CacheInfo, cache_info, cached_graphs  # noqa: E402
 from thunder_cudnn_safe.graphs.plan_cache import PlanCacheInfo, plan_cache_info  # noqa: E402
 from thunder_cudnn_safe.integration import gqa  # noqa: E402
 from thunder_cudnn_safe.integration.attention_op import attention, register_attention  # noqa: E402
+from thunder_cudnn_safe.integration.context_parallel import ContextParallel  # noqa: E402
 from thunder_cudnn_safe.integration.executor import CallReport, cudnn_safe_ex, describe, emulated_ex, explain  # noqa: E402
 from thunder_cudnn_safe.integration.gqa import RepeatKVToGQA  # noqa: E402
 from thunder_cudnn_safe.integration.handwritten import FuseHandwrittenAttention  # noqa: E402
 from thunder_cudnn_safe.integration.install import drop_broken_builtin_cudnn_executor, install, installed, uninstall  # noqa: E402
 from thunder_cudnn_safe.layouts.layout import LayoutPolicy  # noqa: E402
+from thunder_cudnn_safe.layouts.sequence_shards import gather_sequence, shard_sequence  # noqa: E402
 from thunder_cudnn_safe.masks.bias import MaskCacheInfo, mask_cache_info  # noqa: E402
 from thunder_cudnn_safe.masks.patterns import mask_pattern_info, reset_mask_pattern_info  # noqa: E402
 from thunder_cudnn_safe.rules import cudnn_rules  # noqa: E402
@@ -59,6 +62,12 @@ __all__ = [
     "uninstall",
     "RepeatKVToGQA",
     "FuseHandwrittenAttention",
+    # context parallelism: one sequence across the ranks of a group
+    "ContextParallel",
+    "shard_sequence",
+    "gather_sequence",
+    "ring_info",
+    "reset_ring_info",
     # attention beyond F.sdpa: sinks and softcapping
     "attention",
     # why a call is (not) claimed, and what it would run

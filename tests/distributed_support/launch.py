@@ -60,7 +60,13 @@ class Run:
 
 
 def launch(
-    device: str, scenarios: list[str], out_dir: Path, world_size: int = 2, timeout: float = 300.0, grace: float = 10.0
+    device: str,
+    scenarios: list[str],
+    out_dir: Path,
+    world_size: int = 2,
+    timeout: float = 300.0,
+    grace: float = 10.0,
+    worker: Path = WORKER,
 ) -> Run:
     port = free_port()
     env = dict(os.environ)
@@ -76,7 +82,7 @@ def launch(
         logs.append(log)
         cmd = [
             sys.executable,
-            str(WORKER),
+            str(worker),
             "--device",
             device,
             "--out",

@@ -168,7 +168,9 @@ def dropout(device, rank, world):
 SCENARIOS = {f.__name__: f for f in (fsdp2_thunderfx, ddp_thunderfx, thunder_ddp, thunder_fsdp, dropout)}
 
 
-def main() -> None:
+def main(scenarios: dict | None = None) -> None:
+    """Run the ``--scenarios`` named, of ``scenarios`` (default: this module's), and save each rank's results."""
+    scenarios = SCENARIOS if scenarios is None else scenarios
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--out", required=True)
@@ -189,7 +191,7 @@ def main() -> None:
         for name in args.scenarios.split(","):
             t0, c0 = time.perf_counter(), time.process_time()
             try:
-                res = SCENARIOS[name](device, rank, world)
+                res = scenarios[name](device, rank, world)
             except Exception:
                 res = {"error": traceback.format_exc()}
             res["seconds"] = round(time.perf_counter() - t0, 2)
