@@ -119,6 +119,10 @@ RUN: dict[str, Callable[[str, dict], None]] = {
 }
 #: README's blocks not run here, by key, each with why
 NOT_RUN: dict[str, str] = {
+    "ids, pos, labels = (tcs.shard_sequence(x, group, dim=1) for x in (ids, pos, labels))": (
+        "needs a process group of several ranks (torchrun): tests/test_context_parallel.py runs tiny HF Llama and "
+        "gpt-oss this way on two gloo ranks (distributed tier)"
+    ),
     "fn = torch.compile(lambda q, k, v, s: tcs.attention(q, k, v, is_causal=True, sinks=s), fullgraph=True)": (
         "an inductor compile (tens of seconds): tests/test_attention_op.py's torch.compile tests (slow tier) run "
         "this call, forward and backward, through the emulated executor with config.eager_runtime='emulated'"
