@@ -38,6 +38,7 @@ from thunder_cudnn_safe.dispatch.ring import RingCall, block_mask, block_plan, r
 from thunder_cudnn_safe.integration import gqa
 from thunder_cudnn_safe.integration.attention import attention_symbol
 from thunder_cudnn_safe.integration.executor import EXECUTORS, explain
+from thunder_cudnn_safe.integration.grad_need import needs_grad_in
 from thunder_cudnn_safe.layouts.sequence_shards import SequenceLayout, group_layout
 from thunder_cudnn_safe.masks.documents import DocumentPattern
 from thunder_cudnn_safe.masks.patterns import MaskPattern, pattern_of
@@ -210,8 +211,12 @@ _ATTENTION_SIGNATURES = {
 }
 
 
-def _ring_arguments(bsym: Any, ring: int) -> tuple:
-    """A claimed attention call's arguments as :data:`ring_attention`'s; ValueError for what the ring refuses."""
+def _ring_arguments(bsym: Any, ring: int, trace: TraceCtx) -> tuple:
+    """A claimed attention call's arguments as :data:`ring_attention`'s; ValueError for what the ring refuses.
+
+    A float mask whose gradient may be needed (a learned bias, computed in ``trace`` from a parameter) is refused
+    here: the ring puts no gradient on its mask, and such a mask can read as a pattern at run time (a bias
+    initialised to zeros is "all kept"), where its gradient would be silently dropped."""
     bound = _ATTENTION_SIGNATURES[bsym.sym.id].bind(*bsym.args, **bsym.kwargs)
     bound.apply_defaults()
     a = bound.arguments
@@ -220,6 +225,12 @@ def _ring_arguments(bsym: Any, ring: int) -> tuple:
         raise ValueError(
             "context-parallel attention: dropout_p > 0 is not supported (each block would draw its own dropout "
             "mask, not the one process's); set dropout to 0 under ContextParallel"
+        )
+    mask = a["attn_mask"]
+    if mask is not None and dtypes.is_inexact_dtype(mask.dtype) and needs_grad_in(mask, trace):
+        raise ValueError(
+            "context-parallel attention: the float attn_mask needs a gradient (a learned bias): the ring gives its "
+            "mask none; run this attention without ContextParallel"
         )
     if q.ndim != 4 or k.ndim != 4:
         raise ValueError(f"context-parallel attention needs 4-D (B, H, L, D) operands, got {q.ndim}-D queries")
@@ -285,7 +296,7 @@ class ContextParallel(Transform):
                 continue
             with tracectx(new_trace):
                 new_trace.push_scope([])
-                out = ring_attention(*_ring_arguments(bsym, self.ring))
+                out = ring_attention(*_ring_arguments(bsym, self.ring, computation_trace))
                 (ring_bsym,) = new_trace.pop_scope()
             ring_bsym = ring_bsym.from_bsym_swap_proxies({variableify(out): bsym.output}, skip_inputs=True)
             source = {name: getattr(bsym, name) for name in ("header", "source_filename", "source_positions")}
