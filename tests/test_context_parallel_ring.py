@@ -176,3 +176,22 @@ def test_a_mask_that_needs_a_gradient_is_refused_even_where_it_reads_as_a_patter
     jitted = thunder.jit(Biased(), transforms=[tcs.ContextParallel()])
     with pytest.raises(ValueError, match="attn_mask needs a gradient"):
         jitted(q, k, v)
+
+
+def test_dk_dv_accumulate_in_float32_whatever_the_default_dtype():
+    """The dK/dV partial sums that travel around the ring are float32 even where the model was built under a half
+    default dtype (``torch.set_default_dtype(torch.bfloat16)``): a bfloat16 sum was off by about 1e-2."""
+    gen = torch.Generator().manual_seed(3)
+    q, grad_out = (torch.randn(2, 4, 8, 8, generator=gen) for _ in range(2))
+    k, v = (torch.randn(2, 2, 8, 8, generator=gen) for _ in range(2))
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        got = _run_ring(2, True, q, k, v, None, None, grad_out, True, None, None)
+    finally:
+        torch.set_default_dtype(default)
+    _, _, dk, dv, _ = _full_attention(q, k, v, None, None, grad_out, True, None, None)
+    for rank, result in enumerate(got):
+        layout = SequenceLayout(2, rank)
+        torch.testing.assert_close(result[3].double(), shard(dk, layout, 2), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(result[4].double(), shard(dv, layout, 2), rtol=1e-4, atol=1e-4)
