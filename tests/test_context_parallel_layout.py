@@ -221,3 +221,15 @@ def test_cuda_graph_capture_is_refused_under_context_parallelism(monkeypatch):
     q = torch.zeros(1, 1, 8, 4)
     with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph"):
         _ring(q, q, q, None, True, None, False, None, ring=-1)
+
+
+def test_a_three_dimensional_mask_is_read_with_heads_first():
+    """F.sdpa broadcasts a 3-D mask as (H, L, S): one that differs by head is no pattern the ring can place, and is
+    refused with the reason (it was a RuntimeError from reading its first dim as the batch, which no other rank
+    was told of)."""
+    j = torch.arange(8)
+    per_head = torch.stack([_local_mask(8) & (j < 5), _local_mask(8) & (j < 0)])
+    with pytest.raises(ValueError, match="silently wrong"):
+        _global_meaning(per_head, torch.zeros(2, 2, 8, 4), False)
+    causal, window, valid = _global_meaning(per_head[1:], torch.zeros(2, 2, 8, 4), False)  # (1, L, S): every head
+    assert (causal, window, valid.any()) == (True, None, False)

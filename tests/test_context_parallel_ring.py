@@ -195,3 +195,22 @@ def test_dk_dv_accumulate_in_float32_whatever_the_default_dtype():
         layout = SequenceLayout(2, rank)
         torch.testing.assert_close(result[3].double(), shard(dk, layout, 2), rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(result[4].double(), shard(dv, layout, 2), rtol=1e-4, atol=1e-4)
+
+
+def test_a_refusal_of_any_kind_is_told_to_the_group_before_it_is_raised(one_rank_group, monkeypatch):
+    """A rank that cannot run a call tells the others (the all-reduce they all wait in) whatever its error's type:
+    raised before it, a RuntimeError left the other ranks waiting in the ring until the group's timeout."""
+    from thunder_cudnn_safe.integration import context_parallel as cp
+
+    def refuse(*args):
+        raise RuntimeError("this rank cannot read its mask")
+
+    told = []
+    all_reduce = dist.all_reduce
+    monkeypatch.setattr(cp, "_global_meaning", refuse)
+    monkeypatch.setattr(dist, "all_reduce", lambda t, **kw: (told.append(t.item()), all_reduce(t, **kw))[1])
+    ring_id = tcs.ContextParallel().ring
+    q = torch.zeros(1, 1, 8, 4)
+    with pytest.raises(RuntimeError, match="cannot read its mask"):
+        cp._ring_fwd_impl(q, q, q, torch.ones(8, 8, dtype=torch.bool), None, False, None, False, None, ring_id)
+    assert told == [1.0]

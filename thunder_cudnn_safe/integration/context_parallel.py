@@ -98,7 +98,8 @@ def _padding_with_empty_elements(mask: torch.Tensor, batch: int, length: int) ->
         kept = mask > torch.finfo(mask.dtype).min
         if not bool(((mask == 0) | ~kept).all()):
             return None
-    if mask.dim() == 4 and mask.shape[1] != 1:
+    kept = kept.reshape((1,) * (4 - kept.dim()) + tuple(kept.shape))  # SDPA broadcasts a mask from the right:
+    if kept.shape[1] != 1:  # a 3-D mask's first dim is the heads, not the batch
         return None
     kept = kept.expand(batch, 1, length, length)
     tril = torch.ones(length, length, dtype=torch.bool, device=kept.device).tril()
@@ -153,7 +154,7 @@ def _ring_fwd_impl(query, key, value, attn_mask, sinks, is_causal, scale, enable
     call = key_valid = problem = None
     try:
         call, key_valid = _ring(query, key, value, attn_mask, is_causal, scale, enable_gqa, softcap, ring)
-    except ValueError as exc:
+    except Exception as exc:  # any refusal, not only ValueError: a rank raising alone would leave the rest waiting
         problem = exc
     _agreed(problem, _RINGS[ring][0], query.device)
     return ring_forward(_dispatcher(query.device), call, query, key, value, key_valid, sinks)
