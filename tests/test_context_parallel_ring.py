@@ -208,9 +208,107 @@ def test_a_refusal_of_any_kind_is_told_to_the_group_before_it_is_raised(one_rank
     told = []
     all_reduce = dist.all_reduce
     monkeypatch.setattr(cp, "_global_meaning", refuse)
-    monkeypatch.setattr(dist, "all_reduce", lambda t, **kw: (told.append(t.item()), all_reduce(t, **kw))[1])
+    monkeypatch.setattr(dist, "all_reduce", lambda t, **kw: (told.append(t[0].item()), all_reduce(t, **kw))[1])
     ring_id = tcs.ContextParallel().ring
     q = torch.zeros(1, 1, 8, 4)
     with pytest.raises(RuntimeError, match="cannot read its mask"):
         cp._ring_fwd_impl(q, q, q, torch.ones(8, 8, dtype=torch.bool), None, False, None, False, None, ring_id)
     assert told == [1.0]
+
+
+class _FakeGroup:
+    """A MAX all-reduce among N threads (the ranks), standing in for the group's in ``_agreed_call``."""
+
+    def __init__(self, world: int) -> None:
+        self.barrier, self.lock, self.slots = threading.Barrier(world), threading.Lock(), []
+
+    def all_reduce(self, t: torch.Tensor, op=None, group=None) -> None:
+        with self.lock:
+            self.slots.append(t.clone())
+        self.barrier.wait()
+        result = torch.stack(self.slots).amax(0)
+        if self.barrier.wait() == 0:
+            self.slots.clear()
+        self.barrier.wait()
+        t.copy_(result)
+
+
+def _run_calls(world, balance, q, k, v, masks, grad_out) -> list:
+    """Every rank's ring forward and backward through the transform's operators (``_ring_fwd_impl`` and
+    ``_ring_bwd_impl``), rank r's local mask ``masks[r]``: (O, dQ, dK, dV) per rank, or the exception it raised."""
+    from thunder_cudnn_safe.integration import context_parallel as cp
+
+    fake, results = _FakeGroup(world), [None] * world
+
+    def rank_main(rank: int, ring_id: int) -> None:
+        try:
+            layout = SequenceLayout(world, rank, balance)
+            qs, ks, vs, gs = (shard(t, layout, 2) for t in (q, k, v, grad_out))
+            options = (False, None, False, None, ring_id)
+            o, lse = cp._ring_fwd_impl(qs, ks, vs, masks[rank], None, *options)
+            results[rank] = (o, *cp._ring_bwd_impl(gs, qs, ks, vs, masks[rank], None, o, lse, *options))
+        except Exception as exc:  # the test reads it
+            results[rank] = exc
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ring, "_exchange", _FakeRing(world))
+        mp.setattr(dist, "all_reduce", fake.all_reduce)
+        for r in range(world):
+            mp.setitem(cp._RINGS, -100 - r, (None, SequenceLayout(world, r, balance)))
+        threads = [threading.Thread(target=rank_main, args=(r, -100 - r)) for r in range(world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a rank hangs"
+    return results
+
+
+def test_a_rank_that_keeps_no_key_takes_the_other_ranks_relation():
+    """Bidirectional key padding, left-padded, plain layout: rank 0 holds only padding, and its all-masked mask reads
+    as causal as well as full; its queries still see rank 1's keys, so it must run full attention as rank 1 reads
+    it (run causal, its rows were zeros)."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v, grad_out = (torch.randn(1, 2, 8, 4, generator=gen) for _ in range(4))
+    valid = torch.arange(8)[None] >= 4
+    masks = [valid[:, None, None, 4 * r : 4 * r + 4].expand(1, 1, 4, 4) for r in range(2)]
+    got = _run_calls(2, False, q, k, v, masks, grad_out)
+    want = _full_attention(q, k, v, valid, None, grad_out, False, None, None)
+    for rank, result in enumerate(got):
+        assert not isinstance(result, Exception), result
+        layout = SequenceLayout(2, rank, False)
+        for name, mine, full in zip(("O", "dQ", "dK", "dV"), result, want[:4], strict=True):
+            torch.testing.assert_close(mine.double(), shard(full, layout, 2), rtol=1e-4, atol=1e-4, msg=name)
+
+
+def test_masks_the_ranks_read_as_different_relations_are_refused_on_every_rank():
+    """A causal window of 6 built from global position ids: rank 0 (positions 0, 1, 6, 7) reads it as a local window
+    of 2, rank 1 (2..5) as plain causal. No one global meaning: refused on both ranks (it ran with a window of 2)."""
+    gen = torch.Generator().manual_seed(6)
+    q, k, v, grad_out = (torch.randn(1, 2, 8, 4, generator=gen) for _ in range(4))
+    masks = []
+    for rank in range(2):
+        pos = SequenceLayout(2, rank).positions(4)
+        masks.append((pos[None] <= pos[:, None]) & (pos[None] > pos[:, None] - 6))
+    for result in _run_calls(2, True, q, k, v, masks, grad_out):
+        assert isinstance(result, ValueError) and "different relations" in str(result), result
+
+
+def test_key_padding_travels_from_every_rank_where_one_rank_has_it():
+    """Right padding of one sequence: rank 1 (positions 2..5) keeps all its keys and reads plain causal, rank 0
+    (0, 1, 6, 7) reads causal with key padding. Both must send the same list around the ring (K, V and the keys'
+    validity): rank 0 sent three tensors where rank 1 sent two, and waited for a third that never came."""
+    gen = torch.Generator().manual_seed(7)
+    q, k, v, grad_out = (torch.randn(1, 2, 8, 4, generator=gen) for _ in range(4))
+    valid = torch.arange(8)[None] < 6
+    masks = []
+    for rank in range(2):
+        local = valid[:, SequenceLayout(2, rank).positions(4)]
+        masks.append(torch.ones(4, 4, dtype=torch.bool).tril() & local[:, None, None, :])
+    got = _run_calls(2, True, q, k, v, masks, grad_out)
+    want = _full_attention(q, k, v, valid, None, grad_out, True, None, None)
+    for rank, result in enumerate(got):
+        assert not isinstance(result, Exception), result
+        for name, mine, full in zip(("O", "dQ", "dK", "dV"), result, want[:4], strict=True):
+            expected = shard(full, SequenceLayout(2, rank), 2)
+            torch.testing.assert_close(mine.double(), expected, rtol=1e-4, atol=1e-4, msg=name)

@@ -11,10 +11,10 @@ The model sees only its rank's tokens and builds its mask from local positions, 
 pattern it is (one host sync per distinct mask, as the executor's own pattern check): causal, a causal sliding
 window, key padding (kept keys a prefix of the local keys, per batch element; it then travels with its K/V), or
 all kept, each applied with its global meaning. What the ring cannot compute exactly is refused with the reason,
-never run on local keys alone: dropout (at trace time: its masks would differ from one process's), and at run
-time a mask that is no such pattern (a general bias, packed documents), a mask that needs a gradient, a local
-query length that differs from the key length (a KV cache), and CUDA-graph capture (the ring's P2P exchanges
-and mask verdicts are host decisions a captured graph would freeze).
+never run on local keys alone: at trace time dropout (its masks would differ from one process's) and a float mask
+that needs a gradient (the ring gives it none), and at run time a mask that is no such pattern (a general bias,
+packed documents), a local query length that differs from the key length (a KV cache), and CUDA-graph capture
+(the ring's P2P exchanges and mask verdicts are host decisions a captured graph would freeze).
 """
 
 from __future__ import annotations
@@ -136,32 +136,62 @@ def _ring(query, key, value, attn_mask, is_causal, scale, enable_gqa, softcap, r
     return call, key_valid
 
 
-def _agreed(problem: Exception | None, group: Any, device: torch.device) -> None:
-    """Raise on every rank where any rank refuses the call (one 1-element all-reduce): a refusal read off one rank's
-    local mask would otherwise leave the other ranks waiting in the ring's P2P until the group's timeout."""
-    flag = torch.tensor([0.0 if problem is None else 1.0], device=device)
-    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
+def _agreed_call(query, key, value, attn_mask, is_causal, scale, enable_gqa, softcap, ring) -> tuple[RingCall, Any]:
+    """This rank's :func:`_ring` verdict, agreed by the group in one small all-reduce, in the forward and again in
+    the backward (so both run the same relation):
+
+    * a refusal on any rank, of any exception type, raises on every rank: raised alone, it would leave the other
+      ranks waiting in the ring's P2P until the group's timeout;
+    * the relation (causal, window) must be the same on every rank: a mask built from local positions reads the
+      same everywhere (only the key padding differs), so ranks that disagree got a mask of other meaning (built
+      from global position ids, say: a window of global positions reads as a narrower local window on a rank whose
+      chunks are not adjacent), refused rather than run with a meaning it does not have;
+    * a rank that keeps no key at all says nothing about the relation (its all-masked mask reads as causal and as
+      full alike): it takes the other ranks' (its queries still see their keys);
+    * where any rank's keys carry padding, every rank's do (all kept where its mask has none): what travels around
+      the ring must be the same list on every rank, or a rank waits for a tensor its neighbour never sends."""
+    group = _RINGS[ring][0]
+    call = key_valid = problem = None
+    try:
+        call, key_valid = _ring(query, key, value, attn_mask, is_causal, scale, enable_gqa, softcap, ring)
+    except Exception as exc:  # re-raised below, after the group is told
+        problem = exc
+    says = problem is None and (key_valid is None or bool(key_valid.any()))
+    causal, window = (int(call.causal), call.window or 0) if says else (-1, -1)
+    # MAX of (v, -v) gives the largest and the smallest verdict of the ranks that say one, in one all-reduce
+    none = -(2**62)
+    padded = int(key_valid is not None)
+    votes = [int(problem is not None), causal, window, -causal if says else none, -window if says else none, padded]
+    votes = torch.tensor(votes, dtype=torch.int64, device=query.device)
+    torch.distributed.all_reduce(votes, op=torch.distributed.ReduceOp.MAX, group=group)
+    refused, max_causal, max_window, min_causal, min_window, any_padded = votes.tolist()
     if problem is not None:
         raise problem
-    if flag.item():
+    if refused:
         raise RuntimeError("context-parallel attention: another rank of the group refused this call (its error says "
                            "why); no rank ran it")  # fmt: skip
+    if min_causal != none and (max_causal, max_window) != (-min_causal, -min_window):
+        raise ValueError(
+            "context-parallel attention: the ranks read their local masks as different relations (causal or not, "
+            "or different windows): the mask was not built from local positions (global position ids?), so it has "
+            "no one global meaning; build it from local positions, as transformers does"
+        )
+    if not says and min_causal != none:  # this rank's all-masked mask: the others' relation
+        call = call._replace(causal=bool(max_causal), window=max_window or None)
+    if any_padded and key_valid is None:
+        key_valid = torch.ones(query.shape[0], query.shape[-2], dtype=torch.bool, device=query.device)
+    return call, key_valid
 
 
 def _ring_fwd_impl(query, key, value, attn_mask, sinks, is_causal, scale, enable_gqa, softcap, ring):
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         _ring(query, key, value, attn_mask, is_causal, scale, enable_gqa, softcap, ring)  # refuses the capture
-    call = key_valid = problem = None
-    try:
-        call, key_valid = _ring(query, key, value, attn_mask, is_causal, scale, enable_gqa, softcap, ring)
-    except Exception as exc:  # any refusal, not only ValueError: a rank raising alone would leave the rest waiting
-        problem = exc
-    _agreed(problem, _RINGS[ring][0], query.device)
+    call, key_valid = _agreed_call(query, key, value, attn_mask, is_causal, scale, enable_gqa, softcap, ring)
     return ring_forward(_dispatcher(query.device), call, query, key, value, key_valid, sinks)
 
 
 def _ring_bwd_impl(grad, query, key, value, attn_mask, sinks, out, lse, is_causal, scale, enable_gqa, softcap, ring):
-    call, key_valid = _ring(query, key, value, attn_mask, is_causal, scale, enable_gqa, softcap, ring)
+    call, key_valid = _agreed_call(query, key, value, attn_mask, is_causal, scale, enable_gqa, softcap, ring)
     grads = ring_backward(_dispatcher(query.device), call, grad, query, key, value, key_valid, sinks, out, lse)
     return grads if sinks is not None else grads[:3]
 
