@@ -241,7 +241,19 @@ def test_average_masked_rows_reach_the_ring(monkeypatch):
     monkeypatch.setitem(_RINGS, -2, (None, SequenceLayout(2, 0, True)))
     q, mask = torch.zeros(1, 2, 8, 4), _local_mask(8)
     for attn_mask, want in ((mask, "average"), (None, "zeros")):
-        args = _ring_arguments(_attention_call(q, q, q, attn_mask, masked_rows="average"), ring=-2)
+        args = _ring_arguments(_attention_call(q, q, q, attn_mask, masked_rows="average"), ring=-2, trace=None)
         assert args[-2] == "average"
         call, _ = _ring(*args[:8], *args[9:])  # all but the sinks
         assert call.masked_rows == want
+
+
+def test_a_three_dimensional_mask_is_read_with_heads_first():
+    """F.sdpa broadcasts a 3-D mask as (H, L, S): one that differs by head is no pattern the ring can place, and is
+    refused with the reason (it was a RuntimeError from reading its first dim as the batch, which no other rank
+    was told of)."""
+    j = torch.arange(8)
+    per_head = torch.stack([_local_mask(8) & (j < 5), _local_mask(8) & (j < 0)])
+    with pytest.raises(ValueError, match="silently wrong"):
+        _global_meaning(per_head, torch.zeros(2, 2, 8, 4), False)
+    causal, window, valid = _global_meaning(per_head[1:], torch.zeros(2, 2, 8, 4), False)  # (1, L, S): every head
+    assert (causal, window, valid.any()) == (True, None, False)

@@ -313,7 +313,8 @@ def ring_backward(
         incoming = _exchange(call, kv, "bytes_sent_backward") if step < world - 1 else None
         src = (rank - step) % world
         plan = block_plan(call.layout, src, length, call.causal, call.window, q.device)
-        dkv = arriving.wait() if arriving is not None else [torch.zeros(t.shape, device=t.device) for t in (k, v)]
+        # float32 by name: the default dtype may be a half type (a model built under torch.set_default_dtype)
+        dkv = arriving.wait() if arriving is not None else [torch.zeros_like(t, dtype=torch.float32) for t in (k, v)]
         if plan is not None:
             dq_b, dk_b, dv_b = _block_backward(disp, call, plan, saved, kv, key_valid)
             dq[:, :, plan.rows] += dq_b.float()

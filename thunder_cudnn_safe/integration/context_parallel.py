@@ -12,11 +12,11 @@ pattern it is (one host sync per distinct mask, as the executor's own pattern ch
 window, key padding (kept keys a prefix of the local keys, per batch element; it then travels with its K/V), or
 all kept, each applied with its global meaning; ``masked_rows="average"`` too (a row masked on every rank gives
 V's mean over the whole sequence: :func:`~thunder_cudnn_safe.dispatch.ring.average_dead_rows`). What the ring
-cannot compute exactly is refused with the reason, never run on local keys alone: dropout (at trace time: its
-masks would differ from one process's), and at run time a mask that is no such pattern (a general bias, packed
-documents), a mask that needs a gradient, a local query length that differs from the key length (a KV cache),
-and CUDA-graph capture (the ring's P2P exchanges and mask verdicts are host decisions a captured graph would
-freeze).
+cannot compute exactly is refused with the reason, never run on local keys alone: at trace time dropout (its masks
+would differ from one process's) and a float mask that needs a gradient (the ring gives it none), and at run time a
+mask that is no such pattern (a general bias, packed documents), a local query length that differs from the key
+length (a KV cache), and CUDA-graph capture (the ring's P2P exchanges and mask verdicts are host decisions a
+captured graph would freeze).
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from thunder_cudnn_safe.dispatch.ring import RingCall, block_mask, block_plan, r
 from thunder_cudnn_safe.integration import gqa
 from thunder_cudnn_safe.integration.attention import attention_symbol
 from thunder_cudnn_safe.integration.executor import EXECUTORS, explain
+from thunder_cudnn_safe.integration.grad_need import needs_grad_in
 from thunder_cudnn_safe.layouts.sequence_shards import SequenceLayout, group_layout
 from thunder_cudnn_safe.masks.documents import DocumentPattern
 from thunder_cudnn_safe.masks.patterns import MaskPattern, pattern_of
@@ -99,7 +100,8 @@ def _padding_with_empty_elements(mask: torch.Tensor, batch: int, length: int) ->
         kept = mask > torch.finfo(mask.dtype).min
         if not bool(((mask == 0) | ~kept).all()):
             return None
-    if mask.dim() == 4 and mask.shape[1] != 1:
+    kept = kept.reshape((1,) * (4 - kept.dim()) + tuple(kept.shape))  # SDPA broadcasts a mask from the right:
+    if kept.shape[1] != 1:  # a 3-D mask's first dim is the heads, not the batch
         return None
     kept = kept.expand(batch, 1, length, length)
     tril = torch.ones(length, length, dtype=torch.bool, device=kept.device).tril()
@@ -139,35 +141,68 @@ def _ring(
     return call, key_valid
 
 
-def _agreed(problem: Exception | None, group: Any, device: torch.device) -> None:
-    """Raise on every rank where any rank refuses the call (one 1-element all-reduce): a refusal read off one rank's
-    local mask would otherwise leave the other ranks waiting in the ring's P2P until the group's timeout."""
-    flag = torch.tensor([0.0 if problem is None else 1.0], device=device)
-    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
+def _agreed_call(
+    query, key, value, attn_mask, is_causal, scale, enable_gqa, softcap, masked_rows, ring
+) -> tuple[RingCall, Any]:
+    """This rank's :func:`_ring` verdict, agreed by the group in one small all-reduce, in the forward and again in
+    the backward (so both run the same relation):
+
+    * a refusal on any rank, of any exception type, raises on every rank: raised alone, it would leave the other
+      ranks waiting in the ring's P2P until the group's timeout;
+    * the relation (causal, window) must be the same on every rank: a mask built from local positions reads the
+      same everywhere (only the key padding differs), so ranks that disagree got a mask of other meaning (built
+      from global position ids, say: a window of global positions reads as a narrower local window on a rank whose
+      chunks are not adjacent), refused rather than run with a meaning it does not have;
+    * a rank that keeps no key at all says nothing about the relation (its all-masked mask reads as causal and as
+      full alike): it takes the other ranks' (its queries still see their keys);
+    * where any rank's keys carry padding, every rank's do (all kept where its mask has none): what travels around
+      the ring must be the same list on every rank, or a rank waits for a tensor its neighbour never sends."""
+    group = _RINGS[ring][0]
+    call = key_valid = problem = None
+    try:
+        call, key_valid = _ring(query, key, value, attn_mask, is_causal, scale, enable_gqa, softcap, masked_rows, ring)
+    except Exception as exc:  # re-raised below, after the group is told
+        problem = exc
+    says = problem is None and (key_valid is None or bool(key_valid.any()))
+    causal, window = (int(call.causal), call.window or 0) if says else (-1, -1)
+    # MAX of (v, -v) gives the largest and the smallest verdict of the ranks that say one, in one all-reduce
+    none = -(2**62)
+    padded = int(key_valid is not None)
+    votes = [int(problem is not None), causal, window, -causal if says else none, -window if says else none, padded]
+    votes = torch.tensor(votes, dtype=torch.int64, device=query.device)
+    torch.distributed.all_reduce(votes, op=torch.distributed.ReduceOp.MAX, group=group)
+    refused, max_causal, max_window, min_causal, min_window, any_padded = votes.tolist()
     if problem is not None:
         raise problem
-    if flag.item():
+    if refused:
         raise RuntimeError("context-parallel attention: another rank of the group refused this call (its error says "
                            "why); no rank ran it")  # fmt: skip
+    if min_causal != none and (max_causal, max_window) != (-min_causal, -min_window):
+        raise ValueError(
+            "context-parallel attention: the ranks read their local masks as different relations (causal or not, "
+            "or different windows): the mask was not built from local positions (global position ids?), so it has "
+            "no one global meaning; build it from local positions, as transformers does"
+        )
+    if not says and min_causal != none:  # this rank's all-masked mask: the others' relation
+        call = call._replace(causal=bool(max_causal), window=max_window or None)
+    if any_padded and key_valid is None:
+        key_valid = torch.ones(query.shape[0], query.shape[-2], dtype=torch.bool, device=query.device)
+    return call, key_valid
 
 
 def _ring_fwd_impl(query, key, value, attn_mask, sinks, is_causal, scale, enable_gqa, softcap, masked_rows, ring):
     options = (is_causal, scale, enable_gqa, softcap, masked_rows, ring)
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         _ring(query, key, value, attn_mask, *options)  # refuses the capture
-    call = key_valid = problem = None
-    try:
-        call, key_valid = _ring(query, key, value, attn_mask, *options)
-    except ValueError as exc:
-        problem = exc
-    _agreed(problem, _RINGS[ring][0], query.device)
+    call, key_valid = _agreed_call(query, key, value, attn_mask, *options)
     return ring_forward(_dispatcher(query.device), call, query, key, value, key_valid, sinks)
 
 
 def _ring_bwd_impl(
     grad, query, key, value, attn_mask, sinks, out, lse, is_causal, scale, enable_gqa, softcap, masked_rows, ring
 ):
-    call, key_valid = _ring(query, key, value, attn_mask, is_causal, scale, enable_gqa, softcap, masked_rows, ring)
+    options = (is_causal, scale, enable_gqa, softcap, masked_rows, ring)
+    call, key_valid = _agreed_call(query, key, value, attn_mask, *options)
     grads = ring_backward(_dispatcher(query.device), call, grad, query, key, value, key_valid, sinks, out, lse)
     return grads if sinks is not None else grads[:3]
 
@@ -220,8 +255,12 @@ _ATTENTION_SIGNATURES = {
 }
 
 
-def _ring_arguments(bsym: Any, ring: int) -> tuple:
-    """A claimed attention call's arguments as :data:`ring_attention`'s; ValueError for what the ring refuses."""
+def _ring_arguments(bsym: Any, ring: int, trace: TraceCtx) -> tuple:
+    """A claimed attention call's arguments as :data:`ring_attention`'s; ValueError for what the ring refuses.
+
+    A float mask whose gradient may be needed (a learned bias, computed in ``trace`` from a parameter) is refused
+    here: the ring puts no gradient on its mask, and such a mask can read as a pattern at run time (a bias
+    initialised to zeros is "all kept"), where its gradient would be silently dropped."""
     bound = _ATTENTION_SIGNATURES[bsym.sym.id].bind(*bsym.args, **bsym.kwargs)
     bound.apply_defaults()
     a = bound.arguments
@@ -230,6 +269,12 @@ def _ring_arguments(bsym: Any, ring: int) -> tuple:
         raise ValueError(
             "context-parallel attention: dropout_p > 0 is not supported (each block would draw its own dropout "
             "mask, not the one process's); set dropout to 0 under ContextParallel"
+        )
+    mask = a["attn_mask"]
+    if mask is not None and dtypes.is_inexact_dtype(mask.dtype) and needs_grad_in(mask, trace):
+        raise ValueError(
+            "context-parallel attention: the float attn_mask needs a gradient (a learned bias): the ring gives its "
+            "mask none; run this attention without ContextParallel"
         )
     if q.ndim != 4 or k.ndim != 4:
         raise ValueError(f"context-parallel attention needs 4-D (B, H, L, D) operands, got {q.ndim}-D queries")
@@ -298,7 +343,7 @@ class ContextParallel(Transform):
                 continue
             with tracectx(new_trace):
                 new_trace.push_scope([])
-                out = ring_attention(*_ring_arguments(bsym, self.ring))
+                out = ring_attention(*_ring_arguments(bsym, self.ring, computation_trace))
                 (ring_bsym,) = new_trace.pop_scope()
             ring_bsym = ring_bsym.from_bsym_swap_proxies({variableify(out): bsym.output}, skip_inputs=True)
             source = {name: getattr(bsym, name) for name in ("header", "source_filename", "source_positions")}

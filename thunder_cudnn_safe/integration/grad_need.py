@@ -103,3 +103,11 @@ def _grad_carrying(trace: Any) -> set[str]:
     visit(trace.bound_symbols)
     _CARRYING[trace] = (len(trace.bound_symbols), live)
     return live
+
+
+def needs_grad_in(mask: Any, trace: TraceCtx) -> bool:
+    """Whether ``mask``, a proxy of ``trace``, may need a gradient: it requires grad, or ``trace`` computes it from
+    an input that does (for a transform that holds the trace before autodiff, where the call stack has none)."""
+    if bool(getattr(mask, "requires_grad", False)):
+        return True
+    return isinstance(mask, TensorProxy) and mask.name in _grad_carrying(trace)
