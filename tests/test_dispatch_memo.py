@@ -211,6 +211,26 @@ def test_an_all_kept_mask_and_a_padding_mask_keep_their_own_routes(order, plans)
     assert len(plans) < 2 * 2 * 2 * 3, "no layer replayed"
 
 
+def test_a_mask_given_another_storage_at_its_address_runs_its_new_values(plans):
+    """``mask.data = t`` gives a mask another storage with no version bump; where ``t`` sits at the old storage's
+    address (an allocator reusing the freed block; two tensors over one numpy buffer here, deterministically), the
+    version, data pointer and identity all match the mask's last call: the storage tells them apart, as in the
+    converted-mask cache, so the new values' route runs, not the old verdict's."""
+    disp = Dispatcher(EmulatedRuntime(), GraphCache(32))
+    q, k, v = seeded_qkv(B, H, L, d=D)
+    memory = causal_mask(L, L).expand(B, 1, L, L).contiguous().numpy()
+    mask = torch.from_numpy(memory)
+    for _ in range(2):
+        dispatch_step(disp, q, k, v, mask)  # the causal pattern, then its replay
+    keep = padding_mask([L, 11], L, L)
+    other = torch.from_numpy(memory)  # another storage at the same address
+    other.copy_(keep)
+    mask.data = other
+    for layer in range(2):
+        result = dispatch_step(disp, q, k, v, mask)
+        _assert_right(result, _reference(q, k, v, keep, result[2]), f"layer {layer}")
+
+
 def test_threads_with_their_own_masks_share_one_signature():
     """Threads running the same signature with masks that take different routes (a pattern, a bias, padding), all
     at once: each gets its own mask's numbers on every call (the routes are kept per verdict, not per thread)."""
