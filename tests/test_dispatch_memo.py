@@ -191,6 +191,46 @@ def test_a_new_mask_each_step_runs_its_own_values(plans):
         del mask  # freed here (no cycle holds it): the next step's mask may take its address
 
 
+@pytest.mark.parametrize("order", [("all kept", "padding"), ("padding", "all kept")])
+def test_an_all_kept_mask_and_a_padding_mask_keep_their_own_routes(order, plans):
+    """Key padding that keeps every key and key padding that drops some, one layout: the first runs as no mask in
+    training, the second as cuDNN's padding mask with its lengths. Their verdicts keep distinct routes, so neither
+    replays the other's (the padding mask run with no mask: wrong gradients; the all-kept one bound as padding
+    with no lengths: a crash)."""
+    disp = Dispatcher(EmulatedRuntime(), GraphCache(32))
+    q, k, v = seeded_qkv(B, H, L, d=D)
+    keeps = {"all kept": padding_mask([L, L], L, L), "padding": padding_mask([L, 11], L, L)}
+    for _ in range(2):
+        for name in order:
+            mask = keeps[name].clone()
+            reference = None
+            for layer in range(3):
+                result = dispatch_step(disp, q, k, v, mask)
+                reference = reference or _reference(q, k, v, mask, result[2])
+                _assert_right(result, reference, f"{name}, layer {layer}")
+    assert len(plans) < 2 * 2 * 2 * 3, "no layer replayed"
+
+
+def test_a_mask_given_another_storage_at_its_address_runs_its_new_values(plans):
+    """``mask.data = t`` gives a mask another storage with no version bump; where ``t`` sits at the old storage's
+    address (an allocator reusing the freed block; two tensors over one numpy buffer here, deterministically), the
+    version, data pointer and identity all match the mask's last call: the storage tells them apart, as in the
+    converted-mask cache, so the new values' route runs, not the old verdict's."""
+    disp = Dispatcher(EmulatedRuntime(), GraphCache(32))
+    q, k, v = seeded_qkv(B, H, L, d=D)
+    memory = causal_mask(L, L).expand(B, 1, L, L).contiguous().numpy()
+    mask = torch.from_numpy(memory)
+    for _ in range(2):
+        dispatch_step(disp, q, k, v, mask)  # the causal pattern, then its replay
+    keep = padding_mask([L, 11], L, L)
+    other = torch.from_numpy(memory)  # another storage at the same address
+    other.copy_(keep)
+    mask.data = other
+    for layer in range(2):
+        result = dispatch_step(disp, q, k, v, mask)
+        _assert_right(result, _reference(q, k, v, keep, result[2]), f"layer {layer}")
+
+
 def test_threads_with_their_own_masks_share_one_signature():
     """Threads running the same signature with masks that take different routes (a pattern, a bias, padding), all
     at once: each gets its own mask's numbers on every call (the routes are kept per verdict, not per thread)."""

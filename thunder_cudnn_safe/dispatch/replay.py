@@ -211,15 +211,29 @@ def replay(disp: Dispatching, entry: Memo, call: ForwardCall | BackwardCall, tar
 
 
 class Seen:
-    """The last mask a memo entry read the verdict of: its state (``_version``, data pointer, stream, whether its
-    gradient is computed), that verdict, the :class:`Replay` kept for it and, once a forward ran it as a bias, its
-    fully masked rows. Replaced whole when another mask or state comes (``entry.seen``)."""
+    """The last mask a memo entry read the verdict of: its storage (weakly), its state (``_version``, data pointer,
+    stream, whether its gradient is computed), that verdict, the :class:`Replay` kept for it and, once a forward ran
+    it as a bias, its fully masked rows. Replaced whole when another mask or state comes (``entry.seen``).
 
-    __slots__ = ("ref", "state", "verdict", "replay", "dead")
+    The storage, as the converted-mask cache keys it: ``mask.data = t`` swaps it with no version bump, and ``t`` may
+    sit at the freed storage's address (the caching allocator reuses blocks), so the data pointer alone would
+    replay the old values' verdict for the new ones."""
+
+    __slots__ = ("ref", "storage", "state", "verdict", "replay", "dead")
 
     def __init__(self, mask: torch.Tensor, verdict: Any, replay: Replay) -> None:
-        self.ref, self.state, self.verdict, self.replay = weakref.ref(mask), _state(mask), verdict, replay
+        self.ref, self.storage = weakref.ref(mask), weakref.ref(mask.untyped_storage())
+        self.state, self.verdict, self.replay = _state(mask), verdict, replay
         self.dead: Any = masked_rows.UNREAD
+
+    def holds(self, mask: torch.Tensor) -> bool:
+        """Whether ``mask`` is this record's mask, over the same storage, in the same state, not under capture."""
+        return (
+            self.ref() is mask
+            and self.state == _state(mask)
+            and self.storage() is mask.untyped_storage()
+            and not bias.capturing(mask)
+        )
 
 
 def _state(mask: torch.Tensor) -> tuple:
@@ -234,13 +248,14 @@ def _route(entry: Memo, mask: Any) -> tuple[Any, Replay | None, Seen | None]:
     entry's :class:`Seen` record of that mask's state, where one is kept.
 
     The memo keeps the last mask whose verdict it read (:class:`Seen`), so the layers of a step, which pass one
-    mask, read no cache: the verdict, its replay and the bias's dead rows are those of that mask's state, which the
-    converted-mask cache keys the same way. Not kept, nor read, for a mask the cache keeps nothing for (inference
-    tensors, capture, the cache off: their verdict is a bias, and their dead rows are read every call)."""
+    mask, read no cache: the verdict, its replay and the bias's dead rows are those of that mask's storage and
+    state, which the converted-mask cache keys the same way. Not kept, nor read, for a mask the cache keeps nothing
+    for (inference tensors, capture, the cache off: their verdict is a bias, and their dead rows are read every
+    call)."""
     if entry.verdict_of is None:
         return None, entry.routes.get(None), None
     seen = entry.seen
-    if seen is not None and seen.ref() is mask and seen.state == _state(mask) and not bias.capturing(mask):
+    if seen is not None and seen.holds(mask):
         return seen.verdict, seen.replay, seen
     verdict = known_pattern(mask, *entry.verdict_of)
     replay = entry.routes.get(verdict_key(verdict))
