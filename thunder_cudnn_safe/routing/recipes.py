@@ -56,8 +56,12 @@ class Step(NamedTuple):
     draw: bool = False
     #: the value is a :class:`~thunder_cudnn_safe.masks.patterns.MaskPattern`: bind this field of it
     field: str | None = None
-    #: a zeroed buffer: cuDNN's padding mask leaves dK/dV rows of keys past seq_len_kv unwritten (eager: 0)
+    #: a zeroed buffer (dSink_token: cuDNN accumulates into it)
     zero: bool = False
+    #: (dim, the value holding the call's :class:`~thunder_cudnn_safe.masks.patterns.MaskPattern`): zero ``src``'s
+    #: rows at or past the pattern's ``min_kv_len`` along ``dim`` (all of them where it is None), before the graph
+    #: runs: cuDNN's padding mask leaves dK/dV rows of keys past seq_len_kv unwritten, where eager gives 0
+    zero_rows: tuple[int, int] | None = None
 
 
 class Bound(NamedTuple):
@@ -128,6 +132,18 @@ def _dense(a: ArgSig) -> bool:
     return 0 not in a.shape and all(st == math.prod(n for _, n in real[:i]) for i, (st, _) in enumerate(real))
 
 
+def _view_of_fresh(name: str, buf: TensorSig, view: tuple) -> str:
+    """The source of ``view`` (shape, strides, offset) of the fresh buffer ``name`` of layout ``buf`` (storage offset
+    0): its index along dim 0 where it is one (a half of a paired dK/dV buffer: indexing costs about half an
+    ``as_strided``), else ``as_strided``."""
+    shape, strides, offset = (tuple(x) if isinstance(x, (tuple, list)) else x for x in view)
+    if buf.shape[1:] == shape and tuple(buf.stride[1:]) == strides and buf.stride[0] and offset % buf.stride[0] == 0:
+        index = offset // buf.stride[0]
+        if index < buf.shape[0]:
+            return f"{name}[{index}]"
+    return f"{name}.as_strided({shape!r}, {strides!r}, {offset})"
+
+
 def _compile(key: ForwardKey | BackwardKey, steps: list[Step], outputs: tuple[int, ...], call: tuple) -> PackRecipe:
     """The recipe of ``steps``: they become the source of one straight-line function, compiled once per recipe
     (``call``: the signature it binds).
@@ -144,6 +160,7 @@ def _compile(key: ForwardKey | BackwardKey, steps: list[Step], outputs: tuple[in
         "empty_strided": torch.empty_strided,
         "empty_like": torch.empty_like,
         "run_step": _step,
+        "zero_past": zero_past,
         "new": tuple.__new__,
         "Bound": Bound,
         "key": key,
@@ -151,9 +168,14 @@ def _compile(key: ForwardKey | BackwardKey, steps: list[Step], outputs: tuple[in
     names = [f"v{i}" for i in range(n_args)]
     lines = ["def bind(call, device):", f"    {', '.join(names)}, = call"]
     pack = []
+    allocated = set()  # the values that are fresh buffers (storage offset 0)
     for i, s in enumerate(steps, start=n_args):
         env[f"s{i}"], env[f"u{i}"] = s, s.uid
-        if s.src is not None and s.view is None and s.fill is None and s.field is None:
+        if s.zero_rows is not None:
+            dim, pattern = s.zero_rows
+            names.append(names[s.src])
+            lines.append(f"    zero_past({names[s.src]}, {dim}, {names[pattern]}.min_kv_len)")
+        elif s.src is not None and s.view is None and s.fill is None and s.field is None:
             names.append(names[s.src])
         else:
             names.append(f"v{i}")
@@ -164,8 +186,14 @@ def _compile(key: ForwardKey | BackwardKey, steps: list[Step], outputs: tuple[in
             elif fresh:
                 env[f"d{i}"] = s.fill.dtype
                 expr = f"empty_strided({tuple(s.fill.shape)!r}, {tuple(s.fill.stride)!r}, dtype=d{i}, device=device)"
+            elif s.field is not None and s.view is None and s.fill is None:
+                expr = f"{names[s.src]}.{s.field}"  # a pattern's length tensor, bound as it is
+            elif s.src in allocated and s.view is not None and s.fill is None and s.field is None:
+                expr = _view_of_fresh(names[s.src], steps[s.src - n_args].fill, s.view)
             else:
                 expr = f"run_step(s{i}, {'None' if s.src is None else names[s.src]}, device)"
+            if fresh:
+                allocated.add(i)
             lines.append(f"    v{i} = {expr}")
         if s.uid is not None:
             pack.append(f"u{i}: {names[i]}")
@@ -189,7 +217,7 @@ class _RecipeBuilder:
         self.key: ForwardKey | BackwardKey | None = None
         self.outputs: tuple[int, ...] = ()
 
-    def add(self, step: Step, sig: TensorSig) -> int:
+    def add(self, step: Step, sig: TensorSig | None) -> int:
         self.steps.append(step)
         if step.uid is not None:
             self.sigs[step.uid] = sig
@@ -266,14 +294,50 @@ class _RecipeBuilder:
             src, why = self.call._fields.index("grad_out"), CopyReason.DO_LIKE_O if reason is None else reason
             self.add(Step(Uid.DO, src, None, o, why, "grad_out"), o)
 
+    def zero_past(self, buf: int, dim: int) -> None:
+        """Zero value ``buf``'s rows at or past the padding mask's shortest key length along ``dim`` on every call,
+        before the graph runs (:attr:`Step.zero_rows`): cuDNN then overwrites the rows it writes, and the rows of
+        keys past each batch element's seq_len_kv, which it leaves unwritten, are all among them."""
+        self.add(Step(None, buf, zero_rows=(dim, self.call._fields.index("attn_mask"))), None)
+
     def cat_grad_qkv(self, q: TensorSig, k: TensorSig, v: TensorSig) -> int:
-        """dq, dk, dv as head slices of one buffer (:func:`~thunder_cudnn_safe.layouts.layout.fused_grad_qkv`)."""
+        """dq, dk, dv as head slices of one buffer (:func:`~thunder_cudnn_safe.layouts.layout.fused_grad_qkv`); with
+        a padding mask, the dK and dV heads (adjacent: one view) zeroed past the shortest key length."""
         shape, strides, starts = fused_grad_qkv(q.shape[0], (q.shape[1], k.shape[1], v.shape[1]), *q.shape[2:], q.dtype)
-        buf = self.new(None, TensorSig(shape, strides, q.dtype), zero=self.padded)
+        buf = self.new(None, TensorSig(shape, strides, q.dtype))
         for uid, t, start in zip((Uid.DQ, Uid.DK, Uid.DV), (q, k, v), starts):
             view = (tuple(t.shape), canonical_strides(t.shape, strides), start * strides[1])
             self.add(Step(uid, buf, view), TensorSig(view[0], view[1], q.dtype))
+        if self.padded:
+            kv_shape = (shape[0], k.shape[1] + v.shape[1], *shape[2:])
+            kv = self.add(
+                Step(None, buf, (kv_shape, canonical_strides(kv_shape, strides), starts[1] * strides[1])), None
+            )
+            self.zero_past(kv, 2)
         return buf
+
+    def grad_kv(self, k: TensorSig, v: TensorSig) -> tuple[int, int]:
+        """dK and dV in K's and V's own dimension order; with a padding mask, zeroed past the shortest key length
+        (:meth:`zero_past`). Where dK and dV have one layout (shape, strides, dtype: not MLA's D_v != D_qk, nor K
+        and V in different orders) they are the two halves of one (2, *shape) buffer, each with exactly its own
+        strides, so one fill zeroes both (one launch, not two): the halves start :func:`_half_gap` elements
+        apart."""
+        dk, dv = (t._replace(stride=strides_like(t.shape, t, self.policy)) for t in (k, v))
+        if not self.padded:
+            return self.new(Uid.DK, dk), self.new(Uid.DV, dv)
+        if dk != dv:
+            values = self.new(Uid.DK, dk), self.new(Uid.DV, dv)
+            for value in values:
+                self.zero_past(value, 2)
+            return values
+        gap = _half_gap(dk)
+        buf = self.new(None, TensorSig((2, *dk.shape), (gap, *dk.stride), dk.dtype))
+        values = (
+            self.add(Step(Uid.DK, buf, (dk.shape, dk.stride, 0)), dk),
+            self.add(Step(Uid.DV, buf, (dv.shape, dv.stride, gap)), dv),
+        )
+        self.zero_past(buf, 3)
+        return values
 
     def finish(self, kind: type, target: Target, outputs: tuple[int, ...], **options: Any) -> _RecipeBuilder:
         """The steps so far are all: record the key declaring their layouts and the options both keys read off the
@@ -396,11 +460,8 @@ def _backward(call: BackwardCall, target: Target) -> _RecipeBuilder:
             p.add(Step(uid, call._fields.index(field)), TensorSig(tuple(a.shape), tuple(a.stride), a.dtype))
     if wants_fused_grad_qkv(call):
         outputs = (p.cat_grad_qkv(q, k, v),)
-    else:
-        outputs = tuple(
-            p.new(uid, t._replace(stride=strides_like(t.shape, t, p.policy)), zero=p.padded and uid != Uid.DQ)
-            for uid, t in ((Uid.DQ, q), (Uid.DK, k), (Uid.DV, v))
-        )
+    else:  # dQ: every row written (seq_len_q is each pattern's L)
+        outputs = (p.new(Uid.DQ, q._replace(stride=strides_like(q.shape, q, p.policy))), *p.grad_kv(k, v))
     return p.finish(BackwardKey, target, outputs, deterministic=bool(call.deterministic))
 
 
@@ -415,6 +476,28 @@ def companion_backward_key(call: ForwardCall, fkey: ForwardKey, mask_grad: bool)
 def bind(recipe: PackRecipe, call: ForwardCall | BackwardCall) -> Bound:
     """Carry ``recipe`` out on ``call``'s tensors: every bound tensor has the layout the key declares."""
     return recipe.run(call, call.query.device)
+
+
+#: Where the second half of a paired dK/dV buffer starts (:meth:`_RecipeBuilder.grad_kv`): a multiple of the CUDA
+#: caching allocator's 512-byte block size, so dV is as aligned as an allocation of its own (cuDNN needs 16 bytes).
+_HALF_ALIGN_BYTES = 512
+
+
+def _half_gap(t: TensorSig) -> int:
+    """The elements from the start of one half of a paired buffer to the next: ``t``'s extent, rounded up to
+    :data:`_HALF_ALIGN_BYTES`."""
+    extent = 0 if 0 in t.shape else 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride))
+    per = max(1, _HALF_ALIGN_BYTES // t.dtype.itemsize)
+    return -(-extent // per) * per
+
+
+def zero_past(buf: torch.Tensor, dim: int, start: int | None) -> None:
+    """Zero ``buf``'s rows ``start:`` along ``dim`` (:attr:`Step.zero_rows`): all of them where ``start`` is None (no
+    host length known), none where it is the full length (nothing to launch)."""
+    if start is None:
+        buf.zero_()
+    elif start < buf.shape[dim]:
+        buf.narrow(dim, start, buf.shape[dim] - start).zero_()
 
 
 def _step(step: Step, src: Any, device: torch.device) -> torch.Tensor:
