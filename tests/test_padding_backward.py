@@ -3,7 +3,7 @@
 cuDNN's padding mask (seq_len_q / seq_len_kv) does not write the dK/dV rows of keys past each batch element's
 seq_len_kv; eager gives exactly 0 there. The backward recipe zeroes, before the graph runs, the rows at or past the
 batch's shortest key length (the pattern verdict's ``min_kv_len``, a host int bound per call like the length
-tensors), and dK and dV of one layout are halves of one buffer, so one fill zeroes both. The emulated runtime leaves
+tensors), dK and dV each with one fill (fused dQKV: one fill over both's heads). The emulated runtime leaves
 those rows as the buffer held them, as cuDNN does, and every fresh buffer here starts NaN (:func:`poisoned`): a row
 left unzeroed is NaN in the gradient. What is counted is fills and the elements they zero, and plans; never time.
 """
@@ -126,9 +126,10 @@ def _step(disp: Dispatcher, q, k, v, mask, **options) -> tuple:
 @pytest.mark.parametrize("name", list(_cases()))
 def test_padded_rows_are_zero_on_every_route(name, poisoned, fills, plans):
     """Each route with a padding backward: the gradients are eager's, the rows past each length exactly 0 though
-    every fresh buffer starts NaN, the graph is cuDNN's padded one, and the repeated step plans nothing. dK and dV
-    of one layout are zeroed in one fill of only the rows at or past the shortest length (dQ never: cuDNN writes
-    every query row); of two layouts (D_v != D_qk, two orders) in one fill each."""
+    every fresh buffer starts NaN, the graph is cuDNN's padded one, and the repeated step plans nothing. Only the
+    rows at or past the shortest length are zeroed (dQ never: cuDNN writes every query row): one fill each for dK
+    and dV, which keep storages of their own (torch forbids a custom operator's outputs to alias), one fill over
+    the dK and dV heads of a fused dQKV."""
     q, k, v, mask, lens, options = _cases()[name]
     disp = Dispatcher(EmulatedRuntime(), GraphCache(32))
     _step(disp, q, k, v, mask, **options)
@@ -138,9 +139,12 @@ def test_padded_rows_are_zero_on_every_route(name, poisoned, fills, plans):
     assert len(plans) == planned, f"{name}: the repeated step planned"
     _assert_grads(grads, q, k, v, mask, g, lens, name)
     assert any(key.padded for key in disp.cache.keys()), f"{name}: no padding graph ran"
-    tail = (k.shape[2] - min(lens)) * B * k.shape[1]
-    one_layout = k.shape[3] == v.shape[3] and k.stride() == v.stride()
-    expected = [tail * (k.shape[3] + v.shape[3])] if one_layout else [tail * k.shape[3], tail * v.shape[3]]
+    rows = (k.shape[2] - min(lens)) * B
+    if options.get("cat_grad_qkv"):
+        expected = [rows * (k.shape[1] + v.shape[1]) * D]
+    else:
+        expected = [rows * k.shape[1] * k.shape[3], rows * v.shape[1] * v.shape[3]]
+        assert grads[1].untyped_storage().data_ptr() != grads[2].untyped_storage().data_ptr(), "dK and dV alias"
     assert fills == expected, f"{name}: zeroed {fills}, not the rows past the shortest length {expected}"
 
 
@@ -241,7 +245,7 @@ def test_a_pattern_without_a_host_length_zeroes_whole_buffers(poisoned, fills):
     with the length at S nothing is zeroed at all (no fill launched)."""
     pattern = patterns.pattern_of(padding_mask([L, 11], L, L), B, L, L)
     pack = _bound_backward(pattern._replace(min_kv_len=None))
-    assert fills == [2 * B * H * L * D]
+    assert fills == [B * H * L * D] * 2
     for uid in (Uid.DK, Uid.DV):
         assert torch.equal(pack[uid], torch.zeros_like(pack[uid])), uid
     fills.clear()

@@ -58,10 +58,10 @@ class Step(NamedTuple):
     field: str | None = None
     #: a zeroed buffer (dSink_token: cuDNN accumulates into it)
     zero: bool = False
-    #: (dim, the value holding the call's :class:`~thunder_cudnn_safe.masks.patterns.MaskPattern`): zero ``src``'s
-    #: rows at or past the pattern's ``min_kv_len`` along ``dim`` (all of them where it is None), before the graph
-    #: runs: cuDNN's padding mask leaves dK/dV rows of keys past seq_len_kv unwritten, where eager gives 0
-    zero_rows: tuple[int, int] | None = None
+    #: (dim, the value holding the call's :class:`~thunder_cudnn_safe.masks.patterns.MaskPattern`, the values zeroed):
+    #: zero those values' rows at or past the pattern's ``min_kv_len`` along ``dim`` (all of them where it is None)
+    #: before the graph runs: cuDNN's padding mask leaves dK/dV rows of keys past seq_len_kv unwritten (eager: 0)
+    zero_rows: tuple | None = None
 
 
 class Bound(NamedTuple):
@@ -132,18 +132,6 @@ def _dense(a: ArgSig) -> bool:
     return 0 not in a.shape and all(st == math.prod(n for _, n in real[:i]) for i, (st, _) in enumerate(real))
 
 
-def _view_of_fresh(name: str, buf: TensorSig, view: tuple) -> str:
-    """The source of ``view`` (shape, strides, offset) of the fresh buffer ``name`` of layout ``buf`` (storage offset
-    0): its index along dim 0 where it is one (a half of a paired dK/dV buffer: indexing costs about half an
-    ``as_strided``), else ``as_strided``."""
-    shape, strides, offset = (tuple(x) if isinstance(x, (tuple, list)) else x for x in view)
-    if buf.shape[1:] == shape and tuple(buf.stride[1:]) == strides and buf.stride[0] and offset % buf.stride[0] == 0:
-        index = offset // buf.stride[0]
-        if index < buf.shape[0]:
-            return f"{name}[{index}]"
-    return f"{name}.as_strided({shape!r}, {strides!r}, {offset})"
-
-
 def _compile(key: ForwardKey | BackwardKey, steps: list[Step], outputs: tuple[int, ...], call: tuple) -> PackRecipe:
     """The recipe of ``steps``: they become the source of one straight-line function, compiled once per recipe
     (``call``: the signature it binds).
@@ -172,9 +160,9 @@ def _compile(key: ForwardKey | BackwardKey, steps: list[Step], outputs: tuple[in
     for i, s in enumerate(steps, start=n_args):
         env[f"s{i}"], env[f"u{i}"] = s, s.uid
         if s.zero_rows is not None:
-            dim, pattern = s.zero_rows
-            names.append(names[s.src])
-            lines.append(f"    zero_past({names[s.src]}, {dim}, {names[pattern]}.min_kv_len)")
+            dim, pattern, *zeroed = s.zero_rows
+            names.append("None")
+            lines.append(f"    zero_past({dim}, {names[pattern]}.min_kv_len, {', '.join(names[z] for z in zeroed)})")
         elif s.src is not None and s.view is None and s.fill is None and s.field is None:
             names.append(names[s.src])
         else:
@@ -189,7 +177,8 @@ def _compile(key: ForwardKey | BackwardKey, steps: list[Step], outputs: tuple[in
             elif s.field is not None and s.view is None and s.fill is None:
                 expr = f"{names[s.src]}.{s.field}"  # a pattern's length tensor, bound as it is
             elif s.src in allocated and s.view is not None and s.fill is None and s.field is None:
-                expr = _view_of_fresh(names[s.src], steps[s.src - n_args].fill, s.view)
+                shape, strides, offset = s.view  # a view of a fresh buffer (storage offset 0): no run_step
+                expr = f"{names[s.src]}.as_strided({tuple(shape)!r}, {tuple(strides)!r}, {offset})"
             else:
                 expr = f"run_step(s{i}, {'None' if s.src is None else names[s.src]}, device)"
             if fresh:
@@ -294,11 +283,11 @@ class _RecipeBuilder:
             src, why = self.call._fields.index("grad_out"), CopyReason.DO_LIKE_O if reason is None else reason
             self.add(Step(Uid.DO, src, None, o, why, "grad_out"), o)
 
-    def zero_past(self, buf: int, dim: int) -> None:
-        """Zero value ``buf``'s rows at or past the padding mask's shortest key length along ``dim`` on every call,
-        before the graph runs (:attr:`Step.zero_rows`): cuDNN then overwrites the rows it writes, and the rows of
-        keys past each batch element's seq_len_kv, which it leaves unwritten, are all among them."""
-        self.add(Step(None, buf, zero_rows=(dim, self.call._fields.index("attn_mask"))), None)
+    def zero_past(self, dim: int, *values: int) -> None:
+        """Zero ``values``' rows at or past the padding mask's shortest key length along ``dim`` on every call, before
+        the graph runs (:attr:`Step.zero_rows`): cuDNN then overwrites the rows it writes, and the rows of keys past
+        each batch element's seq_len_kv, which it leaves unwritten, are all among them."""
+        self.add(Step(None, None, zero_rows=(dim, self.call._fields.index("attn_mask"), *values)), None)
 
     def cat_grad_qkv(self, q: TensorSig, k: TensorSig, v: TensorSig) -> int:
         """dq, dk, dv as head slices of one buffer (:func:`~thunder_cudnn_safe.layouts.layout.fused_grad_qkv`); with
@@ -313,31 +302,21 @@ class _RecipeBuilder:
             kv = self.add(
                 Step(None, buf, (kv_shape, canonical_strides(kv_shape, strides), starts[1] * strides[1])), None
             )
-            self.zero_past(kv, 2)
+            self.zero_past(2, kv)
         return buf
 
     def grad_kv(self, k: TensorSig, v: TensorSig) -> tuple[int, int]:
         """dK and dV in K's and V's own dimension order; with a padding mask, zeroed past the shortest key length
-        (:meth:`zero_past`). Where dK and dV have one layout (shape, strides, dtype: not MLA's D_v != D_qk, nor K
-        and V in different orders) they are the two halves of one (2, *shape) buffer, each with exactly its own
-        strides, so one fill zeroes both (one launch, not two): the halves start :func:`_half_gap` elements
-        apart."""
-        dk, dv = (t._replace(stride=strides_like(t.shape, t, self.policy)) for t in (k, v))
-        if not self.padded:
-            return self.new(Uid.DK, dk), self.new(Uid.DV, dv)
-        if dk != dv:
-            values = self.new(Uid.DK, dk), self.new(Uid.DV, dv)
-            for value in values:
-                self.zero_past(value, 2)
-            return values
-        gap = _half_gap(dk)
-        buf = self.new(None, TensorSig((2, *dk.shape), (gap, *dk.stride), dk.dtype))
-        values = (
-            self.add(Step(Uid.DK, buf, (dk.shape, dk.stride, 0)), dk),
-            self.add(Step(Uid.DV, buf, (dv.shape, dv.stride, gap)), dv),
+        (:meth:`zero_past`). Two allocations, so two fills: torch forbids a custom operator's outputs to share
+        storage (``torch.library``'s aliasing check, run on the eager ``attention()`` op), so dK and dV cannot be
+        views of one buffer as fused dQKV's single output is."""
+        dk, dv = (
+            self.new(uid, t._replace(stride=strides_like(t.shape, t, self.policy)))
+            for uid, t in ((Uid.DK, k), (Uid.DV, v))
         )
-        self.zero_past(buf, 3)
-        return values
+        if self.padded:
+            self.zero_past(2, dk, dv)
+        return dk, dv
 
     def finish(self, kind: type, target: Target, outputs: tuple[int, ...], **options: Any) -> _RecipeBuilder:
         """The steps so far are all: record the key declaring their layouts and the options both keys read off the
@@ -478,26 +457,14 @@ def bind(recipe: PackRecipe, call: ForwardCall | BackwardCall) -> Bound:
     return recipe.run(call, call.query.device)
 
 
-#: Where the second half of a paired dK/dV buffer starts (:meth:`_RecipeBuilder.grad_kv`): a multiple of the CUDA
-#: caching allocator's 512-byte block size, so dV is as aligned as an allocation of its own (cuDNN needs 16 bytes).
-_HALF_ALIGN_BYTES = 512
-
-
-def _half_gap(t: TensorSig) -> int:
-    """The elements from the start of one half of a paired buffer to the next: ``t``'s extent, rounded up to
-    :data:`_HALF_ALIGN_BYTES`."""
-    extent = 0 if 0 in t.shape else 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride))
-    per = max(1, _HALF_ALIGN_BYTES // t.dtype.itemsize)
-    return -(-extent // per) * per
-
-
-def zero_past(buf: torch.Tensor, dim: int, start: int | None) -> None:
-    """Zero ``buf``'s rows ``start:`` along ``dim`` (:attr:`Step.zero_rows`): all of them where ``start`` is None (no
-    host length known), none where it is the full length (nothing to launch)."""
-    if start is None:
-        buf.zero_()
-    elif start < buf.shape[dim]:
-        buf.narrow(dim, start, buf.shape[dim] - start).zero_()
+def zero_past(dim: int, start: int | None, *bufs: torch.Tensor) -> None:
+    """Zero each of ``bufs``' rows ``start:`` along ``dim`` (:attr:`Step.zero_rows`): all of them where ``start`` is
+    None (no host length known), none where it is the full length (nothing launched)."""
+    for buf in bufs:
+        if start is None:
+            buf.zero_()
+        elif start < buf.shape[dim]:
+            buf.narrow(dim, start, buf.shape[dim] - start).zero_()
 
 
 def _step(step: Step, src: Any, device: torch.device) -> torch.Tensor:
