@@ -15,7 +15,7 @@ import threading
 import pytest
 import torch
 import torch.nn.functional as F
-from checks import dispatch_step
+from checks import assert_claimed, dispatch_step, on_the_runtime
 
 from thunder_cudnn_safe.dispatch import dispatcher
 from thunder_cudnn_safe.dispatch.dispatcher import Dispatcher
@@ -116,8 +116,12 @@ def _cases() -> dict:
 
 
 def _step(disp: Dispatcher, q, k, v, mask, **options) -> tuple:
-    """One forward and backward; (out, (dq, dk, dv), grad_out), a fused dQKV split into its head slices."""
-    out, grads, g = dispatch_step(disp, q, k, v, mask, **options)
+    """One forward and backward, claimed by the executor and run on the emulated runtime's graphs (never the torch
+    fallback, which zeroes nothing it need not); (out, (dq, dk, dv), grad_out), a fused dQKV split into its head
+    slices."""
+    assert_claimed(q, k, v, mask, enable_gqa=q.shape[1] != k.shape[1])
+    with on_the_runtime(disp.cache):
+        out, grads, g = dispatch_step(disp, q, k, v, mask, **options)
     if options.get("cat_grad_qkv"):
         grads = grads[0].split([q.shape[1], k.shape[1], v.shape[1]], dim=1)
     return out, grads, g
