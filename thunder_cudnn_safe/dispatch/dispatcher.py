@@ -74,10 +74,16 @@ def _entry_point(call_type: type, miss: str, doc: str) -> Callable:
     memo, env = memo_source(call_type, lambda f: f)
     env.update({f"default_{f}": v for f, v in defaults.items()})
     env.update(new=tuple.__new__, refusals=(GraphBuildError, ExecuteError), torch_deterministic=torch_deterministic)
-    env.update(finished=finished, replay=replay.replay)
+    env.update(finished=finished, replay=replay.replay, zero_rows=masked_rows.zero_fully_masked_rows)
+    env.update(kept=handoff.pending, bias=bias)
+    training = "True" if call_type is BackwardCall else "need_stats"
+    i_mask, i_causal = fields.index("attn_mask"), fields.index("is_causal")
+    assert i_causal == i_mask + 2  # the fast replay's slice below remakes the call around these two fields
+    no_kept = "\n                and not kept()" if call_type is BackwardCall else ""
     assert not set(fields) & {"self", "device", "target", "memo", "args", "entry", "built", "bound", "exc", "outputs"}
     params = ", ".join(f"{f}=default_{f}" if f in defaults else f for f in fields)
     det = "    if not deterministic and torch_deterministic():\n        deterministic = True\n"
+    i_mask_1, i_causal_1 = i_mask + 1, i_causal + 1
     source = f"""def {name}(self, {params}):
 {det if call_type is BackwardCall else ""}    device = query.device
     target = self.runtime.target(device)
@@ -96,6 +102,32 @@ def _entry_point(call_type: type, miss: str, doc: str) -> Callable:
                     self.refused(bound, exc)
                 return finished(entry.recipe, bound) if entry.gradients else bound.outputs
         elif entry.routes is not None:
+            seen = entry.seen
+            if (
+                seen is not None
+                and seen.fast
+                and seen.ref() is attn_mask
+                and seen.state == (attn_mask._version, attn_mask.data_ptr(), attn_mask.requires_grad)
+                and seen.storage() is attn_mask.untyped_storage()
+                and seen.current(attn_mask){no_kept}
+            ):
+                planned = seen.replay
+                built = self.cache.touch(planned.slot)
+                if built is not None:
+                    if seen.prebuild and bias.capture_may_follow(query, {training}):
+                        self.prebuild_hit(new(call_type, args), target, memo)
+                    how = seen.planned
+                    if how is not None:
+                        args = args[:{i_mask}] + (how[0], args[{i_mask_1}], how[1]) + args[{i_causal_1}:]
+                    planned = planned.memo
+                    bound = planned.run(args, device)
+                    try:
+                        self.runtime.execute(built, bound.pack)
+                    except refusals as exc:
+                        self.refused(bound, exc)
+                    if seen.zero is not None:
+                        zero_rows(None, bound, seen.zero)
+                    return finished(planned.recipe, bound) if planned.gradients else bound.outputs
             outputs = replay(self, entry, new(call_type, args), target)
             if outputs is not None:
                 return outputs
@@ -150,6 +182,11 @@ class Dispatcher:
             exc = self.try_execute(tried)
         if exc is not None:
             self.refused(bound, exc, tried)
+
+    def prebuild_hit(self, call: ForwardCall | BackwardCall, target: Target, memo: tuple) -> None:
+        """A fast replay of a recognized pattern where a capture may follow (:class:`~.replay.Seen`): the capture
+        prebuild a :func:`~.replay.replay` runs (the bias graphs a capture of this call would run)."""
+        capture.prebuild(call, target, self.runtime, self.cache, self.capture_marks, self.memo, memo)
 
     def memo(self, call: ForwardCall | BackwardCall, target: Target, memo: tuple | None = None) -> Memo:
         """``call``'s :class:`Memo`, made with its pack recipe on the signature's first call (the layouts a
