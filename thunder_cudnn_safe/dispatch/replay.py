@@ -5,8 +5,9 @@ A mask's route follows its values (a pattern, or its bias), so the full path kee
 of the mask (:class:`Replay`, :func:`remember`), and a hit (:func:`replay`) reads the mask's present verdict from
 the converted-mask cache (:func:`~thunder_cudnn_safe.masks.patterns.known_pattern`: one lookup by the mask's
 storage and ``_version``, none where the mask is the one its memo entry read last: :class:`Seen`; nothing
-recognized, nothing planned) and runs the outcome kept for it. A mask written in place or a new mask has no
-verdict yet: the full path recognizes and plans it, once. Under CUDA-graph capture no verdict is read (the mask
+recognized, nothing planned) and runs the outcome kept for it; from the next call with that mask in that state the
+dispatcher's entry point does it with no frame of its own (:attr:`Seen.fast`). A mask written in place or a new mask
+has no verdict yet: the full path recognizes and plans it, once. Under CUDA-graph capture no verdict is read (the mask
 is its bias, as on the full path). A dropout forward still asks whether its backward
 builds (an answer its memo keeps); a dropout backward still asks whether its forward fell back.
 """
@@ -18,6 +19,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
+from thunder_cudnn_safe.codegen import compile_function
 from thunder_cudnn_safe.dispatch import capture, dropout, masked_rows
 from thunder_cudnn_safe.errors import ExecuteError, GraphBuildError
 from thunder_cudnn_safe.graphs.cache import GraphCache, Slot
@@ -213,6 +215,12 @@ def replay(disp: Dispatching, entry: Memo, call: ForwardCall | BackwardCall, tar
     return outputs
 
 
+def prebuild_hit(disp: Dispatching, call: ForwardCall | BackwardCall, target: Target, memo: tuple) -> None:
+    """A fast replay of a recognized pattern where a capture may follow (:class:`Seen`): the capture prebuild a
+    :func:`replay` runs (the bias graphs a capture of this call would run); ``memo``: the call's memo key."""
+    capture.prebuild(call, target, disp.runtime, disp.cache, disp.capture_marks, disp.memo, memo)
+
+
 class Seen:
     """The last mask a memo entry read the verdict of: its storage (weakly), its state (``_version``, data pointer,
     whether its gradient is computed, and on CUDA the stream), that verdict, the :class:`Replay` kept for it and,
@@ -227,8 +235,8 @@ class Seen:
     ``masked_rows="average"``, the dead rows read), ``fast`` is set and the dispatcher's entry point runs the
     next hits itself (:func:`~.dispatcher._entry_point`): ``planned``, the planned call's mask and ``is_causal`` in
     place of the given ones (None where the given call runs as it is), ``zero``: the dead rows a forward run with a
-    bias sets to zeros (None: none), ``prebuild``: a capture's prebuild may be due (a recognized pattern on CUDA:
-    :meth:`~.dispatcher.Dispatcher.prebuild_hit`)."""
+    bias sets to zeros (None: none), ``prebuild``: the pattern was recognized, so a capture's prebuild may be due
+    where a capture may follow (:func:`prebuild_hit`)."""
 
     __slots__ = (
         "ref",
@@ -286,11 +294,16 @@ class Seen:
         self.fast = True
 
 
-def _state(mask: torch.Tensor) -> tuple:
-    """What of ``mask`` a verdict (and a bias's dead rows) depends on besides its identity and storage, as the
-    converted-mask cache keys it (its storage's version and data pointer), and whether its gradient is computed
-    (such a mask is never a pattern). A CUDA mask's stream: :meth:`Seen.current`."""
-    return mask._version, mask.data_ptr(), mask.requires_grad
+def state_source(mask: str) -> str:
+    """The expression of :func:`_state` for the mask named ``mask``: the entry point's fast replay compares it
+    inline (:func:`~.dispatcher._entry_point`), so the two cannot drift apart."""
+    return f"({mask}._version, {mask}.data_ptr(), {mask}.requires_grad)"
+
+
+_state = compile_function(f"def _state(mask):\n    return {state_source('mask')}", "_state", {}, "Seen state")
+_state.__doc__ = """What of ``mask`` a verdict (and a bias's dead rows) depends on besides its identity and storage,
+as the converted-mask cache keys it (its storage's version and data pointer), and whether its gradient is computed
+(such a mask is never a pattern). A CUDA mask's stream: :meth:`Seen.current`."""
 
 
 def _route(entry: Memo, mask: Any) -> tuple[Any, Replay | None, Seen | None]:
