@@ -140,7 +140,9 @@ def _compile(key: ForwardKey | BackwardKey, steps: list[Step], outputs: tuple[in
     steps cost as much as the allocations it makes. Value ``v<i>`` is the call's field i, then step
     i - n_args's tensor; a tensor bound as it is gets no line, a fresh buffer is one ``empty_like`` of an
     argument with its layout (:func:`_like`: O of a query in any layout, dQ/dK/dV) or else one
-    ``empty_strided`` with its shape and strides as constants, every other step calls :func:`_step`.
+    ``empty_strided`` with its shape and strides as constants, a field bound as it is (a pattern's lengths) one
+    attribute read, a view of a fresh buffer one ``as_strided``, a padding mask's zeroing one :func:`zero_past`
+    call, every other step calls :func:`_step`.
     A comment names the uid each value is bound to (``str(recipe)`` prints the source).
     """
     n_args = len(call)
@@ -174,7 +176,7 @@ def _compile(key: ForwardKey | BackwardKey, steps: list[Step], outputs: tuple[in
             elif fresh:
                 env[f"d{i}"] = s.fill.dtype
                 expr = f"empty_strided({tuple(s.fill.shape)!r}, {tuple(s.fill.stride)!r}, dtype=d{i}, device=device)"
-            elif s.field is not None and s.view is None and s.fill is None:
+            elif s.src is not None and s.view is None and s.fill is None:
                 expr = f"{names[s.src]}.{s.field}"  # a pattern's length tensor, bound as it is
             elif s.src in allocated and s.view is not None and s.fill is None and s.field is None:
                 shape, strides, offset = s.view  # a view of a fresh buffer (storage offset 0): no run_step

@@ -42,6 +42,11 @@ def keep_gradients(call: BackwardCall, grads: tuple) -> None:
     _local.kept = _Kept(call._replace(mask_grad=True), grads)
 
 
+def pending() -> bool:
+    """Whether this thread keeps gradients for a backward call (a memo hit then takes :func:`take_gradients`'s way)."""
+    return getattr(_local, "kept", None) is not None
+
+
 def take_gradients(call: BackwardCall) -> tuple | None:
     """The gradients kept for exactly this backward call, or None; forgets them either way."""
     kept, _local.kept = getattr(_local, "kept", None), None
