@@ -1,12 +1,12 @@
-"""Attention sinks on the dispatch memo's fast path (issue 48): cuDNN's float32 sink token is made once per sinks
-tensor and state, shared by a forward and its backward, and never reused where the sinks changed.
+"""Attention sinks on the dispatch memo's fast path (issue 48): cuDNN's float32 sink token is kept per sinks tensor,
+written by each forward (no allocation) and read by its backward (no copy), and never read where the sinks changed.
 
-What is counted is copies (``copy_stats()``, reason ``SINKS_LAYOUT``), never time: a reused token is no copy, a made
-one is. Numbers are compared exactly with a fresh dispatcher given a new tensor of the sinks' present values (the
-emulated runtime is deterministic), and once with a float64 eager reference. An optimizer's in-place update, a new
-sinks tensor at a freed one's address, ``.data =``, a view as another dtype, CUDA-graph capture (the package's
-capture switch on CPU, as in tests/test_capture.py), inference tensors, the cache off and threads must all stay
-exactly right.
+What is counted is copies (``copy_stats()``, reason ``SINKS_LAYOUT``), never time: a token read is no copy, a token
+made or written is. Numbers are compared exactly with a fresh dispatcher given a new tensor of the sinks' present
+values (the emulated runtime is deterministic), and once with a float64 eager reference. An optimizer's in-place
+update, a fused optimizer's (no version bump), a new sinks tensor at a freed one's address, ``.data =``, a view as
+another dtype, CUDA-graph capture (the package's capture switch on CPU, as in tests/test_capture.py), inference
+tensors, the cache off and threads must all stay exactly right.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+import pytest
 import torch
 from checks import dispatch_step
 
@@ -34,7 +35,7 @@ def _sinks(seed: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
 
 
 def _copies() -> int:
-    """Sink tokens made since the last reset (each one counted copy of the sinks)."""
+    """Sink tokens made or written since the last reset (each one counted copy of the sinks)."""
     return tcs.copy_stats().by_reason.get(("sinks", CopyReason.SINKS_LAYOUT), (0, 0))[0]
 
 
@@ -69,17 +70,20 @@ def _eager(sinks: torch.Tensor) -> tuple:
     return (out, *torch.autograd.grad(out, leaves, g))
 
 
-def test_a_repeated_call_copies_each_layers_sinks_once(fresh_cache):
-    """Two layers, each with its own bf16 sinks, three steps: one token per layer, made by its first forward and
-    read by its backward and every later call; the numbers are eager's, the gradient the sinks' dtype and shape."""
+def test_a_backward_reads_the_token_its_forward_wrote(fresh_cache):
+    """Two layers, each with its own bf16 sinks, three steps: one token per layer, made by its first forward, written
+    by each later forward (one copy) and read by each backward (none); the numbers are eager's, the gradient the
+    sinks' dtype and shape."""
     disp = Dispatcher(EmulatedRuntime(), GraphCache(32))
     layers = [_sinks(1), _sinks(2)]
     first = [_step(disp, s) for s in layers]
     assert _copies() == 2, tcs.copy_stats()
+    assert len(sink_tokens) == 2
     for _ in range(2):
         for i, s in enumerate(layers):
             _assert_equal(_step(disp, s), first[i], f"layer {i}")
-    assert _copies() == 2, "a repeated call copied its sinks again"
+    assert _copies() == 3 * 2, "a backward copied its sinks again"
+    assert len(sink_tokens) == 2
     for i, s in enumerate(layers):
         assert first[i][4].dtype == torch.bfloat16 and first[i][4].shape == (H,)
         for name, got, ref in zip(("out", "dq", "dk", "dv", "dsinks"), first[i], _eager(s), strict=True):
@@ -99,7 +103,7 @@ def test_sinks_updated_in_place_between_steps_give_the_new_values(fresh_cache):
         got = _step(disp, sinks)
         _assert_equal(got, _expected(sinks), f"after update {i}")
         assert not torch.equal(got[0], before[0]), "the update changed nothing"
-    assert _copies() == 1 + 3 + 3, "one token per state here, one per fresh dispatcher's new tensor"
+    assert _copies() == 1 + 3 + 3, "one per forward here, one per fresh dispatcher's new tensor"
 
 
 def test_a_new_sinks_tensor_each_step_runs_its_own_values(fresh_cache):
@@ -165,17 +169,18 @@ def test_under_capture_each_call_makes_its_own_token(fresh_cache, monkeypatch):
     every replay reads the sinks' values then. The package's capture switch stands in for the capturing stream."""
     disp = Dispatcher(EmulatedRuntime(), GraphCache(32))
     sinks, new = _sinks(1), _sinks(2)
-    for _ in range(2):  # warm-up: one token
+    for _ in range(2):  # warm-up: one token, written by each forward
         _step(disp, sinks)
-    assert _copies() == 1
+    assert _copies() == 2 and len(sink_tokens) == 1
+    kept = sink_tokens._tokens[sinks.data_ptr()].token
     with monkeypatch.context() as capture:
         capture.setattr(bias, "capturing", lambda t: True)
         for _ in range(2):
             got = _step(disp, sinks)
             _step(disp, new)
-        assert _copies() == 1 + 2 * 2 * 2, "a kept token was read under capture"
-    _step(disp, new)
-    assert _copies() == 1 + 8 + 1, "a token made under capture was kept"
+        assert _copies() == 2 + 2 * 2 * 2, "a kept token was read under capture"
+        assert len(sink_tokens) == 1, "a token made under capture was kept"
+    assert sink_tokens._tokens[sinks.data_ptr()].token is kept
     _assert_equal(got, _expected(sinks), "captured")
 
 
@@ -224,3 +229,52 @@ def test_threads_with_their_own_sinks_share_one_signature(fresh_cache):
     for t in threads:
         t.join()
     assert not errors, errors
+
+
+def test_sinks_updated_by_a_fused_optimizer_give_the_new_values(fresh_cache):
+    """torch's fused optimizers (``fused=True``: ``_fused_adamw_``) write the parameters without bumping their
+    ``_version`` (torch 2.11, CPU and CUDA alike: the version counter is bumped above the device kernels), so no
+    kept token may outlive a forward: each forward writes the sinks' present values, its backward reads them."""
+    disp = Dispatcher(EmulatedRuntime(), GraphCache(32))
+    sinks = torch.nn.Parameter(_sinks(1))
+    opt = torch.optim.AdamW([sinks], lr=0.5, fused=True)
+    for step in range(3):
+        got = _step(disp, sinks.detach())
+        _assert_equal(got, _expected(sinks), f"step {step}")
+        sinks.grad = got[4]
+        before = sinks.detach().clone()
+        opt.step()
+        assert not torch.equal(before, sinks.detach()), "the optimizer changed nothing"
+
+
+def _backward(disp: Dispatcher, sinks: torch.Tensor, out: torch.Tensor, stats: torch.Tensor) -> tuple:
+    q, k, v = seeded_qkv(B, H, L, d=D)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(out.dtype)
+    return disp.backward(g, q, k, v, None, 0.0, True, out, stats, None, None, sinks=sinks)
+
+
+@pytest.mark.parametrize("change", ["written in place", "another storage at its address", "viewed as float16"])
+def test_a_backward_reads_no_token_of_sinks_changed_since_its_forward(change, fresh_cache):
+    """The sinks changed between a forward and a backward (no forward in between to write the token): the
+    backward reads the kept token only where the sinks are the storage, dtype and version its forward wrote, and
+    otherwise makes its own from their present values."""
+    disp = Dispatcher(EmulatedRuntime(), GraphCache(32))
+    memory = np.zeros(H, dtype=np.int16)
+    sinks = torch.from_numpy(memory).view(torch.bfloat16)
+    sinks.copy_(_sinks(1))
+    out, stats = disp.forward(*seeded_qkv(B, H, L, d=D), is_causal=True, sinks=sinks)
+    saved = sinks.detach()  # noqa: F841 (keeps the old storage alive, as autograd's saved tensors would)
+    if change == "written in place":
+        with torch.no_grad():
+            sinks.add_(1.5)
+    elif change == "another storage at its address":
+        other = torch.from_numpy(memory).view(torch.bfloat16)
+        with torch.no_grad():
+            other.copy_(_sinks(2))
+        sinks.data = other
+    else:
+        sinks = sinks.view(torch.float16)
+    expected = _backward(Dispatcher(EmulatedRuntime(), GraphCache(8)), sinks.clone(), out, stats)
+    got = _backward(disp, sinks, out, stats)
+    for name, a, b in zip(("dq", "dk", "dv", "dsinks"), got, expected, strict=True):
+        assert torch.equal(a, b), f"{change}: {name} differs"

@@ -60,9 +60,9 @@ class Step(NamedTuple):
     #: a zeroed buffer: cuDNN's padding mask leaves dK/dV rows of keys past seq_len_kv unwritten (eager: 0), and
     #: cuDNN adds dSink_token's share of each batch element and query into its buffer (an ADD reduction)
     zero: bool = False
-    #: the sink token made from the sinks once per sinks tensor and state
-    #: (:data:`~thunder_cudnn_safe.routing.sink_tokens.sink_tokens`), not once per call
-    token: bool = False
+    #: the sink token kept per sinks tensor (:data:`~thunder_cudnn_safe.routing.sink_tokens.sink_tokens`): "written"
+    #: by a forward (the sinks' values copied in, no allocation), "read" by its backward (no copy)
+    token: str = ""
 
 
 class Bound(NamedTuple):
@@ -139,8 +139,8 @@ def _compile(key: ForwardKey | BackwardKey, steps: list[Step], outputs: tuple[in
     argument with its layout (:func:`_like`: O of a query in any layout, dQ/dK/dV) or else one
     ``empty_strided`` with its shape and strides as constants; a zeroed one is ``zeros_like`` of an argument or an
     earlier value with its layout (dSink_token: of the sink token), else ``empty_strided(...).zero_()``; the sink
-    token is read from :data:`~thunder_cudnn_safe.routing.sink_tokens.sink_tokens`; a field bound as it is (a
-    pattern's lengths) is one attribute read; every other step calls :func:`_step`.
+    token is written or read by :data:`~thunder_cudnn_safe.routing.sink_tokens.sink_tokens`; a field bound as it is
+    (a pattern's lengths) is one attribute read; every other step calls :func:`_step`.
     A comment names the uid each value is bound to (``str(recipe)`` prints the source).
     """
     n_args = len(call)
@@ -148,7 +148,8 @@ def _compile(key: ForwardKey | BackwardKey, steps: list[Step], outputs: tuple[in
         "empty_strided": torch.empty_strided,
         "empty_like": torch.empty_like,
         "zeros_like": torch.zeros_like,
-        "sink_token": sink_tokens.get,
+        "sink_token_written": sink_tokens.written,
+        "sink_token_read": sink_tokens.read,
         "run_step": _step,
         "new": tuple.__new__,
         "Bound": Bound,
@@ -170,7 +171,7 @@ def _compile(key: ForwardKey | BackwardKey, steps: list[Step], outputs: tuple[in
             like = _like(call, s.fill) if fresh else None
             like = names[like] if like is not None else made.get(s.fill) if s.zero and fresh else None
             if s.token:
-                expr = f"sink_token({names[s.src]}, s{i}, device)"
+                expr = f"sink_token_{s.token}({names[s.src]}, s{i}, device)"
             elif like is not None:
                 expr = f"{'zeros_like' if s.zero else 'empty_like'}({like})"
             elif fresh:
@@ -328,9 +329,9 @@ def _gradients(call: tuple, sigs: dict[Uid, TensorSig]) -> tuple:
 
 def _sink(p: _RecipeBuilder, gradient: bool) -> None:
     """Attention sinks (H,) declared as cuDNN's sink token, (1, H, 1, 1) float32 and packed: a view of a packed
-    float32 tensor cuDNN reads as it is, else a float32 copy of H values, made (and counted) once per sinks tensor
-    and state and shared by every call reading them in that state, a forward and its backward
-    (:mod:`~thunder_cudnn_safe.routing.sink_tokens`). Packed, not any strides cuDNN
+    float32 tensor cuDNN reads as it is, else a float32 copy of H values kept per sinks tensor, written (a counted
+    copy) by each forward and read by its backward with no copy (:mod:`~thunder_cudnn_safe.routing.sink_tokens`:
+    why every forward writes it). Packed, not any strides cuDNN
     could read: the frontend's own forward kernels (frontend 1.32, default candidates at sm90/sm100/sm120) bind the
     token as a flat (H,) array and raise at execute for any other strides. ``gradient``: also a zeroed dSink_token
     of that layout (zeroed: cuDNN adds each batch element's and query's share into it, an ADD reduction; the
@@ -343,9 +344,10 @@ def _sink(p: _RecipeBuilder, gradient: bool) -> None:
     packed = TensorSig((1, h, 1, 1), packed_strides((1, h, 1, 1)), torch.float32)
     if a.dtype == torch.float32 and (st == 1 or h == 1) and layout_problem(viewed) is None:
         p.operand(Uid.SINK, "sinks", viewed, viewed=True)
-    else:  # made once per sinks tensor and state, shared by the forward and its backward (sink_tokens)
+    else:  # kept per sinks tensor: written by each forward, read by its backward (sink_tokens)
         src = p.call._fields.index("sinks")
-        p.add(Step(Uid.SINK, src, viewed[:2] + (0,), packed, CopyReason.SINKS_LAYOUT, "sinks", token=True), packed)
+        token = "read" if gradient else "written"
+        p.add(Step(Uid.SINK, src, viewed[:2] + (0,), packed, CopyReason.SINKS_LAYOUT, "sinks", token=token), packed)
     if gradient:
         p.new(Uid.DSINK, packed, zero=True)
 
