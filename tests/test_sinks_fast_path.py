@@ -278,3 +278,18 @@ def test_a_backward_reads_no_token_of_sinks_changed_since_its_forward(change, fr
     got = _backward(disp, sinks, out, stats)
     for name, a, b in zip(("dq", "dk", "dv", "dsinks"), got, expected, strict=True):
         assert torch.equal(a, b), f"{change}: {name} differs"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_sinks_gradient_buffer_is_zeroed_before_the_graph_runs(dtype, fresh_cache, monkeypatch):
+    """cuDNN adds each batch element's and query's share of dSink_token into its buffer (an ADD reduction; the
+    emulation does the same), so the recipe hands it a zeroed buffer, however the buffer is allocated: every buffer
+    allocated uninitialized is NaN here (the dispatcher's recipes are compiled after the patch)."""
+    sinks = _sinks(1, dtype)
+    expected = _expected(sinks)
+    for name in ("empty_like", "empty_strided"):
+        real = getattr(torch, name)
+        monkeypatch.setattr(torch, name, lambda *a, real=real, **kw: real(*a, **kw).fill_(float("nan")))
+    disp = Dispatcher(EmulatedRuntime(), GraphCache(32))
+    for _ in range(2):
+        _assert_equal(_step(disp, sinks), expected, str(dtype))
