@@ -331,9 +331,9 @@ def _sink(p: _RecipeBuilder, gradient: bool) -> None:
     """Attention sinks (H,) declared as cuDNN's sink token, (1, H, 1, 1) float32 and packed: a view of a packed
     float32 tensor cuDNN reads as it is, else a float32 copy of H values kept per sinks tensor, written (a counted
     copy) by each forward and read by its backward with no copy (:mod:`~thunder_cudnn_safe.routing.sink_tokens`:
-    why every forward writes it). Packed, not any strides cuDNN
-    could read: the frontend's own forward kernels (frontend 1.32, default candidates at sm90/sm100/sm120) bind the
-    token as a flat (H,) array and raise at execute for any other strides. ``gradient``: also a zeroed dSink_token
+    why every forward writes it). Packed, not any strides cuDNN could read: the frontend's own forward kernels
+    (frontend 1.32, default candidates at sm90/sm100/sm120) bind the token as a flat (H,) array and raise at
+    execute for any other strides. ``gradient``: also a zeroed dSink_token
     of that layout (zeroed: cuDNN adds each batch element's and query's share into it, an ADD reduction; the
     torch fallback adds its chunks' shares the same way), returned as the sinks' gradient (:func:`_compile_finish`)."""
     a = p.call.sinks
