@@ -76,13 +76,14 @@ def _entry_point(call_type: type, miss: str, doc: str) -> Callable:
     memo, env = memo_source(call_type, lambda f: f)
     env.update({f"default_{f}": v for f, v in defaults.items()})
     env.update(new=tuple.__new__, refusals=(GraphBuildError, ExecuteError), torch_deterministic=torch_deterministic)
-    env.update(finished=finished, replay=replay.replay, zero_rows=masked_rows.zero_fully_masked_rows)
+    env.update(replay=replay.replay, zero_rows=masked_rows.zero_fully_masked_rows)
     env.update(kept=handoff.pending, bias=bias, prebuild_hit=replay.prebuild_hit)
     training = "True" if call_type is BackwardCall else "need_stats"
     i_mask, i_causal = fields.index("attn_mask"), fields.index("is_causal")
     assert i_causal == i_mask + 2  # the fast replay's slice below remakes the call around these two fields
     no_kept = "\n                and not kept()" if call_type is BackwardCall else ""
-    assert not set(fields) & {"self", "device", "target", "memo", "args", "entry", "built", "bound", "exc", "outputs"}
+    reserved = {"self", "device", "target", "memo", "args", "entry", "built", "bound", "exc", "finish", "outputs"}
+    assert not set(fields) & reserved
     params = ", ".join(f"{f}=default_{f}" if f in defaults else f for f in fields)
     det = "    if not deterministic and torch_deterministic():\n        deterministic = True\n"
     i_mask_1, i_causal_1 = i_mask + 1, i_causal + 1
@@ -102,7 +103,8 @@ def _entry_point(call_type: type, miss: str, doc: str) -> Callable:
                     self.runtime.execute(built, bound.pack)
                 except refusals as exc:
                     self.refused(bound, exc)
-                return finished(entry.recipe, bound) if entry.gradients else bound.outputs
+                finish = entry.finish
+                return bound.outputs if finish is None else finish(bound)
         elif entry.routes is not None:
             seen = entry.seen
             if (
@@ -129,7 +131,8 @@ def _entry_point(call_type: type, miss: str, doc: str) -> Callable:
                         self.refused(bound, exc)
                     if seen.zero is not None:
                         zero_rows(None, bound, seen.zero)
-                    return finished(planned.recipe, bound) if planned.gradients else bound.outputs
+                    finish = planned.finish
+                    return bound.outputs if finish is None else finish(bound)
             outputs = replay(self, entry, new(call_type, args), target)
             if outputs is not None:
                 return outputs

@@ -28,7 +28,7 @@ from thunder_cudnn_safe.masks import bias
 from thunder_cudnn_safe.masks.patterns import UNKNOWN, MaskPattern, known_pattern
 from thunder_cudnn_safe.routing.calls import BackwardCall, ForwardCall, arg_key
 from thunder_cudnn_safe.routing.planner import Plan, Route, reads_mask_values
-from thunder_cudnn_safe.routing.recipes import Bound, PackRecipe, finished
+from thunder_cudnn_safe.routing.recipes import Bound, PackRecipe
 from thunder_cudnn_safe.runtimes import handoff
 from thunder_cudnn_safe.runtimes.base import Runtime
 
@@ -39,10 +39,10 @@ class Memo:
     for a call with a mask or dropout, ``routes``: its plan's outcome per verdict of its mask (:class:`Replay`);
     for a dropout forward, ``dropout``: whether its backward builds (:func:`.dropout.backward_builds`)."""
 
-    __slots__ = ("recipe", "run", "gradients", "slot", "routes", "verdict_of", "seen", "dropout", "used")
+    __slots__ = ("recipe", "run", "finish", "slot", "routes", "verdict_of", "seen", "dropout", "used")
 
     def __init__(self, recipe: PackRecipe) -> None:
-        self.recipe, self.run, self.gradients = recipe, recipe.run, recipe.gradients
+        self.recipe, self.run, self.finish = recipe, recipe.run, recipe.finish
         self.slot: Slot | None = None
         #: verdict key (:func:`verdict_key`) -> :class:`Replay`, replaced whole (no half-made read)
         self.routes: dict | None = None
@@ -124,7 +124,7 @@ def memoizable(p: Plan, call: ForwardCall | BackwardCall) -> bool:
     is the call as given (a plain route is; not a decode step's workaround), with no mask (its route follows its
     values: :class:`Replay`) and no dropout (a forward falls back where its backward does not build; a backward asks
     whether its forward fell back: :func:`replay` reads both). Sinks' gradient is the recipe's
-    (:attr:`~thunder_cudnn_safe.routing.recipes.PackRecipe.gradients`). Everything else the run path decides
+    (:attr:`~thunder_cudnn_safe.routing.recipes.PackRecipe.finish`). Everything else the run path decides
     follows from the memo key."""
     return p.route is Route.PLAIN and call.attn_mask is None and not call.dropout_p
 
@@ -206,7 +206,8 @@ def replay(disp: Dispatching, entry: Memo, call: ForwardCall | BackwardCall, tar
             seen.dead = dead  # the same for every call while the mask's state holds
     if seen is not None and not seen.fast and seen.replay is replay:
         seen.go_fast(call, planned, bias_bound)
-    outputs = finished(replay.memo.recipe, bound) if replay.memo.gradients else bound.outputs
+    finish = replay.memo.finish
+    outputs = bound.outputs if finish is None else finish(bound)
     if masked_rows.applies(call):  # a finite fill's dead rows: the average of V, as on the full path
         if forward:
             masked_rows.average_forward(call, outputs[0])
