@@ -299,41 +299,6 @@ class _RecipeBuilder:
             src, why = self.call._fields.index("grad_out"), CopyReason.DO_LIKE_O if reason is None else reason
             self.add(Step(Uid.DO, src, None, o, why, "grad_out"), o)
 
-    def zero_past(self, dim: int, *values: int) -> None:
-        """Zero ``values``' rows at or past the padding mask's shortest key length along ``dim`` on every call, before
-        the graph runs (:attr:`Step.zero_rows`): cuDNN then overwrites the rows it writes, and the rows of keys past
-        each batch element's seq_len_kv, which it leaves unwritten, are all among them."""
-        self.add(Step(None, None, zero_rows=(dim, self.call._fields.index("attn_mask"), *values)), None)
-
-    def cat_grad_qkv(self, q: TensorSig, k: TensorSig, v: TensorSig) -> int:
-        """dq, dk, dv as head slices of one buffer (:func:`~thunder_cudnn_safe.layouts.layout.fused_grad_qkv`); with
-        a padding mask, the dK and dV heads (adjacent: one view) zeroed past the shortest key length."""
-        shape, strides, starts = fused_grad_qkv(q.shape[0], (q.shape[1], k.shape[1], v.shape[1]), *q.shape[2:], q.dtype)
-        buf = self.new(None, TensorSig(shape, strides, q.dtype))
-        for uid, t, start in zip((Uid.DQ, Uid.DK, Uid.DV), (q, k, v), starts):
-            view = (tuple(t.shape), canonical_strides(t.shape, strides), start * strides[1])
-            self.add(Step(uid, buf, view), TensorSig(view[0], view[1], q.dtype))
-        if self.padded:
-            kv_shape = (shape[0], k.shape[1] + v.shape[1], *shape[2:])
-            kv = self.add(
-                Step(None, buf, (kv_shape, canonical_strides(kv_shape, strides), starts[1] * strides[1])), None
-            )
-            self.zero_past(2, kv)
-        return buf
-
-    def grad_kv(self, k: TensorSig, v: TensorSig) -> tuple[int, int]:
-        """dK and dV in K's and V's own dimension order; with a padding mask, zeroed past the shortest key length
-        (:meth:`zero_past`). Two allocations, so two fills: torch forbids a custom operator's outputs to share
-        storage (``torch.library``'s aliasing check, run on the eager ``attention()`` op), so dK and dV cannot be
-        views of one buffer as fused dQKV's single output is."""
-        dk, dv = (
-            self.new(uid, t._replace(stride=strides_like(t.shape, t, self.policy)))
-            for uid, t in ((Uid.DK, k), (Uid.DV, v))
-        )
-        if self.padded:
-            self.zero_past(2, dk, dv)
-        return dk, dv
-
     def finish(self, kind: type, target: Target, outputs: tuple[int, ...], **options: Any) -> _RecipeBuilder:
         """The steps so far are all: record the key declaring their layouts and the options both keys read off the
         call (a pattern keeping no key right of the diagonal is causal), and which values are the outputs."""
@@ -366,6 +331,41 @@ def _gradients(call: tuple, sigs: dict[Uid, TensorSig]) -> tuple:
             summed = (1,) * (4 - len(a.shape)) + tuple(a.shape) if uid is Uid.DBIAS else sigs[uid].shape
             grads.append((uid, summed, tuple(a.shape), a.dtype))
     return tuple(grads)
+
+
+def _zero_padded_keys(p: _RecipeBuilder, dim: int, *values: int) -> None:
+    """Zero ``values``' rows at or past the padding mask's shortest key length along ``dim`` on every call, before
+    the graph runs (:attr:`Step.zero_rows`): cuDNN then overwrites the rows it writes, and the rows of keys past
+    each batch element's seq_len_kv, which it leaves unwritten, are all among them."""
+    p.add(Step(None, None, zero_rows=(dim, p.call._fields.index("attn_mask"), *values)), None)
+
+
+def _fused_grad_qkv(p: _RecipeBuilder, q: TensorSig, k: TensorSig, v: TensorSig) -> int:
+    """dq, dk, dv as head slices of one buffer (:func:`~thunder_cudnn_safe.layouts.layout.fused_grad_qkv`); with
+    a padding mask, the dK and dV heads (adjacent: one view) zeroed past the shortest key length."""
+    shape, strides, starts = fused_grad_qkv(q.shape[0], (q.shape[1], k.shape[1], v.shape[1]), *q.shape[2:], q.dtype)
+    buf = p.new(None, TensorSig(shape, strides, q.dtype))
+    for uid, t, start in zip((Uid.DQ, Uid.DK, Uid.DV), (q, k, v), starts):
+        view = (tuple(t.shape), canonical_strides(t.shape, strides), start * strides[1])
+        p.add(Step(uid, buf, view), TensorSig(view[0], view[1], q.dtype))
+    if p.padded:
+        kv_shape = (shape[0], k.shape[1] + v.shape[1], *shape[2:])
+        kv = p.add(Step(None, buf, (kv_shape, canonical_strides(kv_shape, strides), starts[1] * strides[1])), None)
+        _zero_padded_keys(p, 2, kv)
+    return buf
+
+
+def _grad_kv(p: _RecipeBuilder, k: TensorSig, v: TensorSig) -> tuple[int, int]:
+    """dK and dV in K's and V's own dimension order; with a padding mask, zeroed past the shortest key length
+    (:func:`_zero_padded_keys`). Two allocations, so two fills: torch forbids a custom operator's outputs to share
+    storage (``torch.library``'s aliasing check, run on the eager ``attention()`` op), so dK and dV cannot be
+    views of one buffer as fused dQKV's single output is."""
+    dk, dv = (
+        p.new(uid, t._replace(stride=strides_like(t.shape, t, p.policy))) for uid, t in ((Uid.DK, k), (Uid.DV, v))
+    )
+    if p.padded:
+        _zero_padded_keys(p, 2, dk, dv)
+    return dk, dv
 
 
 def _sink(p: _RecipeBuilder, gradient: bool) -> None:
@@ -489,9 +489,9 @@ def _backward(call: BackwardCall, target: Target) -> _RecipeBuilder:
             a = getattr(call, field)
             p.add(Step(uid, call._fields.index(field)), TensorSig(tuple(a.shape), tuple(a.stride), a.dtype))
     if wants_fused_grad_qkv(call):
-        outputs = (p.cat_grad_qkv(q, k, v),)
+        outputs = (_fused_grad_qkv(p, q, k, v),)
     else:  # dQ: every row written (seq_len_q is each pattern's L)
-        outputs = (p.new(Uid.DQ, q._replace(stride=strides_like(q.shape, q, p.policy))), *p.grad_kv(k, v))
+        outputs = (p.new(Uid.DQ, q._replace(stride=strides_like(q.shape, q, p.policy))), *_grad_kv(p, k, v))
     return p.finish(BackwardKey, target, outputs, deterministic=bool(call.deterministic))
 
 
