@@ -14,6 +14,7 @@ Each test failed before its fix (found by an independent adversarial review).
 """
 
 import gc
+import weakref
 from pathlib import Path
 
 import pytest
@@ -22,9 +23,12 @@ import torch.nn.functional as F
 from checks import inject_failures, jit_sdpa, jit_with_ours
 
 import thunder_cudnn_safe as tcs
+from thunder_cudnn_safe.dispatch.dispatcher import Dispatcher
 from thunder_cudnn_safe.errors import GraphBuildError
+from thunder_cudnn_safe.graphs.cache import GraphCache
 from thunder_cudnn_safe.layouts.keys import BackwardKey
 from thunder_cudnn_safe.runtimes import handoff
+from thunder_cudnn_safe.runtimes.emulation import EmulatedRuntime
 from thunder_cudnn_safe.testing import assert_close_to_reference, seeded_qkv
 
 DISPATCH = tcs.emulated_ex.dispatcher
@@ -177,6 +181,68 @@ def test_mask_gradient_stash_is_not_handed_to_another_call_with_reused_ids():
     first = DISPATCH.backward(*a2)
     again = DISPATCH.backward(*a2)  # nothing stashed any more: computed for a2
     assert all(torch.equal(x, y) for x, y in zip(first, again)), "returned another call's gradients"
+
+
+def _mask_gradient_args(seed: int = 0) -> list:
+    """A mask-gradient step's backward arguments (a float bias whose gradient is used), its forward run on a private
+    dispatcher, which comes first."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, do = (torch.randn(2, 2, 16, 16, dtype=torch.float16, generator=g) for _ in range(4))
+    mask = torch.randn(1, 2, 16, 16, dtype=torch.float16, generator=g).requires_grad_()
+    disp = Dispatcher(EmulatedRuntime(), GraphCache(32))
+    out, stats = disp.forward(q, k, v, mask)
+    return [disp, do, q, k, v, mask, 0.0, False, out, stats, None, None]
+
+
+def _backward_runs(disp: Dispatcher) -> list:
+    """Each backward graph ``disp``'s runtime executes, appended as it runs."""
+    runs, real = [], disp.runtime.execute
+    disp.runtime.execute = lambda built, pack: (
+        (runs.append(1) if isinstance(built.key, BackwardKey) else None) or real(built, pack)
+    )
+    return runs
+
+
+def test_kept_gradients_do_not_pile_up_while_grad_out_lives():
+    """One grad_out for many steps (a user's reused gradient; the host benchmark's): every mask-gradient call left a
+    ``weakref.finalize`` on grad_out in finalize's registry, holding its kept dQ, dK, dV (never cleared once taken),
+    so the registry and memory grew by one call's gradients per call until grad_out was freed."""
+    disp, *args = _mask_gradient_args()
+    disp.mask_gradient(*args)
+    disp.backward(*args)
+    registry, kept = len(weakref.finalize._registry), []
+    for _ in range(20):
+        disp.mask_gradient(*args)
+        kept += [weakref.ref(t) for t in disp.backward(*args)]  # the caller drops them at once
+    assert len(weakref.finalize._registry) == registry, "a finalizer per call stayed while grad_out lives"
+    assert all(r() is None for r in kept), "taken gradients stayed alive after the caller dropped them"
+
+
+@pytest.mark.parametrize("change", ["another grad_out", "query written in place", "mask written in place", "scale"])
+def test_a_backward_that_does_not_match_the_mask_gradient_call_runs_its_own(change):
+    """The kept dQ, dK, dV go only to the backward call with the mask-gradient call's very arguments: another
+    grad_out (equal values, another tensor), a tensor written in place in between (its version bumped) or another
+    option runs its own backward, with its own numbers."""
+    disp, *args = _mask_gradient_args()
+    runs = _backward_runs(disp)
+    disp.mask_gradient(*args)
+    disp.backward(*args)
+    assert len(runs) == 1, "the matching backward took the kept gradients"
+    disp.mask_gradient(*args)
+    kw = {}
+    if change == "another grad_out":
+        args[0] = args[0].clone()
+    elif change == "query written in place":
+        args[1].mul_(2)
+    elif change == "mask written in place":
+        with torch.no_grad():
+            args[4].mul_(2)
+    else:
+        kw = dict(scale=0.5)
+    got = disp.backward(*args, **kw)
+    assert len(runs) == 3, f"{change}: the backward took another call's kept gradients"
+    want = Dispatcher(EmulatedRuntime(), GraphCache(32)).backward(*args, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), change
 
 
 def test_mask_cache_can_be_turned_off_for_writes_that_bypass_the_version_counter():

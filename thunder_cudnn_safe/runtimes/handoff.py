@@ -24,11 +24,23 @@ _local = threading.local()
 _fallback_seeds: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 
 
-class _Kept:
+class _Kept(weakref.ref):
+    """dQ, dK, dV of one mask-gradient call, and what the backward call must match to take them.
+
+    Itself the weak reference to grad_out, whose callback (:func:`_drop`) drops the gradients when grad_out is
+    freed, so nothing outlives the record: a ``weakref.finalize`` per call stayed in finalize's registry, holding
+    that call's gradients, for as long as grad_out lived (a gradient reused across calls: one more set per call).
+    """
+
+    __slots__ = ("refs", "grads")
+
+    def __new__(cls, call: BackwardCall, grads: tuple) -> _Kept:
+        return super().__new__(cls, call.grad_out, _drop)
+
     def __init__(self, call: BackwardCall, grads: tuple) -> None:
+        super().__init__(call.grad_out, _drop)
         self.refs = tuple((weakref.ref(x), x._version) if isinstance(x, torch.Tensor) else (None, x) for x in call)
         self.grads: tuple | None = grads
-        weakref.finalize(call.grad_out, setattr, self, "grads", None)  # dropped when grad_out is freed
 
     def matches(self, call: BackwardCall) -> bool:
         return all(
@@ -37,17 +49,26 @@ class _Kept:
         )
 
 
+def _drop(kept: _Kept) -> None:
+    """grad_out was freed: no backward call can match any more, so its gradients go now."""
+    kept.grads = None
+
+
 def keep_gradients(call: BackwardCall, grads: tuple) -> None:
     """Keep dQ, dK, dV (or fused dQKV) of a mask-gradient call for the backward call with the same arguments."""
     _local.kept = _Kept(call._replace(mask_grad=True), grads)
 
 
 def take_gradients(call: BackwardCall) -> tuple | None:
-    """The gradients kept for exactly this backward call, or None; forgets them either way."""
+    """The gradients kept for exactly this backward call, or None; forgets them either way (the record, which the
+    thread drops here, keeps no reference to them: only the caller holds what it takes)."""
     kept, _local.kept = getattr(_local, "kept", None), None
-    if kept is None or kept.grads is None or call.mask_grad or not kept.matches(call):
+    if kept is None:
         return None
-    return kept.grads
+    grads, kept.grads = kept.grads, None
+    if grads is None or call.mask_grad or not kept.matches(call):
+        return None
+    return grads
 
 
 def mark_fallback_seed(seed: torch.Tensor) -> None:
