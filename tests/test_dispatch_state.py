@@ -14,6 +14,7 @@ Each test failed before its fix (found by an independent adversarial review).
 """
 
 import gc
+import threading
 import weakref
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from thunder_cudnn_safe.dispatch.dispatcher import Dispatcher
 from thunder_cudnn_safe.errors import GraphBuildError
 from thunder_cudnn_safe.graphs.cache import GraphCache
 from thunder_cudnn_safe.layouts.keys import BackwardKey
+from thunder_cudnn_safe.routing.calls import BackwardCall
 from thunder_cudnn_safe.runtimes import handoff
 from thunder_cudnn_safe.runtimes.emulation import EmulatedRuntime
 from thunder_cudnn_safe.testing import assert_close_to_reference, seeded_qkv
@@ -243,6 +245,43 @@ def test_a_backward_that_does_not_match_the_mask_gradient_call_runs_its_own(chan
     assert len(runs) == 3, f"{change}: the backward took another call's kept gradients"
     want = Dispatcher(EmulatedRuntime(), GraphCache(32)).backward(*args, **kw)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), change
+
+
+def test_a_backward_with_equal_arguments_of_other_types_takes_the_kept_gradients():
+    """The other fields match by equality, as they always did: ``0`` for the mask-gradient call's ``0.0`` and
+    ``causal=0`` for ``False`` (the whole-tuple match sees other types and compares field by field)."""
+    disp, *args = _mask_gradient_args()
+    runs = _backward_runs(disp)
+    disp.mask_gradient(*args)
+    args[5], args[6] = 0, 0
+    disp.backward(*args)
+    assert len(runs) == 1, "the equal backward ran its own backward"
+
+
+@pytest.mark.parametrize("scale", [torch.tensor(0.5), torch.tensor([0.5, 0.5])], ids=["one element", "two"])
+def test_a_tensor_where_the_kept_call_had_a_value_never_matches(scale):
+    """A tensor is matched by identity only: where the mask-gradient call had a value (scale 0.5), a tensor equal to
+    it neither takes the kept gradients (``tensor == 0.5`` is truthy) nor raises (a two-element one's truth)."""
+    _, *args = _mask_gradient_args()
+    call = BackwardCall(*args, scale=0.5)
+    handoff.keep_gradients(call, ("dq", "dk", "dv"))
+    assert handoff.take_gradients(call._replace(scale=scale)) is None
+    handoff.keep_gradients(call, ("dq", "dk", "dv"))
+    assert handoff.take_gradients(call) == ("dq", "dk", "dv")
+
+
+def test_kept_gradients_are_the_keeping_threads_own():
+    """Kept per thread: another thread's backward with the very arguments runs its own; the keeping thread's
+    backward still takes what its mask-gradient call kept."""
+    disp, *args = _mask_gradient_args()
+    runs = _backward_runs(disp)
+    disp.mask_gradient(*args)
+    other = threading.Thread(target=disp.backward, args=args)
+    other.start()
+    other.join()
+    assert len(runs) == 2, "the other thread took this thread's kept gradients"
+    disp.backward(*args)
+    assert len(runs) == 2, "the keeping thread's backward ran its own backward"
 
 
 def test_mask_cache_can_be_turned_off_for_writes_that_bypass_the_version_counter():
