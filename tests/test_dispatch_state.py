@@ -4,13 +4,14 @@
   time, so transient failures are retried, clear_cache() forgets refusals, and the answer
   is per backward graph, not per forward key;
 * the mask-gradient stash (dQ, dK, dV computed with dBias, handed to the next backward call
-  of the same operands) matches by object identity, never outlives grad_out, and works with
-  fused dQKV;
+  of the same operands) matches by object identity, never outlives grad_out (nor piles up
+  while grad_out lives), and works with fused dQKV;
 * the converted-mask cache: inference tensors (no version counter), writes that bypass the
   version counter (opt out with config.set(mask_cache_size=0)), a weakref callback during a garbage
   collection under the cache's own lock.
 
-Each test failed before its fix (found by an independent adversarial review).
+Each test failed before its fix (found by an independent adversarial review), except those pinning the
+stash's matching (a mismatched, an equal or another thread's backward), which guard its fast match.
 """
 
 import gc
