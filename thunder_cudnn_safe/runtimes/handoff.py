@@ -17,7 +17,7 @@ import functools
 import threading
 import weakref
 from collections.abc import Callable
-from operator import attrgetter, is_, itemgetter
+from operator import attrgetter, itemgetter
 
 import torch
 
@@ -29,7 +29,7 @@ _fallback_seeds: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakVa
 
 #: Where ``mask_grad`` is in a backward call (the kept call has it, the call taking its gradients has not).
 _MASK_GRAD = BackwardCall._fields.index("mask_grad")
-_new_ref, _deref, _version = weakref.ref.__new__, weakref.ref.__call__, attrgetter("_version")
+_new_ref, _version = weakref.ref.__new__, attrgetter("_version")
 
 
 class _Kept(weakref.ref):
@@ -40,11 +40,11 @@ class _Kept(weakref.ref):
     freed, so nothing outlives the record: a ``weakref.finalize`` per call stayed in finalize's registry, holding
     that call's gradients, for as long as grad_out lived (a gradient reused across calls: one more set per call).
 
-    Read on every backward with a mask, so by whole tuples: the fields' types first (equal types put the tensors
+    Read on every backward with a mask, so in few steps: the fields' types first (equal types put the tensors
     where the kept call had them and no tensor among the other fields, whose ``==`` a tensor would turn
-    elementwise), then the tensors and the other fields, each by the :func:`_getters` of those types. Fields of
-    other types (``0`` for ``0.0``) are compared one by one (:meth:`matches_by_field`). Made by
-    :func:`keep_gradients` alone.
+    elementwise), then the tensors, then the other fields as one tuple, each picked by the :func:`_getters` of
+    those types. Fields of other types (``0`` for ``0.0``) are compared one by one (:meth:`matches_by_field`).
+    Made by :func:`keep_gradients` alone.
     """
 
     __slots__ = ("grads", "types", "tensors_of", "others_of", "refs", "versions", "others")
@@ -53,12 +53,10 @@ class _Kept(weakref.ref):
         """Whether ``call`` (a backward call, or its fields as a plain tuple) has exactly the kept call's arguments."""
         if tuple(map(type, call)) != self.types:
             return self.matches_by_field(call)
-        tensors = self.tensors_of(call)
-        return (
-            all(map(is_, map(_deref, self.refs), tensors))
-            and tuple(map(_version, tensors)) == self.versions  # not written in place since
-            and self.others_of(call) == self.others
-        )
+        for ref, x, version in zip(self.refs, self.tensors_of(call), self.versions):
+            if ref() is not x or x._version != version:  # another tensor, or written in place since
+                return False
+        return self.others_of(call) == self.others
 
     def matches_by_field(self, call: tuple) -> bool:
         """:meth:`matches` for a call whose fields' types differ from the kept call's: a tensor only where the kept
