@@ -195,8 +195,9 @@ def test_clear_cache_clears_every_cache_and_says_which(caplog):
     assert len(tcs.cached_graphs()) and len(disp.memos) and len(bias.converted_masks._lru)
     with caplog.at_level(logging.INFO, logger="thunder_cudnn_safe"):
         names = tcs.clear_cache()
-    assert names == tcs.caches.registered() and len(names) == 10  # one registry: each cache registers itself
+    assert names == tcs.caches.registered() and len(names) == 11  # one registry: each cache registers itself
     assert "the checkers' key-gate verdicts by call signature" in names
+    assert "sink tokens of attention sinks" in names
     assert "clear_cache cleared" in caplog.text
     assert tcs.cached_graphs() == [] and tcs.cache_info().misses == 0
     assert len(disp.memos) == 0 and len(bias.converted_masks._lru) == 0

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from checks import assert_claimed, dispatch_step
 
-from thunder_cudnn_safe.dispatch import dispatcher
+from thunder_cudnn_safe.dispatch import dispatcher, replay
 from thunder_cudnn_safe.dispatch.dispatcher import Dispatcher
 from thunder_cudnn_safe.graphs.cache import GraphCache
 from thunder_cudnn_safe.masks import bias, patterns
@@ -120,6 +120,29 @@ def test_a_repeated_call_of_each_kind_plans_once(name, plans):
     if "dropout_p" not in kind:  # dropout draws a new mask each step
         for a, b in zip(first, again, strict=True):
             assert torch.equal(a, b)
+
+
+#: Kinds whose replay does more than bind and execute on every call: the general replay runs them each time.
+_REPLAYED_IN_FULL = ("dropout", "a finite fill's dead rows (masked_rows='average')")
+
+
+@pytest.mark.parametrize("name", [n for n, kind in _kinds().items() if "mask" in kind and n not in _REPLAYED_IN_FULL])
+def test_a_mask_seen_again_in_its_state_takes_the_entry_points_fast_replay(name, plans, monkeypatch):
+    """From the third call of a signature with one mask in one state (a step's layers), the entry point binds and
+    executes the kept plan itself: the general replay (which reads the mask's verdict) no longer runs, and the
+    numbers are the first step's. The mask-gradient backward is the exception: its kept gradients are taken."""
+    kind = _kinds()[name]
+    disp = Dispatcher(EmulatedRuntime(), GraphCache(32))
+    first = _step(disp, kind)
+    _step(disp, kind)  # the general replay: it marks the mask's record fast
+    routed = []
+    real = replay._route
+    monkeypatch.setattr(replay, "_route", lambda entry, mask: routed.append(mask) or real(entry, mask))
+    for _ in range(2):
+        again = _step(disp, kind)
+    assert routed == [], f"{name}: {len(routed)} calls took the general replay"
+    for a, b in zip(first, again, strict=True):
+        assert torch.equal(a, b)
 
 
 def _reference(q, k, v, keep: torch.Tensor, g: torch.Tensor) -> tuple:

@@ -133,7 +133,7 @@ _KNOBS = (
         16,
         *_integer(0, "a non-negative integer"),
         "a kept copy per distinct converted mask for one conversion and pattern check per mask; "
-        "0 converts on every call and recognizes no pattern",
+        "0 converts on every call and recognizes no pattern (and keeps no sink token: each call makes its own)",
     ),
     Knob(
         "mask_patterns",

@@ -48,15 +48,22 @@ class CopyReason(str, enum.Enum):
     @property
     def avoidable(self) -> bool:
         """Whether a user could avoid this copy by passing another layout (worth a warning); copies asked
-        for (policy "contiguous") or made unavoidable by ordinary code are counted silently."""
-        return self.name not in (
-            "BROADCAST",
-            "POLICY_CONTIGUOUS",
-            "BOOL_MASK",
-            "MASK_DTYPE",
-            "MASK_BROADCAST",
-            "SINKS_LAYOUT",
-        )
+        for (policy "contiguous") or made unavoidable by ordinary code are counted silently. Read on every counted
+        copy: one set lookup (an enum member's ``name`` is a descriptor call)."""
+        return self not in _SILENT
+
+
+#: Copies counted without a warning (:attr:`CopyReason.avoidable`).
+_SILENT = frozenset(
+    (
+        CopyReason.BROADCAST,
+        CopyReason.POLICY_CONTIGUOUS,
+        CopyReason.BOOL_MASK,
+        CopyReason.MASK_DTYPE,
+        CopyReason.MASK_BROADCAST,
+        CopyReason.SINKS_LAYOUT,
+    )
+)
 
 
 _warned = LRU(WARN_ONCE_LIMIT)

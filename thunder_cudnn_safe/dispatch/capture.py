@@ -73,11 +73,12 @@ def prebuild(
     cache: GraphCache,
     marks: Marks,
     memo_of: MemoOf,
+    memo: tuple | None = None,
 ) -> None:
     """Build through ``cache`` (and copy for this thread) the graphs ``call`` would run on ``runtime`` under
     capture, planned by the dispatcher's ``memo_of``; once per signature and thread while the cache holds them
-    (``marks``: a later call reads its mark's slots, no cache lookup)."""
-    memo = memo_key(call, target)
+    (``marks``: a later call reads its mark's slots, no cache lookup). ``memo``: the call's memo key, if made."""
+    memo = memo_key(call, target) if memo is None else memo
     if marks.holds(memo, cache):
         return
     bias = plan(call, target, recognize=False)  # no pattern under capture; an oversized bias: the fallback runs it

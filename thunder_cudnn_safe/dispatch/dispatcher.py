@@ -29,7 +29,7 @@ import torch
 from thunder_cudnn_safe import config
 from thunder_cudnn_safe.codegen import compile_function
 from thunder_cudnn_safe.dispatch import capture, dropout, masked_rows, packed, replay
-from thunder_cudnn_safe.dispatch.replay import Memo, spare
+from thunder_cudnn_safe.dispatch.replay import Memo, spare, state_source
 from thunder_cudnn_safe.errors import ExecuteError, GraphBuildError
 from thunder_cudnn_safe.graphs.cache import GraphCache, graph_cache
 from thunder_cudnn_safe.layouts.keys import BackwardKey, Target, Uid
@@ -69,24 +69,31 @@ def _entry_point(call_type: type, miss: str, doc: str) -> Callable:
     (given the arguments as a plain tuple: it only unpacks them) and the memo's and the cache's marks of use
     (the memo's: one flag on the entry, :func:`spare`); no call value
     made, no memo-key function, no planning, no graph key hashed (``GraphCache.touch``). A hit of a call with a mask
-    or dropout goes to :func:`.replay.replay`. A backward turns on ``deterministic`` first where torch's
-    deterministic algorithms are on, as the full path always did; then a backward with a mask takes the dQ, dK, dV
-    its mask-gradient call kept (:mod:`~thunder_cudnn_safe.runtimes.handoff`: the same arguments), before its memo
-    key is made (that call ran the backward; this one only hands its results on)."""
+    the memo entry saw last, in the same state, binds and executes the plan kept for it here too (the record's
+    fields: :class:`~.replay.Seen`); any other hit of a call with a mask or dropout goes to :func:`.replay.replay`.
+    A backward turns on ``deterministic`` first where torch's deterministic algorithms are on, as the full path
+    always did; then a backward with a mask takes the dQ, dK, dV its mask-gradient call kept
+    (:mod:`~thunder_cudnn_safe.runtimes.handoff`: the same arguments), before its memo key is made (that call ran
+    the backward; this one only hands its results on)."""
     fields, defaults, name = call_type._fields, call_type._field_defaults, miss[1:]
     memo, env = memo_source(call_type, lambda f: f)
     env.update({f"default_{f}": v for f, v in defaults.items()})
     env.update(new=tuple.__new__, refusals=(GraphBuildError, ExecuteError), torch_deterministic=torch_deterministic)
-    env.update(finished=finished, replay=replay.replay, take_gradients=handoff.take_gradients)
-    reserved = {"self", "device", "target", "memo", "args", "entry", "built", "bound", "exc", "outputs", "kept"}
-    assert not set(fields) & reserved
+    env.update(replay=replay.replay, zero_rows=masked_rows.zero_fully_masked_rows)
+    env.update(take_gradients=handoff.take_gradients, bias=bias, prebuild_hit=replay.prebuild_hit)
+    training = "True" if call_type is BackwardCall else "need_stats"
+    i_mask, i_causal = fields.index("attn_mask"), fields.index("is_causal")
+    assert i_causal == i_mask + 2  # the fast replay's slice below remakes the call around these two fields
+    reserved = {"self", "device", "target", "memo", "args", "entry", "built", "bound", "exc", "finish", "outputs"}
+    assert not set(fields) & (reserved | {"taken"})
     params = ", ".join(f"{f}=default_{f}" if f in defaults else f for f in fields)
     det = "    if not deterministic and torch_deterministic():\n        deterministic = True\n"
     det += f"""    if attn_mask is not None:
-        kept = take_gradients(({"".join(f + ", " for f in fields)}))
-        if kept is not None:
-            return kept
+        taken = take_gradients(({"".join(f + ", " for f in fields)}))
+        if taken is not None:
+            return taken
 """
+    i_mask_1, i_causal_1 = i_mask + 1, i_causal + 1
     source = f"""def {name}(self, {params}):
 {det if call_type is BackwardCall else ""}    device = query.device
     target = self.runtime.target(device)
@@ -103,8 +110,36 @@ def _entry_point(call_type: type, miss: str, doc: str) -> Callable:
                     self.runtime.execute(built, bound.pack)
                 except refusals as exc:
                     self.refused(bound, exc)
-                return finished(entry.recipe, bound) if entry.gradients else bound.outputs
+                finish = entry.finish
+                return bound.outputs if finish is None else finish(bound)
         elif entry.routes is not None:
+            seen = entry.seen
+            if (
+                seen is not None
+                and seen.fast
+                and seen.ref() is attn_mask
+                and seen.state == {state_source("attn_mask")}
+                and seen.storage() is attn_mask.untyped_storage()
+                and seen.current(attn_mask)
+            ):
+                planned = seen.replay
+                built = self.cache.touch(planned.slot)
+                if built is not None:
+                    if seen.prebuild and bias.capture_may_follow(query, {training}):
+                        prebuild_hit(self, new(call_type, args), target, memo)
+                    how = seen.planned
+                    if how is not None:
+                        args = args[:{i_mask}] + (how[0], args[{i_mask_1}], how[1]) + args[{i_causal_1}:]
+                    planned = planned.memo
+                    bound = planned.run(args, device)
+                    try:
+                        self.runtime.execute(built, bound.pack)
+                    except refusals as exc:
+                        self.refused(bound, exc)
+                    if seen.zero is not None:
+                        zero_rows(None, bound, seen.zero)
+                    finish = planned.finish
+                    return bound.outputs if finish is None else finish(bound)
             outputs = replay(self, entry, new(call_type, args), target)
             if outputs is not None:
                 return outputs

@@ -5,8 +5,9 @@ A mask's route follows its values (a pattern, or its bias), so the full path kee
 of the mask (:class:`Replay`, :func:`remember`), and a hit (:func:`replay`) reads the mask's present verdict from
 the converted-mask cache (:func:`~thunder_cudnn_safe.masks.patterns.known_pattern`: one lookup by the mask's
 storage and ``_version``, none where the mask is the one its memo entry read last: :class:`Seen`; nothing
-recognized, nothing planned) and runs the outcome kept for it. A mask written in place or a new mask has no
-verdict yet: the full path recognizes and plans it, once. Under CUDA-graph capture no verdict is read (the mask
+recognized, nothing planned) and runs the outcome kept for it; from the next call with that mask in that state the
+dispatcher's entry point does it with no frame of its own (:attr:`Seen.fast`). A mask written in place or a new mask
+has no verdict yet: the full path recognizes and plans it, once. Under CUDA-graph capture no verdict is read (the mask
 is its bias, as on the full path). A dropout forward still asks whether its backward
 builds (an answer its memo keeps); a dropout backward still asks whether its forward fell back.
 """
@@ -18,6 +19,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
+from thunder_cudnn_safe.codegen import compile_function
 from thunder_cudnn_safe.dispatch import capture, dropout, masked_rows
 from thunder_cudnn_safe.errors import ExecuteError, GraphBuildError
 from thunder_cudnn_safe.graphs.cache import GraphCache, Slot
@@ -26,7 +28,7 @@ from thunder_cudnn_safe.masks import bias
 from thunder_cudnn_safe.masks.patterns import UNKNOWN, MaskPattern, known_pattern
 from thunder_cudnn_safe.routing.calls import BackwardCall, ForwardCall, arg_key
 from thunder_cudnn_safe.routing.planner import Plan, Route, reads_mask_values
-from thunder_cudnn_safe.routing.recipes import Bound, PackRecipe, finished
+from thunder_cudnn_safe.routing.recipes import Bound, PackRecipe
 from thunder_cudnn_safe.runtimes.base import Runtime
 
 
@@ -36,10 +38,10 @@ class Memo:
     for a call with a mask or dropout, ``routes``: its plan's outcome per verdict of its mask (:class:`Replay`);
     for a dropout forward, ``dropout``: whether its backward builds (:func:`.dropout.backward_builds`)."""
 
-    __slots__ = ("recipe", "run", "gradients", "slot", "routes", "verdict_of", "seen", "dropout", "used")
+    __slots__ = ("recipe", "run", "finish", "slot", "routes", "verdict_of", "seen", "dropout", "used")
 
     def __init__(self, recipe: PackRecipe) -> None:
-        self.recipe, self.run, self.gradients = recipe, recipe.run, recipe.gradients
+        self.recipe, self.run, self.finish = recipe, recipe.run, recipe.finish
         self.slot: Slot | None = None
         #: verdict key (:func:`verdict_key`) -> :class:`Replay`, replaced whole (no half-made read)
         self.routes: dict | None = None
@@ -121,7 +123,7 @@ def memoizable(p: Plan, call: ForwardCall | BackwardCall) -> bool:
     is the call as given (a plain route is; not a decode step's workaround), with no mask (its route follows its
     values: :class:`Replay`) and no dropout (a forward falls back where its backward does not build; a backward asks
     whether its forward fell back: :func:`replay` reads both). Sinks' gradient is the recipe's
-    (:attr:`~thunder_cudnn_safe.routing.recipes.PackRecipe.gradients`). Everything else the run path decides
+    (:attr:`~thunder_cudnn_safe.routing.recipes.PackRecipe.finish`). Everything else the run path decides
     follows from the memo key."""
     return p.route is Route.PLAIN and call.attn_mask is None and not call.dropout_p
 
@@ -192,12 +194,16 @@ def replay(disp: Dispatching, entry: Memo, call: ForwardCall | BackwardCall, tar
             disp.runtime.execute(built, bound.pack)
         except (GraphBuildError, ExecuteError) as exc:
             disp.refused(bound, exc)
-    if forward and Uid.BIAS in bound.pack:
+    bias_bound = Uid.BIAS in bound.pack
+    if forward and bias_bound:
         dead = masked_rows.UNREAD if seen is None else seen.dead
         dead = masked_rows.zero_fully_masked_rows(planned.attn_mask, bound, dead)
         if seen is not None:
             seen.dead = dead  # the same for every call while the mask's state holds
-    outputs = finished(replay.memo.recipe, bound) if replay.memo.gradients else bound.outputs
+    if seen is not None and not seen.fast and seen.replay is replay:
+        seen.go_fast(call, planned, bias_bound)
+    finish = replay.memo.finish
+    outputs = bound.outputs if finish is None else finish(bound)
     if masked_rows.applies(call):  # a finite fill's dead rows: the average of V, as on the full path
         if forward:
             masked_rows.average_forward(call, outputs[0])
@@ -206,21 +212,51 @@ def replay(disp: Dispatching, entry: Memo, call: ForwardCall | BackwardCall, tar
     return outputs
 
 
+def prebuild_hit(disp: Dispatching, call: ForwardCall | BackwardCall, target: Target, memo: tuple) -> None:
+    """A fast replay of a recognized pattern where a capture may follow (:class:`Seen`): the capture prebuild a
+    :func:`replay` runs (the bias graphs a capture of this call would run); ``memo``: the call's memo key."""
+    capture.prebuild(call, target, disp.runtime, disp.cache, disp.capture_marks, disp.memo, memo)
+
+
 class Seen:
     """The last mask a memo entry read the verdict of: its storage (weakly), its state (``_version``, data pointer,
-    stream, whether its gradient is computed), that verdict, the :class:`Replay` kept for it and, once a forward ran
-    it as a bias, its fully masked rows. Replaced whole when another mask or state comes (``entry.seen``).
+    whether its gradient is computed, and on CUDA the stream), that verdict, the :class:`Replay` kept for it and,
+    once a forward ran it as a bias, its fully masked rows. Replaced whole when another mask or state comes
+    (``entry.seen``).
 
     The storage, as the converted-mask cache keys it: ``mask.data = t`` swaps it with no version bump, and ``t`` may
     sit at the freed storage's address (the caching allocator reuses blocks), so the data pointer alone would
-    replay the old values' verdict for the new ones."""
+    replay the old values' verdict for the new ones.
 
-    __slots__ = ("ref", "storage", "state", "verdict", "replay", "dead")
+    Once a :func:`replay` has run the call with this record and nothing else it does applies (no dropout, no
+    ``masked_rows="average"``, the dead rows read), ``fast`` is set and the dispatcher's entry point runs the
+    next hits itself (:func:`~.dispatcher._entry_point`): ``planned``, the planned call's mask and ``is_causal`` in
+    place of the given ones (None where the given call runs as it is), ``zero``: the dead rows a forward run with a
+    bias sets to zeros (None: none), ``prebuild``: the pattern was recognized, so a capture's prebuild may be due
+    where a capture may follow (:func:`prebuild_hit`)."""
+
+    __slots__ = (
+        "ref",
+        "storage",
+        "state",
+        "host",
+        "stream",
+        "verdict",
+        "replay",
+        "dead",
+        "fast",
+        "planned",
+        "zero",
+        "prebuild",
+    )
 
     def __init__(self, mask: torch.Tensor, verdict: Any, replay: Replay) -> None:
         self.ref, self.storage = weakref.ref(mask), weakref.ref(mask.untyped_storage())
         self.state, self.verdict, self.replay = _state(mask), verdict, replay
+        #: off CUDA there is no stream to match
+        self.host, self.stream = not mask.is_cuda, bias.stream_key(mask)
         self.dead: Any = masked_rows.UNREAD
+        self.fast, self.planned, self.zero, self.prebuild = False, None, None, False
 
     def holds(self, mask: torch.Tensor) -> bool:
         """Whether ``mask`` is this record's mask, over the same storage, in the same state, not under capture."""
@@ -228,15 +264,43 @@ class Seen:
             self.ref() is mask
             and self.state == _state(mask)
             and self.storage() is mask.untyped_storage()
-            and not bias.capturing(mask)
+            and self.current(mask)
         )
 
+    def current(self, mask: torch.Tensor) -> bool:
+        """The stream's part of :meth:`holds`: not under capture (no host decision is reused there) and, on CUDA,
+        read on the stream the record was made on (the verdict's length tensors and the dead rows were made there)."""
+        if self.host:
+            return not bias.capturing(mask)
+        return bias.stream_key(mask) == self.stream and not bias.capturing(mask)
 
-def _state(mask: torch.Tensor) -> tuple:
-    """What of ``mask`` a verdict (and a bias's dead rows) depends on besides its identity, as the converted-mask
-    cache keys it (its storage's version and data pointer, the stream) and whether its gradient is computed (such a
-    mask is never a pattern)."""
-    return mask._version, mask.data_ptr(), bias.stream_key(mask), mask.requires_grad
+    def go_fast(self, call: ForwardCall | BackwardCall, planned: ForwardCall | BackwardCall, bias_bound: bool) -> None:
+        """Let the entry point run this record's next hits (``fast``) where a :func:`replay` would do nothing but
+        bind and execute ``planned`` (and zero the dead rows of a forward run with a bias: ``bias_bound``)."""
+        if call.dropout_p or masked_rows.applies(call):
+            return
+        replay = self.replay
+        if replay.mask == "given" and replay.is_causal == bool(call.is_causal):
+            self.planned = None
+        elif replay.mask == "given":
+            return  # the planned call would hold the mask itself (the record keeps it weakly)
+        else:
+            self.planned = (planned.attn_mask, planned.is_causal)
+        self.zero = self.dead if bias_bound and type(call) is ForwardCall else None
+        self.prebuild = replay.recognized
+        self.fast = True
+
+
+def state_source(mask: str) -> str:
+    """The expression of :func:`_state` for the mask named ``mask``: the entry point's fast replay compares it
+    inline (:func:`~.dispatcher._entry_point`), so the two cannot drift apart."""
+    return f"({mask}._version, {mask}.data_ptr(), {mask}.requires_grad)"
+
+
+_state = compile_function(f"def _state(mask):\n    return {state_source('mask')}", "_state", {}, "Seen state")
+_state.__doc__ = """What of ``mask`` a verdict (and a bias's dead rows) depends on besides its identity and storage,
+as the converted-mask cache keys it (its storage's version and data pointer), and whether its gradient is computed
+(such a mask is never a pattern). A CUDA mask's stream: :meth:`Seen.current`."""
 
 
 def _route(entry: Memo, mask: Any) -> tuple[Any, Replay | None, Seen | None]:
@@ -247,15 +311,14 @@ def _route(entry: Memo, mask: Any) -> tuple[Any, Replay | None, Seen | None]:
     mask, read no cache: the verdict, its replay and the bias's dead rows are those of that mask's storage and
     state, which the converted-mask cache keys the same way. Not kept, nor read, for a mask the cache keeps nothing
     for (inference tensors, capture, the cache off: their verdict is a bias, and their dead rows are read every
-    call)."""
-    if entry.verdict_of is None:
-        return None, entry.routes.get(None), None
+    call). A plan that reads no verdict (a mask whose gradient is computed: always its bias) keeps the record too,
+    for its dead rows and the entry point's fast replay; a call with no mask tensor (dropout alone) keeps none."""
     seen = entry.seen
     if seen is not None and seen.holds(mask):
         return seen.verdict, seen.replay, seen
-    verdict = known_pattern(mask, *entry.verdict_of)
+    verdict = None if entry.verdict_of is None else known_pattern(mask, *entry.verdict_of)
     replay = entry.routes.get(verdict_key(verdict))
-    if replay is None or not bias.converted_masks.keeps(mask):
+    if replay is None or not isinstance(mask, torch.Tensor) or not bias.converted_masks.keeps(mask):
         return verdict, replay, None
     entry.seen = seen = Seen(mask, verdict, replay)
     return verdict, replay, seen

@@ -41,6 +41,11 @@ class MaskPattern(NamedTuple):
     #: the band aligned bottom-right (L < S): the L queries are the last L of the S keys' positions (with the
     #: padding mask, of each batch element's n_b), as in prefill against a KV cache or chunked prefill
     bottom_right: bool = False
+    #: with ``kv_lens``: its smallest length as a host int (read in the verdict's one host sync), or None where
+    #: unknown. cuDNN's padding mask leaves the dK/dV rows of keys past seq_len_kv unwritten; every such row of
+    #: every batch element lies at or past this one, so a backward zeroes only those rows (None: all of them).
+    #: Like the length tensors it is this mask's, bound per call: a pattern's signature drops it.
+    min_kv_len: int | None = None
 
     @property
     def name(self) -> str:
@@ -122,6 +127,7 @@ def recognize(mask: torch.Tensor, batch: int, lq: int, s: int, extra: torch.Tens
     window = (row - lo + 1).amax()
     # bottom-right: row i ends at key i + S - L (at i + n_b - L where it pads); a window keeps W keys up to there
     window_br = (hi - lo + 1).amax()
+    shortest = n.amin()  # the padding mask's shortest key length (MaskPattern.min_kv_len)
     checks = torch.stack(
         [
             valid,
@@ -137,13 +143,15 @@ def recognize(mask: torch.Tensor, batch: int, lq: int, s: int, extra: torch.Tens
             (lo == (hi - window_br + 1).clamp(min=0)).all(),
         ]
     ).to(torch.int64)
-    values = torch.cat([checks, window.view(1), window_br.view(1)] + ([] if extra is None else [extra])).tolist()
-    pattern = _pattern_from(_Checks(*values[:13]), n, m, batch, lq, s)
-    return pattern if extra is None else (pattern, values[13:])
+    values = [checks, window.view(1), window_br.view(1), shortest.view(1)] + ([] if extra is None else [extra])
+    values = torch.cat(values).tolist()
+    pattern = _pattern_from(_Checks(*values[:14]), n, m, batch, lq, s)
+    return pattern if extra is None else (pattern, values[14:])
 
 
 class _Checks(NamedTuple):
-    """What :func:`recognize` synchronized: each check of the whole mask (0 or 1), then the two window lengths."""
+    """What :func:`recognize` synchronized: each check of the whole mask (0 or 1), the two window lengths, then the
+    shortest key length if it pads."""
 
     valid: int
     runs: int
@@ -158,6 +166,7 @@ class _Checks(NamedTuple):
     br_windowed: int
     window: int
     window_br: int
+    shortest: int
 
 
 def _pattern_from(c: _Checks, n: torch.Tensor, m: torch.Tensor, batch: int, lq: int, s: int) -> Any:
@@ -178,7 +187,7 @@ def _pattern_from(c: _Checks, n: torch.Tensor, m: torch.Tensor, batch: int, lq: 
         if c.br_causal:
             return MaskPattern(0, left, bottom_right=True)
         if c.br_causal_padded:
-            return MaskPattern(0, left, q_lens, lens, bottom_right=True)
+            return MaskPattern(0, left, q_lens, lens, bottom_right=True, min_kv_len=int(c.shortest))
     return None
 
 
@@ -191,7 +200,7 @@ def _top_left(c: _Checks, q_lens: torch.Tensor, lens: torch.Tensor, lq: int) -> 
     if causal:
         return MaskPattern(0, left)
     if causal_padded:
-        return MaskPattern(0, left, q_lens, lens)
+        return MaskPattern(0, left, q_lens, lens, min_kv_len=int(c.shortest))
     if c.padded and left is None:
-        return MaskPattern(None, None, q_lens, lens)
+        return MaskPattern(None, None, q_lens, lens, min_kv_len=int(c.shortest))
     return None  # e.g. a window without the causal bound: not a form models produce

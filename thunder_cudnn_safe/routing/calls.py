@@ -181,11 +181,13 @@ def _pattern_sig(x: Any) -> Any:
     if isinstance(x, MaskPattern) and (x.kv_lens is not None or x.all_kept_lens is not None):
         # the lengths are bound per call, not in the recipe; which lengths a pattern holds stays in its signature:
         # an all-kept verdict (lengths only to run it as padding in an inference forward, else no mask) is not key
-        # padding (the dispatch memo keeps one route per verdict signature: either run as the other is wrong)
+        # padding (the dispatch memo keeps one route per verdict signature: either run as the other is wrong);
+        # the shortest length is this mask's too (the rows a backward zeroes), bound per call like the lengths
         return x._replace(
             q_lens=None if x.q_lens is None else True,
             kv_lens=None if x.kv_lens is None else True,
             all_kept_lens=None if x.all_kept_lens is None else True,
+            min_kv_len=None,
         )
     return x
 

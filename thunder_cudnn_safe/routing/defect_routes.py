@@ -35,4 +35,5 @@ def route(
         return call  # pads already, or a bias (declined at trace time)
     b, device = q.shape[0], q.device if lens_device is None else lens_device
     q_lens, kv_lens = (torch.full((b, 1, 1, 1), n, dtype=torch.int32, device=device) for n in (1, k.shape[2]))
-    return call._replace(attn_mask=MaskPattern(right, left, q_lens, kv_lens), is_causal=False)
+    pattern = MaskPattern(right, left, q_lens, kv_lens, min_kv_len=k.shape[2])  # every key: no dK/dV row unwritten
+    return call._replace(attn_mask=pattern, is_causal=False)

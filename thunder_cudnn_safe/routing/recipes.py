@@ -36,6 +36,7 @@ from thunder_cudnn_safe.layouts.layout import (
 from thunder_cudnn_safe.masks import bias
 from thunder_cudnn_safe.masks.patterns import MaskPattern
 from thunder_cudnn_safe.routing.calls import TENSOR_FIELDS, BackwardCall, ForwardCall, backward_of, default_scale
+from thunder_cudnn_safe.routing.sink_tokens import sink_tokens
 from thunder_cudnn_safe.rules import cudnn_rules
 from thunder_cudnn_safe.telemetry import CopyReason, copy_counter
 
@@ -56,8 +57,15 @@ class Step(NamedTuple):
     draw: bool = False
     #: the value is a :class:`~thunder_cudnn_safe.masks.patterns.MaskPattern`: bind this field of it
     field: str | None = None
-    #: a zeroed buffer: cuDNN's padding mask leaves dK/dV rows of keys past seq_len_kv unwritten (eager: 0)
+    #: a zeroed buffer (dSink_token: cuDNN adds each batch element's and query's share into it, an ADD reduction)
     zero: bool = False
+    #: (dim, the value holding the call's :class:`~thunder_cudnn_safe.masks.patterns.MaskPattern`, the values zeroed):
+    #: zero those values' rows at or past the pattern's ``min_kv_len`` along ``dim`` (all of them where it is None)
+    #: before the graph runs: cuDNN's padding mask leaves dK/dV rows of keys past seq_len_kv unwritten (eager: 0)
+    zero_rows: tuple | None = None
+    #: the sink token kept per sinks tensor (:data:`~thunder_cudnn_safe.routing.sink_tokens.sink_tokens`): "written"
+    #: by a forward (the sinks' values copied in, no allocation), "read" by its backward (no copy)
+    token: str = ""
 
 
 class Bound(NamedTuple):
@@ -81,6 +89,8 @@ class PackRecipe(NamedTuple):
     #: a backward's gradients for operands besides q, k, v, read off the pack once cuDNN wrote them
     #: (:func:`finished`): (uid, the 4-D shape summed to, the operand's shape, its dtype) for dSinks, then dBias
     gradients: tuple = ()
+    #: ``gradients`` as one function ``(bound) -> outputs`` (:func:`_compile_finish`), None where there are none
+    finish: Callable[[Bound], tuple] | None = None
 
     def describe(self) -> str:
         """The key's kind and the generated straight-line function, as :func:`_compile` wrote it."""
@@ -92,13 +102,7 @@ class PackRecipe(NamedTuple):
 def finished(recipe: PackRecipe, bound: Bound) -> tuple[torch.Tensor, ...]:
     """The operator's outputs once the graph ran: ``bound.outputs``, then each of ``recipe.gradients`` (dSink_token
     as the sinks' gradient, dBias summed over the dims the mask broadcast over), in the operand's shape and dtype."""
-    if not recipe.gradients:
-        return bound.outputs
-    pack = bound.pack
-    grads = (
-        reduce_to_shape(pack[uid], summed).reshape(shape).to(dtype) for uid, summed, shape, dtype in recipe.gradients
-    )
-    return bound.outputs + tuple(grads)
+    return bound.outputs if recipe.finish is None else recipe.finish(bound)
 
 
 def reduce_to_shape(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
@@ -136,14 +140,22 @@ def _compile(key: ForwardKey | BackwardKey, steps: list[Step], outputs: tuple[in
     steps cost as much as the allocations it makes. Value ``v<i>`` is the call's field i, then step
     i - n_args's tensor; a tensor bound as it is gets no line, a fresh buffer is one ``empty_like`` of an
     argument with its layout (:func:`_like`: O of a query in any layout, dQ/dK/dV) or else one
-    ``empty_strided`` with its shape and strides as constants, every other step calls :func:`_step`.
+    ``empty_strided`` with its shape and strides as constants; a zeroed one is ``zeros_like`` of an argument or an
+    earlier value with its layout (dSink_token: of the sink token), else ``empty_strided(...).zero_()``; the sink
+    token is written or read by :data:`~thunder_cudnn_safe.routing.sink_tokens.sink_tokens`; a field bound as it is
+    (a pattern's lengths) is one attribute read; a view of a fresh buffer one ``as_strided``; a padding mask's
+    zeroing one :func:`zero_past` call; every other step calls :func:`_step`.
     A comment names the uid each value is bound to (``str(recipe)`` prints the source).
     """
     n_args = len(call)
     env: dict[str, Any] = {
         "empty_strided": torch.empty_strided,
         "empty_like": torch.empty_like,
+        "zeros_like": torch.zeros_like,
+        "sink_token_written": sink_tokens.written,
+        "sink_token_read": sink_tokens.read,
         "run_step": _step,
+        "zero_past": zero_past,
         "new": tuple.__new__,
         "Bound": Bound,
         "key": key,
@@ -151,22 +163,43 @@ def _compile(key: ForwardKey | BackwardKey, steps: list[Step], outputs: tuple[in
     names = [f"v{i}" for i in range(n_args)]
     lines = ["def bind(call, device):", f"    {', '.join(names)}, = call"]
     pack = []
+    allocated = set()  # the values that are fresh buffers (storage offset 0)
+    #: a step's value made with exactly this dense layout (by ``empty_strided``, ``empty_like`` or the sink tokens):
+    #: ``zeros_like`` of it allocates a zeroed buffer of that layout
+    made: dict[TensorSig, str] = {}
     for i, s in enumerate(steps, start=n_args):
         env[f"s{i}"], env[f"u{i}"] = s, s.uid
-        if s.src is not None and s.view is None and s.fill is None and s.field is None:
+        if s.zero_rows is not None:
+            dim, pattern, *zeroed = s.zero_rows
+            names.append("None")
+            lines.append(f"    zero_past({dim}, {names[pattern]}.min_kv_len, {', '.join(names[z] for z in zeroed)})")
+        elif s.src is not None and s.view is None and s.fill is None and s.field is None:
             names.append(names[s.src])
         else:
             names.append(f"v{i}")
-            fresh = s.src is None and not s.draw and not s.zero  # a buffer nothing fills before cuDNN writes it
+            fresh = s.src is None and not s.draw  # a buffer nothing fills before cuDNN writes it (or zeroed)
             like = _like(call, s.fill) if fresh else None
-            if like is not None:
-                expr = f"empty_like({names[like]})"
+            like = names[like] if like is not None else made.get(s.fill) if s.zero and fresh else None
+            if s.token:
+                expr = f"sink_token_{s.token}({names[s.src]}, s{i}, device)"
+            elif like is not None:
+                expr = f"{'zeros_like' if s.zero else 'empty_like'}({like})"
             elif fresh:
                 env[f"d{i}"] = s.fill.dtype
                 expr = f"empty_strided({tuple(s.fill.shape)!r}, {tuple(s.fill.stride)!r}, dtype=d{i}, device=device)"
+                expr += ".zero_()" if s.zero else ""
+            elif s.src is not None and s.view is None and s.fill is None:
+                expr = f"{names[s.src]}.{s.field}"  # a pattern's length tensor, bound as it is
+            elif s.src in allocated and s.view is not None and s.fill is None and s.field is None:
+                shape, strides, offset = s.view  # a view of a fresh buffer (storage offset 0): no run_step
+                expr = f"{names[s.src]}.as_strided({tuple(shape)!r}, {tuple(strides)!r}, {offset})"
             else:
                 expr = f"run_step(s{i}, {'None' if s.src is None else names[s.src]}, device)"
+            if fresh:
+                allocated.add(i)
             lines.append(f"    v{i} = {expr}")
+            if s.fill is not None and not s.draw and s.field is None and _dense(s.fill):
+                made.setdefault(s.fill, names[i])
         if s.uid is not None:
             pack.append(f"u{i}: {names[i]}")
             why = "" if s.reason is None else f", copied: {s.reason.name}"
@@ -189,7 +222,7 @@ class _RecipeBuilder:
         self.key: ForwardKey | BackwardKey | None = None
         self.outputs: tuple[int, ...] = ()
 
-    def add(self, step: Step, sig: TensorSig) -> int:
+    def add(self, step: Step, sig: TensorSig | None) -> int:
         self.steps.append(step)
         if step.uid is not None:
             self.sigs[step.uid] = sig
@@ -266,14 +299,40 @@ class _RecipeBuilder:
             src, why = self.call._fields.index("grad_out"), CopyReason.DO_LIKE_O if reason is None else reason
             self.add(Step(Uid.DO, src, None, o, why, "grad_out"), o)
 
+    def zero_past(self, dim: int, *values: int) -> None:
+        """Zero ``values``' rows at or past the padding mask's shortest key length along ``dim`` on every call, before
+        the graph runs (:attr:`Step.zero_rows`): cuDNN then overwrites the rows it writes, and the rows of keys past
+        each batch element's seq_len_kv, which it leaves unwritten, are all among them."""
+        self.add(Step(None, None, zero_rows=(dim, self.call._fields.index("attn_mask"), *values)), None)
+
     def cat_grad_qkv(self, q: TensorSig, k: TensorSig, v: TensorSig) -> int:
-        """dq, dk, dv as head slices of one buffer (:func:`~thunder_cudnn_safe.layouts.layout.fused_grad_qkv`)."""
+        """dq, dk, dv as head slices of one buffer (:func:`~thunder_cudnn_safe.layouts.layout.fused_grad_qkv`); with
+        a padding mask, the dK and dV heads (adjacent: one view) zeroed past the shortest key length."""
         shape, strides, starts = fused_grad_qkv(q.shape[0], (q.shape[1], k.shape[1], v.shape[1]), *q.shape[2:], q.dtype)
-        buf = self.new(None, TensorSig(shape, strides, q.dtype), zero=self.padded)
+        buf = self.new(None, TensorSig(shape, strides, q.dtype))
         for uid, t, start in zip((Uid.DQ, Uid.DK, Uid.DV), (q, k, v), starts):
             view = (tuple(t.shape), canonical_strides(t.shape, strides), start * strides[1])
             self.add(Step(uid, buf, view), TensorSig(view[0], view[1], q.dtype))
+        if self.padded:
+            kv_shape = (shape[0], k.shape[1] + v.shape[1], *shape[2:])
+            kv = self.add(
+                Step(None, buf, (kv_shape, canonical_strides(kv_shape, strides), starts[1] * strides[1])), None
+            )
+            self.zero_past(2, kv)
         return buf
+
+    def grad_kv(self, k: TensorSig, v: TensorSig) -> tuple[int, int]:
+        """dK and dV in K's and V's own dimension order; with a padding mask, zeroed past the shortest key length
+        (:meth:`zero_past`). Two allocations, so two fills: torch forbids a custom operator's outputs to share
+        storage (``torch.library``'s aliasing check, run on the eager ``attention()`` op), so dK and dV cannot be
+        views of one buffer as fused dQKV's single output is."""
+        dk, dv = (
+            self.new(uid, t._replace(stride=strides_like(t.shape, t, self.policy)))
+            for uid, t in ((Uid.DK, k), (Uid.DV, v))
+        )
+        if self.padded:
+            self.zero_past(2, dk, dv)
+        return dk, dv
 
     def finish(self, kind: type, target: Target, outputs: tuple[int, ...], **options: Any) -> _RecipeBuilder:
         """The steps so far are all: record the key declaring their layouts and the options both keys read off the
@@ -311,10 +370,13 @@ def _gradients(call: tuple, sigs: dict[Uid, TensorSig]) -> tuple:
 
 def _sink(p: _RecipeBuilder, gradient: bool) -> None:
     """Attention sinks (H,) declared as cuDNN's sink token, (1, H, 1, 1) float32 and packed: a view of a packed
-    float32 tensor cuDNN reads as it is, else one counted float32 copy of H values. Packed, not any strides cuDNN
-    could read: the frontend's own forward kernels (frontend 1.32, default candidates at sm90/sm100/sm120) bind the
-    token as a flat (H,) array and raise at execute for any other strides. ``gradient``: also a zeroed dSink_token
-    of that layout (the dispatcher returns it as the sinks' gradient)."""
+    float32 tensor cuDNN reads as it is, else a float32 copy of H values kept per sinks tensor, written (a counted
+    copy) by each forward and read by its backward with no copy (:mod:`~thunder_cudnn_safe.routing.sink_tokens`:
+    why every forward writes it). Packed, not any strides cuDNN could read: the frontend's own forward kernels
+    (frontend 1.32, default candidates at sm90/sm100/sm120) bind the token as a flat (H,) array and raise at
+    execute for any other strides. ``gradient``: also a zeroed dSink_token
+    of that layout (zeroed: cuDNN adds each batch element's and query's share into it, an ADD reduction; the
+    torch fallback adds its chunks' shares the same way), returned as the sinks' gradient (:func:`_compile_finish`)."""
     a = p.call.sinks
     if a is None:
         return
@@ -323,9 +385,10 @@ def _sink(p: _RecipeBuilder, gradient: bool) -> None:
     packed = TensorSig((1, h, 1, 1), packed_strides((1, h, 1, 1)), torch.float32)
     if a.dtype == torch.float32 and (st == 1 or h == 1) and layout_problem(viewed) is None:
         p.operand(Uid.SINK, "sinks", viewed, viewed=True)
-    else:
+    else:  # kept per sinks tensor: written by each forward, read by its backward (sink_tokens)
         src = p.call._fields.index("sinks")
-        p.add(Step(Uid.SINK, src, viewed[:2] + (0,), packed, CopyReason.SINKS_LAYOUT, "sinks"), packed)
+        token = "read" if gradient else "written"
+        p.add(Step(Uid.SINK, src, viewed[:2] + (0,), packed, CopyReason.SINKS_LAYOUT, "sinks", token=token), packed)
     if gradient:
         p.new(Uid.DSINK, packed, zero=True)
 
@@ -333,7 +396,38 @@ def _sink(p: _RecipeBuilder, gradient: bool) -> None:
 def _compiled(p: _RecipeBuilder) -> PackRecipe:
     """A finished builder's steps compiled into a recipe: only a call that binds needs this (planning a key
     compiles no binder: :func:`forward_key`, :func:`backward_key`)."""
-    return _compile(p.key, p.steps, p.outputs, p.call)._replace(gradients=_gradients(p.call, p.sigs))
+    gradients = _gradients(p.call, p.sigs)
+    finish = _compile_finish(gradients, p.sigs) if gradients else None
+    return _compile(p.key, p.steps, p.outputs, p.call)._replace(gradients=gradients, finish=finish)
+
+
+def _compile_finish(gradients: tuple, sigs: dict[Uid, TensorSig]) -> Callable[[Bound], tuple]:
+    """:attr:`PackRecipe.finish`: ``bound.outputs`` and each of ``gradients`` read off the pack, as one
+    straight-line function, compiled once per recipe: only the work its signature needs (a sum over the dims
+    the operand broadcast over, a reshape to the operand's shape, a conversion to its dtype), each left out where
+    it would change nothing. dSinks is the (1, H, 1, 1) float32 buffer viewed as (H,), converted to the sinks'
+    dtype where they are not float32; dBias is summed where the mask broadcast over batch or heads.
+    A generic loop over ``gradients`` cost as much as the conversion it makes (a generator, the summed dims found
+    per call, a ``to`` of the same dtype)."""
+    env: dict[str, Any] = {}
+    exprs = []
+    for j, (uid, summed, shape, dtype) in enumerate(gradients):
+        buf, expr = sigs[uid], f"pack[u{j}]"
+        env[f"u{j}"] = uid
+        dims = tuple(i for i, (n, m) in enumerate(zip(summed, buf.shape)) if n == 1 and m != 1)
+        if dims:
+            expr += f".sum(dim={dims!r}, keepdim=True)"
+        if tuple(shape) != tuple(summed):
+            expr += f".reshape({', '.join(map(str, shape)) or '()'})"
+        if dtype != buf.dtype:
+            env[f"d{j}"] = dtype
+            expr += f".to(dtype=d{j})"
+        exprs.append(expr)
+    returned = "".join(e + ", " for e in exprs)
+    source = f"def finish(bound):\n    pack = bound.pack\n    return bound.outputs + ({returned})"
+    fn = compile_function(source, "finish", env, "gradients finisher")
+    fn.source = source
+    return fn
 
 
 def forward_recipe(call: ForwardCall, target: Target, dynamic_shapes: str | None = None) -> PackRecipe:
@@ -396,11 +490,8 @@ def _backward(call: BackwardCall, target: Target) -> _RecipeBuilder:
             p.add(Step(uid, call._fields.index(field)), TensorSig(tuple(a.shape), tuple(a.stride), a.dtype))
     if wants_fused_grad_qkv(call):
         outputs = (p.cat_grad_qkv(q, k, v),)
-    else:
-        outputs = tuple(
-            p.new(uid, t._replace(stride=strides_like(t.shape, t, p.policy)), zero=p.padded and uid != Uid.DQ)
-            for uid, t in ((Uid.DQ, q), (Uid.DK, k), (Uid.DV, v))
-        )
+    else:  # dQ: every row written (seq_len_q is each pattern's L)
+        outputs = (p.new(Uid.DQ, q._replace(stride=strides_like(q.shape, q, p.policy))), *p.grad_kv(k, v))
     return p.finish(BackwardKey, target, outputs, deterministic=bool(call.deterministic))
 
 
@@ -415,6 +506,16 @@ def companion_backward_key(call: ForwardCall, fkey: ForwardKey, mask_grad: bool)
 def bind(recipe: PackRecipe, call: ForwardCall | BackwardCall) -> Bound:
     """Carry ``recipe`` out on ``call``'s tensors: every bound tensor has the layout the key declares."""
     return recipe.run(call, call.query.device)
+
+
+def zero_past(dim: int, start: int | None, *bufs: torch.Tensor) -> None:
+    """Zero each of ``bufs``' rows ``start:`` along ``dim`` (:attr:`Step.zero_rows`): all of them where ``start`` is
+    None (no host length known), none where it is the full length (nothing launched)."""
+    for buf in bufs:
+        if start is None:
+            buf.zero_()
+        elif start < buf.shape[dim]:
+            buf.narrow(dim, start, buf.shape[dim] - start).zero_()
 
 
 def _step(step: Step, src: Any, device: torch.device) -> torch.Tensor:

@@ -138,7 +138,13 @@ class _Bindings:
             raise EmulationError(
                 f"{port}: declared dims {list(view.shape)} but the result has shape {list(value.shape)}"
             )
-        view.copy_(value)
+        if port == "dSink_token":
+            # Like cuDNN: frontend 1.32's CompositeSDPABackwardNode declares dSink_token an ADD reduction over batch
+            # and queries, summed into the buffer (docs/known-cudnn-defects.md, SINK_DETERMINISTIC): a buffer not
+            # zeroed before the graph runs gives a wrong gradient here too.
+            view.add_(value)
+        else:
+            view.copy_(value)
 
 
 def _scale(b: _Bindings) -> float:
