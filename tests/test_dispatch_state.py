@@ -4,16 +4,19 @@
   time, so transient failures are retried, clear_cache() forgets refusals, and the answer
   is per backward graph, not per forward key;
 * the mask-gradient stash (dQ, dK, dV computed with dBias, handed to the next backward call
-  of the same operands) matches by object identity, never outlives grad_out, and works with
-  fused dQKV;
+  of the same operands) matches by object identity, never outlives grad_out (nor piles up
+  while grad_out lives), and works with fused dQKV;
 * the converted-mask cache: inference tensors (no version counter), writes that bypass the
   version counter (opt out with config.set(mask_cache_size=0)), a weakref callback during a garbage
   collection under the cache's own lock.
 
-Each test failed before its fix (found by an independent adversarial review).
+Each test failed before its fix (found by an independent adversarial review), except those pinning the
+stash's matching (a mismatched, an equal or another thread's backward), which guard its fast match.
 """
 
 import gc
+import threading
+import weakref
 from pathlib import Path
 
 import pytest
@@ -22,9 +25,13 @@ import torch.nn.functional as F
 from checks import inject_failures, jit_sdpa, jit_with_ours
 
 import thunder_cudnn_safe as tcs
+from thunder_cudnn_safe.dispatch.dispatcher import Dispatcher
 from thunder_cudnn_safe.errors import GraphBuildError
+from thunder_cudnn_safe.graphs.cache import GraphCache
 from thunder_cudnn_safe.layouts.keys import BackwardKey
+from thunder_cudnn_safe.routing.calls import BackwardCall
 from thunder_cudnn_safe.runtimes import handoff
+from thunder_cudnn_safe.runtimes.emulation import EmulatedRuntime
 from thunder_cudnn_safe.testing import assert_close_to_reference, seeded_qkv
 
 DISPATCH = tcs.emulated_ex.dispatcher
@@ -177,6 +184,105 @@ def test_mask_gradient_stash_is_not_handed_to_another_call_with_reused_ids():
     first = DISPATCH.backward(*a2)
     again = DISPATCH.backward(*a2)  # nothing stashed any more: computed for a2
     assert all(torch.equal(x, y) for x, y in zip(first, again)), "returned another call's gradients"
+
+
+def _mask_gradient_args(seed: int = 0) -> list:
+    """A mask-gradient step's backward arguments (a float bias whose gradient is used), its forward run on a private
+    dispatcher, which comes first."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, do = (torch.randn(2, 2, 16, 16, dtype=torch.float16, generator=g) for _ in range(4))
+    mask = torch.randn(1, 2, 16, 16, dtype=torch.float16, generator=g).requires_grad_()
+    disp = Dispatcher(EmulatedRuntime(), GraphCache(32))
+    out, stats = disp.forward(q, k, v, mask)
+    return [disp, do, q, k, v, mask, 0.0, False, out, stats, None, None]
+
+
+def _backward_runs(disp: Dispatcher) -> list:
+    """Each backward graph ``disp``'s runtime executes, appended as it runs."""
+    runs, real = [], disp.runtime.execute
+    disp.runtime.execute = lambda built, pack: (
+        (runs.append(1) if isinstance(built.key, BackwardKey) else None) or real(built, pack)
+    )
+    return runs
+
+
+def test_kept_gradients_do_not_pile_up_while_grad_out_lives():
+    """One grad_out for many steps (a user's reused gradient; the host benchmark's): every mask-gradient call left a
+    ``weakref.finalize`` on grad_out in finalize's registry, holding its kept dQ, dK, dV (never cleared once taken),
+    so the registry and memory grew by one call's gradients per call until grad_out was freed."""
+    disp, *args = _mask_gradient_args()
+    disp.mask_gradient(*args)
+    disp.backward(*args)
+    registry, kept = len(weakref.finalize._registry), []
+    for _ in range(20):
+        disp.mask_gradient(*args)
+        kept += [weakref.ref(t) for t in disp.backward(*args)]  # the caller drops them at once
+    assert len(weakref.finalize._registry) == registry, "a finalizer per call stayed while grad_out lives"
+    assert all(r() is None for r in kept), "taken gradients stayed alive after the caller dropped them"
+
+
+@pytest.mark.parametrize("change", ["another grad_out", "query written in place", "mask written in place", "scale"])
+def test_a_backward_that_does_not_match_the_mask_gradient_call_runs_its_own(change):
+    """The kept dQ, dK, dV go only to the backward call with the mask-gradient call's very arguments: another
+    grad_out (equal values, another tensor), a tensor written in place in between (its version bumped) or another
+    option runs its own backward, with its own numbers."""
+    disp, *args = _mask_gradient_args()
+    runs = _backward_runs(disp)
+    disp.mask_gradient(*args)
+    disp.backward(*args)
+    assert len(runs) == 1, "the matching backward took the kept gradients"
+    disp.mask_gradient(*args)
+    kw = {}
+    if change == "another grad_out":
+        args[0] = args[0].clone()
+    elif change == "query written in place":
+        args[1].mul_(2)
+    elif change == "mask written in place":
+        with torch.no_grad():
+            args[4].mul_(2)
+    else:
+        kw = dict(scale=0.5)
+    got = disp.backward(*args, **kw)
+    assert len(runs) == 3, f"{change}: the backward took another call's kept gradients"
+    want = Dispatcher(EmulatedRuntime(), GraphCache(32)).backward(*args, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), change
+
+
+def test_a_backward_with_equal_arguments_of_other_types_takes_the_kept_gradients():
+    """The other fields match by equality, as they always did: ``0`` for the mask-gradient call's ``0.0`` and
+    ``causal=0`` for ``False`` (the whole-tuple match sees other types and compares field by field)."""
+    disp, *args = _mask_gradient_args()
+    runs = _backward_runs(disp)
+    disp.mask_gradient(*args)
+    args[5], args[6] = 0, 0
+    disp.backward(*args)
+    assert len(runs) == 1, "the equal backward ran its own backward"
+
+
+@pytest.mark.parametrize("scale", [torch.tensor(0.5), torch.tensor([0.5, 0.5])], ids=["one element", "two"])
+def test_a_tensor_where_the_kept_call_had_a_value_never_matches(scale):
+    """A tensor is matched by identity only: where the mask-gradient call had a value (scale 0.5), a tensor equal to
+    it neither takes the kept gradients (``tensor == 0.5`` is truthy) nor raises (a two-element one's truth)."""
+    _, *args = _mask_gradient_args()
+    call = BackwardCall(*args, scale=0.5)
+    handoff.keep_gradients(call, ("dq", "dk", "dv"))
+    assert handoff.take_gradients(call._replace(scale=scale)) is None
+    handoff.keep_gradients(call, ("dq", "dk", "dv"))
+    assert handoff.take_gradients(call) == ("dq", "dk", "dv")
+
+
+def test_kept_gradients_are_the_keeping_threads_own():
+    """Kept per thread: another thread's backward with the very arguments runs its own; the keeping thread's
+    backward still takes what its mask-gradient call kept."""
+    disp, *args = _mask_gradient_args()
+    runs = _backward_runs(disp)
+    disp.mask_gradient(*args)
+    other = threading.Thread(target=disp.backward, args=args)
+    other.start()
+    other.join()
+    assert len(runs) == 2, "the other thread took this thread's kept gradients"
+    disp.backward(*args)
+    assert len(runs) == 2, "the keeping thread's backward ran its own backward"
 
 
 def test_mask_cache_can_be_turned_off_for_writes_that_bypass_the_version_counter():

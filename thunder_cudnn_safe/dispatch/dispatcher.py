@@ -57,6 +57,7 @@ from thunder_cudnn_safe.telemetry import warn_once
 
 #: Distinct call signatures whose pack recipes are remembered per dispatcher.
 RECIPE_MEMO_SIZE = 4096
+_MASK_GRAD = BackwardCall._fields.index("mask_grad")
 
 
 def _entry_point(call_type: type, miss: str, doc: str) -> Callable:
@@ -71,21 +72,27 @@ def _entry_point(call_type: type, miss: str, doc: str) -> Callable:
     the memo entry saw last, in the same state, binds and executes the plan kept for it here too (the record's
     fields: :class:`~.replay.Seen`); any other hit of a call with a mask or dropout goes to :func:`.replay.replay`.
     A backward turns on ``deterministic`` first where torch's deterministic algorithms are on, as the full path
-    always did."""
+    always did; then a backward with a mask takes the dQ, dK, dV its mask-gradient call kept
+    (:mod:`~thunder_cudnn_safe.runtimes.handoff`: the same arguments), before its memo key is made (that call ran
+    the backward; this one only hands its results on)."""
     fields, defaults, name = call_type._fields, call_type._field_defaults, miss[1:]
     memo, env = memo_source(call_type, lambda f: f)
     env.update({f"default_{f}": v for f, v in defaults.items()})
     env.update(new=tuple.__new__, refusals=(GraphBuildError, ExecuteError), torch_deterministic=torch_deterministic)
     env.update(replay=replay.replay, zero_rows=masked_rows.zero_fully_masked_rows)
-    env.update(kept=handoff.pending, bias=bias, prebuild_hit=replay.prebuild_hit)
+    env.update(take_gradients=handoff.take_gradients, bias=bias, prebuild_hit=replay.prebuild_hit)
     training = "True" if call_type is BackwardCall else "need_stats"
     i_mask, i_causal = fields.index("attn_mask"), fields.index("is_causal")
     assert i_causal == i_mask + 2  # the fast replay's slice below remakes the call around these two fields
-    no_kept = "\n                and not kept()" if call_type is BackwardCall else ""
     reserved = {"self", "device", "target", "memo", "args", "entry", "built", "bound", "exc", "finish", "outputs"}
-    assert not set(fields) & reserved
+    assert not set(fields) & (reserved | {"taken"})
     params = ", ".join(f"{f}=default_{f}" if f in defaults else f for f in fields)
     det = "    if not deterministic and torch_deterministic():\n        deterministic = True\n"
+    det += f"""    if attn_mask is not None:
+        taken = take_gradients(({"".join(f + ", " for f in fields)}))
+        if taken is not None:
+            return taken
+"""
     i_mask_1, i_causal_1 = i_mask + 1, i_causal + 1
     source = f"""def {name}(self, {params}):
 {det if call_type is BackwardCall else ""}    device = query.device
@@ -113,7 +120,7 @@ def _entry_point(call_type: type, miss: str, doc: str) -> Callable:
                 and seen.ref() is attn_mask
                 and seen.state == {state_source("attn_mask")}
                 and seen.storage() is attn_mask.untyped_storage()
-                and seen.current(attn_mask){no_kept}
+                and seen.current(attn_mask)
             ):
                 planned = seen.replay
                 built = self.cache.touch(planned.slot)
@@ -212,9 +219,6 @@ class Dispatcher:
         return outputs
 
     def _backward(self, call: BackwardCall, target: Target, memo: tuple, entry: Memo | None) -> tuple:
-        kept = handoff.take_gradients(call) if call.attn_mask is not None else None
-        if kept is not None:
-            return kept
         outputs = self._full(call, target, memo, entry)[2]
         if masked_rows.applies(call):
             masked_rows.average_backward(call, outputs)
@@ -253,10 +257,9 @@ class Dispatcher:
     def mask_gradient(self, *args, **kwargs) -> torch.Tensor:
         """The gradient of a mask computed inside the traced function (thunder keeps this call only when
         it is used): one backward with dBias, keeping dQ, dK, dV for the next backward call (:mod:`handoff`), whose
-        call they must match: deterministic where torch's deterministic mode is on, as ``backward()`` makes it."""
-        call = BackwardCall(*args, **kwargs)._replace(mask_grad=True)
-        call = call._replace(deterministic=call.deterministic or torch_deterministic())
-        grads = self.backward(*call)
+        call they must match (no ``namedtuple._replace``: this runs every step, and it cost more than the hit)."""
+        call = BackwardCall(*args, **kwargs)
+        grads = self.backward(*call[:_MASK_GRAD], True, *call[_MASK_GRAD + 1 :])
         handoff.keep_gradients(call, grads[:-1])
         return grads[-1]
 

@@ -29,7 +29,6 @@ from thunder_cudnn_safe.masks.patterns import UNKNOWN, MaskPattern, known_patter
 from thunder_cudnn_safe.routing.calls import BackwardCall, ForwardCall, arg_key
 from thunder_cudnn_safe.routing.planner import Plan, Route, reads_mask_values
 from thunder_cudnn_safe.routing.recipes import Bound, PackRecipe
-from thunder_cudnn_safe.runtimes import handoff
 from thunder_cudnn_safe.runtimes.base import Runtime
 
 
@@ -158,15 +157,12 @@ def remember(disp: Dispatching, p: Plan, verdict: Any, entry: Memo, planned: Mem
 
 def replay(disp: Dispatching, entry: Memo, call: ForwardCall | BackwardCall, target: Target) -> tuple | None:
     """A memo hit of a call with a mask or dropout: the outputs of the plan remembered for its mask's present
-    verdict (:class:`Replay`), with what the full path does around the run (a backward's kept mask-gradient
-    results, dead rows as zeros on a bias or as V's average, dropout's pairing, a capture's prebuild); None where
-    nothing is remembered for that verdict (the full path then plans). Nothing is planned or recognized here."""
+    verdict (:class:`Replay`), with what the full path does around the run (dead rows as zeros on a bias or as V's
+    average, dropout's pairing, a capture's prebuild); None where nothing is remembered for that verdict (the full
+    path then plans). Nothing is planned or recognized here; a backward's kept mask-gradient results were taken
+    before (``Dispatcher.backward``, first thing)."""
     mask = call.attn_mask
     forward = type(call) is ForwardCall
-    if not forward and mask is not None:  # the mask-gradient call left dQ, dK, dV for this one
-        kept = handoff.take_gradients(call)
-        if kept is not None:
-            return kept
     verdict, replay, seen = _route(entry, mask)
     if replay is None:
         return None

@@ -13,46 +13,105 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
+from collections.abc import Callable
+from operator import attrgetter, itemgetter
 
 import torch
 
-from thunder_cudnn_safe.routing.calls import BackwardCall
+from thunder_cudnn_safe.routing.calls import BackwardCall, torch_deterministic
 
 _local = threading.local()
 _fallback_seeds: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 
 
-class _Kept:
-    def __init__(self, call: BackwardCall, grads: tuple) -> None:
-        self.refs = tuple((weakref.ref(x), x._version) if isinstance(x, torch.Tensor) else (None, x) for x in call)
-        self.grads: tuple | None = grads
-        weakref.finalize(call.grad_out, setattr, self, "grads", None)  # dropped when grad_out is freed
+#: Where ``mask_grad`` is in a backward call (the kept call has it, the call taking its gradients has not).
+_MASK_GRAD = BackwardCall._fields.index("mask_grad")
+_new_ref, _version = weakref.ref.__new__, attrgetter("_version")
 
-    def matches(self, call: BackwardCall) -> bool:
-        return all(
-            (ref() is x and x._version == v) if ref is not None else (not isinstance(x, torch.Tensor) and x == v)
-            for (ref, v), x in zip(self.refs, call._replace(mask_grad=True))
-        )
+
+class _Kept(weakref.ref):
+    """dQ, dK, dV of one mask-gradient call, and what the backward call must match to take them: its tensors by
+    identity (weakly: a freed tensor's address may hold a new one) and ``_version``, its other fields by equality.
+
+    Itself the weak reference to grad_out, whose callback (:func:`_drop`) drops the gradients when grad_out is
+    freed, so nothing outlives the record: a ``weakref.finalize`` per call stayed in finalize's registry, holding
+    that call's gradients, for as long as grad_out lived (a gradient reused across calls: one more set per call).
+
+    Read on every backward with a mask, so in few steps: the fields' types first (equal types put the tensors
+    where the kept call had them and no tensor among the other fields, whose ``==`` a tensor would turn
+    elementwise), then the tensors, then the other fields as one tuple, each picked by the :func:`_getters` of
+    those types. Fields of other types (``0`` for ``0.0``) are compared one by one (:meth:`matches_by_field`).
+    Made by :func:`keep_gradients` alone.
+    """
+
+    __slots__ = ("grads", "types", "tensors_of", "others_of", "refs", "versions", "others")
+
+    def matches(self, call: tuple) -> bool:
+        """Whether ``call`` (a backward call, or its fields as a plain tuple) has exactly the kept call's arguments."""
+        if tuple(map(type, call)) != self.types:
+            return self.matches_by_field(call)
+        for ref, x, version in zip(self.refs, self.tensors_of(call), self.versions):
+            if ref() is not x or x._version != version:  # another tensor, or written in place since
+                return False
+        return self.others_of(call) == self.others
+
+    def matches_by_field(self, call: tuple) -> bool:
+        """:meth:`matches` for a call whose fields' types differ from the kept call's: a tensor only where the kept
+        call had that tensor, every other field equal."""
+        kept, others = iter(zip(self.refs, self.versions)), iter(self.others)
+        for i, (x, t) in enumerate(zip(call, self.types)):
+            if issubclass(t, torch.Tensor):
+                ref, version = next(kept)
+                if ref() is not x or x._version != version:
+                    return False
+            elif i != _MASK_GRAD and (isinstance(x, torch.Tensor) or x != next(others)):
+                return False
+        return True
+
+
+@functools.cache
+def _getters(types: tuple[type, ...]) -> tuple[Callable[[tuple], tuple], Callable[[tuple], tuple]]:
+    """For a backward call whose fields have ``types``: the functions giving its tensors and its other fields
+    (``mask_grad`` aside) as tuples (a lone index twice: ``itemgetter`` of one gives no tuple)."""
+    tensors = [i for i, t in enumerate(types) if issubclass(t, torch.Tensor)]
+    others = [i for i, t in enumerate(types) if not issubclass(t, torch.Tensor) and i != _MASK_GRAD]
+    return tuple(itemgetter(*i, *i) if len(i) == 1 else itemgetter(*i) for i in (tensors, others))
+
+
+def _drop(kept: _Kept) -> None:
+    """grad_out was freed: no backward call can match any more, so its gradients go now."""
+    kept.grads = None
 
 
 def keep_gradients(call: BackwardCall, grads: tuple) -> None:
-    """Keep dQ, dK, dV (or fused dQKV) of a mask-gradient call for the backward call with the same arguments."""
-    _local.kept = _Kept(call._replace(mask_grad=True), grads)
+    """Keep dQ, dK, dV (or fused dQKV) of a mask-gradient call for the backward call with the same arguments:
+    deterministic where torch's deterministic mode is on, as ``Dispatcher.backward`` makes it."""
+    if not call.deterministic and torch_deterministic():
+        call = call._replace(deterministic=True)
+    kept = _new_ref(_Kept, call.grad_out, _drop)  # no __init__ to run: a weakref's only checks its arguments
+    kept.grads, kept.types = grads, tuple(map(type, call))
+    kept.tensors_of, kept.others_of = _getters(kept.types)
+    tensors = kept.tensors_of(call)
+    kept.refs, kept.versions = tuple(map(weakref.ref, tensors)), tuple(map(_version, tensors))
+    kept.others = kept.others_of(call)
+    _local.kept = kept
 
 
-def pending() -> bool:
-    """Whether this thread keeps gradients for a backward call (a memo hit then takes :func:`take_gradients`'s way)."""
-    return getattr(_local, "kept", None) is not None
-
-
-def take_gradients(call: BackwardCall) -> tuple | None:
-    """The gradients kept for exactly this backward call, or None; forgets them either way."""
-    kept, _local.kept = getattr(_local, "kept", None), None
-    if kept is None or kept.grads is None or call.mask_grad or not kept.matches(call):
+def take_gradients(call: tuple) -> tuple | None:
+    """The gradients kept for exactly this backward call (or its fields as a plain tuple), or None; forgets them
+    either way (the record, which the thread drops here, keeps no reference to them: only the caller holds what it
+    takes)."""
+    kept = getattr(_local, "kept", None)
+    if kept is None:
         return None
-    return kept.grads
+    _local.kept = None
+    grads, kept.grads = kept.grads, None
+    if grads is None or call[_MASK_GRAD] or not kept.matches(call):
+        return None
+    return grads
 
 
 def mark_fallback_seed(seed: torch.Tensor) -> None:
