@@ -115,10 +115,16 @@ def forward_of(call: BackwardCall) -> ForwardCall:
     return ForwardCall(**{name: getattr(call, name) for name in SHARED})
 
 
+#: A tensor's part of a memo key (its layout, base alignment and neg bit) as source, ``{0}`` the tensor: written out
+#: in the generated memo keys (no call frame per call) and compiled into :func:`arg_key`, one definition for both.
+TENSOR_KEY = "({0}.shape, {0}.stride(), {0}.dtype, {0}.data_ptr() % " + str(ALIGNMENT_BYTES) + " == 0, {0}.is_neg())"
+_tensor_key = compile_function(f"def tensor_key(x):\n    return {TENSOR_KEY.format('x')}", "tensor_key", {}, "key")
+
+
 def arg_key(x: Any) -> Any:
     """An optional field's part of the memo key: a tensor's layout, alignment and neg bit, a pattern's signature."""
     if isinstance(x, torch.Tensor):
-        return x.shape, x.stride(), x.dtype, x.data_ptr() % ALIGNMENT_BYTES == 0, x.is_neg()
+        return _tensor_key(x)
     return _pattern_sig(x)
 
 
@@ -151,9 +157,14 @@ def memo_source(call_type: type, ref: Any) -> tuple[str, dict[str, Any]]:
     negs = " or ".join(f"{ref(f)}.is_neg()" for f in tensors)
     each = ", ".join(map(ref, tensors))
     aligned = f"(({ptrs}) % {ALIGNMENT_BYTES} == 0 and not ({negs})) or tuple(map(arg_key, ({each},)))"
-    maybe = [f"None if {ref(f)} is None else arg_key({ref(f)})" for f in optional]
+    # arg_key's tensor case written out (a mask or sinks are in most calls' keys): no call frame per call
+    maybe = [
+        f"None if {ref(f)} is None else {TENSOR_KEY.format(ref(f))} if isinstance({ref(f)}, Tensor) "
+        f"else arg_key({ref(f)})"
+        for f in optional
+    ]
     values = "".join(f"{ref(f)}, " for f in plain)
-    names = {"arg_key": arg_key, "config": config, "call_type": call_type}
+    names = {"arg_key": arg_key, "config": config, "call_type": call_type, "Tensor": torch.Tensor}
     return f"(target, {mode}, {', '.join(parts)}, {aligned}, {', '.join(maybe)}, {values})", names
 
 
