@@ -80,7 +80,8 @@ def _entry_point(call_type: type, miss: str, doc: str) -> Callable:
     env.update({f"default_{f}": v for f, v in defaults.items()})
     env.update(new=tuple.__new__, refusals=(GraphBuildError, ExecuteError), torch_deterministic=torch_deterministic)
     env.update(replay=replay.replay, zero_rows=masked_rows.zero_fully_masked_rows)
-    env.update(take_gradients=handoff.take_gradients, bias=bias, prebuild_hit=replay.prebuild_hit)
+    env.update(take_gradients=handoff.take_gradients, gradients_kept=handoff.pending)
+    env.update(bias=bias, prebuild_hit=replay.prebuild_hit)
     training = "True" if call_type is BackwardCall else "need_stats"
     i_mask, i_causal = fields.index("attn_mask"), fields.index("is_causal")
     assert i_causal == i_mask + 2  # the fast replay's slice below remakes the call around these two fields
@@ -88,7 +89,7 @@ def _entry_point(call_type: type, miss: str, doc: str) -> Callable:
     assert not set(fields) & (reserved | {"taken"})
     params = ", ".join(f"{f}=default_{f}" if f in defaults else f for f in fields)
     det = "    if not deterministic and torch_deterministic():\n        deterministic = True\n"
-    det += f"""    if attn_mask is not None:
+    det += f"""    if attn_mask is not None and gradients_kept():
         taken = take_gradients(({"".join(f + ", " for f in fields)}))
         if taken is not None:
             return taken

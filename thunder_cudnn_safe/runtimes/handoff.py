@@ -100,6 +100,12 @@ def keep_gradients(call: BackwardCall, grads: tuple) -> None:
     _local.kept = kept
 
 
+def pending() -> bool:
+    """Whether this thread keeps gradients for a backward call: a masked backward builds its fields' tuple and asks
+    :func:`take_gradients` only then (most never follow a mask-gradient call)."""
+    return getattr(_local, "kept", None) is not None
+
+
 def take_gradients(call: tuple) -> tuple | None:
     """The gradients kept for exactly this backward call (or its fields as a plain tuple), or None; forgets them
     either way (the record, which the thread drops here, keeps no reference to them: only the caller holds what it
