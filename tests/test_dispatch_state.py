@@ -221,7 +221,18 @@ def test_kept_gradients_do_not_pile_up_while_grad_out_lives():
     assert all(r() is None for r in kept), "taken gradients stayed alive after the caller dropped them"
 
 
-@pytest.mark.parametrize("change", ["another grad_out", "query written in place", "mask written in place", "scale"])
+@pytest.mark.parametrize(
+    "change",
+    [
+        "another grad_out",
+        "query written in place",
+        "mask written in place",
+        "scale",
+        "mask given another storage",
+        "key given its transpose",
+        "grad_out given another storage",
+    ],
+)
 def test_a_backward_that_does_not_match_the_mask_gradient_call_runs_its_own(change):
     """The kept dQ, dK, dV go only to the backward call with the mask-gradient call's very arguments: another
     grad_out (equal values, another tensor), a tensor written in place in between (its version bumped) or another
@@ -240,6 +251,12 @@ def test_a_backward_that_does_not_match_the_mask_gradient_call_runs_its_own(chan
     elif change == "mask written in place":
         with torch.no_grad():
             args[4].mul_(2)
+    elif change == "mask given another storage":  # ``.data =`` bumps no version: the values change unseen
+        args[4].data = args[4].detach().flip(-1)
+    elif change == "key given its transpose":  # the same storage and address, other strides (L == D here)
+        args[3].data = args[3].data.transpose(-1, -2)
+    elif change == "grad_out given another storage":
+        args[0].data = args[0].data * 2
     else:
         kw = dict(scale=0.5)
     got = disp.backward(*args, **kw)
