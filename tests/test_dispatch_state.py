@@ -221,7 +221,18 @@ def test_kept_gradients_do_not_pile_up_while_grad_out_lives():
     assert all(r() is None for r in kept), "taken gradients stayed alive after the caller dropped them"
 
 
-@pytest.mark.parametrize("change", ["another grad_out", "query written in place", "mask written in place", "scale"])
+@pytest.mark.parametrize(
+    "change",
+    [
+        "another grad_out",
+        "query written in place",
+        "mask written in place",
+        "scale",
+        "mask given another storage",
+        "key given its transpose",
+        "grad_out given another storage",
+    ],
+)
 def test_a_backward_that_does_not_match_the_mask_gradient_call_runs_its_own(change):
     """The kept dQ, dK, dV go only to the backward call with the mask-gradient call's very arguments: another
     grad_out (equal values, another tensor), a tensor written in place in between (its version bumped) or another
@@ -240,6 +251,12 @@ def test_a_backward_that_does_not_match_the_mask_gradient_call_runs_its_own(chan
     elif change == "mask written in place":
         with torch.no_grad():
             args[4].mul_(2)
+    elif change == "mask given another storage":  # ``.data =`` bumps no version: the values change unseen
+        args[4].data = args[4].detach().flip(-1)
+    elif change == "key given its transpose":  # the same storage and address, other strides (L == D here)
+        args[3].data = args[3].data.transpose(-1, -2)
+    elif change == "grad_out given another storage":
+        args[0].data = args[0].data * 2
     else:
         kw = dict(scale=0.5)
     got = disp.backward(*args, **kw)
@@ -366,3 +383,26 @@ def test_mask_cache_weakref_callback_inside_its_own_lock_does_not_deadlock():
     keep = torch.ones(2, 2, dtype=torch.bool)
     cm.get(keep, ("third",), conv)  # purges the freed masks' entries
     assert len(cm._lru) == 1 and cm.info().entries == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["converted", "bound as it is"])
+def test_a_learned_bias_written_by_a_fused_optimizer_runs_its_new_values(dtype):
+    """A mask that is a parameter (a learned additive bias): ``AdamW(fused=True)`` writes it with no version bump
+    (torch's fused optimizers bump no version counter, as the sink tokens' module says), so its conversion to the
+    query dtype, kept by the mask's ``_version``, ran every later step with the first step's bias. A mask whose
+    gradient is computed is kept nowhere (no conversion, verdict, dead rows or memo record): each call reads its
+    present values. (One bound as it is, in the query dtype, was right either way.)"""
+    q, k, v = seeded_qkv(2, 4, 32, d=16)  # bfloat16: a float32 bias is converted to it
+    bias = torch.nn.Parameter(torch.randn(1, 4, 32, 32, dtype=dtype, generator=torch.Generator().manual_seed(5)))
+    step = torch.optim.AdamW([bias], lr=1.0, fused=True)
+    disp = Dispatcher(EmulatedRuntime(), GraphCache(32))
+    for _ in range(3):  # the full path, the replay, the entry point's fast replay
+        disp.forward(q, k, v, bias)
+    version = bias._version
+    bias.grad = torch.randn(bias.shape, dtype=dtype, generator=torch.Generator().manual_seed(6))
+    step.step()
+    assert bias._version == version, "the fused step bumped the version: this test no longer tests anything"
+    out = disp.forward(q, k, v, bias)[0]
+    ref = F.scaled_dot_product_attention(*(t.double() for t in (q, k, v)), attn_mask=bias.detach().double())
+    eager = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.detach().to(q.dtype))
+    assert_close_to_reference(out, eager, ref, "output after a fused optimizer step")

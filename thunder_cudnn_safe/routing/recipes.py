@@ -525,7 +525,7 @@ def _step(step: Step, src: Any, device: torch.device) -> torch.Tensor:
         t = t.as_strided(step.view[0], step.view[1], t.storage_offset() + step.view[2])
     if step.fill is None:
         return t
-    if step.shared:
+    if step.shared and not src.requires_grad:  # a parameter: a fused optimizer writes it with no version bump
         return bias.converted_masks.get(src, (step.view, step.fill), lambda: _fill(step, t, device))
     return _fill(step, t, device)
 

@@ -4,8 +4,9 @@
    operator right before the backward operator, with the same arguments. It runs the one cuDNN
    backward computing dQ, dK, dV and dBias and :func:`keep_gradients`; the backward call then
    :func:`take_gradients` instead of running a second backward. The match is by value: every
-   tensor by identity (weakly: a reused address never matches) and ``_version``, other fields
-   by equality. Kept per thread, for the next backward call only, dropped when grad_out is freed.
+   tensor by identity (weakly: a reused address never matches), storage (weakly), ``_version``
+   and view (``mask.data = t`` swaps them with no version bump), other fields by equality. Kept
+   per thread, for the next backward call only, dropped when grad_out is freed.
 2. **Which dropout forwards fell back.** Only the runtime that drew a dropout mask can reproduce
    it: a fallback forward marks its seed (:func:`mark_fallback_seed`, weakly), and the backward
    receiving that seed falls back too (:func:`fell_back`).
@@ -17,7 +18,7 @@ import functools
 import threading
 import weakref
 from collections.abc import Callable
-from operator import attrgetter, itemgetter
+from operator import itemgetter
 
 import torch
 
@@ -29,12 +30,20 @@ _fallback_seeds: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakVa
 
 #: Where ``mask_grad`` is in a backward call (the kept call has it, the call taking its gradients has not).
 _MASK_GRAD = BackwardCall._fields.index("mask_grad")
-_new_ref, _version = weakref.ref.__new__, attrgetter("_version")
+_new_ref = weakref.ref.__new__
+
+
+def _state(x: torch.Tensor) -> tuple:
+    """What of a kept tensor besides its identity and storage its values depend on: ``_version`` (an in-place
+    write) and the view read (``x.data = t`` gives another storage, or the same one at another offset, strides or
+    dtype, with no version bump)."""
+    return x._version, x.data_ptr(), x.shape, x.stride(), x.dtype
 
 
 class _Kept(weakref.ref):
     """dQ, dK, dV of one mask-gradient call, and what the backward call must match to take them: its tensors by
-    identity (weakly: a freed tensor's address may hold a new one) and ``_version``, its other fields by equality.
+    identity (weakly: a freed tensor's address may hold a new one), storage (weakly) and :func:`_state`, its other
+    fields by equality.
 
     Itself the weak reference to grad_out, whose callback (:func:`_drop`) drops the gradients when grad_out is
     freed, so nothing outlives the record: a ``weakref.finalize`` per call stayed in finalize's registry, holding
@@ -47,25 +56,26 @@ class _Kept(weakref.ref):
     Made by :func:`keep_gradients` alone.
     """
 
-    __slots__ = ("grads", "types", "tensors_of", "others_of", "refs", "versions", "others")
+    __slots__ = ("grads", "types", "tensors_of", "others_of", "refs", "states", "others")
 
     def matches(self, call: tuple) -> bool:
         """Whether ``call`` (a backward call, or its fields as a plain tuple) has exactly the kept call's arguments."""
         if tuple(map(type, call)) != self.types:
             return self.matches_by_field(call)
-        for ref, x, version in zip(self.refs, self.tensors_of(call), self.versions):
-            if ref() is not x or x._version != version:  # another tensor, or written in place since
+        for (ref, storage), x, state in zip(self.refs, self.tensors_of(call), self.states):
+            # another tensor, or written in place since, or given another storage or view (``.data =``)
+            if ref() is not x or storage() is not x.untyped_storage() or _state(x) != state:
                 return False
         return self.others_of(call) == self.others
 
     def matches_by_field(self, call: tuple) -> bool:
         """:meth:`matches` for a call whose fields' types differ from the kept call's: a tensor only where the kept
         call had that tensor, every other field equal."""
-        kept, others = iter(zip(self.refs, self.versions)), iter(self.others)
+        kept, others = iter(zip(self.refs, self.states)), iter(self.others)
         for i, (x, t) in enumerate(zip(call, self.types)):
             if issubclass(t, torch.Tensor):
-                ref, version = next(kept)
-                if ref() is not x or x._version != version:
+                (ref, storage), state = next(kept)
+                if ref() is not x or storage() is not x.untyped_storage() or _state(x) != state:
                     return False
             elif i != _MASK_GRAD and (isinstance(x, torch.Tensor) or x != next(others)):
                 return False
@@ -95,7 +105,8 @@ def keep_gradients(call: BackwardCall, grads: tuple) -> None:
     kept.grads, kept.types = grads, tuple(map(type, call))
     kept.tensors_of, kept.others_of = _getters(kept.types)
     tensors = kept.tensors_of(call)
-    kept.refs, kept.versions = tuple(map(weakref.ref, tensors)), tuple(map(_version, tensors))
+    kept.refs = tuple((weakref.ref(t), weakref.ref(t.untyped_storage())) for t in tensors)
+    kept.states = tuple(map(_state, tensors))
     kept.others = kept.others_of(call)
     _local.kept = kept
 
