@@ -151,6 +151,23 @@ def test_a_view_of_the_sinks_as_another_dtype_has_its_own_token(fresh_cache):
     _assert_equal(_step(disp, sinks), _expected(sinks), "bf16 again")
 
 
+def test_a_negated_view_of_the_sinks_has_its_own_token(fresh_cache):
+    """A negated view (torch's neg bit: ``z.conj().imag`` of a complex tensor, ``torch._neg_view``) shares the sinks'
+    storage, address, dtype, strides and version but reads their negation: two layers, one with each, run both
+    forwards before either backward (as a training step does); each backward reads its own sinks' values."""
+    z = torch.randn(H, dtype=torch.complex64, generator=torch.Generator().manual_seed(1))
+    sinks, negated = z.imag, z.conj().imag  # float32 with stride 2: a token, not bound as they are
+    assert negated.is_neg() and negated.data_ptr() == sinks.data_ptr() and torch.equal(negated, -sinks)
+    disp = Dispatcher(EmulatedRuntime(), GraphCache(32))
+    q, k, v = seeded_qkv(B, H, L, d=D)
+    forwards = [(s, disp.forward(q, k, v, None, 0.0, True, sinks=s)) for s in (sinks, negated)]
+    for s, (out, stats) in forwards:
+        expected = _backward(Dispatcher(EmulatedRuntime(), GraphCache(8)), s.clone(), out, stats)
+        got = _backward(disp, s, out, stats)
+        for name, a, b in zip(("dq", "dk", "dv", "dsinks"), got, expected, strict=True):
+            assert torch.equal(a, b), f"negated {s.is_neg()}: {name} differs"
+
+
 def test_float32_sinks_are_bound_as_they_are(fresh_cache):
     """Packed float32 sinks are cuDNN's sink token already: no copy, none kept; the gradient is float32 (H,)."""
     disp = Dispatcher(EmulatedRuntime(), GraphCache(32))
