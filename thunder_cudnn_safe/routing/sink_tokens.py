@@ -22,7 +22,7 @@ the sinks' values then), for an inference tensor (no version counter), or with `
 knob that turns off every kept conversion).
 
 A read must cost a few hundred nanoseconds, against the ~2 us of a :class:`~thunder_cudnn_safe.masks.bias.
-ConvertedMasks` lookup (a key tuple of eight fields hashed, a lock taken): the map is a plain dict keyed by the
+ConvertedMasks` lookup (a key tuple of nine fields hashed, a lock taken): the map is a plain dict keyed by the
 sinks' data pointer alone, read without a lock, and its entry is checked field by field (storage identity, version,
 dtype, neg bit, view, stream, the capture switch :func:`~thunder_cudnn_safe.masks.bias.capturing`). Only making a
 token takes the lock, to insert and bound the map.
