@@ -222,6 +222,26 @@ def test_inference_sinks_and_the_cache_off_copy_every_call(fresh_cache):
         assert len(sink_tokens) == 0
 
 
+def test_a_token_made_under_inference_mode_serves_the_training_steps_after(fresh_cache):
+    """A model's (normal) sinks run first under ``torch.inference_mode()`` (an evaluation, a generation), then in
+    training: the token kept by the inference forward is written by the training forwards (a tensor made under
+    inference mode is an inference tensor, which no write outside it may touch), and the other way round."""
+    disp = Dispatcher(EmulatedRuntime(), GraphCache(32))
+    sinks = torch.nn.Parameter(_sinks(1))
+    with torch.inference_mode():
+        disp.forward(*seeded_qkv(B, H, L, d=D), is_causal=True, sinks=sinks.detach())
+    assert len(sink_tokens) == 1
+    for step in range(2):
+        _assert_equal(_step(disp, sinks.detach()), _expected(sinks), f"training step {step}")
+        with torch.no_grad():
+            sinks.add_(0.5)
+        with torch.inference_mode():
+            got = disp.forward(*seeded_qkv(B, H, L, d=D), is_causal=True, sinks=sinks.detach())[0]
+        assert torch.equal(got, _expected(sinks)[0]), f"inference after step {step}"
+    # one per forward (made or written; no backward copies), each fresh dispatcher's forward included
+    assert _copies() == 1 + 2 * (1 + 1 + 1 + 1), tcs.copy_stats()
+
+
 def test_threads_with_their_own_sinks_share_one_signature(fresh_cache):
     """Threads running one signature at once, each with its own sinks (some written in place between steps): each
     gets its own sinks' numbers on every call."""

@@ -118,14 +118,22 @@ class SinkTokens:
 
     def _make(self, sinks: torch.Tensor, step: Any, device: torch.device) -> torch.Tensor:
         """A new token from ``sinks`` read through ``step.view``: one counted copy (:class:`~thunder_cudnn_safe.
-        telemetry.CopyReason` ``SINKS_LAYOUT``), kept for the next call where :meth:`keeps` allows."""
+        telemetry.CopyReason` ``SINKS_LAYOUT``), kept for the next call where :meth:`keeps` allows.
+
+        A kept token is made a normal tensor even under ``torch.inference_mode()`` (normal sinks, an evaluation or a
+        generation before training): made there it would be an inference tensor, which the training forwards after
+        could not write (torch forbids an in-place write to one outside inference mode)."""
+        keep = self.keeps(sinks)
+        if keep and torch.is_inference_mode_enabled():
+            with torch.inference_mode(False):
+                return self._make(sinks, step, device)
         shape, strides, offset = step.view
         viewed = sinks.as_strided(shape, strides, sinks.storage_offset() + offset)
         fill = step.fill
         token = torch.empty_strided(fill.shape, fill.stride, dtype=fill.dtype, device=device)
         token.copy_(viewed)
         copy_counter.record(step.name, step.reason, token.nbytes, _signature(sinks))
-        if self.keeps(sinks):
+        if keep:
             self._keep(sinks, step.view, token)
         return token
 
