@@ -277,6 +277,21 @@ def test_the_backward_reuses_the_forwards_conversion_through_another_tensor_obje
     assert (info.conversions, info.hits) == (1, 1), info
 
 
+def test_a_negated_view_of_a_mask_is_converted_on_its_own(fresh_cache):
+    """A negated view (torch's neg bit: ``z.conj().imag`` of a complex tensor, ``torch._neg_view``) shares the mask's
+    storage, address, dtype, strides and version but reads its negation: its conversion is not the mask's."""
+    q, k, v = (torch.randn(1, 2, 8, 32, dtype=torch.float16) for _ in range(3))
+    z = torch.randn(8, 8, dtype=torch.complex64, generator=torch.Generator().manual_seed(1))
+    mask, negated = z.imag, z.conj().imag  # float32 masks with float16 queries: converted
+    assert negated.is_neg() and negated.data_ptr() == mask.data_ptr() and torch.equal(negated, -mask)
+    disp = tcs.emulated_ex.dispatcher
+    with on_the_runtime():
+        disp.forward(q, k, v, mask)
+        out = disp.forward(q, k, v, negated)[0]
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=negated.double())
+    assert (out.double() - ref).abs().max() < 1e-2
+
+
 class _CountOps(torch.utils._python_dispatch.TorchDispatchMode):
     def __init__(self, name: str) -> None:
         super().__init__()

@@ -151,6 +151,23 @@ def test_a_view_of_the_sinks_as_another_dtype_has_its_own_token(fresh_cache):
     _assert_equal(_step(disp, sinks), _expected(sinks), "bf16 again")
 
 
+def test_a_negated_view_of_the_sinks_has_its_own_token(fresh_cache):
+    """A negated view (torch's neg bit: ``z.conj().imag`` of a complex tensor, ``torch._neg_view``) shares the sinks'
+    storage, address, dtype, strides and version but reads their negation: two layers, one with each, run both
+    forwards before either backward (as a training step does); each backward reads its own sinks' values."""
+    z = torch.randn(H, dtype=torch.complex64, generator=torch.Generator().manual_seed(1))
+    sinks, negated = z.imag, z.conj().imag  # float32 with stride 2: a token, not bound as they are
+    assert negated.is_neg() and negated.data_ptr() == sinks.data_ptr() and torch.equal(negated, -sinks)
+    disp = Dispatcher(EmulatedRuntime(), GraphCache(32))
+    q, k, v = seeded_qkv(B, H, L, d=D)
+    forwards = [(s, disp.forward(q, k, v, None, 0.0, True, sinks=s)) for s in (sinks, negated)]
+    for s, (out, stats) in forwards:
+        expected = _backward(Dispatcher(EmulatedRuntime(), GraphCache(8)), s.clone(), out, stats)
+        got = _backward(disp, s, out, stats)
+        for name, a, b in zip(("dq", "dk", "dv", "dsinks"), got, expected, strict=True):
+            assert torch.equal(a, b), f"negated {s.is_neg()}: {name} differs"
+
+
 def test_float32_sinks_are_bound_as_they_are(fresh_cache):
     """Packed float32 sinks are cuDNN's sink token already: no copy, none kept; the gradient is float32 (H,)."""
     disp = Dispatcher(EmulatedRuntime(), GraphCache(32))
@@ -203,6 +220,26 @@ def test_inference_sinks_and_the_cache_off_copy_every_call(fresh_cache):
             _step(disp, sinks)
         assert _copies() == copies + 2 * 2
         assert len(sink_tokens) == 0
+
+
+def test_a_token_made_under_inference_mode_serves_the_training_steps_after(fresh_cache):
+    """A model's (normal) sinks run first under ``torch.inference_mode()`` (an evaluation, a generation), then in
+    training: the token kept by the inference forward is written by the training forwards (a tensor made under
+    inference mode is an inference tensor, which no write outside it may touch), and the other way round."""
+    disp = Dispatcher(EmulatedRuntime(), GraphCache(32))
+    sinks = torch.nn.Parameter(_sinks(1))
+    with torch.inference_mode():
+        disp.forward(*seeded_qkv(B, H, L, d=D), is_causal=True, sinks=sinks.detach())
+    assert len(sink_tokens) == 1
+    for step in range(2):
+        _assert_equal(_step(disp, sinks.detach()), _expected(sinks), f"training step {step}")
+        with torch.no_grad():
+            sinks.add_(0.5)
+        with torch.inference_mode():
+            got = disp.forward(*seeded_qkv(B, H, L, d=D), is_causal=True, sinks=sinks.detach())[0]
+        assert torch.equal(got, _expected(sinks)[0]), f"inference after step {step}"
+    # one per forward (made or written; no backward copies), each fresh dispatcher's forward included
+    assert _copies() == 1 + 2 * (1 + 1 + 1 + 1), tcs.copy_stats()
 
 
 def test_threads_with_their_own_sinks_share_one_signature(fresh_cache):

@@ -109,6 +109,7 @@ class ConvertedMasks:
             mask.shape,
             mask.stride(),
             mask.dtype,
+            mask.is_neg(),  # a negated view (``z.conj().imag``) shares all the rest and reads the negation
             mask._version,
             how,
             stream_key(mask),

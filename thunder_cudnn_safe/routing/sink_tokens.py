@@ -15,16 +15,17 @@ without a copy.
 
 The backward's token is keyed like a converted mask (:mod:`~thunder_cudnn_safe.masks.bias`): the sinks' storage
 object (weakly: a token never outlives it), data pointer, ``_version`` (an in-place write since the forward),
-dtype, the view the recipe reads (shape and strides), and the current CUDA stream (a token written on one stream is
-never read from another, where no event would order the two). Nothing is kept or read under CUDA-graph capture (the
-capture must record making the token, and every replay read the sinks' values then), for an inference tensor (no
-version counter), or with ``config.mask_cache_size = 0`` (the knob that turns off every kept conversion).
+dtype, neg bit (a negated view reads the same memory), the view the recipe reads (shape and strides), and the
+current CUDA stream (a token written on one stream is never read from another, where no event would order the two).
+Nothing is kept or read under CUDA-graph capture (the capture must record making the token, and every replay read
+the sinks' values then), for an inference tensor (no version counter), or with ``config.mask_cache_size = 0`` (the
+knob that turns off every kept conversion).
 
 A read must cost a few hundred nanoseconds, against the ~2 us of a :class:`~thunder_cudnn_safe.masks.bias.
-ConvertedMasks` lookup (a key tuple of eight fields hashed, a lock taken): the map is a plain dict keyed by the
+ConvertedMasks` lookup (a key tuple of nine fields hashed, a lock taken): the map is a plain dict keyed by the
 sinks' data pointer alone, read without a lock, and its entry is checked field by field (storage identity, version,
-dtype, view, stream, the capture switch :func:`~thunder_cudnn_safe.masks.bias.capturing`). Only making a token
-takes the lock, to insert and bound the map.
+dtype, neg bit, view, stream, the capture switch :func:`~thunder_cudnn_safe.masks.bias.capturing`). Only making a
+token takes the lock, to insert and bound the map.
 """
 
 from __future__ import annotations
@@ -49,10 +50,10 @@ class _Token:
     last forward wrote it from, the token and its (H,) view (what a forward writes the sinks into), and what the
     copy counters record of each write (bytes, the sinks' layout)."""
 
-    __slots__ = ("storage", "dtype", "view", "version", "stream", "token", "flat", "nbytes", "signature")
+    __slots__ = ("storage", "dtype", "neg", "view", "version", "stream", "token", "flat", "nbytes", "signature")
 
     def __init__(self, sinks: torch.Tensor, storage: Any, view: tuple, token: torch.Tensor) -> None:
-        self.storage, self.dtype, self.view, self.token = storage, sinks.dtype, view, token
+        self.storage, self.dtype, self.neg, self.view, self.token = storage, sinks.dtype, sinks.is_neg(), view, token
         self.version, self.stream, self.flat = sinks._version, bias.stream_key(sinks), token.view(-1)
         self.nbytes, self.signature = token.nbytes, _signature(sinks)
 
@@ -71,12 +72,14 @@ class SinkTokens:
 
         The storage, not the data pointer alone: ``sinks.data = t`` swaps the storage with no version bump, and a
         new sinks tensor may sit at a freed one's address (the caching allocator reuses blocks); the dtype: a view
-        of the sinks as another dtype shares their storage, address and version."""
+        of the sinks as another dtype shares their storage, address and version; the neg bit: so does a negated
+        view (``z.conj().imag``, ``torch._neg_view``), which reads the same memory as the sinks' negation."""
         entry = self._tokens.get(sinks.data_ptr())
         if (
             entry is not None
             and entry.storage() is sinks.untyped_storage()
             and entry.dtype is sinks.dtype
+            and entry.neg is sinks.is_neg()
             and entry.view == view
             and entry.stream == bias.stream_key(sinks)
             and not bias.capturing(sinks)
@@ -115,14 +118,22 @@ class SinkTokens:
 
     def _make(self, sinks: torch.Tensor, step: Any, device: torch.device) -> torch.Tensor:
         """A new token from ``sinks`` read through ``step.view``: one counted copy (:class:`~thunder_cudnn_safe.
-        telemetry.CopyReason` ``SINKS_LAYOUT``), kept for the next call where :meth:`keeps` allows."""
+        telemetry.CopyReason` ``SINKS_LAYOUT``), kept for the next call where :meth:`keeps` allows.
+
+        A kept token is made a normal tensor even under ``torch.inference_mode()`` (normal sinks, an evaluation or a
+        generation before training): made there it would be an inference tensor, which the training forwards after
+        could not write (torch forbids an in-place write to one outside inference mode)."""
+        keep = self.keeps(sinks)
+        if keep and torch.is_inference_mode_enabled():
+            with torch.inference_mode(False):
+                return self._make(sinks, step, device)
         shape, strides, offset = step.view
         viewed = sinks.as_strided(shape, strides, sinks.storage_offset() + offset)
         fill = step.fill
         token = torch.empty_strided(fill.shape, fill.stride, dtype=fill.dtype, device=device)
         token.copy_(viewed)
         copy_counter.record(step.name, step.reason, token.nbytes, _signature(sinks))
-        if self.keeps(sinks):
+        if keep:
             self._keep(sinks, step.view, token)
         return token
 
