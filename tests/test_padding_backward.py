@@ -264,3 +264,27 @@ def test_the_decode_workaround_zeroes_nothing():
     call = BackwardCall(q, q, k, v, None, 0.0, True, q, torch.zeros(B, H, 1, 1), None, None)
     routed = defect_routes.route(with_mask_pattern(call), Target("t", 0, (9, 0), 91900, "1.32.0"), "meta")
     assert isinstance(routed.attn_mask, MaskPattern) and routed.attn_mask.min_kv_len == L
+
+
+#: The routes whose premise only a GPU can check: every key row below seq_len_kv written (keys no query sees in a
+#: band included), and a grouped-heads backward that writes no padded row from memory its kernel never wrote.
+_GPU_ROUTES = ("padding", "causal and padding", "grouped K/V heads", "bottom-right causal and padding (L < S)")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU with cuDNN")
+@pytest.mark.parametrize("name", _GPU_ROUTES)
+def test_cudnn_writes_every_row_the_tail_zeroing_leaves_to_it(name, poisoned):
+    """This file's premise on real cuDNN, which the emulated runtime only assumes: with every fresh buffer NaN, a
+    padding backward's gradients are eager's and the rows past each length exactly 0. A NaN row says cuDNN left a
+    row below the shortest length unwritten (the tail zeroing would then have to cover it), or read one back."""
+    from thunder_cudnn_safe.runtimes.cudnn_runtime import default_runtime
+
+    q, k, v, mask, lens, options = _cases()[name]
+    q, k, v, mask = (t.cuda() for t in (q, k, v, mask))
+    disp = Dispatcher(default_runtime, GraphCache(32))
+    assert_claimed(q, k, v, mask, runtime=default_runtime, enable_gqa=q.shape[1] != k.shape[1])
+    with on_the_runtime(disp.cache):
+        _, grads, g = dispatch_step(disp, q, k, v, mask, **options)
+    assert any(key.padded for key in disp.cache.keys()), "no padded graph ran"
+    _assert_grads([t.cpu() for t in grads], q.cpu(), k.cpu(), v.cpu(), mask.cpu(), g.cpu(), lens, f"cuDNN, {name}")
