@@ -330,3 +330,17 @@ def test_the_sinks_gradient_buffer_is_zeroed_before_the_graph_runs(dtype, fresh_
     disp = Dispatcher(EmulatedRuntime(), GraphCache(32))
     for _ in range(2):
         _assert_equal(_step(disp, sinks), expected, str(dtype))
+
+
+def test_a_kept_token_holds_no_autograd_history_under_grad_mode(fresh_cache):
+    """A dispatcher called directly with grad mode on and sinks that require grad: writing them into the kept token
+    must not record the copy (each write would chain one more node onto the token's history, kept for as long as
+    the token, growing every call). thunder and attention() run forwards with grad mode off; this guards the rest."""
+    disp = Dispatcher(EmulatedRuntime(), GraphCache(8))
+    sinks = _sinks(1).requires_grad_()
+    q, k, v = seeded_qkv(B, H, L, d=D)
+    for _ in range(3):
+        disp.forward(q, k, v, is_causal=True, sinks=sinks)
+    tokens = [entry.token for entry in sink_tokens._tokens.values() if entry.storage() is not None]
+    assert tokens, "no token kept"
+    assert all(t.grad_fn is None and not t.requires_grad for t in tokens), "the kept token records autograd history"

@@ -99,7 +99,9 @@ class SinkTokens:
         entry = self._kept(sinks, step.view)  # (none for a tensor :meth:`keeps` refuses: :meth:`read`)
         if entry is None:
             return self._make(sinks, step, device)
-        entry.flat.copy_(sinks)  # float32 holds every bf16/fp16 value exactly
+        # float32 holds every bf16/fp16 value exactly; detached: under grad mode a recorded copy would chain one more
+        # node onto the kept token's history every call (thunder and attention() run forwards with grad mode off)
+        entry.flat.copy_(sinks.detach() if sinks.requires_grad else sinks)
         entry.version = sinks._version
         copy_counter.record(step.name, step.reason, entry.nbytes, entry.signature)
         return entry.token
@@ -128,7 +130,7 @@ class SinkTokens:
             with torch.inference_mode(False):
                 return self._make(sinks, step, device)
         shape, strides, offset = step.view
-        viewed = sinks.as_strided(shape, strides, sinks.storage_offset() + offset)
+        viewed = sinks.detach().as_strided(shape, strides, sinks.storage_offset() + offset)  # (as in :meth:`written`)
         fill = step.fill
         token = torch.empty_strided(fill.shape, fill.stride, dtype=fill.dtype, device=device)
         token.copy_(viewed)
