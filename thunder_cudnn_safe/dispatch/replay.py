@@ -239,7 +239,6 @@ class Seen:
         "ref",
         "storage",
         "state",
-        "host",
         "stream",
         "verdict",
         "replay",
@@ -253,8 +252,7 @@ class Seen:
     def __init__(self, mask: torch.Tensor, verdict: Any, replay: Replay) -> None:
         self.ref, self.storage = weakref.ref(mask), weakref.ref(mask.untyped_storage())
         self.state, self.verdict, self.replay = _state(mask), verdict, replay
-        #: off CUDA there is no stream to match
-        self.host, self.stream = not mask.is_cuda, bias.stream_key(mask)
+        self.stream = bias.stream_key(mask)  # None off CUDA
         self.dead: Any = masked_rows.UNREAD
         self.fast, self.planned, self.zero, self.prebuild = False, None, None, False
 
@@ -270,8 +268,6 @@ class Seen:
     def current(self, mask: torch.Tensor) -> bool:
         """The stream's part of :meth:`holds`: not under capture (no host decision is reused there) and, on CUDA,
         read on the stream the record was made on (the verdict's length tensors and the dead rows were made there)."""
-        if self.host:
-            return not bias.capturing(mask)
         return bias.stream_key(mask) == self.stream and not bias.capturing(mask)
 
     def go_fast(self, call: ForwardCall | BackwardCall, planned: ForwardCall | BackwardCall, bias_bound: bool) -> None:
