@@ -145,6 +145,25 @@ def test_a_mask_seen_again_in_its_state_takes_the_entry_points_fast_replay(name,
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize(
+    "option", [{"cat_grad_qkv": True}, {"deterministic": True}], ids=["fused dQKV", "deterministic"]
+)
+@pytest.mark.parametrize("name", ["bool causal, as ThunderFX builds it", "bool padding", "additive float bias"])
+def test_the_fast_replay_keeps_each_backward_option(name, option, plans, monkeypatch):
+    """The fast replay with the backward's options (a fused dQKV buffer, cuDNN's deterministic algorithm): the same
+    numbers as the step that planned, and no general replay from the third step on."""
+    kind = {**_kinds()[name], **option}
+    disp = Dispatcher(EmulatedRuntime(), GraphCache(32))
+    first = _step(disp, kind)
+    _step(disp, kind)
+    routed, real = [], replay._route
+    monkeypatch.setattr(replay, "_route", lambda entry, mask: routed.append(mask) or real(entry, mask))
+    again = _step(disp, kind)
+    assert routed == [], f"{name}: {len(routed)} calls took the general replay"
+    for a, b in zip(first, again, strict=True):
+        assert torch.equal(a, b)
+
+
 def _reference(q, k, v, keep: torch.Tensor, g: torch.Tensor) -> tuple:
     """Eager attention in float64 with the safe softmax (a row masked everywhere gives 0), its q, k, v gradients."""
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
