@@ -344,3 +344,33 @@ def test_a_kept_token_holds_no_autograd_history_under_grad_mode(fresh_cache):
     tokens = [entry.token for entry in sink_tokens._tokens.values() if entry.storage() is not None]
     assert tokens, "no token kept"
     assert all(t.grad_fn is None and not t.requires_grad for t in tokens), "the kept token records autograd history"
+
+
+def test_each_forwards_write_is_counted_exactly_across_resets_and_threads(fresh_cache):
+    """A kept token's write is counted by a lock-free tally (one per operand, reason and size), not the copy counter's
+    locked dict: the counts and bytes stay exact from threads writing one token at once, and a reset zeroes them."""
+    disp = Dispatcher(EmulatedRuntime(), GraphCache(32))
+    sinks = _sinks(1)
+    q, k, v = seeded_qkv(B, H, L, d=D)
+    disp.forward(q, k, v, is_causal=True, sinks=sinks)  # the token made: one counted copy
+    tcs.reset_copy_stats()
+    assert _copies() == 0, tcs.copy_stats()
+    disp.forward(q, k, v, is_causal=True, sinks=sinks)
+    assert tcs.copy_stats().by_reason[("sinks", CopyReason.SINKS_LAYOUT)] == (1, H * 4)
+    barrier, calls = threading.Barrier(4), 200
+
+    def run() -> None:
+        barrier.wait()
+        for _ in range(calls):
+            disp.forward(q, k, v, is_causal=True, sinks=sinks)
+
+    threads = [threading.Thread(target=run) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stats = tcs.copy_stats()
+    assert stats.by_reason[("sinks", CopyReason.SINKS_LAYOUT)] == (1 + 4 * calls, (1 + 4 * calls) * H * 4), stats
+    assert stats.copies == 1 + 4 * calls and stats.bytes_copied == (1 + 4 * calls) * H * 4
+    tcs.reset_copy_stats()
+    assert _copies() == 0 and tcs.copy_stats().copies == 0

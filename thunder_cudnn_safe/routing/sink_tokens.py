@@ -47,15 +47,15 @@ SINK_TOKENS_LIMIT = 1024
 
 class _Token:
     """One kept token: the sinks' storage (weakly), the dtype, view and stream it is read through, the version the
-    last forward wrote it from, the token and its (H,) view (what a forward writes the sinks into), and what the
-    copy counters record of each write (bytes, the sinks' layout)."""
+    last forward wrote it from, the token and its (H,) view (what a forward writes the sinks into), and the tally
+    that counts each write (:meth:`~thunder_cudnn_safe.telemetry._CopyCounter.tally`: no lock per forward)."""
 
-    __slots__ = ("storage", "dtype", "neg", "view", "version", "stream", "token", "flat", "nbytes", "signature")
+    __slots__ = ("storage", "dtype", "neg", "view", "version", "stream", "token", "flat", "count")
 
-    def __init__(self, sinks: torch.Tensor, storage: Any, view: tuple, token: torch.Tensor) -> None:
+    def __init__(self, sinks: torch.Tensor, storage: Any, view: tuple, token: torch.Tensor, step: Any) -> None:
         self.storage, self.dtype, self.neg, self.view, self.token = storage, sinks.dtype, sinks.is_neg(), view, token
-        self.version, self.stream, self.flat = sinks._version, bias.stream_key(sinks), token.view(-1)
-        self.nbytes, self.signature = token.nbytes, _signature(sinks)
+        self.version, self.stream = sinks._version, bias.stream_key(sinks)
+        self.flat, self.count = token.view(-1), copy_counter.tally(step.name, step.reason, token.nbytes).add
 
 
 class SinkTokens:
@@ -73,14 +73,15 @@ class SinkTokens:
         The storage, not the data pointer alone: ``sinks.data = t`` swaps the storage with no version bump, and a
         new sinks tensor may sit at a freed one's address (the caching allocator reuses blocks); the dtype: a view
         of the sinks as another dtype shares their storage, address and version; the neg bit: so does a negated
-        view (``z.conj().imag``, ``torch._neg_view``), which reads the same memory as the sinks' negation."""
+        view (``z.conj().imag``, ``torch._neg_view``), which reads the same memory as the sinks' negation. The
+        view by identity first (a recipe's step passes the same tuple on every call)."""
         entry = self._tokens.get(sinks.data_ptr())
         if (
             entry is not None
             and entry.storage() is sinks.untyped_storage()
             and entry.dtype is sinks.dtype
             and entry.neg is sinks.is_neg()
-            and entry.view == view
+            and (entry.view is view or entry.view == view)
             and entry.stream == bias.stream_key(sinks)
             and not bias.capturing(sinks)
         ):
@@ -103,7 +104,7 @@ class SinkTokens:
         # node onto the kept token's history every call (thunder and attention() run forwards with grad mode off)
         entry.flat.copy_(sinks.detach() if sinks.requires_grad else sinks)
         entry.version = sinks._version
-        copy_counter.record(step.name, step.reason, entry.nbytes, entry.signature)
+        entry.count()
         return entry.token
 
     def read(self, sinks: torch.Tensor, step: Any, device: torch.device) -> torch.Tensor:
@@ -136,7 +137,7 @@ class SinkTokens:
         token.copy_(viewed)
         copy_counter.record(step.name, step.reason, token.nbytes, _signature(sinks))
         if keep:
-            self._keep(sinks, step.view, token)
+            self._keep(sinks, step, token)
         return token
 
     @staticmethod
@@ -146,7 +147,7 @@ class SinkTokens:
         or under CUDA-graph capture (each replay must make it from the sinks' values then)."""
         return config.mask_cache_size > 0 and not sinks.is_inference() and not bias.capturing(sinks)
 
-    def _keep(self, sinks: torch.Tensor, view: tuple, token: torch.Tensor) -> None:
+    def _keep(self, sinks: torch.Tensor, step: Any, token: torch.Tensor) -> None:
         ptr, storage = sinks.data_ptr(), sinks.untyped_storage()
         tokens = self._tokens
 
@@ -157,7 +158,7 @@ class SinkTokens:
             if entry is not None and entry.storage() is None:
                 tokens.pop(ptr, None)
 
-        entry = _Token(sinks, weakref.ref(storage, forget), view, token)
+        entry = _Token(sinks, weakref.ref(storage, forget), step.view, token, step)
         with self._lock:
             tokens.pop(ptr, None)  # re-inserted last: the oldest entry is the first in the dict
             if len(tokens) >= SINK_TOKENS_LIMIT:  # (a list first: a callback may pop while a dict iterates)
