@@ -144,7 +144,7 @@ def _compile(key: ForwardKey | BackwardKey, steps: list[Step], outputs: tuple[in
     earlier value with its layout (dSink_token: of the sink token), else ``empty_strided(...).zero_()``; the sink
     token is written or read by :data:`~thunder_cudnn_safe.routing.sink_tokens.sink_tokens`; a field bound as it is
     (a pattern's lengths) is one attribute read; a view of a fresh buffer one ``as_strided``; a padding mask's
-    zeroing one :func:`zero_past` call; every other step calls :func:`_step`.
+    zeroing a few lines (:func:`_zero_rows_source`); every other step calls :func:`_step`.
     A comment names the uid each value is bound to (``str(recipe)`` prints the source).
     """
     n_args = len(call)
@@ -155,7 +155,6 @@ def _compile(key: ForwardKey | BackwardKey, steps: list[Step], outputs: tuple[in
         "sink_token_written": sink_tokens.written,
         "sink_token_read": sink_tokens.read,
         "run_step": _step,
-        "zero_past": zero_past,
         "new": tuple.__new__,
         "Bound": Bound,
         "key": key,
@@ -172,7 +171,7 @@ def _compile(key: ForwardKey | BackwardKey, steps: list[Step], outputs: tuple[in
         if s.zero_rows is not None:
             dim, pattern, *zeroed = s.zero_rows
             names.append("None")
-            lines.append(f"    zero_past({dim}, {names[pattern]}.min_kv_len, {', '.join(names[z] for z in zeroed)})")
+            lines += _zero_rows_source(dim, names[pattern], [(names[z], _view_of(steps[z - n_args])) for z in zeroed])
         elif s.src is not None and s.view is None and s.fill is None and s.field is None:
             names.append(names[s.src])
         else:
@@ -508,14 +507,30 @@ def bind(recipe: PackRecipe, call: ForwardCall | BackwardCall) -> Bound:
     return recipe.run(call, call.query.device)
 
 
-def zero_past(dim: int, start: int | None, *bufs: torch.Tensor) -> None:
-    """Zero each of ``bufs``' rows ``start:`` along ``dim`` (:attr:`Step.zero_rows`): all of them where ``start`` is
-    None (no host length known), none where it is the full length (nothing launched)."""
-    for buf in bufs:
-        if start is None:
-            buf.zero_()
-        elif start < buf.shape[dim]:
-            buf.narrow(dim, start, buf.shape[dim] - start).zero_()
+def _view_of(step: Step) -> tuple:
+    """(shape, strides, storage offset) of a step's value that is a fresh buffer (offset 0) or a view of one."""
+    if step.view is not None:
+        return step.view
+    return tuple(step.fill.shape), tuple(step.fill.stride), 0
+
+
+def _zero_rows_source(dim: int, pattern: str, zeroed: list[tuple[str, tuple]]) -> list[str]:
+    """The lines of a recipe that zero each zeroed value's rows at or past the pattern's ``min_kv_len`` along ``dim``
+    (:attr:`Step.zero_rows`): all of them where it is None (no host length known), none where it is the full length
+    (nothing launched). Each tail is one ``as_strided`` of the value's storage with its constant shape, strides and
+    offset, the length the only thing read per call: ``narrow`` and two ``shape`` reads cost twice as much, and a
+    padded backward zeroes two buffers on every call."""
+    lines = [f"    start = {pattern}.min_kv_len", "    if start is None:"]
+    lines += [f"        {name}.zero_()" for name, _ in zeroed]
+    full = {view[0][dim] for _, view in zeroed}
+    assert len(full) == 1, "zeroed values share the key length"
+    lines.append(f"    elif start < {full.pop()}:")
+    for name, (shape, strides, offset) in zeroed:
+        tail = ", ".join(f"{n} - start" if i == dim else str(n) for i, n in enumerate(shape))
+        lines.append(
+            f"        {name}.as_strided(({tail},), {tuple(strides)!r}, {offset} + start * {strides[dim]}).zero_()"
+        )
+    return lines
 
 
 def _step(step: Step, src: Any, device: torch.device) -> torch.Tensor:
