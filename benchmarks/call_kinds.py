@@ -39,6 +39,17 @@ def _bshd(heads: int, gen: torch.Generator) -> torch.Tensor:
     return torch.randn(B, S, heads, D, generator=gen).to(DTYPE).transpose(1, 2)
 
 
+def _on(device: torch.device, opts: dict[str, Any]) -> dict[str, Any]:
+    """``opts`` with every tensor moved to ``device`` (made on the CPU from one generator: the same values anywhere),
+    keeping ``requires_grad``."""
+    moved = {}
+    for name, value in opts.items():
+        if isinstance(value, torch.Tensor):
+            value = value.detach().to(device).requires_grad_(value.requires_grad)
+        moved[name] = value
+    return moved
+
+
 def _options(name: str, gen: torch.Generator) -> dict[str, Any]:
     keep = torch.ones(S, S, dtype=torch.bool).tril().expand(B, 1, S, S)
     sinks = torch.randn(H, generator=gen).to(DTYPE)
@@ -63,13 +74,17 @@ def _options(name: str, gen: torch.Generator) -> dict[str, Any]:
     return dict(attn_mask=float_causal, sinks=sinks, enable_gqa=True, scale=D**-0.5)
 
 
-def calls(disp: Dispatcher, name: str) -> tuple[Callable[[], Any], Callable[[], Any], torch.Tensor, torch.Tensor]:
+def calls(
+    disp: Dispatcher, name: str, device: str | torch.device = "cpu"
+) -> tuple[Callable[[], Any], Callable[[], Any], torch.Tensor, torch.Tensor]:
     """The forward and the backward of kind ``name`` on ``disp`` (each a no-argument function), after one step
-    run (the first call of each plans and builds), and the step's O and stats (for the allocation floor)."""
+    run (the first call of each plans and builds), and the step's O and stats (for the allocation floor); every
+    tensor on ``device`` (the dispatcher's: ``harness.make_dispatcher(device)``)."""
+    device = torch.device(device)
     gen = torch.Generator().manual_seed(0)
-    opts = _options(name, gen)
-    q, grad_out = _bshd(H, gen), _bshd(H, gen)
-    k, v = (_bshd(2 if opts.get("enable_gqa") else H, gen) for _ in range(2))
+    opts = _on(device, _options(name, gen))
+    q, grad_out = _bshd(H, gen).to(device), _bshd(H, gen).to(device)
+    k, v = (_bshd(2 if opts.get("enable_gqa") else H, gen).to(device) for _ in range(2))
     mask_grad = opts.pop("mask_grad", False)
     out, stats = disp.forward(q, k, v, **opts)
     mask, causal = opts.pop("attn_mask", None), opts.pop("is_causal", False)

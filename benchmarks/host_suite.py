@@ -349,21 +349,24 @@ def run(
     }
 
 
-def _call_kinds(iters: int, warmup: int, log=print) -> dict[str, Any]:
+def _call_kinds(iters: int, warmup: int, log=print, device: str = "cpu") -> dict[str, Any]:
     """Each call kind a model makes (:mod:`benchmarks.call_kinds`), forward and backward on a memo hit, interleaved in
     rounds with the plain hit and the allocation floor (out + stats; dq + dk + dv): the least of the rounds' medians,
-    and its ratio to the plain hit."""
-    disp = harness.make_dispatcher("cpu")
+    and its ratio to the plain hit. ``device``: where the tensors live (``"cuda"``: the real cuDNN's target and
+    torch's caching allocator, a stream and capture check per hit, a kernel launched for each sink-token write and
+    tail fill; still no cuDNN execute)."""
+    disp = harness.make_dispatcher(device)
     fns: dict[str, Any] = {}
     for name in call_kinds.KINDS:
-        fns[f"{name}|fwd"], fns[f"{name}|bwd"] = call_kinds.calls(disp, name)[:2]
-    plain_out, plain_stats = call_kinds.calls(disp, call_kinds.KINDS[0])[2:]
+        fns[f"{name}|fwd"], fns[f"{name}|bwd"] = call_kinds.calls(disp, name, device)[:2]
+    plain_out, plain_stats = call_kinds.calls(disp, call_kinds.KINDS[0], device)[2:]
+    dev = plain_out.device
     fns["floor|fwd"] = lambda: (
-        torch.empty_strided(plain_out.shape, plain_out.stride(), dtype=plain_out.dtype),
-        torch.empty_strided(plain_stats.shape, plain_stats.stride(), dtype=torch.float32),
+        torch.empty_strided(plain_out.shape, plain_out.stride(), dtype=plain_out.dtype, device=dev),
+        torch.empty_strided(plain_stats.shape, plain_stats.stride(), dtype=torch.float32, device=dev),
     )
     fns["floor|bwd"] = lambda: tuple(
-        torch.empty_strided(plain_out.shape, plain_out.stride(), dtype=plain_out.dtype) for _ in range(3)
+        torch.empty_strided(plain_out.shape, plain_out.stride(), dtype=plain_out.dtype, device=dev) for _ in range(3)
     )
     samples: dict[str, list[float]] = {name: [] for name in fns}
     rounds = 5
@@ -385,6 +388,7 @@ def _call_kinds(iters: int, warmup: int, log=print) -> dict[str, Any]:
             f"bwd {b['us']:.1f} us ({b['x_plain']:.2f}x)"
         )
     return {
+        "device": str(dev) if dev.type == "cpu" else torch.cuda.get_device_name(dev),
         "shape": [call_kinds.B, call_kinds.H, call_kinds.S, call_kinds.D],
         "dtype": str(call_kinds.DTYPE),
         "rows": rows,
@@ -461,7 +465,8 @@ def _kinds_markdown(kinds: dict[str, Any] | None) -> list[str]:
         return []
     b, h, s, d = kinds["shape"]
     lines = [
-        f"### Each call kind on a memo hit ({kinds['dtype']}, B {b}, H {h}, S {s}, D {d}; execute excluded)",
+        f"### Each call kind on a memo hit ({kinds['dtype']}, B {b}, H {h}, S {s}, D {d}; execute excluded; "
+        f"{kinds.get('device', 'cpu')})",
         "",
         f"Goal (issue 48): each kind at most {KIND_GOAL}x the plain hit, the plain hit at most {FLOOR_GOAL}x the "
         "allocation floor. Microseconds: the least of 5 interleaved rounds' medians. Every row checked to run no "
@@ -517,3 +522,27 @@ def plot(suite: dict[str, Any], path) -> str | None:
     fig.savefig(path, dpi=80)
     plt.close(fig)
     return str(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m benchmarks.host_suite --kinds [--device cuda]``: the call-kinds table alone (about a minute), as
+    markdown; on a lent GPU it measures what the CPU cannot (docs/gpu.md)."""
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--kinds", action="store_true", required=True, help="the call-kinds table")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument("--iters", type=int, default=2000, help="timed calls per kind and direction")
+    parser.add_argument("--json", type=str, default=None, help="also write the results here")
+    args = parser.parse_args(argv)
+    kinds = _call_kinds(args.iters, max(100, args.iters // 10), log=lambda *_: None, device=args.device)
+    print("\n".join(_kinds_markdown(kinds)))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(kinds, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
