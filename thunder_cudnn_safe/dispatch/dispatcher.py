@@ -29,7 +29,7 @@ import torch
 from thunder_cudnn_safe import config
 from thunder_cudnn_safe.codegen import compile_function
 from thunder_cudnn_safe.dispatch import capture, dropout, masked_rows, packed, replay
-from thunder_cudnn_safe.dispatch.replay import Memo, spare, state_source
+from thunder_cudnn_safe.dispatch.replay import Memo, holds_source, spare
 from thunder_cudnn_safe.errors import ExecuteError, GraphBuildError
 from thunder_cudnn_safe.graphs.cache import GraphCache, graph_cache
 from thunder_cudnn_safe.layouts.keys import BackwardKey, Target, Uid
@@ -115,14 +115,7 @@ def _entry_point(call_type: type, miss: str, doc: str) -> Callable:
                 return bound.outputs if finish is None else finish(bound)
         elif entry.routes is not None:
             seen = entry.seen
-            if (
-                seen is not None
-                and seen.fast
-                and seen.ref() is attn_mask
-                and seen.state == {state_source("attn_mask")}
-                and seen.storage() is attn_mask.untyped_storage()
-                and seen.current(attn_mask)
-            ):
+            if seen is not None and seen.fast and {holds_source("seen", "attn_mask")}:
                 planned = seen.replay
                 built = self.cache.touch(planned.slot)
                 if built is not None:

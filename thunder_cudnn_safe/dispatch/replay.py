@@ -257,18 +257,10 @@ class Seen:
         self.fast, self.planned, self.zero, self.prebuild = False, None, None, False
 
     def holds(self, mask: torch.Tensor) -> bool:
-        """Whether ``mask`` is this record's mask, over the same storage, in the same state, not under capture."""
-        return (
-            self.ref() is mask
-            and self.state == _state(mask)
-            and self.storage() is mask.untyped_storage()
-            and self.current(mask)
-        )
-
-    def current(self, mask: torch.Tensor) -> bool:
-        """The stream's part of :meth:`holds`: not under capture (no host decision is reused there) and, on CUDA,
-        read on the stream the record was made on (the verdict's length tensors and the dead rows were made there)."""
-        return bias.stream_key(mask) == self.stream and not bias.capturing(mask)
+        """Whether ``mask`` is this record's mask, over the same storage, in the same state, on the stream the record
+        was made on (the verdict's length tensors and the dead rows were made there), not under capture (no host
+        decision is reused there): :func:`holds_source`, which the entry point's fast replay inlines."""
+        return _holds(self, mask)
 
     def go_fast(self, call: ForwardCall | BackwardCall, planned: ForwardCall | BackwardCall, bias_bound: bool) -> None:
         """Let the entry point run this record's next hits (``fast``) where a :func:`replay` would do nothing but
@@ -288,15 +280,28 @@ class Seen:
 
 
 def state_source(mask: str) -> str:
-    """The expression of :func:`_state` for the mask named ``mask``: the entry point's fast replay compares it
-    inline (:func:`~.dispatcher._entry_point`), so the two cannot drift apart."""
+    """The expression of :func:`_state` for the mask named ``mask``."""
     return f"({mask}._version, {mask}.data_ptr(), {mask}.requires_grad)"
+
+
+def holds_source(seen: str, mask: str) -> str:
+    """The expression of :meth:`Seen.holds` for the record named ``seen`` and the mask named ``mask`` (it reads the
+    global ``bias``, :mod:`thunder_cudnn_safe.masks.bias`): the entry point's fast replay evaluates it inline
+    (:func:`~.dispatcher._entry_point`: no frame per hit), so the two cannot drift apart. The stream and capture
+    switch are read last, through ``bias`` (a test's stand-in for a capturing stream patches the module)."""
+    return (
+        f"{seen}.ref() is {mask} and {seen}.state == {state_source(mask)} and {seen}.storage() is "
+        f"{mask}.untyped_storage() and bias.stream_key({mask}) == {seen}.stream and not bias.capturing({mask})"
+    )
 
 
 _state = compile_function(f"def _state(mask):\n    return {state_source('mask')}", "_state", {}, "Seen state")
 _state.__doc__ = """What of ``mask`` a verdict (and a bias's dead rows) depends on besides its identity and storage,
 as the converted-mask cache keys it (its storage's version and data pointer), and whether its gradient is computed
-(such a mask is never a pattern). A CUDA mask's stream: :meth:`Seen.current`."""
+(such a mask is never a pattern). A CUDA mask's stream: :meth:`Seen.holds`."""
+_holds = compile_function(
+    f"def holds(self, mask):\n    return {holds_source('self', 'mask')}", "holds", {"bias": bias}, "Seen.holds"
+)
 
 
 def _route(entry: Memo, mask: Any) -> tuple[Any, Replay | None, Seen | None]:
