@@ -129,7 +129,7 @@ def _tensors_reachable(root, depth=4):
                 if id(r) in seen or isinstance(r, type):
                     continue
                 seen.add(id(r))
-                if isinstance(r, torch.Tensor):
+                if isinstance(r, (torch.Tensor, torch.UntypedStorage)):  # the handoff holds the kept storages
                     found += 1
                 else:
                     nxt.append(r)
@@ -147,7 +147,7 @@ def test_mask_gradient_stash_does_not_outlive_the_backward_pass():
     out.backward(torch.randn_like(out))
     del out
     gc.collect()
-    assert _tensors_reachable(handoff._local.__dict__) == 0
+    assert _tensors_reachable(handoff.local.__dict__) == 0
 
 
 def test_mask_gradient_stash_is_not_handed_to_another_call_with_reused_ids():
@@ -231,6 +231,9 @@ def test_kept_gradients_do_not_pile_up_while_grad_out_lives():
         "mask given another storage",
         "key given its transpose",
         "grad_out given another storage",
+        "mask viewed as another dtype",
+        "mask expanded over the batch",
+        "mask's freed address given new values",
     ],
 )
 def test_a_backward_that_does_not_match_the_mask_gradient_call_runs_its_own(change):
@@ -257,6 +260,16 @@ def test_a_backward_that_does_not_match_the_mask_gradient_call_runs_its_own(chan
         args[3].data = args[3].data.transpose(-1, -2)
     elif change == "grad_out given another storage":
         args[0].data = args[0].data * 2
+    elif change == "mask viewed as another dtype":  # the same address, shape and strides
+        args[4].data = args[4].data.view(torch.bfloat16)
+    elif change == "mask expanded over the batch":  # the same address and dtype, another shape and strides
+        args[4].data = args[4].data.expand(2, -1, -1, -1)
+    elif change == "mask's freed address given new values":  # two swaps: the freed block is the next one malloc'd
+        nbytes, values = args[4].untyped_storage().nbytes(), args[4].detach() * 2
+        args[4].data = torch.empty(0, dtype=values.dtype)
+        gc.collect()  # the old storage goes unless something holds it
+        fresh = torch.empty(nbytes, dtype=torch.uint8).view(values.dtype).view(values.shape)
+        args[4].data = fresh.copy_(values)
     else:
         kw = dict(scale=0.5)
     got = disp.backward(*args, **kw)

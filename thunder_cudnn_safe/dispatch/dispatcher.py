@@ -24,8 +24,6 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from thunder_cudnn_safe import config
 from thunder_cudnn_safe.codegen import compile_function
 from thunder_cudnn_safe.dispatch import capture, dropout, masked_rows, packed, replay
@@ -57,7 +55,6 @@ from thunder_cudnn_safe.telemetry import warn_once
 
 #: Distinct call signatures whose pack recipes are remembered per dispatcher.
 RECIPE_MEMO_SIZE = 4096
-_MASK_GRAD = BackwardCall._fields.index("mask_grad")
 
 
 def _entry_point(call_type: type, miss: str, doc: str) -> Callable:
@@ -80,7 +77,7 @@ def _entry_point(call_type: type, miss: str, doc: str) -> Callable:
     env.update({f"default_{f}": v for f, v in defaults.items()})
     env.update(new=tuple.__new__, refusals=(GraphBuildError, ExecuteError), torch_deterministic=torch_deterministic)
     env.update(replay=replay.replay, zero_rows=masked_rows.zero_fully_masked_rows)
-    env.update(take_gradients=handoff.take_gradients, gradients_kept=handoff.pending)
+    env.update(take_gradients=handoff.take_gradients, handoff_local=handoff.local)
     env.update(bias=bias, prebuild_hit=replay.prebuild_hit)
     training = "True" if call_type is BackwardCall else "need_stats"
     i_mask, i_causal = fields.index("attn_mask"), fields.index("is_causal")
@@ -89,7 +86,7 @@ def _entry_point(call_type: type, miss: str, doc: str) -> Callable:
     assert not set(fields) & (reserved | {"taken"})
     params = ", ".join(f"{f}=default_{f}" if f in defaults else f for f in fields)
     det = "    if not deterministic and torch_deterministic():\n        deterministic = True\n"
-    det += f"""    if attn_mask is not None and gradients_kept():
+    det += f"""    if attn_mask is not None and handoff_local.kept is not None:
         taken = take_gradients(({"".join(f + ", " for f in fields)}))
         if taken is not None:
             return taken
@@ -140,6 +137,30 @@ def _entry_point(call_type: type, miss: str, doc: str) -> Callable:
     return self.{miss}(new(call_type, args), target, memo, entry)"""
     fn = compile_function(source, name, env, f"Dispatcher.{name}")
     fn.__qualname__, fn.__module__, fn.__doc__, fn.source = f"Dispatcher.{name}", __name__, doc, source
+    return fn
+
+
+def _mask_gradient_entry() -> Callable:
+    """``Dispatcher.mask_gradient``: the gradient of a mask computed inside the traced function (thunder keeps this
+    call only when it is used): one backward with dBias, keeping dQ, dK, dV for the next backward call
+    (:mod:`~thunder_cudnn_safe.runtimes.handoff`), whose call they must match.
+
+    Generated with the backward call's fields as parameters (its defaults), like :func:`_entry_point`: the backward
+    is called with them as they are and ``mask_grad`` on, and the handoff keeps them as a plain tuple, so no call
+    value is built, sliced or spread (``BackwardCall(*args, **kwargs)`` and its two slices cost as much as a
+    tenth of a plain backward; ``namedtuple._replace`` more)."""
+    fields, defaults = BackwardCall._fields, BackwardCall._field_defaults
+    env: dict[str, Any] = {f"default_{f}": v for f, v in defaults.items()}
+    env["keep_gradients"] = handoff.keep_gradients
+    params = ", ".join(f"{f}=default_{f}" if f in defaults else f for f in fields)
+    given = "".join(("True" if f == "mask_grad" else f) + ", " for f in fields)
+    source = f"""def mask_gradient(self, {params}):
+    grads = self.backward({given})
+    keep_gradients(({"".join(f + ", " for f in fields)}), grads[:-1])
+    return grads[-1]"""
+    fn = compile_function(source, "mask_gradient", env, "Dispatcher.mask_gradient")
+    fn.__qualname__, fn.__module__, fn.source = "Dispatcher.mask_gradient", __name__, source
+    fn.__doc__ = "The mask's gradient (dBias); dQ, dK, dV are kept for the backward call with these arguments."
     return fn
 
 
@@ -248,14 +269,7 @@ class Dispatcher:
             replay.remember(self, p, verdict, entry, planned, bound.key, target)
         return p, bound, finished(planned.recipe, bound)
 
-    def mask_gradient(self, *args, **kwargs) -> torch.Tensor:
-        """The gradient of a mask computed inside the traced function (thunder keeps this call only when
-        it is used): one backward with dBias, keeping dQ, dK, dV for the next backward call (:mod:`handoff`), whose
-        call they must match (no ``namedtuple._replace``: this runs every step, and it cost more than the hit)."""
-        call = BackwardCall(*args, **kwargs)
-        grads = self.backward(*call[:_MASK_GRAD], True, *call[_MASK_GRAD + 1 :])
-        handoff.keep_gradients(call, grads[:-1])
-        return grads[-1]
+    mask_gradient = _mask_gradient_entry()
 
 
 #: Every live dispatcher, for :func:`forget_memos` (weakly: a dispatcher goes when its owner drops it).

@@ -4,9 +4,10 @@
    operator right before the backward operator, with the same arguments. It runs the one cuDNN
    backward computing dQ, dK, dV and dBias and :func:`keep_gradients`; the backward call then
    :func:`take_gradients` instead of running a second backward. The match is by value: every
-   tensor by identity (weakly: a reused address never matches), storage (weakly), ``_version``
-   and view (``mask.data = t`` swaps them with no version bump), other fields by equality. Kept
-   per thread, for the next backward call only, dropped when grad_out is freed.
+   tensor by identity (weakly: a reused address never matches), ``_version`` and view (data
+   pointer, shape, strides, dtype: ``mask.data = t`` swaps them with no version bump; the record
+   holds the kept storages, so no other memory can sit at a kept address), other fields by
+   equality. Kept per thread, for the next backward call only, dropped when grad_out is freed.
 2. **Which dropout forwards fell back.** Only the runtime that drew a dropout mask can reproduce
    it: a fallback forward marks its seed (:func:`mark_fallback_seed`, weakly), and the backward
    receiving that seed falls back too (:func:`fell_back`).
@@ -14,119 +15,141 @@
 
 from __future__ import annotations
 
-import functools
 import threading
 import weakref
 from collections.abc import Callable
-from operator import itemgetter
+from typing import Any
 
 import torch
 
+from thunder_cudnn_safe.codegen import compile_function
 from thunder_cudnn_safe.routing.calls import BackwardCall, torch_deterministic
 
-_local = threading.local()
+
+class _Local(threading.local):
+    """Per thread: the record of the last mask-gradient call (:class:`_Kept`), None once taken (a class default,
+    so the backward's entry point reads ``local.kept`` with no ``getattr`` default and no call)."""
+
+    kept: _Kept | None = None
+
+
+#: This thread's :class:`_Local`: the dispatcher's backward entry point reads ``local.kept`` before it calls
+#: :func:`take_gradients` (most masked backwards follow no mask-gradient call).
+local = _Local()
 _fallback_seeds: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 
 
-#: Where ``mask_grad`` is in a backward call (the kept call has it, the call taking its gradients has not).
+#: Where ``mask_grad`` is in a backward call (the kept call has it, the call taking its gradients has not), and
+#: ``deterministic`` (turned on in the kept call where torch's deterministic mode is, as the backward does).
 _MASK_GRAD = BackwardCall._fields.index("mask_grad")
+_DETERMINISTIC = BackwardCall._fields.index("deterministic")
 _new_ref = weakref.ref.__new__
 
 
-def _state(x: torch.Tensor) -> tuple:
-    """What of a kept tensor besides its identity and storage its values depend on: ``_version`` (an in-place
-    write) and the view read (``x.data = t`` gives another storage, or the same one at another offset, strides or
-    dtype, with no version bump)."""
-    return x._version, x.data_ptr(), x.shape, x.stride(), x.dtype
-
-
 class _Kept(weakref.ref):
-    """dQ, dK, dV of one mask-gradient call, and what the backward call must match to take them: its tensors by
-    identity (weakly: a freed tensor's address may hold a new one), storage (weakly) and :func:`_state`, its other
-    fields by equality.
+    """dQ, dK, dV of one mask-gradient call, and what the backward call must match to take them (``match``, made
+    for the call's field types by :func:`_code`): each tensor by identity (weakly: a freed tensor's address may
+    hold a new one) and view state, every other field by equality.
 
-    Itself the weak reference to grad_out, whose callback (:func:`_drop`) drops the gradients when grad_out is
-    freed, so nothing outlives the record: a ``weakref.finalize`` per call stayed in finalize's registry, holding
-    that call's gradients, for as long as grad_out lived (a gradient reused across calls: one more set per call).
+    Itself the weak reference to grad_out, whose callback (:func:`_drop`) drops the gradients and the state when
+    grad_out is freed, so nothing outlives the record: a ``weakref.finalize`` per call stayed in finalize's
+    registry, holding that call's gradients, for as long as grad_out lived (a gradient reused across calls: one
+    more set per call). ``held``: the kept tensors' storages, held so that their memory cannot be freed and handed
+    to another tensor while the record lives (what lets ``match`` read a data pointer instead of the storage).
+    Made by :func:`keep_gradients` alone."""
 
-    Read on every backward with a mask, so in few steps: the fields' types first (equal types put the tensors
-    where the kept call had them and no tensor among the other fields, whose ``==`` a tensor would turn
-    elementwise), then the tensors, then the other fields as one tuple, each picked by the :func:`_getters` of
-    those types. Fields of other types (``0`` for ``0.0``) are compared one by one (:meth:`matches_by_field`).
-    Made by :func:`keep_gradients` alone.
-    """
-
-    __slots__ = ("grads", "types", "tensors_of", "others_of", "refs", "states", "others")
-
-    def matches(self, call: tuple) -> bool:
-        """Whether ``call`` (a backward call, or its fields as a plain tuple) has exactly the kept call's arguments."""
-        if tuple(map(type, call)) != self.types:
-            return self.matches_by_field(call)
-        for (ref, storage), x, state in zip(self.refs, self.tensors_of(call), self.states):
-            # another tensor, or written in place since, or given another storage or view (``.data =``)
-            if ref() is not x or storage() is not x.untyped_storage() or _state(x) != state:
-                return False
-        return self.others_of(call) == self.others
-
-    def matches_by_field(self, call: tuple) -> bool:
-        """:meth:`matches` for a call whose fields' types differ from the kept call's: a tensor only where the kept
-        call had that tensor, every other field equal."""
-        kept, others = iter(zip(self.refs, self.states)), iter(self.others)
-        for i, (x, t) in enumerate(zip(call, self.types)):
-            if issubclass(t, torch.Tensor):
-                (ref, storage), state = next(kept)
-                if ref() is not x or storage() is not x.untyped_storage() or _state(x) != state:
-                    return False
-            elif i != _MASK_GRAD and (isinstance(x, torch.Tensor) or x != next(others)):
-                return False
-        return True
+    __slots__ = ("grads", "match", "state", "held")
 
 
-@functools.cache
-def _getters(types: tuple[type, ...]) -> tuple[Callable[[tuple], tuple], Callable[[tuple], tuple]]:
-    """For a backward call whose fields have ``types``: the functions giving its tensors and its other fields
-    (``mask_grad`` aside) as tuples (a lone index twice: ``itemgetter`` of one gives no tuple)."""
-    tensors = [i for i, t in enumerate(types) if issubclass(t, torch.Tensor)]
-    others = [i for i, t in enumerate(types) if not issubclass(t, torch.Tensor) and i != _MASK_GRAD]
-    return tuple(itemgetter(*i, *i) if len(i) == 1 else itemgetter(*i) for i in (tensors, others))
+def _code(types: tuple[type, ...]) -> tuple[Callable[[_Kept, tuple], None], Callable[[_Kept, tuple], bool]]:
+    """The record's two straight-line functions for a backward call whose fields have ``types``, compiled once per
+    ``types`` (:data:`_codes`): ``keep(kept, call)`` sets ``kept.state`` and ``kept.held``; ``match(kept, call)``
+    is whether ``call`` (a backward call or its fields as a plain tuple) has exactly the kept call's arguments and
+    no ``mask_grad``, as one expression: a generic loop over the fields (types, getters, a ``zip`` of weak
+    references and states) cost as much as a plain backward.
+
+    A tensor field i is matched by identity (``r<i>() is c<i>``; grad_out's is the record itself, so the equal
+    types of the other fields are implied), then by its state: ``_version`` (an in-place write), data pointer,
+    shape, strides and dtype (``x.data = t`` swaps them with no version bump). Its storage need not be compared:
+    the record holds it (``held``), so no other allocation can sit at its address while the record lives; an
+    equal data pointer is then the kept storage's memory at the kept offset (or memory shared with it from
+    outside torch, read the same), and with equal shape, strides and dtype the tensor reads the very elements
+    it read when kept. Every other field by equality (``is`` first, as a tuple compares), a tensor never: where
+    the kept call had a value, ``tensor == 0.5`` would be truthy elementwise (one element) or raise (two)."""
+    n = len(types)
+    calls = "".join(f"c{i}, " for i in range(n))
+    state, held, names, checks = [], [], [], []
+    for i, t in enumerate(types):
+        c = f"c{i}"
+        if i == _MASK_GRAD:  # the kept call computed the mask's gradient; the taking call must not ask for it
+            checks.append(f"not {c}")
+        elif issubclass(t, torch.Tensor):
+            if i:
+                state.append(f"ref({c})")
+                names.append(f"r{i}")
+            state += [f"{c}._version", f"{c}.data_ptr()", f"{c}.shape", f"{c}.stride()", f"{c}.dtype"]
+            names += [f"v{i}", f"p{i}", f"h{i}", f"s{i}", f"d{i}"]
+            held.append(f"{c}.untyped_storage()")
+            checks.append(
+                f"{f'r{i}' if i else 'kept'}() is {c} and {c}._version == v{i} and {c}.data_ptr() == p{i} "
+                f"and {c}.shape == h{i} and {c}.stride() == s{i} and {c}.dtype == d{i}"
+            )
+        else:
+            state.append(c)
+            names.append(f"o{i}")
+            checks.append(f"({c} is o{i} or equal({c}, o{i}))")
+    source = {
+        "keep": f"def keep(kept, call):\n    {calls}= call\n    kept.state = ({''.join(x + ', ' for x in state)})\n"
+        f"    kept.held = ({''.join(x + ', ' for x in held)})",
+        "match": f"def match(kept, call):\n    {calls}= call\n    {''.join(x + ', ' for x in names)}= kept.state\n"
+        f"    return (\n        {(chr(10) + '        and ').join(checks)}\n    )",
+    }
+    fns = tuple(compile_function(source[f], f, {"ref": weakref.ref, "equal": _equal}, f"handoff {f}") for f in source)
+    for fn, f in zip(fns, source):
+        fn.source = source[f]
+    _codes[types] = fns
+    return fns
+
+
+#: :func:`_code` per field types (a model's calls have one or two).
+_codes: dict[tuple[type, ...], tuple[Callable, Callable]] = {}
+
+
+def _equal(x: Any, value: Any) -> bool:
+    """A field of the taking call against the kept call's non-tensor ``value``: equal, and no tensor (see
+    :func:`_code`)."""
+    return not isinstance(x, torch.Tensor) and bool(x == value)
 
 
 def _drop(kept: _Kept) -> None:
-    """grad_out was freed: no backward call can match any more, so its gradients go now."""
-    kept.grads = None
+    """grad_out was freed: no backward call can match any more, so its gradients and the held storages go now."""
+    kept.grads = kept.state = kept.held = None
 
 
-def keep_gradients(call: BackwardCall, grads: tuple) -> None:
-    """Keep dQ, dK, dV (or fused dQKV) of a mask-gradient call for the backward call with the same arguments:
-    deterministic where torch's deterministic mode is on, as ``Dispatcher.backward`` makes it."""
-    if not call.deterministic and torch_deterministic():
-        call = call._replace(deterministic=True)
-    kept = _new_ref(_Kept, call.grad_out, _drop)  # no __init__ to run: a weakref's only checks its arguments
-    kept.grads, kept.types = grads, tuple(map(type, call))
-    kept.tensors_of, kept.others_of = _getters(kept.types)
-    tensors = kept.tensors_of(call)
-    kept.refs = tuple((weakref.ref(t), weakref.ref(t.untyped_storage())) for t in tensors)
-    kept.states = tuple(map(_state, tensors))
-    kept.others = kept.others_of(call)
-    _local.kept = kept
-
-
-def pending() -> bool:
-    """Whether this thread keeps gradients for a backward call: a masked backward builds its fields' tuple and asks
-    :func:`take_gradients` only then (most never follow a mask-gradient call)."""
-    return getattr(_local, "kept", None) is not None
+def keep_gradients(call: tuple, grads: tuple) -> None:
+    """Keep dQ, dK, dV (or fused dQKV) of a mask-gradient call (a backward call or its fields as a plain tuple)
+    for the backward call with the same arguments: deterministic where torch's deterministic mode is on, as
+    ``Dispatcher.backward`` makes it."""
+    if not call[_DETERMINISTIC] and torch_deterministic():
+        call = (*call[:_DETERMINISTIC], True, *call[_DETERMINISTIC + 1 :])
+    types = tuple(map(type, call))
+    keep, match = _codes.get(types) or _code(types)
+    kept = _new_ref(_Kept, call[0], _drop)  # no __init__ to run: a weakref's only checks its arguments
+    kept.grads, kept.match = grads, match
+    keep(kept, call)
+    local.kept = kept
 
 
 def take_gradients(call: tuple) -> tuple | None:
     """The gradients kept for exactly this backward call (or its fields as a plain tuple), or None; forgets them
     either way (the record, which the thread drops here, keeps no reference to them: only the caller holds what it
     takes)."""
-    kept = getattr(_local, "kept", None)
+    kept = local.kept
     if kept is None:
         return None
-    _local.kept = None
+    local.kept = None
     grads, kept.grads = kept.grads, None
-    if grads is None or call[_MASK_GRAD] or not kept.matches(call):
+    if grads is None or not kept.match(kept, call):
         return None
     return grads
 
