@@ -234,6 +234,8 @@ def test_kept_gradients_do_not_pile_up_while_grad_out_lives():
         "mask viewed as another dtype",
         "mask expanded over the batch",
         "mask's freed address given new values",
+        "mask given its negated view",
+        "query given its negated view",
     ],
 )
 def test_a_backward_that_does_not_match_the_mask_gradient_call_runs_its_own(change):
@@ -270,6 +272,10 @@ def test_a_backward_that_does_not_match_the_mask_gradient_call_runs_its_own(chan
         gc.collect()  # the old storage goes unless something holds it
         fresh = torch.empty(nbytes, dtype=torch.uint8).view(values.dtype).view(values.shape)
         args[4].data = fresh.copy_(values)
+    elif change == "mask given its negated view":  # the same address, shape, strides, dtype and version
+        args[4].data = torch._neg_view(args[4].detach())  # torch's lazy neg bit: the values negated, unseen
+    elif change == "query given its negated view":
+        args[1].data = torch._neg_view(args[1].detach())
     else:
         kw = dict(scale=0.5)
     got = disp.backward(*args, **kw)

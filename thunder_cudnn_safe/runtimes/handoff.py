@@ -5,7 +5,7 @@
    backward computing dQ, dK, dV and dBias and :func:`keep_gradients`; the backward call then
    :func:`take_gradients` instead of running a second backward. The match is by value: every
    tensor by identity (weakly: a reused address never matches), ``_version`` and view (data
-   pointer, shape, strides, dtype: ``mask.data = t`` swaps them with no version bump; the record
+   pointer, shape, strides, dtype, neg bit: ``mask.data = t`` swaps them with no version bump; the record
    holds the kept storages, so no other memory can sit at a kept address), other fields by
    equality. Kept per thread, for the next backward call only, dropped when grad_out is freed.
 2. **Which dropout forwards fell back.** Only the runtime that drew a dropout mask can reproduce
@@ -70,11 +70,12 @@ def _code(types: tuple[type, ...]) -> tuple[Callable[[_Kept, tuple], None], Call
 
     A tensor field i is matched by identity (``r<i>() is c<i>``; grad_out's is the record itself, so the equal
     types of the other fields are implied), then by its state: ``_version`` (an in-place write), data pointer,
-    shape, strides and dtype (``x.data = t`` swaps them with no version bump). Its storage need not be compared:
-    the record holds it (``held``), so no other allocation can sit at its address while the record lives; an
-    equal data pointer is then the kept storage's memory at the kept offset (or memory shared with it from
-    outside torch, read the same), and with equal shape, strides and dtype the tensor reads the very elements
-    it read when kept. Every other field by equality (``is`` first, as a tuple compares), a tensor never: where
+    shape, strides, dtype and neg bit (``x.data = t`` swaps them with no version bump; ``torch._neg_view`` gives
+    the same memory, shape, strides and dtype read negated, as the memo key's ``is_neg()``). Its storage need not be
+    compared: the record holds it (``held``), so no other allocation can sit at its address while the record
+    lives; an equal data pointer is then the kept storage's memory at the kept offset (or memory shared with it
+    from outside torch, read the same), and with equal shape, strides, dtype and neg bit the tensor reads the very
+    elements it read when kept. Every other field by equality (``is`` first, as a tuple compares), a tensor never: where
     the kept call had a value, ``tensor == 0.5`` would be truthy elementwise (one element) or raise (two)."""
     n = len(types)
     calls = "".join(f"c{i}, " for i in range(n))
@@ -87,12 +88,12 @@ def _code(types: tuple[type, ...]) -> tuple[Callable[[_Kept, tuple], None], Call
             if i:
                 state.append(f"ref({c})")
                 names.append(f"r{i}")
-            state += [f"{c}._version", f"{c}.data_ptr()", f"{c}.shape", f"{c}.stride()", f"{c}.dtype"]
-            names += [f"v{i}", f"p{i}", f"h{i}", f"s{i}", f"d{i}"]
+            state += [f"{c}._version", f"{c}.data_ptr()", f"{c}.shape", f"{c}.stride()", f"{c}.dtype", f"{c}.is_neg()"]
+            names += [f"v{i}", f"p{i}", f"h{i}", f"s{i}", f"d{i}", f"n{i}"]
             held.append(f"{c}.untyped_storage()")
             checks.append(
                 f"{f'r{i}' if i else 'kept'}() is {c} and {c}._version == v{i} and {c}.data_ptr() == p{i} "
-                f"and {c}.shape == h{i} and {c}.stride() == s{i} and {c}.dtype == d{i}"
+                f"and {c}.shape == h{i} and {c}.stride() == s{i} and {c}.dtype == d{i} and {c}.is_neg() is n{i}"
             )
         else:
             state.append(c)
