@@ -150,6 +150,24 @@ def test_mask_gradient_stash_does_not_outlive_the_backward_pass():
     assert _tensors_reachable(handoff.local.__dict__) == 0
 
 
+def test_mask_gradient_stash_holds_no_operand_while_grad_out_lives():
+    """Only the mask needs a gradient (thunder drops the backward call) and the user keeps grad_out (a reused
+    gradient): the record lives as long as grad_out, and it held every kept tensor's storage (q, k, v, the mask
+    ``b * 1.0``, out, stats) that long, after the step had freed them; no backward can take the kept gradients once
+    those tensors are gone."""
+    jf = jit_with_ours(lambda q, k, v, b: F.scaled_dot_product_attention(q, k, v, attn_mask=b * 1.0))
+    q, k, v = seeded_qkv(1, 2, 16, d=16, dtype=torch.float16)
+    b = torch.randn(1, 2, 16, 16, dtype=torch.float16, requires_grad=True)
+    out = jf(q, k, v, b)
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    assert handoff.local.kept is not None and handoff.local.kept() is grad_out, "the record this test is about"
+    storages = [weakref.ref(t.untyped_storage()) for t in (q, k, v)]
+    del out, q, k, v, b
+    gc.collect()
+    assert all(r() is None for r in storages), "the handoff held q, k, v's storages after the step freed them"
+
+
 def test_mask_gradient_stash_is_not_handed_to_another_call_with_reused_ids():
     """Kept gradients were matched by id() and _version: a different call whose tensors reuse
     freed objects' ids got the kept gradients of the old call."""

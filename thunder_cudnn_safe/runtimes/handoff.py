@@ -5,8 +5,8 @@
    backward computing dQ, dK, dV and dBias and :func:`keep_gradients`; the backward call then
    :func:`take_gradients` instead of running a second backward. The match is by value: every
    tensor by identity (weakly: a reused address never matches), ``_version`` and view (data
-   pointer, shape, strides, dtype, neg bit: ``mask.data = t`` swaps them with no version bump; the record
-   holds the kept storages, so no other memory can sit at a kept address), other fields by
+   pointer, shape, strides, dtype, neg bit: ``mask.data = t`` swaps them with no version bump; a kept
+   storage still alive, so no other memory can sit at a kept address), other fields by
    equality. Kept per thread, for the next backward call only, dropped when grad_out is freed.
 2. **Which dropout forwards fell back.** Only the runtime that drew a dropout mask can reproduce
    it: a fallback forward marks its seed (:func:`mark_fallback_seed`, weakly), and the backward
@@ -51,19 +51,19 @@ class _Kept(weakref.ref):
     for the call's field types by :func:`_code`): each tensor by identity (weakly: a freed tensor's address may
     hold a new one) and view state, every other field by equality.
 
-    Itself the weak reference to grad_out, whose callback (:func:`_drop`) drops the gradients and the state when
-    grad_out is freed, so nothing outlives the record: a ``weakref.finalize`` per call stayed in finalize's
-    registry, holding that call's gradients, for as long as grad_out lived (a gradient reused across calls: one
-    more set per call). ``held``: the kept tensors' storages, held so that their memory cannot be freed and handed
-    to another tensor while the record lives (what lets ``match`` read a data pointer instead of the storage).
-    Made by :func:`keep_gradients` alone."""
+    Itself the weak reference to grad_out, whose callback (:func:`_drop`) drops the gradients when grad_out is
+    freed, so nothing outlives the record: a ``weakref.finalize`` per call stayed in finalize's registry, holding
+    that call's gradients, for as long as grad_out lived (a gradient reused across calls: one more set per call).
+    ``state`` refers to the kept tensors and their storages weakly: held, a storage stayed alive as long as
+    grad_out (a user's reused gradient: q, k, v, the mask, out and stats of a call whose backward never came, as
+    where only the mask's gradient is used). Made by :func:`keep_gradients` alone."""
 
-    __slots__ = ("grads", "match", "state", "held")
+    __slots__ = ("grads", "match", "state")
 
 
 def _code(types: tuple[type, ...]) -> tuple[Callable[[_Kept, tuple], None], Callable[[_Kept, tuple], bool]]:
     """The record's two straight-line functions for a backward call whose fields have ``types``, compiled once per
-    ``types`` (:data:`_codes`): ``keep(kept, call)`` sets ``kept.state`` and ``kept.held``; ``match(kept, call)``
+    ``types`` (:data:`_codes`): ``keep(kept, call)`` sets ``kept.state``; ``match(kept, call)``
     is whether ``call`` (a backward call or its fields as a plain tuple) has exactly the kept call's arguments and
     no ``mask_grad``, as one expression: a generic loop over the fields (types, getters, a ``zip`` of weak
     references and states) cost as much as a plain backward.
@@ -72,14 +72,16 @@ def _code(types: tuple[type, ...]) -> tuple[Callable[[_Kept, tuple], None], Call
     types of the other fields are implied), then by its state: ``_version`` (an in-place write), data pointer,
     shape, strides, dtype and neg bit (``x.data = t`` swaps them with no version bump; ``torch._neg_view`` gives
     the same memory, shape, strides and dtype read negated, as the memo key's ``is_neg()``). Its storage need not be
-    compared: the record holds it (``held``), so no other allocation can sit at its address while the record
-    lives; an equal data pointer is then the kept storage's memory at the kept offset (or memory shared with it
-    from outside torch, read the same), and with equal shape, strides, dtype and neg bit the tensor reads the very
-    elements it read when kept. Every other field by equality (``is`` first, as a tuple compares), a tensor never: where
-    the kept call had a value, ``tensor == 0.5`` would be truthy elementwise (one element) or raise (two)."""
+    compared, only found alive (``w<i>()``, a weak reference: the record holds no memory): while it lives no other
+    allocation can sit at its address, so an equal data pointer is the kept storage's memory at the kept offset
+    (or memory shared with it from outside torch, read the same), and with equal shape, strides, dtype and neg bit
+    the tensor reads the very elements it read when kept. Freed (``x.data = t`` and the old storage gone), its
+    address may hold another tensor's values: no match. Every other field by equality (``is`` first, as a tuple
+    compares), a tensor never: where the kept call had a value, ``tensor == 0.5`` would be truthy elementwise (one
+    element) or raise (two)."""
     n = len(types)
     calls = "".join(f"c{i}, " for i in range(n))
-    state, held, names, checks = [], [], [], []
+    state, names, checks = [], [], []
     for i, t in enumerate(types):
         c = f"c{i}"
         if i == _MASK_GRAD:  # the kept call computed the mask's gradient; the taking call must not ask for it
@@ -88,20 +90,20 @@ def _code(types: tuple[type, ...]) -> tuple[Callable[[_Kept, tuple], None], Call
             if i:
                 state.append(f"ref({c})")
                 names.append(f"r{i}")
-            state += [f"{c}._version", f"{c}.data_ptr()", f"{c}.shape", f"{c}.stride()", f"{c}.dtype", f"{c}.is_neg()"]
-            names += [f"v{i}", f"p{i}", f"h{i}", f"s{i}", f"d{i}", f"n{i}"]
-            held.append(f"{c}.untyped_storage()")
+            state += [f"ref({c}.untyped_storage())", f"{c}._version", f"{c}.data_ptr()", f"{c}.shape"]
+            state += [f"{c}.stride()", f"{c}.dtype", f"{c}.is_neg()"]
+            names += [f"w{i}", f"v{i}", f"p{i}", f"h{i}", f"s{i}", f"d{i}", f"n{i}"]
             checks.append(
                 f"{f'r{i}' if i else 'kept'}() is {c} and {c}._version == v{i} and {c}.data_ptr() == p{i} "
-                f"and {c}.shape == h{i} and {c}.stride() == s{i} and {c}.dtype == d{i} and {c}.is_neg() is n{i}"
+                f"and w{i}() is not None and {c}.shape == h{i} and {c}.stride() == s{i} and {c}.dtype == d{i} "
+                f"and {c}.is_neg() is n{i}"
             )
         else:
             state.append(c)
             names.append(f"o{i}")
             checks.append(f"({c} is o{i} or equal({c}, o{i}))")
     source = {
-        "keep": f"def keep(kept, call):\n    {calls}= call\n    kept.state = ({''.join(x + ', ' for x in state)})\n"
-        f"    kept.held = ({''.join(x + ', ' for x in held)})",
+        "keep": f"def keep(kept, call):\n    {calls}= call\n    kept.state = ({''.join(x + ', ' for x in state)})",
         "match": f"def match(kept, call):\n    {calls}= call\n    {''.join(x + ', ' for x in names)}= kept.state\n"
         f"    return (\n        {(chr(10) + '        and ').join(checks)}\n    )",
     }
@@ -123,8 +125,8 @@ def _equal(x: Any, value: Any) -> bool:
 
 
 def _drop(kept: _Kept) -> None:
-    """grad_out was freed: no backward call can match any more, so its gradients and the held storages go now."""
-    kept.grads = kept.state = kept.held = None
+    """grad_out was freed: no backward call can match any more, so its gradients and the state go now."""
+    kept.grads = kept.state = None
 
 
 def keep_gradients(call: tuple, grads: tuple) -> None:
