@@ -325,6 +325,29 @@ def test_a_tensor_where_the_kept_call_had_a_value_never_matches(scale):
     assert handoff.take_gradients(call) == ("dq", "dk", "dv")
 
 
+def test_grad_out_freed_as_a_backward_starts_its_match_is_no_error():
+    """grad_out freed (by another thread: a weakref callback runs in the thread that drops the last reference) after
+    a backward read the kept gradients and before it matched: the callback had cleared the record's state, and the
+    match's unpacking of it raised a TypeError in a backward that only had to run its own. The wrapped match frees
+    grad_out at that point."""
+    _, *args = _mask_gradient_args()
+    call = tuple(BackwardCall(*args))
+    other = (args[0].clone(), *call[1:])  # another grad_out: no match, its own backward
+    handoff.keep_gradients(call, ("dq", "dk", "dv"))
+    kept, holder = handoff.local.kept, [args[0]]
+    del args, call
+    real = kept.match
+
+    def freeing_match(kept: handoff._Kept, call: tuple) -> bool:
+        holder.clear()  # the last reference to the kept grad_out: the record's callback runs here
+        gc.collect()
+        return real(kept, call)
+
+    kept.match = freeing_match
+    assert handoff.take_gradients(other) is None
+    assert kept() is None, "grad_out was not freed: the test does not test the race"
+
+
 def test_kept_gradients_are_the_keeping_threads_own():
     """Kept per thread: another thread's backward with the very arguments runs its own; the keeping thread's
     backward still takes what its mask-gradient call kept."""

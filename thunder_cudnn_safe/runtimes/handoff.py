@@ -125,8 +125,11 @@ def _equal(x: Any, value: Any) -> bool:
 
 
 def _drop(kept: _Kept) -> None:
-    """grad_out was freed: no backward call can match any more, so its gradients and the state go now."""
-    kept.grads = kept.state = None
+    """grad_out was freed: no backward call can match any more, so its gradients go now. The state stays (weak
+    references and plain values): a :func:`take_gradients` in another thread may have read the gradients just
+    before and be about to match, which read a cleared state as a ``TypeError`` (grad_out's reference is dead, so
+    that match fails)."""
+    kept.grads = None
 
 
 def keep_gradients(call: tuple, grads: tuple) -> None:
