@@ -29,6 +29,7 @@ from thunder_cudnn_safe.dispatch.dispatcher import Dispatcher
 from thunder_cudnn_safe.errors import GraphBuildError
 from thunder_cudnn_safe.graphs.cache import GraphCache
 from thunder_cudnn_safe.layouts.keys import BackwardKey
+from thunder_cudnn_safe.masks import bias
 from thunder_cudnn_safe.routing.calls import BackwardCall
 from thunder_cudnn_safe.runtimes import handoff
 from thunder_cudnn_safe.runtimes.emulation import EmulatedRuntime
@@ -300,6 +301,32 @@ def test_a_backward_that_does_not_match_the_mask_gradient_call_runs_its_own(chan
     assert len(runs) == 3, f"{change}: the backward took another call's kept gradients"
     want = Dispatcher(EmulatedRuntime(), GraphCache(32)).backward(*args, **kw)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), change
+
+
+@pytest.mark.parametrize("change", ["another stream", "a capture began", "the capture ended"])
+def test_a_backward_on_another_stream_or_capture_state_runs_its_own(change, monkeypatch):
+    """The kept dQ, dK, dV were made on the mask-gradient call's stream, in or out of a CUDA-graph capture: taken on
+    another stream they could be read before the kernel making them ran (no event orders the two streams); taken
+    inside a capture that began after them, the capture records no backward and every replay hands on the values
+    of the step before it; made inside a capture that ended before the backward, they were never computed (a
+    capture runs no kernel). The stream and capture switches stand in for CUDA (CPU), as the memo's tests do."""
+    disp, *args = _mask_gradient_args()
+    runs = _backward_runs(disp)
+    stream, capturing = [7], [change == "the capture ended"]
+    monkeypatch.setattr(bias, "stream_key", lambda t: stream[0])
+    monkeypatch.setattr(bias, "capturing", lambda t: capturing[0])
+    disp.mask_gradient(*args)
+    if change == "another stream":
+        stream[0] = 8
+    else:
+        capturing[0] = not capturing[0]
+    got = disp.backward(*args)
+    assert len(runs) == 2, f"{change}: the backward took the kept gradients"
+    want = Dispatcher(EmulatedRuntime(), GraphCache(32)).backward(*args)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), change
+    disp.mask_gradient(*args)  # the same stream and capture state: taken
+    disp.backward(*args)
+    assert len(runs) == 3, f"{change}: the matching backward ran its own"
 
 
 def test_a_backward_with_equal_arguments_of_other_types_takes_the_kept_gradients():

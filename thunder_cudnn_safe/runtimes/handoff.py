@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from thunder_cudnn_safe.codegen import compile_function
+from thunder_cudnn_safe.masks import bias
 from thunder_cudnn_safe.routing.calls import BackwardCall, torch_deterministic
 
 
@@ -78,7 +79,11 @@ def _code(types: tuple[type, ...]) -> tuple[Callable[[_Kept, tuple], None], Call
     the tensor reads the very elements it read when kept. Freed (``x.data = t`` and the old storage gone), its
     address may hold another tensor's values: no match. Every other field by equality (``is`` first, as a tuple
     compares), a tensor never: where the kept call had a value, ``tensor == 0.5`` would be truthy elementwise (one
-    element) or raise (two)."""
+    element) or raise (two). Last, the stream and capture state of the kept call (grad_out's device): the kept
+    gradients were made on its stream (another stream could read them before the kernel making them ran: no event
+    orders the two), in or out of a CUDA-graph capture (taken in a capture begun since, they are recorded by no
+    kernel and every replay hands on the values of the step before; made in a capture ended since, no kernel
+    computed them)."""
     n = len(types)
     calls = "".join(f"c{i}, " for i in range(n))
     state, names, checks = [], [], []
@@ -102,12 +107,17 @@ def _code(types: tuple[type, ...]) -> tuple[Callable[[_Kept, tuple], None], Call
             state.append(c)
             names.append(f"o{i}")
             checks.append(f"({c} is o{i} or equal({c}, o{i}))")
+    # the stream and capture state last, through ``bias`` (a test's stand-in for CUDA patches the module)
+    state += ["bias.stream_key(c0)", "bias.capturing(c0)"]
+    names += ["stream", "capturing"]
+    checks.append("bias.stream_key(c0) == stream and bias.capturing(c0) == capturing")
     source = {
         "keep": f"def keep(kept, call):\n    {calls}= call\n    kept.state = ({''.join(x + ', ' for x in state)})",
         "match": f"def match(kept, call):\n    {calls}= call\n    {''.join(x + ', ' for x in names)}= kept.state\n"
         f"    return (\n        {(chr(10) + '        and ').join(checks)}\n    )",
     }
-    fns = tuple(compile_function(source[f], f, {"ref": weakref.ref, "equal": _equal}, f"handoff {f}") for f in source)
+    env = {"ref": weakref.ref, "equal": _equal, "bias": bias}
+    fns = tuple(compile_function(source[f], f, env, f"handoff {f}") for f in source)
     for fn, f in zip(fns, source):
         fn.source = source[f]
     _codes[types] = fns
