@@ -5,9 +5,10 @@
    backward computing dQ, dK, dV and dBias and :func:`keep_gradients`; the backward call then
    :func:`take_gradients` instead of running a second backward. The match is by value: every
    tensor by identity (weakly: a reused address never matches), ``_version`` and view (data
-   pointer, shape, strides, dtype, neg bit: ``mask.data = t`` swaps them with no version bump; a kept
-   storage still alive, so no other memory can sit at a kept address), other fields by
-   equality. Kept per thread, for the next backward call only, dropped when grad_out is freed.
+   pointer, shape, strides, dtype, neg bit: ``mask.data = t`` swaps them with no version bump; each
+   kept storage found alive, weakly, so no other memory can sit at a kept address), other fields by
+   equality, and the stream and capture state. Kept per thread, for the next backward call only,
+   dropped when grad_out is freed.
 2. **Which dropout forwards fell back.** Only the runtime that drew a dropout mask can reproduce
    it: a fallback forward marks its seed (:func:`mark_fallback_seed`, weakly), and the backward
    receiving that seed falls back too (:func:`fell_back`).
