@@ -113,6 +113,30 @@ def test_a_repeated_dropout_forward_compiles_nothing_and_looks_up_only_its_graph
     assert asked and disp.cache.info().builds > info.builds
 
 
+def test_a_repeated_dropout_backward_looks_up_its_graph_once(fresh_cache, monkeypatch):
+    """A dropout backward's memo hit runs the graph its memo's slot gave (``GraphCache.touch``, one counted hit):
+    it looked the graph up a second time through ``get_or_build``, so ``cache_info().hits`` counted every such
+    call twice."""
+    disp = Dispatcher(EmulatedRuntime(), GraphCache(16))
+    q, k, v = (T(2, 2, 16, 64) for _ in range(3))
+    out, stats, seed, offset = disp.forward(q, k, v, None, 0.25, False)
+    g = torch.randn_like(out)
+    args = (g, q, k, v, None, 0.25, False, out, stats, seed, offset)
+    disp.backward(*args)
+    first = disp.cache.info()
+    looked_up = []
+    real = disp.cache.get_or_build
+    monkeypatch.setattr(disp.cache, "get_or_build", lambda *a: looked_up.append(a[0]) or real(*a))
+    for _ in range(3):
+        dq, dk, dv = disp.backward(*args)
+    info = disp.cache.info()
+    assert looked_up == [], "a repeated dropout backward looked its graph up again"
+    assert (info.hits, info.builds, info.misses, info.fallbacks) == (first.hits + 3, first.builds, first.misses, 0)
+    _, ref = _dropout_reference_grads(q, k, v, g, seed, offset, 0.25)
+    for a, b in zip((dq, dk, dv), ref):
+        assert (a.double() - b).abs().max() < 2e-2
+
+
 def test_dropout_forward_falls_back_when_cudnn_refuses_its_backward(fresh_cache):
     """L = S = 1 with dropout: cuDNN takes the forward, refuses the backward. The forward used to run
     in cuDNN, and the backward then raised (the fallback cannot reproduce cuDNN's mask)."""

@@ -178,9 +178,10 @@ class Dispatcher:
     forward = _entry_point(ForwardCall, "_forward", "O and stats (if ``need_stats``), then dropout's seed and offset.")
     backward = _entry_point(BackwardCall, "_backward", "(dq, dk, dv) or (grad_qkv,) fused, dSinks, dBias (mask_grad).")
 
-    def try_execute(self, bound: Bound) -> GraphBuildError | ExecuteError | None:
-        """Execute ``bound`` on the runtime (its graph built once); the runtime's refusal, or None if it ran."""
-        return try_execute(self.runtime, self.cache, bound)
+    def try_execute(self, bound: Bound, built: Any = None) -> GraphBuildError | ExecuteError | None:
+        """Execute ``bound`` on the runtime (its graph built once, or ``built``: :func:`try_execute`); the runtime's
+        refusal, or None if it ran."""
+        return try_execute(self.runtime, self.cache, bound, built)
 
     def refused(self, bound: Bound, exc: GraphBuildError | ExecuteError, tried: Bound | None = None) -> None:
         """``bound`` refused by the runtime (or its retry ``tried``): warned once per key tried, run on the fallback."""
@@ -197,13 +198,14 @@ class Dispatcher:
         """Execute ``bound`` on the torch fallback, counted in ``cache_info().fallbacks``."""
         fallback.run(bound, self.cache)
 
-    def run(self, bound: Bound) -> None:
-        """Execute ``bound`` on the runtime, or on the torch fallback if the runtime refuses it."""
+    def run(self, bound: Bound, built: Any = None) -> None:
+        """Execute ``bound`` on the runtime, or on the torch fallback if the runtime refuses it; ``built``: its
+        graph where a memo hit took it from the cache already (not looked up, nor counted, twice)."""
         key, tried = bound.key, bound
         dropout_backward = isinstance(key, BackwardKey) and key.dropout_p
         if dropout_backward and handoff.fell_back(bound.pack[Uid.SEED]):
             return self.run_fallback(bound)
-        exc = self.try_execute(bound)
+        exc = self.try_execute(bound, built)
         if exc is not None and dropout_backward and key.d_o != key.o:
             tried = with_grad_out_like_o(bound)
             exc = self.try_execute(tried)

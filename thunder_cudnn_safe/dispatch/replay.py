@@ -72,7 +72,7 @@ class Dispatching(Protocol):
 
     def memo(self, call: ForwardCall | BackwardCall, target: Target, memo: tuple | None = None) -> Memo: ...
 
-    def run(self, bound: Bound) -> None: ...
+    def run(self, bound: Bound, built: Any = None) -> None: ...
 
     def run_fallback(self, bound: Bound) -> None: ...
 
@@ -188,7 +188,7 @@ def replay(disp: Dispatching, entry: Memo, call: ForwardCall | BackwardCall, tar
     ):
         disp.run_fallback(bound)
     elif not forward and call.dropout_p:
-        disp.run(bound)  # a backward of a forward that fell back falls back; a refusal retries dO in O's layout
+        disp.run(bound, built)  # a backward of a forward that fell back falls back; a refusal retries dO like O
     else:
         try:
             disp.runtime.execute(built, bound.pack)

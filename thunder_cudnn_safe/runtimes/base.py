@@ -70,11 +70,15 @@ class Runtime(abc.ABC):
         """Run ``built`` on the tensors bound to its uids; raises ExecuteError on a refusal."""
 
 
-def try_execute(runtime: Runtime, cache: GraphCache, bound: Bound) -> GraphBuildError | ExecuteError | None:
-    """Execute ``bound`` on ``runtime``, its graph built once through ``cache`` (which asks the key gate first);
-    the runtime's refusal, or None if it ran. Every route that runs a bound call on a runtime runs it here."""
+def try_execute(
+    runtime: Runtime, cache: GraphCache, bound: Bound, built: BuiltGraph | None = None
+) -> GraphBuildError | ExecuteError | None:
+    """Execute ``bound`` on ``runtime``, its graph built once through ``cache`` (which asks the key gate first), or
+    ``built``, the graph of ``bound.key`` a memo hit already took from the cache (``GraphCache.touch``: looked up
+    and counted once); the runtime's refusal, or None if it ran. Every route that runs a bound call on a runtime
+    runs it here."""
     try:
-        runtime.execute(cache.get_or_build(bound.key, runtime.build), bound.pack)
+        runtime.execute(cache.get_or_build(bound.key, runtime.build) if built is None else built, bound.pack)
         return None
     except (GraphBuildError, ExecuteError) as exc:
         return exc
