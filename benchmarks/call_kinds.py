@@ -32,6 +32,7 @@ KINDS = (
     "grouped heads (enable_gqa)",
     "mask gradient (its call, then the backward)",
     "as FuseHandwrittenAttention emits it (gpt-oss: float causal mask, sinks, GQA, scale)",
+    "dropout (p = 1/8), is_causal",
 )
 
 
@@ -68,6 +69,8 @@ def _options(name: str, gen: torch.Generator) -> dict[str, Any]:
         return dict(is_causal=True, softcap=30.0)
     if name.startswith("grouped"):
         return dict(is_causal=True, enable_gqa=True)
+    if name.startswith("dropout"):  # a multiple of 1/16: cuDNN declines other values (DROPOUT_SIXTEENTHS)
+        return dict(is_causal=True, dropout_p=0.125)
     if name.startswith("mask gradient"):
         return dict(attn_mask=torch.randn(1, H, S, S, generator=gen).to(DTYPE).requires_grad_(), mask_grad=True)
     float_causal = torch.zeros(B, 1, S, S, dtype=DTYPE).masked_fill(~keep, float("-inf"))
@@ -86,13 +89,13 @@ def calls(
     q, grad_out = _bshd(H, gen).to(device), _bshd(H, gen).to(device)
     k, v = (_bshd(2 if opts.get("enable_gqa") else H, gen).to(device) for _ in range(2))
     mask_grad = opts.pop("mask_grad", False)
-    out, stats = disp.forward(q, k, v, **opts)
-    mask, causal = opts.pop("attn_mask", None), opts.pop("is_causal", False)
+    out, stats, *rng = disp.forward(q, k, v, **opts)  # dropout's seed and offset after O and stats
+    mask, p, causal = opts.pop("attn_mask", None), opts.pop("dropout_p", 0.0), opts.pop("is_causal", False)
     opts.pop("enable_gqa", None)
-    args = (grad_out, q, k, v, mask, 0.0, causal, out, stats, None, None)
+    args = (grad_out, q, k, v, mask, p, causal, out, stats, *(rng or (None, None)))
 
     def forward():
-        return disp.forward(q, k, v, mask, 0.0, causal, enable_gqa=k.shape[1] != H, **opts)
+        return disp.forward(q, k, v, mask, p, causal, enable_gqa=k.shape[1] != H, **opts)
 
     def backward():
         if mask_grad:

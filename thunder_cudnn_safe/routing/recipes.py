@@ -144,7 +144,8 @@ def _compile(key: ForwardKey | BackwardKey, steps: list[Step], outputs: tuple[in
     earlier value with its layout (dSink_token: of the sink token), else ``empty_strided(...).zero_()``; the sink
     token is written or read by :data:`~thunder_cudnn_safe.routing.sink_tokens.sink_tokens`; a field bound as it is
     (a pattern's lengths) is one attribute read; a view of a fresh buffer one ``as_strided``; a padding mask's
-    zeroing a few lines (:func:`_zero_rows_source`); every other step calls :func:`_step`.
+    zeroing a few lines (:func:`_zero_rows_source`); dropout's seed and offset one ``randint`` each (as
+    :func:`_fill` draws them); every other step calls :func:`_step`.
     A comment names the uid each value is bound to (``str(recipe)`` prints the source).
     """
     n_args = len(call)
@@ -152,6 +153,7 @@ def _compile(key: ForwardKey | BackwardKey, steps: list[Step], outputs: tuple[in
         "empty_strided": torch.empty_strided,
         "empty_like": torch.empty_like,
         "zeros_like": torch.zeros_like,
+        "randint": torch.randint,
         "sink_token_written": sink_tokens.written,
         "sink_token_read": sink_tokens.read,
         "run_step": _step,
@@ -187,6 +189,9 @@ def _compile(key: ForwardKey | BackwardKey, steps: list[Step], outputs: tuple[in
                 env[f"d{i}"] = s.fill.dtype
                 expr = f"empty_strided({tuple(s.fill.shape)!r}, {tuple(s.fill.stride)!r}, dtype=d{i}, device=device)"
                 expr += ".zero_()" if s.zero else ""
+            elif s.draw and s.src is None and s.view is None:  # dropout's seed or offset (as _fill draws it)
+                env[f"d{i}"] = s.fill.dtype
+                expr = f"randint(0, {_DRAW_HIGH}, {tuple(s.fill.shape)!r}, dtype=d{i}, device=device)"
             elif s.src is not None and s.view is None and s.fill is None:
                 expr = f"{names[s.src]}.{s.field}"  # a pattern's length tensor, bound as it is
             elif s.src in allocated and s.view is not None and s.fill is None and s.field is None:
@@ -545,10 +550,15 @@ def _step(step: Step, src: Any, device: torch.device) -> torch.Tensor:
     return _fill(step, t, device)
 
 
+#: Dropout's seed and offset are drawn from [0, _DRAW_HIGH) on the device, by its generator: captured by CUDA
+#: graphs, repeatable with ``manual_seed``, the CPU's stream untouched (:func:`_fill`, and inline by :func:`_compile`).
+_DRAW_HIGH = 2**62
+
+
 def _fill(step: Step, src: torch.Tensor | None, device: torch.device) -> torch.Tensor:
     f = step.fill
-    if step.draw:  # on the device, by its generator: captured by CUDA graphs, repeatable with manual_seed
-        return torch.randint(0, 2**62, f.shape, dtype=f.dtype, device=device)
+    if step.draw:
+        return torch.randint(0, _DRAW_HIGH, f.shape, dtype=f.dtype, device=device)
     buf = torch.empty_strided(f.shape, f.stride, dtype=f.dtype, device=device)
     if src is not None:
         counted_copy(buf, src, step.name, step.reason)
