@@ -233,6 +233,34 @@ def test_backward_of_a_fallen_back_dropout_forward_never_reaches_cudnn(fresh_cac
         assert (a.double() - b).abs().max() < 2e-2
 
 
+def test_a_dropout_backward_memo_hit_still_pairs_with_its_forward(fresh_cache):
+    """A repeated dropout backward binds and runs its memo's graph from the entry point, yet still follows its
+    own forward: where that forward fell back (refused at execution here), the backward falls back too and agrees
+    with it; where it ran in cuDNN, the backward runs in cuDNN (one hit, nothing planned)."""
+    disp = Dispatcher(EmulatedRuntime(), GraphCache(16))
+    q, k, v = (T(1, 2, 8, 64) for _ in range(3))
+    out, stats, seed, offset = disp.forward(q, k, v, None, 0.25, False)
+    g = torch.randn_like(out)
+    disp.backward(g, q, k, v, None, 0.25, False, out, stats, seed, offset)  # the signature's memo
+    executed = []
+    refuse_forward = lambda key: "refused" if isinstance(key, ForwardKey) else executed.append(key)  # noqa: E731
+    with checks.inject_failures(execute=refuse_forward, runtime=disp.runtime):
+        out, stats, seed, offset = disp.forward(q, k, v, None, 0.25, False)
+        dq, dk, dv = disp.backward(g, q, k, v, None, 0.25, False, out, stats, seed, offset)
+    assert executed == [] and disp.cache.info().fallbacks == 2, "the backward did not follow its forward"
+    o, ref = _dropout_reference_grads(q, k, v, g, seed, offset, 0.25)
+    assert (out.double() - o).abs().max() < 2e-2
+    for a, b in zip((dq, dk, dv), ref):
+        assert (a.double() - b).abs().max() < 2e-2
+    out, stats, seed, offset = disp.forward(q, k, v, None, 0.25, False)
+    before = disp.cache.info()
+    with checks.inject_failures(execute=executed.append, runtime=disp.runtime):
+        disp.backward(g, q, k, v, None, 0.25, False, out, stats, seed, offset)
+    after = disp.cache.info()
+    assert [type(key) for key in executed] == [BackwardKey]
+    assert (after.hits, after.fallbacks, after.misses) == (before.hits + 1, before.fallbacks, before.misses)
+
+
 # -- seeds, and a symbolic dropout_p -----------------------------------------------------------
 def test_dropout_seed_is_drawn_on_the_device_not_from_the_cpu_stream():
     """Seed and offset used to come from the CPU generator as Python ints (baked into CUDA graphs,

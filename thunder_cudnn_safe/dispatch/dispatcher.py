@@ -92,6 +92,15 @@ def _entry_point(call_type: type, miss: str, doc: str) -> Callable:
             return taken
 """
     i_mask_1, i_causal_1 = i_mask + 1, i_causal + 1
+    run_slot = """                try:
+                    self.runtime.execute(built, bound.pack)
+                except refusals as exc:
+                    self.refused(bound, exc)"""
+    if call_type is BackwardCall:  # a dropout backward pairs with its forward (Dispatcher.run, dropout.py)
+        run_slot = "\n".join(
+            ["                if dropout_p:", "                    self.run(bound, built)", "                else:"]
+            + ["    " + line for line in run_slot.splitlines()]
+        )
     source = f"""def {name}(self, {params}):
 {det if call_type is BackwardCall else ""}    device = query.device
     target = self.runtime.target(device)
@@ -104,10 +113,7 @@ def _entry_point(call_type: type, miss: str, doc: str) -> Callable:
             built = self.cache.touch(entry.slot)
             if built is not None:
                 bound = entry.run(args, device)
-                try:
-                    self.runtime.execute(built, bound.pack)
-                except refusals as exc:
-                    self.refused(bound, exc)
+{run_slot}
                 finish = entry.finish
                 return bound.outputs if finish is None else finish(bound)
         elif entry.routes is not None:
