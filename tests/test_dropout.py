@@ -233,6 +233,84 @@ def test_backward_of_a_fallen_back_dropout_forward_never_reaches_cudnn(fresh_cac
         assert (a.double() - b).abs().max() < 2e-2
 
 
+@pytest.mark.parametrize("refused", ["forward at execution", "backward at build"])
+def test_a_backward_given_a_copy_of_a_fallen_back_forwards_seed_falls_back_too(refused, fresh_cache):
+    """Activation offloading (``torch.autograd.graph.save_on_cpu``, any saved-tensor hooks that copy) hands the
+    backward a copy of the forward's seed, not the tensor the fallback forward marked. The backward of a forward
+    refused at execution then ran in cuDNN, whose Philox mask is not the fallback's (silently wrong gradients on a
+    GPU; the emulation draws the fallback's mask, so here only the runtime's executions tell); where the forward
+    fell back because cuDNN refuses its backward, the backward raised, saying the forward ran in cuDNN."""
+    disp = Dispatcher(EmulatedRuntime(), GraphCache(16))
+    q, k, v = (T(1, 2, 8, 64) for _ in range(3))
+    executed = []
+
+    def hook(key):
+        executed.append(type(key).__name__)
+        if refused == "forward at execution":
+            return "refused" if isinstance(key, ForwardKey) else None
+        return None
+
+    build = (lambda key: "no backward" if isinstance(key, BackwardKey) else None) if refused.startswith("b") else None
+    for _ in range(3):  # the full path, then memo hits
+        executed.clear()
+        before = disp.cache.info().fallbacks
+        with checks.inject_failures(build=build, execute=hook, runtime=disp.runtime):
+            out, stats, seed, offset = disp.forward(q, k, v, None, 0.25, False)
+            g = torch.randn_like(out)
+            seed, offset = seed.clone(), offset.clone()  # as saved-tensor hooks hand them back
+            grads = disp.backward(g, q, k, v, None, 0.25, False, out, stats, seed, offset)
+        assert "BackwardKey" not in executed, "the backward of a fallen-back forward ran in cuDNN"
+        assert disp.cache.info().fallbacks - before == 2
+        o, ref = _dropout_reference_grads(q, k, v, g, seed, offset, 0.25)
+        assert (out.double() - o).abs().max() < 2e-2
+        for a, b in zip(grads, ref):
+            assert (a.double() - b).abs().max() < 2e-2
+
+
+def test_a_backward_given_a_copy_of_a_cudnn_forwards_seed_runs_in_cudnn(fresh_cache):
+    """The converse of the test above: a copy of the seed of a forward that ran in cuDNN (offloaded), also in a
+    process where another forward fell back, runs the backward in cuDNN (neither falls back nor raises)."""
+    disp = Dispatcher(EmulatedRuntime(), GraphCache(16))
+    q, k, v = (T(1, 2, 8, 64) for _ in range(3))
+    refuse_forward = lambda key: "refused" if isinstance(key, ForwardKey) else None  # noqa: E731
+    with checks.inject_failures(execute=refuse_forward, runtime=disp.runtime):
+        disp.forward(q, k, v, None, 0.25, False)  # falls back
+    executed = []
+    for _ in range(2):
+        out, stats, seed, offset = disp.forward(q, k, v, None, 0.25, False)
+        g = torch.randn_like(out)
+        executed.clear()
+        with checks.inject_failures(execute=lambda key: executed.append(type(key).__name__), runtime=disp.runtime):
+            grads = disp.backward(g, q, k, v, None, 0.25, False, out, stats, seed.clone(), offset.clone())
+        assert executed == ["BackwardKey"] and disp.cache.info().fallbacks == 1
+        _, ref = _dropout_reference_grads(q, k, v, g, seed, offset, 0.25)
+        for a, b in zip(grads, ref):
+            assert (a.double() - b).abs().max() < 2e-2
+
+
+def test_thunder_training_with_offloaded_activations_pairs_dropout(fresh_cache):
+    """thunder.jit training under saved-tensor hooks that copy (activation offloading): a step whose dropout
+    forward fell back runs its backward on the fallback too, and a step that ran in cuDNN runs it in cuDNN."""
+    jf = thunder.jit(
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, dropout_p=0.125, is_causal=True),
+        executors=[tcs.emulated_ex, *thunder.get_default_executors()],
+    )
+    q, k, v = (torch.randn(1, 2, 16, 64, dtype=torch.float16, requires_grad=True) for _ in range(3))
+    executed, refuse_forward = [], [False]
+
+    def hook(key):
+        executed.append(type(key).__name__)
+        return "refused" if refuse_forward[0] and isinstance(key, ForwardKey) else None
+
+    for step, refuse_forward[0] in enumerate((False, True, True, False)):
+        executed.clear()
+        before = tcs.cache_info().fallbacks
+        with checks.inject_failures(execute=hook), torch.autograd.graph.saved_tensors_hooks(torch.clone, lambda t: t):
+            jf(q, k, v).sum().backward()
+        expected = (["ForwardKey"], 2) if refuse_forward[0] else (["ForwardKey", "BackwardKey"], 0)
+        assert (executed, tcs.cache_info().fallbacks - before) == expected, f"step {step}"
+
+
 def test_a_dropout_backward_memo_hit_still_pairs_with_its_forward(fresh_cache):
     """A repeated dropout backward binds and runs its memo's graph from the entry point, yet still follows its
     own forward: where that forward fell back (refused at execution here), the backward falls back too and agrees

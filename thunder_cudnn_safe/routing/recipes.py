@@ -145,7 +145,7 @@ def _compile(key: ForwardKey | BackwardKey, steps: list[Step], outputs: tuple[in
     token is written or read by :data:`~thunder_cudnn_safe.routing.sink_tokens.sink_tokens`; a field bound as it is
     (a pattern's lengths) is one attribute read; a view of a fresh buffer one ``as_strided``; a padding mask's
     zeroing a few lines (:func:`_zero_rows_source`); dropout's seed and offset one ``randint`` each (as
-    :func:`_fill` draws them); every other step calls :func:`_step`.
+    :func:`_fill` draws them), the seed marked drawn (:data:`DRAWN_SEED`); every other step calls :func:`_step`.
     A comment names the uid each value is bound to (``str(recipe)`` prints the source).
     """
     n_args = len(call)
@@ -202,6 +202,8 @@ def _compile(key: ForwardKey | BackwardKey, steps: list[Step], outputs: tuple[in
             if fresh:
                 allocated.add(i)
             lines.append(f"    v{i} = {expr}")
+            if s.draw and s.uid is Uid.SEED:  # this very tensor, handed on uncopied: no read of its value
+                lines.append(f"    v{i}.{DRAWN_SEED} = True")
             if s.fill is not None and not s.draw and s.field is None and _dense(s.fill):
                 made.setdefault(s.fill, names[i])
         if s.uid is not None:
@@ -553,6 +555,13 @@ def _step(step: Step, src: Any, device: torch.device) -> torch.Tensor:
 #: Dropout's seed and offset are drawn from [0, _DRAW_HIGH) on the device, by its generator: captured by CUDA
 #: graphs, repeatable with ``manual_seed``, the CPU's stream untouched (:func:`_fill`, and inline by :func:`_compile`).
 _DRAW_HIGH = 2**62
+#: The bit no drawn seed has: a fallback forward sets it in its seed before drawing its mask from it, so that a
+#: backward handed a copy of that seed still knows the fallback drew its mask
+#: (:func:`~thunder_cudnn_safe.runtimes.handoff.mark_fallback_seed`).
+FALLBACK_SEED_BIT = _DRAW_HIGH
+#: The attribute a forward's recipe sets on the seed it draws: a backward handed that very tensor (not a copy)
+#: knows a forward of this process drew it (:func:`~thunder_cudnn_safe.runtimes.handoff.fell_back`).
+DRAWN_SEED = "_cudnn_safe_drawn"
 
 
 def _fill(step: Step, src: torch.Tensor | None, device: torch.device) -> torch.Tensor:

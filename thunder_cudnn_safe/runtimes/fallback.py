@@ -77,6 +77,8 @@ class FallbackRuntime:
                 "dropout; the dropout mask cuDNN used cannot be reproduced, so no gradient is returned rather than a "
                 "wrong one. Use dropout_p=0 for this call or exclude cudnn_safe from the executors."
             )
+        if isinstance(key, ForwardKey) and key.dropout_p and not bias.capturing(pack[Uid.Q]):
+            handoff.mark_fallback_seed(pack[Uid.SEED])  # before the mask is drawn from it (its fallback bit set)
         keep, chunks, b, d_bias = _keep_mask(key, pack), _chunks(pack), pack[Uid.Q].shape[0], pack.get(Uid.DBIAS)
         if Uid.DSINK in pack:
             pack[Uid.DSINK].zero_()
@@ -93,8 +95,6 @@ class FallbackRuntime:
         if summed is not None:
             d_bias.copy_(summed)
         # (dSink_token, summed over the batch, is added by each chunk into the buffer zeroed before them)
-        if isinstance(key, ForwardKey) and key.dropout_p:
-            handoff.mark_fallback_seed(pack[Uid.SEED])
 
     @staticmethod
     def _execute(key: ForwardKey | BackwardKey, pack: dict, keep: torch.Tensor | None) -> torch.Tensor | None:

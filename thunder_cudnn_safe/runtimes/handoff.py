@@ -10,8 +10,9 @@
    equality, and the stream and capture state. Kept per thread, for the next backward call only,
    dropped when grad_out is freed.
 2. **Which dropout forwards fell back.** Only the runtime that drew a dropout mask can reproduce
-   it: a fallback forward marks its seed (:func:`mark_fallback_seed`, weakly), and the backward
-   receiving that seed falls back too (:func:`fell_back`).
+   it: a fallback forward marks its seed (:func:`mark_fallback_seed`: weakly, and a bit in its value
+   that survives a copy), and the backward receiving that seed, or a copy of it, falls back too
+   (:func:`fell_back`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 from thunder_cudnn_safe.codegen import compile_function
 from thunder_cudnn_safe.masks import bias
 from thunder_cudnn_safe.routing.calls import BackwardCall, torch_deterministic
+from thunder_cudnn_safe.routing.recipes import DRAWN_SEED, FALLBACK_SEED_BIT
 
 
 class _Local(threading.local):
@@ -39,6 +41,8 @@ class _Local(threading.local):
 #: :func:`take_gradients` (most masked backwards follow no mask-gradient call).
 local = _Local()
 _fallback_seeds: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+#: Whether a dropout forward of this process fell back: before, no seed has the fallback bit, and none is read.
+_fell_back_once = False
 
 
 #: Where ``mask_grad`` is in a backward call (the kept call has it, the call taking its gradients has not), and
@@ -172,9 +176,27 @@ def take_gradients(call: tuple) -> tuple | None:
 
 
 def mark_fallback_seed(seed: torch.Tensor) -> None:
+    """Mark the seed of a fallback forward, before its dropout mask is drawn from it: by identity (weakly), for the
+    backward handed this very tensor, and in its value (:data:`~thunder_cudnn_safe.routing.recipes.FALLBACK_SEED_BIT`
+    set in place, a device op), for a backward handed a copy: saved-tensor hooks that offload activations
+    (``torch.autograd.graph.save_on_cpu``) hand the backward a new tensor, whose backward then ran in cuDNN with
+    cuDNN's mask, not the fallback's."""
+    global _fell_back_once
+    seed.bitwise_or_(FALLBACK_SEED_BIT)
     _fallback_seeds[id(seed)] = seed
+    _fell_back_once = True
 
 
 def fell_back(seed: torch.Tensor | None) -> bool:
-    """Whether ``seed`` came from a fallback forward (its dropout mask is the fallback's, not cuDNN's)."""
-    return seed is not None and _fallback_seeds.get(id(seed)) is seed
+    """Whether ``seed`` came from a fallback forward (its dropout mask is the fallback's, not cuDNN's): the marked
+    tensor itself; a seed a forward drew, handed on as it is (:data:`~thunder_cudnn_safe.routing.recipes.DRAWN_SEED`),
+    is not. Any other seed (a copy) is read on the host for the fallback bit, once a forward has fallen back (a
+    synchronization, rare: offloaded activations after a fallback), except under CUDA-graph capture, where no value
+    can be read and the seed counts as cuDNN's (a fallback forward cannot run there)."""
+    if seed is None:
+        return False
+    if _fallback_seeds.get(id(seed)) is seed:
+        return True
+    if not _fell_back_once or getattr(seed, DRAWN_SEED, False) or bias.capturing(seed):
+        return False
+    return bool(int(seed.reshape(-1)[0]) & FALLBACK_SEED_BIT)
