@@ -3,8 +3,9 @@
 A hit skips the loop: :meth:`Dispatcher.forward` and :meth:`Dispatcher.backward` read one :class:`~.replay.Memo` by the
 call's memo key (its signature: every tensor's shape, strides, dtype and base alignment, the options, the target).
 Where that signature's plan is the call as given and nothing in it depends on a tensor's values
-(:func:`~.replay.memoizable`: no mask, no dropout), the memo also holds the graph cache's slot of the graph it
-ran, so a hit binds and executes (:func:`_entry_point`). A call with a mask or dropout keeps its plan's outcome
+(:func:`~.replay.memoizable`: no mask, no dropout forward), the memo also holds the graph cache's slot of the graph
+it ran, so a hit binds and executes (:func:`_entry_point`; a dropout backward through :meth:`Dispatcher.run`, which
+asks whether its forward fell back). A call with a mask, or a dropout forward, keeps its plan's outcome
 per verdict of its mask, and a hit runs the one kept for the mask's present verdict (:mod:`.replay`). Anything
 else (a mask not seen in this state: new, or written in place), or a slot the graph cache emptied (evicted,
 cleared), takes the full path, which remembers the outcome again.
@@ -67,7 +68,9 @@ def _entry_point(call_type: type, miss: str, doc: str) -> Callable:
     (the memo's: one flag on the entry, :func:`spare`); no call value
     made, no memo-key function, no planning, no graph key hashed (``GraphCache.touch``). A hit of a call with a mask
     the memo entry saw last, in the same state, binds and executes the plan kept for it here too (the record's
-    fields: :class:`~.replay.Seen`); any other hit of a call with a mask or dropout goes to :func:`.replay.replay`.
+    fields: :class:`~.replay.Seen`); any other hit of a call with a mask, or of a dropout forward, goes to
+    :func:`.replay.replay`. A dropout backward's slot hit runs through :meth:`Dispatcher.run` (the fallback where its
+    forward fell back; a refusal retried with dO in O's layout).
     A backward turns on ``deterministic`` first where torch's deterministic algorithms are on, as the full path
     always did; then a backward with a mask takes the dQ, dK, dV its mask-gradient call kept
     (:mod:`~thunder_cudnn_safe.runtimes.handoff`: the same arguments), before its memo key is made (that call ran

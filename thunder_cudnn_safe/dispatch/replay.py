@@ -9,7 +9,8 @@ recognized, nothing planned) and runs the outcome kept for it; from the next cal
 dispatcher's entry point does it with no frame of its own (:attr:`Seen.fast`). A mask written in place or a new mask
 has no verdict yet: the full path recognizes and plans it, once. Under CUDA-graph capture no verdict is read (the mask
 is its bias, as on the full path). A dropout forward still asks whether its backward
-builds (an answer its memo keeps); a dropout backward still asks whether its forward fell back.
+builds (an answer its memo keeps); a dropout backward still asks whether its forward fell back (``Dispatcher.run``,
+here for one with a mask, from the entry point's slot path for one without: :func:`memoizable`).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ from thunder_cudnn_safe.runtimes.base import Runtime
 class Memo:
     """What a dispatcher remembers for one call signature: its pack recipe and, for a :func:`memoizable`
     call, ``slot``: the graph cache's :class:`~thunder_cudnn_safe.graphs.cache.Slot` of the graph it ran;
-    for a call with a mask or dropout, ``routes``: its plan's outcome per verdict of its mask (:class:`Replay`);
+    for a call with a mask, or a dropout forward, ``routes``: its plan's outcome per verdict of its mask
+    (:class:`Replay`);
     for a dropout forward, ``dropout``: whether its backward builds (:func:`.dropout.backward_builds`)."""
 
     __slots__ = ("recipe", "run", "finish", "slot", "routes", "verdict_of", "seen", "dropout", "used")
