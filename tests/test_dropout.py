@@ -12,6 +12,8 @@ in the same place, and the seeds are drawn on the device.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import checks
 import pytest
 import thunder
@@ -337,6 +339,41 @@ def test_a_dropout_backward_memo_hit_still_pairs_with_its_forward(fresh_cache):
     after = disp.cache.info()
     assert [type(key) for key in executed] == [BackwardKey]
     assert (after.hits, after.fallbacks, after.misses) == (before.hits + 1, before.fallbacks, before.misses)
+
+
+@pytest.mark.parametrize("between", ["a cache of one graph", "clear_cache()", "another dispatcher and thread"])
+def test_dropout_backward_memo_hits_follow_each_forward(between, fresh_cache):
+    """The slot path of a dropout backward (memoizable since issue 48) pairs every step with its own forward,
+    alternately refused (the fallback for both) and run in cuDNN, while its graph is evicted between the forward
+    and the backward (a cache of one graph), the cache and the memos are cleared there, or the backward runs on
+    another dispatcher in another thread."""
+    disp = Dispatcher(EmulatedRuntime(), GraphCache(1 if between.startswith("a cache") else 16))
+    if between == "clear_cache()":
+        disp = tcs.emulated_ex.dispatcher
+    other = Dispatcher(disp.runtime, GraphCache(16)) if between.startswith("another") else disp
+    pool = ThreadPoolExecutor(max_workers=1)
+    q, k, v = (T(1, 2, 8, 64) for _ in range(3))
+    executed, refuse = [], [False]
+
+    def hook(key):
+        executed.append(type(key).__name__)
+        return "refused" if refuse[0] and isinstance(key, ForwardKey) else None
+
+    for step, refuse[0] in enumerate((False, True, False, True, False)):
+        executed.clear()
+        with checks.inject_failures(execute=hook, runtime=disp.runtime):
+            out, stats, seed, offset = disp.forward(q, k, v, None, 0.25, False)
+            if between == "clear_cache()":
+                tcs.clear_cache()
+            g = torch.randn_like(out)
+            args = (g, q, k, v, None, 0.25, False, out, stats, seed, offset)
+            grads = other.backward(*args) if other is disp else pool.submit(other.backward, *args).result()
+        assert executed == (["ForwardKey"] if refuse[0] else ["ForwardKey", "BackwardKey"]), f"step {step}"
+        o, ref = _dropout_reference_grads(q, k, v, g, seed, offset, 0.25)
+        assert (out.double() - o).abs().max() < 2e-2
+        for a, b in zip(grads, ref, strict=True):
+            assert (a.double() - b).abs().max() < 2e-2
+    pool.shutdown()
 
 
 # -- seeds, and a symbolic dropout_p -----------------------------------------------------------
