@@ -58,6 +58,14 @@ from thunder_cudnn_safe.telemetry import warn_once
 RECIPE_MEMO_SIZE = 4096
 
 
+def _parameters(call_type: type) -> tuple[str, dict[str, Any]]:
+    """The parameter list of a generated function taking ``call_type``'s fields (its defaults as ``default_<f>``),
+    and the namespace those defaults come from: the entry points and ``mask_gradient`` share one signature."""
+    defaults = call_type._field_defaults
+    params = ", ".join(f"{f}=default_{f}" if f in defaults else f for f in call_type._fields)
+    return params, {f"default_{f}": v for f, v in defaults.items()}
+
+
 def _entry_point(call_type: type, miss: str, doc: str) -> Callable:
     """``Dispatcher.forward`` / ``.backward``: the call type's fields as parameters (with its defaults), the memo
     key made from them (:func:`~thunder_cudnn_safe.routing.calls.memo_source`), and on a hit of a remembered slot
@@ -75,9 +83,10 @@ def _entry_point(call_type: type, miss: str, doc: str) -> Callable:
     always did; then a backward with a mask takes the dQ, dK, dV its mask-gradient call kept
     (:mod:`~thunder_cudnn_safe.runtimes.handoff`: the same arguments), before its memo key is made (that call ran
     the backward; this one only hands its results on)."""
-    fields, defaults, name = call_type._fields, call_type._field_defaults, miss[1:]
+    fields, name = call_type._fields, miss[1:]
     memo, env = memo_source(call_type, lambda f: f)
-    env.update({f"default_{f}": v for f, v in defaults.items()})
+    params, default_values = _parameters(call_type)
+    env.update(default_values)
     env.update(new=tuple.__new__, refusals=(GraphBuildError, ExecuteError), torch_deterministic=torch_deterministic)
     env.update(replay=replay.replay, zero_rows=masked_rows.zero_fully_masked_rows)
     env.update(take_gradients=handoff.take_gradients, handoff_local=handoff.local)
@@ -87,7 +96,6 @@ def _entry_point(call_type: type, miss: str, doc: str) -> Callable:
     assert i_causal == i_mask + 2  # the fast replay's slice below remakes the call around these two fields
     reserved = {"self", "device", "target", "memo", "args", "entry", "built", "bound", "exc", "finish", "outputs"}
     assert not set(fields) & (reserved | {"taken"})
-    params = ", ".join(f"{f}=default_{f}" if f in defaults else f for f in fields)
     det = "    if not deterministic and torch_deterministic():\n        deterministic = True\n"
     det += f"""    if attn_mask is not None and handoff_local.kept is not None:
         taken = take_gradients(({"".join(f + ", " for f in fields)}))
@@ -158,10 +166,9 @@ def _mask_gradient_entry() -> Callable:
     is called with them as they are and ``mask_grad`` on, and the handoff keeps them as a plain tuple, so no call
     value is built, sliced or spread (``BackwardCall(*args, **kwargs)`` and its two slices cost as much as a
     tenth of a plain backward; ``namedtuple._replace`` more)."""
-    fields, defaults = BackwardCall._fields, BackwardCall._field_defaults
-    env: dict[str, Any] = {f"default_{f}": v for f, v in defaults.items()}
+    fields = BackwardCall._fields
+    params, env = _parameters(BackwardCall)
     env["keep_gradients"] = handoff.keep_gradients
-    params = ", ".join(f"{f}=default_{f}" if f in defaults else f for f in fields)
     given = "".join(("True" if f == "mask_grad" else f) + ", " for f in fields)
     source = f"""def mask_gradient(self, {params}):
     grads = self.backward({given})
