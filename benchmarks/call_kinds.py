@@ -30,7 +30,7 @@ KINDS = (
     "sinks, is_causal",
     "softcap, is_causal",
     "grouped heads (enable_gqa)",
-    "mask gradient (its call, then the backward)",
+    "mask gradient (one backward with dBias, as thunder's trace runs it)",
     "as FuseHandwrittenAttention emits it (gpt-oss: float causal mask, sinks, GQA, scale)",
     "dropout (p = 1/8), is_causal",
 )
@@ -98,9 +98,9 @@ def calls(
         return disp.forward(q, k, v, mask, p, causal, enable_gqa=k.shape[1] != H, **opts)
 
     def backward():
-        if mask_grad:
-            disp.mask_gradient(*args, **opts)
-        return disp.backward(*args, **opts)
+        # A used mask gradient: the executor's fusion pass runs one backward with mask_grad in the trace
+        # (integration/mask_gradient_pairs.py), not the mask-gradient call and the backward.
+        return disp.backward(*args, mask_grad=mask_grad, **opts)
 
     forward()
     backward()

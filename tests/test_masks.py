@@ -52,7 +52,33 @@ def test_gradient_of_a_mask_computed_inside_the_function(fresh_cache):
     f = lambda q, k, v, b: F.scaled_dot_product_attention(q, k, v, attn_mask=b + 0)  # noqa: E731
     jf = jit_with_ours(f)
     check_against_eager(jf, (q, k, v, b), torch.randn(2, 4, 16, 32, dtype=torch.float16), f)
-    assert "cudnn_safe_emulated_sdpa_bwd_mask" in str(thunder.last_backward_traces(jf)[-1])
+    bwd = str(thunder.last_backward_traces(jf)[-1])
+    assert "mask_grad=True" in bwd and "sdpa_bwd_mask" not in bwd, "not one backward with dBias (fusion pass)"
+
+
+@pytest.mark.thunderfx
+def test_a_used_mask_gradient_under_thunderfx_runs_one_backward_with_dbias(fresh_cache):
+    """ThunderFX (how transformers 5 models run) compiles the same grad transform and execution pass: the used
+    gradient of a mask computed inside the graph comes from one backward with dBias, on the runtime."""
+    from thunder.dynamo import ThunderCompiler
+
+    torch._dynamo.reset()
+    q, k, v = (torch.randn(2, 4, 16, 32, dtype=torch.float16, requires_grad=True) for _ in range(3))
+    b = torch.randn(1, 4, 16, 16, dtype=torch.float16, requires_grad=True)
+
+    def f(q, k, v, b):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=b * 0.5) * 2
+
+    backend = ThunderCompiler(executors=[tcs.emulated_ex, *thunder.get_default_executors()])
+    with on_the_runtime():
+        # claimed=False only because the compiled function is not thunder's: the trace is checked below
+        check_against_eager(
+            torch.compile(f, backend=backend), (q, k, v, b), torch.randn(2, 4, 16, 32).half(), f, claimed=False
+        )
+    (jfn,) = [fn for info in backend.subgraph_infos for fn in info.thunder_compiled_fns]
+    assert_claimed_in_traces(jfn)
+    bwd = str(thunder.last_backward_traces(jfn)[-1])
+    assert "mask_grad=True" in bwd and "sdpa_bwd_mask" not in bwd, bwd
 
 
 def test_unused_mask_gradient_is_not_computed(fresh_cache):
@@ -169,12 +195,18 @@ def _count_backward_executions(runtime):
     return counts
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "handoff"])
 @pytest.mark.parametrize("torch_deterministic", [False, True], ids=["default", "torch-deterministic-mode"])
-def test_a_used_mask_gradient_costs_no_second_backward(torch_deterministic, fresh_cache, request):
+def test_a_used_mask_gradient_costs_no_second_backward(torch_deterministic, fused, fresh_cache, request, monkeypatch):
     """T5/Swin-style learned bias in 3 layers: one cuDNN backward per layer computes dQ, dK, dV and dBias
     together (it used to run the backward graph twice per layer: once without, once with dBias). Also with
     torch's deterministic mode on: the backward turns deterministic on, and the kept gradients were kept under
-    the call without it, so they never matched and every layer ran its backward again."""
+    the call without it, so they never matched and every layer ran its backward again.
+
+    ``fused``: the trace runs one backward with ``mask_grad=True`` per layer (the executor's fusion pass);
+    ``handoff``: without the pass, the mask-gradient call and the backward share one run through the handoff."""
+    if not fused:
+        monkeypatch.setattr(type(tcs.emulated_ex), "fusion_pass", lambda self, trace: trace)
     mode = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     request.addfinalizer(lambda: torch.use_deterministic_algorithms(mode[0], warn_only=mode[1]))
     h, n, layers = 2, 16, 3
@@ -203,7 +235,10 @@ def test_a_used_mask_gradient_costs_no_second_backward(torch_deterministic, fres
         del runtime.execute
     assert len(counts) == layers, f"{len(counts)} backward executions for {layers} attention layers"
     bwd = str(thunder.last_backward_traces(jf)[-1])
-    assert bwd.count("cudnn_safe_emulated_sdpa_bwd_mask(") == layers
+    if fused:
+        assert bwd.count("mask_grad=True") == layers and "sdpa_bwd_mask(" not in bwd
+    else:
+        assert bwd.count("cudnn_safe_emulated_sdpa_bwd_mask(") == layers
 
 
 def test_one_boolean_mask_is_converted_once_per_step(fresh_cache):

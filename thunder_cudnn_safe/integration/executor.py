@@ -20,7 +20,7 @@ from thunder.core.compile_data import get_compile_option
 from thunder.core.prims import OpTags
 from thunder.core.proxies import NumberProxy, TensorProxy
 from thunder.core.transforms import get_grad, put_grad, put_grads
-from thunder.extend import OperatorExecutor, register_executor
+from thunder.extend import Executor, FusionExecutor, OperatorExecutor, register_executor
 
 from thunder_cudnn_safe import caches, config
 from thunder_cudnn_safe._version import __version__
@@ -28,6 +28,7 @@ from thunder_cudnn_safe.dispatch.dispatcher import Dispatcher
 from thunder_cudnn_safe.graphs.cache import CachedGraph
 from thunder_cudnn_safe.integration import gqa
 from thunder_cudnn_safe.integration.attention import attention_symbol
+from thunder_cudnn_safe.integration.mask_gradient_pairs import fuse_mask_gradient_pairs
 from thunder_cudnn_safe.integration.proxies import plain_call, planning_call, torch_dtype
 from thunder_cudnn_safe.layouts.keys import Target
 from thunder_cudnn_safe.layouts.layout import LayoutPolicy, same_size_except_heads
@@ -180,18 +181,31 @@ def _invoke(op, call: ForwardCall | BackwardCall):
 _BACKWARD_FOLLOWS = contextvars.ContextVar("thunder_cudnn_safe_backward_follows", default=False)
 
 
-class _SdpaExecutor(OperatorExecutor):
+class _SdpaExecutor(OperatorExecutor, FusionExecutor):
     """thunder (0.2.6) asks ``can_execute_or_fuse`` only when it picks whose grad transform a call
     gets (the autodiff and vjp transforms: a backward follows), and ``can_execute`` alone in the
     execution pass (a call left there has no backward: inference). The checker reads which one
-    asks, so rules about the backward only do not decline inference forwards."""
+    asks, so rules about the backward only do not decline inference forwards.
+
+    A ``FusionExecutor`` too, only for its ``fusion_pass`` (thunder runs it on the execution trace after dead-code
+    elimination): it fuses a used mask gradient with its backward
+    (:mod:`~thunder_cudnn_safe.integration.mask_gradient_pairs`). It fuses nothing of thunder's: ``can_fuse`` is
+    False, so the execution pass claims exactly what ``can_execute`` claims, as for an operator executor."""
 
     def can_execute_or_fuse(self, bsym) -> bool:
         token = _BACKWARD_FOLLOWS.set(True)
         try:
-            return super().can_execute_or_fuse(bsym)
+            # Executor's can_fuse, not ours: the same answer as before this class was also a FusionExecutor.
+            return self.can_execute(bsym) or Executor.can_fuse(self, bsym)
         finally:
             _BACKWARD_FOLLOWS.reset(token)
+
+    def can_fuse(self, bsym) -> bool:
+        """Never: asked in the execution pass, True would make thunder look up an operator this executor lacks."""
+        return False
+
+    def fusion_pass(self, trace):
+        return fuse_mask_gradient_pairs(trace, self.sdpa_bwd_mask, self.sdpa_bwd)
 
 
 def make_executor(name: str, runtime: Runtime) -> OperatorExecutor:
@@ -205,7 +219,7 @@ def make_executor(name: str, runtime: Runtime) -> OperatorExecutor:
     )
     bwd = ex.register_operator(f"{name}_sdpa_bwd", meta=_bwd_meta, fn=ex.dispatcher.backward)
     bwd_mask = ex.register_operator(f"{name}_sdpa_bwd_mask", meta=_bwd_mask_meta, fn=ex.dispatcher.mask_gradient)
-    ex.sdpa_fwd, ex.sdpa_bwd = fwd, bwd
+    ex.sdpa_fwd, ex.sdpa_bwd, ex.sdpa_bwd_mask = fwd, bwd, bwd_mask
 
     def implementation(make_call) -> dict:
         """The checker and transforms for a symbol whose call value ``make_call`` builds. Closures, not
@@ -231,8 +245,9 @@ def make_executor(name: str, runtime: Runtime) -> OperatorExecutor:
             mask_grad = float_mask and bool(getattr(mask, "requires_grad", False))
             bcall = backward_of(call, get_grad(out), out, stats, seed, offset, mask_grad)
             if float_mask and not mask_grad:
-                # Before the backward on purpose: used, it runs the one backward with dBias and the
-                # backward below returns its dQ, dK, dV (:mod:`handoff`); unused, thunder drops it.
+                # Before the backward on purpose: used, the fusion pass makes the two one backward with dBias
+                # (mask_gradient_pairs; unfused, the backward below takes its dQ, dK, dV from the handoff);
+                # unused, thunder drops it.
                 put_grad(mask, _invoke(bwd_mask, bcall))
             grads = _invoke(bwd, bcall)
             if mask_grad:

@@ -8,7 +8,10 @@
    pointer, shape, strides, dtype, neg bit: ``mask.data = t`` swaps them with no version bump; each
    kept storage found alive, weakly, so no other memory can sit at a kept address), other fields by
    equality, and the stream and capture state. Kept per thread, for the next backward call only,
-   dropped when grad_out is freed.
+   dropped when grad_out is freed. In a trace thunder runs, the executor's fusion pass has already
+   made the two calls one backward with dBias
+   (:mod:`~thunder_cudnn_safe.integration.mask_gradient_pairs`): this is the route of a trace run
+   without it, and of a mask-gradient call whose backward is unused.
 2. **Which dropout forwards fell back.** Only the runtime that drew a dropout mask can reproduce
    it: a fallback forward marks its seed (:func:`mark_fallback_seed`: weakly, and a bit in its value
    that survives a copy), and the backward receiving that seed, or a copy of it, falls back too
