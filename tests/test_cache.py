@@ -582,6 +582,48 @@ def test_outputs_made_with_empty_like_get_exactly_the_declared_strides():
     assert dense > 50 and "empty_like" in str(recipe)
 
 
+@pytest.mark.parametrize(
+    "mask_layout", ["contiguous", "transposed", "broadcast batch", "float32", "neg view", "offset view", "rank 3"]
+)
+def test_dbias_is_allocated_like_the_mask_only_where_the_graph_reads_the_mask(mask_layout):
+    """A mask gradient's dBias is ``empty_like(mask)`` only where the graph reads the mask itself with dBias's very
+    layout (then the mask is on the graph's device); in every layout the bound dBias has the declared shape,
+    strides and dtype, and the gradients are returned with the outputs where they need no sum, reshape or
+    conversion (no finisher runs), else through the finisher, right either way."""
+    from thunder_cudnn_safe.layouts.keys import Uid
+    from thunder_cudnn_safe.routing.calls import BackwardCall, signature
+    from thunder_cudnn_safe.routing.recipes import backward_recipe, bind, finished
+    from thunder_cudnn_safe.runtimes.emulation import emulated_target
+
+    gen = torch.Generator().manual_seed(0)
+    b, h, n, d = 2, 4, 16, 32
+    q, k, v, g, o = (torch.randn(b, h, n, d, generator=gen, dtype=torch.float16) for _ in range(5))
+    stats = torch.randn(b, h, n, 1, generator=gen)
+    m = torch.randn(1, h, n, n, generator=gen, dtype=torch.float16)
+    mask = {
+        "contiguous": m,
+        "transposed": m.transpose(-1, -2),
+        "broadcast batch": m.expand(b, h, n, n),
+        "float32": m.float(),
+        "neg view": torch._neg_view(m),
+        "offset view": torch.randn(1, h, n, n + 1, generator=gen, dtype=torch.float16)[..., 1:],
+        "rank 3": m[0],
+    }[mask_layout]
+    call = BackwardCall(g, q, k, v, mask, 0.0, False, o, stats, None, None, mask_grad=True)
+    recipe = backward_recipe(signature(call), emulated_target())
+    bound = bind(recipe, call)
+    dbias, declared = bound.pack[Uid.DBIAS], recipe.key.d_bias
+    assert (tuple(dbias.shape), dbias.stride(), dbias.dtype) == (declared.shape, declared.stride, declared.dtype)
+    assert not dbias.is_neg()
+    like_mask = "= empty_like(v4)" in str(recipe)
+    assert like_mask == (mask_layout == "contiguous"), str(recipe)
+    dbias.copy_(torch.arange(dbias.numel(), dtype=dbias.dtype).reshape(dbias.shape) / 64)
+    grads = finished(recipe, bound)
+    assert (recipe.finish is None) == (mask_layout not in ("float32", "rank 3")), str(recipe)
+    assert (grads[-1].shape, grads[-1].dtype) == (mask.shape, mask.dtype)
+    torch.testing.assert_close(grads[-1], dbias.reshape(mask.shape).to(mask.dtype), rtol=0, atol=0)
+
+
 def _gqa_case(seed: int = 0):
     """Four query heads over one key/value head, BSHD-strided, fp16."""
     gen = torch.Generator().manual_seed(seed)

@@ -111,7 +111,7 @@ def reduce_to_shape(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     return t.sum(dim=dims, keepdim=True) if dims else t
 
 
-def _like(call: tuple, fill: TensorSig) -> int | None:
+def _like(call: tuple, fill: TensorSig, also: tuple[str, ...] = ()) -> int | None:
     """The index of an operand of the call signature ``call`` that ``torch.empty_like`` turns into exactly
     ``fill``'s layout, or None: one with ``fill``'s shape, dtype and very strides, dense and non-overlapping
     (:func:`_dense`), which aten's ``empty_like`` (preserve format, the same code on CPU and CUDA) allocates with
@@ -119,8 +119,10 @@ def _like(call: tuple, fill: TensorSig) -> int | None:
     the recipe binds.
 
     ``empty_like(operand)`` parses no shape or strides, so it costs about two thirds of an ``empty_strided``
-    (a memo hit's largest cost is its allocations)."""
-    operands = TENSOR_FIELDS.get(type(call), ())  # the call's own tensors (on the query's device), not a mask
+    (a memo hit's largest cost is its allocations). The operands are the call's own tensors (on the query's
+    device), and the fields ``also`` names: the mask for dBias where the graph reads the mask itself as its bias
+    (then the mask is on the device the graph runs on)."""
+    operands = TENSOR_FIELDS.get(type(call), ()) + also
     matches = (i for i, f in enumerate(call._fields) if f in operands and call[i][:3] == fill and _dense(call[i]))
     return next(matches, None)
 
@@ -168,6 +170,9 @@ def _compile(key: ForwardKey | BackwardKey, steps: list[Step], outputs: tuple[in
     #: a step's value made with exactly this dense layout (by ``empty_strided``, ``empty_like`` or the sink tokens):
     #: ``zeros_like`` of it allocates a zeroed buffer of that layout
     made: dict[TensorSig, str] = {}
+    bias = next((s for s in steps if s.uid is Uid.BIAS), None)
+    # dBias may be allocated like the mask where the graph reads the mask as it is (its device is the graph's)
+    mask_read = bias is not None and bias.src is not None and (bias.view, bias.fill, bias.field) == (None,) * 3
     for i, s in enumerate(steps, start=n_args):
         env[f"s{i}"], env[f"u{i}"] = s, s.uid
         if s.zero_rows is not None:
@@ -179,7 +184,8 @@ def _compile(key: ForwardKey | BackwardKey, steps: list[Step], outputs: tuple[in
         else:
             names.append(f"v{i}")
             fresh = s.src is None and not s.draw  # a buffer nothing fills before cuDNN writes it (or zeroed)
-            like = _like(call, s.fill) if fresh else None
+            also = ("attn_mask",) if s.uid is Uid.DBIAS and mask_read else ()
+            like = _like(call, s.fill, also) if fresh else None
             like = names[like] if like is not None else made.get(s.fill) if s.zero and fresh else None
             if s.token:
                 expr = f"sink_token_{s.token}({names[s.src]}, s{i}, device)"
@@ -401,10 +407,25 @@ def _sink(p: _RecipeBuilder, gradient: bool) -> None:
 
 def _compiled(p: _RecipeBuilder) -> PackRecipe:
     """A finished builder's steps compiled into a recipe: only a call that binds needs this (planning a key
-    compiles no binder: :func:`forward_key`, :func:`backward_key`)."""
-    gradients = _gradients(p.call, p.sigs)
-    finish = _compile_finish(gradients, p.sigs) if gradients else None
-    return _compile(p.key, p.steps, p.outputs, p.call)._replace(gradients=gradients, finish=finish)
+    compiles no binder: :func:`forward_key`, :func:`backward_key`). Gradients that need no work (a mask's dBias
+    in its own shape and dtype, float32 sinks' dSink) are returned with the outputs, so no finisher runs: a
+    used mask gradient's backward is the trace's one call (:mod:`~thunder_cudnn_safe.integration.mask_gradient_pairs`)
+    and the finisher's frame cost as much as a twentieth of it."""
+    gradients, outputs, finish = _gradients(p.call, p.sigs), p.outputs, None
+    if gradients and all(_gradient_work(g, p.sigs[g[0]]) == ((), False, False) for g in gradients):
+        at = {step.uid: len(p.call) + i for i, step in enumerate(p.steps) if step.uid is not None}
+        outputs += tuple(at[uid] for uid, *_ in gradients)
+    elif gradients:
+        finish = _compile_finish(gradients, p.sigs)
+    return _compile(p.key, p.steps, outputs, p.call)._replace(gradients=gradients, finish=finish)
+
+
+def _gradient_work(gradient: tuple, buf: TensorSig) -> tuple[tuple[int, ...], bool, bool]:
+    """What turns a gradient's buffer into the operand's gradient: the dims to sum (where the operand broadcast),
+    whether to reshape (to the operand's shape) and whether to convert (to its dtype)."""
+    _, summed, shape, dtype = gradient
+    dims = tuple(i for i, (n, m) in enumerate(zip(summed, buf.shape)) if n == 1 and m != 1)
+    return dims, tuple(shape) != tuple(summed), dtype != buf.dtype
 
 
 def _compile_finish(gradients: tuple, sigs: dict[Uid, TensorSig]) -> Callable[[Bound], tuple]:
@@ -417,15 +438,15 @@ def _compile_finish(gradients: tuple, sigs: dict[Uid, TensorSig]) -> Callable[[B
     per call, a ``to`` of the same dtype)."""
     env: dict[str, Any] = {}
     exprs = []
-    for j, (uid, summed, shape, dtype) in enumerate(gradients):
-        buf, expr = sigs[uid], f"pack[u{j}]"
-        env[f"u{j}"] = uid
-        dims = tuple(i for i, (n, m) in enumerate(zip(summed, buf.shape)) if n == 1 and m != 1)
+    for j, gradient in enumerate(gradients):
+        uid, _, shape, dtype = gradient
+        expr, env[f"u{j}"] = f"pack[u{j}]", uid
+        dims, reshape, convert = _gradient_work(gradient, sigs[uid])
         if dims:
             expr += f".sum(dim={dims!r}, keepdim=True)"
-        if tuple(shape) != tuple(summed):
+        if reshape:
             expr += f".reshape({', '.join(map(str, shape)) or '()'})"
-        if dtype != buf.dtype:
+        if convert:
             env[f"d{j}"] = dtype
             expr += f".to(dtype=d{j})"
         exprs.append(expr)
