@@ -313,20 +313,27 @@ def test_thunder_training_with_offloaded_activations_pairs_dropout(fresh_cache):
         assert (executed, tcs.cache_info().fallbacks - before) == expected, f"step {step}"
 
 
-def test_a_dropout_backward_memo_hit_still_pairs_with_its_forward(fresh_cache):
+@pytest.mark.parametrize("cat_grad_qkv", [False, True], ids=["dq-dk-dv", "fused-dqkv"])
+def test_a_dropout_backward_memo_hit_still_pairs_with_its_forward(cat_grad_qkv, fresh_cache):
     """A repeated dropout backward binds and runs its memo's graph from the entry point, yet still follows its
     own forward: where that forward fell back (refused at execution here), the backward falls back too and agrees
-    with it; where it ran in cuDNN, the backward runs in cuDNN (one hit, nothing planned)."""
+    with it; where it ran in cuDNN, the backward runs in cuDNN (one hit, nothing planned). Also with the fused
+    dQKV gradient (``cat_grad_qkv``: one (B, 3H, S, D) output, split by the caller)."""
     disp = Dispatcher(EmulatedRuntime(), GraphCache(16))
     q, k, v = (T(1, 2, 8, 64) for _ in range(3))
     out, stats, seed, offset = disp.forward(q, k, v, None, 0.25, False)
     g = torch.randn_like(out)
-    disp.backward(g, q, k, v, None, 0.25, False, out, stats, seed, offset)  # the signature's memo
+
+    def backward(out, stats, seed, offset):
+        grads = disp.backward(g, q, k, v, None, 0.25, False, out, stats, seed, offset, cat_grad_qkv=cat_grad_qkv)
+        return grads[0].split(2, dim=1) if cat_grad_qkv else grads
+
+    backward(out, stats, seed, offset)  # the signature's memo
     executed = []
     refuse_forward = lambda key: "refused" if isinstance(key, ForwardKey) else executed.append(key)  # noqa: E731
     with checks.inject_failures(execute=refuse_forward, runtime=disp.runtime):
         out, stats, seed, offset = disp.forward(q, k, v, None, 0.25, False)
-        dq, dk, dv = disp.backward(g, q, k, v, None, 0.25, False, out, stats, seed, offset)
+        dq, dk, dv = backward(out, stats, seed, offset)
     assert executed == [] and disp.cache.info().fallbacks == 2, "the backward did not follow its forward"
     o, ref = _dropout_reference_grads(q, k, v, g, seed, offset, 0.25)
     assert (out.double() - o).abs().max() < 2e-2
@@ -335,8 +342,11 @@ def test_a_dropout_backward_memo_hit_still_pairs_with_its_forward(fresh_cache):
     out, stats, seed, offset = disp.forward(q, k, v, None, 0.25, False)
     before = disp.cache.info()
     with checks.inject_failures(execute=executed.append, runtime=disp.runtime):
-        disp.backward(g, q, k, v, None, 0.25, False, out, stats, seed, offset)
+        dq, dk, dv = backward(out, stats, seed, offset)
     after = disp.cache.info()
+    o, ref = _dropout_reference_grads(q, k, v, g, seed, offset, 0.25)
+    for a, b in zip((dq, dk, dv), ref):
+        assert (a.double() - b).abs().max() < 2e-2
     assert [type(key) for key in executed] == [BackwardKey]
     assert (after.hits, after.fallbacks, after.misses) == (before.hits + 1, before.fallbacks, before.misses)
 
