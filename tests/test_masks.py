@@ -81,6 +81,80 @@ def test_a_used_mask_gradient_under_thunderfx_runs_one_backward_with_dbias(fresh
     assert "mask_grad=True" in bwd and "sdpa_bwd_mask" not in bwd, bwd
 
 
+def _pairing_case(case: str):
+    """(function, its float64-checkable reference, arguments, attention calls, knobs) for
+    :func:`test_the_fusion_pass_pairs_each_mask_gradient_with_its_own_backward`."""
+    from torch.utils.checkpoint import checkpoint
+
+    from thunder_cudnn_safe.integration.attention import TORCH_OPS, decomposition
+
+    def make(*shape, dtype=torch.float16):
+        return torch.randn(*shape, dtype=dtype).requires_grad_()
+
+    sdpa = F.scaled_dot_product_attention
+    qkv = (make(2, 4, 16, 32), make(2, 4, 16, 32), make(2, 4, 16, 32))
+    bias = make(1, 4, 16, 16)
+    if case == "two calls share one computed mask":
+        f = lambda q, k, v, b: sdpa(q, k, v, attn_mask=b * 0.5) + sdpa(k, q, v, attn_mask=b * 0.5) * 2  # noqa: E731
+        return f, f, (*qkv, bias), 2, {}
+    if case == "the same call twice":
+        f = lambda q, k, v, b: sdpa(q, k, v, attn_mask=b * 0.5) + sdpa(q, k, v, attn_mask=b * 0.5) * 3  # noqa: E731
+        return f, f, (*qkv, bias), 2, {}
+    if case == "the mask is also the value":
+        f = lambda q, k, b: sdpa(q, k, b * 0.5, attn_mask=b * 0.5)  # noqa: E731
+        return f, f, (make(2, 4, 16, 16), make(2, 4, 16, 16), make(2, 4, 16, 16)), 1, {}
+    if case == "one call's output is the next call's mask":
+        f = lambda q, k, v, b: sdpa(sdpa(q, k, k, attn_mask=b * 0.5), k, v, attn_mask=sdpa(q, k, k, attn_mask=b * 0.5))  # noqa: E731
+        return f, f, (make(2, 4, 16, 16), make(2, 4, 16, 16), make(2, 4, 16, 16), bias), 3, {}
+    if case == "checkpointed":
+        g = lambda q, k, v, b: sdpa(q, k, v, attn_mask=b * 0.5)  # noqa: E731
+        f = lambda *args: checkpoint(g, *args, use_reentrant=False)  # noqa: E731
+        return f, g, (*qkv, bias), 1, {}
+    if case == "sinks, grouped heads, fused dQKV":
+        kw = {"enable_gqa": True}
+        f = lambda q, k, v, b, s: tcs.attention(q, k, v, b * 0.5, sinks=s, **kw)  # noqa: E731
+        ref = lambda q, k, v, b, s: decomposition(TORCH_OPS, q, k, v, b * 0.5, sinks=s, **kw)  # noqa: E731
+        args = (qkv[0], make(2, 2, 16, 32), make(2, 2, 16, 32), make(2, 1, 16, 16), make(4, dtype=torch.float32))
+        return f, ref, args, 1, {"bwd_may_cat_grad_qkv": True}
+    raise AssertionError(case)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "two calls share one computed mask",
+        "the same call twice",
+        "the mask is also the value",
+        "one call's output is the next call's mask",
+        "checkpointed",
+        "sinks, grouped heads, fused dQKV",
+    ],
+)
+def test_the_fusion_pass_pairs_each_mask_gradient_with_its_own_backward(case, fresh_cache, monkeypatch):
+    """The executor's fusion pass pairs a mask-gradient call with the later backward of identical arguments
+    (mask_gradient_pairs): calls sharing a computed mask, the same call twice, a mask that is also an operand
+    or the mask of another call, a checkpointed (recomputed) call, and the backward's extra outputs (dSinks, then
+    dBias; one dQKV) each get their own fused backward, with every gradient right (a guard: no pairing across
+    calls, no output in the wrong place), and bit for bit what the unfused calls give through the handoff."""
+    torch.manual_seed(0)
+    f, ref, args, calls, knobs = _pairing_case(case)
+    with tcs.config.patch(**knobs):
+        out = f(*(a.detach() for a in args))
+        grad_out = torch.randn(out.shape).to(out.dtype)
+        jf = jit_with_ours(f)
+        fused = check_against_eager(jf, args, grad_out, ref)
+        bwd = str(thunder.last_backward_traces(jf)[-1])
+        assert bwd.count("mask_grad=True") == calls and "sdpa_bwd_mask(" not in bwd, bwd
+        with monkeypatch.context() as unfused:  # the handoff's route: the same numbers, bit for bit
+            unfused.setattr(type(tcs.emulated_ex), "fusion_pass", lambda self, trace: trace)
+            jf = jit_with_ours(f)
+            out = jf(*args)
+            handoff = (out, *torch.autograd.grad(out, [a for a in args if a.requires_grad], grad_out))
+        assert "sdpa_bwd_mask(" in str(thunder.last_backward_traces(jf)[-1])
+    for got, want in zip((fused[0], *fused[1]), handoff, strict=True):
+        assert torch.equal(got, want)
+
+
 def test_unused_mask_gradient_is_not_computed(fresh_cache):
     q, k, v = (torch.randn(2, 4, 16, 32, dtype=torch.float16, requires_grad=True) for _ in range(3))
     pad = torch.randn(2, 1, 1, 16, dtype=torch.float16)  # no grad: e.g. a padding mask
