@@ -81,6 +81,118 @@ def test_a_used_mask_gradient_under_thunderfx_runs_one_backward_with_dbias(fresh
     assert "mask_grad=True" in bwd and "sdpa_bwd_mask" not in bwd, bwd
 
 
+def _pairing_case(case: str):
+    """(function, its float64-checkable reference, arguments, attention calls, knobs) for
+    :func:`test_the_fusion_pass_pairs_each_mask_gradient_with_its_own_backward`."""
+    from torch.utils.checkpoint import checkpoint
+
+    from thunder_cudnn_safe.integration.attention import TORCH_OPS, decomposition
+
+    def make(*shape, dtype=torch.float16):
+        return torch.randn(*shape, dtype=dtype).requires_grad_()
+
+    sdpa = F.scaled_dot_product_attention
+    qkv = (make(2, 4, 16, 32), make(2, 4, 16, 32), make(2, 4, 16, 32))
+    bias = make(1, 4, 16, 16)
+    if case == "two calls share one computed mask":
+        f = lambda q, k, v, b: sdpa(q, k, v, attn_mask=b * 0.5) + sdpa(k, q, v, attn_mask=b * 0.5) * 2  # noqa: E731
+        return f, f, (*qkv, bias), 2, {}
+    if case == "the same call twice":
+        f = lambda q, k, v, b: sdpa(q, k, v, attn_mask=b * 0.5) + sdpa(q, k, v, attn_mask=b * 0.5) * 3  # noqa: E731
+        return f, f, (*qkv, bias), 2, {}
+    if case == "the mask is also the value":
+        f = lambda q, k, b: sdpa(q, k, b * 0.5, attn_mask=b * 0.5)  # noqa: E731
+        return f, f, (make(2, 4, 16, 16), make(2, 4, 16, 16), make(2, 4, 16, 16)), 1, {}
+    if case == "one call's output is the next call's mask":
+        f = lambda q, k, v, b: sdpa(sdpa(q, k, k, attn_mask=b * 0.5), k, v, attn_mask=sdpa(q, k, k, attn_mask=b * 0.5))  # noqa: E731
+        return f, f, (make(2, 4, 16, 16), make(2, 4, 16, 16), make(2, 4, 16, 16), bias), 3, {}
+    if case == "checkpointed":
+        g = lambda q, k, v, b: sdpa(q, k, v, attn_mask=b * 0.5)  # noqa: E731
+        f = lambda *args: checkpoint(g, *args, use_reentrant=False)  # noqa: E731
+        return f, g, (*qkv, bias), 1, {}
+    if case == "sinks, grouped heads, fused dQKV":
+        kw = {"enable_gqa": True}
+        f = lambda q, k, v, b, s: tcs.attention(q, k, v, b * 0.5, sinks=s, **kw)  # noqa: E731
+        ref = lambda q, k, v, b, s: decomposition(TORCH_OPS, q, k, v, b * 0.5, sinks=s, **kw)  # noqa: E731
+        args = (qkv[0], make(2, 2, 16, 32), make(2, 2, 16, 32), make(2, 1, 16, 16), make(4, dtype=torch.float32))
+        return f, ref, args, 1, {"bwd_may_cat_grad_qkv": True}
+    raise AssertionError(case)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "two calls share one computed mask",
+        "the same call twice",
+        "the mask is also the value",
+        "one call's output is the next call's mask",
+        "checkpointed",
+        "sinks, grouped heads, fused dQKV",
+    ],
+)
+def test_the_fusion_pass_pairs_each_mask_gradient_with_its_own_backward(case, fresh_cache, monkeypatch):
+    """The executor's fusion pass pairs a mask-gradient call with the later backward of identical arguments
+    (mask_gradient_pairs): calls sharing a computed mask, the same call twice, a mask that is also an operand
+    or the mask of another call, a checkpointed (recomputed) call, and the backward's extra outputs (dSinks, then
+    dBias; one dQKV) each get their own fused backward, with every gradient right (a guard: no pairing across
+    calls, no output in the wrong place), and bit for bit what the unfused calls give through the handoff."""
+    torch.manual_seed(0)
+    f, ref, args, calls, knobs = _pairing_case(case)
+    with tcs.config.patch(**knobs):
+        out = f(*(a.detach() for a in args))
+        grad_out = torch.randn(out.shape).to(out.dtype)
+        jf = jit_with_ours(f)
+        fused = check_against_eager(jf, args, grad_out, ref)
+        bwd = str(thunder.last_backward_traces(jf)[-1])
+        assert bwd.count("mask_grad=True") == calls and "sdpa_bwd_mask(" not in bwd, bwd
+        with monkeypatch.context() as unfused:  # the handoff's route: the same numbers, bit for bit
+            unfused.setattr(type(tcs.emulated_ex), "fusion_pass", lambda self, trace: trace)
+            jf = jit_with_ours(f)
+            out = jf(*args)
+            handoff = (out, *torch.autograd.grad(out, [a for a in args if a.requires_grad], grad_out))
+        assert "sdpa_bwd_mask(" in str(thunder.last_backward_traces(jf)[-1])
+    for got, want in zip((fused[0], *fused[1]), handoff, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_the_fusion_pass_pairs_interleaved_calls_by_all_their_arguments(fresh_cache):
+    """Two attention calls' mask-gradient calls, then their backwards in the other order (as a fusion pass that
+    reorders independent calls, nvFuser's, could leave them; thunder's grad transform emits each pair adjacent):
+    each backward is fused with the mask-gradient call of identical arguments, not the first one waiting, and
+    takes its place, so each gradient is its own call's (a guard of the pass's contract; passes before and
+    after)."""
+    from thunder.core.pytree import tree_flatten
+
+    from thunder_cudnn_safe.integration.mask_gradient_pairs import fuse_mask_gradient_pairs
+
+    ex = tcs.emulated_ex
+    options = dict(scale=None, layout="preserve", deterministic=False, cat_grad_qkv=False, mask_grad=False)
+
+    def step(g1, g2, q, k, v, m, o1, o2, s1, s2):
+        dm1 = ex.sdpa_bwd_mask(g1, q, k, v, m, 0.0, False, o1, s1, None, None, **options)
+        dm2 = ex.sdpa_bwd_mask(g2, q, k, v, m, 0.0, False, o2, s2, None, None, **options)
+        grads2 = ex.sdpa_bwd(g2, q, k, v, m, 0.0, False, o2, s2, None, None, **options)
+        grads1 = ex.sdpa_bwd(g1, q, k, v, m, 0.0, False, o1, s1, None, None, **options)
+        return dm1, dm2, grads1, grads2
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, g1, g2 = (torch.randn(2, 4, 16, 32, generator=gen, dtype=torch.float16) for _ in range(5))
+    m = torch.randn(1, 4, 16, 16, generator=gen, dtype=torch.float16)
+    o1, s1 = ex.dispatcher.forward(q, k, v, m, 0.0, False)
+    o2, s2 = ex.dispatcher.forward(k, q, v, m, 0.0, False)  # another call's O and stats, same layouts
+    args = (g1, g2, q, k, v, m, o1, o2, s1, s2)
+    trace = thunder.trace()(step, *args)
+    fused = fuse_mask_gradient_pairs(trace, ex.sdpa_bwd_mask, ex.sdpa_bwd)
+    calls = [b for b in fused.bound_symbols if b.sym.id in (ex.sdpa_bwd.id, ex.sdpa_bwd_mask.id)]
+    assert [(b.sym.id, b.kwargs["mask_grad"]) for b in calls] == [(ex.sdpa_bwd.id, True)] * 2, fused
+    ret = fused.bound_symbols[-1].args[0]
+    for call, dm, grads in zip(calls, ret[:2], ret[2:]):
+        assert call.output == (*grads, dm), fused  # in the mask-gradient call's place, its gradient last
+    unfused = trace.python_callable()(*args)  # through the handoff (which misses the first pair: run again)
+    for got, want in zip(tree_flatten(fused.python_callable()(*args))[0], tree_flatten(unfused)[0], strict=True):
+        assert torch.equal(got, want)
+
+
 def test_unused_mask_gradient_is_not_computed(fresh_cache):
     q, k, v = (torch.randn(2, 4, 16, 32, dtype=torch.float16, requires_grad=True) for _ in range(3))
     pad = torch.randn(2, 1, 1, 16, dtype=torch.float16)  # no grad: e.g. a padding mask

@@ -407,10 +407,11 @@ def _sink(p: _RecipeBuilder, gradient: bool) -> None:
 
 def _compiled(p: _RecipeBuilder) -> PackRecipe:
     """A finished builder's steps compiled into a recipe: only a call that binds needs this (planning a key
-    compiles no binder: :func:`forward_key`, :func:`backward_key`). Gradients that need no work (a mask's dBias
-    in its own shape and dtype, float32 sinks' dSink) are returned with the outputs, so no finisher runs: a
-    used mask gradient's backward is the trace's one call (:mod:`~thunder_cudnn_safe.integration.mask_gradient_pairs`)
-    and the finisher's frame cost as much as a twentieth of it."""
+    compiles no binder: :func:`forward_key`, :func:`backward_key`). Where every gradient needs no work (a mask's
+    dBias in its own shape and dtype) they are returned with the outputs, so no finisher runs: a used mask
+    gradient's backward is the trace's one call (:mod:`~thunder_cudnn_safe.integration.mask_gradient_pairs`) and
+    the finisher's frame cost as much as a twentieth of it. dSinks always needs one (dSink_token (1, H, 1, 1)
+    reshaped to the sinks' (H,)), so a call with sinks keeps its finisher."""
     gradients, outputs, finish = _gradients(p.call, p.sigs), p.outputs, None
     if gradients and all(_gradient_work(g, p.sigs[g[0]]) == ((), False, False) for g in gradients):
         at = {step.uid: len(p.call) + i for i, step in enumerate(p.steps) if step.uid is not None}
