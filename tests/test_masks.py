@@ -155,12 +155,14 @@ def test_the_fusion_pass_pairs_each_mask_gradient_with_its_own_backward(case, fr
         assert torch.equal(got, want)
 
 
-def test_the_fusion_pass_pairs_interleaved_calls_by_all_their_arguments(fresh_cache):
+@pytest.mark.parametrize("order", ["mask gradients first", "a backward first"])
+def test_the_fusion_pass_pairs_interleaved_calls_by_all_their_arguments(order, fresh_cache):
     """Two attention calls' mask-gradient calls, then their backwards in the other order (as a fusion pass that
     reorders independent calls, nvFuser's, could leave them; thunder's grad transform emits each pair adjacent):
     each backward is fused with the mask-gradient call of identical arguments, not the first one waiting, and
     takes its place, so each gradient is its own call's (a guard of the pass's contract; passes before and
-    after)."""
+    after). ``a backward first``: the second call's backward before both mask-gradient calls, fused in the
+    backward's place (a pass that paired only a mask-gradient call with a later backward left it unfused)."""
     from thunder.core.pytree import tree_flatten
 
     from thunder_cudnn_safe.integration.mask_gradient_pairs import fuse_mask_gradient_pairs
@@ -169,9 +171,12 @@ def test_the_fusion_pass_pairs_interleaved_calls_by_all_their_arguments(fresh_ca
     options = dict(scale=None, layout="preserve", deterministic=False, cat_grad_qkv=False, mask_grad=False)
 
     def step(g1, g2, q, k, v, m, o1, o2, s1, s2):
+        if order == "a backward first":
+            grads2 = ex.sdpa_bwd(g2, q, k, v, m, 0.0, False, o2, s2, None, None, **options)
         dm1 = ex.sdpa_bwd_mask(g1, q, k, v, m, 0.0, False, o1, s1, None, None, **options)
         dm2 = ex.sdpa_bwd_mask(g2, q, k, v, m, 0.0, False, o2, s2, None, None, **options)
-        grads2 = ex.sdpa_bwd(g2, q, k, v, m, 0.0, False, o2, s2, None, None, **options)
+        if order == "mask gradients first":
+            grads2 = ex.sdpa_bwd(g2, q, k, v, m, 0.0, False, o2, s2, None, None, **options)
         grads1 = ex.sdpa_bwd(g1, q, k, v, m, 0.0, False, o1, s1, None, None, **options)
         return dm1, dm2, grads1, grads2
 
@@ -185,9 +190,10 @@ def test_the_fusion_pass_pairs_interleaved_calls_by_all_their_arguments(fresh_ca
     fused = fuse_mask_gradient_pairs(trace, ex.sdpa_bwd_mask, ex.sdpa_bwd)
     calls = [b for b in fused.bound_symbols if b.sym.id in (ex.sdpa_bwd.id, ex.sdpa_bwd_mask.id)]
     assert [(b.sym.id, b.kwargs["mask_grad"]) for b in calls] == [(ex.sdpa_bwd.id, True)] * 2, fused
-    ret = fused.bound_symbols[-1].args[0]
-    for call, dm, grads in zip(calls, ret[:2], ret[2:]):
-        assert call.output == (*grads, dm), fused  # in the mask-gradient call's place, its gradient last
+    dm1, dm2, grads1, grads2 = fused.bound_symbols[-1].args[0]
+    pairs = ((grads1, dm1), (grads2, dm2)) if order == "mask gradients first" else ((grads2, dm2), (grads1, dm1))
+    for call, (grads, dm) in zip(calls, pairs):
+        assert call.output == (*grads, dm), fused  # in the earlier call's place, its gradient last
     unfused = trace.python_callable()(*args)  # through the handoff (which misses the first pair: run again)
     for got, want in zip(tree_flatten(fused.python_callable()(*args))[0], tree_flatten(unfused)[0], strict=True):
         assert torch.equal(got, want)

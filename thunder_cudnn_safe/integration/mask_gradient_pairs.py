@@ -7,7 +7,7 @@ calls, they share one cuDNN backward through :mod:`~thunder_cudnn_safe.runtimes.
 every call that the second call's seven tensors are the first's (identity, version, pointer, shape, strides,
 dtype, neg bit, stream, capture): together 2.9x a plain backward on the host.
 
-Where both survive dead-code elimination, this pass puts one backward with ``mask_grad=True`` in the first one's
+Where both survive dead-code elimination, this pass puts one backward with ``mask_grad=True`` in the earlier one's
 place: it returns the backward's gradients and then the mask's, into the same proxies, so nothing downstream
 changes and nothing has to be matched at run time. thunder runs an executor's fusion pass in
 ``transform_for_execution``, after dead-code elimination, on the joint forward-backward trace (0.2.6) before it
@@ -44,26 +44,34 @@ def _signature(bsym: BoundSymbol) -> Hashable | None:
 
 
 def fuse_mask_gradient_pairs(trace: TraceCtx, mask_gradient: Symbol, backward: Symbol) -> TraceCtx:
-    """``trace`` with each ``mask_gradient`` call and the later ``backward`` call with the same arguments replaced by
-    one ``backward`` call with ``mask_grad=True`` where the mask-gradient call was (its outputs: the backward's,
-    then the mask's). ``trace`` itself where there is no such pair."""
+    """``trace`` with each ``mask_gradient`` call and a ``backward`` call with the same arguments replaced by one
+    ``backward`` call with ``mask_grad=True`` where the earlier of the two was (its outputs: the backward's, then
+    the mask's). Either may come first: thunder's grad transform emits the mask-gradient call first, but a fusion
+    pass run before this one (nvFuser's) may reorder independent calls, and both calls' inputs exist at the
+    earlier place. ``trace`` itself where there is no such pair."""
     bsyms: list[BoundSymbol | None] = list(trace.bound_symbols)
-    waiting: dict[Hashable, list[int]] = {}  # a mask-gradient call's signature -> its indices, first first
+    # a call's signature -> the indices of the calls of each kind still unpaired, first first
+    waiting: dict[bool, dict[Hashable, list[int]]] = {True: {}, False: {}}  # True: mask-gradient calls
     fused = 0
     for i, bsym in enumerate(bsyms):
         if bsym.sym.id == mask_gradient.id:
-            signature = _signature(bsym)
-            if signature is not None:
-                waiting.setdefault(signature, []).append(i)
+            is_mask_gradient = True
         elif bsym.sym.id == backward.id and not bsym.kwargs.get("mask_grad", False):
-            at = waiting.get(_signature(bsym))
-            if at:
-                j = at.pop(0)
-                bsyms[j] = bsym.from_bsym(
-                    kwargs={**bsym.kwargs, "mask_grad": True}, output=(*bsym.output, bsyms[j].output)
-                )
-                bsyms[i] = None
-                fused += 1
+            is_mask_gradient = False
+        else:
+            continue
+        signature = _signature(bsym)
+        if signature is None:
+            continue
+        other = waiting[not is_mask_gradient].get(signature)
+        if not other:
+            waiting[is_mask_gradient].setdefault(signature, []).append(i)
+            continue
+        j = other.pop(0)
+        grads, dmask = (bsyms[j], bsym) if is_mask_gradient else (bsym, bsyms[j])
+        bsyms[j] = grads.from_bsym(kwargs={**grads.kwargs, "mask_grad": True}, output=(*grads.output, dmask.output))
+        bsyms[i] = None
+        fused += 1
     if not fused:
         return trace
     out = from_trace(trace)
