@@ -77,8 +77,10 @@ def _entry_point(call_type: type, miss: str, doc: str) -> Callable:
     made, no memo-key function, no planning, no graph key hashed (``GraphCache.touch``). A hit of a call with a mask
     the memo entry saw last, in the same state, binds and executes the plan kept for it here too (the record's
     fields: :class:`~.replay.Seen`); any other hit of a call with a mask, or of a dropout forward, goes to
-    :func:`.replay.replay`. A dropout backward's slot hit runs through :meth:`Dispatcher.run` (the fallback where its
-    forward fell back; a refusal retried with dO in O's layout).
+    :func:`.replay.replay`. A dropout backward's slot hit pairs with its forward as :meth:`Dispatcher.run` does (the
+    fallback where its forward fell back, :func:`~thunder_cudnn_safe.runtimes.handoff.fell_back` of the seed it was
+    given; a refusal retried with dO in O's layout, :meth:`Dispatcher.after_refusal`), inline: the method's frames
+    cost a dropout backward a tenth of a plain one.
     A backward turns on ``deterministic`` first where torch's deterministic algorithms are on, as the full path
     always did; then a backward with a mask takes the dQ, dK, dV its mask-gradient call kept
     (:mod:`~thunder_cudnn_safe.runtimes.handoff`: the same arguments), before its memo key is made (that call ran
@@ -107,10 +109,12 @@ def _entry_point(call_type: type, miss: str, doc: str) -> Callable:
                     self.runtime.execute(built, bound.pack)
                 except refusals as exc:
                     self.refused(bound, exc)"""
-    if call_type is BackwardCall:  # a dropout backward pairs with its forward (Dispatcher.run, dropout.py)
+    if call_type is BackwardCall:  # a dropout backward pairs with its forward, as in Dispatcher.run (dropout.py)
+        env.update(fell_back=handoff.fell_back)
         run_slot = "\n".join(
-            ["                if dropout_p:", "                    self.run(bound, built)", "                else:"]
-            + ["    " + line for line in run_slot.splitlines()]
+            ["                if dropout_p and fell_back(seed):", "                    self.run_fallback(bound)"]
+            + ["                else:"]
+            + ["    " + line for line in run_slot.replace("self.refused(", "self.after_refusal(").splitlines()]
         )
     source = f"""def {name}(self, {params}):
 {det if call_type is BackwardCall else ""}    device = query.device
@@ -217,16 +221,24 @@ class Dispatcher:
     def run(self, bound: Bound, built: Any = None) -> None:
         """Execute ``bound`` on the runtime, or on the torch fallback if the runtime refuses it; ``built``: its
         graph where a memo hit took it from the cache already (not looked up, nor counted, twice)."""
-        key, tried = bound.key, bound
-        dropout_backward = isinstance(key, BackwardKey) and key.dropout_p
-        if dropout_backward and handoff.fell_back(bound.pack[Uid.SEED]):
+        key = bound.key
+        if isinstance(key, BackwardKey) and key.dropout_p and handoff.fell_back(bound.pack[Uid.SEED]):
             return self.run_fallback(bound)
         exc = self.try_execute(bound, built)
-        if exc is not None and dropout_backward and key.d_o != key.o:
+        if exc is not None:
+            self.after_refusal(bound, exc)
+
+    def after_refusal(self, bound: Bound, exc: GraphBuildError | ExecuteError) -> None:
+        """``bound`` refused by the runtime (``exc``): a dropout backward is tried again with dO in O's layout (its
+        mask can only be reproduced by cuDNN: the fallback is the last resort), then anything refused runs on the
+        fallback (:meth:`refused`)."""
+        key, tried = bound.key, bound
+        if isinstance(key, BackwardKey) and key.dropout_p and key.d_o != key.o:
             tried = with_grad_out_like_o(bound)
             exc = self.try_execute(tried)
-        if exc is not None:
-            self.refused(bound, exc, tried)
+            if exc is None:
+                return
+        self.refused(bound, exc, tried)
 
     def memo(self, call: ForwardCall | BackwardCall, target: Target, memo: tuple | None = None) -> Memo:
         """``call``'s :class:`Memo`, made with its pack recipe on the signature's first call (the layouts a
