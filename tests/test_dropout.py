@@ -172,6 +172,29 @@ def test_refused_dropout_backward_retries_with_grad_out_in_o_layout(fresh_cache)
         assert (a.double() - b).abs().max() < 2e-2
 
 
+@pytest.mark.parametrize("refused", ["at execution", "at build"])
+def test_a_refused_dropout_backward_memo_hit_retries_with_grad_out_in_o_layout(refused, fresh_cache):
+    """The slot path of a dropout backward (its memo hit, paired with its forward inline since issue 48) retries a
+    refusal with dO in O's layout as the full path does (``Dispatcher.after_refusal``): a refusal at execution
+    reaches the slot path (the graph built), one at build the full path (a remembered refusal: no slot). Run
+    straight on the fallback, it raised: the forward ran in cuDNN, whose dropout mask only cuDNN reproduces (a
+    guard of the slot path's refusal handling; passes before and after)."""
+    disp = Dispatcher(EmulatedRuntime(), GraphCache(16))
+    q, k, v = (T(2, 2, 8, 64) for _ in range(3))
+    refuse = lambda key: "dO layout" if isinstance(key, BackwardKey) and key.d_o != key.o else None  # noqa: E731
+    hooks = {"execute" if refused == "at execution" else "build": refuse}
+    for step in range(3):  # the full path, then memo hits
+        before = disp.cache.info()
+        with checks.inject_failures(runtime=disp.runtime, **hooks):
+            out, stats, seed, offset = disp.forward(q, k, v, None, 0.1875, False)
+            g = GRAD_OUT_LAYOUTS["transposed"](tuple(out.shape), torch.float16)
+            grads = disp.backward(g, q, k, v, None, 0.1875, False, out, stats, seed, offset)
+        assert disp.cache.info().fallbacks == before.fallbacks, f"step {step}"
+        _, ref = _dropout_reference_grads(q, k, v, g, seed, offset, 0.1875)
+        for a, b in zip(grads, ref, strict=True):
+            assert (a.double() - b).abs().max() < 2e-2, f"step {step}"
+
+
 def test_dropout_with_an_unneeded_mask_gradient_ignores_the_budget(fresh_cache, monkeypatch):
     """A mask whose gradient nobody needs (an input mask, HF's finfo.min float masks) must not send a
     dropout call to the fallback because its dBias variant would exceed the dP budget: the budget is
