@@ -10,6 +10,8 @@ Self-check without a GPU: ``THUNDER_CUDNN_SAFE_GPU_TESTS_EMULATE=1 python -m pyt
 tests/test_masks.py``.
 """
 
+from itertools import permutations
+
 import pytest
 import thunder
 import torch
@@ -197,6 +199,55 @@ def test_the_fusion_pass_pairs_interleaved_calls_by_all_their_arguments(order, f
     unfused = trace.python_callable()(*args)  # through the handoff (which misses the first pair: run again)
     for got, want in zip(tree_flatten(fused.python_callable()(*args))[0], tree_flatten(unfused)[0], strict=True):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("order", list(permutations(("M1", "M2", "B1", "B2"))), ids=" ".join)
+def test_the_fusion_pass_places_every_pair_where_its_inputs_exist_in_any_order(order, fresh_cache):
+    """Every order of two attention calls' mask-gradient calls and backwards (``M1 M2 B1 B2`` permuted, as a pass
+    that reorders independent calls could leave them): each pair becomes one backward in the earlier call's place,
+    returning that call's own gradients then its mask's, every proxy defined before any call reads it, and the
+    numbers those of the unfused calls through the handoff (a guard of the pairing bookkeeping and the placement;
+    passes before and after)."""
+    from thunder.core.proxies import Proxy
+    from thunder.core.pytree import tree_flatten
+
+    from thunder_cudnn_safe.integration.mask_gradient_pairs import fuse_mask_gradient_pairs
+
+    ex = tcs.emulated_ex
+    options = dict(scale=None, layout="preserve", deterministic=False, cat_grad_qkv=False, mask_grad=False)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, g1, g2 = (torch.randn(1, 2, 16, 32, generator=gen, dtype=torch.float16) for _ in range(5))
+    m = torch.randn(1, 2, 16, 16, generator=gen, dtype=torch.float16)
+    o1, s1 = ex.dispatcher.forward(q, k, v, m, 0.0, False)
+    o2, s2 = ex.dispatcher.forward(k, q, v, m, 0.0, False)  # another call's O and stats, same layouts
+    args = (g1, g2, q, k, v, m, o1, o2, s1, s2)
+
+    def step(g1, g2, q, k, v, m, o1, o2, s1, s2):
+        out = {}
+        for name in order:
+            g, o, s = (g1, o1, s1) if name[1] == "1" else (g2, o2, s2)
+            op = ex.sdpa_bwd_mask if name[0] == "M" else ex.sdpa_bwd
+            out[name] = op(g, q, k, v, m, 0.0, False, o, s, None, None, **options)
+        return out["M1"], out["M2"], out["B1"], out["B2"]
+
+    trace = thunder.trace()(step, *args)
+    fused = fuse_mask_gradient_pairs(trace, ex.sdpa_bwd_mask, ex.sdpa_bwd)
+    defined = {p.name for p in tree_flatten((fused.args, fused.kwargs))[0] if isinstance(p, Proxy)}
+    for bsym in fused.bound_symbols:
+        read = {p.name for p in tree_flatten((bsym.args, bsym.kwargs))[0] if isinstance(p, Proxy)}
+        assert read <= defined, (order, read - defined, fused)
+        defined |= {p.name for p in tree_flatten(bsym.output)[0] if isinstance(p, Proxy)}
+    calls = [b for b in fused.bound_symbols if b.sym.id in (ex.sdpa_bwd.id, ex.sdpa_bwd_mask.id)]
+    assert [(b.sym.id, b.kwargs["mask_grad"]) for b in calls] == [(ex.sdpa_bwd.id, True)] * 2, (order, fused)
+    dm1, dm2, grads1, grads2 = fused.bound_symbols[-1].args[0]
+    firsts = sorted((min(order.index(f"M{n}"), order.index(f"B{n}")), n) for n in (1, 2))
+    pairs = {1: (grads1, dm1), 2: (grads2, dm2)}
+    for call, (_, n) in zip(calls, firsts, strict=True):
+        grads, dm = pairs[n]
+        assert call.output == (*grads, dm), (order, fused)
+    unfused = trace.python_callable()(*args)
+    for got, want in zip(tree_flatten(fused.python_callable()(*args))[0], tree_flatten(unfused)[0], strict=True):
+        assert torch.equal(got, want), order
 
 
 def test_unused_mask_gradient_is_not_computed(fresh_cache):
