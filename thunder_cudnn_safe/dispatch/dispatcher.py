@@ -4,8 +4,8 @@ A hit skips the loop: :meth:`Dispatcher.forward` and :meth:`Dispatcher.backward`
 call's memo key (its signature: every tensor's shape, strides, dtype and base alignment, the options, the target).
 Where that signature's plan is the call as given and nothing in it depends on a tensor's values
 (:func:`~.replay.memoizable`: no mask, no dropout forward), the memo also holds the graph cache's slot of the graph
-it ran, so a hit binds and executes (:func:`_entry_point`; a dropout backward through :meth:`Dispatcher.run`, which
-asks whether its forward fell back). A call with a mask, or a dropout forward, keeps its plan's outcome
+it ran, so a hit binds and executes (:func:`_entry_point`; a dropout backward first asks whether its forward fell
+back, as :meth:`Dispatcher.run` does). A call with a mask, or a dropout forward, keeps its plan's outcome
 per verdict of its mask, and a hit runs the one kept for the mask's present verdict (:mod:`.replay`). Anything
 else (a mask not seen in this state: new, or written in place), or a slot the graph cache emptied (evicted,
 cleared), takes the full path, which remembers the outcome again.

@@ -124,9 +124,9 @@ def memoizable(p: Plan, call: ForwardCall | BackwardCall) -> bool:
     """Whether a hit of ``call``'s signature may bind and execute the graph it ran with nothing else read: the plan
     is the call as given (a plain route is; not a decode step's workaround), with no mask (its route follows its
     values: :class:`Replay`) and no dropout forward (it falls back where its backward does not build, which depends
-    on torch's deterministic mode at the call: :func:`replay` asks). A dropout backward runs by
-    ``Dispatcher.run`` there (the entry point's slot path: on the fallback where its forward fell back, a refusal
-    retried with dO in O's layout). Sinks' gradient is the recipe's
+    on torch's deterministic mode at the call: :func:`replay` asks). A dropout backward pairs with its
+    forward there as ``Dispatcher.run`` does (the entry point's slot path: on the fallback where its forward fell
+    back, a refusal retried with dO in O's layout by ``Dispatcher.after_refusal``). Sinks' gradient is the recipe's
     (:attr:`~thunder_cudnn_safe.routing.recipes.PackRecipe.finish`). Everything else the run path decides
     follows from the memo key."""
     dropout_forward = call.dropout_p and type(call) is not BackwardCall
