@@ -20,7 +20,7 @@ from thunder.core.compile_data import get_compile_option
 from thunder.core.prims import OpTags
 from thunder.core.proxies import NumberProxy, TensorProxy
 from thunder.core.transforms import get_grad, put_grad, put_grads
-from thunder.extend import Executor, FusionExecutor, OperatorExecutor, register_executor
+from thunder.extend import FusionExecutor, OperatorExecutor, register_executor
 
 from thunder_cudnn_safe import caches, config
 from thunder_cudnn_safe._version import __version__
@@ -195,8 +195,10 @@ class _SdpaExecutor(OperatorExecutor, FusionExecutor):
     def can_execute_or_fuse(self, bsym) -> bool:
         token = _BACKWARD_FOLLOWS.set(True)
         try:
-            # Executor's can_fuse, not ours: the same answer as before this class was also a FusionExecutor.
-            return self.can_execute(bsym) or Executor.can_fuse(self, bsym)
+            # Not Executor's can_execute_or_fuse: its can_fuse descends into a symbol's subsymbols, and would call a
+            # symbol whose checker declined ours where all its subsymbols were (none is: sdpa_gqa's body repeats
+            # K/V, attention's is prims). A call is ours where the checker claims it.
+            return self.can_execute(bsym)
         finally:
             _BACKWARD_FOLLOWS.reset(token)
 
