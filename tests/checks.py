@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import thunder_cudnn_safe as tcs  # first: runs the compat steps before thunder is imported
 from thunder_cudnn_safe.integration import executor as tcs_executor
-from thunder_cudnn_safe.testing import assert_close_to_reference
+from thunder_cudnn_safe.testing import assert_close_to_reference, sink_gradient_floor
 
 EMULATED_OP = "cudnn_safe_emulated_sdpa"
 
@@ -206,6 +206,7 @@ def check_against_eager(
     allow_fallback: bool = False,
     check_grads: bool = True,
     gpu_yardsticks: bool = False,
+    sinks_at: int | None = None,
 ) -> tuple:
     """The accuracy check of every test that runs a call through ``thunder.jit`` (one entry point on top of
     :func:`~thunder_cudnn_safe.testing.assert_close_to_reference`): ``jf(*args)`` forward and, with
@@ -225,6 +226,10 @@ def check_against_eager(
     thunder's sdpaex ran torch's fused kernels on the same inputs, the error is also within twice sdpaex's
     (where sdpaex declines, e.g. a last dim of stride 2 or CPU tensors, thunder's decomposition runs: a
     different yardstick, not compared).
+
+    ``sinks_at``: the position in ``args`` of attention sinks, whose gradient may also err by
+    :func:`~thunder_cudnn_safe.testing.sink_gradient_floor` (cuDNN's dSinks reads its own low-precision O; eager's
+    float32 probabilities are no scale for that term, so the plain rule fails on some seeds).
     """
     before = tcs.cache_info()
     out, grads = _forward_backward(jf, args, grad_out, check_grads)
@@ -243,8 +248,11 @@ def check_against_eager(
         eager = [a if _err(a, r) >= _err(b, r) else b for a, b, r in zip(eager, (contig[0], *contig[1]), ref)]
     positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
     names = ["output"] + [f"gradient of args[{i}]" for i in positions]
+    floors = dict.fromkeys(names, 0.0)
+    if sinks_at is not None:
+        floors[f"gradient of args[{sinks_at}]"] = sink_gradient_floor(args[0].dtype, grad_out, out)
     for name, ours, e, r in zip(names, (out, *grads), eager, ref):
-        assert_close_to_reference(ours, e, r, name)
+        assert_close_to_reference(ours, e, r, name, floor=floors[name])
     if gpu_yardsticks:
         import thunder
 
