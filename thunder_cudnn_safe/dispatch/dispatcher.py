@@ -105,16 +105,17 @@ def _entry_point(call_type: type, miss: str, doc: str) -> Callable:
             return taken
 """
     i_mask_1, i_causal_1 = i_mask + 1, i_causal + 1
+    # a refusal: Dispatcher.after_refusal (a dropout backward's retry with dO in O's layout, then the fallback)
     run_slot = """                try:
                     self.runtime.execute(built, bound.pack)
                 except refusals as exc:
-                    self.refused(bound, exc)"""
+                    self.after_refusal(bound, exc)"""
     if call_type is BackwardCall:  # a dropout backward pairs with its forward, as in Dispatcher.run (dropout.py)
         env.update(fell_back=handoff.fell_back)
         run_slot = "\n".join(
             ["                if dropout_p and fell_back(seed):", "                    self.run_fallback(bound)"]
             + ["                else:"]
-            + ["    " + line for line in run_slot.replace("self.refused(", "self.after_refusal(").splitlines()]
+            + ["    " + line for line in run_slot.splitlines()]
         )
     source = f"""def {name}(self, {params}):
 {det if call_type is BackwardCall else ""}    device = query.device
