@@ -115,6 +115,47 @@ def test_a_repeated_dropout_forward_compiles_nothing_and_looks_up_only_its_graph
     assert asked and disp.cache.info().builds > info.builds
 
 
+@pytest.mark.parametrize("deterministic_from", ["the call", "torch's deterministic mode"])
+def test_a_dropout_forward_slot_hit_pairs_with_the_backward_that_will_run(deterministic_from, fresh_cache):
+    """A dropout forward with no mask takes the memo's slot path from its second call (issue 48: no replay, no
+    backward recipe), reading the answer its memo keeps for the deterministic mode of this call: with cuDNN
+    refusing only the deterministic backward, each deterministic step runs forward and backward on the fallback,
+    each other step both in cuDNN, alternately, every step right."""
+    disp = Dispatcher(EmulatedRuntime(), GraphCache(16))
+    q, k, v = (T(1, 2, 16, 64) for _ in range(3))
+    executed = []
+
+    def hook(key):
+        executed.append(type(key).__name__)
+        return None
+
+    refuse = lambda key: "no deterministic backward" if isinstance(key, BackwardKey) and key.deterministic else None  # noqa: E731
+    was, was_warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    try:
+        with checks.inject_failures(build=refuse, execute=hook, runtime=disp.runtime):
+            for step, det in enumerate((False, False, True, False, True, True, False)):
+                by_call = det and deterministic_from == "the call"
+                torch.use_deterministic_algorithms(det and not by_call)
+                executed.clear()
+                fallbacks = disp.cache.info().fallbacks
+                out, stats, seed, offset = disp.forward(q, k, v, None, 0.25, False, deterministic=by_call)
+                g = torch.randn_like(out)
+                args = (g, q, k, v, None, 0.25, False, out, stats, seed, offset)
+                grads = disp.backward(*args, deterministic=by_call)
+                assert executed == ([] if det else ["ForwardKey", "BackwardKey"]), f"step {step}"
+                assert disp.cache.info().fallbacks == fallbacks + (2 if det else 0), f"step {step}"
+                o, ref = _dropout_reference_grads(q, k, v, g, seed, offset, 0.25)
+                assert (out.double() - o).abs().max() < 2e-2
+                for a, b in zip(grads, ref, strict=True):
+                    assert (a.double() - b).abs().max() < 2e-2
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=was_warn)
+    forwards = [entry for key, entry in disp.memos.items() if entry.recipe.key.__class__ is ForwardKey]
+    # the memo of the signature cuDNN ran holds its graph's slot (the call's deterministic=True is another
+    # signature, planned on every call: its forward always falls back, so nothing is remembered for it)
+    assert any(entry.slot is not None and entry.routes is None for entry in forwards)
+
+
 def test_a_repeated_dropout_backward_looks_up_its_graph_once(fresh_cache, monkeypatch):
     """A dropout backward's memo hit runs the graph its memo's slot gave (``GraphCache.touch``, one counted hit):
     it looked the graph up a second time through ``get_or_build``, so ``cache_info().hits`` counted every such

@@ -3,12 +3,12 @@
 A hit skips the loop: :meth:`Dispatcher.forward` and :meth:`Dispatcher.backward` read one :class:`~.replay.Memo` by the
 call's memo key (its signature: every tensor's shape, strides, dtype and base alignment, the options, the target).
 Where that signature's plan is the call as given and nothing in it depends on a tensor's values
-(:func:`~.replay.memoizable`: no mask, no dropout forward), the memo also holds the graph cache's slot of the graph
-it ran, so a hit binds and executes (:func:`_entry_point`; a dropout backward first asks whether its forward fell
-back, as :meth:`Dispatcher.run` does). A call with a mask, or a dropout forward, keeps its plan's outcome
-per verdict of its mask, and a hit runs the one kept for the mask's present verdict (:mod:`.replay`). Anything
-else (a mask not seen in this state: new, or written in place), or a slot the graph cache emptied (evicted,
-cleared), takes the full path, which remembers the outcome again.
+(:func:`~.replay.memoizable`: no mask), the memo also holds the graph cache's slot of the graph
+it ran, so a hit binds and executes (:func:`_entry_point`; a dropout forward first reads whether its backward
+builds, a dropout backward whether its forward fell back, as the full path does). A call with a mask keeps its
+plan's outcome per verdict of its mask, and a hit runs the one kept for the mask's present verdict
+(:mod:`.replay`). Anything else (a mask not seen in this state: new, or written in place), or a slot the graph
+cache emptied (evicted, cleared), takes the full path, which remembers the outcome again.
 ``config.set`` / ``config.patch`` of any knob empties every memo (:func:`forget_memos`); ``clear_cache()``
 empties the executors' (registered as their dispatch memo) and every slot. Graphs stay per thread: a hit's
 runtime executes the calling thread's copy.
@@ -76,11 +76,13 @@ def _entry_point(call_type: type, miss: str, doc: str) -> Callable:
     (the memo's: one flag on the entry, :func:`spare`); no call value
     made, no memo-key function, no planning, no graph key hashed (``GraphCache.touch``). A hit of a call with a mask
     the memo entry saw last, in the same state, binds and executes the plan kept for it here too (the record's
-    fields: :class:`~.replay.Seen`); any other hit of a call with a mask, or of a dropout forward, goes to
-    :func:`.replay.replay`. A dropout backward's slot hit pairs with its forward as :meth:`Dispatcher.run` does (the
-    fallback where its forward fell back, :func:`~thunder_cudnn_safe.runtimes.handoff.fell_back` of the seed it was
-    given; a refusal retried with dO in O's layout, :meth:`Dispatcher.after_refusal`), inline: the method's frames
-    cost a dropout backward a tenth of a plain one.
+    fields: :class:`~.replay.Seen`); any other hit of a call with a mask goes to :func:`.replay.replay`. Dropout
+    pairs on a slot hit as on the full path, inline (the frames of a replay and of :func:`.dropout.backward_builds`
+    cost a dropout forward a fifth of a plain one, :meth:`Dispatcher.run`'s a backward a tenth): a forward runs
+    on the fallback where its backward does not build (the answer its memo keeps:
+    :func:`~.dropout.unmasked_answer_source`); a backward where its forward fell back
+    (:func:`~thunder_cudnn_safe.runtimes.handoff.fell_back` of the seed it was given), and a refusal is retried with
+    dO in O's layout (:meth:`Dispatcher.after_refusal`).
     A backward turns on ``deterministic`` first where torch's deterministic algorithms are on, as the full path
     always did; then a backward with a mask takes the dQ, dK, dV its mask-gradient call kept
     (:mod:`~thunder_cudnn_safe.runtimes.handoff`: the same arguments), before its memo key is made (that call ran
@@ -97,6 +99,7 @@ def _entry_point(call_type: type, miss: str, doc: str) -> Callable:
     i_mask, i_causal = fields.index("attn_mask"), fields.index("is_causal")
     assert i_causal == i_mask + 2  # the fast replay's slice below remakes the call around these two fields
     reserved = {"self", "device", "target", "memo", "args", "entry", "built", "bound", "exc", "finish", "outputs"}
+    reserved |= {"builds", "call"}
     assert not set(fields) & (reserved | {"taken"})
     det = "    if not deterministic and torch_deterministic():\n        deterministic = True\n"
     det += f"""    if attn_mask is not None and handoff_local.kept is not None:
@@ -112,11 +115,23 @@ def _entry_point(call_type: type, miss: str, doc: str) -> Callable:
                     self.after_refusal(bound, exc)"""
     if call_type is BackwardCall:  # a dropout backward pairs with its forward, as in Dispatcher.run (dropout.py)
         env.update(fell_back=handoff.fell_back)
-        run_slot = "\n".join(
-            ["                if dropout_p and fell_back(seed):", "                    self.run_fallback(bound)"]
-            + ["                else:"]
-            + ["    " + line for line in run_slot.splitlines()]
-        )
+        paired = ["                if dropout_p and fell_back(seed):"]
+    else:  # a dropout forward runs in cuDNN only where its backward builds (dropout.py), as in Dispatcher._full
+        env.update(backward_builds=dropout.backward_builds)
+        paired = [
+            "                builds = True",
+            "                if dropout_p and need_stats:",
+            f"                    builds = {dropout.unmasked_answer_source('entry', 'deterministic')}",
+            "                    if builds is None:",
+            "                        call = new(call_type, args)",
+            "                        builds = backward_builds(self.runtime, self.cache, call, call, entry)",
+            "                if not builds:",
+        ]
+    run_slot = "\n".join(
+        paired
+        + ["                    self.run_fallback(bound)", "                else:"]
+        + ["    " + line for line in run_slot.splitlines()]
+    )
     source = f"""def {name}(self, {params}):
 {det if call_type is BackwardCall else ""}    device = query.device
     target = self.runtime.target(device)

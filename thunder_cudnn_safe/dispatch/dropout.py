@@ -56,7 +56,7 @@ def backward_builds(
     """
     float_mask = call.attn_mask is not None and call.attn_mask.dtype != torch.bool and not bias_too_large(call)
     deterministic = call.deterministic or torch_deterministic()  # as the backward will decide
-    asked = (deterministic, arg_key(call.attn_mask) if float_mask else None)
+    asked = (deterministic, arg_key(call.attn_mask) if float_mask else None)  # (as :func:`unmasked_answer_source`)
     answers = entry.dropout if entry.dropout is not None else {}
     known = answers.get(asked)
     if known is None:
@@ -64,6 +64,18 @@ def backward_builds(
         if definitive:
             entry.dropout = {**answers, asked: known}  # replaced whole: a reader never sees it half made
     return known
+
+
+def unmasked_answer_source(entry: str, deterministic: str) -> str:
+    """The expression of the answer :func:`backward_builds` keeps on the memo named ``entry`` for a dropout forward
+    with no mask whose ``deterministic`` option is the variable named ``deterministic`` (it reads the global
+    ``torch_deterministic``): True or False, or None where not asked yet. The entry point's slot path evaluates it
+    inline (a repeated dropout forward pays a dict read, not the frames of :func:`backward_builds` and a replay),
+    and asks :func:`backward_builds` itself only where it is None; the key is the one :func:`backward_builds` keeps
+    the answer under for a call with no mask."""
+    return (
+        f"(None if {entry}.dropout is None else {entry}.dropout.get(({deterministic} or torch_deterministic(), None)))"
+    )
 
 
 def _ask(

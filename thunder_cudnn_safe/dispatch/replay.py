@@ -9,8 +9,8 @@ recognized, nothing planned) and runs the outcome kept for it; from the next cal
 dispatcher's entry point does it with no frame of its own (:attr:`Seen.fast`). A mask written in place or a new mask
 has no verdict yet: the full path recognizes and plans it, once. Under CUDA-graph capture no verdict is read (the mask
 is its bias, as on the full path). A dropout forward still asks whether its backward
-builds (an answer its memo keeps); a dropout backward still asks whether its forward fell back (``Dispatcher.run``,
-here for one with a mask, from the entry point's slot path for one without: :func:`memoizable`).
+builds (an answer its memo keeps); a dropout backward still asks whether its forward fell back (``Dispatcher.run``);
+here for a call with a mask, from the entry point's slot path for one without (:func:`memoizable`).
 """
 
 from __future__ import annotations
@@ -36,8 +36,7 @@ from thunder_cudnn_safe.runtimes.base import Runtime
 class Memo:
     """What a dispatcher remembers for one call signature: its pack recipe and, for a :func:`memoizable`
     call, ``slot``: the graph cache's :class:`~thunder_cudnn_safe.graphs.cache.Slot` of the graph it ran;
-    for a call with a mask, or a dropout forward, ``routes``: its plan's outcome per verdict of its mask
-    (:class:`Replay`);
+    for a call with a mask, ``routes``: its plan's outcome per verdict of its mask (:class:`Replay`);
     for a dropout forward, ``dropout``: whether its backward builds (:func:`.dropout.backward_builds`)."""
 
     __slots__ = ("recipe", "run", "finish", "slot", "routes", "verdict_of", "seen", "dropout", "used")
@@ -123,14 +122,14 @@ def _verdict_of(call: ForwardCall | BackwardCall) -> tuple[int, int, int]:
 def memoizable(p: Plan, call: ForwardCall | BackwardCall) -> bool:
     """Whether a hit of ``call``'s signature may bind and execute the graph it ran with nothing else read: the plan
     is the call as given (a plain route is; not a decode step's workaround), with no mask (its route follows its
-    values: :class:`Replay`) and no dropout forward (it falls back where its backward does not build, which depends
-    on torch's deterministic mode at the call: :func:`replay` asks). A dropout backward pairs with its
-    forward there as ``Dispatcher.run`` does (the entry point's slot path: on the fallback where its forward fell
-    back, a refusal retried with dO in O's layout by ``Dispatcher.after_refusal``). Sinks' gradient is the recipe's
+    values: :class:`Replay`). Dropout pairs there as on the full path (the entry point's slot path): a forward
+    runs in cuDNN only where its backward builds (the answer its memo keeps per torch's deterministic mode at the
+    call: :func:`~.dropout.unmasked_answer_source`, asked of :func:`~.dropout.backward_builds` once), a backward
+    falls back where its forward fell back and a refusal is retried with dO in O's layout
+    (``Dispatcher.after_refusal``). Sinks' gradient is the recipe's
     (:attr:`~thunder_cudnn_safe.routing.recipes.PackRecipe.finish`). Everything else the run path decides
     follows from the memo key."""
-    dropout_forward = call.dropout_p and type(call) is not BackwardCall
-    return p.route is Route.PLAIN and call.attn_mask is None and not dropout_forward
+    return p.route is Route.PLAIN and call.attn_mask is None
 
 
 def remember(disp: Dispatching, p: Plan, verdict: Any, entry: Memo, planned: Memo, key: Any, target: Target) -> None:
@@ -161,7 +160,7 @@ def remember(disp: Dispatching, p: Plan, verdict: Any, entry: Memo, planned: Mem
 
 
 def replay(disp: Dispatching, entry: Memo, call: ForwardCall | BackwardCall, target: Target) -> tuple | None:
-    """A memo hit of a call with a mask or dropout: the outputs of the plan remembered for its mask's present
+    """A memo hit of a call with a mask: the outputs of the plan remembered for its mask's present
     verdict (:class:`Replay`), with what the full path does around the run (dead rows as zeros on a bias or as V's
     average, dropout's pairing, a capture's prebuild); None where nothing is remembered for that verdict (the full
     path then plans). Nothing is planned or recognized here; a backward's kept mask-gradient results were taken
