@@ -450,6 +450,50 @@ def test_dropout_backward_memo_hits_follow_each_forward(between, fresh_cache):
     pool.shutdown()
 
 
+def test_a_fallen_back_dropout_memo_hit_counts_no_graph_hit(fresh_cache):
+    """A dropout call of a remembered signature that runs on the fallback (a backward whose forward fell back; a
+    forward whose backward does not build in the deterministic mode of the call) takes the full path, as its
+    first call did: no graph is looked up, so ``cache_info()`` counts a fallback and no hit. The slot path used to
+    touch the graph (a counted hit) and then run the fallback, so such a call counted as both."""
+    disp = Dispatcher(EmulatedRuntime(), GraphCache(16))
+    q, k, v = (T(1, 2, 16, 64) for _ in range(3))
+    refuse_forward = [False]
+
+    def execute(key):
+        return "refused" if refuse_forward[0] and isinstance(key, ForwardKey) else None
+
+    def build(key):
+        return "no deterministic backward" if isinstance(key, BackwardKey) and key.deterministic else None
+
+    def step():
+        out, stats, seed, offset = disp.forward(q, k, v, None, 0.25, False)
+        g = torch.randn_like(out)
+        before = disp.cache.info()
+        grads = disp.backward(g, q, k, v, None, 0.25, False, out, stats, seed, offset)
+        after = disp.cache.info()
+        o, ref = _dropout_reference_grads(q, k, v, g, seed, offset, 0.25)
+        assert (out.double() - o).abs().max() < 2e-2
+        for a, b in zip(grads, ref, strict=True):
+            assert (a.double() - b).abs().max() < 2e-2
+        return after.hits - before.hits, after.fallbacks - before.fallbacks
+
+    was, was_warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    with checks.inject_failures(build=build, execute=execute, runtime=disp.runtime):
+        assert step() == (1, 0) and step() == (1, 0)  # (the forward built the backward's graph: backward_builds)
+        refuse_forward[0] = True  # the forward falls back: its backward too, with no graph looked up
+        assert step() == (0, 1)
+        refuse_forward[0] = False
+        assert step() == (1, 0)
+        torch.use_deterministic_algorithms(True)
+        try:
+            for _ in range(2):  # the deterministic backward does not build: a forward falls back, counting no hit
+                hits, fallbacks = disp.cache.info().hits, disp.cache.info().fallbacks
+                disp.forward(q, k, v, None, 0.25, False)
+                assert (disp.cache.info().hits, disp.cache.info().fallbacks) == (hits, fallbacks + 1)
+        finally:
+            torch.use_deterministic_algorithms(was, warn_only=was_warn)
+
+
 # -- seeds, and a symbolic dropout_p -----------------------------------------------------------
 def test_dropout_seed_is_drawn_on_the_device_not_from_the_cpu_stream():
     """Seed and offset used to come from the CPU generator as Python ints (baked into CUDA graphs,

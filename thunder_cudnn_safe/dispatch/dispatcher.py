@@ -4,8 +4,8 @@ A hit skips the loop: :meth:`Dispatcher.forward` and :meth:`Dispatcher.backward`
 call's memo key (its signature: every tensor's shape, strides, dtype and base alignment, the options, the target).
 Where that signature's plan is the call as given and nothing in it depends on a tensor's values
 (:func:`~.replay.memoizable`: no mask), the memo also holds the graph cache's slot of the graph
-it ran, so a hit binds and executes (:func:`_entry_point`; a dropout forward first reads whether its backward
-builds, a dropout backward whether its forward fell back, as the full path does). A call with a mask keeps its
+it ran, so a hit binds and executes (:func:`_entry_point`; a dropout call only where it runs in cuDNN: a forward
+whose backward builds, a backward whose forward did not fall back). A call with a mask keeps its
 plan's outcome per verdict of its mask, and a hit runs the one kept for the mask's present verdict
 (:mod:`.replay`). Anything else (a mask not seen in this state: new, or written in place), or a slot the graph
 cache emptied (evicted, cleared), takes the full path, which remembers the outcome again.
@@ -76,12 +76,13 @@ def _entry_point(call_type: type, miss: str, doc: str) -> Callable:
     (the memo's: one flag on the entry, :func:`spare`); no call value
     made, no memo-key function, no planning, no graph key hashed (``GraphCache.touch``). A hit of a call with a mask
     the memo entry saw last, in the same state, binds and executes the plan kept for it here too (the record's
-    fields: :class:`~.replay.Seen`); any other hit of a call with a mask goes to :func:`.replay.replay`. Dropout
-    pairs on a slot hit as on the full path, inline (the frames of a replay and of :func:`.dropout.backward_builds`
-    cost a dropout forward a fifth of a plain one, :meth:`Dispatcher.run`'s a backward a tenth): a forward runs
-    on the fallback where its backward does not build (the answer its memo keeps:
-    :func:`~.dropout.unmasked_answer_source`); a backward where its forward fell back
-    (:func:`~thunder_cudnn_safe.runtimes.handoff.fell_back` of the seed it was given), and a refusal is retried with
+    fields: :class:`~.replay.Seen`); any other hit of a call with a mask goes to :func:`.replay.replay`. A
+    dropout call takes the slot path only where it runs in cuDNN, checked inline (the frames of a replay and of
+    :func:`.dropout.backward_builds` cost a dropout forward a fifth of a plain one, :meth:`Dispatcher.run`'s a
+    backward a tenth): a forward whose backward builds in this deterministic mode (the answer its memo keeps:
+    :func:`~.dropout.unmasked_answer_source`), a backward whose forward did not fall back
+    (:func:`~thunder_cudnn_safe.runtimes.handoff.fell_back` of the seed it was given); the others take the full
+    path, which runs them on the fallback without looking a graph up. A refused dropout backward is retried with
     dO in O's layout (:meth:`Dispatcher.after_refusal`).
     A backward turns on ``deterministic`` first where torch's deterministic algorithms are on, as the full path
     always did; then a backward with a mask takes the dQ, dK, dV its mask-gradient call kept
@@ -99,7 +100,6 @@ def _entry_point(call_type: type, miss: str, doc: str) -> Callable:
     i_mask, i_causal = fields.index("attn_mask"), fields.index("is_causal")
     assert i_causal == i_mask + 2  # the fast replay's slice below remakes the call around these two fields
     reserved = {"self", "device", "target", "memo", "args", "entry", "built", "bound", "exc", "finish", "outputs"}
-    reserved |= {"builds", "call"}
     assert not set(fields) & (reserved | {"taken"})
     det = "    if not deterministic and torch_deterministic():\n        deterministic = True\n"
     det += f"""    if attn_mask is not None and handoff_local.kept is not None:
@@ -108,30 +108,17 @@ def _entry_point(call_type: type, miss: str, doc: str) -> Callable:
             return taken
 """
     i_mask_1, i_causal_1 = i_mask + 1, i_causal + 1
-    # a refusal: Dispatcher.after_refusal (a dropout backward's retry with dO in O's layout, then the fallback)
-    run_slot = """                try:
-                    self.runtime.execute(built, bound.pack)
-                except refusals as exc:
-                    self.after_refusal(bound, exc)"""
-    if call_type is BackwardCall:  # a dropout backward pairs with its forward, as in Dispatcher.run (dropout.py)
+    # The slot path runs a dropout call only where it runs in cuDNN, paired as the full path pairs it (dropout.py):
+    # a backward whose forward fell back, and a forward whose backward does not build (or is not known to, in this
+    # deterministic mode), take the full path (Dispatcher.run / _full), which runs them on the fallback, looks up
+    # no graph (so no cache hit is counted) and keeps the forward's answer for the next call.
+    if call_type is BackwardCall:
         env.update(fell_back=handoff.fell_back)
-        paired = ["                if dropout_p and fell_back(seed):"]
-    else:  # a dropout forward runs in cuDNN only where its backward builds (dropout.py), as in Dispatcher._full
-        env.update(backward_builds=dropout.backward_builds)
-        paired = [
-            "                builds = True",
-            "                if dropout_p and need_stats:",
-            f"                    builds = {dropout.unmasked_answer_source('entry', 'deterministic')}",
-            "                    if builds is None:",
-            "                        call = new(call_type, args)",
-            "                        builds = backward_builds(self.runtime, self.cache, call, call, entry)",
-            "                if not builds:",
-        ]
-    run_slot = "\n".join(
-        paired
-        + ["                    self.run_fallback(bound)", "                else:"]
-        + ["    " + line for line in run_slot.splitlines()]
-    )
+        in_cudnn = "not (dropout_p and fell_back(seed))"
+    else:
+        in_cudnn = (
+            f"not (dropout_p and need_stats and {dropout.unmasked_answer_source('entry', 'deterministic')} is not True)"
+        )
     source = f"""def {name}(self, {params}):
 {det if call_type is BackwardCall else ""}    device = query.device
     target = self.runtime.target(device)
@@ -140,11 +127,14 @@ def _entry_point(call_type: type, miss: str, doc: str) -> Callable:
     entry = self.memos.peek(memo)
     if entry is not None:
         entry.used = True
-        if entry.slot is not None:
+        if entry.slot is not None and {in_cudnn}:
             built = self.cache.touch(entry.slot)
             if built is not None:
                 bound = entry.run(args, device)
-{run_slot}
+                try:
+                    self.runtime.execute(built, bound.pack)
+                except refusals as exc:
+                    self.after_refusal(bound, exc)  # a dropout backward: first retried with dO in O's layout
                 finish = entry.finish
                 return bound.outputs if finish is None else finish(bound)
         elif entry.routes is not None:

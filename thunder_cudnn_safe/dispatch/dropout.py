@@ -69,10 +69,10 @@ def backward_builds(
 def unmasked_answer_source(entry: str, deterministic: str) -> str:
     """The expression of the answer :func:`backward_builds` keeps on the memo named ``entry`` for a dropout forward
     with no mask whose ``deterministic`` option is the variable named ``deterministic`` (it reads the global
-    ``torch_deterministic``): True or False, or None where not asked yet. The entry point's slot path evaluates it
-    inline (a repeated dropout forward pays a dict read, not the frames of :func:`backward_builds` and a replay),
-    and asks :func:`backward_builds` itself only where it is None; the key is the one :func:`backward_builds` keeps
-    the answer under for a call with no mask."""
+    ``torch_deterministic``): True or False, or None where not asked yet; the key is the one :func:`backward_builds`
+    keeps it under for a call with no mask. The entry point's slot path evaluates it inline and runs the forward
+    only where it is True (a repeated dropout forward pays a dict read, not the frames of a replay and of
+    :func:`backward_builds`); anything else takes the full path, which asks, keeps the answer and falls back."""
     return (
         f"(None if {entry}.dropout is None else {entry}.dropout.get(({deterministic} or torch_deterministic(), None)))"
     )

@@ -122,10 +122,10 @@ def _verdict_of(call: ForwardCall | BackwardCall) -> tuple[int, int, int]:
 def memoizable(p: Plan, call: ForwardCall | BackwardCall) -> bool:
     """Whether a hit of ``call``'s signature may bind and execute the graph it ran with nothing else read: the plan
     is the call as given (a plain route is; not a decode step's workaround), with no mask (its route follows its
-    values: :class:`Replay`). Dropout pairs there as on the full path (the entry point's slot path): a forward
-    runs in cuDNN only where its backward builds (the answer its memo keeps per torch's deterministic mode at the
-    call: :func:`~.dropout.unmasked_answer_source`, asked of :func:`~.dropout.backward_builds` once), a backward
-    falls back where its forward fell back and a refusal is retried with dO in O's layout
+    values: :class:`Replay`). A dropout call's hit takes the slot only where it runs in cuDNN (the entry point's
+    check): a forward whose backward builds (the answer its memo keeps per deterministic mode at the call:
+    :func:`~.dropout.unmasked_answer_source`), a backward whose forward did not fall back; the others take the full
+    path, which pairs them. A refused dropout backward is retried with dO in O's layout
     (``Dispatcher.after_refusal``). Sinks' gradient is the recipe's
     (:attr:`~thunder_cudnn_safe.routing.recipes.PackRecipe.finish`). Everything else the run path decides
     follows from the memo key."""
