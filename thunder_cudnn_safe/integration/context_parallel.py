@@ -69,8 +69,9 @@ def _global_meaning(mask: torch.Tensor | None, q: torch.Tensor, is_causal: bool)
     pattern = pattern_of(mask, b, length, length)
     if not isinstance(pattern, MaskPattern) and not mask.requires_grad:
         found = _padding_with_empty_elements(mask, b, length)
-        if found is not None:
-            return found
+        if found is not None:  # the call's is_causal applies on top of the mask's relation, as below
+            causal, window, key_valid = found
+            return bool(is_causal) or causal, window, key_valid
     if isinstance(pattern, DocumentPattern) or not isinstance(pattern, MaskPattern) or _pads_queries(pattern, length):
         name = "packed documents" if isinstance(pattern, DocumentPattern) else "a general mask or bias"
         raise ValueError(
