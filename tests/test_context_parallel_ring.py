@@ -330,3 +330,46 @@ def test_is_causal_with_key_padding_where_an_element_keeps_no_local_key_stays_ca
         layout = SequenceLayout(2, rank, False)
         for name, mine, full in zip(("O", "dQ", "dK", "dV"), result, want[:4], strict=True):
             torch.testing.assert_close(mine.double(), shard(full, layout, 2), rtol=1e-4, atol=1e-4, msg=name)
+
+
+def _local_masks(world, balance, length, valid, causal):
+    """Each rank's mask as a model builds it from local positions: the causal band of its ``length`` local tokens
+    (or every pair) and-ed with the key padding ``valid`` ((B, S) bool over global positions) of its keys."""
+    band = torch.ones(length, length, dtype=torch.bool)
+    band = band.tril() if causal else band
+    return [
+        band & valid[:, SequenceLayout(world, r, balance).positions(length)][:, None, None, :] for r in range(world)
+    ]
+
+
+def test_a_mask_that_reads_as_causal_and_as_full_alike_is_refused_not_guessed():
+    """A rank whose mask keeps at most the first of its local keys (here right padding keeping 2 of 4 keys: each
+    rank of the balanced layout keeps only its first) reads the same whether the model meant causal or full
+    attention. Every rank so: the full-attention call ran causal, silently wrong (and a one-token shard's causal
+    mask, all kept, ran as full). Refused on every rank with the reason instead."""
+    gen = torch.Generator().manual_seed(9)
+    q, k, v, grad_out = (torch.randn(2, 2, 4, 8, generator=gen) for _ in range(4))
+    valid = torch.arange(4)[None].expand(2, 4) < 2
+    runs = [_run_calls(2, True, q, k, v, _local_masks(2, True, 2, valid, causal), grad_out) for causal in (False, True)]
+    one_token = [t[:, :, :2] for t in (q, k, v, grad_out)]  # the plain layout's one-token shards: causal keeps all
+    runs.append(_run_calls(2, False, *one_token[:3], [torch.ones(1, 1, 1, 1, dtype=torch.bool)] * 2, one_token[3]))
+    for results in runs:
+        for result in results:
+            assert isinstance(result, ValueError) and "causal and as full" in str(result), result
+
+
+def test_a_rank_whose_mask_reads_as_causal_and_as_full_takes_the_other_ranks_relation():
+    """Full attention with right padding, balanced layout over two ranks: rank 1 (positions 1, 2) keeps only its
+    first key, so its mask reads as causal too, while rank 0 (0, 3) keeps both and reads full. Rank 1 takes rank 0's
+    relation (as a rank that keeps no key does) and both compute full attention; it was refused as different
+    relations."""
+    gen = torch.Generator().manual_seed(10)
+    q, k, v, grad_out = (torch.randn(2, 2, 4, 8, generator=gen) for _ in range(4))
+    valid = torch.tensor([[True, True, False, True]] * 2)
+    got = _run_calls(2, True, q, k, v, _local_masks(2, True, 2, valid, False), grad_out)
+    want = _full_attention(q, k, v, valid, None, grad_out, False, None, None)
+    for rank, result in enumerate(got):
+        assert not isinstance(result, Exception), result
+        for name, mine, full in zip(("O", "dQ", "dK", "dV"), result, want[:4], strict=True):
+            expected = shard(full, SequenceLayout(2, rank), 2)
+            torch.testing.assert_close(mine.double(), expected, rtol=1e-4, atol=1e-4, msg=name)
