@@ -312,6 +312,33 @@ def test_declined_calls_run_the_decomposition(why, fresh_cache):
     torch.testing.assert_close(out, decomposition(TORCH_OPS, q, k, v, None, p, True))
 
 
+@pytest.mark.parametrize("runtime", ["emulated", "decomposition"])
+@pytest.mark.parametrize("bad", ["mixed_dtypes", "integer_operands", "integer_mask"])
+def test_operands_f_sdpa_rejects_fail_with_what_is_wrong(bad, runtime, fresh_cache):
+    """Operands F.sdpa rejects fail with a clear error, in eager and under ``torch.compile``, instead of running:
+    query, key and value of different dtypes returned the value's dtype in eager and the query's compiled; integer
+    operands returned zeros (the probabilities cast to int); an integer 0/1 mask was added as a bias. Under
+    autocast, float operands of different dtypes are cast to one first (as F.sdpa's are) and run. Compiled with
+    ``fullgraph=True``, dynamo raises its own exception with the message in its text."""
+    q, k, v = (torch.randn(B, H, L, D, dtype=torch.bfloat16) for _ in range(3))
+    mask = None
+    if bad == "mixed_dtypes":
+        k, v = k.half(), v.half()
+    elif bad == "integer_operands":
+        q, k, v = (torch.ones(B, H, L, D, dtype=torch.int64) for _ in range(3))
+    else:
+        mask = torch.ones(L, L, dtype=torch.int32)
+    fn = lambda q, k, v, m: tcs.attention(q, k, v, m)  # noqa: E731
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    with config.patch(eager_runtime=runtime):
+        for run in (fn, compiled):
+            with pytest.raises(Exception, match="attention\\(\\): .* must "):  # dynamo wraps it, the text kept
+                run(q, k, v, mask)
+        if bad == "mixed_dtypes":
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                assert fn(q.float(), k, v, mask).dtype == torch.bfloat16
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine where real cuDNN cannot run")
 def test_auto_on_cuda_tensors_where_cudnn_cannot_run_declines(fresh_cache):
     """``eager_runtime="auto"`` gives CUDA tensors to the cuDNN executor; where it cannot run (no driver here; no

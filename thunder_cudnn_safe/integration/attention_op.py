@@ -45,6 +45,7 @@ from thunder_cudnn_safe.integration.attention import (
     TORCH_OPS,
     attention_symbol,
     check_masked_rows,
+    check_operands,
     check_options,
     decomposition,
 )
@@ -318,6 +319,7 @@ def attention(
     device_type = query.device.type
     if torch.is_autocast_enabled(device_type):
         query, key, value, attn_mask = autocast_inputs(query, key, value, attn_mask, device_type)
+    check_operands(query, key, value, attn_mask)
     args = (query, key, value, attn_mask, float(dropout_p), bool(is_causal), scale, bool(enable_gqa), softcap, sinks)
     operands = (query, key, value, attn_mask, sinks)
     need_stats = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in operands)
