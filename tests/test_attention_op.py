@@ -313,21 +313,24 @@ def test_declined_calls_run_the_decomposition(why, fresh_cache):
 
 
 @pytest.mark.parametrize("runtime", ["emulated", "decomposition"])
-@pytest.mark.parametrize("bad", ["mixed_dtypes", "integer_operands", "integer_mask"])
+@pytest.mark.parametrize("bad", ["mixed_dtypes", "integer_operands", "integer_mask", "two_dims"])
 def test_operands_f_sdpa_rejects_fail_with_what_is_wrong(bad, runtime, fresh_cache):
-    """Operands F.sdpa rejects fail with a clear error, in eager and under ``torch.compile``, instead of running:
-    query, key and value of different dtypes returned the value's dtype in eager and the query's compiled; integer
-    operands returned zeros (the probabilities cast to int); an integer 0/1 mask was added as a bias. Under
-    autocast, float operands of different dtypes are cast to one first (as F.sdpa's are) and run. Compiled with
-    ``fullgraph=True``, dynamo raises its own exception with the message in its text."""
+    """Operands F.sdpa rejects (or attention() cannot take) fail with a clear error, in eager and under
+    ``torch.compile``, instead of running: query, key and value of different dtypes returned the value's dtype in
+    eager and the query's compiled; integer operands returned zeros (the probabilities cast to int); an integer 0/1
+    mask was added as a bias; 2-D operands raised an IndexError from inside the decomposition (the heads are dim
+    -3). Under autocast, float operands of different dtypes are cast to one first (as F.sdpa's are) and run.
+    Compiled with ``fullgraph=True``, dynamo raises its own exception with the message in its text."""
     q, k, v = (torch.randn(B, H, L, D, dtype=torch.bfloat16) for _ in range(3))
     mask = None
     if bad == "mixed_dtypes":
         k, v = k.half(), v.half()
     elif bad == "integer_operands":
         q, k, v = (torch.ones(B, H, L, D, dtype=torch.int64) for _ in range(3))
-    else:
+    elif bad == "integer_mask":
         mask = torch.ones(L, L, dtype=torch.int32)
+    else:
+        q, k, v = q[0, 0], k[0, 0], v[0, 0]
     fn = lambda q, k, v, m: tcs.attention(q, k, v, m)  # noqa: E731
     compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
     with config.patch(eager_runtime=runtime):
