@@ -399,6 +399,37 @@ def test_torch_func_transforms_run_the_decomposition(transform, emulated):
     torch.testing.assert_close(got, expected(q))
 
 
+@pytest.mark.parametrize("how", ["forward_ad", "forward_ad_compiled", "func_jvp_compiled"])
+def test_forward_mode_ad_runs_the_decomposition(how, emulated):
+    """Forward-mode AD (``torch.autograd.forward_ad``'s dual tensors, ``torch.func.jvp``), eager or under
+    ``torch.compile``, runs the decomposition, whose torch ops have a forward-mode formula: the op has none, and its
+    tangent was silently dropped (None from dual tensors, eager and compiled; zeros from ``func.jvp`` compiled)."""
+    import torch.autograd.forward_ad as fwAD
+
+    q, k, v = (torch.randn(B, H, L, D, dtype=torch.bfloat16) for _ in range(3))
+    tangent = torch.randn_like(q)
+    reference = lambda x: decomposition(TORCH_OPS, x, k, v, None, 0.0, True)  # noqa: E731
+    ours = lambda x: tcs.attention(x, k, v, is_causal=True)  # noqa: E731
+    if how == "func_jvp_compiled":
+        fn = lambda f: lambda x: torch.func.jvp(f, (x,), (tangent,))[1]  # noqa: E731
+    else:
+
+        def fn(f):
+            def run(x):
+                with fwAD.dual_level():
+                    return fwAD.unpack_dual(f(fwAD.make_dual(x, tangent))).tangent
+
+            return run
+
+    run = fn(ours) if how == "forward_ad" else torch.compile(fn(ours), backend="aot_eager")
+    with _Counted() as c:
+        got = run(q)
+    assert got is not None and c.lookups == 0
+    torch.testing.assert_close(
+        got, torch.func.jvp(reference, (q,), (tangent,))[1] if "grad" not in how else fn(reference)(q)
+    )
+
+
 def test_a_verdict_is_remembered_per_signature_and_a_knob_change_judges_again(emulated):
     """Verdicts are remembered per call signature (asking the rules costs about a millisecond); a knob change
     empties them: sinks claimed on cuDNN 9.19 are declined on 9.12 (SINK_TOKEN) and run the decomposition."""
