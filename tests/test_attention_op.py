@@ -312,6 +312,36 @@ def test_declined_calls_run_the_decomposition(why, fresh_cache):
     torch.testing.assert_close(out, decomposition(TORCH_OPS, q, k, v, None, p, True))
 
 
+@pytest.mark.parametrize("runtime", ["emulated", "decomposition"])
+@pytest.mark.parametrize("bad", ["mixed_dtypes", "integer_operands", "integer_mask", "two_dims"])
+def test_operands_f_sdpa_rejects_fail_with_what_is_wrong(bad, runtime, fresh_cache):
+    """Operands F.sdpa rejects (or attention() cannot take) fail with a clear error, in eager and under
+    ``torch.compile``, instead of running: query, key and value of different dtypes returned the value's dtype in
+    eager and the query's compiled; integer operands returned zeros (the probabilities cast to int); an integer 0/1
+    mask was added as a bias; 2-D operands raised an IndexError from inside the decomposition (the heads are dim
+    -3). Under autocast, float operands of different dtypes are cast to one first (as F.sdpa's are) and run.
+    Compiled with ``fullgraph=True``, dynamo raises its own exception with the message in its text."""
+    q, k, v = (torch.randn(B, H, L, D, dtype=torch.bfloat16) for _ in range(3))
+    mask = None
+    if bad == "mixed_dtypes":
+        k, v = k.half(), v.half()
+    elif bad == "integer_operands":
+        q, k, v = (torch.ones(B, H, L, D, dtype=torch.int64) for _ in range(3))
+    elif bad == "integer_mask":
+        mask = torch.ones(L, L, dtype=torch.int32)
+    else:
+        q, k, v = q[0, 0], k[0, 0], v[0, 0]
+    fn = lambda q, k, v, m: tcs.attention(q, k, v, m)  # noqa: E731
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    with config.patch(eager_runtime=runtime):
+        for run in (fn, compiled):
+            with pytest.raises(Exception, match="attention\\(\\): .* must "):  # dynamo wraps it, the text kept
+                run(q, k, v, mask)
+        if bad == "mixed_dtypes":
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                assert fn(q.float(), k, v, mask).dtype == torch.bfloat16
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine where real cuDNN cannot run")
 def test_auto_on_cuda_tensors_where_cudnn_cannot_run_declines(fresh_cache):
     """``eager_runtime="auto"`` gives CUDA tensors to the cuDNN executor; where it cannot run (no driver here; no
@@ -367,6 +397,37 @@ def test_torch_func_transforms_run_the_decomposition(transform, emulated):
         got = fn(q)
     assert c.lookups == 0
     torch.testing.assert_close(got, expected(q))
+
+
+@pytest.mark.parametrize("how", ["forward_ad", "forward_ad_compiled", "func_jvp_compiled"])
+def test_forward_mode_ad_runs_the_decomposition(how, emulated):
+    """Forward-mode AD (``torch.autograd.forward_ad``'s dual tensors, ``torch.func.jvp``), eager or under
+    ``torch.compile``, runs the decomposition, whose torch ops have a forward-mode formula: the op has none, and its
+    tangent was silently dropped (None from dual tensors, eager and compiled; zeros from ``func.jvp`` compiled)."""
+    import torch.autograd.forward_ad as fwAD
+
+    q, k, v = (torch.randn(B, H, L, D, dtype=torch.bfloat16) for _ in range(3))
+    tangent = torch.randn_like(q)
+    reference = lambda x: decomposition(TORCH_OPS, x, k, v, None, 0.0, True)  # noqa: E731
+    ours = lambda x: tcs.attention(x, k, v, is_causal=True)  # noqa: E731
+    if how == "func_jvp_compiled":
+        fn = lambda f: lambda x: torch.func.jvp(f, (x,), (tangent,))[1]  # noqa: E731
+    else:
+
+        def fn(f):
+            def run(x):
+                with fwAD.dual_level():
+                    return fwAD.unpack_dual(f(fwAD.make_dual(x, tangent))).tangent
+
+            return run
+
+    run = fn(ours) if how == "forward_ad" else torch.compile(fn(ours), backend="aot_eager")
+    with _Counted() as c:
+        got = run(q)
+    assert got is not None and c.lookups == 0
+    torch.testing.assert_close(
+        got, torch.func.jvp(reference, (q,), (tangent,))[1] if "grad" not in how else fn(reference)(q)
+    )
 
 
 def test_a_verdict_is_remembered_per_signature_and_a_knob_change_judges_again(emulated):

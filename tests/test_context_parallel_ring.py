@@ -233,7 +233,7 @@ class _FakeGroup:
         t.copy_(result)
 
 
-def _run_calls(world, balance, q, k, v, masks, grad_out) -> list:
+def _run_calls(world, balance, q, k, v, masks, grad_out, is_causal=False) -> list:
     """Every rank's ring forward and backward through the transform's operators (``_ring_fwd_impl`` and
     ``_ring_bwd_impl``), rank r's local mask ``masks[r]``: (O, dQ, dK, dV) per rank, or the exception it raised."""
     from thunder_cudnn_safe.integration import context_parallel as cp
@@ -244,7 +244,7 @@ def _run_calls(world, balance, q, k, v, masks, grad_out) -> list:
         try:
             layout = SequenceLayout(world, rank, balance)
             qs, ks, vs, gs = (shard(t, layout, 2) for t in (q, k, v, grad_out))
-            options = (False, None, False, None, "zeros", ring_id)
+            options = (is_causal, None, False, None, "zeros", ring_id)
             o, lse = cp._ring_fwd_impl(qs, ks, vs, masks[rank], None, *options)
             results[rank] = (o, *cp._ring_bwd_impl(gs, qs, ks, vs, masks[rank], None, o, lse, *options))
         except Exception as exc:  # the test reads it
@@ -307,6 +307,67 @@ def test_key_padding_travels_from_every_rank_where_one_rank_has_it():
         masks.append(torch.ones(4, 4, dtype=torch.bool).tril() & local[:, None, None, :])
     got = _run_calls(2, True, q, k, v, masks, grad_out)
     want = _full_attention(q, k, v, valid, None, grad_out, True, None, None)
+    for rank, result in enumerate(got):
+        assert not isinstance(result, Exception), result
+        for name, mine, full in zip(("O", "dQ", "dK", "dV"), result, want[:4], strict=True):
+            expected = shard(full, SequenceLayout(2, rank), 2)
+            torch.testing.assert_close(mine.double(), expected, rtol=1e-4, atol=1e-4, msg=name)
+
+
+def test_is_causal_with_key_padding_where_an_element_keeps_no_local_key_stays_causal():
+    """``attention(q, k, v, padding_mask, is_causal=True)`` (attention() takes both): each rank holds keys of only
+    one of the two sequences, so its mask is read by the empty-elements padding check, which ignored ``is_causal``:
+    every rank ran full attention over the kept keys, silently wrong. The relation is causal and-ed with the mask."""
+    gen = torch.Generator().manual_seed(8)
+    q, k, v, grad_out = (torch.randn(2, 2, 8, 4, generator=gen) for _ in range(4))
+    valid = torch.ones(2, 8, dtype=torch.bool)
+    valid[0, 4:] = valid[1, :4] = False  # plain layout: rank 0 holds only element 0's keys, rank 1 only element 1's
+    masks = [valid[:, None, None, 4 * r : 4 * r + 4].expand(2, 1, 4, 4) for r in range(2)]
+    got = _run_calls(2, False, q, k, v, masks, grad_out, is_causal=True)
+    want = _full_attention(q, k, v, valid, None, grad_out, True, None, None)
+    for rank, result in enumerate(got):
+        assert not isinstance(result, Exception), result
+        layout = SequenceLayout(2, rank, False)
+        for name, mine, full in zip(("O", "dQ", "dK", "dV"), result, want[:4], strict=True):
+            torch.testing.assert_close(mine.double(), shard(full, layout, 2), rtol=1e-4, atol=1e-4, msg=name)
+
+
+def _local_masks(world, balance, length, valid, causal):
+    """Each rank's mask as a model builds it from local positions: the causal band of its ``length`` local tokens
+    (or every pair) and-ed with the key padding ``valid`` ((B, S) bool over global positions) of its keys."""
+    band = torch.ones(length, length, dtype=torch.bool)
+    band = band.tril() if causal else band
+    return [
+        band & valid[:, SequenceLayout(world, r, balance).positions(length)][:, None, None, :] for r in range(world)
+    ]
+
+
+def test_a_mask_that_reads_as_causal_and_as_full_alike_is_refused_not_guessed():
+    """A rank whose mask keeps at most the first of its local keys (here right padding keeping 2 of 4 keys: each
+    rank of the balanced layout keeps only its first) reads the same whether the model meant causal or full
+    attention. Every rank so: the full-attention call ran causal, silently wrong (and a one-token shard's causal
+    mask, all kept, ran as full). Refused on every rank with the reason instead."""
+    gen = torch.Generator().manual_seed(9)
+    q, k, v, grad_out = (torch.randn(2, 2, 4, 8, generator=gen) for _ in range(4))
+    valid = torch.arange(4)[None].expand(2, 4) < 2
+    runs = [_run_calls(2, True, q, k, v, _local_masks(2, True, 2, valid, causal), grad_out) for causal in (False, True)]
+    one_token = [t[:, :, :2] for t in (q, k, v, grad_out)]  # the plain layout's one-token shards: causal keeps all
+    runs.append(_run_calls(2, False, *one_token[:3], [torch.ones(1, 1, 1, 1, dtype=torch.bool)] * 2, one_token[3]))
+    for results in runs:
+        for result in results:
+            assert isinstance(result, ValueError) and "causal and as full" in str(result), result
+
+
+def test_a_rank_whose_mask_reads_as_causal_and_as_full_takes_the_other_ranks_relation():
+    """Full attention with right padding, balanced layout over two ranks: rank 1 (positions 1, 2) keeps only its
+    first key, so its mask reads as causal too, while rank 0 (0, 3) keeps both and reads full. Rank 1 takes rank 0's
+    relation (as a rank that keeps no key does) and both compute full attention; it was refused as different
+    relations."""
+    gen = torch.Generator().manual_seed(10)
+    q, k, v, grad_out = (torch.randn(2, 2, 4, 8, generator=gen) for _ in range(4))
+    valid = torch.tensor([[True, True, False, True]] * 2)
+    got = _run_calls(2, True, q, k, v, _local_masks(2, True, 2, valid, False), grad_out)
+    want = _full_attention(q, k, v, valid, None, grad_out, False, None, None)
     for rank, result in enumerate(got):
         assert not isinstance(result, Exception), result
         for name, mine, full in zip(("O", "dQ", "dK", "dV"), result, want[:4], strict=True):

@@ -100,6 +100,25 @@ def check_masked_rows(masked_rows: Any) -> None:
         raise ValueError(f"attention(): masked_rows must be one of {MASKED_ROWS}, got {masked_rows!r}")
 
 
+def check_operands(query: Any, key: Any, value: Any, attn_mask: Any) -> None:
+    """Operands F.sdpa rejects fail here with what is wrong, instead of running: query, key and value of different
+    dtypes (the decomposition returned the value's dtype in eager, the op the query's under ``torch.compile``) or
+    of an integer dtype (the probabilities cast to it: zeros), and an integer mask (added as a bias, where a 0/1
+    mask meant keep), and operands of fewer than 3 dims (..., H, L, D): the heads are dim -3 (an IndexError from
+    deep in the decomposition). Called after autocast's cast, which gives float operands one dtype as it does
+    F.sdpa's."""
+    ranks = (len(query.shape), len(key.shape), len(value.shape))
+    if min(ranks) < 3:
+        raise ValueError(f"attention(): query, key and value must have at least 3 dims (..., H, L, D), got {ranks}")
+    dtypes = (query.dtype, key.dtype, value.dtype)
+    if dtypes.count(query.dtype) != 3 or not query.dtype.is_floating_point:
+        raise TypeError(
+            f"attention(): query, key and value must have one floating dtype, got {', '.join(map(str, dtypes))}"
+        )
+    if attn_mask is not None and attn_mask.dtype is not torch.bool and not attn_mask.dtype.is_floating_point:
+        raise TypeError(f"attention(): attn_mask must be boolean (True = keep) or floating, got {attn_mask.dtype}")
+
+
 def check_options(query: Any, softcap: Any, sinks: Any, masked_rows: Any = "zeros") -> None:
     """Bad options fail here, with the argument's name, instead of as a shape error deep in a kernel or as silently
     wrong numbers (a cap of 0 or below, NaN; sinks of shape (1, H) broadcast; a ``masked_rows`` that is neither

@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 
 import thunder.torch as ltorch
 import torch
+import torch.autograd.forward_ad as _forward_ad
 from thunder.core.jit_ext import (
     _general_jit_lookaside_map,
     ensure_recursive_proxies,
@@ -45,6 +46,7 @@ from thunder_cudnn_safe.integration.attention import (
     TORCH_OPS,
     attention_symbol,
     check_masked_rows,
+    check_operands,
     check_options,
     decomposition,
 )
@@ -318,16 +320,20 @@ def attention(
     device_type = query.device.type
     if torch.is_autocast_enabled(device_type):
         query, key, value, attn_mask = autocast_inputs(query, key, value, attn_mask, device_type)
+    check_operands(query, key, value, attn_mask)
     args = (query, key, value, attn_mask, float(dropout_p), bool(is_causal), scale, bool(enable_gqa), softcap, sinks)
     operands = (query, key, value, attn_mask, sinks)
     need_stats = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in operands)
-    if torch.compiler.is_compiling() or _tracing():  # decided at run time by the op's kernel (ThunderFX: thunder's)
-        return attention_op(*args, need_stats, masked_rows)[0]
+    # with forward-mode AD on (a dual level open: forward_ad's dual tensors, torch.func.jvp and jacfwd, eager or
+    # compiled) the op, which has no forward-mode formula, would drop the tangent silently: the decomposition runs
+    forward_ad = _forward_ad._current_level >= 0
+    if not forward_ad and (torch.compiler.is_compiling() or _tracing()):  # decided at run time by the op's kernel
+        return attention_op(*args, need_stats, masked_rows)[0]  # (ThunderFX: thunder's)
     # a declined call: the decomposition with torch's autograd (no recomputation in the backward); no executor for
     # the device (the default on CPU) is known before any call value is made, and inside a torch.func transform
     # (grad, vmap, jacrev) the operands are wrapper tensors with no data pointer for the executor to bind (and
     # the op has no batching rule), so the transform runs the decomposition's torch ops
-    in_transform = torch._C._functorch.peek_interpreter_stack() is not None
+    in_transform = forward_ad or torch._C._functorch.peek_interpreter_stack() is not None
     if eager_executor(query.device) is None or in_transform or claiming(_call(*args, need_stats, masked_rows)) is None:
         with torch.autocast(device_type, enabled=False):  # as inside the op's kernel: cast once, above
             return decomposition(TORCH_OPS, *args, masked_rows)

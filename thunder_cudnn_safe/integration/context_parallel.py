@@ -69,8 +69,9 @@ def _global_meaning(mask: torch.Tensor | None, q: torch.Tensor, is_causal: bool)
     pattern = pattern_of(mask, b, length, length)
     if not isinstance(pattern, MaskPattern) and not mask.requires_grad:
         found = _padding_with_empty_elements(mask, b, length)
-        if found is not None:
-            return found
+        if found is not None:  # the call's is_causal applies on top of the mask's relation, as below
+            causal, window, key_valid = found
+            return bool(is_causal) or causal, window, key_valid
     if isinstance(pattern, DocumentPattern) or not isinstance(pattern, MaskPattern) or _pads_queries(pattern, length):
         name = "packed documents" if isinstance(pattern, DocumentPattern) else "a general mask or bias"
         raise ValueError(
@@ -153,8 +154,10 @@ def _agreed_call(
       same everywhere (only the key padding differs), so ranks that disagree got a mask of other meaning (built
       from global position ids, say: a window of global positions reads as a narrower local window on a rank whose
       chunks are not adjacent), refused rather than run with a meaning it does not have;
-    * a rank that keeps no key at all says nothing about the relation (its all-masked mask reads as causal and as
-      full alike): it takes the other ranks' (its queries still see their keys);
+    * a rank that keeps no key at all, or at most the first of its local keys (a one-token shard), says nothing
+      about the relation (its mask reads as causal and as full alike): it takes the other ranks' (its queries
+      still see their keys); where no rank says one and some rank keeps a key, the call is refused (is_causal, where
+      given, says it);
     * where any rank's keys carry padding, every rank's do (all kept where its mask has none): what travels around
       the ring must be the same list on every rank, or a rank waits for a tensor its neighbour never sends."""
     group = _RINGS[ring][0]
@@ -163,20 +166,30 @@ def _agreed_call(
         call, key_valid = _ring(query, key, value, attn_mask, is_causal, scale, enable_gqa, softcap, masked_rows, ring)
     except Exception as exc:  # re-raised below, after the group is told
         problem = exc
-    says = problem is None and (key_valid is None or bool(key_valid.any()))
+    keys = problem is None and (key_valid is None or bool(key_valid.any()))
+    # a mask keeping at most the first of the local keys (each batch element's; a one-token shard's mask) is the same
+    # whether built causal or full: it says nothing about the relation either (is_causal, where given, does)
+    first_only = query.shape[-2] == 1 if key_valid is None else not bool(key_valid[:, 1:].any())
+    says = keys and not (attn_mask is not None and not is_causal and first_only)
     causal, window = (int(call.causal), call.window or 0) if says else (-1, -1)
     # MAX of (v, -v) gives the largest and the smallest verdict of the ranks that say one, in one all-reduce
     none = -(2**62)
     padded = int(key_valid is not None)
     votes = [int(problem is not None), causal, window, -causal if says else none, -window if says else none, padded]
-    votes = torch.tensor(votes, dtype=torch.int64, device=query.device)
+    votes = torch.tensor(votes + [int(keys)], dtype=torch.int64, device=query.device)
     torch.distributed.all_reduce(votes, op=torch.distributed.ReduceOp.MAX, group=group)
-    refused, max_causal, max_window, min_causal, min_window, any_padded = votes.tolist()
+    refused, max_causal, max_window, min_causal, min_window, any_padded, any_keys = votes.tolist()
     if problem is not None:
         raise problem
     if refused:
         raise RuntimeError("context-parallel attention: another rank of the group refused this call (its error says "
                            "why); no rank ran it")  # fmt: skip
+    if min_causal == none and any_keys:
+        raise ValueError(
+            "context-parallel attention: every rank's mask keeps at most the first of its local keys, which reads as "
+            "causal and as full attention alike (one-token shards, or padding that leaves each rank one key): its "
+            "global meaning is unknown. Pass is_causal=True for a causal mask, or shard a longer sequence"
+        )
     if min_causal != none and (max_causal, max_window) != (-min_causal, -min_window):
         raise ValueError(
             "context-parallel attention: the ranks read their local masks as different relations (causal or not, "
