@@ -85,14 +85,18 @@ def _run_threads(target, n: int = THREADS) -> None:
 
 
 def _recording_graphs(monkeypatch) -> dict[int, set[int]]:
-    """thread ident -> ids of the graphs the emulation executed there."""
+    """thread ident -> ids of the graphs the emulation executed there. Each graph is also held until the test ends:
+    a thread's copy goes with its thread, and under load a thread that finished first freed its copy before a
+    slower one built its own at the same address (the same id: a flaky "distinct" check)."""
     seen: dict[int, set[int]] = {}
+    held: list = []
     lock = threading.Lock()
     real = emulation.emulate
 
     def emulate(graph, pack):
         with lock:
             seen.setdefault(threading.get_ident(), set()).add(id(graph))
+            held.append(graph)
         return real(graph, pack)
 
     monkeypatch.setattr(emulation, "emulate", emulate)
