@@ -6,6 +6,10 @@ whole batch element), so where a mask runs as a bias its dead rows are set to 0 
 
 ``masked_rows="average"``: a query row whose every key is masked gives the average of V, not zeros.
 
+``masked_rows="tied"``: an additive mask holding a finite fill at most :data:`TIE_AT_MOST` in every key of a row (as
+a model adds transformers' ``finfo.min`` to its scores) ties the row's scores: V's average, and the tied softmax's
+gradient to q, k, V and the mask (:func:`tied_forward`, :func:`tied_backward`).
+
 That is a finite fill's function (``masked_fill(~keep, finfo.min)``, ``where(keep, s, -1e9)``): the fill replaces
 every score of such a row, the softmax of equal scores is uniform, and no gradient reaches the replaced scores, so
 the row is V's mean over the keys with ``dV[j] += dO[i] / S`` and nothing to q, k or the mask. Every route runs the
@@ -17,6 +21,7 @@ Without a mask no row is dead; with sinks the sink takes the row (``"zeros"`` is
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -24,12 +29,32 @@ import torch
 from thunder_cudnn_safe.layouts.keys import Uid
 from thunder_cudnn_safe.masks import bias
 from thunder_cudnn_safe.routing.calls import BackwardCall, ForwardCall
-from thunder_cudnn_safe.routing.recipes import Bound
+from thunder_cudnn_safe.routing.recipes import Bound, reduce_to_shape
 
 
 def applies(call: ForwardCall | BackwardCall) -> bool:
-    """Whether ``call``'s dead rows need the average (an ``"average"`` call with a mask tensor and no sinks)."""
-    return call.masked_rows == "average" and isinstance(call.attn_mask, torch.Tensor) and call.sinks is None
+    """Whether ``call``'s dead rows need a step after the route: an ``"average"`` call with a mask tensor, or a
+    ``"tied"`` one with a float mask (:func:`tied_forward`), and no sinks."""
+    mask = call.attn_mask
+    if call.sinks is not None or not isinstance(mask, torch.Tensor):
+        return False
+    return call.masked_rows == "average" or (call.masked_rows == "tied" and mask.dtype != torch.bool)
+
+
+def after_forward(call: ForwardCall, outputs: tuple) -> None:
+    """The dead rows' step after a forward of a call it :func:`applies` to."""
+    if call.masked_rows == "average":
+        average_forward(call, outputs[0])
+    else:
+        tied_forward(call, outputs)
+
+
+def after_backward(call: BackwardCall, grads: tuple) -> None:
+    """The dead rows' step after a backward of a call it :func:`applies` to."""
+    if call.masked_rows == "average":
+        average_backward(call, grads)
+    else:
+        tied_backward(call, grads)
 
 
 def dead_rows(call: ForwardCall | BackwardCall) -> torch.Tensor:
@@ -108,3 +133,84 @@ def fully_masked_rows(mask: torch.Tensor, bias_tensor: torch.Tensor) -> torch.Te
 
     how = ("fully masked rows", tuple(bias_tensor.shape), bias_tensor.stride(), bias_tensor.dtype)
     return bias.converted_masks.get(mask, how, rows, count=False)
+
+
+#: ``masked_rows="tied"``: an additive mask value at most this ties every score of its row in float32 (its ulp is
+#: 2**21 or more: any score, and the stats' log S, vanish beside it), as transformers' ``finfo.min`` of bf16 does.
+TIE_AT_MOST = -(2.0**44)
+
+
+def _tied_weights(call: ForwardCall | BackwardCall) -> torch.Tensor | None:
+    """``masked_rows="tied"``: (…, L, S) float32 softmax weights of the rows whose every key the additive mask gives
+    a value at most :data:`TIE_AT_MOST` (some of them finite), 0 in every other row; None where no row ties. Such a
+    row's scores tie (the model's softmax is uniform over the keys holding the row's largest value), while a kernel
+    that recomputes P from the forward's stats reads ``exp(fill - stats) = 1`` for each of them (the stats' log S
+    is lost against the fill): S times the model's weights in every gradient. Read once per distinct mask and state
+    (the converted-mask cache, as :func:`fully_masked_rows`)."""
+    mask = call.attn_mask
+    lq, sk = call.query.shape[-2], call.key.shape[-2]
+
+    def weights() -> torch.Tensor | None:
+        m = mask.float()
+        if call.is_causal:
+            m = m.masked_fill(~torch.ones(lq, sk, dtype=torch.bool, device=m.device).tril(), float("-inf"))
+        top = m.amax(-1, keepdim=True)
+        tied = (top <= TIE_AT_MOST) & (top > float("-inf"))
+        if bias.converted_masks.keeps(mask) and not bool(tied.any()):
+            return None
+        w = ((m == top) & tied).float()
+        return w / w.sum(-1, keepdim=True).clamp(min=1.0)
+
+    return bias.converted_masks.get(mask, ("tied rows", bool(call.is_causal), lq, sk), weights, count=False)
+
+
+def tied_forward(call: ForwardCall, outputs: tuple) -> None:
+    """``masked_rows="tied"`` (an additive mask holding a finite fill, as a model adds it to its scores): a row whose
+    scores the fill ties is the weighted V (:func:`_tied_weights`), and its stats +inf so that the backward's
+    recomputed P is 0 there (:func:`tied_backward` adds the row's gradients as the model's tied softmax passes
+    them)."""
+    w = _tied_weights(call)
+    if w is None:
+        return
+    out = outputs[0]
+    rows = w.sum(-1, keepdim=True) > 0
+    value = _per_query_head(call.value.float(), call.query.shape[-3])
+    out.copy_(torch.where(rows, (w @ value).to(out.dtype), out))
+    if call.need_stats:
+        outputs[1].masked_fill_(rows, float("inf"))
+
+
+def tied_backward(call: BackwardCall, grads: tuple) -> None:
+    """Add the tied rows' gradients (:func:`tied_forward`: the backward ran them as P = 0) to ``grads``: the model's
+    softmax over tied scores, P = w, passes ``dS = w * (dP - sum(w * dP))`` on to the scores (through the softcap)
+    and so to q and k, and ``w^T dO`` to V."""
+    w = _tied_weights(call)
+    if w is None:
+        return
+    q, k, v, g = call.query, call.key, call.value, call.grad_out
+    hq, hk, hv = q.shape[-3], k.shape[-3], v.shape[-3]
+    qf, kf, vf, gf = q.float(), _per_query_head(k.float(), hq), _per_query_head(v.float(), hq), g.float()
+    w = w.expand(*gf.shape[:-1], kf.shape[-2])
+    dp = gf @ vf.transpose(-2, -1)
+    ds = w * (dp - (w * dp).sum(-1, keepdim=True))
+    if call.mask_grad:  # the mask is added to the scores: its gradient is dS, summed where it broadcasts
+        d_mask = grads[-1]
+        lead = (1,) * (4 - d_mask.dim())
+        d_mask.copy_(d_mask.float() + reduce_to_shape(ds, lead + tuple(d_mask.shape)).reshape(d_mask.shape))
+    scale = 1.0 / math.sqrt(q.shape[-1]) if call.scale is None else float(call.scale)
+    if call.softcap is not None:
+        t = torch.tanh((qf @ kf.transpose(-2, -1)) * (scale / call.softcap))
+        ds = ds * (1 - t * t)
+    ds = ds * scale
+    add_q, add_k, add_v = ds @ kf, ds.transpose(-2, -1) @ qf, w.transpose(-2, -1) @ gf
+
+    def per_group(t: torch.Tensor, heads: int) -> torch.Tensor:
+        b, h, s, d = t.shape
+        return t if h == heads else t.reshape(b, heads, h // heads, s, d).sum(2)
+
+    if call.cat_grad_qkv:
+        dq, dk, dv = grads[0][:, :hq], grads[0][:, hq : hq + hk], grads[0][:, hq + hk : hq + hk + hv]
+    else:
+        dq, dk, dv = grads[:3]
+    for grad, add, heads in ((dq, add_q, hq), (dk, add_k, hk), (dv, add_v, hv)):
+        grad.copy_(grad.float() + per_group(add, heads))

@@ -211,9 +211,9 @@ def replay(disp: Dispatching, entry: Memo, call: ForwardCall | BackwardCall, tar
     outputs = bound.outputs if finish is None else finish(bound)
     if masked_rows.applies(call):  # a finite fill's dead rows: the average of V, as on the full path
         if forward:
-            masked_rows.average_forward(call, outputs[0])
+            masked_rows.after_forward(call, outputs)
         else:
-            masked_rows.average_backward(call, outputs)
+            masked_rows.after_backward(call, outputs)
     return outputs
 
 

@@ -89,7 +89,10 @@ class BackwardCall(NamedTuple):
 #: F.sdpa's safe softmax); ``"average"``, the average of V over every key with a gradient to V only: the function of
 #: a finite fill (``masked_fill(~keep, finfo.min)``, ``-1e9``), whose row of equal scores softmaxes to uniform and
 #: passes no gradient to the scores it replaced (:mod:`~thunder_cudnn_safe.dispatch.masked_rows` computes it)
-MASKED_ROWS = ("zeros", "average")
+#: ``"tied"``: an additive mask holding a finite fill at most -2**44 (transformers' eager masks: ``finfo.min``) ties
+#: every score of a row it masks everywhere: V's average, its gradient to q, k and V as the model's tied softmax
+#: passes it (:func:`~thunder_cudnn_safe.dispatch.masked_rows.tied_backward`); a -inf row gives zeros
+MASKED_ROWS = ("zeros", "average", "tied")
 
 
 #: The fields a forward and its backward share, by name (both call values carry them).
