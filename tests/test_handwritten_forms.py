@@ -367,9 +367,10 @@ def additive_finite_mask(q, k, v, keep, bias):
     return torch.softmax(s, -1, dtype=torch.float32).to(q.dtype) @ v
 
 
+@pytest.mark.parametrize("fill", [MIN, -1e9], ids=["finfo-min", "minus-1e9"])
 @pytest.mark.parametrize("mask_grad", [False, True], ids=["mask", "mask-with-gradient"])
 @pytest.mark.parametrize("padded_rows", [[3, 9], []], ids=["rows-masked-everywhere", "no-dead-row"])
-def test_an_additive_finite_mask_masking_whole_rows_gives_the_models_numbers(padded_rows, mask_grad, fresh_cache):
+def test_an_additive_finite_mask_masking_whole_rows_gives_the_models_numbers(padded_rows, mask_grad, fill, fresh_cache):
     """HF eager attention with left padding (rows masked everywhere by finfo.min in the additive mask, as
     transformers builds it for the eager path): the fused call must give the model's output and gradients. The
     forward's tied row is V's average either way; a backward that recomputes P from the forward's stats reads
@@ -380,7 +381,7 @@ def test_an_additive_finite_mask_masking_whole_rows_gives_the_models_numbers(pad
     q, k, v, keep, _ = _args()
     keep = keep.clone()
     keep[padded_rows] = False
-    bias = torch.zeros(1, 1, L, L).masked_fill(~keep, MIN).to(torch.bfloat16).requires_grad_(mask_grad)
+    bias = torch.zeros(1, 1, L, L).masked_fill(~keep, fill).to(torch.bfloat16).requires_grad_(mask_grad)
     tf = tcs.FuseHandwrittenAttention()
     jf = _jit(additive_finite_mask, tf)
     grad_out = torch.randn(B, H, L, D, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
