@@ -44,6 +44,13 @@ def applies(call: ForwardCall | BackwardCall) -> bool:
     return call.masked_rows == "average" or (call.masked_rows == "tied" and mask.dtype != torch.bool)
 
 
+def nothing_after(call: ForwardCall | BackwardCall) -> bool:
+    """Whether the step after the route does nothing for ``call``'s mask in its present state: a ``"tied"`` call whose
+    mask has no far row (:func:`_far_rows`, kept per mask and state), which a memo hit may then skip
+    (:meth:`~.replay.Seen.go_fast`: the mask and its state are the record's)."""
+    return call.masked_rows == "tied" and _far_rows(call) is None
+
+
 def after_forward(call: ForwardCall, outputs: tuple) -> None:
     """The dead rows' step after a forward of a call it :func:`applies` to."""
     if call.masked_rows == "average":

@@ -270,7 +270,7 @@ class Seen:
     def go_fast(self, call: ForwardCall | BackwardCall, planned: ForwardCall | BackwardCall, bias_bound: bool) -> None:
         """Let the entry point run this record's next hits (``fast``) where a :func:`replay` would do nothing but
         bind and execute ``planned`` (and zero the dead rows of a forward run with a bias: ``bias_bound``)."""
-        if call.dropout_p or masked_rows.applies(call):
+        if call.dropout_p or (masked_rows.applies(call) and not masked_rows.nothing_after(call)):
             return
         replay = self.replay
         if replay.mask == "given" and replay.is_causal == bool(call.is_causal):
