@@ -387,3 +387,21 @@ def test_an_additive_finite_mask_masking_whole_rows_gives_the_models_numbers(pad
     grad_out = torch.randn(B, H, L, D, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     check_against_eager(jf, (q, k, v, keep, bias), grad_out, fn=additive_finite_mask)
     assert tf.recognised == 1 and tf.declined == [], tf.report()
+
+
+def test_an_additive_mask_without_a_far_row_keeps_the_memos_fast_replay(fresh_cache):
+    """``masked_rows="tied"`` has nothing to do where no row of the mask is far below its scores (Gemma 2's causal
+    mask, every layer): its hits take the dispatch memo's fast replay like any mask's; with rows masked everywhere
+    they do not (the step after the route runs), and the numbers stay the model's on every hit."""
+    q, k, v, keep, _ = _args()
+    grad_out = torch.randn(B, H, L, D, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    for dead, fast in (([], True), ([3, 9], False)):
+        tcs.clear_cache()
+        keep_rows = keep.clone()
+        keep_rows[dead] = False
+        bias = torch.zeros(1, 1, L, L).masked_fill(~keep_rows, MIN).to(torch.bfloat16)
+        jf = _jit(additive_finite_mask, tcs.FuseHandwrittenAttention())
+        for _ in range(3):
+            check_against_eager(jf, (q, k, v, keep_rows, bias), grad_out, fn=additive_finite_mask)
+        seen = [e.seen for _, e in tcs.emulated_ex.dispatcher.memos.items() if e.seen is not None]
+        assert len(seen) == 2 and all(s.fast == fast for s in seen), (dead, [s.fast for s in seen])
