@@ -355,3 +355,53 @@ def test_declined_form_stays_as_written_with_its_reason(case, fresh_cache):
     assert reason in tf.declined[0].reason, tf.report()
     assert "cudnn_safe_emulated_sdpa_fwd" not in str(thunder.last_traces(jf)[-1])
     torch.testing.assert_close(out, fn(*args))
+
+
+# -- an additive mask holding a finite fill (HF's eager attention: ``attn_weights + causal_mask``) ------------------
+def additive_finite_mask(q, k, v, keep, bias):
+    """Hugging Face's ``eager_attention_forward``: the scores plus an additive mask that holds ``finfo.min`` where a
+    key is masked (transformers' eager masks), a float32 softmax. With left padding a query row's every key holds
+    the fill: the scores tie, the row is V's average, and (the fill being added, not filled in) the tied softmax
+    passes its gradient on to q and k."""
+    s = (q @ k.transpose(2, 3)) * SCALE + bias
+    return torch.softmax(s, -1, dtype=torch.float32).to(q.dtype) @ v
+
+
+@pytest.mark.parametrize("fill", [MIN, -1e9], ids=["finfo-min", "minus-1e9"])
+@pytest.mark.parametrize("mask_grad", [False, True], ids=["mask", "mask-with-gradient"])
+@pytest.mark.parametrize("padded_rows", [[3, 9], []], ids=["rows-masked-everywhere", "no-dead-row"])
+def test_an_additive_finite_mask_masking_whole_rows_gives_the_models_numbers(padded_rows, mask_grad, fill, fresh_cache):
+    """HF eager attention with left padding (rows masked everywhere by finfo.min in the additive mask, as
+    transformers builds it for the eager path): the fused call must give the model's output and gradients. The
+    forward's tied row is V's average either way; a backward that recomputes P from the forward's stats reads
+    exp(fill - stats) = 1 for every key of such a row (the stats' log S is lost against the fill's magnitude), S
+    times the model's 1/S: dV of every key and dQ, dK off by far more than bf16 (Llama, Mistral, Qwen3, Gemma 2/3
+    and GPT-2 under ThunderFX with eager attention and left padding: gradients 100-1000x the rule's bound). A mask
+    whose gradient is used gets the tied rows' dS too."""
+    q, k, v, keep, _ = _args()
+    keep = keep.clone()
+    keep[padded_rows] = False
+    bias = torch.zeros(1, 1, L, L).masked_fill(~keep, fill).to(torch.bfloat16).requires_grad_(mask_grad)
+    tf = tcs.FuseHandwrittenAttention()
+    jf = _jit(additive_finite_mask, tf)
+    grad_out = torch.randn(B, H, L, D, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    check_against_eager(jf, (q, k, v, keep, bias), grad_out, fn=additive_finite_mask)
+    assert tf.recognised == 1 and tf.declined == [], tf.report()
+
+
+def test_an_additive_mask_without_a_far_row_keeps_the_memos_fast_replay(fresh_cache):
+    """``masked_rows="tied"`` has nothing to do where no row of the mask is far below its scores (Gemma 2's causal
+    mask, every layer): its hits take the dispatch memo's fast replay like any mask's; with rows masked everywhere
+    they do not (the step after the route runs), and the numbers stay the model's on every hit."""
+    q, k, v, keep, _ = _args()
+    grad_out = torch.randn(B, H, L, D, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    for dead, fast in (([], True), ([3, 9], False)):
+        tcs.clear_cache()
+        keep_rows = keep.clone()
+        keep_rows[dead] = False
+        bias = torch.zeros(1, 1, L, L).masked_fill(~keep_rows, MIN).to(torch.bfloat16)
+        jf = _jit(additive_finite_mask, tcs.FuseHandwrittenAttention())
+        for _ in range(3):
+            check_against_eager(jf, (q, k, v, keep_rows, bias), grad_out, fn=additive_finite_mask)
+        seen = [e.seen for _, e in tcs.emulated_ex.dispatcher.memos.items() if e.seen is not None]
+        assert len(seen) == 2 and all(s.fast == fast for s in seen), (dead, [s.fast for s in seen])

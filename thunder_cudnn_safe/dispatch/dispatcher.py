@@ -266,13 +266,13 @@ class Dispatcher:
         if bound is not None and p.call.attn_mask is not None and Uid.BIAS in bound.pack:
             masked_rows.zero_fully_masked_rows(p.call.attn_mask, bound, masked_rows.UNREAD)
         if masked_rows.applies(call):
-            masked_rows.average_forward(call, outputs[0])
+            masked_rows.after_forward(call, outputs)
         return outputs
 
     def _backward(self, call: BackwardCall, target: Target, memo: tuple, entry: Memo | None) -> tuple:
         outputs = self._full(call, target, memo, entry)[2]
         if masked_rows.applies(call):
-            masked_rows.average_backward(call, outputs)
+            masked_rows.after_backward(call, outputs)
         return outputs
 
     def _full(

@@ -13,10 +13,18 @@ row as ``"zeros"`` (P = 0: no contribution to any gradient), and these two steps
 the forward and after the backward, whichever runtime (cuDNN, emulation, fallback) ran the call. The dead rows are
 read off the mask (and the causal band) on the device: no host synchronization, so a capture is unaffected.
 Without a mask no row is dead; with sinks the sink takes the row (``"zeros"`` is the function).
+
+``masked_rows="tied"`` (an additive mask, as a model adds transformers' ``finfo.min`` or ``-1e9`` to its scores): a row
+whose every key the mask gives at most :data:`TIE_AT_MOST` is far below its scores, and the forward's float32 stats
+lose its log-sum-exp (where the mask ties the scores, P recomputed from them reads 1 for every key: S times the
+model's weights). Such rows get the model's softmax of their scores plus the mask (V's average where they tie), its
+gradient to q, k, V and the mask (:func:`tied_forward`, :func:`tied_backward`; a -inf row gives zeros). Read with
+one host sync per distinct mask and state.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -24,12 +32,39 @@ import torch
 from thunder_cudnn_safe.layouts.keys import Uid
 from thunder_cudnn_safe.masks import bias
 from thunder_cudnn_safe.routing.calls import BackwardCall, ForwardCall
-from thunder_cudnn_safe.routing.recipes import Bound
+from thunder_cudnn_safe.routing.recipes import Bound, reduce_to_shape
 
 
 def applies(call: ForwardCall | BackwardCall) -> bool:
-    """Whether ``call``'s dead rows need the average (an ``"average"`` call with a mask tensor and no sinks)."""
-    return call.masked_rows == "average" and isinstance(call.attn_mask, torch.Tensor) and call.sinks is None
+    """Whether ``call``'s dead rows need a step after the route: an ``"average"`` call with a mask tensor, or a
+    ``"tied"`` one with a float mask (:func:`tied_forward`), and no sinks."""
+    mask = call.attn_mask
+    if call.sinks is not None or not isinstance(mask, torch.Tensor):
+        return False
+    return call.masked_rows == "average" or (call.masked_rows == "tied" and mask.dtype != torch.bool)
+
+
+def nothing_after(call: ForwardCall | BackwardCall) -> bool:
+    """Whether the step after the route does nothing for ``call``'s mask in its present state: a ``"tied"`` call whose
+    mask has no far row (:func:`_far_rows`, kept per mask and state), which a memo hit may then skip
+    (:meth:`~.replay.Seen.go_fast`: the mask and its state are the record's)."""
+    return call.masked_rows == "tied" and _far_rows(call) is None
+
+
+def after_forward(call: ForwardCall, outputs: tuple) -> None:
+    """The dead rows' step after a forward of a call it :func:`applies` to."""
+    if call.masked_rows == "average":
+        average_forward(call, outputs[0])
+    else:
+        tied_forward(call, outputs)
+
+
+def after_backward(call: BackwardCall, grads: tuple) -> None:
+    """The dead rows' step after a backward of a call it :func:`applies` to."""
+    if call.masked_rows == "average":
+        average_backward(call, grads)
+    else:
+        tied_backward(call, grads)
 
 
 def dead_rows(call: ForwardCall | BackwardCall) -> torch.Tensor:
@@ -108,3 +143,101 @@ def fully_masked_rows(mask: torch.Tensor, bias_tensor: torch.Tensor) -> torch.Te
 
     how = ("fully masked rows", tuple(bias_tensor.shape), bias_tensor.stride(), bias_tensor.dtype)
     return bias.converted_masks.get(mask, how, rows, count=False)
+
+
+#: ``masked_rows="tied"``: a row whose every key the additive mask gives a value at most this is far below its scores:
+#: the forward's stats (float32) lose the row's log-sum-exp against it (ulp 2**-7 here; 64 at -1e9, 2**104 at bf16's
+#: finfo.min, where the scores tie), and a backward recomputing P from them misweighs every key (S times the
+#: weights where the scores tie). Such rows get their softmax from the scores themselves (:func:`_far_rows`).
+TIE_AT_MOST = -(2.0**16)
+
+
+def _far_rows(call: ForwardCall | BackwardCall) -> tuple | None:
+    """``masked_rows="tied"``: the query positions (a 1-D index) with a row whose every key the float mask (and the
+    causal band) gives at most :data:`TIE_AT_MOST`, some of them finite, with the mask's rows there (float32, -inf
+    outside the band, broadcast to L and S) and which of them are such rows; None where none is. Read once per
+    distinct mask and state (the converted-mask cache, as :func:`fully_masked_rows`)."""
+    mask = call.attn_mask
+    lq, sk = call.query.shape[-2], call.key.shape[-2]
+
+    def rows() -> tuple | None:
+        m = mask.float().reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+        m = m.expand(*m.shape[:2], lq, sk)
+        if call.is_causal:
+            m = m.masked_fill(~torch.ones(lq, sk, dtype=torch.bool, device=m.device).tril(), float("-inf"))
+        top = m.amax(-1, keepdim=True)
+        far = (top <= TIE_AT_MOST) & (top > float("-inf"))
+        idx = far.flatten(0, 1).any(0).squeeze(-1).nonzero().squeeze(-1)  # one host sync
+        return None if idx.numel() == 0 else (idx, m[:, :, idx], far[:, :, idx])
+
+    return bias.converted_masks.get(mask, ("far rows", bool(call.is_causal), lq, sk), rows, count=False)
+
+
+def _far_weights(call: ForwardCall | BackwardCall, idx: torch.Tensor, m: torch.Tensor, far: torch.Tensor) -> tuple:
+    """The softmax weights of the far rows at ``idx`` (0 in the other rows there) as the model computes them from its
+    scores plus the mask in float32 (uniform over the keys holding the row's largest value where the mask's magnitude
+    ties the scores), with the softcap's tanh (None without one), the selected queries and the query-head K and V."""
+    hq = call.query.shape[-3]
+    q = call.query[:, :, idx].float()
+    k, v = _per_query_head(call.key.float(), hq), _per_query_head(call.value.float(), hq)
+    scale = 1.0 / math.sqrt(call.query.shape[-1]) if call.scale is None else float(call.scale)
+    x = (q @ k.transpose(-2, -1)) * scale
+    t = None
+    if call.softcap is not None:
+        t = torch.tanh(x / call.softcap)
+        x = t * call.softcap
+    w = torch.softmax(x + m, -1).masked_fill(~far, 0.0)
+    return w, t, q, k, v, scale
+
+
+def tied_forward(call: ForwardCall, outputs: tuple) -> None:
+    """``masked_rows="tied"`` (an additive mask, as a model adds it to its scores): a far row (:func:`_far_rows`) is
+    its weights times V, and its stats +inf so that the backward's recomputed P is 0 there (:func:`tied_backward`
+    adds the row's gradients as the model's softmax passes them)."""
+    found = _far_rows(call)
+    if found is None:
+        return
+    idx, m, far = found
+    w, _, _, _, v, _ = _far_weights(call, idx, m, far)
+    out = outputs[0]
+    out[:, :, idx] = torch.where(far, (w @ v).to(out.dtype), out[:, :, idx])
+    if call.need_stats:
+        outputs[1][:, :, idx] = outputs[1][:, :, idx].masked_fill(far, float("inf"))
+
+
+def tied_backward(call: BackwardCall, grads: tuple) -> None:
+    """Add the far rows' gradients (:func:`tied_forward`: the backward ran them as P = 0) to ``grads``: the model's
+    softmax P = w passes ``dS = w * (dP - sum(w * dP))`` on to the scores (through the softcap) and so to q and k
+    (and to the mask, where its gradient is computed), and ``w^T dO`` to V."""
+    found = _far_rows(call)
+    if found is None:
+        return
+    idx, m, far = found
+    w, t, q, k, v, scale = _far_weights(call, idx, m, far)
+    hq, hk, hv = call.query.shape[-3], call.key.shape[-3], call.value.shape[-3]
+    g = call.grad_out[:, :, idx].float()
+    w = w.expand(*g.shape[:-1], k.shape[-2])
+    dp = g @ v.transpose(-2, -1)
+    ds = w * (dp - (w * dp).sum(-1, keepdim=True))
+    if call.mask_grad:  # the mask is added to the scores: its gradient is dS, summed where it broadcasts
+        d_mask = grads[-1]
+        full = ds.new_zeros(*ds.shape[:2], call.query.shape[-2], ds.shape[-1])
+        full[:, :, idx] = ds
+        lead = (1,) * (4 - d_mask.dim())
+        d_mask.copy_(d_mask.float() + reduce_to_shape(full, lead + tuple(d_mask.shape)).reshape(d_mask.shape))
+    if t is not None:
+        ds = ds * (1 - t * t)
+    ds = ds * scale
+    add_k, add_v = ds.transpose(-2, -1) @ q, w.transpose(-2, -1) @ g
+
+    def per_group(x: torch.Tensor, heads: int) -> torch.Tensor:
+        b, h, n, d = x.shape
+        return x if h == heads else x.reshape(b, heads, h // heads, n, d).sum(2)
+
+    if call.cat_grad_qkv:
+        dq, dk, dv = grads[0][:, :hq], grads[0][:, hq : hq + hk], grads[0][:, hq + hk : hq + hk + hv]
+    else:
+        dq, dk, dv = grads[:3]
+    dq[:, :, idx] = (dq[:, :, idx].float() + ds @ k).to(dq.dtype)
+    for grad, add, heads in ((dk, add_k, hk), (dv, add_v, hv)):
+        grad.copy_(grad.float() + per_group(add, heads))

@@ -210,9 +210,9 @@ def replay(disp: Dispatching, entry: Memo, call: ForwardCall | BackwardCall, tar
     outputs = bound.outputs if finish is None else finish(bound)
     if masked_rows.applies(call):  # a finite fill's dead rows: the average of V, as on the full path
         if forward:
-            masked_rows.average_forward(call, outputs[0])
+            masked_rows.after_forward(call, outputs)
         else:
-            masked_rows.average_backward(call, outputs)
+            masked_rows.after_backward(call, outputs)
     return outputs
 
 
@@ -269,7 +269,7 @@ class Seen:
     def go_fast(self, call: ForwardCall | BackwardCall, planned: ForwardCall | BackwardCall, bias_bound: bool) -> None:
         """Let the entry point run this record's next hits (``fast``) where a :func:`replay` would do nothing but
         bind and execute ``planned`` (and zero the dead rows of a forward run with a bias: ``bias_bound``)."""
-        if call.dropout_p or masked_rows.applies(call):
+        if call.dropout_p or (masked_rows.applies(call) and not masked_rows.nothing_after(call)):
             return
         replay = self.replay
         if replay.mask == "given" and replay.is_causal == bool(call.is_causal):

@@ -65,7 +65,7 @@ def decomposition(
     else:
         # a dead row's softmax is NaN, and where() passes a NaN gradient on (0 * NaN): it is softmaxed as zeros
         dead = s.amax(-1, keepdim=True) == float("-inf")
-        p = ops.where(dead, 0.0 if masked_rows == "zeros" else 1.0 / sk, ops.where(dead, 0.0, s).softmax(-1))
+        p = ops.where(dead, 1.0 / sk if masked_rows == "average" else 0.0, ops.where(dead, 0.0, s).softmax(-1))
     if dropout_p:
         p = ops.dropout(p, dropout_p)
     out = p.to(value.dtype) @ value

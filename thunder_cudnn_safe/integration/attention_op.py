@@ -314,7 +314,11 @@ def attention(
     ``"zeros"`` (F.sdpa's safe softmax): zeros, and no gradient. ``"average"``: the average of ``value`` over all its
     keys, with a gradient to ``value`` only, which is what a model that masks with a finite fill computes
     (``scores.masked_fill(~keep, torch.finfo(dtype).min)`` or ``-1e9`` and then softmax): the row's scores are all
-    the same, so the softmax is uniform. With ``sinks`` both give zeros (the sink takes the whole row).
+    the same, so the softmax is uniform. ``"tied"``: a row whose every key a float ``attn_mask`` gives a finite
+    fill (``finfo.min``, ``-1e9``, as transformers' eager masks add it to the scores) gets what
+    ``softmax(scores + mask)`` computes in float32 (where the fill ties the scores, V's average), with its gradient
+    to q, k, V and the mask; a row of -inf gives zeros. With ``sinks`` all give zeros (the sink takes
+    the whole row).
     The other arguments mean what they mean for F.sdpa."""
     check_options(query, softcap, sinks, masked_rows)
     device_type = query.device.type

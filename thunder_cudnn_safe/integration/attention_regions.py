@@ -330,6 +330,10 @@ def _finite_fills(region: Region) -> None:
     row (``exp(fill - sink)`` is 0 as a live key's), which ``"zeros"`` computes."""
     finite = {f for f in region.fills if f != -math.inf}
     if not finite:
+        if region.additive and region.sinks is None and not region.dropout_p:
+            # an additive mask may hold a finite fill (transformers' eager masks: finfo.min): a row it masks
+            # everywhere ties, and the model's softmax passes that row's gradient on to q and k ("tied")
+            region.masked_rows = "tied"
         return
     if len(region.fills) > 1:
         raise NotAttention(f"masks filling the scores with different values {sorted(region.fills)}: a row masked "

@@ -18,6 +18,8 @@ It recognises the *function*, walking back from each ``@ v``:
   finite fill at most ``FINITE_FILL_AT_MOST`` (-1000: ``finfo.min``, ``-finfo.max``, ``-1e4``, ``-1e9``) is the same
   function except in a row it masks everywhere, which averages V (gradient to V only): the fused call is told
   (``masked_rows="average"``); a finite fill beside an additive mask, or fills of different values, are declined;
+  an additive mask may hold a finite fill itself (transformers' eager masks, ``finfo.min``): a row it masks
+  everywhere ties, and the model's softmax passes that row's gradient on to q and k (``masked_rows="tied"``);
 * optionally a softcap ``tanh(s / c) * c`` (or ``* (1/c)``), which must come before every mask, as in Gemma 2;
 * scale factors (``* a``, ``/ a``) on the scores, on q or on k;
 * ``q @ k^T`` and ``P @ V`` in every form of :mod:`~thunder_cudnn_safe.integration.attention_products` (matmul, k

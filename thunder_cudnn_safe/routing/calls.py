@@ -89,7 +89,10 @@ class BackwardCall(NamedTuple):
 #: F.sdpa's safe softmax); ``"average"``, the average of V over every key with a gradient to V only: the function of
 #: a finite fill (``masked_fill(~keep, finfo.min)``, ``-1e9``), whose row of equal scores softmaxes to uniform and
 #: passes no gradient to the scores it replaced (:mod:`~thunder_cudnn_safe.dispatch.masked_rows` computes it)
-MASKED_ROWS = ("zeros", "average")
+#: ``"tied"``: the mask is added to the scores as a model adds it (transformers' eager masks hold ``finfo.min``): a row
+#: it gives a finite fill in every key ties (V's average) with the gradient the model's softmax passes to q, k, V and
+#: the mask (:func:`~thunder_cudnn_safe.dispatch.masked_rows.tied_backward`); a -inf row gives zeros
+MASKED_ROWS = ("zeros", "average", "tied")
 
 
 #: The fields a forward and its backward share, by name (both call values carry them).

@@ -272,9 +272,9 @@ def _variant_reasons(call: Any, view: Facts) -> Iterator[Decline]:
             "dropout together with sinks or softcap: the executor pairs dropout forwards and backwards for plain "
             "SDPA only; the call runs the decomposition",
         )
-    if getattr(call, "masked_rows", "zeros") == "average" and call.attn_mask is not None and view.dropout > 0:
+    if getattr(call, "masked_rows", "zeros") in ("average", "tied") and call.attn_mask is not None and view.dropout > 0:
         yield Decline(
             DeclineCode.DROPOUT,
-            "masked_rows='average' with dropout: a row masked everywhere would be V's exact mean, where the function "
-            "drops out its uniform weights like any other row's; the call runs the decomposition",
+            f"masked_rows={call.masked_rows!r} with dropout: a row masked everywhere would be V's exact mean, where "
+            "the function drops out its uniform weights like any other row's; the call runs the decomposition",
         )
