@@ -428,3 +428,24 @@ def test_cuda_graph_replay_reads_each_steps_mask(fresh_cache):
         mask = (torch.arange(64, device="cuda") < n).expand(2, 1, 64, 64)
         ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask)
         assert (jf(q, k, v, mask).float() - ref).abs().max() < 2e-2, n
+
+
+def test_a_tied_call_reads_no_rows_on_the_host_while_capturing(fresh_cache, monkeypatch):
+    """``masked_rows="tied"`` (a fused hand-written attention's additive mask) finds the rows a finite fill masks
+    everywhere with ``nonzero``, a host synchronization a capture cannot record (on a GPU it raises): under capture
+    the forward and backward read nothing and run the rows as the fused kernel does; outside a capture the same
+    call gives the model's rows (a row masked everywhere: V's average)."""
+    disp = tcs.emulated_ex.dispatcher
+    q, k, v = seeded_qkv(1, 2, 16)
+    mask = torch.zeros(1, 1, 16, 16, dtype=q.dtype)
+    mask[..., 3, :] = torch.finfo(q.dtype).min  # row 3 masked everywhere by a finite fill
+    synced = []
+    real = torch.Tensor.nonzero
+    monkeypatch.setattr(torch.Tensor, "nonzero", lambda self, *a, **kw: synced.append(1) or real(self, *a, **kw))
+    with _Capture(monkeypatch):
+        out, stats = disp.forward(q, k, v, mask, masked_rows="tied")
+        disp.backward(torch.ones_like(out), q, k, v, mask, 0.0, False, out, stats, None, None, masked_rows="tied")
+    assert synced == []
+    out, stats = disp.forward(q, k, v, mask, masked_rows="tied")
+    assert synced
+    torch.testing.assert_close(out[..., 3, :].float(), v.float().mean(-2), atol=2e-2, rtol=0)

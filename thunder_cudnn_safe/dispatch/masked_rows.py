@@ -156,8 +156,14 @@ def _far_rows(call: ForwardCall | BackwardCall) -> tuple | None:
     """``masked_rows="tied"``: the query positions (a 1-D index) with a row whose every key the float mask (and the
     causal band) gives at most :data:`TIE_AT_MOST`, some of them finite, with the mask's rows there (float32, -inf
     outside the band, broadcast to L and S) and which of them are such rows; None where none is. Read once per
-    distinct mask and state (the converted-mask cache, as :func:`fully_masked_rows`)."""
+    distinct mask and state (the converted-mask cache, as :func:`fully_masked_rows`).
+
+    None under CUDA-graph capture: finding the rows is a host synchronization (``nonzero``), which a capture cannot
+    record (on a GPU it raises), and a replay would read other masks. A captured call computes such rows as the
+    fused kernel does (docs/guarantees.md, "Limits"); its forward and backward are captured alike."""
     mask = call.attn_mask
+    if bias.capturing(mask):
+        return None
     lq, sk = call.query.shape[-2], call.key.shape[-2]
 
     def rows() -> tuple | None:
