@@ -208,7 +208,7 @@ def replay(disp: Dispatching, entry: Memo, call: ForwardCall | BackwardCall, tar
         seen.go_fast(call, planned, bias_bound)
     finish = replay.memo.finish
     outputs = bound.outputs if finish is None else finish(bound)
-    if masked_rows.applies(call):  # a finite fill's dead rows: the average of V, as on the full path
+    if masked_rows.applies(call):  # rows masked everywhere: V's average, or the tied rows, as on the full path
         if forward:
             masked_rows.after_forward(call, outputs)
         else:
