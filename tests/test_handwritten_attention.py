@@ -24,6 +24,7 @@ from thunder_cudnn_safe.testing import seeded_qkv
 
 B, H, HK, L, D = 2, 4, 2, 16, 8  # D != L: no other tensor has a score tensor's shape
 SCALE = 1 / math.sqrt(D)
+MIN_BF16 = torch.finfo(torch.bfloat16).min
 
 
 def repeat_kv(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -579,3 +580,26 @@ def test_the_walk_visits_a_number_of_nodes_linear_in_the_layers(monkeypatch, fre
         work[n] = dict(counts)
     for what in ("producer", "eq"):
         assert work[4][what] <= 2.2 * work[2][what] + 8, work
+
+
+@pytest.mark.parametrize("fused_dqkv", [False, True], ids=["dq-dk-dv", "fused-dqkv"])
+@pytest.mark.parametrize("mask_grad", [False, True], ids=["mask", "mask-with-gradient"])
+def test_gemma2_with_a_finite_fill_and_rows_masked_everywhere_gives_the_models_gradients(
+    mask_grad, fused_dqkv, fresh_cache
+):
+    """Gemma 2's form (softcap, grouped K/V heads, an additive mask) with transformers' eager mask: ``finfo.min``
+    where a key is masked, and left padding, so query rows 0-2 are masked everywhere. The transform emits
+    ``masked_rows="tied"``; the rows the fill ties get the model's softmax and its gradient through the softcap to
+    q, to the grouped K and V heads (summed per group), and to the mask where its gradient is used, also where the
+    backward writes dQ, dK, dV as one buffer (``bwd_may_cat_grad_qkv``)."""
+    q, k, v, mask, sinks = _args(softcap_gemma2, window=None)
+    mask = torch.zeros(1, 1, L, L).masked_fill(~torch.ones(L, L, dtype=torch.bool).tril(), MIN_BF16)
+    mask[..., :3, :] = MIN_BF16  # left padding: query rows 0-2 keep no key
+    mask = mask.to(torch.bfloat16).requires_grad_(mask_grad)
+    tf = tcs.FuseHandwrittenAttention()
+    grad_out = torch.randn(B, H, L, D, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    with config.patch(bwd_may_cat_grad_qkv=fused_dqkv):
+        jf = _jit(softcap_gemma2, tf)
+        _, grads = check_against_eager(jf, (q, k, v, mask, sinks), grad_out, fn=softcap_gemma2)
+    assert tf.recognised == 1 and tf.regions[0]["masked_rows"] == "tied", tf.report()
+    assert grads[0][:, :, :3].abs().amax() > 0, "the tied rows pass a gradient to q (the model's softmax does)"
