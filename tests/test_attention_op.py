@@ -755,3 +755,36 @@ def test_torch_compile_masked_rows_average_gives_the_finite_fill_numbers(emulate
     with _Counted() as second:
         assert_dead_rows_average_v(q, k, v, out, keep, lambda g: _run(compiled, [q, k, v, keep], g)[1][:3])
     assert (second.builds, second.hits, second.fallbacks) == (0, 2, 0), vars(second)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"attn_mask": "bool"},
+        {"attn_mask": "float"},
+        {"sinks": True},
+        {"softcap": 5.0},
+        {"attn_mask": "bool", "masked_rows": "average"},
+    ],
+    ids=["plain", "bool-mask", "float-mask", "sinks", "softcap", "average"],
+)
+@pytest.mark.parametrize("lq", [4, 0])
+@pytest.mark.parametrize("runtime", ["emulated", "decomposition"])
+def test_an_empty_key_sequence_gives_what_f_sdpa_gives(options, lq, runtime):
+    """No key at all (an empty context, a KV cache before its first token): F.sdpa returns zeros (an empty sum) and
+    zero gradients. The decomposition raised amax's "Expected reduction dim -1 to have non-zero size" instead."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, lq, 8, generator=gen, requires_grad=True)
+    k, v = (torch.zeros(1, 2, 0, 8, requires_grad=True) for _ in range(2))
+    kw = dict(options)
+    if "attn_mask" in kw:
+        kw["attn_mask"] = torch.ones(lq, 0, dtype=torch.bool) if kw["attn_mask"] == "bool" else torch.zeros(lq, 0)
+    if kw.pop("sinks", False):
+        kw["sinks"] = torch.zeros(2)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v).detach()
+    with config.patch(eager_runtime=runtime):
+        out = tcs.attention(q, k, v, **kw)
+        out.sum().backward()
+    assert out.shape == want.shape and not out.any()
+    assert q.grad.shape == q.shape and not q.grad.any() and k.grad.shape == k.shape

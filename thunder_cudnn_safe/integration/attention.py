@@ -58,7 +58,9 @@ def decomposition(
     if attn_mask is not None:
         is_bool = torch_dtype(attn_mask.dtype) is torch.bool
         s = s.masked_fill(attn_mask.logical_not(), float("-inf")) if is_bool else s + attn_mask.to(acc)
-    if sinks is not None:
+    if sk == 0:  # no key: F.sdpa gives zeros (an empty sum), and the amax below would raise on the empty row
+        p = s
+    elif sinks is not None:
         column = sinks.to(acc).reshape(-1, 1, 1).expand(*s.shape[:-1], 1)  # heads are dim -3, as F.sdpa's (3-D too)
         s = ops.cat([s, column], -1)
         p = s.softmax(-1)[..., :sk]
