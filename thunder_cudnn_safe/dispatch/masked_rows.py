@@ -82,6 +82,13 @@ def _per_query_head(t: torch.Tensor, heads: int) -> torch.Tensor:
     return t if t.shape[-3] == heads else t.repeat_interleave(heads // t.shape[-3], -3)
 
 
+def per_kv_head(t: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """``t`` ((B, H, n, d), one per query head) summed over each group of H // ``kv_heads`` query heads: a gradient
+    to grouped K/V heads, the adjoint of :func:`_per_query_head` (torch's repeat_interleave order, as enable_gqa)."""
+    b, h, n, d = t.shape
+    return t if h == kv_heads else t.reshape(b, kv_heads, h // kv_heads, n, d).sum(2)
+
+
 def average_forward(call: ForwardCall, out: torch.Tensor) -> None:
     """Write V's mean over the keys into ``out``'s dead rows (computed in float32, rounded once)."""
     mean = _per_query_head(call.value.float().mean(-2, keepdim=True), call.query.shape[-3])
@@ -94,9 +101,7 @@ def average_backward(call: BackwardCall, grads: tuple) -> None:
     dv = grads[0][:, -call.value.shape[1] :] if call.cat_grad_qkv else grads[2]
     dead = dead_rows(call)
     g = call.grad_out.float().mul(dead).sum(-2, keepdim=True) / call.key.shape[-2]  # (B|1, Hq, 1, Dv)
-    g = g.expand(dv.shape[0], call.query.shape[1], 1, dv.shape[-1])
-    hk = dv.shape[1]
-    g = g.reshape(dv.shape[0], hk, call.query.shape[1] // hk, 1, dv.shape[-1]).sum(2)
+    g = per_kv_head(g.expand(dv.shape[0], call.query.shape[1], 1, dv.shape[-1]), dv.shape[1])
     dv.copy_(dv.float() + g)
 
 
@@ -236,14 +241,10 @@ def tied_backward(call: BackwardCall, grads: tuple) -> None:
     ds = ds * scale
     add_k, add_v = ds.transpose(-2, -1) @ q, w.transpose(-2, -1) @ g
 
-    def per_group(x: torch.Tensor, heads: int) -> torch.Tensor:
-        b, h, n, d = x.shape
-        return x if h == heads else x.reshape(b, heads, h // heads, n, d).sum(2)
-
     if call.cat_grad_qkv:
         dq, dk, dv = grads[0][:, :hq], grads[0][:, hq : hq + hk], grads[0][:, hq + hk : hq + hk + hv]
     else:
         dq, dk, dv = grads[:3]
     dq[:, :, idx] = (dq[:, :, idx].float() + ds @ k).to(dq.dtype)
     for grad, add, heads in ((dk, add_k, hk), (dv, add_v, hv)):
-        grad.copy_(grad.float() + per_group(add, heads))
+        grad.copy_(grad.float() + per_kv_head(add, heads))

@@ -33,14 +33,14 @@ runs without a mask, a diagonal block as ``is_causal``, anything else with a boo
 from __future__ import annotations
 
 import functools
-import threading
-from collections import Counter
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
+from thunder_cudnn_safe.dispatch.masked_rows import per_kv_head
 from thunder_cudnn_safe.layouts.sequence_shards import SequenceLayout
+from thunder_cudnn_safe.telemetry import Counts
 
 
 class RingCall(NamedTuple):
@@ -112,12 +112,8 @@ def block_mask(plan: BlockPlan, key_valid: torch.Tensor | None) -> tuple[torch.T
     return base & valid, False
 
 
-class _Info:
-    """Counts of the ring's work and traffic on this rank (thread-safe; :func:`ring_info`)."""
-
-    def __init__(self) -> None:
-        self._counts: Counter = Counter()
-        self._lock = threading.Lock()
+class _Info(Counts):
+    """Counts of the ring's work and traffic on this rank (thread-safe; :func:`ring_info`): amounts and peaks."""
 
     def add(self, **amounts: int) -> None:
         with self._lock:
@@ -126,14 +122,6 @@ class _Info:
     def peak(self, name: str, value: int) -> None:
         with self._lock:
             self._counts[name] = max(self._counts[name], value)
-
-    def info(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self._counts)
-
-    def reset(self) -> None:
-        with self._lock:
-            self._counts.clear()
 
 
 _info = _Info()
@@ -234,9 +222,7 @@ def average_dead_rows_dv(call: RingCall, d_o: torch.Tensor, lse: torch.Tensor, v
     ``dV[j] += sum of dO[i] / S`` over the dead rows i (``lse`` +inf, as :func:`ring_forward` returns them) of
     every rank and the query heads of j's group; nothing to Q or K (the fill replaced their scores). One
     all-reduce: a rank's dead rows reach every rank's V."""
-    b, heads, _, d = d_o.shape
-    part = torch.where(torch.isposinf(lse), d_o.float(), 0.0).sum(-2, keepdim=True)
-    part = part.reshape(b, v.shape[-3], heads // v.shape[-3], 1, d).sum(2)
+    part = per_kv_head(torch.where(torch.isposinf(lse), d_o.float(), 0.0).sum(-2, keepdim=True), v.shape[-3])
     dist.all_reduce(part, group=call.group)
     return part / _global_key_count(call, v.shape[-2])
 
