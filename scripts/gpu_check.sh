@@ -21,6 +21,7 @@
 #      capture   -k "capture or cuda_graph" over tests/
 #   5. rest      the other gpu-marked tests (the layout zoo, GQA, ThunderFX, distributed, upstream/...)
 #      patch     upstream/cudnn_sdpa.patch applies to the carried thunder and compiles
+#      design    scripts/probe_design_questions.py (a bf16 sink token; the dK/dV rows of padded keys: issue 48)
 #      probe     scripts/probe_builtin_cudnn.py (thunder's built-in cuDNN executor with this frontend)
 #      bench     python3 -m benchmarks.run --suite gpu: only when asked (GPU_CHECK_BENCH=1, with a larger budget)
 #   then the summary: scripts/gpu_check_report.py writes summary.md and packs the rest into rest.tar.gz.
@@ -47,7 +48,7 @@
 #   GPU_CHECK_SITE         where the wheels are installed (default /tmp/site)
 #   GPU_CHECK_EXPECT_CUDNN the libcudnn version the run must load (91900 or 9.19.0); unset: torch's
 #   GPU_CHECK_SKIP         space-separated steps to skip: install env smoke defects sanitizer packed streams
-#                          threads capture rest patch probe bench (and emulated, which only dry runs have);
+#                          threads capture rest patch design probe bench (and emulated, which only dry runs have);
 #                          skipping sanitizer runs step 4 with plain pytest
 #   GPU_CHECK_PYTEST_ARGS  extra pytest arguments for every test step (e.g. "-x"; a -k replaces the step's own)
 #   GPU_CHECK_BENCH_ARGS   extra `python3 -m benchmarks.run` arguments
@@ -169,7 +170,7 @@ echo "budget: ${BUDGET}s for every step and the summary (GPU_CHECK_BUDGET_S; def
 echo "repo: $ROOT ($(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo 'no git'), $(git -C "$ROOT" status --porcelain 2>/dev/null | wc -l) changed paths)"
 if [ "${GPU_CHECK_BENCH:-0}" = 1 ]; then BENCH_ORDER="bench"; else BENCH_ORDER="(bench: not asked, GPU_CHECK_BENCH=1)"; fi
 [ "$DRY" = 1 ] && BENCH_ORDER="$BENCH_ORDER | emulated (dry run only, 200 s beyond the budget)"
-echo "order: install env | smoke | defects | sanitizer packed streams threads capture | rest patch probe $BENCH_ORDER | summary"
+echo "order: install env | smoke | defects | sanitizer packed streams threads capture | rest patch design probe $BENCH_ORDER | summary"
 
 # gpu_pytest NAME PER_TEST_S SANITIZE ARGS...: the gpu-marked tests ARGS select; log and JUnit XML in $RES
 # (gpu-NAME.log, gpu-NAME.xml). SANITIZE=1: under compute-sanitizer where the sanitizer step found it works.
@@ -488,6 +489,9 @@ patch_check() {
 }
 export -f patch_check
 run_step patch 15 30 patch_check
+
+# -- cuDNN's answers to the questions issue 48's last design changes wait on (data, not a verdict) --------
+run_step design 30 0 "$PY" scripts/probe_design_questions.py --json "$RES/design_questions.json"
 
 # -- what thunder's built-in cuDNN executor does with this frontend -------------------------------------
 run_step probe 30 0 "$PY" scripts/probe_builtin_cudnn.py --json "$RES/builtin_cudnn_probe.json"

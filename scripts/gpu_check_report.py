@@ -287,6 +287,9 @@ def write_summary(out: Path, results: Path, steps_path: Path) -> str:
             "",
         ]
     md += _test_step_lines(results, rows)
+    design = _load_json(results / "design_questions.json")
+    md += ["", "## cuDNN's answers to issue 48's design questions (scripts/probe_design_questions.py)", ""]
+    md += ["```json", json.dumps(design, indent=1), "```"] if design else ["(no record)"]
     md += ["", "## thunder's built-in cuDNN executor with this frontend", ""] + _probe_lines(probe)
     md += ["", "## GPU benchmark suite", ""] + _bench_lines(results)
     text = "\n".join(md) + "\n"

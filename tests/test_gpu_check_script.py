@@ -30,6 +30,7 @@ ORDER = [
     "capture",
     "rest",
     "patch",
+    "design",
     "probe",
     "bench",
     "emulated",
@@ -56,7 +57,7 @@ def test_the_default_run_fits_330_s_runs_defects_before_memcheck_and_skips_the_b
     console = _dry_run(tmp_path)
     assert "budget: 330s" in console and "timeout_s=360" in console
     assert (
-        "order: install env | smoke | defects | sanitizer packed streams threads capture | rest patch probe "
+        "order: install env | smoke | defects | sanitizer packed streams threads capture | rest patch design probe "
         "(bench: not asked, GPU_CHECK_BENCH=1) | emulated (dry run only, 200 s beyond the budget) | summary" in console
     )
     assert _steps_in_order(console) == ORDER
@@ -66,7 +67,7 @@ def test_the_default_run_fits_330_s_runs_defects_before_memcheck_and_skips_the_b
 
 def test_a_budget_can_be_given_and_the_benchmarks_asked_for(tmp_path):
     console = _dry_run(tmp_path, GPU_CHECK_BUDGET_S="600", GPU_CHECK_BENCH="1")
-    assert "budget: 600s" in console and "| rest patch probe bench | emulated" in console
+    assert "budget: 600s" in console and "| rest patch design probe bench | emulated" in console
 
 
 @pytest.mark.skipif(not (ROOT / "upstream" / "cudnn_sdpa.patch").exists(), reason="no upstream patch here")
@@ -103,3 +104,29 @@ def test_the_report_packs_every_result_whole_each_time(tmp_path):
         assert set(tar.getnames()) == {"env.json", "gpu-smoke.log", "gpu-smoke.xml", "gpu-defects.log"}
     summary = (out / "summary.md").read_text()
     assert "| GPU | test" in summary and "test_defect_rules.py::test_b (failed)" in summary
+
+
+def test_the_design_probe_records_its_answers_from_the_calls_the_dispatcher_ran(tmp_path):
+    """scripts/probe_design_questions.py's own logic, on the emulated runtime (not cuDNN: it checks the script, not
+    the answers): the float32-token sinks forward and backward it recorded run again with a bf16 token and give the
+    same O, stats and dQ/dK/dV (the emulation reads every operand by its declared dtype), and the padding backward
+    run again with dK/dV NaN leaves exactly the 40 rows past the short element's length per head NaN (the
+    emulation writes no row past seq_len_kv, the premise the tail zeroing rests on)."""
+    import json
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import probe_design_questions
+    finally:
+        sys.path.pop(0)
+    assert probe_design_questions.main(["--emulate", "--json", str(tmp_path / "design_questions.json")]) == 0
+    record = json.loads((tmp_path / "design_questions.json").read_text())
+    sink = record["bf16_sink_token"]
+    assert sink["forward"]["O"]["identical"] and sink["forward"]["STATS"]["identical"]
+    assert all(sink["backward"][name]["identical"] for name in ("DQ", "DK", "DV"))
+    assert sink["backward"]["DSINK_vs_float32_rounded_once"]["identical"]
+    rows = record["padded_key_rows"]
+    heads = probe_design_questions.H
+    for uid in ("DK", "DV"):
+        assert rows[uid]["element 0"] == dict.fromkeys(rows[uid]["element 0"], 0)
+        assert rows[uid]["element 1"]["past_nan"] == 40 * heads and rows[uid]["element 1"]["inside_nan_rows"] == 0
