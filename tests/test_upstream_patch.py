@@ -132,6 +132,32 @@ def test_patch_was_made_against_main(tmp_path):
     assert res.offsets == {}, res.log
 
 
+_WHICH_THUNDER = r"""
+from support import upstream_patch
+print(upstream_patch.installed_thunder_is_main(), upstream_patch.main_thunder_file(None))
+"""
+
+
+@pytest.mark.parametrize("version, is_main", [("0.2.7.dev0", True), ("0.2.6", False)])
+def test_main_is_the_thunder_import_takes(version, is_main, tmp_path):
+    """A thunder source first on PYTHONPATH over an install (docs/testing.md's way to test main without
+    installing it) is judged by its own ``__about__.py``: the distribution metadata is the install's, and
+    read from there main's tests skipped while every other test ran on main's file."""
+    fake = tmp_path / "src" / "thunder"
+    (fake / "executors").mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "__about__.py").write_text(f'__version__ = "{version}"\n__author__ = "x"\n')
+    (fake / "executors" / "cudnn_sdpa.py").write_text("")
+    scripts = Path(__file__).resolve().parents[1] / "scripts"
+    env = {k: v for k, v in os.environ.items() if k != "THUNDER_CUDNN_SAFE_THUNDER_MAIN_WHEEL"}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "src"), str(scripts)])
+    out = subprocess.run(
+        [sys.executable, "-c", _WHICH_THUNDER], capture_output=True, text=True, env=env, timeout=60, check=True
+    ).stdout.split()
+    main_file = str((fake / "executors" / "cudnn_sdpa.py").resolve()) if is_main else "None"
+    assert out == [str(is_main), main_file]
+
+
 @pytest.mark.parametrize("tool", ["git", "patch"])
 def test_changed_context_is_refused(tool, tmp_path):
     """A file whose context no longer matches is refused (no fuzz), and the copy is not half-patched."""
