@@ -217,8 +217,7 @@ def test_a_refusal_of_any_kind_is_told_to_the_group_before_it_is_raised(one_rank
 
 
 class _FakeGroup:
-    """An all-reduce among N threads (the ranks), standing in for the group's: MAX (``_agreed_call``'s votes) or
-    the default SUM (``masked_rows="average"``'s sums of V)."""
+    """A MAX all-reduce among N threads (the ranks), standing in for the group's in ``_agreed_call``."""
 
     def __init__(self, world: int) -> None:
         self.barrier, self.lock, self.slots = threading.Barrier(world), threading.Lock(), []
@@ -227,15 +226,14 @@ class _FakeGroup:
         with self.lock:
             self.slots.append(t.clone())
         self.barrier.wait()
-        stacked = torch.stack(self.slots)
-        result = stacked.amax(0) if op == dist.ReduceOp.MAX else stacked.sum(0)
+        result = torch.stack(self.slots).amax(0)
         if self.barrier.wait() == 0:
             self.slots.clear()
         self.barrier.wait()
         t.copy_(result)
 
 
-def _run_calls(world, balance, q, k, v, masks, grad_out, is_causal=False, masked_rows="zeros") -> list:
+def _run_calls(world, balance, q, k, v, masks, grad_out, is_causal=False) -> list:
     """Every rank's ring forward and backward through the transform's operators (``_ring_fwd_impl`` and
     ``_ring_bwd_impl``), rank r's local mask ``masks[r]``: (O, dQ, dK, dV) per rank, or the exception it raised."""
     from thunder_cudnn_safe.integration import context_parallel as cp
@@ -246,7 +244,7 @@ def _run_calls(world, balance, q, k, v, masks, grad_out, is_causal=False, masked
         try:
             layout = SequenceLayout(world, rank, balance)
             qs, ks, vs, gs = (shard(t, layout, 2) for t in (q, k, v, grad_out))
-            options = (is_causal, None, False, None, masked_rows, ring_id)
+            options = (is_causal, None, False, None, "zeros", ring_id)
             o, lse = cp._ring_fwd_impl(qs, ks, vs, masks[rank], None, *options)
             results[rank] = (o, *cp._ring_bwd_impl(gs, qs, ks, vs, masks[rank], None, o, lse, *options))
         except Exception as exc:  # the test reads it
@@ -374,61 +372,4 @@ def test_a_rank_whose_mask_reads_as_causal_and_as_full_takes_the_other_ranks_rel
         assert not isinstance(result, Exception), result
         for name, mine, full in zip(("O", "dQ", "dK", "dV"), result, want[:4], strict=True):
             expected = shard(full, SequenceLayout(2, rank), 2)
-            torch.testing.assert_close(mine.double(), expected, rtol=1e-4, atol=1e-4, msg=name)
-
-
-def _model_attention(q, k, v, mask, grad_out) -> tuple:
-    """(O, dQ, dK, dV) of attention as a model writes it, float64: softmax(q k^T / sqrt(d) + mask) v, the additive
-    mask as given (eager autograd through it)."""
-    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
-    scores = q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5 + mask.double()
-    o = torch.softmax(scores, -1) @ v
-    o.backward(grad_out.double())
-    return o.detach(), q.grad, k.grad, v.grad
-
-
-@pytest.mark.parametrize("balance", [False, True])
-def test_tied_rows_under_the_ring_are_the_models_with_a_finite_fill(balance):
-    """``masked_rows="tied"`` (what the transform emits for transformers' additive masks) with a ``finfo.min``
-    fill, causal with key padding, the second sequence all padding: its every row is masked on every rank, and the
-    fill absorbs the scores, so the model averages V over the whole sequence. The ring ran "tied" as "zeros" (those
-    rows 0). Gradients too, with the padding's dO zero (a loss that ignores padding): the rows' dQ/dK terms through
-    the absorbed scores are the one part the ring does not compute (docs/design.md)."""
-    gen = torch.Generator().manual_seed(11)
-    q, k, v, grad_out = (torch.randn(2, 2, 8, 8, generator=gen) for _ in range(4))
-    grad_out[1] = 0.0
-    valid = torch.tensor([[True] * 6 + [False] * 2, [False] * 8])
-    fill = torch.finfo(torch.float32).min
-    masks = [
-        torch.zeros(m.shape).masked_fill(~m, fill) for m in _local_masks(2, balance, 4, valid, causal=True)
-    ]  # fmt: skip
-    pos = torch.arange(8)
-    full_mask = torch.zeros(2, 1, 8, 8).masked_fill(~((pos[None] <= pos[:, None]) & valid[:, None, None, :]), fill)
-    want = _model_attention(q, k, v, full_mask, grad_out)
-    before = _dispatcher(CPU).cache.info()
-    got = _run_calls(2, balance, q, k, v, masks, grad_out, masked_rows="tied")
-    after = _dispatcher(CPU).cache.info()
-    assert after.fallbacks == before.fallbacks and after.hits + after.builds > before.hits + before.builds
-    for rank, result in enumerate(got):
-        assert not isinstance(result, Exception), result
-        for name, mine, full in zip(("O", "dQ", "dK", "dV"), result, want, strict=True):
-            expected = shard(full, SequenceLayout(2, rank, balance), 2)
-            torch.testing.assert_close(mine.double(), expected, rtol=1e-4, atol=1e-4, msg=name)
-    assert got[0][0][1].abs().sum() > 0, "the padding's rows are V's mean, not zeros"
-
-
-def test_tied_rows_under_the_ring_give_zeros_where_any_rank_masks_with_infinity():
-    """Rank 0's mask fills with -inf, rank 1's with ``finfo.min``: the ranks agree on "zeros" (the -inf rows' value,
-    as the dispatcher's "tied" gives): run alone, rank 1 chose the average, whose all-reduce rank 0 never joined."""
-    gen = torch.Generator().manual_seed(12)
-    q, k, v, grad_out = (torch.randn(2, 2, 8, 8, generator=gen) for _ in range(4))
-    valid = torch.tensor([[True] * 6 + [False] * 2, [False] * 8])
-    fills = (float("-inf"), torch.finfo(torch.float32).min)
-    masks = [torch.zeros(m.shape).masked_fill(~m, f) for m, f in zip(_local_masks(2, False, 4, valid, True), fills)]
-    got = _run_calls(2, False, q, k, v, masks, grad_out, masked_rows="tied")
-    want = _full_attention(q, k, v, valid, None, grad_out, True, None, None)
-    for rank, result in enumerate(got):
-        assert not isinstance(result, Exception), result
-        for name, mine, full in zip(("O", "dQ", "dK", "dV"), result, want[:4], strict=True):
-            expected = shard(full, SequenceLayout(2, rank, False), 2)
             torch.testing.assert_close(mine.double(), expected, rtol=1e-4, atol=1e-4, msg=name)

@@ -11,8 +11,7 @@ The model sees only its rank's tokens and builds its mask from local positions, 
 pattern it is (one host sync per distinct mask, as the executor's own pattern check): causal, a causal sliding
 window, key padding (kept keys a prefix of the local keys, per batch element; it then travels with its K/V), or
 all kept, each applied with its global meaning; ``masked_rows="average"`` too (a row masked on every rank gives
-V's mean over the whole sequence: :func:`~thunder_cudnn_safe.dispatch.ring.average_dead_rows`), and ``"tied"``
-as "average" or "zeros" by the mask's fill (:func:`_masks_with_infinity`). What the ring
+V's mean over the whole sequence: :func:`~thunder_cudnn_safe.dispatch.ring.average_dead_rows`). What the ring
 cannot compute exactly is refused with the reason, never run on local keys alone: at trace time dropout (its masks
 would differ from one process's) and a float mask that needs a gradient (the ring gives it none), and at run time a
 mask that is no such pattern (a general bias, packed documents), a local query length that differs from the key
@@ -175,11 +174,11 @@ def _agreed_call(
     causal, window = (int(call.causal), call.window or 0) if says else (-1, -1)
     # MAX of (v, -v) gives the largest and the smallest verdict of the ranks that say one, in one all-reduce
     none = -(2**62)
-    padded, infinite = int(key_valid is not None), int(problem is None and _masks_with_infinity(attn_mask, call))
+    padded = int(key_valid is not None)
     votes = [int(problem is not None), causal, window, -causal if says else none, -window if says else none, padded]
-    votes = torch.tensor(votes + [int(keys), infinite], dtype=torch.int64, device=query.device)
+    votes = torch.tensor(votes + [int(keys)], dtype=torch.int64, device=query.device)
     torch.distributed.all_reduce(votes, op=torch.distributed.ReduceOp.MAX, group=group)
-    refused, max_causal, max_window, min_causal, min_window, any_padded, any_keys, any_infinite = votes.tolist()
+    refused, max_causal, max_window, min_causal, min_window, any_padded, any_keys = votes.tolist()
     if problem is not None:
         raise problem
     if refused:
@@ -201,25 +200,7 @@ def _agreed_call(
         call = call._replace(causal=bool(max_causal), window=max_window or None)
     if any_padded and key_valid is None:
         key_valid = torch.ones(query.shape[0], query.shape[-2], dtype=torch.bool, device=query.device)
-    if call.masked_rows == "tied":  # the ring computes no tied rows of its own: the value that is exact here
-        call = call._replace(masked_rows="zeros" if any_infinite else "average")
     return call, key_valid
-
-
-def _masks_with_infinity(attn_mask: torch.Tensor | None, call: RingCall) -> bool:
-    """Whether a ``masked_rows="tied"`` call's mask masks with -inf somewhere (a boolean mask does), as the group
-    must agree before choosing what the ring computes for a row no key of any rank reaches.
-
-    The ring has no tied rows of its own (the dispatcher's compute them from one call's scores), but a mask reaches
-    it only as a pattern, whose masked entries are -inf or the dtype's lowest finite value. Where no rank's mask
-    holds -inf, every such row's fill is that finite value on every key, which absorbs the scores: uniform weights,
-    V's mean over the global keys, what the model computes and ``"average"`` gives (run as "zeros", the row was 0).
-    Where any holds -inf, "zeros" (a row of -inf gives 0 in the model too). Not computed either way: a row mixing
-    both fills, and the model's autograd terms through the absorbed scores (dQ, dK of such rows; docs/design.md).
-    One host sync, for "tied" calls only."""
-    if call.masked_rows != "tied" or attn_mask is None:
-        return False
-    return attn_mask.dtype == torch.bool or bool(torch.isneginf(attn_mask).any())
 
 
 def _ring_fwd_impl(query, key, value, attn_mask, sinks, is_causal, scale, enable_gqa, softcap, masked_rows, ring):
