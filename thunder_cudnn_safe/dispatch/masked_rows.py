@@ -167,16 +167,24 @@ def _far_rows(call: ForwardCall | BackwardCall) -> tuple | None:
     lq, sk = call.query.shape[-2], call.key.shape[-2]
 
     def rows() -> tuple | None:
-        m = mask.float().reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
-        m = m.expand(*m.shape[:2], lq, sk)
-        if call.is_causal:
-            m = m.masked_fill(~torch.ones(lq, sk, dtype=torch.bool, device=m.device).tril(), float("-inf"))
-        top = m.amax(-1, keepdim=True)
-        far = (top <= TIE_AT_MOST) & (top > float("-inf"))
+        m, far = tied_rows(mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape)), lq, sk, bool(call.is_causal))
         idx = far.flatten(0, 1).any(0).squeeze(-1).nonzero().squeeze(-1)  # one host sync
         return None if idx.numel() == 0 else (idx, m[:, :, idx], far[:, :, idx])
 
     return bias.converted_masks.get(mask, ("far rows", bool(call.is_causal), lq, sk), rows, count=False)
+
+
+def tied_rows(mask: torch.Tensor, lq: int, sk: int, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float mask's rows as a model adds them to its scores (float32, -inf outside the causal band, broadcast to
+    ``lq`` queries and ``sk`` keys) and which query rows they make far (``(…, lq, 1)`` booleans: every key at most
+    :data:`TIE_AT_MOST`, some finite), on the device with no host sync: the rows :func:`tied_forward` computes and
+    whose stats it sets to +inf, and so must every forward whose stats a ``"tied"`` backward reads (the
+    decomposition's, for a declined forward of the custom op)."""
+    m = mask.float().expand(*mask.shape[:-2], lq, sk)
+    if is_causal:
+        m = m.masked_fill(~torch.ones(lq, sk, dtype=torch.bool, device=m.device).tril(), float("-inf"))
+    top = m.amax(-1, keepdim=True)
+    return m, (top <= TIE_AT_MOST) & (top > float("-inf"))
 
 
 def _far_weights(call: ForwardCall | BackwardCall, idx: torch.Tensor, m: torch.Tensor, far: torch.Tensor) -> tuple:
