@@ -204,6 +204,21 @@ def _far_weights(call: ForwardCall | BackwardCall, idx: torch.Tensor, m: torch.T
     return w, t, q, k, v, scale
 
 
+def _refuse_dropout(call: ForwardCall | BackwardCall) -> None:
+    """A far row with dropout is refused: the model drops out its weights with the call's dropout mask, which only
+    the runtime that drew it holds (cuDNN's is not exposed), so neither the row nor its gradient can be computed
+    here, and the route's own backward reads the stats' lost log-sum-exp (S times the model's gradients). Dropout
+    calls whose mask makes no row far (key padding, ALiBi: most) run fused as any other."""
+    if call.dropout_p:
+        raise ValueError(
+            "cudnn_safe: masked_rows='tied' with dropout and an additive mask whose finite fill (such as "
+            "transformers' finfo.min) masks a query row everywhere (left padding, a sequence of padding only): the "
+            "model drops out that row's tied weights with a dropout mask the fused call cannot reproduce, and its "
+            "stats lose the row's log-sum-exp. Use dropout_p=0, a boolean or -inf mask, or unmask such rows "
+            "(transformers' _unmask_unattended)."
+        )
+
+
 def tied_forward(call: ForwardCall, outputs: tuple) -> None:
     """``masked_rows="tied"`` (an additive mask, as a model adds it to its scores): a far row (:func:`_far_rows`) is
     its weights times V, and its stats +inf so that the backward's recomputed P is 0 there (:func:`tied_backward`
@@ -211,6 +226,7 @@ def tied_forward(call: ForwardCall, outputs: tuple) -> None:
     found = _far_rows(call)
     if found is None:
         return
+    _refuse_dropout(call)
     idx, m, far = found
     w, _, _, _, v, _ = _far_weights(call, idx, m, far)
     out = outputs[0]
@@ -226,6 +242,7 @@ def tied_backward(call: BackwardCall, grads: tuple) -> None:
     found = _far_rows(call)
     if found is None:
         return
+    _refuse_dropout(call)
     idx, m, far = found
     w, t, q, k, v, scale = _far_weights(call, idx, m, far)
     hq, hk, hv = call.query.shape[-3], call.key.shape[-3], call.value.shape[-3]
