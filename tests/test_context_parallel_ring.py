@@ -243,6 +243,21 @@ def test_tied_rows_no_key_reaches_are_refused_on_every_rank(one_rank_group, empt
     torch.testing.assert_close(out.double(), want, rtol=0, atol=2e-2)
 
 
+def test_tied_with_a_boolean_mask_is_the_zeros_function_in_the_ring(one_rank_group):
+    """``masked_rows="tied"`` with a boolean mask adds no fill: a row it masks everywhere is zeros (as the
+    dispatcher and the decomposition give it), which the ring computes, not a refusal."""
+    from thunder_cudnn_safe.integration import context_parallel as cp
+
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 2, 8, 8, generator=gen).to(torch.bfloat16) for _ in range(3))
+    keep = torch.ones(8, 8, dtype=torch.bool).tril().expand(2, 1, 8, 8).clone()
+    keep[1] = False  # a sequence of padding only
+    out, _ = cp._ring_fwd_impl(q, k, v, keep, None, False, None, False, None, "tied", tcs.ContextParallel().ring)
+    want = decomposition(TORCH_OPS, q.double(), k.double(), v.double(), keep, masked_rows="tied")
+    torch.testing.assert_close(out.double(), want, rtol=0, atol=2e-2)
+    assert out[1].abs().max() == 0
+
+
 class _FakeGroup:
     """A MAX all-reduce among N threads (the ranks), standing in for the group's in ``_agreed_call``."""
 

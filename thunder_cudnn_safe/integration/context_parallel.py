@@ -138,7 +138,8 @@ def _ring(
         )
     group, layout = _RINGS[ring]
     causal, window, key_valid = _global_meaning(attn_mask, query, is_causal)
-    rows = masked_rows if attn_mask is not None else "zeros"  # without a mask no row is masked everywhere
+    # without a mask no row is masked everywhere; "tied" with a boolean mask is "zeros" (it adds no fill)
+    rows = "zeros" if attn_mask is None or (masked_rows == "tied" and attn_mask.dtype == torch.bool) else masked_rows
     call = RingCall(layout, group, causal, window, scale, softcap, bool(enable_gqa), rows)
     return call, key_valid
 
