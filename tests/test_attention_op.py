@@ -239,6 +239,73 @@ def test_the_op_carries_masked_rows_to_either_kernel(runtime, fresh_cache):
     assert (c.lookups > 0) == (runtime == "emulated") and c.fallbacks == 0, vars(c)
 
 
+@pytest.mark.parametrize("fill", [torch.finfo(torch.bfloat16).min, -1e9], ids=["finfo-min", "minus-1e9"])
+def test_a_declined_tied_forward_hands_stats_its_claimed_backward_can_read(fill, fresh_cache):
+    """``masked_rows="tied"`` (an additive mask whose fill masks rows 3 and 9 everywhere), the op called directly:
+    a forward declined inside the op (here ``eager_runtime="decomposition"``; the verdict is asked again by the
+    backward, and a knob changed in between, or a deterministic mode toggled, answers otherwise) hands the
+    decomposition's stats to a backward the executor claims. A far row's logsumexp is lost against the fill, so
+    the fused backward read P = 1 for every key of it (dQ off by about 10 where bf16's bound is 0.02) and the
+    tied step added the row's gradients again: the decomposition now gives such a row +inf, as the dispatcher's
+    forward does. The backward ran in the executor, nothing fell back."""
+    q, k, v = QKV_LAYOUTS["contiguous"](B, H, L, S, D, D, torch.bfloat16)
+    mask = torch.zeros(B, 1, L, S)
+    mask[:, :, [3, 9]] = fill
+    mask[0, :, 5, : S // 2] = fill  # a row with keys left: not far
+    mask = mask.to(torch.bfloat16)
+    op = torch.ops.cudnn_safe.attention
+    grad_out = torch.randn(B, H, L, D, dtype=torch.bfloat16)
+    with config.patch(eager_runtime="decomposition"):
+        out = op(q, k, v, mask, 0.0, False, None, False, None, None, True, "tied")[0]
+    with config.patch(eager_runtime="emulated"), _Counted() as c:
+        grads = torch.autograd.grad(out, [q, k, v], grad_out)
+    assert c.lookups > 0 and c.fallbacks == 0, vars(c)
+
+    def model(q, k, v):
+        return decomposition(TORCH_OPS, q, k, v, mask.to(q.dtype), masked_rows="tied")
+
+    with config.patch(eager_runtime="decomposition"):
+        low = _run(model, [_low(t) for t in (q, k, v)], grad_out)[1]
+        ref = _run(model, [_f64(t) for t in (q, k, v)], grad_out.double())[1]
+    for name, g, e, r in zip(("dq", "dk", "dv"), grads, low, ref):
+        assert_close_to_reference(g, e, r, name)
+
+
+@pytest.mark.parametrize(
+    "shape", [(B, 1, L, S), (1, 1, L, S), (B, H, L, S), (L, S)], ids=["B1LS", "11LS", "BHLS", "LS"]
+)
+def test_tied_rows_of_a_broadcast_mask_give_the_models_gradients(shape, emulated):
+    """``masked_rows="tied"`` through ``attention()`` with grouped K/V heads, more keys than queries, and an additive
+    bf16 mask whose gradient is used, broadcast as models pass it: its finfo.min fill
+    masks row 3 everywhere, row 5 in the first batch element only, row 7 for the second head only (where the mask
+    has those dims), one key of row 11 left at -1e5 (far, but not tied: all its weight). Output and dQ, dK, dV and
+    the mask's gradient (summed where it broadcasts) are the model's by the accuracy rule, run by the executor."""
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(B, H, L, D, generator=gen).to(torch.bfloat16).requires_grad_()
+    k, v = (torch.randn(B, H // 2, S, D, generator=gen).to(torch.bfloat16).requires_grad_() for _ in range(2))
+    fill = torch.finfo(torch.bfloat16).min
+    mask = torch.zeros(shape).masked_fill(torch.rand(shape, generator=gen) < 0.3, fill)
+    mask[..., 3, :] = fill
+    mask[..., 11, :] = fill
+    mask[..., 11, 2] = -1e5
+    if len(shape) == 4 and shape[0] == B:
+        mask[0, :, 5] = fill
+    if len(shape) == 4 and shape[1] == H:
+        mask[:, 1, 7] = fill
+    mask = mask.to(torch.bfloat16).requires_grad_()
+    grad_out = torch.randn(B, H, L, D, generator=gen).to(torch.bfloat16)
+
+    def fn(q, k, v, mask):
+        return tcs.attention(q, k, v, mask, enable_gqa=True, masked_rows="tied")
+
+    def model(q, k, v, mask):
+        return decomposition(TORCH_OPS, q, k, v, mask, 0.0, False, None, True, masked_rows="tied")
+
+    with _Counted() as c:
+        _judge(fn, [q, k, v, mask], grad_out, ("dq", "dk", "dv", "dmask"), model=model)
+    assert c.lookups > 0 and c.fallbacks == 0, vars(c)
+
+
 def test_masked_rows_average_with_sinks_is_the_zeros_function(emulated):
     """With sinks, a row masked everywhere gives the sink all its weight in a finite-fill model too (exp(finfo.min
     - sink) is 0): ``"average"`` computes what ``"zeros"`` does, as the dispatcher and the decomposition apply no

@@ -216,6 +216,48 @@ def test_a_refusal_of_any_kind_is_told_to_the_group_before_it_is_raised(one_rank
     assert told == [1.0]
 
 
+@pytest.mark.parametrize("empty_element", [True, False], ids=["a-sequence-of-padding-only", "every-row-a-key"])
+def test_tied_rows_no_key_reaches_are_refused_on_every_rank(one_rank_group, empty_element):
+    """``masked_rows="tied"`` (transformers' eager mask, finfo.min added to the scores, as FuseHandwrittenAttention
+    emits it): a batch element of padding only leaves its rows no key of any rank; the model gives them V's average
+    (the fill ties their scores) with a gradient to q and k, which the ring, reading the mask as kept or masked,
+    cannot give. Every block ran them as zeros: refused with the reason (told to the group), not 0 for V's average.
+    Where every row keeps a key the ring runs, and gives the model's numbers."""
+    from thunder_cudnn_safe.integration import context_parallel as cp
+
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 2, 8, 8, generator=gen).to(torch.bfloat16) for _ in range(3))
+    keep = torch.ones(8, 8, dtype=torch.bool).tril().expand(2, 1, 8, 8).clone()
+    keep[1, :, :, 5:] = False  # key padding: element 1 keeps its first 5 keys
+    if empty_element:
+        keep[1] = False
+    mask = torch.zeros(2, 1, 8, 8).masked_fill(~keep, torch.finfo(torch.bfloat16).min).to(torch.bfloat16)
+    ring_id = tcs.ContextParallel().ring
+    args = (q, k, v, mask, None, False, None, False, None, "tied", ring_id)
+    if empty_element:
+        with pytest.raises(ValueError, match="masked_rows='tied'.*no key of any rank reaches"):
+            cp._ring_fwd_impl(*args)
+        return
+    out, _ = cp._ring_fwd_impl(*args)
+    want = decomposition(TORCH_OPS, q.double(), k.double(), v.double(), mask.double(), masked_rows="tied")
+    torch.testing.assert_close(out.double(), want, rtol=0, atol=2e-2)
+
+
+def test_tied_with_a_boolean_mask_is_the_zeros_function_in_the_ring(one_rank_group):
+    """``masked_rows="tied"`` with a boolean mask adds no fill: a row it masks everywhere is zeros (as the
+    dispatcher and the decomposition give it), which the ring computes, not a refusal."""
+    from thunder_cudnn_safe.integration import context_parallel as cp
+
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 2, 8, 8, generator=gen).to(torch.bfloat16) for _ in range(3))
+    keep = torch.ones(8, 8, dtype=torch.bool).tril().expand(2, 1, 8, 8).clone()
+    keep[1] = False  # a sequence of padding only
+    out, _ = cp._ring_fwd_impl(q, k, v, keep, None, False, None, False, None, "tied", tcs.ContextParallel().ring)
+    want = decomposition(TORCH_OPS, q.double(), k.double(), v.double(), keep, masked_rows="tied")
+    torch.testing.assert_close(out.double(), want, rtol=0, atol=2e-2)
+    assert out[1].abs().max() == 0
+
+
 class _FakeGroup:
     """A MAX all-reduce among N threads (the ranks), standing in for the group's in ``_agreed_call``."""
 

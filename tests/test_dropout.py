@@ -156,6 +156,44 @@ def test_a_dropout_forward_slot_hit_pairs_with_the_backward_that_will_run(determ
     assert any(entry.slot is not None and entry.routes is None for entry in forwards)
 
 
+@pytest.mark.parametrize("toggle", ["on", "off"])
+def test_deterministic_mode_toggled_between_a_dropout_forward_and_its_backward(toggle, fresh_cache):
+    """``torch.use_deterministic_algorithms`` switched between a dropout forward (a slot hit from the third step)
+    and its backward, with cuDNN refusing only the deterministic backward (sm100): switched on after a cuDNN
+    forward, the backward cannot run in cuDNN and raises rather than return gradients for the fallback's dropout
+    mask; switched off after a forward that fell back, the backward falls back too (the seed says so). Never a
+    forward in one runtime and its backward in the other."""
+    disp = Dispatcher(EmulatedRuntime(), GraphCache(16))
+    q, k, v = (T(1, 2, 16, 64) for _ in range(3))
+    executed = []
+    refuse = lambda key: "no deterministic backward" if isinstance(key, BackwardKey) and key.deterministic else None  # noqa: E731
+    was, was_warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    hook = lambda key: executed.append(type(key).__name__)  # noqa: E731
+    try:
+        with checks.inject_failures(build=refuse, execute=hook, runtime=disp.runtime):
+            for step in range(3):
+                torch.use_deterministic_algorithms(toggle == "off")
+                executed.clear()
+                out, stats, seed, offset = disp.forward(q, k, v, None, 0.25, False)
+                torch.use_deterministic_algorithms(toggle == "on")
+                g = torch.randn_like(out)
+                args = (g, q, k, v, None, 0.25, False, out, stats, seed, offset)
+                if toggle == "on":
+                    assert executed == ["ForwardKey"], f"step {step}"
+                    with pytest.raises(RuntimeError, match="cannot be reproduced"):
+                        disp.backward(*args)
+                    continue
+                fallbacks = disp.cache.info().fallbacks
+                grads = disp.backward(*args)
+                assert executed == [] and disp.cache.info().fallbacks == fallbacks + 1, f"step {step}"
+                o, ref = _dropout_reference_grads(q, k, v, g, seed, offset, 0.25)
+                assert (out.double() - o).abs().max() < 2e-2
+                for a, b in zip(grads, ref, strict=True):
+                    assert (a.double() - b).abs().max() < 2e-2
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=was_warn)
+
+
 def test_a_repeated_dropout_backward_looks_up_its_graph_once(fresh_cache, monkeypatch):
     """A dropout backward's memo hit runs the graph its memo's slot gave (``GraphCache.touch``, one counted hit):
     it looked the graph up a second time through ``get_or_build``, so ``cache_info().hits`` counted every such

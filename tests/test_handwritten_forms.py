@@ -17,7 +17,7 @@ import pytest
 import thunder
 import torch
 import torch.nn.functional as F
-from checks import check_against_eager, score_tensors
+from checks import EMULATED_OP, assert_claimed_in_traces, check_against_eager, score_tensors
 
 import thunder_cudnn_safe as tcs
 
@@ -387,6 +387,43 @@ def test_an_additive_finite_mask_masking_whole_rows_gives_the_models_numbers(pad
     grad_out = torch.randn(B, H, L, D, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     check_against_eager(jf, (q, k, v, keep, bias), grad_out, fn=additive_finite_mask)
     assert tf.recognised == 1 and tf.declined == [], tf.report()
+
+
+def additive_mask_dropout(q, k, v, keep, bias):
+    """HF eager attention in training with ``attention_dropout`` (BERT, T5: 0.1; a multiple of 1/16 here, which
+    cuDNN keeps exact): the additive mask, a float32 softmax, dropout."""
+    p = torch.softmax((q @ k.transpose(2, 3)) * SCALE + bias, -1, dtype=torch.float32).to(q.dtype)
+    return F.dropout(p, p=0.125, training=True) @ v
+
+
+@pytest.mark.parametrize("padded_rows", [[3, 9], []], ids=["rows-masked-everywhere", "no-dead-row"])
+def test_an_additive_finite_mask_with_dropout_refuses_the_rows_it_masks_everywhere(padded_rows, fresh_cache):
+    """An additive mask with dropout is fused as ``masked_rows="tied"`` too. It was fused as ``"zeros"``: a row the
+    fill masks everywhere (left padding) had its log-sum-exp lost in the stats, and the fused backward gave it P = 1
+    for every key, S times the model's dV (16x here), silently. Such a row is refused when the call runs (the model
+    drops out its weights with a mask only the runtime that drew it holds); a mask leaving every row a key (key
+    padding: BERT, T5) runs fused, forward and backward with one dropout mask: with V all ones and dO all ones,
+    dV summed over the keys is O summed over the queries."""
+    q, k, _, keep, _ = _args()
+    v = torch.ones(B, H, L, D, dtype=torch.bfloat16, requires_grad=True)
+    keep = keep.clone()
+    keep[padded_rows] = False
+    bias = torch.zeros(1, 1, L, L).masked_fill(~keep, MIN).to(torch.bfloat16)
+    tf = tcs.FuseHandwrittenAttention()
+    jf = _jit(additive_mask_dropout, tf)
+    if padded_rows:
+        with pytest.raises(ValueError, match="masked_rows='tied' with dropout"):
+            jf(q, k, v, keep, bias)
+        assert tf.regions[0]["masked_rows"] == "tied", tf.report()
+        return
+    before = tcs.cache_info()
+    out = jf(q, k, v, keep, bias)
+    (dv,) = torch.autograd.grad(out, (v,), torch.ones_like(out))
+    assert tf.recognised == 1 and tf.regions[0]["masked_rows"] == "tied", tf.report()
+    assert_claimed_in_traces(jf, EMULATED_OP, backward=True)
+    after = tcs.cache_info()
+    assert after.builds > before.builds and after.fallbacks == before.fallbacks
+    torch.testing.assert_close(dv.float().sum(-2), out.float().sum(-2), rtol=2e-2, atol=2e-2)
 
 
 def test_an_additive_mask_without_a_far_row_keeps_the_memos_fast_replay(fresh_cache):

@@ -172,16 +172,24 @@ def _far_rows(call: ForwardCall | BackwardCall) -> tuple | None:
     lq, sk = call.query.shape[-2], call.key.shape[-2]
 
     def rows() -> tuple | None:
-        m = mask.float().reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
-        m = m.expand(*m.shape[:2], lq, sk)
-        if call.is_causal:
-            m = m.masked_fill(~torch.ones(lq, sk, dtype=torch.bool, device=m.device).tril(), float("-inf"))
-        top = m.amax(-1, keepdim=True)
-        far = (top <= TIE_AT_MOST) & (top > float("-inf"))
+        m, far = tied_rows(mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape)), lq, sk, bool(call.is_causal))
         idx = far.flatten(0, 1).any(0).squeeze(-1).nonzero().squeeze(-1)  # one host sync
         return None if idx.numel() == 0 else (idx, m[:, :, idx], far[:, :, idx])
 
     return bias.converted_masks.get(mask, ("far rows", bool(call.is_causal), lq, sk), rows, count=False)
+
+
+def tied_rows(mask: torch.Tensor, lq: int, sk: int, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float mask's rows as a model adds them to its scores (float32, -inf outside the causal band, broadcast to
+    ``lq`` queries and ``sk`` keys) and which query rows they make far (``(…, lq, 1)`` booleans: every key at most
+    :data:`TIE_AT_MOST`, some finite), on the device with no host sync: the rows :func:`tied_forward` computes and
+    whose stats it sets to +inf, and so must every forward whose stats a ``"tied"`` backward reads (the
+    decomposition's, for a declined forward of the custom op)."""
+    m = mask.float().expand(*mask.shape[:-2], lq, sk)
+    if is_causal:
+        m = m.masked_fill(~torch.ones(lq, sk, dtype=torch.bool, device=m.device).tril(), float("-inf"))
+    top = m.amax(-1, keepdim=True)
+    return m, (top <= TIE_AT_MOST) & (top > float("-inf"))
 
 
 def _far_weights(call: ForwardCall | BackwardCall, idx: torch.Tensor, m: torch.Tensor, far: torch.Tensor) -> tuple:
@@ -201,6 +209,21 @@ def _far_weights(call: ForwardCall | BackwardCall, idx: torch.Tensor, m: torch.T
     return w, t, q, k, v, scale
 
 
+def _refuse_dropout(call: ForwardCall | BackwardCall) -> None:
+    """A far row with dropout is refused: the model drops out its weights with the call's dropout mask, which only
+    the runtime that drew it holds (cuDNN's is not exposed), so neither the row nor its gradient can be computed
+    here, and the route's own backward reads the stats' lost log-sum-exp (S times the model's gradients). Dropout
+    calls whose mask makes no row far (key padding, ALiBi: most) run fused as any other."""
+    if call.dropout_p:
+        raise ValueError(
+            "cudnn_safe: masked_rows='tied' with dropout and an additive mask whose finite fill (such as "
+            "transformers' finfo.min) masks a query row everywhere (left padding, a sequence of padding only): the "
+            "model drops out that row's tied weights with a dropout mask the fused call cannot reproduce, and its "
+            "stats lose the row's log-sum-exp. Use dropout_p=0, a boolean or -inf mask, or unmask such rows "
+            "(transformers' _unmask_unattended)."
+        )
+
+
 def tied_forward(call: ForwardCall, outputs: tuple) -> None:
     """``masked_rows="tied"`` (an additive mask, as a model adds it to its scores): a far row (:func:`_far_rows`) is
     its weights times V, and its stats +inf so that the backward's recomputed P is 0 there (:func:`tied_backward`
@@ -208,6 +231,7 @@ def tied_forward(call: ForwardCall, outputs: tuple) -> None:
     found = _far_rows(call)
     if found is None:
         return
+    _refuse_dropout(call)
     idx, m, far = found
     w, _, _, _, v, _ = _far_weights(call, idx, m, far)
     out = outputs[0]
@@ -223,6 +247,7 @@ def tied_backward(call: BackwardCall, grads: tuple) -> None:
     found = _far_rows(call)
     if found is None:
         return
+    _refuse_dropout(call)
     idx, m, far = found
     w, t, q, k, v, scale = _far_weights(call, idx, m, far)
     hq, hk, hv = call.query.shape[-3], call.key.shape[-3], call.value.shape[-3]

@@ -16,6 +16,7 @@ stream). Every block is an ordinary call through a :class:`~thunder_cudnn_safe.d
 * Softcap applies inside each block, to its own logits, before its mask: it is elementwise.
 * ``masked_rows="average"``: a row no key of any rank reaches gives V's mean over the global keys (gradient
   ``dO / S`` to every rank's V), from V's per-rank sums added up by one all-reduce (:func:`average_dead_rows`).
+  ``masked_rows="tied"``: such a row is refused on every rank (:func:`refuse_tied_dead_rows`).
 
 The backward runs the ring again: every block's backward is fed the merged ``o`` and ``lse`` (sink included)
 and this rank's dO, never its own step's partials, with the K/V it receives on that step (diffusers#14265:
@@ -55,7 +56,8 @@ class RingCall(NamedTuple):
     softcap: float | None = None
     enable_gqa: bool = False
     #: what a row no key of the whole sequence reaches gives: ``"zeros"``, or ``"average"`` (V's mean over the global
-    #: keys, :func:`average_dead_rows`), as :data:`~thunder_cudnn_safe.routing.calls.MASKED_ROWS`
+    #: keys, :func:`average_dead_rows`), as :data:`~thunder_cudnn_safe.routing.calls.MASKED_ROWS`; ``"tied"``: refused
+    #: where such a row exists (:func:`refuse_tied_dead_rows`)
     masked_rows: str = "zeros"
 
 
@@ -227,6 +229,26 @@ def average_dead_rows_dv(call: RingCall, d_o: torch.Tensor, lse: torch.Tensor, v
     return part / _global_key_count(call, v.shape[-2])
 
 
+def refuse_tied_dead_rows(call: RingCall, lse: torch.Tensor) -> None:
+    """``masked_rows="tied"`` (an additive mask a model adds to its scores): a row no key of the whole sequence
+    reaches is refused on every rank, with the reason. The ring reads the mask only as kept or masked, but such a
+    row's function is the softmax of its scores plus the mask's values over every global key (V's average where a
+    ``finfo.min`` fill ties them, the softmax of the scores where float16's -65504 does not, over the fill's keys
+    only where the row also holds -inf), with a gradient to q and k through the softcap: every block ran it as
+    ``"zeros"``, so it came out 0 with no gradient. Asked of every rank in one all-reduce (a flag), so all raise
+    together and none waits in the ring's next exchange; one host sync per call, as the ring's mask verdicts."""
+    dead = torch.isneginf(lse).any().to(torch.int64).reshape(1)
+    dist.all_reduce(dead, op=dist.ReduceOp.MAX, group=call.group)
+    if int(dead.item()):
+        raise ValueError(
+            "context-parallel attention: masked_rows='tied' (an additive mask added to the scores, such as "
+            "transformers' finfo.min masks) with a query row that no key of any rank reaches (a sequence of padding "
+            "only, or padding past a sliding window): the ring reads the mask only as kept or masked and cannot give "
+            "that row the model's softmax of its masked scores and its gradient; run this attention without "
+            "ContextParallel, or pass a boolean mask (such a row then gives zeros)"
+        )
+
+
 def _check(call: RingCall, q: torch.Tensor, k: torch.Tensor) -> None:
     if q.shape[-2] != k.shape[-2]:
         raise ValueError(
@@ -267,6 +289,8 @@ def ring_forward(
         add_sinks(o, lse, sinks)
     elif call.masked_rows == "average":
         average_dead_rows(call, o, lse, v)
+    elif call.masked_rows == "tied":
+        refuse_tied_dead_rows(call, lse)
     _info.add(calls=1)
     # a row no key reaches: +inf, so the backward's exp(s - lse) is 0 there (as the dispatcher's dead rows)
     return o.to(q.dtype), lse.masked_fill_(torch.isneginf(lse), float("inf"))

@@ -21,6 +21,7 @@ import torch
 from thunder.core.prims import OpTags
 from thunder.core.proxies import NumberProxy
 
+from thunder_cudnn_safe.dispatch import masked_rows as masked_rows_step
 from thunder_cudnn_safe.integration import gqa
 from thunder_cudnn_safe.integration.proxies import torch_dtype
 from thunder_cudnn_safe.routing.calls import MASKED_ROWS
@@ -42,7 +43,10 @@ def decomposition(
     to V only), the
     probabilities cast to the value dtype before ``@ v`` (as the models' hand-written attention does).
     ``with_stats``: also the softmax stats cuDNN's backward reads, (..., L, 1) float32, for a declined call of the
-    custom op (:mod:`attention_op`), whose backward may then run the executor's."""
+    custom op (:mod:`attention_op`), whose backward may then run the executor's: +inf where the dispatcher's
+    forward writes +inf (a row masked everywhere; with ``masked_rows="tied"`` a row the float mask makes far,
+    :func:`~thunder_cudnn_safe.dispatch.masked_rows.tied_rows`), so that backward computes those rows as it does
+    after its own forward."""
     acc = torch.float64 if torch_dtype(query.dtype) is torch.float64 else torch.float32
     hq, hk = query.shape[-3], key.shape[-3]
     if enable_gqa and hk != hq:
@@ -74,9 +78,14 @@ def decomposition(
     if not with_stats:
         return out
     # cuDNN's softmax stats: the natural-log logsumexp of the row's logits (the sink's included), +inf for a row
-    # masked everywhere (as the dispatcher sets them: its backward recomputes P = exp(s - stats) = 0 there)
+    # masked everywhere and, with masked_rows="tied", for a row a float mask makes far (as the dispatcher sets them:
+    # its backward recomputes P = exp(s - stats) = 0 there, and a "tied" backward adds the far rows' gradients;
+    # the logsumexp of a far row lost against the fill would read P = 1 for every key)
     lse = s.logsumexp(-1, keepdim=True).float()
-    return out, lse.masked_fill(lse == float("-inf"), float("inf"))
+    lse = lse.masked_fill(lse == float("-inf"), float("inf"))
+    if masked_rows == "tied" and attn_mask is not None and attn_mask.dtype != torch.bool and sinks is None:
+        lse = lse.masked_fill(masked_rows_step.tied_rows(attn_mask, lq, sk, bool(is_causal))[1], float("inf"))
+    return out, lse
 
 
 @ltorch.torchsymbol(id=ATTENTION_SYMBOL_ID, tags=(OpTags.DONT_AUTO_RECOMPUTE_IN_BACKWARD,))

@@ -330,9 +330,11 @@ def _finite_fills(region: Region) -> None:
     row (``exp(fill - sink)`` is 0 as a live key's), which ``"zeros"`` computes."""
     finite = {f for f in region.fills if f != -math.inf}
     if not finite:
-        if region.additive and region.sinks is None and not region.dropout_p:
+        if region.additive and region.sinks is None:
             # an additive mask may hold a finite fill (transformers' eager masks: finfo.min): a row it masks
-            # everywhere ties, and the model's softmax passes that row's gradient on to q and k ("tied")
+            # everywhere ties, and the model's softmax passes that row's gradient on to q and k ("tied"; with
+            # dropout such a row is refused at run time, masked_rows.tied_forward: "zeros" ran it with the stats'
+            # lost log-sum-exp, S times the model's gradients)
             region.masked_rows = "tied"
         return
     if len(region.fills) > 1:

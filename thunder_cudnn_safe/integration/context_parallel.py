@@ -11,7 +11,8 @@ The model sees only its rank's tokens and builds its mask from local positions, 
 pattern it is (one host sync per distinct mask, as the executor's own pattern check): causal, a causal sliding
 window, key padding (kept keys a prefix of the local keys, per batch element; it then travels with its K/V), or
 all kept, each applied with its global meaning; ``masked_rows="average"`` too (a row masked on every rank gives
-V's mean over the whole sequence: :func:`~thunder_cudnn_safe.dispatch.ring.average_dead_rows`). What the ring
+V's mean over the whole sequence: :func:`~thunder_cudnn_safe.dispatch.ring.average_dead_rows`); ``"tied"`` where no
+row is masked on every rank (:func:`~thunder_cudnn_safe.dispatch.ring.refuse_tied_dead_rows`). What the ring
 cannot compute exactly is refused with the reason, never run on local keys alone: at trace time dropout (its masks
 would differ from one process's) and a float mask that needs a gradient (the ring gives it none), and at run time a
 mask that is no such pattern (a general bias, packed documents), a local query length that differs from the key
@@ -137,7 +138,8 @@ def _ring(
         )
     group, layout = _RINGS[ring]
     causal, window, key_valid = _global_meaning(attn_mask, query, is_causal)
-    rows = masked_rows if attn_mask is not None else "zeros"  # without a mask no row is masked everywhere
+    # without a mask no row is masked everywhere; "tied" with a boolean mask is "zeros" (it adds no fill)
+    rows = "zeros" if attn_mask is None or (masked_rows == "tied" and attn_mask.dtype == torch.bool) else masked_rows
     call = RingCall(layout, group, causal, window, scale, softcap, bool(enable_gqa), rows)
     return call, key_valid
 

@@ -240,7 +240,9 @@ def _variant_reasons(call: Any, view: Facts) -> Iterator[Decline]:
     value per query head on the query's device, ``softcap`` a finite number > 0 known at trace time; neither with
     dropout (the executor's dropout pairing is verified for plain SDPA only: such a call runs the decomposition),
     nor ``masked_rows="average"`` with a mask and dropout (the dispatcher writes the dead rows' mean after the
-    route, without the dropout the function applies to their weights)."""
+    route, without the dropout the function applies to their weights). ``"tied"`` with dropout is claimed: most
+    additive masks (key padding, ALiBi) leave every row a key, and a mask that makes a row far is refused when the
+    call runs (:func:`~thunder_cudnn_safe.dispatch.masked_rows.tied_forward`)."""
     sinks, cap = getattr(call, "sinks", None), getattr(call, "softcap", None)
     if sinks is not None:
         shape, dtype = tuple(int(n) for n in sinks.shape), sinks.dtype
@@ -272,7 +274,7 @@ def _variant_reasons(call: Any, view: Facts) -> Iterator[Decline]:
             "dropout together with sinks or softcap: the executor pairs dropout forwards and backwards for plain "
             "SDPA only; the call runs the decomposition",
         )
-    if getattr(call, "masked_rows", "zeros") in ("average", "tied") and call.attn_mask is not None and view.dropout > 0:
+    if getattr(call, "masked_rows", "zeros") == "average" and call.attn_mask is not None and view.dropout > 0:
         yield Decline(
             DeclineCode.DROPOUT,
             f"masked_rows={call.masked_rows!r} with dropout: a row masked everywhere would be V's exact mean, where "
